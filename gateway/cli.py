@@ -1,0 +1,75 @@
+"""The `gateway` command line.
+
+Each subcommand lives in the module named after its concept; this file only parses
+arguments and dispatches, importing lazily so `gateway --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable, Sequence
+
+# subcommand -> "module:function"; each function takes the parsed namespace and
+# returns an exit code.
+COMMANDS: dict[str, str] = {
+    "serve": "gateway.server.main:serve_command",
+    "scripted": "gateway.providers.scripted:scripted_command",
+    "demo": "gateway.demo.main:demo_command",
+    "local": "gateway.local.main:local_command",
+    "policy": "gateway.policy.check:policy_command",
+    "trace": "gateway.trace_view:trace_command",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gateway", description=__doc__.splitlines()[0] if __doc__ else None)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gateway (reads ./config.yaml)")
+    serve.add_argument("--config", default="config.yaml", help="config file (default ./config.yaml)")
+    serve.add_argument("--host", help="override server.host")
+    serve.add_argument("--port", type=int, help="override server.port")
+
+    scripted = sub.add_parser("scripted", help="serve the scripted provider alone")
+    scripted.add_argument("--host", default="127.0.0.1")
+    scripted.add_argument("--port", type=int, default=8090)
+
+    demo = sub.add_parser("demo", help="reproduce the chapter's experiments")
+    demo.add_argument("--json", action="store_true", help="one JSON object per line")
+    demo.add_argument("--only", action="append", default=[], help="run only these experiments")
+    demo.add_argument("--local", action="store_true", help="the six local-model tasks instead")
+    demo.add_argument("--local-url", default="http://127.0.0.1:8081/v1", help="local model server")
+
+    local = sub.add_parser("local", help="serve a local Qwen model (needs the [local] extra)")
+    local.add_argument("--model", choices=["0.5b", "1.5b"], default="0.5b")
+    local.add_argument("--host", default="127.0.0.1")
+    local.add_argument("--port", type=int, default=8081)
+    local.add_argument("--threads", type=int, default=2)
+    local.add_argument("--cache-dir", help="where the assembled model is kept")
+
+    policy = sub.add_parser("policy", help="policy tools")
+    policy_sub = policy.add_subparsers(dest="policy_command", required=True)
+    check = policy_sub.add_parser("check", help="validate policies and show approval outcomes")
+    check.add_argument("files", nargs="*", help="policy files (default: policies/*.yaml)")
+
+    trace = sub.add_parser("trace", help="print a run's trace as a timeline")
+    trace.add_argument("run_id")
+    trace.add_argument("--config", default="config.yaml")
+    return parser
+
+
+def _resolve(target: str) -> Callable[[argparse.Namespace], int]:
+    module_name, _, attr = target.partition(":")
+    func: Callable[[argparse.Namespace], int] = getattr(importlib.import_module(module_name), attr)
+    return func
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `gateway` console script."""
+    args = build_parser().parse_args(argv)
+    return _resolve(COMMANDS[args.command])(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
