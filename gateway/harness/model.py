@@ -1,0 +1,42 @@
+"""The one I/O edge the loop needs to think: ask a model for the next message.
+
+`Model` is a Protocol so the loop never knows whether it talks to the scripted provider
+over HTTP, a local llama.cpp server, a hosted API, or an in-process fake.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from gateway.harness.state import Message
+from gateway.harness.usage import Usage
+
+
+@dataclass(frozen=True)
+class ModelRequest:
+    """One chat-completions call, as the loop decides it."""
+
+    model: str
+    messages: list[Message]
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    max_tokens: int | None = None
+    run_id: str = ""
+    # What the run may still spend (None: no run budget); strict-mode adapters clamp to it.
+    budget_remaining_usd: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelReply:
+    """The assistant message of one turn and what it cost in tokens."""
+
+    message: Message
+    usage: Usage
+    finish_reason: str = "stop"
+
+
+class Model(Protocol):
+    async def complete(self, request: ModelRequest) -> ModelReply:
+        """Return the next assistant message. Raises `UpstreamError` on failure."""
+        ...

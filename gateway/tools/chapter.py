@@ -1,0 +1,67 @@
+"""The chapter's catalog as the model sees it, and the prompts its experiments use.
+
+The specs live apart from the implementations (gateway.tools.files) so that token
+counts, policies and the demo all describe the tools the same way.
+"""
+
+from __future__ import annotations
+
+from gateway.harness.tools import ToolSpec
+
+SYSTEM_PROMPT = (
+    "You are a careful operations assistant with access to a small folder of log files. "
+    "Use the tools to look before you answer, and answer in one short sentence."
+)
+
+PLAN_TASK = "Which file mentions a timeout?"
+
+LIST_FILES = ToolSpec(
+    name="list_files",
+    description="List the files in the working folder, with their sizes in bytes.",
+    parameters={"type": "object", "properties": {}},
+    read_only=True,
+)
+READ_FILE = ToolSpec(
+    name="read_file",
+    description="Read a text file from the working folder and return its contents.",
+    parameters={
+        "type": "object",
+        "properties": {"path": {"type": "string", "description": "File name, relative to the folder."}},
+        "required": ["path"],
+    },
+    read_only=True,
+)
+DELETE_FILE = ToolSpec(
+    name="delete_file",
+    description="Delete a file from the working folder. Destructive: needs a person's approval.",
+    parameters={
+        "type": "object",
+        "properties": {"path": {"type": "string", "description": "File name, relative to the folder."}},
+        "required": ["path"],
+    },
+    read_only=False,
+    needs_approval=True,
+)
+SCAN_ARCHIVE = ToolSpec(
+    name="scan_archive",
+    description="Scan the archive of old log files for errors. Slow: reports progress as it goes.",
+    parameters={"type": "object", "properties": {}},
+    read_only=True,
+)
+RESEARCH = ToolSpec(
+    name="research",
+    description="Investigate one question and return a short summary.",
+    parameters={
+        "type": "object",
+        "properties": {"question": {"type": "string"}},
+        "required": ["question"],
+    },
+    read_only=True,
+)
+
+FILE_TOOLS: tuple[ToolSpec, ...] = (LIST_FILES, READ_FILE, DELETE_FILE, SCAN_ARCHIVE)
+
+RESEARCH_SYSTEM = (
+    "You are a research assistant. Investigate the question with the file tools and "
+    "reply with a short summary of what you found."
+)
