@@ -1,0 +1,82 @@
+"""Real processes for tests: start `python -m gateway ...`, wait until it answers, kill it.
+
+Readiness is polled over HTTP (not slept for); SIGKILL is available for crash tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def kill(self) -> None:
+        """SIGKILL: the crash a test wants to survive."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 30.0, log: Path | None = None) -> None:
+    """Poll `url` until it answers any HTTP status; fail early if the process died."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            detail = log.read_text(errors="replace") if log and log.exists() else ""
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered:\n{detail}")
+        try:
+            urllib.request.urlopen(url, timeout=1).close()
+            return
+        except urllib.error.HTTPError:
+            return
+        except (urllib.error.URLError, ConnectionError, OSError):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} did not answer within {timeout}s") from None
+            time.sleep(0.02)  # polling interval of a readiness probe, not a synchronisation sleep
+
+
+def start_gateway(args: Sequence[str], ready_path: str, port: int, log: Path, cwd: Path | None = None,
+                  env: dict[str, str] | None = None, timeout: float = 30.0) -> Proc:
+    """Start `python -m gateway <args>` and wait for `http://127.0.0.1:<port><ready_path>`."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    out = log.open("wb")
+    popen = subprocess.Popen([sys.executable, "-m", "gateway", *args], cwd=cwd or ROOT, env=full_env,
+                             stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + ready_path, popen, timeout, log)
+    return Proc(popen, url, log)
