@@ -49,6 +49,8 @@ class ToolContext:
     tool_name: str
     cancelled: asyncio.Event
     progress: Callable[[str], None] = lambda label: None
+    # What the calling run may still spend (None: no run budget): caps a sub-run's budget.
+    budget_remaining_usd: float | None = None
 
     @property
     def idempotency_key(self) -> str:

@@ -1,0 +1,89 @@
+"""How a run is governed: everything the loop needs besides the state and the model.
+
+A policy file (gateway.policy) compiles to `RunOptions`; the demo builds them by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from gateway.harness.state import RunState
+from gateway.harness.tools import PermanentToolError, Tool, ToolSpec
+from gateway.harness.usage import CHAPTER_PRICE, Price
+
+Dedupe = Literal["read_only", "all", "off"]
+ApprovalAction = Literal["allow", "deny", "ask"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the approval policy says about one call before it runs."""
+
+    action: ApprovalAction
+    reason: str = ""
+
+
+class ApprovalPolicy(Protocol):
+    def __call__(self, spec: ToolSpec, args: Mapping[str, Any]) -> Verdict: ...
+
+
+def default_approval(spec: ToolSpec, args: Mapping[str, Any]) -> Verdict:
+    """The tool's own flag decides: `needs_approval` asks a person, everything else runs."""
+    return Verdict("ask") if spec.needs_approval else Verdict("allow")
+
+
+@dataclass(frozen=True)
+class ToolErrorPolicy:
+    """How a tool that raised is reported.
+
+    `text` is a template with `{message}`, `{tool}` and `{error_type}`; `fatal` stops the
+    run at the first error; exceptions of a `permanent` class stop it with a reason
+    (retrying them only burns turns).
+    """
+
+    text: str = "Error: {message}"
+    fatal: bool = False
+    permanent: tuple[type[BaseException], ...] = (PermissionError, PermanentToolError)
+
+    def render(self, tool: str, exc: BaseException) -> str:
+        message = str(exc) or type(exc).__name__
+        return self.text.format(message=message, tool=tool, error_type=type(exc).__name__)
+
+
+class StopCondition(Protocol):
+    """An extra exit, checked at the top of every iteration with the turn cap and the budget.
+
+    Returns None to go on, or a one-line reason to stop the run (status `failed`).
+    """
+
+    def __call__(self, state: RunState) -> str | None: ...
+
+
+EventSink = Callable[[dict[str, Any]], None]
+Checkpoint = Callable[[RunState], Awaitable[None]]
+
+
+async def _no_checkpoint(state: RunState) -> None:
+    return None
+
+
+@dataclass
+class RunOptions:
+    """The governance of one run (tool catalog, error wording, dedupe, stops, approvals)."""
+
+    tools: Mapping[str, Tool] = field(default_factory=dict)
+    client_tools: Sequence[dict[str, Any]] = ()
+    price: Price = CHAPTER_PRICE
+    tool_errors: ToolErrorPolicy = field(default_factory=ToolErrorPolicy)
+    dedupe: Dedupe = "read_only"
+    stop_when: Sequence[StopCondition] = ()
+    approval: ApprovalPolicy = default_approval
+    max_tokens: int | None = None
+    on_event: EventSink = lambda event: None
+    checkpoint: Checkpoint = _no_checkpoint
+
+    def tool_specs(self) -> list[dict[str, Any]]:
+        """The `tools` array sent to the model: server-side tools, then the client's own."""
+        return [t.spec.openai() for t in self.tools.values()] + list(self.client_tools)
