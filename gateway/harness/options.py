@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from gateway.harness.state import RunState
+from gateway.harness.state import Interruption, RunState, Status
 from gateway.harness.tools import PermanentToolError, Tool, ToolSpec
 from gateway.harness.usage import CHAPTER_PRICE, Price
 
@@ -52,13 +52,37 @@ class ToolErrorPolicy:
         return self.text.format(message=message, tool=tool, error_type=type(exc).__name__)
 
 
-class StopCondition(Protocol):
-    """An extra exit, checked at the top of every iteration with the turn cap and the budget.
+StopReason = Literal[
+    "completed",  # the model answered in prose
+    "max_turns",  # the turn cap
+    "max_budget",  # the run budget
+    "approval",  # a call waits for a person
+    "cancelled",  # Stop, client disconnect (detail says which)
+    "tool_error",  # a tool failed and the policy says tool errors are fatal
+    "permanent_error",  # a tool failed in a way no retry can fix
+    "repeated_call",  # the same call asked for N times in a row
+    "stop_condition",  # any other stop condition of a policy
+]
 
-    Returns None to go on, or a one-line reason to stop the run (status `failed`).
+
+@dataclass(frozen=True)
+class Stop:
+    """A decision to end the run: its status, a bounded reason code, and words for people."""
+
+    status: Status
+    reason: StopReason
+    detail: str = ""
+    interruption: Interruption | None = None
+
+
+class StopCondition(Protocol):
+    """An exit checked at the top of every iteration, before the model is asked.
+
+    The turn cap and the budget are two of these; a policy adds more (`repeated_call`).
+    Returns None to go on, or the `Stop` to make.
     """
 
-    def __call__(self, state: RunState) -> str | None: ...
+    def __call__(self, state: RunState) -> Stop | None: ...
 
 
 EventSink = Callable[[dict[str, Any]], None]

@@ -1,0 +1,63 @@
+"""Approvals as data: a person's decision is recorded in the run, then the loop goes on.
+
+An approval is not a callback: between the stop and the verdict the process may be gone.
+`decide` records the verdict in the state; the next `run` drains the pending call, which
+now runs (approved) or gets the rejection written into the transcript in words.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.harness.state import Decision, Limits, RunState, pending
+
+
+class ApprovalError(ValueError):
+    """A decision that does not fit the run (no such pending call, already decided, ...)."""
+
+
+def describe_call(name: str, args: Any) -> str:
+    rendered = args if isinstance(args, str) else orjson.dumps(args).decode()
+    return f"{name}({rendered})"
+
+
+def rejection_text(name: str, args: Any, reason: str) -> str:
+    """What the model reads when a person said no. Never empty: silence reads as success."""
+    why = f" The reviewer said: {reason.strip()}" if reason.strip() else ""
+    return (f"A person declined the call {describe_call(name, args)}. It was not run and nothing "
+            f"was done.{why}")
+
+
+def denial_text(name: str, args: Any, reason: str) -> str:
+    """What the model reads when the approval policy denies a call outright."""
+    why = f" Reason: {reason.strip()}" if reason.strip() else ""
+    return f"The policy denied the call {describe_call(name, args)}. It was not run and nothing was done.{why}"
+
+
+def decide(state: RunState, call_id: str, decision: Decision) -> None:
+    """Record a verdict on the call the run is waiting for; the run becomes `running`."""
+    interruption = state.interruption
+    if state.status != "interrupted" or interruption is None or interruption.type != "approval":
+        raise ApprovalError(f"run {state.run_id} is not waiting for an approval (status {state.status})")
+    waiting = {c.get("id") for c in pending(state)}
+    if call_id not in waiting:
+        raise ApprovalError(f"call {call_id!r} is not pending in run {state.run_id}")
+    if call_id in state.decisions:
+        raise ApprovalError(f"call {call_id!r} was already decided")
+    state.decisions[call_id] = decision
+    if interruption.call_id == call_id:
+        state.status, state.reason, state.interruption = "running", None, None
+
+
+def resume(state: RunState, limits: Limits | None = None) -> None:
+    """Make a stopped-but-resumable run `running` again, optionally with raised limits."""
+    if not state.resumable:
+        raise ApprovalError(f"run {state.run_id} ended with status {state.status} and cannot be resumed")
+    interruption = state.interruption
+    if interruption is not None and interruption.type == "approval" and interruption.call_id not in state.decisions:
+        raise ApprovalError(f"run {state.run_id} waits for a decision on call {interruption.call_id}")
+    if limits is not None:
+        state.limits = limits
+    state.status, state.reason, state.interruption, state.error = "running", None, None, None

@@ -1,0 +1,215 @@
+"""The loop: a pure async function over a `RunState`, with five exits.
+
+Each iteration checks the stop conditions first (turn cap, budget, the policy's own),
+then drains `pending(state)` (calls of the last assistant message without a result) and
+only asks the model when nothing is pending. So resume and approval are the normal path.
+Every state change is handed to `options.checkpoint` before the next side effect.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from gateway.harness.approvals import denial_text, rejection_text
+from gateway.harness.execute import CancelScope, execute, race
+from gateway.harness.model import Model, ModelRequest
+from gateway.harness.options import RunOptions, Stop
+from gateway.harness.state import Interruption, Message, RunState, pending
+from gateway.harness.stops import first_stop, signature
+from gateway.harness.tools import ToolContext
+from gateway.harness.trace import Tracer
+
+OutcomeKind = Literal["stopped", "client_tools"]
+REUSED_PREFIX = "[same call as before; its earlier result is reused] "
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How `run` returned: the run stopped (see `state.status`), or it hands calls to the client."""
+
+    state: RunState
+    kind: OutcomeKind
+    answer: str | None = None
+
+
+async def run(state: RunState, model: Model, options: RunOptions, cancel: CancelScope | None = None) -> Outcome:
+    """Drive `state` until it stops or waits for the client's own tools."""
+    scope = cancel or CancelScope()
+    trace = Tracer(state.run_id, options.on_event)
+    specs = options.tool_specs()
+    client_names = {t.get("function", {}).get("name") for t in options.client_tools}
+    while True:
+        stop = first_stop(state, options.stop_when)
+        if stop is None and scope.cancelled:
+            stop = _cancelled(scope)
+        if stop is not None:
+            return await _stop(state, stop, options, trace)
+        calls = pending(state)
+        if calls:
+            outcome = await _drain(state, calls, client_names, options, scope, trace)
+            if outcome is not None:
+                return outcome
+            continue
+        request = ModelRequest(
+            model=state.model, messages=state.messages, tools=specs, max_tokens=options.max_tokens,
+            run_id=state.run_id, budget_remaining_usd=_remaining(state),
+        )
+        finished, reply = await race(model.complete(request), scope)
+        if not finished:
+            return await _stop(state, _cancelled(scope), options, trace)
+        message: Message = reply.message
+        state.messages.append(message)
+        state.turns += 1
+        state.usage = state.usage + reply.usage
+        state.per_turn.append(reply.usage)
+        state.cost_usd += options.price.cost(reply.usage)
+        trace("turn", turn=state.turns, prompt_tokens=reply.usage.prompt_tokens,
+              completion_tokens=reply.usage.completion_tokens, total_tokens=reply.usage.total_tokens,
+              costUsd=round(state.cost_usd, 9), finish=reply.finish_reason)
+        if not message.get("tool_calls"):
+            answer = message.get("content") or ""
+            return await _stop(state, Stop("completed", "completed"), options, trace, answer)
+        await _save(state, options)
+
+
+async def _drain(state: RunState, calls: list[dict[str, Any]], client_names: set[Any], options: RunOptions,
+                 scope: CancelScope, trace: Tracer) -> Outcome | None:
+    """Run or answer every pending server-side call; hand the rest to the client."""
+    for_client = []
+    for call in calls:
+        if scope.cancelled:
+            return await _stop(state, _cancelled(scope), options, trace)
+        fn = call.get("function") or {}
+        name, raw_args = str(fn.get("name", "")), fn.get("arguments") or "{}"
+        call_id = str(call.get("id", ""))
+        tool = options.tools.get(name)
+        if tool is None and name in client_names:
+            for_client.append(call)
+            continue
+        if tool is None:
+            known = ", ".join(options.tools) or "none"
+            _answer(state, call_id, name, f"Error: there is no tool named {name!r}. Available tools: {known}.")
+            await _save(state, options)
+            continue
+        try:
+            args = orjson.loads(raw_args)
+            if not isinstance(args, dict):
+                raise TypeError("arguments must be a JSON object")
+        except (orjson.JSONDecodeError, TypeError) as exc:
+            _answer(state, call_id, name, f"Error: the arguments of {name} are not a valid JSON object ({exc}).")
+            await _save(state, options)
+            continue
+        decision = state.decisions.get(call_id)
+        if decision is not None and decision.decision == "reject":
+            _answer(state, call_id, name, rejection_text(name, args, decision.reason))
+            await _save(state, options)
+            continue
+        if decision is None:
+            verdict = options.approval(tool.spec, args)
+            if verdict.action == "deny":
+                trace("tool_denied", toolName=name, args=raw_args, callId=call_id, reason=verdict.reason)
+                _answer(state, call_id, name, denial_text(name, args, verdict.reason))
+                await _save(state, options)
+                continue
+            if verdict.action == "ask":
+                trace("approval_required", toolName=name, args=raw_args, callId=call_id)
+                stop = Stop("interrupted", "approval", f"{name} needs a person's approval",
+                            Interruption("approval", call_id, name, args))
+                return await _stop(state, stop, options, trace)
+        reused = _earlier_result(state, call) if _dedupes(options, tool.spec.read_only) else None
+        if reused is not None:
+            trace("tool_deduped", toolName=name, args=raw_args, callId=call_id)
+            _answer(state, call_id, name, REUSED_PREFIX + reused.removeprefix(REUSED_PREFIX))
+            await _save(state, options)
+            continue
+        failed = await _run_tool(state, tool_name=name, call_id=call_id, raw_args=raw_args, args=args,
+                                 options=options, scope=scope, trace=trace)
+        if failed is not None:
+            return await _stop(state, failed, options, trace)
+    if for_client:
+        await _save(state, options)
+        return Outcome(state, "client_tools")
+    return None
+
+
+async def _run_tool(state: RunState, *, tool_name: str, call_id: str, raw_args: str, args: Mapping[str, Any],
+                    options: RunOptions, scope: CancelScope, trace: Tracer) -> Stop | None:
+    tool = options.tools[tool_name]
+    ctx = ToolContext(
+        run_id=state.run_id, call_id=call_id, tool_name=tool_name, cancelled=scope.event,
+        progress=lambda label: trace("tool_progress", toolName=tool_name, label=label),
+        budget_remaining_usd=_remaining(state),
+    )
+    trace("tool_start", toolName=tool_name, args=raw_args, callId=call_id)
+    done = await execute(tool, args, ctx, scope)
+    trace("tool_result", toolName=tool_name, ms=done.ms, ok=done.outcome == "ok", callId=call_id)
+    if done.outcome == "cancelled":
+        return _cancelled(scope)
+    if done.result is not None:
+        state.cost_usd += done.result.cost_usd  # a sub-run's spend rolls up into its parent
+        state.usage = state.usage + done.result.usage
+        _answer(state, call_id, tool_name, done.result.content)
+        await _save(state, options)
+        return None
+    exc = done.error or RuntimeError("tool failed")
+    text = options.tool_errors.render(tool_name, exc)
+    _answer(state, call_id, tool_name, text)
+    if isinstance(exc, options.tool_errors.permanent):
+        state.error = f"{tool_name} failed permanently: {exc}"
+        return Stop("failed", "permanent_error", state.error)
+    if options.tool_errors.fatal:
+        state.error = f"{tool_name} failed: {exc}"
+        return Stop("failed", "tool_error", state.error)
+    await _save(state, options)
+    return None
+
+
+def _answer(state: RunState, call_id: str, name: str, content: str) -> None:
+    state.messages.append({"role": "tool", "tool_call_id": call_id, "name": name, "content": content})
+
+
+def _dedupes(options: RunOptions, read_only: bool) -> bool:
+    return options.dedupe == "all" or (options.dedupe == "read_only" and read_only)
+
+
+def _earlier_result(state: RunState, call: dict[str, Any]) -> str | None:
+    """The result of an earlier identical call (same tool, same arguments), if any."""
+    wanted = signature(call)
+    ids = {str(c.get("id")) for m in state.messages if m.get("role") == "assistant"
+           for c in (m.get("tool_calls") or []) if c is not call and signature(c) == wanted}
+    for m in state.messages:
+        if m.get("role") == "tool" and m.get("tool_call_id") in ids:
+            return str(m.get("content", ""))
+    return None
+
+
+def _remaining(state: RunState) -> float | None:
+    budget = state.limits.max_budget_usd
+    return None if budget is None else max(0.0, budget - state.cost_usd)
+
+
+def _cancelled(scope: CancelScope) -> Stop:
+    return Stop("interrupted", "cancelled", scope.reason, Interruption("cancelled", reason=scope.reason))
+
+
+async def _save(state: RunState, options: RunOptions) -> None:
+    state.updated_at = time.time()
+    await options.checkpoint(state)
+
+
+async def _stop(state: RunState, stop: Stop, options: RunOptions, trace: Tracer, answer: str | None = None) -> Outcome:
+    state.status, state.reason, state.interruption = stop.status, stop.reason, stop.interruption
+    if stop.status == "failed" and state.error is None:
+        state.error = stop.detail
+    fields: dict[str, Any] = {"status": stop.status, "reason": stop.reason, "turns": state.turns,
+                              "costUsd": round(state.cost_usd, 9)}
+    if stop.detail:
+        fields["detail"] = stop.detail
+    trace("run_stopped", **fields)
+    await _save(state, options)
+    return Outcome(state, "stopped", answer)

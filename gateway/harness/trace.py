@@ -1,0 +1,58 @@
+"""The trace: one JSON object per event, every one carrying the run id.
+
+The vocabulary is the chapter's (`turn`, `tool_start`, `tool_progress`, `tool_result`,
+`approval_required`, `run_stopped`) plus what the gateway needs, in the same style.
+Field names are part of the contract (camelCase where the chapter used it).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, get_args
+
+from gateway.harness.options import EventSink
+
+EventKind = Literal[
+    "turn",
+    "tool_start",
+    "tool_progress",
+    "tool_result",
+    "tool_deduped",
+    "tool_denied",
+    "approval_required",
+    "approval_decided",
+    "run_started",
+    "run_resumed",
+    "run_stopped",
+    "subrun_started",
+]
+EVENT_KINDS: tuple[EventKind, ...] = get_args(EventKind)
+
+
+class Tracer:
+    """Stamps events with `runId`, `type` and `ts` and hands them to a sink."""
+
+    __slots__ = ("run_id", "sink")
+
+    def __init__(self, run_id: str, sink: EventSink) -> None:
+        self.run_id = run_id
+        self.sink = sink
+
+    def __call__(self, kind: EventKind, **fields: Any) -> None:
+        event: dict[str, Any] = {"runId": self.run_id, "type": kind}
+        event.update(fields)
+        event["ts"] = round(time.time(), 6)
+        self.sink(event)
+
+
+class EventList:
+    """A sink that keeps events in memory (tests, the demo)."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+
+    def of(self, kind: EventKind) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["type"] == kind]
