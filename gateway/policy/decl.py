@@ -1,0 +1,159 @@
+"""A policy as data: what a `policies/*.yaml` file declares, validated and frozen.
+
+Nothing here runs anything. `gateway.policy.executors.compile_options` turns a `Policy`
+into the harness's `RunOptions`; `gateway.policy.approval` turns its rules into a verdict.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from gateway.harness.options import ApprovalAction, Dedupe
+from gateway.harness.state import Limits
+from gateway.harness.tools import ToolSpec
+
+DEFAULT_PERMANENT: tuple[str, ...] = ("PermissionError", "gateway.harness.tools:PermanentToolError")
+
+
+@dataclass(frozen=True)
+class PythonExecutor:
+    """`python: "package.module:function"`: sync (run in a thread) or async."""
+
+    target: str
+    kind: Literal["python"] = "python"
+
+
+@dataclass(frozen=True)
+class HttpExecutor:
+    """`http: {url, timeout_s, headers}`: POST `{tool, arguments, run_id, call_id, idempotency_key}`."""
+
+    url: str
+    timeout_s: float | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+    kind: Literal["http"] = "http"
+
+
+@dataclass(frozen=True)
+class AgentExecutor:
+    """`agent: {policy, model, max_turns, max_budget_usd, system_prompt}`: a sub-run."""
+
+    policy: str
+    model: str | None = None
+    max_turns: int | None = None
+    max_budget_usd: float | None = None
+    system_prompt: str | None = None
+    kind: Literal["agent"] = "agent"
+
+
+ExecutorConfig = PythonExecutor | HttpExecutor | AgentExecutor
+
+
+@dataclass(frozen=True)
+class ToolDecl:
+    """One tool of the catalog: what the model sees and what runs it."""
+
+    spec: ToolSpec
+    executor: ExecutorConfig
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True)
+class ToolErrorConfig:
+    """`tool_errors`: the text written back, whether any error ends the run, and which
+    exception classes are permanent (by name: `PermissionError`, `"module:Class"`)."""
+
+    text: str = "Error: {message}"
+    fatal: bool = False
+    permanent: tuple[str, ...] = DEFAULT_PERMANENT
+
+
+@dataclass(frozen=True)
+class RepeatedCall:
+    """`stop_when: [{repeated_call: n}]`: stop when the last n tool calls are identical."""
+
+    n: int
+    kind: Literal["repeated_call"] = "repeated_call"
+
+
+StopRule = RepeatedCall
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One approval rule; the first rule that matches a call decides it.
+
+    `tool` is a glob on the tool name, `args` maps argument names to globs matched
+    against `str(value)` (all must match; a missing argument never matches),
+    `read_only` (when set) must equal the tool's flag.
+    """
+
+    action: ApprovalAction
+    tool: str = "*"
+    args: Mapping[str, str] = field(default_factory=dict)
+    read_only: bool | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ApprovalConfig:
+    """`approval`: who may decide (team names), when a pending call expires, the rules."""
+
+    approvers: tuple[str, ...] = ()
+    expires_after_s: float | None = None
+    rules: tuple[Rule, ...] = ()
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """`sandbox`: the folder the file tools work in.
+
+    `sample: chapter` gives each run a fresh copy of the packaged sample folder of that
+    name; `path: ./dir` works in that folder itself (shared by every run).
+    """
+
+    sample: str | None = None
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One loaded policy file. `version` is the first 12 hex digits of the file's sha256."""
+
+    name: str
+    description: str
+    limits: Limits
+    tools: tuple[ToolDecl, ...]
+    tool_errors: ToolErrorConfig
+    dedupe: Dedupe
+    stop_when: tuple[StopRule, ...]
+    approval: ApprovalConfig
+    version: str
+    path: Path
+    sandbox: SandboxConfig | None = None
+    system_prompt: str | None = None
+
+    @property
+    def server_side(self) -> bool:
+        """A policy with tools runs the loop in the gateway; one without is pass-through."""
+        return bool(self.tools)
+
+    def tool(self, name: str) -> ToolDecl | None:
+        return next((t for t in self.tools if t.name == name), None)
+
+    @property
+    def specs(self) -> tuple[ToolSpec, ...]:
+        return tuple(t.spec for t in self.tools)
+
+
+def arg_text(value: object) -> str:
+    """An argument value as approval globs see it: strings as they are, the rest as JSON."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)

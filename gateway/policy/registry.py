@@ -1,0 +1,135 @@
+"""The set of policies a gateway serves, reloadable without a restart.
+
+A (re)load reads every `*.yaml`/`*.yml` file of the directory and swaps the whole set
+only if all of them are valid and consistent (unique names, agent executors naming
+policies that exist); otherwise the previous set stays and the errors name the files.
+Every version ever loaded stays reachable by `(name, version)`, so a run keeps the
+policy it started with even after the file is edited.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+from gateway.policy.decl import AgentExecutor, Policy
+from gateway.policy.errors import PolicyError, PolicySetError
+from gateway.policy.schema import load_policy
+from gateway.policy.source import Source
+
+
+@dataclass(frozen=True)
+class ReloadResult:
+    """What a reload did: the names now served, and why it refused (if it did)."""
+
+    loaded: tuple[str, ...]
+    errors: tuple[PolicyError, ...] = ()
+    changed: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "ok": self.ok,
+            "loaded": list(self.loaded),
+            "changed": list(self.changed),
+            "errors": [str(e) for e in self.errors],
+        }
+
+
+def policy_files(directory: Path) -> list[Path]:
+    """The policy files of a directory, in name order."""
+    return sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+
+
+def load_set(files: list[Path]) -> tuple[dict[str, Policy], list[PolicyError]]:
+    """Load files as one set: every file's errors, then the checks across files."""
+    policies: dict[str, Policy] = {}
+    errors: list[PolicyError] = []
+    for file in files:
+        try:
+            policy = load_policy(file)
+        except PolicyError as exc:
+            errors.append(exc)
+            continue
+        if policy.name in policies:
+            errors.append(PolicyError(str(file), _line(policy, ("name",)), ("name",),
+                                      f"policy '{policy.name}' is already defined in {policies[policy.name].path}"))
+            continue
+        policies[policy.name] = policy
+    for policy in policies.values():
+        for i, tool in enumerate(policy.tools):
+            ex = tool.executor
+            if isinstance(ex, AgentExecutor) and ex.policy not in policies:
+                path: tuple[str | int, ...] = ("tools", i, "executor", "agent", "policy")
+                errors.append(PolicyError(str(policy.path), _line(policy, path), path,
+                                          f"no policy named '{ex.policy}' (known: {', '.join(sorted(policies))})"))
+    return policies, errors
+
+
+def _line(policy: Policy, path: tuple[str | int, ...]) -> int | None:
+    try:
+        return Source(str(policy.path), policy.path.read_text("utf-8")).line(path)
+    except (OSError, ValueError):
+        return None
+
+
+class PolicyRegistry:
+    """Policies by name (current) and by (name, version) (every version ever loaded)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self._current: Mapping[str, Policy] = MappingProxyType({})
+        self._versions: dict[tuple[str, str], Policy] = {}
+
+    def load(self) -> ReloadResult:
+        """Load the directory; raises `PolicySetError` (and changes nothing) on any error."""
+        result = self.reload()
+        if result.errors:
+            raise PolicySetError(result.errors)
+        return result
+
+    def reload(self) -> ReloadResult:
+        """Load the directory again; on any error keep the current set and report why."""
+        try:
+            files = policy_files(self.directory)
+        except OSError as exc:
+            error = PolicyError(str(self.directory), None, (), f"cannot list the policy directory: {exc.strerror or exc}")
+            return ReloadResult(loaded=self.names(), errors=(error,))
+        policies, errors = load_set(files)
+        if errors:
+            return ReloadResult(loaded=self.names(), errors=tuple(errors))
+        changed = tuple(
+            name for name, p in sorted(policies.items())
+            if name not in self._current or self._current[name].version != p.version
+        ) + tuple(name for name in sorted(self._current) if name not in policies)
+        for p in policies.values():
+            self._versions.setdefault((p.name, p.version), p)
+        self._current = MappingProxyType(dict(sorted(policies.items())))
+        return ReloadResult(loaded=self.names(), changed=changed)
+
+    def get(self, name: str) -> Policy | None:
+        """The current version of a policy."""
+        return self._current.get(name)
+
+    def get_version(self, name: str, version: str) -> Policy | None:
+        """A policy as it was when loaded with that version (for runs started under it)."""
+        return self._versions.get((name, version))
+
+    def version_of(self, name: str) -> str | None:
+        policy = self._current.get(name)
+        return policy.version if policy else None
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._current)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._current
+
+    def all(self) -> tuple[Policy, ...]:
+        """The current policies, in name order."""
+        return tuple(self._current.values())

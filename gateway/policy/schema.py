@@ -1,0 +1,277 @@
+"""Read and validate a policy file (`policies/*.yaml`) into a frozen `Policy`.
+
+Every problem raises `PolicyError` naming the file, the line, the field path and what is
+wrong; a file is parsed completely before anything is returned, so a bad policy never
+half-loads. The dataclasses live in `gateway.policy.decl` and are re-exported here.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import re
+from pathlib import Path
+from typing import Any, cast, get_args
+from urllib.parse import urlparse
+
+import jsonschema
+
+from gateway.harness.options import ApprovalAction, Dedupe
+from gateway.harness.state import Limits
+from gateway.harness.tools import ToolSpec
+from gateway.policy.decl import (
+    DEFAULT_PERMANENT,
+    AgentExecutor,
+    ApprovalConfig,
+    ExecutorConfig,
+    HttpExecutor,
+    Policy,
+    PythonExecutor,
+    RepeatedCall,
+    Rule,
+    SandboxConfig,
+    StopRule,
+    ToolDecl,
+    ToolErrorConfig,
+    arg_text,
+)
+from gateway.policy.errors import PolicyError
+from gateway.policy.resolve import ResolveError, resolve_callable, resolve_exception
+from gateway.policy.source import At, Source
+
+__all__ = [
+    "AgentExecutor", "ApprovalConfig", "ExecutorConfig", "HttpExecutor", "Policy", "PolicyError",
+    "PythonExecutor", "RepeatedCall", "Rule", "SandboxConfig", "StopRule", "ToolDecl", "ToolErrorConfig",
+    "load_policy", "parse_policy",
+]
+
+TOP_FIELDS = ("name", "description", "limits", "tools", "tool_errors", "dedupe", "stop_when", "approval",
+              "sandbox", "system_prompt")
+TOOL_FIELDS = ("name", "description", "parameters", "read_only", "needs_approval", "timeout_s", "executor")
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # what OpenAI accepts as a function name
+_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+def load_policy(path: str | Path) -> Policy:
+    """Read one policy file. Raises `PolicyError` (file, line, field, problem)."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise PolicyError(str(path), None, (), f"cannot read the file: {exc.strerror or exc}") from exc
+    return parse_policy(raw, path)
+
+
+def parse_policy(raw: bytes, path: str | Path) -> Policy:
+    """Validate the bytes of a policy file; `path` names it in errors and in the result."""
+    path = Path(path)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PolicyError(str(path), None, (), f"not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    root = Source(str(path), text).root()
+    f = root.fields(TOP_FIELDS)
+    name_at = f.get("name")
+    name = name_at.string() if name_at else path.stem
+    if not _NAME.match(name):
+        (name_at or root).fail(f"policy name '{name}' may only hold letters, digits, '_', '-' and '.'")
+    tools = _tools(f.get("tools"))
+    return Policy(
+        name=name,
+        description=d.string(non_empty=False) if (d := f.get("description")) else "",
+        limits=_limits(f.get("limits")),
+        tools=tools,
+        tool_errors=_tool_errors(f.get("tool_errors")),
+        dedupe=cast(Dedupe, x.choice(get_args(Dedupe))) if (x := f.get("dedupe")) else "read_only",
+        stop_when=tuple(_stop_rule(item) for item in w.items()) if (w := f.get("stop_when")) else (),
+        approval=_approval(f.get("approval"), tools),
+        version=hashlib.sha256(raw).hexdigest()[:12],
+        path=path,
+        sandbox=_sandbox(f.get("sandbox")),
+        system_prompt=s.string() if (s := f.get("system_prompt")) else None,
+    )
+
+
+def _limits(at: At | None) -> Limits:
+    if at is None:
+        return Limits()
+    f = at.fields(("max_turns", "max_budget_usd", "budget_mode"))
+    return Limits(
+        max_turns=t.positive_int() if (t := f.get("max_turns")) else None,
+        max_budget_usd=b.positive_number() if (b := f.get("max_budget_usd")) else None,
+        budget_mode=cast(Any, m.choice(("turn", "strict"))) if (m := f.get("budget_mode")) else "turn",
+    )
+
+
+def _tools(at: At | None) -> tuple[ToolDecl, ...]:
+    if at is None:
+        return ()
+    tools: list[ToolDecl] = []
+    for item in at.items():
+        tool = _tool(item)
+        if any(t.name == tool.name for t in tools):
+            item.child("name", tool.name).fail(f"tool '{tool.name}' is declared twice")
+        tools.append(tool)
+    return tuple(tools)
+
+
+def _tool(at: At) -> ToolDecl:
+    f = at.fields(TOOL_FIELDS, required=("name", "description", "executor"))
+    name_at = f.req("name")
+    name = name_at.string()
+    if not _TOOL_NAME.match(name):
+        name_at.fail("a tool name holds 1 to 64 letters, digits, '_' or '-'")
+    spec = ToolSpec(
+        name=name,
+        description=f.req("description").string(),
+        parameters=_parameters(f.get("parameters")),
+        read_only=r.boolean() if (r := f.get("read_only")) is not None else False,
+        needs_approval=n.boolean() if (n := f.get("needs_approval")) is not None else False,
+        timeout_s=t.positive_number() if (t := f.get("timeout_s")) else None,
+    )
+    return ToolDecl(spec=spec, executor=_executor(f.req("executor")))
+
+
+def _parameters(at: At | None) -> dict[str, Any]:
+    if at is None:
+        return dict(_EMPTY_PARAMETERS)
+    if not isinstance(at.value, dict):
+        at.fail("must be a JSON schema (a mapping)")
+    try:
+        jsonschema.Draft202012Validator.check_schema(at.value)
+    except jsonschema.SchemaError as exc:
+        raise at.src.error((*at.path, *exc.path), f"not a valid JSON schema: {exc.message}") from None
+    if at.value.get("type") != "object":
+        at.fail("the parameters schema must have type: object (tool arguments are a JSON object)")
+    return dict(at.value)
+
+
+def _executor(at: At) -> ExecutorConfig:
+    f = at.fields(("python", "http", "agent"))
+    kinds = [k for k in ("python", "http", "agent") if f.has(k)]
+    if len(kinds) != 1:
+        at.fail(f"an executor names exactly one of python, http, agent (got {', '.join(kinds) or 'none'})")
+    kind = f.req(kinds[0])
+    if kinds[0] == "python":
+        target = kind.string()
+        try:
+            resolve_callable(target)
+        except ResolveError as exc:
+            kind.fail(str(exc))
+        return PythonExecutor(target)
+    if kinds[0] == "http":
+        return _http(kind)
+    a = kind.fields(("policy", "model", "max_turns", "max_budget_usd", "system_prompt"), required=("policy",))
+    return AgentExecutor(
+        policy=a.req("policy").string(),
+        model=m.string() if (m := a.get("model")) else None,
+        max_turns=t.positive_int() if (t := a.get("max_turns")) else None,
+        max_budget_usd=b.positive_number() if (b := a.get("max_budget_usd")) else None,
+        system_prompt=s.string() if (s := a.get("system_prompt")) else None,
+    )
+
+
+def _http(at: At) -> HttpExecutor:
+    headers: dict[str, str] = {}
+    if isinstance(at.value, str):
+        url_at, timeout = at, None
+    else:
+        h = at.fields(("url", "timeout_s", "headers"), required=("url",))
+        url_at = h.req("url")
+        timeout = t.positive_number() if (t := h.get("timeout_s")) else None
+        if (hs := h.get("headers")) is not None:
+            if not isinstance(hs.value, dict):
+                hs.fail("must be a mapping of header name to value")
+            for key, value in hs.value.items():
+                headers[str(key)] = hs.child(str(key), value).string(non_empty=False)
+    url = url_at.string()
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        url_at.fail(f"'{url}' is not an http:// or https:// URL")
+    return HttpExecutor(url=url, timeout_s=timeout, headers=headers)
+
+
+def _tool_errors(at: At | None) -> ToolErrorConfig:
+    if at is None:
+        return ToolErrorConfig()
+    f = at.fields(("text", "fatal", "permanent"))
+    text = ToolErrorConfig.text
+    if (t := f.get("text")) is not None:
+        text = t.string()
+        try:
+            text.format(message="m", tool="t", error_type="E")
+        except (KeyError, IndexError, ValueError) as exc:
+            t.fail(f"bad template ({type(exc).__name__}: {exc}); it may use {{message}}, {{tool}}, {{error_type}}")
+    permanent = DEFAULT_PERMANENT
+    if (p := f.get("permanent")) is not None:
+        names: list[str] = []
+        for item in p.items():
+            try:
+                resolve_exception(item.string())
+            except ResolveError as exc:
+                item.fail(str(exc))
+            names.append(item.value)
+        permanent = tuple(names)
+    return ToolErrorConfig(text=text, fatal=x.boolean() if (x := f.get("fatal")) is not None else False,
+                           permanent=permanent)
+
+
+def _stop_rule(at: At) -> StopRule:
+    f = at.fields(("repeated_call",))
+    n = f.req("repeated_call")
+    if n.positive_int() < 2:
+        n.fail("must be at least 2 (one call is not a repetition)")
+    return RepeatedCall(n.value)
+
+
+def _approval(at: At | None, tools: tuple[ToolDecl, ...]) -> ApprovalConfig:
+    if at is None:
+        return ApprovalConfig()
+    f = at.fields(("approvers", "expires_after_s", "rules"))
+    approvers = tuple(a.string() for a in p.items()) if (p := f.get("approvers")) else ()
+    rules = tuple(_rule(item, tools) for item in r.items()) if (r := f.get("rules")) else ()
+    return ApprovalConfig(
+        approvers=approvers,
+        expires_after_s=e.positive_number() if (e := f.get("expires_after_s")) else None,
+        rules=rules,
+    )
+
+
+def _rule(at: At, tools: tuple[ToolDecl, ...]) -> Rule:
+    f = at.fields(("tool", "args", "read_only", "action", "reason"), required=("action",))
+    tool_at = f.get("tool")
+    tool = tool_at.string() if tool_at else "*"
+    matching = [t for t in tools if fnmatch.fnmatchcase(t.name, tool)]
+    if not matching:
+        known = ", ".join(t.name for t in tools) or "none: this policy has no tools"
+        (tool_at or at).fail(f"'{tool}' matches none of this policy's tools ({known})")
+    args: dict[str, str] = {}
+    if (a := f.get("args")) is not None:
+        if not isinstance(a.value, dict):
+            a.fail("must be a mapping of argument name to glob")
+        for key, value in a.value.items():
+            arg = a.child(str(key), value)
+            if not isinstance(value, (str, int, float, bool)):
+                arg.fail("must be a glob (a string) matched against the argument's value")
+            if not any(str(key) in t.spec.parameters.get("properties", {}) for t in matching):
+                arg.fail(f"no tool matched by '{tool}' has an argument '{key}'")
+            args[str(key)] = arg_text(value)
+    return Rule(
+        action=cast(ApprovalAction, f.req("action").choice(get_args(ApprovalAction))),
+        tool=tool,
+        args=args,
+        read_only=r.boolean() if (r := f.get("read_only")) is not None else None,
+        reason=s.string(non_empty=False) if (s := f.get("reason")) else "",
+    )
+
+
+def _sandbox(at: At | None) -> SandboxConfig | None:
+    if at is None:
+        return None
+    f = at.fields(("sample", "path"))
+    if f.has("sample") == f.has("path"):
+        at.fail("a sandbox names exactly one of 'sample' (a packaged sample folder) or 'path' (a folder)")
+    if (s := f.get("sample")) is not None:
+        return SandboxConfig(sample=s.string())
+    return SandboxConfig(path=f.req("path").string())
