@@ -1,0 +1,91 @@
+"""Cancellation reaches into running tools and model calls; sub-runs share their parent's Stop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from gateway.harness.execute import CancelScope
+from gateway.harness.loop import run
+from gateway.harness.options import RunOptions
+from gateway.harness.state import Limits, RunState
+from gateway.harness.subrun import child_limits, run_subrun
+from gateway.harness.tools import Tool, ToolContext, ToolResult, ToolSpec
+from tests.harness.fakes import Recorder, ScriptModel, call, text
+
+
+def new_state() -> RunState:
+    return RunState.new("fake", [{"role": "user", "content": "scan"}], limits=Limits(max_turns=10, max_budget_usd=1.0))
+
+
+async def test_stop_during_a_slow_tool_ends_the_run_within_50_ms() -> None:
+    rec, scope = Recorder(), CancelScope()
+    model = ScriptModel(lambda t, _: call("c1", "scan_archive") if t == 0 else text("done"))
+    task = asyncio.create_task(run(new_state(), model, RunOptions(tools={"scan_archive": rec.tool("scan_archive",
+                                                                                                   slow=10)}), scope))
+    await rec.started.wait()
+    pressed = time.perf_counter()
+    scope.cancel("user pressed Stop")
+    out = await task
+    assert (time.perf_counter() - pressed) < 0.05
+    assert out.state.status == "interrupted" and out.state.interruption is not None
+    assert out.state.interruption.reason == "user pressed Stop" and out.state.resumable
+
+
+async def test_stop_during_a_model_call_does_not_wait_for_the_reply() -> None:
+    scope = CancelScope()
+    model = ScriptModel(lambda t, _: text("late"), delay=10)
+    task = asyncio.create_task(run(new_state(), model, RunOptions(), scope))
+    while not model.requests:
+        await asyncio.sleep(0)
+    scope.cancel("client disconnected")
+    out = await asyncio.wait_for(task, 1)
+    assert out.state.status == "interrupted" and out.state.turns == 0
+
+
+async def test_subrun_budget_is_capped_and_its_cost_rolls_up() -> None:
+    assert child_limits(Limits(6, 0.05), 0.01).max_budget_usd == 0.01
+    assert child_limits(Limits(6, 0.05), None).max_budget_usd == 0.05
+    rec = Recorder()
+    child_model = ScriptModel(lambda t, _: call(f"c{t + 1}", "list_files"))  # a runaway child
+    child_events: list[dict[str, Any]] = []
+
+    async def research(args: Mapping[str, Any], ctx: ToolContext) -> ToolResult:
+        opts = RunOptions(tools={"list_files": rec.tool("list_files")}, dedupe="off", on_event=child_events.append)
+        return await run_subrun(ctx, model=child_model, model_name="fake", options=opts, system="research",
+                                task=str(args["question"]), limits=Limits(max_turns=6, max_budget_usd=0.05))
+
+    parent = ScriptModel(lambda t, tools: call("r1", "research", {"question": "q"}) if t == 0 else text(tools))
+    state = RunState.new("fake", [{"role": "user", "content": "x"}], limits=Limits(max_turns=5, max_budget_usd=0.002))
+    out = await run(state, parent, RunOptions(tools={"research": Tool(ToolSpec("research", "r"), research)}))
+    child_stop = [e for e in child_events if e["type"] == "run_stopped"][0]
+    child_cost = child_stop["costUsd"]
+    assert child_stop["status"] == "budget_exceeded"  # capped by the parent's remaining budget, not its own 0.05
+    assert child_cost < 0.05
+    own = sum(RunOptions().price.cost(u) for u in out.state.per_turn)
+    assert abs(out.state.cost_usd - (child_cost + own)) < 1e-9  # the child's spend rolled up
+    assert "stopped before answering" in out.state.messages[2]["content"]
+    assert out.state.status == "budget_exceeded"  # the roll-up counts against the parent's own budget
+
+
+async def test_parent_stop_stops_the_child() -> None:
+    scope = CancelScope()
+    started = asyncio.Event()
+    child_model = ScriptModel(lambda t, _: text("never"), delay=10)
+
+    async def research(args: Mapping[str, Any], ctx: ToolContext) -> ToolResult:
+        started.set()
+        return await run_subrun(ctx, model=child_model, model_name="fake", options=RunOptions(), system="s",
+                                task="q", limits=Limits(max_turns=6))
+
+    parent = ScriptModel(lambda t, _: call("r1", "research", {"question": "q"}))
+    task = asyncio.create_task(run(new_state(), parent, RunOptions(tools={"research": Tool(ToolSpec("research", "r"),
+                                                                                            research)}), scope))
+    await started.wait()
+    while not child_model.requests:
+        await asyncio.sleep(0)
+    scope.cancel("user pressed Stop")
+    out = await asyncio.wait_for(task, 1)
+    assert out.state.status == "interrupted" and child_model.requests
