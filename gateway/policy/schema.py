@@ -39,6 +39,14 @@ from gateway.policy.errors import PolicyError
 from gateway.policy.resolve import ResolveError, resolve_callable, resolve_exception
 from gateway.policy.source import At, Source
 
+# sandbox.py imports the registry, which imports this module: take only the sample names
+_SAMPLES_DIR = Path(__file__).resolve().parents[1] / "data"
+
+
+def sample_names() -> dict[str, Path]:
+    """Packaged sample folders by the name a policy uses for them."""
+    return {"chapter": _SAMPLES_DIR / "sandbox"}
+
 __all__ = [
     "AgentExecutor", "ApprovalConfig", "ExecutorConfig", "HttpExecutor", "Policy", "PolicyError",
     "PythonExecutor", "RepeatedCall", "Rule", "SandboxConfig", "StopRule", "ToolDecl", "ToolErrorConfig",
@@ -273,5 +281,8 @@ def _sandbox(at: At | None) -> SandboxConfig | None:
     if f.has("sample") == f.has("path"):
         at.fail("a sandbox names exactly one of 'sample' (a packaged sample folder) or 'path' (a folder)")
     if (s := f.get("sample")) is not None:
-        return SandboxConfig(sample=s.string())
+        known = sample_names()
+        if s.string() not in known:
+            s.fail(f"no packaged sample named '{s.value}' (known: {', '.join(known)})")
+        return SandboxConfig(sample=s.value)
     return SandboxConfig(path=f.req("path").string())

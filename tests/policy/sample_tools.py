@@ -36,6 +36,7 @@ async def wait_for_stop(args: Mapping[str, Any], ctx: ToolContext) -> str:
             await asyncio.wait_for(ctx.cancelled.wait(), timeout=0.01)
         except TimeoutError:
             continue
+        ctx.progress("stopping")
         return f"stopped at step {step}"
     return "finished"
 
@@ -43,10 +44,12 @@ async def wait_for_stop(args: Mapping[str, Any], ctx: ToolContext) -> str:
 def sync_wait_for_stop(args: Mapping[str, Any], ctx: ToolContext) -> str:
     """A sync tool checking the event between slices of blocking work."""
     deadline = time.monotonic() + 10
+    ctx.progress("working")
     while time.monotonic() < deadline:
         if ctx.cancelled.is_set():
+            ctx.progress("stopping")
             return "stopped"
-        time.sleep(0.005)
+        time.sleep(0.002)
     return "finished"
 
 
