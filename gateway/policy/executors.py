@@ -45,6 +45,7 @@ from gateway.policy.resolve import resolve_callable, resolve_exception
 
 DEFAULT_SUBRUN_SYSTEM = "You are a sub-agent. Use your tools to work on the task, then reply with a short summary."
 BODY_EXCERPT = 300
+SUBRUN_STOP_GRACE_S = 0.05  # how long a stopped sub-run may take to record its own stop
 
 
 class CompileError(ValueError):
@@ -172,10 +173,29 @@ def agent_tool(spec: ToolSpec, config: AgentExecutor, env: ToolEnv) -> ToolFunct
         options = compile_options(child, dataclasses.replace(env, model_name=model_name))
         if env.checkpoint is not None:
             options.checkpoint = env.checkpoint
-        return await run_subrun(ctx, model=env.model_for(model_name), model_name=model_name, options=options,
-                                system=system, task=_task(args), limits=limits)
+        # The child gets its own Stop button, pressed with the parent's or when this call is
+        # cancelled for any other reason (a timeout): then it stops through its own exit and
+        # records how it ended instead of being torn down mid-step.
+        child_ctx = dataclasses.replace(ctx, cancelled=asyncio.Event())
+        forward = asyncio.ensure_future(_forward(ctx.cancelled, child_ctx.cancelled))
+        task = asyncio.ensure_future(run_subrun(child_ctx, model=env.model_for(model_name), model_name=model_name,
+                                                options=options, system=system, task=_task(args), limits=limits))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            child_ctx.cancelled.set()
+            await asyncio.wait({task}, timeout=SUBRUN_STOP_GRACE_S)
+            task.cancel()
+            raise
+        finally:
+            forward.cancel()
 
     return run
+
+
+async def _forward(source: asyncio.Event, target: asyncio.Event) -> None:
+    await source.wait()
+    target.set()
 
 
 def _task(args: Mapping[str, Any]) -> str:

@@ -91,7 +91,7 @@ def parse_policy(raw: bytes, path: str | Path) -> Policy:
         limits=_limits(f.get("limits")),
         tools=tools,
         tool_errors=_tool_errors(f.get("tool_errors")),
-        dedupe=cast(Dedupe, x.choice(get_args(Dedupe))) if (x := f.get("dedupe")) else "read_only",
+        dedupe=_dedupe(f.get("dedupe")),
         stop_when=tuple(_stop_rule(item) for item in w.items()) if (w := f.get("stop_when")) else (),
         approval=_approval(f.get("approval"), tools),
         version=hashlib.sha256(raw).hexdigest()[:12],
@@ -99,6 +99,14 @@ def parse_policy(raw: bytes, path: str | Path) -> Policy:
         sandbox=_sandbox(f.get("sandbox")),
         system_prompt=s.string() if (s := f.get("system_prompt")) else None,
     )
+
+
+def _dedupe(at: At | None) -> Dedupe:
+    if at is None:
+        return "read_only"
+    if at.value is False:  # YAML 1.1 reads a bare `off` as false
+        return "off"
+    return cast(Dedupe, at.choice(get_args(Dedupe)))
 
 
 def _limits(at: At | None) -> Limits:

@@ -73,6 +73,7 @@ BAD = [
     ("budget mode", "name: x\nlimits: {budget_mode: never}\n", 2, "limits.budget_mode", "must be one of turn, strict"),
     ("negative budget", "limits:\n  max_budget_usd: -1\n", 2, "limits.max_budget_usd", "positive number"),
     ("dedupe", "dedupe: sometimes\n", 1, "dedupe", "read_only, all, off"),
+    ("dedupe on", "dedupe: on\n", 1, "dedupe", "read_only, all, off"),
     ("tools not a list", "tools: {name: x}\n", 1, "tools", "must be a list"),
     (
         "missing executor",
