@@ -73,7 +73,8 @@ def expired(asked_at: float, now: float, config: ApprovalConfig) -> bool:
     return config.expires_after_s is not None and now - asked_at >= config.expires_after_s
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
+    """`86400` -> `1 day`, `90` -> `90 seconds`."""
     for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
         if seconds >= size and seconds % size == 0:
             n = int(seconds // size)
@@ -83,7 +84,7 @@ def _duration(seconds: float) -> str:
 
 def expiry_sentence(config: ApprovalConfig) -> str:
     """The reason recorded (and read by the model) when nobody decided in time."""
-    after = _duration(config.expires_after_s) if config.expires_after_s is not None else "its deadline"
+    after = duration_text(config.expires_after_s) if config.expires_after_s is not None else "its deadline"
     return (f"Nobody decided on this call within {after}, so the approval request expired and "
             f"the call was rejected.")
 

@@ -46,8 +46,12 @@ def policy_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
 
 
-def load_set(files: list[Path]) -> tuple[dict[str, Policy], list[PolicyError]]:
-    """Load files as one set: every file's errors, then the checks across files."""
+def load_set(files: list[Path], known: Mapping[str, Policy] | None = None) -> tuple[dict[str, Policy], list[PolicyError]]:
+    """Load files as one set: every file's errors, then the checks across files.
+
+    `known` are other policies agent executors may name (e.g. the siblings of a file
+    checked alone); they are not part of the result.
+    """
     policies: dict[str, Policy] = {}
     errors: list[PolicyError] = []
     for file in files:
@@ -64,7 +68,7 @@ def load_set(files: list[Path]) -> tuple[dict[str, Policy], list[PolicyError]]:
     for policy in policies.values():
         for i, tool in enumerate(policy.tools):
             ex = tool.executor
-            if isinstance(ex, AgentExecutor) and ex.policy not in policies:
+            if isinstance(ex, AgentExecutor) and ex.policy not in policies and ex.policy not in (known or {}):
                 path: tuple[str | int, ...] = ("tools", i, "executor", "agent", "policy")
                 errors.append(PolicyError(str(policy.path), _line(policy, path), path,
                                           f"no policy named '{ex.policy}' (known: {', '.join(sorted(policies))})"))

@@ -1,0 +1,78 @@
+"""`gateway policy check` as a user runs it: a real subprocess, its output and exit code."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.policy.conftest import WriteFile
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def gateway(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "gateway", "policy", "check", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_shipped_policies_pass_with_each_tool_and_its_outcome() -> None:
+    done = gateway()  # default: policies/*.yaml of the current folder
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "policies/files.yaml: policy files (version " in out
+    assert "policies/passthrough.yaml: policy passthrough" in out and "pass-through" in out
+    assert "tool delete_file: read_only=no needs_approval=yes; executor python gateway.tools.files:delete_file" in out
+    assert ('delete_file({"path":"notes.txt"}) -> DENY (rule 1: notes.txt is the team\'s runbook; '
+            'it is never deleted.)') in out
+    assert 'delete_file({"path":"example.log"}) -> ASK (rule 2)' in out
+    assert "delete_file({}) -> ASK (rule 3)" in out
+    assert "list_files({}) -> ALLOW (the tool's needs_approval flag)" in out
+    assert "executor agent: sub-run under policy files (model scripted-plan, max_turns 6, max_budget_usd 0.05)" in out
+    assert "approvers: ops; pending approvals expire after 1 day" in out
+    assert out.rstrip().endswith("3 of 3 policy file(s) valid")
+
+
+def test_a_file_checked_alone_may_name_its_siblings() -> None:
+    done = gateway("policies/research.yaml")
+    assert done.returncode == 0, done.stderr
+    assert "policy research" in done.stdout and "policies/files.yaml" not in done.stdout
+    assert "1 of 1 policy file(s) valid" in done.stdout
+
+
+def test_invalid_files_exit_1_naming_file_line_and_field(policy_dir: Path, write: WriteFile) -> None:
+    good = write("good.yaml", "name: good\nlimits: {max_turns: 3}\n")
+    bad = write("bad.yaml", "name: bad\ntools:\n  - name: t\n    description: T.\n"
+                "    executor: {python: 'no.such.module:f'}\n")
+    done = gateway(str(good), str(bad))
+    assert done.returncode == 1
+    assert f"error: {bad}:5: tools[0].executor.python: cannot import module 'no.such.module'" in done.stderr
+    assert f"{good}: policy good" in done.stdout and "policy bad" not in done.stdout
+    assert "1 of 2 policy file(s) valid, 1 invalid" in done.stdout
+
+
+def test_shadowed_rules_are_reported(tmp_path: Path, write: WriteFile, policy_dir: Path) -> None:
+    write("p.yaml", """
+        name: p
+        tools:
+          - name: delete_file
+            description: D.
+            parameters: {type: object, properties: {path: {type: string}, force: {type: boolean}}}
+            executor: {python: "tests.policy.sample_tools:echo_sync"}
+        approval:
+          rules:
+            - {tool: "*", read_only: false, action: ask}
+            - {tool: delete_file, args: {path: "*.log", force: true}, action: allow}
+        """)
+    done = gateway(cwd=tmp_path)  # a folder named policies in the current directory
+    assert done.returncode == 0, done.stderr
+    assert 'delete_file({"path":"example.log","force":true}) -> ASK (rule 1)' in done.stdout
+    assert "warning: approval rule 2 (tool delete_file args path=*.log, force=true -> allow) never decides" \
+        in done.stdout
+
+
+def test_no_files_is_an_error(tmp_path: Path) -> None:
+    done = gateway(cwd=tmp_path)
+    assert done.returncode == 1 and "no policy files found" in done.stderr
