@@ -48,7 +48,7 @@ TURN_COST = CHAPTER_PRICE.cost(TURN)  # $0.0032
 
 
 def is_child(req: ModelRequest) -> bool:
-    return req.messages[0]["content"] == "You are the kid."
+    return bool(req.messages[0]["content"] == "You are the kid.")
 
 
 def load(policy_dir: Path, write: WriteFile, child_budget: str = "0.05") -> PolicyRegistry:
