@@ -1,0 +1,280 @@
+"""`config.yaml`: loaded, validated and frozen before the gateway starts.
+
+The shape is DESIGN.md's (field names are the contract). Every error is a `ConfigError`
+naming the file, the field path (`teams[0].budget_usd`) and what is wrong; `gateway
+serve` prints it and exits 2 without starting. Relative paths are taken from the
+config file's folder, so the gateway works from any working directory.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from gateway.harness.usage import Price
+from gateway.server.config_fields import ConfigError, Field
+
+__all__ = [
+    "Config", "ConfigError", "Defaults", "ModelRoute", "ServerConfig", "StoreConfig", "TeamConfig",
+    "UpstreamConfig", "load_config", "parse_config",
+]
+
+UpstreamKind = Literal["scripted", "openai"]
+BudgetPeriod = Literal["day", "month", "total"]
+BudgetMode = Literal["turn", "strict"]
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_OUTPUT_ALLOWANCE = 4096
+DEFAULT_UPSTREAM_TIMEOUT_S = 60.0
+SCRIPTED_PREFIX = "/scripted/v1"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """`store:`; `path` is absolute (resolved from the config folder). `options` holds the
+    whole section as written (with `path` resolved) for store kinds with more settings."""
+
+    kind: str = "sqlite"
+    path: str | None = None
+    url: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class UpstreamConfig:
+    """One upstream. A `scripted` upstream is this gateway's own /scripted/v1 mount."""
+
+    name: str
+    kind: UpstreamKind = "openai"
+    base_url: str | None = None
+    api_key_env: str | None = None
+    timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
+
+    def api_key(self) -> str | None:
+        """Read at call time, so a missing variable fails the call, not the start."""
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    """`models[i]`: the first route whose glob matches the model name decides."""
+
+    match: str
+    upstream: str
+    price: Price
+
+    @property
+    def is_glob(self) -> bool:
+        return any(c in self.match for c in "*?[")
+
+
+@dataclass(frozen=True)
+class TeamConfig:
+    name: str
+    keys: tuple[str, ...]
+    policies: tuple[str, ...]
+    budget_usd: float | None = None
+    budget_period: BudgetPeriod = "month"
+    budget_mode: BudgetMode = "turn"
+
+    @property
+    def default_policy(self) -> str:
+        return self.policies[0]
+
+
+@dataclass(frozen=True)
+class Defaults:
+    output_allowance_tokens: int = DEFAULT_OUTPUT_ALLOWANCE
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole validated configuration."""
+
+    path: Path
+    server: ServerConfig
+    store: StoreConfig
+    policies_dir: Path
+    trace_file: Path | None
+    upstreams: Mapping[str, UpstreamConfig]
+    models: tuple[ModelRoute, ...]
+    teams: tuple[TeamConfig, ...]
+    defaults: Defaults = field(default_factory=Defaults)
+
+    def route(self, model: str) -> ModelRoute | None:
+        """The first route matching `model`, or None (unknown model)."""
+        for route in self.models:
+            if fnmatch.fnmatchcase(model, route.match):
+                return route
+        return None
+
+    def team_for_key(self) -> dict[str, TeamConfig]:
+        return {key: team for team in self.teams for key in team.keys}
+
+    def team(self, name: str) -> TeamConfig | None:
+        return next((t for t in self.teams if t.name == name), None)
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a config file; raises ConfigError naming file and field."""
+    file = Path(path)
+    try:
+        text = file.read_text("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(str(file), "", "file not found") from None
+    except OSError as exc:
+        raise ConfigError(str(file), "", f"cannot read the file: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(str(file), "", f"not valid YAML{where}: {problem}") from None
+    return parse_config(data, file)
+
+
+def parse_config(data: Any, file: Path) -> Config:
+    """Validate an already-parsed YAML document as if it were read from `file`."""
+    base = file.resolve().parent
+    root = Field(str(file), "", data if data is not None else {})
+    root.keys_only({"server", "store", "policies_dir", "trace_file", "upstreams", "models", "teams", "defaults"})
+    upstreams = _upstreams(root.get("upstreams"))
+    return Config(
+        path=file,
+        server=_server(root.get("server")),
+        store=_store(root.get("store"), base),
+        policies_dir=base / root.get("policies_dir").optional_str("./policies"),
+        trace_file=_optional_path(root.get("trace_file"), base),
+        upstreams=upstreams,
+        models=_models(root.get("models"), upstreams),
+        teams=_teams(root.get("teams")),
+        defaults=_defaults(root.get("defaults")),
+    )
+
+
+def _server(at: Field) -> ServerConfig:
+    if at.missing:
+        return ServerConfig()
+    at.keys_only({"host", "port", "max_body_bytes"})
+    return ServerConfig(
+        host=at.get("host").optional_str("127.0.0.1"),
+        port=at.get("port").optional_int(8080, low=0, high=65535),
+        max_body_bytes=at.get("max_body_bytes").optional_int(DEFAULT_MAX_BODY_BYTES, low=1),
+    )
+
+
+def _store(at: Field, base: Path) -> StoreConfig:
+    if at.missing:
+        return StoreConfig(kind="sqlite", path=str(base / "gateway.db"), options={"kind": "sqlite",
+                                                                                  "path": str(base / "gateway.db")})
+    mapping = at.mapping()
+    kind = at.get("kind").optional_str("sqlite")
+    path = at.get("path").optional_str_or_none()
+    resolved = str(base / path) if path is not None else None
+    options = dict(mapping)
+    options["kind"] = kind
+    if resolved is not None:
+        options["path"] = resolved
+    return StoreConfig(kind=kind, path=resolved, url=at.get("url").optional_str_or_none(), options=options)
+
+
+def _optional_path(at: Field, base: Path) -> Path | None:
+    value = at.optional_str_or_none()
+    return base / value if value else None
+
+
+def _upstreams(section: Field) -> dict[str, UpstreamConfig]:
+    out: dict[str, UpstreamConfig] = {}
+    for at in section.required().list_of():
+        at.keys_only({"name", "kind", "base_url", "api_key_env", "timeout_s"})
+        name = at.get("name").required().nonempty_str()
+        if name in out:
+            at.get("name").fail(f"upstream '{name}' is defined twice")
+        kind: UpstreamKind = at.get("kind").choice(("scripted", "openai"), "openai")
+        base_url = at.get("base_url").optional_str_or_none()
+        if kind == "openai":
+            if base_url is None:
+                at.get("base_url").fail("is required for an upstream of kind openai (e.g. http://127.0.0.1:8081/v1)")
+            elif not base_url.startswith(("http://", "https://")):
+                at.get("base_url").fail(f"must start with http:// or https://, got {base_url!r}")
+        out[name] = UpstreamConfig(
+            name=name, kind=kind, base_url=base_url.rstrip("/") if base_url else None,
+            api_key_env=at.get("api_key_env").optional_str_or_none(),
+            timeout_s=at.get("timeout_s").optional_number(DEFAULT_UPSTREAM_TIMEOUT_S, positive=True),
+        )
+    if not out:
+        section.fail("at least one upstream is required")
+    return out
+
+
+def _models(section: Field, upstreams: Mapping[str, UpstreamConfig]) -> tuple[ModelRoute, ...]:
+    routes = []
+    for at in section.required().list_of():
+        at.keys_only({"match", "upstream", "price_in", "price_out"})
+        match = at.get("match").required().nonempty_str()
+        upstream = at.get("upstream").required().nonempty_str()
+        if upstream not in upstreams:
+            at.get("upstream").fail(f"no upstream named '{upstream}' (known: {', '.join(upstreams)})")
+        price = Price(at.get("price_in").optional_number(2.00, nonnegative=True),
+                      at.get("price_out").optional_number(12.00, nonnegative=True))
+        routes.append(ModelRoute(match, upstream, price))
+    if not routes:
+        section.fail("at least one model route is required (e.g. {match: \"*\", upstream: local})")
+    return tuple(routes)
+
+
+def _teams(section: Field) -> tuple[TeamConfig, ...]:
+    teams: list[TeamConfig] = []
+    seen_keys: dict[str, str] = {}
+    for at in section.required().list_of():
+        at.keys_only({"name", "keys", "key_env", "budget_usd", "budget_period", "budget_mode", "policies"})
+        name = at.get("name").required().nonempty_str()
+        if any(t.name == name for t in teams):
+            at.get("name").fail(f"team '{name}' is defined twice")
+        keys = [k.nonempty_str() for k in at.get("keys").list_of()] if not at.get("keys").missing else []
+        key_env = at.get("key_env").optional_str_or_none()
+        if key_env:
+            value = os.environ.get(key_env)
+            if not value:
+                at.get("key_env").fail(f"environment variable {key_env} is not set (it should hold the team's key)")
+            keys.append(str(value))
+        if not keys:
+            at.get("keys").fail("a team needs at least one key (keys: [...] or key_env: VARIABLE)")
+        for i, key in enumerate(keys):
+            if key in seen_keys:
+                at.get("keys").fail(f"key #{i + 1} is also a key of team '{seen_keys[key]}'; a key names one team")
+            seen_keys[key] = name
+        policies_at = at.get("policies")
+        policies = [p.nonempty_str() for p in policies_at.required().list_of()]
+        if not policies:
+            policies_at.fail("a team needs at least one policy (the first is its default)")
+        budget = at.get("budget_usd").optional_number_or_none(nonnegative=True)
+        teams.append(TeamConfig(
+            name=name, keys=tuple(keys), policies=tuple(policies), budget_usd=budget,
+            budget_period=at.get("budget_period").choice(("day", "month", "total"), "month"),
+            budget_mode=at.get("budget_mode").choice(("turn", "strict"), "turn"),
+        ))
+    if not teams:
+        section.fail("at least one team is required")
+    return tuple(teams)
+
+
+def _defaults(at: Field) -> Defaults:
+    if at.missing:
+        return Defaults()
+    at.keys_only({"output_allowance_tokens"})
+    return Defaults(at.get("output_allowance_tokens").optional_int(DEFAULT_OUTPUT_ALLOWANCE, low=1))
