@@ -1,0 +1,169 @@
+"""HTTP errors, each rendered in the OpenAI shape `{"error": {message, type, code, param}}`.
+
+Handlers raise; one middleware renders. The tree (HTTP status, `error.type`):
+
+    ApiError                         any status, any type (the base: renders itself)
+    ├── BadRequest                   400 invalid_request_error
+    │   ├── InvalidJSON              400  code invalid_json
+    │   ├── InvalidField             400  code invalid_type | missing_field | invalid_value, param = field
+    │   └── PolicyMismatch           400  code policy_mismatch (X-Policy differs from the run's)
+    ├── Unauthorized                 401 authentication_error, code invalid_api_key
+    ├── Forbidden                    403 permission_error, code policy_not_allowed
+    ├── NotFound                     404 not_found_error, code model_not_found | run_not_found | route_not_found
+    ├── MethodNotAllowed             405 invalid_request_error
+    ├── Conflict                     409 conflict_error (a run that cannot take calls now)
+    ├── PayloadTooLarge              413 invalid_request_error, code body_too_large
+    ├── LimitExceeded                429 max_turns_exceeded | budget_exceeded | team_budget_exceeded
+    │                                    (+ header x-should-retry: false, + top-level `run`)
+    ├── UpstreamError                502 upstream_error | 504 upstream_timeout (+ upstream_status)
+    └── InternalError                500 server_error
+
+Every error carries the run headers when a run is known (the middleware adds them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import orjson
+from aiohttp import web
+
+LimitKind = Literal["max_turns_exceeded", "budget_exceeded", "team_budget_exceeded"]
+
+
+class ApiError(Exception):
+    """An error answered to the client; subclasses fix the status and type."""
+
+    status: int = 500
+    type: str = "server_error"
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
+                 status: int | None = None, type: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.param = param
+        if status is not None:
+            self.status = status
+        if type is not None:
+            self.type = type
+        self.headers: dict[str, str] = dict(headers or {})
+        self.extra: dict[str, Any] = {}
+
+    def body(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}
+        }
+        out.update(self.extra)
+        return out
+
+    def response(self, headers: Mapping[str, str] | None = None) -> web.Response:
+        merged = dict(self.headers)
+        if headers:
+            merged.update(headers)
+        return web.Response(status=self.status, body=orjson.dumps(self.body()),
+                            content_type="application/json", headers=merged)
+
+
+class BadRequest(ApiError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class InvalidJSON(BadRequest):
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"request body is not valid JSON: {detail}", code="invalid_json")
+
+
+class InvalidField(BadRequest):
+    """A field of the request is missing, of the wrong type or out of range; `param` names it."""
+
+    def __init__(self, param: str, message: str, code: str = "invalid_value") -> None:
+        super().__init__(message, code=code, param=param)
+
+
+class PolicyMismatch(BadRequest):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="policy_mismatch", param="X-Policy")
+
+
+class Unauthorized(ApiError):
+    status = 401
+    type = "authentication_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="invalid_api_key")
+
+
+class Forbidden(ApiError):
+    status = 403
+    type = "permission_error"
+
+
+class NotFound(ApiError):
+    status = 404
+    type = "not_found_error"
+
+
+class MethodNotAllowed(ApiError):
+    status = 405
+    type = "invalid_request_error"
+
+
+class Conflict(ApiError):
+    status = 409
+    type = "conflict_error"
+
+
+class PayloadTooLarge(ApiError):
+    status = 413
+    type = "invalid_request_error"
+
+    def __init__(self, limit: int, size: int | None = None) -> None:
+        got = f" ({size} bytes)" if size is not None else ""
+        super().__init__(f"request body is too large{got}: the limit is {limit} bytes (server.max_body_bytes)",
+                         code="body_too_large")
+
+
+class LimitExceeded(ApiError):
+    """A governed call refused before anything was forwarded: do not retry as is."""
+
+    status = 429
+
+    def __init__(self, kind: LimitKind, message: str, run: Mapping[str, Any] | None = None) -> None:
+        super().__init__(message, code=kind, type=kind, headers={"x-should-retry": "false"})
+        self.kind: LimitKind = kind
+        if run is not None:
+            self.extra["run"] = dict(run)
+
+
+class UpstreamError(ApiError):
+    """The upstream failed: 504 on a timeout, 502 otherwise (its own status in `upstream_status`)."""
+
+    def __init__(self, status: int, code: str, message: str, upstream: str, upstream_status: int | None = None) -> None:
+        super().__init__(message, code=code, status=status,
+                         type="upstream_timeout" if status == 504 else "upstream_error")
+        self.upstream = upstream
+        self.upstream_status = upstream_status
+        self.extra["upstream"] = {"name": upstream, "status": upstream_status}
+
+
+class InternalError(ApiError):
+    status = 500
+    type = "server_error"
+
+
+def from_http_exception(exc: web.HTTPException) -> ApiError:
+    """aiohttp's own errors (unknown route, wrong method, body too big) in our shape."""
+    if exc.status == 404:
+        return NotFound(f"no route for this path: {exc.reason}", code="route_not_found")
+    if exc.status == 405:
+        allowed = getattr(exc, "allowed_methods", None) or ()
+        return MethodNotAllowed(f"method not allowed; allowed: {', '.join(sorted(allowed))}", code="method_not_allowed")
+    if exc.status == 413:
+        return ApiError(exc.text or "request body is too large", status=413, type="invalid_request_error",
+                        code="body_too_large")
+    kind = "invalid_request_error" if 400 <= exc.status < 500 else "server_error"
+    return ApiError(exc.text or exc.reason, status=exc.status, type=kind, code=None)
