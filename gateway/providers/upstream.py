@@ -1,0 +1,206 @@
+"""The client side of the proxy: chat completions to an OpenAI-compatible upstream.
+
+One `aiohttp.ClientSession` (with a tuned connector) is shared by every upstream of the
+app. Every failure becomes an `UpstreamError` the client can act on:
+
+    timeout (connect, read, whole call)         -> 504 upstream_timeout
+    connection refused / reset before an answer -> 502 upstream_unreachable
+    upstream 5xx, 429, 401, 403                 -> 502 upstream_status (naming its status and message)
+    upstream other 4xx                          -> same status, upstream_rejected (the request is at fault)
+    body that is not a chat completion          -> 502 upstream_malformed
+    body or stream cut in the middle            -> 502 upstream_cut
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from gateway.server.config import UpstreamConfig
+from gateway.server.errors import UpstreamError
+
+__all__ = ["Upstream", "UpstreamError", "UpstreamReply", "UpstreamStream", "new_session"]
+
+FORWARDED_PREFIX = "x-scripted-"
+"""Client headers passed on to the upstream (the scripted provider's failure injection)."""
+
+
+def new_session() -> aiohttp.ClientSession:
+    """The shared client session: many keep-alive connections, DNS cached, no cookie jar."""
+    connector = aiohttp.TCPConnector(limit=1024, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=60,
+                                     enable_cleanup_closed=False)
+    return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
+                                 timeout=aiohttp.ClientTimeout(total=None))
+
+
+@dataclass(frozen=True)
+class UpstreamReply:
+    """A non-streamed answer: the body as received (to pass on byte-exact) and parsed."""
+
+    raw: bytes
+    data: dict[str, Any]
+    seconds: float
+
+
+class UpstreamStream:
+    """An upstream SSE answer: yields whole events (their bytes as received)."""
+
+    def __init__(self, upstream: Upstream, response: aiohttp.ClientResponse) -> None:
+        self.upstream = upstream
+        self.response = response
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """Each SSE event with its terminating blank line; raises UpstreamError if cut."""
+        parts: list[bytes] = []
+        try:
+            async for line in self.response.content:
+                if line in (b"\n", b"\r\n"):
+                    if parts:
+                        parts.append(line)
+                        yield b"".join(parts)
+                        parts = []
+                    continue
+                parts.append(line)
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+            raise self.upstream.timeout("stream stalled") from None
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            raise UpstreamError(502, "upstream_cut", f"upstream '{self.upstream.name}' cut the stream: {exc}",
+                                self.upstream.name, self.response.status) from None
+        if parts:  # a last event without its blank line
+            yield b"".join(parts) + b"\n"
+
+
+class Upstream:
+    """One configured upstream bound to the shared session."""
+
+    def __init__(self, config: UpstreamConfig, session: aiohttp.ClientSession,
+                 base_url: Callable[[], str | None]) -> None:
+        self.config = config
+        self.name = config.name
+        self.session = session
+        self._base_url = base_url
+        self._plain_timeout = aiohttp.ClientTimeout(total=config.timeout_s)
+        self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.timeout_s,
+                                                     sock_read=config.timeout_s)
+
+    @property
+    def url(self) -> str:
+        base = self.config.base_url or self._base_url()
+        if base is None:
+            raise UpstreamError(502, "upstream_unreachable",
+                                f"upstream '{self.name}' has no address yet (the gateway does not know its own URL)",
+                                self.name)
+        return base + "/chat/completions"
+
+    def headers(self, client_headers: Mapping[str, str] | None = None) -> dict[str, str]:
+        out = {"Content-Type": "application/json"}
+        if self.config.api_key_env:
+            key = self.config.api_key()
+            if not key:
+                raise UpstreamError(502, "upstream_misconfigured",
+                                    f"upstream '{self.name}': environment variable {self.config.api_key_env} "
+                                    "is not set", self.name)
+            out["Authorization"] = f"Bearer {key}"
+        if client_headers:
+            for name, value in client_headers.items():
+                if name.lower().startswith(FORWARDED_PREFIX):
+                    out[name] = value
+        return out
+
+    def timeout(self, what: str) -> UpstreamError:
+        return UpstreamError(504, "upstream_timeout",
+                             f"upstream '{self.name}' did not answer within {self.config.timeout_s:g}s ({what})",
+                             self.name)
+
+    async def complete(self, body: bytes, headers: Mapping[str, str]) -> UpstreamReply:
+        """POST a non-streamed chat completion and return it, checked."""
+        started = time.perf_counter()
+        try:
+            async with self.session.post(self.url, data=body, headers=headers, timeout=self._plain_timeout) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+            raise self.timeout("no complete answer") from None
+        except aiohttp.ClientPayloadError as exc:
+            raise UpstreamError(502, "upstream_cut", f"upstream '{self.name}' cut its answer: {exc}", self.name) from None
+        except aiohttp.ClientConnectionError as exc:
+            raise self._unreachable(exc) from None
+        if status != 200:
+            raise self._status_error(status, raw)
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise self._malformed(f"body is not JSON: {raw[:120]!r}") from None
+        if not isinstance(data, dict) or not _has_message(data):
+            raise self._malformed("body is not a chat completion (no choices[0].message)")
+        return UpstreamReply(raw, data, time.perf_counter() - started)
+
+    @asynccontextmanager
+    async def stream(self, body: bytes, headers: Mapping[str, str]) -> AsyncIterator[UpstreamStream]:
+        """POST a streamed chat completion; errors before the first byte raise here."""
+        try:
+            resp = await self.session.post(self.url, data=body, headers=headers, timeout=self._stream_timeout)
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+            raise self.timeout("no response headers") from None
+        except aiohttp.ClientConnectionError as exc:
+            raise self._unreachable(exc) from None
+        try:
+            if resp.status != 200:
+                try:
+                    raw = await resp.read()
+                except (asyncio.TimeoutError, aiohttp.ClientError):
+                    raw = b""
+                raise self._status_error(resp.status, raw)
+            content_type = resp.headers.get("Content-Type", "")
+            if "text/event-stream" not in content_type:
+                raise self._malformed(f"asked for a stream, got Content-Type {content_type or 'none'!r}")
+            yield UpstreamStream(self, resp)
+        finally:
+            if resp.content.at_eof():
+                resp.release()  # fully read: the connection goes back to the pool
+            else:
+                resp.close()  # abandoned mid-body: the connection cannot be reused
+
+    def _unreachable(self, exc: BaseException) -> UpstreamError:
+        return UpstreamError(502, "upstream_unreachable", f"upstream '{self.name}' is unreachable: {exc}", self.name)
+
+    def _malformed(self, detail: str) -> UpstreamError:
+        return UpstreamError(502, "upstream_malformed", f"upstream '{self.name}' answered malformed: {detail}",
+                             self.name, 200)
+
+    def _status_error(self, status: int, raw: bytes) -> UpstreamError:
+        message = _error_message(raw)
+        if status in (401, 403, 429) or status >= 500:
+            return UpstreamError(502, "upstream_status", f"upstream '{self.name}' answered {status}: {message}",
+                                 self.name, status)
+        return UpstreamError(status if 400 <= status < 500 else 502, "upstream_rejected",
+                             f"upstream '{self.name}' rejected the request ({status}): {message}", self.name, status)
+
+
+def _has_message(data: dict[str, Any]) -> bool:
+    choices = data.get("choices")
+    return (isinstance(choices, list) and bool(choices) and isinstance(choices[0], dict)
+            and isinstance(choices[0].get("message"), dict))
+
+
+def _error_message(raw: bytes) -> str:
+    """The upstream's own words: error.message of an OpenAI-shaped body, else the text."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        text = raw[:300].decode("utf-8", "replace").strip()
+        return text or "(empty body)"
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+    return raw[:300].decode("utf-8", "replace")
