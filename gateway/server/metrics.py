@@ -1,0 +1,126 @@
+"""Prometheus metrics of one gateway app, in a registry of its own (no process globals).
+
+Labels stay bounded: routes are route templates (never raw paths), models are the names
+the config routes (anything else is "other"), reasons are short codes, and no label ever
+carries a run id.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from gateway.harness.usage import Usage
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OTHER = "other"
+_CODE = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
+
+ToolOutcome = str
+"""ok | error | denied | rejected | deduped | cancelled | timeout (any short code)."""
+
+
+def _code(value: str) -> str:
+    """A label value that must be a short code; free text collapses to "other"."""
+    return value if _CODE.match(value) else OTHER
+
+
+class Metrics:
+    """Every metric of DESIGN.md "Metrics", plus a few histograms per run."""
+
+    def __init__(self, known_models: Iterable[str] = ()) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.known_models = frozenset(known_models)
+        r = self.registry
+        self.requests = Counter("gateway_requests_total", "HTTP requests by route template and status.",
+                                ["route", "code"], registry=r)
+        self.turns = Counter("gateway_turns_total", "Model turns (upstream calls that completed).",
+                             ["team", "policy", "model"], registry=r)
+        self.tokens = Counter("gateway_tokens_total", "Tokens by kind (prompt | completion).",
+                              ["team", "model", "kind"], registry=r)
+        self.cost = Counter("gateway_cost_usd_total", "Spend in USD at configured prices.",
+                            ["team", "model"], registry=r)
+        self.runs_stopped = Counter("gateway_runs_stopped_total", "Runs that stopped, by status and reason code.",
+                                    ["team", "policy", "status", "reason"], registry=r)
+        self.tool_calls = Counter("gateway_tool_calls_total", "Server-side tool calls by outcome.",
+                                  ["policy", "tool", "outcome"], registry=r)
+        self.tool_duration = Histogram("gateway_tool_duration_seconds", "Server-side tool run time.",
+                                       ["tool"], registry=r,
+                                       buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.upstream_duration = Histogram("gateway_upstream_duration_seconds", "Upstream call time (whole answer).",
+                                           ["upstream", "model"], registry=r,
+                                           buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.ttft = Histogram("gateway_ttft_seconds", "Time to the first streamed chunk from the upstream.",
+                              ["upstream", "model"], registry=r,
+                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        self.overhead = Histogram("gateway_overhead_seconds", "Handler time minus upstream time, per proxied call.",
+                                  registry=r,
+                                  buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
+        self.team_spend = Gauge("gateway_team_spend_usd", "Team spend in the current budget period (ledger).",
+                                ["team"], registry=r)
+        self.team_remaining = Gauge("gateway_team_budget_remaining_usd",
+                                    "Team budget left in the period (budget - spent - reserved).", ["team"], registry=r)
+        self.approvals_pending = Gauge("gateway_approvals_pending", "Calls waiting for a person's decision.",
+                                       ["team"], registry=r)
+        self.runs_active = Gauge("gateway_runs_active", "Runs with a call in progress in this process.", registry=r)
+        self.turns_per_run = Histogram("gateway_turns_per_run", "Turns of a run when it stops.", registry=r,
+                                       buckets=(1, 2, 3, 5, 8, 13, 20, 30, 50, 100, 200))
+        self.cost_per_run = Histogram("gateway_cost_per_run_usd", "Cost of a run when it stops.", registry=r,
+                                      buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1,
+                                               5))
+
+    def model_label(self, model: str) -> str:
+        """The model's name if the config routes it by name (or a scripted scenario), else "other"."""
+        return model if model in self.known_models else OTHER
+
+    def on_request(self, route: str, code: int) -> None:
+        self.requests.labels(route, str(code)).inc()
+
+    def on_overhead(self, seconds: float) -> None:
+        self.overhead.observe(max(0.0, seconds))
+
+    def on_upstream(self, upstream: str, model: str, seconds: float) -> None:
+        self.upstream_duration.labels(upstream, self.model_label(model)).observe(seconds)
+
+    def on_ttft(self, upstream: str, model: str, seconds: float) -> None:
+        self.ttft.labels(upstream, self.model_label(model)).observe(seconds)
+
+    def on_turn(self, team: str, policy: str, model: str, usage: Usage, cost_usd: float) -> None:
+        """One model turn of a run (pass-through or server-side)."""
+        label = self.model_label(model)
+        self.turns.labels(team, policy, label).inc()
+        self.tokens.labels(team, label, "prompt").inc(usage.prompt_tokens)
+        self.tokens.labels(team, label, "completion").inc(usage.completion_tokens)
+        self.cost.labels(team, label).inc(cost_usd)
+
+    def on_tool(self, policy: str, tool: str, outcome: ToolOutcome, seconds: float | None = None) -> None:
+        """One server-side tool call; `seconds` only for calls that ran."""
+        self.tool_calls.labels(policy, tool, _code(outcome)).inc()
+        if seconds is not None:
+            self.tool_duration.labels(tool).observe(seconds)
+
+    def on_run_stopped(self, team: str, policy: str, status: str, reason: str, turns: int, cost_usd: float) -> None:
+        """A run left `running`. `reason` is a short code (max_turns, max_budget, team_budget,
+        completed, cancelled, approval, ...); free text is counted as "other"."""
+        self.runs_stopped.labels(team, policy, status, _code(reason)).inc()
+        self.turns_per_run.observe(turns)
+        self.cost_per_run.observe(cost_usd)
+
+    def set_approvals_pending(self, team: str, count: int) -> None:
+        self.approvals_pending.labels(team).set(count)
+
+    def approvals_pending_delta(self, team: str, delta: int) -> None:
+        self.approvals_pending.labels(team).inc(delta)
+
+    def run_active(self, delta: int) -> None:
+        self.runs_active.inc(delta)
+
+    def set_team_budget(self, team: str, spent: float, remaining: float | None) -> None:
+        self.team_spend.labels(team).set(spent)
+        if remaining is not None:
+            self.team_remaining.labels(team).set(remaining)
+
+    def render(self) -> bytes:
+        return bytes(generate_latest(self.registry))
