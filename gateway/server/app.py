@@ -1,0 +1,162 @@
+"""`build_app(config)`: the gateway as an aiohttp application.
+
+Routes: POST /v1/chat/completions, GET /v1/models, GET /metrics, GET /healthz, the
+scripted provider at /scripted/v1, plus what the optional modules add:
+`gateway.server.harness_route.setup(app)` (server-side runs: sets `app[HARNESS]`, adds
+the runs API). Resources that live on the event
+loop (HTTP session, governor, upstreams) come with `cleanup_ctx`; the store is opened
+when the app is built (so a bad `store:` section fails before listening) and closed by it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import importlib.util
+from collections.abc import AsyncIterator
+
+import orjson
+from aiohttp import web
+
+from gateway.policy.errors import PolicySetError
+from gateway.policy.registry import PolicyRegistry
+from gateway.providers.scenarios import model_names
+from gateway.providers.scripted import scripted_app
+from gateway.providers.upstream import new_session
+from gateway.server import context as ctx
+from gateway.server.auth import KeyRing
+from gateway.server.budget import Governor
+from gateway.server.config import SCRIPTED_PREFIX, Config, ConfigError
+from gateway.server.errors import ApiError
+from gateway.server.metrics import CONTENT_TYPE, Metrics
+from gateway.server.middleware import gateway_middleware
+from gateway.server.passthrough import chat_completions
+from gateway.server.runs import Call
+from gateway.store import Store, StoreConfigError, StoreError, open_store
+from gateway.tokens import get_counter
+
+OPTIONAL_MODULES = ("gateway.server.harness_route",)
+"""Modules with a `setup(app)` that add to the gateway (server-side runs and the runs API)."""
+
+
+def routed_models(config: Config) -> list[tuple[str, str]]:
+    """(model, upstream) for every model the config routes by name; a glob on the scripted
+    upstream lists the scripted scenarios it matches (other globs cannot be listed)."""
+    out: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    scripted = model_names()
+    for route in config.models:
+        upstream = config.upstreams[route.upstream]
+        if not route.is_glob:
+            names = [route.match]
+        elif upstream.kind == "scripted":
+            names = [m for m in scripted if fnmatch.fnmatchcase(m, route.match)]
+        else:
+            names = []
+        for name in names:
+            # first match wins: a name an earlier route already took is not this route's
+            if name not in seen and config.route(name) is route:
+                seen.add(name)
+                out.append((name, route.upstream))
+    return out
+
+
+def load_policies(config: Config) -> PolicyRegistry:
+    """Load `policies_dir` and check every team's policies exist; ConfigError otherwise."""
+    registry = PolicyRegistry(config.policies_dir)
+    try:
+        registry.load()
+    except PolicySetError as exc:
+        raise ConfigError(str(config.path), "policies_dir", f"{config.policies_dir}: {exc}") from None
+    for i, team in enumerate(config.teams):
+        for j, name in enumerate(team.policies):
+            if registry.get(name) is None:
+                raise ConfigError(str(config.path), f"teams[{i}].policies[{j}]",
+                                  f"no policy named '{name}' in {config.policies_dir} "
+                                  f"(loaded: {', '.join(registry.names()) or 'none'})")
+    return registry
+
+
+async def _no_harness(request: web.Request, call: Call) -> web.StreamResponse:
+    raise ApiError(f"policy '{call.policy.name}' runs tools server-side, which this gateway build does not serve",
+                   status=501, type="server_error", code="harness_unavailable")
+
+
+def _open_store(config: Config) -> Store:
+    try:
+        return open_store(config.store.options)
+    except StoreConfigError as exc:  # its message starts with the field (store.url: ...)
+        raise ConfigError(str(config.path), "", str(exc)) from None
+    except StoreError as exc:
+        raise ConfigError(str(config.path), "store", str(exc)) from None
+
+
+async def _resources(app: web.Application) -> AsyncIterator[None]:
+    config = app[ctx.CONFIG]
+    store = app[ctx.STORE]
+    session = new_session()
+    app[ctx.SESSION] = session
+    app[ctx.GOVERNOR] = Governor(store, app[ctx.COUNTER], config.defaults)
+    upstreams = ctx.Upstreams(config, session)
+    upstreams.self_url = app.get(ctx.SELF_URL)
+    app[ctx.UPSTREAMS] = upstreams
+    try:
+        yield
+    finally:
+        await session.close()
+        await store.close()
+
+
+def build_app(config: Config, *, self_url: str | None = None) -> web.Application:
+    """The gateway app. `self_url` (e.g. http://127.0.0.1:8080) addresses the scripted
+    mount; without it the address is learnt from the first request."""
+    app = web.Application(middlewares=[gateway_middleware], client_max_size=config.server.max_body_bytes)
+    app[ctx.CONFIG] = config
+    app[ctx.POLICIES] = load_policies(config)
+    app[ctx.COUNTER] = get_counter()
+    app[ctx.KEYRING] = KeyRing(config.teams)
+    app[ctx.METRICS] = Metrics(name for name, _ in routed_models(config))
+    app[ctx.HARNESS] = _no_harness
+    app[ctx.STORE] = _open_store(config)
+    if self_url is not None:
+        app[ctx.SELF_URL] = self_url.rstrip("/")
+    app.cleanup_ctx.append(_resources)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.add_subapp(SCRIPTED_PREFIX, scripted_app())
+    for name in OPTIONAL_MODULES:
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name).setup(app)
+    return app
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """The models this gateway routes, in the OpenAI list shape (auth required)."""
+    app = request.app
+    app[ctx.KEYRING].authenticate(request)
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": upstream}
+            for name, upstream in routed_models(app[ctx.CONFIG])]
+    return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text. Team ledger gauges are read at scrape time (shared by replicas)."""
+    app = request.app
+    registry = app[ctx.METRICS]
+    governor = app[ctx.GOVERNOR]
+    for team in app[ctx.CONFIG].teams:
+        spent, reserved = await app[ctx.STORE].team_spend(team.name, governor.period(team))
+        remaining = None if team.budget_usd is None else team.budget_usd - spent - reserved
+        registry.set_team_budget(team.name, spent, remaining)
+    return web.Response(body=registry.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """200 when the store answers, 503 (naming the problem) when it does not."""
+    try:
+        await request.app[ctx.STORE].load_run("healthz-probe")
+    except StoreError as exc:
+        raise ApiError(f"store unavailable: {exc}", status=503, type="server_error", code="store_unavailable") from None
+    return web.Response(body=orjson.dumps({"status": "ok"}), content_type="application/json")

@@ -1,0 +1,73 @@
+"""The typed keys under which the app keeps its resources, and the per-request keys.
+
+Handlers reach everything through `request.app[KEY]` (no module globals). Resources that
+need the event loop (store, HTTP session, governor, upstreams) are set by the app's
+`cleanup_ctx` at startup and closed at shutdown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+import aiohttp
+from aiohttp import web
+
+from gateway.harness.state import RunState
+from gateway.policy.registry import PolicyRegistry
+from gateway.providers.upstream import Upstream
+from gateway.server.auth import KeyRing
+from gateway.server.budget import Governor
+from gateway.server.config import SCRIPTED_PREFIX, Config
+from gateway.server.metrics import Metrics
+from gateway.server.runs import Call
+from gateway.store.base import Store
+from gateway.tokens import TokenCounter
+
+HarnessHandler = Callable[[web.Request, Call], Awaitable[web.StreamResponse]]
+"""What serves a call whose policy runs the loop server-side (gateway.server.harness_route)."""
+
+
+class Upstreams:
+    """The configured upstreams by name; a `scripted` one is this server's own mount, whose
+    address is known once the server listens (set by `serve`, or learnt from the first request)."""
+
+    def __init__(self, config: Config, session: aiohttp.ClientSession) -> None:
+        self.self_url: str | None = None
+        self._by_name = {name: Upstream(u, session, self._scripted_base) for name, u in config.upstreams.items()}
+
+    def _scripted_base(self) -> str | None:
+        return self.self_url + SCRIPTED_PREFIX if self.self_url else None
+
+    def __getitem__(self, name: str) -> Upstream:
+        return self._by_name[name]
+
+    def learn_self_url(self, request: web.Request) -> None:
+        """Take this server's address from the socket a request arrived on."""
+        if self.self_url is not None or request.transport is None:
+            return
+        sock = request.transport.get_extra_info("sockname")
+        if not sock:
+            return
+        host, port = str(sock[0]), int(sock[1])
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        self.self_url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+CONFIG: Final = web.AppKey("config", Config)
+POLICIES: Final = web.AppKey("policies", PolicyRegistry)
+METRICS: Final = web.AppKey("metrics", Metrics)
+COUNTER: Final = web.AppKey("counter", TokenCounter)
+KEYRING: Final = web.AppKey("keyring", KeyRing)
+STORE: Final = web.AppKey[Store]("store")
+SESSION: Final = web.AppKey("session", aiohttp.ClientSession)
+GOVERNOR: Final = web.AppKey("governor", Governor)
+UPSTREAMS: Final = web.AppKey("upstreams", Upstreams)
+HARNESS: Final = web.AppKey[HarnessHandler]("harness")
+SELF_URL: Final = web.AppKey("self_url", str)
+
+# Per request: the run as last known (error responses carry its headers) and the time
+# spent waiting on the upstream (the overhead metric subtracts it).
+RUN: Final = web.RequestKey("run", RunState)
+UPSTREAM_SECONDS: Final = web.RequestKey("upstream_seconds", float)

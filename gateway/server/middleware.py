@@ -1,0 +1,58 @@
+"""The one middleware: errors in the OpenAI shape, request counts and the gateway's overhead.
+
+Any `ApiError` becomes its JSON answer (with the run's headers when a run is known);
+aiohttp's own errors (unknown route, wrong method, body too big) get the same shape; an
+unexpected exception is logged and answered 500 without details. `requests_total` is
+labelled by route template (never the raw path, so run ids stay out of labels), and
+`overhead_seconds` is the handler's time minus the time spent waiting on the upstream.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from gateway.server import context as ctx
+from gateway.server.errors import ApiError, InternalError, from_http_exception
+from gateway.server.headers import run_headers
+
+log = logging.getLogger(__name__)
+
+
+def route_label(request: web.Request) -> str:
+    """The route template that matched (`/v1/runs/{id}`), or "unmatched"."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+def _error_response(request: web.Request, exc: ApiError) -> web.Response:
+    run = request.get(ctx.RUN)
+    extra = None
+    if run is not None and "X-Run-Id" not in exc.headers:
+        extra = run_headers(run)
+    return exc.response(extra)
+
+
+@web.middleware
+async def gateway_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    started = time.perf_counter()
+    try:
+        response = await handler(request)
+    except ApiError as exc:
+        response = _error_response(request, exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        response = _error_response(request, from_http_exception(exc))
+    except Exception:
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        response = _error_response(request, InternalError("the gateway failed on this request; see its log"))
+    metrics = request.config_dict[ctx.METRICS]
+    metrics.on_request(route_label(request), response.status)
+    upstream = request.get(ctx.UPSTREAM_SECONDS)
+    if upstream is not None:
+        metrics.on_overhead(time.perf_counter() - started - upstream)
+    return response

@@ -1,0 +1,107 @@
+"""`POST /v1/chat/completions`: authenticate, key the call to its run, govern, forward.
+
+A policy with tools hands the call to the server-side harness (`app[HARNESS]`); a policy
+without tools is governed pass-through: the run's turn cap and budget and the team's
+budget are checked (and reserved) before anything is forwarded, the upstream's answer
+goes back as it came (plus the `run` object and the X-Run-* headers), and the turn is
+booked on the run before the client sees the end of the answer.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from gateway.server import context as ctx
+from gateway.server.budget import Admission
+from gateway.server.chat_request import parse_chat_request
+from gateway.server.errors import Conflict, LimitExceeded, NotFound, PayloadTooLarge
+from gateway.server.passthrough_stream import stream_through
+from gateway.server.replies import assistant_message, counted_usage, usage_of, with_run
+from gateway.server.runs import Call, resolve_call
+from gateway.server.turns import book_turn, refuse
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """The route handler: every refusal here happens before the store is touched."""
+    app = request.app
+    team = app[ctx.KEYRING].authenticate(request)
+    chat = parse_chat_request(await read_body(request, app[ctx.CONFIG].server.max_body_bytes))
+    route = app[ctx.CONFIG].route(chat.model)
+    if route is None:
+        raise NotFound(f"model '{chat.model}' is not routed by this gateway (see GET /v1/models)",
+                       code="model_not_found", param="model")
+    app[ctx.UPSTREAMS].learn_self_url(request)
+    call = await resolve_call(app[ctx.STORE], app[ctx.POLICIES], team, request.headers, chat, route)
+    request[ctx.RUN] = call.run
+    if call.policy.server_side:
+        return await app[ctx.HARNESS](request, call)
+    return await pass_through(request, call)
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The body, refused with 413 past `limit` (declared or actual size)."""
+    size = request.content_length
+    if size is not None and size > limit:
+        raise PayloadTooLarge(limit, size)
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLarge(limit) from None
+
+
+def _check_open(call: Call) -> None:
+    run = call.run
+    if run.status == "failed":
+        raise Conflict(f"run {run.run_id} failed ({run.error or run.reason}); start a new run", code="run_failed")
+    if run.status == "interrupted" and run.interruption is not None and run.interruption.type == "cancelled":
+        raise Conflict(f"run {run.run_id} was cancelled ({run.interruption.reason or 'no reason'}); resume it with "
+                       f"POST /v1/runs/{run.run_id}/resume to go on", code="run_cancelled")
+
+
+async def admit(request: web.Request, call: Call) -> Admission:
+    """Open and reserve the call, or refuse it with 429 (the run takes the refusal's status)."""
+    governor = request.app[ctx.GOVERNOR]
+    run, chat = call.run, call.chat
+    try:
+        adm = governor.open(run, call.team)
+        remaining = None if run.limits.max_budget_usd is None else run.limits.max_budget_usd - run.cost_usd
+        await governor.reserve(adm, price=call.route.price, messages=chat.messages, tools=chat.tools,
+                               max_tokens=chat.max_tokens, run_remaining_usd=remaining)
+    except LimitExceeded as exc:
+        raise await refuse(request, call, exc) from None
+    return adm
+
+
+async def pass_through(request: web.Request, call: Call) -> web.StreamResponse:
+    """Governed pass-through of one call (streamed or not)."""
+    _check_open(call)
+    adm = await admit(request, call)
+    metrics = request.app[ctx.METRICS]
+    metrics.run_active(1)
+    try:
+        upstream = request.app[ctx.UPSTREAMS][call.route.upstream]
+        try:
+            body = call.chat.upstream_body(max_tokens=adm.max_tokens, force_usage=True)
+            headers = upstream.headers(request.headers)
+        except BaseException:
+            await request.app[ctx.GOVERNOR].release(adm)
+            raise
+        if call.chat.stream:
+            return await stream_through(request, call, adm, upstream, body, headers)
+        try:
+            reply = await upstream.complete(body, headers)
+        except BaseException:
+            await request.app[ctx.GOVERNOR].release(adm)
+            raise
+        request[ctx.UPSTREAM_SECONDS] = reply.seconds
+        metrics.on_upstream(upstream.name, call.chat.model, reply.seconds)
+        choice = reply.data["choices"][0]
+        message = assistant_message(choice["message"])
+        usage = usage_of(reply.data.get("usage")) or counted_usage(request.app[ctx.COUNTER], call.chat.messages,
+                                                                   call.chat.tools, message)
+        booked = await book_turn(request, call, adm, usage=usage, message=message,
+                                 finish=str(choice.get("finish_reason") or "stop"))
+        return web.Response(body=with_run(reply.raw, booked.run.summary()), content_type="application/json",
+                            headers=booked.headers())
+    finally:
+        metrics.run_active(-1)

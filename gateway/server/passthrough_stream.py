@@ -1,0 +1,183 @@
+"""A streamed pass-through call: upstream SSE events go to the client as they arrive.
+
+Each event is forwarded with the bytes the upstream sent (tool_calls deltas included);
+it is parsed once on the way to rebuild the reply for the transcript and to find the
+usage. The upstream is always asked for `stream_options.include_usage`; the usage-only
+chunk is dropped if the client did not ask for it. Without usage, both sides are counted
+with o200k_base. The turn is booked before `data: [DONE]`, preceded by an SSE comment
+`: run {...}` with the run's figures (OpenAI clients skip comments).
+
+A stream the upstream cuts (or that stalls past the timeout) is charged for what was
+received and ends with an OpenAI-shaped `data: {"error": ...}` event, without [DONE]; a
+client that goes away is charged the same way. Nothing received: nothing is charged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import orjson
+from aiohttp import web
+
+from gateway.harness.state import Message
+from gateway.harness.usage import Usage
+from gateway.providers.upstream import Upstream, UpstreamError
+from gateway.server import context as ctx
+from gateway.server.budget import Admission
+from gateway.server.headers import run_headers
+from gateway.server.replies import counted_usage, usage_of
+from gateway.server.runs import Call
+from gateway.server.turns import Booked, book_turn
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+EventKind = Literal["chunk", "usage_only", "done", "error", "other"]
+
+
+class Reassembly:
+    """The reply rebuilt from chunk deltas (choice 0), its finish reason and usage."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.finish: str | None = None
+        self.usage: Usage | None = None
+        self.chunks = 0
+
+    def feed(self, event: bytes) -> EventKind:
+        data = _data(event)
+        if data is None:
+            return "other"
+        if data == b"[DONE]":
+            return "done"
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return "other"
+        if not isinstance(chunk, dict):
+            return "other"
+        if "error" in chunk and "choices" not in chunk:
+            return "error"
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage_of(usage) or self.usage
+        choices = chunk.get("choices")
+        if not choices:
+            return "usage_only" if isinstance(usage, dict) else "other"
+        self.chunks += 1
+        for choice in choices:
+            if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                self._choice(choice)
+        return "chunk"
+
+    def _choice(self, choice: Mapping[str, Any]) -> None:
+        if choice.get("finish_reason"):
+            self.finish = str(choice["finish_reason"])
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            return
+        if isinstance(delta.get("content"), str):
+            self.content.append(delta["content"])
+        for part in delta.get("tool_calls") or ():
+            if not isinstance(part, dict):
+                continue
+            call = self.calls.setdefault(int(part.get("index", 0)),
+                                         {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+            if part.get("id"):
+                call["id"] = part["id"]
+            function = part.get("function") or {}
+            if function.get("name"):
+                call["function"]["name"] += function["name"]
+            if function.get("arguments"):
+                call["function"]["arguments"] += function["arguments"]
+
+    def message(self) -> Message:
+        out: Message = {"role": "assistant", "content": "".join(self.content) if self.content else None}
+        if self.calls:
+            out["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
+        return out
+
+
+def _data(event: bytes) -> bytes | None:
+    """The data of one SSE event (data lines joined), or None if it has none."""
+    lines = [line[5:].lstrip(b" ").rstrip(b"\r") for line in event.split(b"\n") if line.startswith(b"data:")]
+    if not lines:
+        return None
+    return lines[0] if len(lines) == 1 else b"\n".join(lines)
+
+
+async def stream_through(request: web.Request, call: Call, adm: Admission, upstream: Upstream, body: bytes,
+                         headers: Mapping[str, str]) -> web.StreamResponse:
+    """Forward a streamed call; see the module docstring for what happens on failures."""
+    app = request.app
+    metrics = app[ctx.METRICS]
+    started = time.perf_counter()
+    got = Reassembly()
+    response: web.StreamResponse | None = None
+    failure: UpstreamError | None = None
+    client_gone = False
+    try:
+        async with upstream.stream(body, headers) as stream:
+            start_headers = run_headers(call.run)
+            start_headers["X-Run-Status"] = "running"
+            response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **start_headers})
+            await response.prepare(request)
+            first = True
+            async for event in stream.events():
+                if first:
+                    metrics.on_ttft(upstream.name, call.chat.model, time.perf_counter() - started)
+                    first = False
+                kind = got.feed(event)
+                if kind == "done":
+                    break
+                if kind == "usage_only" and not call.chat.include_usage:
+                    continue
+                try:
+                    await response.write(event)
+                except (ConnectionError, RuntimeError):
+                    client_gone = True
+                    break
+                if kind == "error":
+                    failure = UpstreamError(502, "upstream_error", f"upstream '{upstream.name}' sent an error "
+                                            "in the stream", upstream.name, 200)
+                    break
+    except UpstreamError as exc:
+        if response is None:  # nothing sent yet: an ordinary error answer
+            await app[ctx.GOVERNOR].release(adm)
+            raise
+        failure = exc
+    except BaseException:
+        await _charge_received(request, call, adm, got, "cancelled")
+        raise
+    seconds = time.perf_counter() - started
+    request[ctx.UPSTREAM_SECONDS] = seconds
+    metrics.on_upstream(upstream.name, call.chat.model, seconds)
+    assert response is not None
+    finish = got.finish or ("client_disconnected" if client_gone else "cut" if failure else "stop")
+    booked = await _charge_received(request, call, adm, got, finish)
+    if client_gone:
+        return response
+    try:
+        if failure is not None:
+            if failure.extra.get("upstream", {}).get("status") is None:
+                failure.extra["upstream"] = {"name": upstream.name, "status": 200}
+            await response.write(b"data: " + orjson.dumps(failure.body()) + b"\n\n")
+        else:
+            summary = booked.run.summary() if booked is not None else call.run.summary()
+            await response.write(b": run " + orjson.dumps(summary) + b"\n\ndata: [DONE]\n\n")
+        await response.write_eof()
+    except (ConnectionError, RuntimeError):
+        pass
+    return response
+
+
+async def _charge_received(request: web.Request, call: Call, adm: Admission, got: Reassembly,
+                           finish: str) -> Booked | None:
+    """Book what was received as the turn (counted if the upstream gave no usage), or release."""
+    if got.chunks == 0 and got.usage is None:
+        await request.app[ctx.GOVERNOR].release(adm)
+        return None
+    message = got.message()
+    usage = got.usage or counted_usage(request.app[ctx.COUNTER], call.chat.messages, call.chat.tools, message)
+    return await book_turn(request, call, adm, usage=usage, message=message, finish=finish)

@@ -1,0 +1,145 @@
+"""Run keying and run updates for calls that arrive over HTTP.
+
+`resolve_call` turns (team, X-Run-Id, X-Policy, body) into a `Call`: the run is loaded,
+or created for the caller's team on its first call (an OpenAI client sends a fixed
+X-Run-Id default header, so its first call creates the run). Everything that can be
+refused is checked before anything is written: a bad request leaves the store unchanged.
+
+`update_run` applies a change with optimistic concurrency: on `StaleRun` it reloads and
+applies the same change again, so concurrent calls of one run never lose a turn.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from gateway.harness.state import Interruption, RunState, Status, new_run_id
+from gateway.harness.usage import Usage
+from gateway.policy.decl import Policy
+from gateway.policy.registry import PolicyRegistry
+from gateway.server.chat_request import ChatRequest
+from gateway.server.config import ModelRoute, TeamConfig
+from gateway.server.errors import Conflict, Forbidden, InvalidField, NotFound, PolicyMismatch
+from gateway.store.base import Store
+from gateway.store.errors import RunExists, StaleRun
+
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$")
+UPDATE_ATTEMPTS = 32
+
+
+@dataclass
+class Call:
+    """One authenticated, validated chat-completions call and the run it belongs to."""
+
+    team: TeamConfig
+    policy: Policy
+    run: RunState
+    created: bool
+    chat: ChatRequest
+    route: ModelRoute
+
+
+def run_id_from(headers: Mapping[str, str]) -> str | None:
+    """X-Run-Id if given (checked), else None."""
+    value = headers.get("X-Run-Id")
+    if value is None or value == "":
+        return None
+    if not RUN_ID.match(value):
+        raise InvalidField("X-Run-Id", "X-Run-Id must be 1-128 characters of letters, digits, '_', '-', '.', ':' "
+                           "starting with a letter or digit", "invalid_value")
+    return value
+
+
+async def resolve_call(store: Store, policies: PolicyRegistry, team: TeamConfig, headers: Mapping[str, str],
+                       chat: ChatRequest, route: ModelRoute) -> Call:
+    """Load or create the call's run; 404 for another team's run, 403/400 for policy problems."""
+    run_id = run_id_from(headers)
+    wanted = headers.get("X-Policy") or None
+    run = await store.load_run(run_id) if run_id is not None else None
+    if run is None:
+        policy = _new_run_policy(policies, team, wanted)
+        run = RunState.new(chat.model, list(chat.messages), run_id=run_id or new_run_id(), team=team.name,
+                           policy=policy.name, policy_version=policy.version, limits=policy.limits)
+        try:
+            await store.create_run(run)
+            return Call(team, policy, run, True, chat, route)
+        except RunExists:  # a concurrent first call created it: join that run
+            loaded = await store.load_run(run.run_id)
+            if loaded is None:
+                raise
+            run = loaded
+    return Call(team, _existing_run_policy(policies, team, run, wanted), run, False, chat, route)
+
+
+def _new_run_policy(policies: PolicyRegistry, team: TeamConfig, wanted: str | None) -> Policy:
+    name = wanted or team.default_policy
+    if name not in team.policies:
+        raise Forbidden(f"policy '{name}' is not allowed for team '{team.name}' (allowed: {', '.join(team.policies)})",
+                        code="policy_not_allowed", param="X-Policy")
+    policy = policies.get(name)
+    if policy is None:
+        raise NotFound(f"policy '{name}' is not loaded by this gateway (loaded: {', '.join(policies.names())})",
+                       code="policy_not_found", param="X-Policy")
+    return policy
+
+
+def _existing_run_policy(policies: PolicyRegistry, team: TeamConfig, run: RunState, wanted: str | None) -> Policy:
+    if run.team != team.name:
+        raise NotFound(f"run {run.run_id} not found", code="run_not_found", param="X-Run-Id")
+    if wanted is not None and wanted != run.policy:
+        raise PolicyMismatch(f"run {run.run_id} is governed by policy '{run.policy}'; X-Policy '{wanted}' cannot "
+                             "change it (omit X-Policy, or start a new run)")
+    policy = policies.get_version(run.policy, run.policy_version) or policies.get(run.policy)
+    if policy is None:
+        raise Conflict(f"run {run.run_id} is governed by policy '{run.policy}', which is no longer loaded",
+                       code="policy_not_found")
+    return policy
+
+
+async def update_run(store: Store, run: RunState, change: Callable[[RunState], None]) -> RunState:
+    """Apply `change` and save; on a concurrent save, reload and apply it again."""
+    for _ in range(UPDATE_ATTEMPTS):
+        change(run)
+        try:
+            await store.save_run(run)
+            return run
+        except StaleRun:
+            fresh = await store.load_run(run.run_id)
+            if fresh is None:
+                raise
+            run = fresh
+    raise Conflict(f"run {run.run_id} is being changed by too many calls at once; retry", code="run_contended")
+
+
+def add_turn(*, model: str, usage: Usage, cost_usd: float, transcript: list[dict[str, object]] | None,
+             completed: bool) -> Callable[[RunState], None]:
+    """The change one pass-through turn makes to its run."""
+
+    def change(run: RunState) -> None:
+        run.model = model
+        run.turns += 1
+        run.usage = run.usage + usage
+        run.per_turn.append(usage)
+        run.cost_usd += cost_usd
+        if transcript is not None:
+            run.messages = transcript
+        # A final answer completes the run; a further call (the client's loop went on) reopens it.
+        if completed:
+            run.status, run.reason, run.interruption = "completed", "completed", None
+        else:
+            run.status, run.reason, run.interruption = "running", None, None
+        run.error = None
+
+    return change
+
+
+def stop_run(status: Status, reason: str, interruption: Interruption | None,
+             error: str | None = None) -> Callable[[RunState], None]:
+    """The change a refused call makes: the run takes the refusal's status."""
+
+    def change(run: RunState) -> None:
+        run.status, run.reason, run.interruption, run.error = status, reason, interruption, error
+
+    return change
