@@ -112,11 +112,11 @@ def installed_parts(spec: ModelSpec) -> list[Path]:
             continue
         paths.append(Path(module.get_part_path()))
     if missing:
+        which = (f"none of its {len(missing)} part packages is installed" if len(missing) == len(spec.distributions)
+                 else f"missing {len(missing)} of {len(spec.distributions)} part packages: {', '.join(missing)}")
+        also = f" (or: {spec.pip_command()})" if spec.install_hint != spec.pip_command() else ""
         raise MissingPackagesError(
-            f"the {spec.key} model's weights are not installed (missing {len(missing)} of "
-            f"{len(spec.distributions)} parts: {', '.join(missing)}); run: {spec.install_hint}"
-            + (f"  (or: {spec.pip_command()})" if spec.install_hint != spec.pip_command() else "")
-        )
+            f"the {spec.key} model's weights are not installed ({which}); run: {spec.install_hint}{also}")
     return paths
 
 

