@@ -23,8 +23,16 @@ def describe_call(name: str, args: Any) -> str:
     return f"{name}({rendered})"
 
 
-def rejection_text(name: str, args: Any, reason: str) -> str:
+EXPIRY = "approval-expiry"
+"""`Decision.by` of a rejection made because nobody decided in time."""
+
+
+def rejection_text(name: str, args: Any, reason: str, by: str = "") -> str:
     """What the model reads when a person said no. Never empty: silence reads as success."""
+    if by == EXPIRY:
+        why = f" {reason.strip()}" if reason.strip() else ""
+        return (f"Nobody approved the call {describe_call(name, args)} in time, so it was rejected. It was not "
+                f"run and nothing was done.{why}")
     why = f" The reviewer said: {reason.strip()}" if reason.strip() else ""
     return (f"A person declined the call {describe_call(name, args)}. It was not run and nothing "
             f"was done.{why}")

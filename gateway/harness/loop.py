@@ -23,6 +23,7 @@ from gateway.harness.state import Interruption, Message, RunState, pending
 from gateway.harness.stops import first_stop, signature
 from gateway.harness.tools import ToolContext
 from gateway.harness.trace import Tracer
+from gateway.harness.usage import Usage
 
 OutcomeKind = Literal["stopped", "client_tools"]
 REUSED_PREFIX = "[same call as before; its earlier result is reused] "
@@ -65,9 +66,8 @@ async def run(state: RunState, model: Model, options: RunOptions, cancel: Cancel
         message: Message = reply.message
         state.messages.append(message)
         state.turns += 1
-        state.usage = state.usage + reply.usage
         state.per_turn.append(reply.usage)
-        state.cost_usd += options.price.cost(reply.usage)
+        _charge(state, options, reply.usage, options.price.cost(reply.usage))
         trace("turn", turn=state.turns, prompt_tokens=reply.usage.prompt_tokens,
               completion_tokens=reply.usage.completion_tokens, total_tokens=reply.usage.total_tokens,
               costUsd=round(state.cost_usd, 9), finish=reply.finish_reason)
@@ -106,7 +106,7 @@ async def _drain(state: RunState, calls: list[dict[str, Any]], client_names: set
             continue
         decision = state.decisions.get(call_id)
         if decision is not None and decision.decision == "reject":
-            _answer(state, call_id, name, rejection_text(name, args, decision.reason))
+            _answer(state, call_id, name, rejection_text(name, args, decision.reason, decision.by))
             await _save(state, options)
             continue
         if decision is None:
@@ -144,6 +144,7 @@ async def _run_tool(state: RunState, *, tool_name: str, call_id: str, raw_args: 
         run_id=state.run_id, call_id=call_id, tool_name=tool_name, cancelled=scope.event,
         progress=lambda label: trace("tool_progress", toolName=tool_name, label=label),
         budget_remaining_usd=_remaining(state),
+        spend=lambda usage, cost_usd: _charge(state, options, usage, cost_usd),
     )
     trace("tool_start", toolName=tool_name, args=raw_args, callId=call_id)
     done = await execute(tool, args, ctx, scope)
@@ -151,8 +152,8 @@ async def _run_tool(state: RunState, *, tool_name: str, call_id: str, raw_args: 
     if done.outcome == "cancelled":
         return _cancelled(scope)
     if done.result is not None:
-        state.cost_usd += done.result.cost_usd  # a sub-run's spend rolls up into its parent
-        state.usage = state.usage + done.result.usage
+        if done.result.cost_usd or done.result.usage.total_tokens:
+            _charge(state, options, done.result.usage, done.result.cost_usd)
         _answer(state, call_id, tool_name, done.result.content)
         await _save(state, options)
         return None
@@ -167,6 +168,13 @@ async def _run_tool(state: RunState, *, tool_name: str, call_id: str, raw_args: 
         return Stop("failed", "tool_error", state.error)
     await _save(state, options)
     return None
+
+
+def _charge(state: RunState, options: RunOptions, usage: Usage, cost_usd: float) -> None:
+    state.usage = state.usage + usage
+    state.cost_usd += cost_usd
+    if options.on_spend is not None:
+        options.on_spend(usage, cost_usd)
 
 
 def _answer(state: RunState, call_id: str, name: str, content: str) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Literal, Protocol
 
 from gateway.harness.state import Interruption, RunState, Status
 from gateway.harness.tools import PermanentToolError, Tool, ToolSpec
-from gateway.harness.usage import CHAPTER_PRICE, Price
+from gateway.harness.usage import CHAPTER_PRICE, Price, Usage
 
 Dedupe = Literal["read_only", "all", "off"]
 ApprovalAction = Literal["allow", "deny", "ask"]
@@ -107,6 +107,9 @@ class RunOptions:
     max_tokens: int | None = None
     on_event: EventSink = lambda event: None
     checkpoint: Checkpoint = _no_checkpoint
+    # Told of every dollar this run spends (its turns and its tools'); a sub-run chains it
+    # to the parent's ToolContext.spend so spend rolls up live through any depth.
+    on_spend: Callable[[Usage, float], None] | None = None
 
     def tool_specs(self) -> list[dict[str, Any]]:
         """The `tools` array sent to the model: server-side tools, then the client's own."""

@@ -51,6 +51,9 @@ class ToolContext:
     progress: Callable[[str], None] = lambda label: None
     # What the calling run may still spend (None: no run budget): caps a sub-run's budget.
     budget_remaining_usd: float | None = None
+    # Charges the calling run as the tool spends (a sub-run's turns), so a Stop mid-tool
+    # loses no spend and the parent's budget sees it live.
+    spend: Callable[[Usage, float], None] = lambda usage, cost_usd: None
 
     @property
     def idempotency_key(self) -> str:

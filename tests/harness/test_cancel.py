@@ -89,3 +89,40 @@ async def test_parent_stop_stops_the_child() -> None:
     scope.cancel("user pressed Stop")
     out = await asyncio.wait_for(task, 1)
     assert out.state.status == "interrupted" and child_model.requests
+
+
+async def test_a_stopped_subrun_still_charges_what_it_spent() -> None:
+    scope = CancelScope()
+    hang = asyncio.Event()
+
+    class OneThenHang(ScriptModel):
+        async def complete(self, request):  # type: ignore[no-untyped-def]
+            if self.requests:
+                self.requests.append(request)
+                await hang.wait()  # never set: the child is stuck in its second model call
+            return await super().complete(request)
+
+    child_model = OneThenHang(lambda t, _: call("k1", "list_files"))
+
+    async def research(args: Mapping[str, Any], ctx: ToolContext) -> ToolResult:
+        opts = RunOptions(tools={"list_files": Recorder().tool("list_files")})
+        return await run_subrun(ctx, model=child_model, model_name="fake", options=opts, system="s", task="q",
+                                limits=Limits(max_turns=6))
+
+    parent = ScriptModel(lambda t, _: call("r1", "research", {"question": "q"}))
+    task = asyncio.create_task(run(new_state(), parent, RunOptions(tools={"research": Tool(ToolSpec("research", "r"),
+                                                                                            research)}), scope))
+    while len(child_model.requests) < 2:
+        await asyncio.sleep(0)
+    scope.cancel("user pressed Stop")
+    out = await asyncio.wait_for(task, 1)
+    own = RunOptions().price.cost(out.state.per_turn[0])
+    child_turn = RunOptions().price.cost(ScriptModelUsage(2))  # system + task
+    assert out.state.status == "interrupted"
+    assert abs(out.state.cost_usd - (own + child_turn)) < 1e-12  # the child's one paid turn is on the parent
+
+
+def ScriptModelUsage(messages: int) -> Any:  # noqa: N802 - mirrors ScriptModel's usage rule
+    from gateway.harness.usage import Usage
+
+    return Usage(100 + 10 * messages, 20)
