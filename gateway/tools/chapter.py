@@ -8,35 +8,34 @@ from __future__ import annotations
 
 from gateway.harness.tools import ToolSpec
 
-SYSTEM_PROMPT = (
-    "You are a careful operations assistant with access to a small folder of log files. "
-    "Use the tools to look before you answer, and answer in one short sentence."
-)
+# Calibrated with gateway.tokens so the `plan` run's first prompt is the chapter's 204
+# tokens (system + task + the four FILE_TOOLS); edit the wording, re-check the figures.
+SYSTEM_PROMPT = "You look after a folder of log files. Use the tools to look before you answer, in one sentence."
 
 PLAN_TASK = "Which file mentions a timeout?"
 
 LIST_FILES = ToolSpec(
     name="list_files",
-    description="List the files in the working folder, with their sizes in bytes.",
+    description="List the files in the working folder with their sizes.",
     parameters={"type": "object", "properties": {}},
     read_only=True,
 )
 READ_FILE = ToolSpec(
     name="read_file",
-    description="Read a text file from the working folder and return its contents.",
+    description="Read a text file from the working folder.",
     parameters={
         "type": "object",
-        "properties": {"path": {"type": "string", "description": "File name, relative to the folder."}},
+        "properties": {"path": {"type": "string"}},
         "required": ["path"],
     },
     read_only=True,
 )
 DELETE_FILE = ToolSpec(
     name="delete_file",
-    description="Delete a file from the working folder. Destructive: needs a person's approval.",
+    description="Delete a file from the working folder. Needs a person's approval.",
     parameters={
         "type": "object",
-        "properties": {"path": {"type": "string", "description": "File name, relative to the folder."}},
+        "properties": {"path": {"type": "string"}},
         "required": ["path"],
     },
     read_only=False,
@@ -44,7 +43,7 @@ DELETE_FILE = ToolSpec(
 )
 SCAN_ARCHIVE = ToolSpec(
     name="scan_archive",
-    description="Scan the archive of old log files for errors. Slow: reports progress as it goes.",
+    description="Scan the log archive for errors. Slow; reports progress.",
     parameters={"type": "object", "properties": {}},
     read_only=True,
 )
