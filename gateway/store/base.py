@@ -1,0 +1,156 @@
+"""The store contract: runs, traces, team ledgers and leases behind one small Protocol.
+
+Implementations: `memory` (tests), `sqlite` (one machine, the default) and `redis` (several
+replicas). All of them keep money as integer micro-dollars so that sums are exact; the
+Protocol speaks float USD at the edges because that is what prices produce.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from typing import Any, Protocol
+
+from gateway.harness.state import STATUSES, RunState, StateError
+from gateway.store.errors import StoreError
+
+Event = dict[str, Any]
+
+MICROS_PER_USD = 1_000_000
+DEFAULT_RESERVATION_TTL_S = 600.0
+"""A reservation outlives any sane model call; past it, the reserving process is presumed dead."""
+EXPIRED_RETENTION_S = 86_400.0
+"""How long an expired reservation is remembered, so a late `settle` still books the spend."""
+
+
+class Store(Protocol):
+    """Durable state shared by every request (and every replica) of the gateway."""
+
+    async def create_run(self, state: RunState) -> None:
+        """Store a new run as given (revision included). Raises RunExists if the id is taken."""
+        ...
+
+    async def load_run(self, run_id: str) -> RunState | None:
+        """The stored run, or None if there is none."""
+        ...
+
+    async def save_run(self, state: RunState) -> None:
+        """Save `state` if nobody saved since it was loaded (optimistic concurrency).
+
+        `state.revision` must equal the stored revision, else StaleRun (RunNotFound if the
+        run was never created). On success the store holds revision + 1, and `state.revision`
+        and `state.updated_at` are updated in place. Durable once it returns: a SIGKILL of
+        the process right after loses nothing.
+        """
+        ...
+
+    async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100) -> list[RunState]:
+        """Runs, newest first (by creation time), optionally of one team and/or one status."""
+        ...
+
+    async def append_events(self, run_id: str, events: list[Event]) -> None:
+        """Append trace events to a run; they get the next sequence numbers (from 1), in order."""
+        ...
+
+    async def events(self, run_id: str, after: int = 0) -> list[tuple[int, Event]]:
+        """The run's events with sequence number > `after`, in order, as (seq, event)."""
+        ...
+
+    async def reserve(
+        self, team: str, period: str, amount_usd: float, budget_usd: float, ttl_s: float = DEFAULT_RESERVATION_TTL_S
+    ) -> str | None:
+        """Atomically hold `amount_usd` of the team's period budget.
+
+        Succeeds only if spent + reserved + amount <= budget, across every process and replica
+        sharing the store; returns a reservation id, or None if refused. Reservations older
+        than `ttl_s` (their process presumably died) are released on the team's next reserve.
+        """
+        ...
+
+    async def settle(self, reservation_id: str, actual_usd: float) -> None:
+        """Turn a reservation into spending of `actual_usd` (more or less than reserved).
+
+        Idempotent: settling twice, or after release, books nothing more. A reservation that
+        expired is still booked (the money was spent), for EXPIRED_RETENTION_S.
+        """
+        ...
+
+    async def release(self, reservation_id: str) -> None:
+        """Give a reservation back unspent. Idempotent; a no-op after settle."""
+        ...
+
+    async def team_spend(self, team: str, period: str) -> tuple[float, float]:
+        """(spent, reserved) USD of the team in the period; expired reservations not counted."""
+        ...
+
+    async def charge(self, team: str, period: str, amount_usd: float) -> None:
+        """Book spending without a reservation (sub-run roll-ups, spend already incurred)."""
+        ...
+
+    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
+        """Take (or extend) the right to drive a run: True if it was free, expired or ours."""
+        ...
+
+    async def release_lease(self, run_id: str, owner: str) -> None:
+        """Give the lease back, if `owner` still holds it."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections and files. Idempotent."""
+        ...
+
+
+def to_micros(usd: float, what: str) -> int:
+    """USD -> integer micro-dollars, refusing non-numbers (TypeError), negative or non-finite amounts by name.
+
+    Rounds to the nearest micro-dollar: price arithmetic leaves float dust (0.00247 is
+    2469.9999999999995 micros), which must not become a whole micro-dollar.
+    """
+    if isinstance(usd, bool) or not isinstance(usd, (int, float)):
+        raise TypeError(f"{what} must be a number of USD, got {usd!r}")
+    if not math.isfinite(usd) or usd < 0:
+        raise ValueError(f"{what} must be a finite amount >= 0 USD, got {usd!r}")
+    return round(usd * MICROS_PER_USD)
+
+
+def from_micros(micros: int) -> float:
+    return micros / MICROS_PER_USD
+
+
+def check_ttl(ttl_s: float, what: str, *, allow_zero: bool) -> float:
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)):
+        raise TypeError(f"{what} must be a number of seconds, got {ttl_s!r}")
+    if not math.isfinite(ttl_s):
+        raise ValueError(f"{what} must be a finite number of seconds, got {ttl_s!r}")
+    if ttl_s < 0 or (ttl_s == 0 and not allow_zero):
+        raise ValueError(f"{what} must be {'>= 0' if allow_zero else '> 0'} seconds, got {ttl_s!r}")
+    return float(ttl_s)
+
+
+def check_list_args(status: str | None, limit: int) -> None:
+    if status is not None and status not in STATUSES:
+        raise ValueError(f"unknown run status {status!r}; expected one of {', '.join(STATUSES)}")
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise TypeError(f"limit must be an integer, got {limit!r}")
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit!r}")
+
+
+def new_reservation_id() -> str:
+    return "res_" + uuid.uuid4().hex
+
+
+def stamped_body(state: RunState, revision: int, updated_at: float) -> dict[str, Any]:
+    """The run as it will be stored by a save: next revision, new timestamp, state untouched."""
+    body = state.to_json()
+    body["revision"] = revision
+    body["updated_at"] = updated_at
+    return body
+
+
+def parse_run(run_id: str, raw: bytes | str) -> RunState:
+    """A stored body back into a run; an unreadable one is a StoreError naming the run."""
+    try:
+        return RunState.loads(raw)
+    except StateError as exc:
+        raise StoreError(f"stored run {run_id!r} cannot be read: {exc}") from exc

@@ -1,0 +1,40 @@
+"""What a store can refuse, each failure named after what the caller must do about it."""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """The store cannot do what was asked (backend unreachable, corrupt data, bad config)."""
+
+
+class StoreConfigError(StoreError, ValueError):
+    """The `store:` section of the configuration is wrong; the message names the field."""
+
+
+class RunExists(StoreError):
+    """`create_run` was given an id that is already stored."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"run {run_id!r} already exists")
+        self.run_id = run_id
+
+
+class RunNotFound(StoreError):
+    """`save_run` was given a run that was never created."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"run {run_id!r} does not exist (create_run it first)")
+        self.run_id = run_id
+
+
+class StaleRun(StoreError):
+    """Someone else saved the run since this copy was loaded: reload it and decide again."""
+
+    def __init__(self, run_id: str, expected: int, stored: int) -> None:
+        super().__init__(
+            f"run {run_id!r} was saved by someone else: this copy is at revision {expected}, "
+            f"the store is at revision {stored}; reload the run"
+        )
+        self.run_id = run_id
+        self.expected = expected
+        self.stored = stored

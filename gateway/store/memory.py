@@ -1,0 +1,182 @@
+"""The in-memory store: the real contract without durability, for tests and one-off runs.
+
+Runs and events are kept serialized, as the durable stores keep them, so a caller that
+mutates a loaded run cannot reach into the store, and unserializable data fails here too.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import orjson
+
+from gateway.harness.state import RunState
+from gateway.store.base import (
+    DEFAULT_RESERVATION_TTL_S,
+    EXPIRED_RETENTION_S,
+    Event,
+    check_list_args,
+    check_ttl,
+    from_micros,
+    new_reservation_id,
+    parse_run,
+    stamped_body,
+    to_micros,
+)
+from gateway.store.errors import RunExists, RunNotFound, StaleRun, StoreError
+
+
+@dataclass
+class _StoredRun:
+    team: str
+    status: str
+    created_at: float
+    order: int
+    revision: int
+    body: bytes
+
+
+@dataclass
+class _Reservation:
+    team: str
+    period: str
+    amount: int
+    expires_at: float
+    expired: bool = False
+
+
+class MemoryStore:
+    """Every method completes without awaiting, so each one is atomic on the event loop."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, _StoredRun] = {}
+        self._events: dict[str, list[bytes]] = {}
+        self._spent: dict[tuple[str, str], int] = {}
+        self._reservations: dict[str, _Reservation] = {}
+        self._leases: dict[str, tuple[str, float]] = {}
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError("memory store is closed")
+
+    async def create_run(self, state: RunState) -> None:
+        self._check_open()
+        if state.run_id in self._runs:
+            raise RunExists(state.run_id)
+        self._runs[state.run_id] = _StoredRun(
+            state.team, state.status, state.created_at, len(self._runs), state.revision, state.dumps()
+        )
+
+    async def load_run(self, run_id: str) -> RunState | None:
+        self._check_open()
+        stored = self._runs.get(run_id)
+        return None if stored is None else parse_run(run_id, stored.body)
+
+    async def save_run(self, state: RunState) -> None:
+        self._check_open()
+        stored = self._runs.get(state.run_id)
+        if stored is None:
+            raise RunNotFound(state.run_id)
+        if stored.revision != state.revision:
+            raise StaleRun(state.run_id, state.revision, stored.revision)
+        now = time.time()
+        body = orjson.dumps(stamped_body(state, state.revision + 1, now))
+        stored.team, stored.status, stored.revision, stored.body = state.team, state.status, state.revision + 1, body
+        state.revision += 1
+        state.updated_at = now
+
+    async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100) -> list[RunState]:
+        self._check_open()
+        check_list_args(status, limit)
+        chosen = [
+            (run_id, s)
+            for run_id, s in self._runs.items()
+            if (team is None or s.team == team) and (status is None or s.status == status)
+        ]
+        chosen.sort(key=lambda item: (item[1].created_at, item[1].order), reverse=True)
+        return [parse_run(run_id, s.body) for run_id, s in chosen[:limit]]
+
+    async def append_events(self, run_id: str, events: list[Event]) -> None:
+        self._check_open()
+        encoded = [orjson.dumps(e) for e in events]
+        self._events.setdefault(run_id, []).extend(encoded)
+
+    async def events(self, run_id: str, after: int = 0) -> list[tuple[int, Event]]:
+        self._check_open()
+        stored = self._events.get(run_id, [])
+        start = max(after, 0)
+        return [(start + i + 1, orjson.loads(raw)) for i, raw in enumerate(stored[start:])]
+
+    def _reclaim(self, team: str, now: float) -> None:
+        for rid, r in list(self._reservations.items()):
+            if r.team != team or r.expires_at > now:
+                continue
+            if r.expires_at + EXPIRED_RETENTION_S <= now:
+                del self._reservations[rid]
+            else:
+                r.expired = True
+
+    def _reserved(self, team: str, period: str, now: float) -> int:
+        return sum(
+            r.amount
+            for r in self._reservations.values()
+            if r.team == team and r.period == period and not r.expired and r.expires_at > now
+        )
+
+    async def reserve(
+        self, team: str, period: str, amount_usd: float, budget_usd: float, ttl_s: float = DEFAULT_RESERVATION_TTL_S
+    ) -> str | None:
+        self._check_open()
+        amount = to_micros(amount_usd, "amount_usd")
+        budget = to_micros(budget_usd, "budget_usd")
+        ttl = check_ttl(ttl_s, "ttl_s", allow_zero=True)
+        now = time.time()
+        self._reclaim(team, now)
+        if self._spent.get((team, period), 0) + self._reserved(team, period, now) + amount > budget:
+            return None
+        rid = new_reservation_id()
+        self._reservations[rid] = _Reservation(team, period, amount, now + ttl)
+        return rid
+
+    async def settle(self, reservation_id: str, actual_usd: float) -> None:
+        self._check_open()
+        actual = to_micros(actual_usd, "actual_usd")
+        r = self._reservations.pop(reservation_id, None)
+        if r is not None:
+            key = (r.team, r.period)
+            self._spent[key] = self._spent.get(key, 0) + actual
+
+    async def release(self, reservation_id: str) -> None:
+        self._check_open()
+        self._reservations.pop(reservation_id, None)
+
+    async def team_spend(self, team: str, period: str) -> tuple[float, float]:
+        self._check_open()
+        now = time.time()
+        return from_micros(self._spent.get((team, period), 0)), from_micros(self._reserved(team, period, now))
+
+    async def charge(self, team: str, period: str, amount_usd: float) -> None:
+        self._check_open()
+        amount = to_micros(amount_usd, "amount_usd")
+        self._spent[(team, period)] = self._spent.get((team, period), 0) + amount
+
+    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
+        self._check_open()
+        ttl = check_ttl(ttl_s, "ttl_s", allow_zero=False)
+        now = time.time()
+        held = self._leases.get(run_id)
+        if held is not None and held[0] != owner and held[1] > now:
+            return False
+        self._leases[run_id] = (owner, now + ttl)
+        return True
+
+    async def release_lease(self, run_id: str, owner: str) -> None:
+        self._check_open()
+        held = self._leases.get(run_id)
+        if held is not None and held[0] == owner:
+            del self._leases[run_id]
+
+    async def close(self) -> None:
+        self._closed = True
