@@ -1,0 +1,251 @@
+"""SQLite specifics: durability under SIGKILL, two processes on one file, migrations, speed."""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from gateway.harness.state import RunState
+from gateway.store.errors import StoreError
+from gateway.store.sqlite import MIGRATIONS, SqliteStore
+from tests.support.procs import ROOT
+
+SAVER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from gateway.harness.state import RunState
+    from gateway.store.sqlite import SqliteStore
+
+    async def main() -> None:
+        store = SqliteStore(sys.argv[1])
+        run = RunState.new("scripted-plan", [{"role": "user", "content": "go"}], run_id="run_crash", team="demo")
+        await store.create_run(run)
+        while True:
+            run.messages.append({"role": "assistant", "content": f"turn {run.revision + 1}"})
+            await store.save_run(run)
+            print(run.revision, flush=True)
+
+    asyncio.run(main())
+    """
+)
+
+RESERVER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from gateway.store.sqlite import SqliteStore
+
+    # Keeps up to 3 reservations of $0.01 against a $0.05 budget: two such processes want 6,
+    # so the ledger sits at its limit and every reserve races the other process.
+    async def main() -> None:
+        store = SqliteStore(sys.argv[1])
+        print("ready", flush=True)
+        sys.stdin.readline()  # both processes start racing on the same line
+        held, granted, overspent = [], 0, 0
+        for _ in range(int(sys.argv[2])):
+            rid = await store.reserve("demo", "2026-11", 0.01, 0.05)
+            if rid is not None:
+                granted += 1
+                held.append(rid)
+                spent, reserved = await store.team_spend("demo", "2026-11")
+                overspent += round((spent + reserved) * 1_000_000) > 50_000
+            if len(held) == 3:
+                await store.release(held.pop(0))
+        for rid in held:
+            await store.settle(rid, 0.01)
+        print(granted, overspent, len(held), flush=True)
+
+    asyncio.run(main())
+    """
+)
+
+
+def python(script: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *args], cwd=ROOT, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+
+
+def integrity(path: Path) -> str:
+    with sqlite3.connect(path) as conn:
+        return str(conn.execute("PRAGMA integrity_check").fetchone()[0])
+
+
+def user_version(path: Path) -> int:
+    with sqlite3.connect(path) as conn:
+        return int(conn.execute("PRAGMA user_version").fetchone()[0])
+
+
+async def test_a_save_survives_sigkill_right_after_it_returns(tmp_path: Path) -> None:
+    db = tmp_path / "crash.db"
+    proc = python(SAVER, str(db))
+    assert proc.stdout is not None and proc.stderr is not None
+    last = 0
+    while last < 200:
+        line = proc.stdout.readline()
+        assert line, f"saver died early: {proc.stderr.read()}"
+        last = int(line)
+    proc.send_signal(signal.SIGKILL)
+    rest, _ = proc.communicate(timeout=10)
+    assert proc.returncode == -signal.SIGKILL
+    printed = [int(x) for x in rest.split()]  # saves that returned between our read and the kill
+    last = max([last, *printed])
+
+    assert integrity(db) == "ok"
+    store = SqliteStore(db)
+    try:
+        run = await store.load_run("run_crash")
+        assert run is not None
+        assert run.revision >= last
+        assert len(run.messages) == run.revision + 1  # the body and its revision were written together
+        assert run.messages[-1]["content"] == f"turn {run.revision}"
+    finally:
+        await store.close()
+
+
+async def test_two_processes_reserving_on_one_file_never_overspend(tmp_path: Path) -> None:
+    db = tmp_path / "ledger.db"
+    await SqliteStore(db).close()  # create the schema once so both children start from the same file
+    procs = [python(RESERVER, str(db), "2000") for _ in range(2)]
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    kept = 0
+    for p in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        granted, overspent, held = (int(x) for x in out.split())
+        assert overspent == 0
+        assert granted >= 2  # the other process never holds more than 3 of the 5
+        kept += held
+    assert kept <= 5
+    store = SqliteStore(db)
+    try:  # the reservations both processes kept were settled into exact spending
+        assert await store.team_spend("demo", "2026-11") == (kept / 100, 0.0)
+    finally:
+        await store.close()
+    assert integrity(db) == "ok"
+
+
+async def test_a_fresh_file_is_migrated_to_the_latest_schema(tmp_path: Path) -> None:
+    db = tmp_path / "fresh.db"
+    sqlite3.connect(db).close()
+    assert user_version(db) == 0
+    store = SqliteStore(db)
+    await store.create_run(RunState.new("m", [], run_id="run_a"))
+    await store.close()
+    assert user_version(db) == len(MIGRATIONS)
+    with sqlite3.connect(db) as conn:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert {"runs", "events", "ledger", "reservations", "leases"} <= tables
+
+
+async def test_an_older_file_gets_only_the_missing_migrations(tmp_path: Path) -> None:
+    db = tmp_path / "old.db"
+    with sqlite3.connect(db) as conn:
+        for sql in MIGRATIONS[:4]:  # a file from a gateway that only had the runs table
+            conn.execute(sql)
+        conn.execute("PRAGMA user_version = 4")
+        conn.execute(
+            "INSERT INTO runs VALUES ('run_old', 'demo', 'completed', 'files', 1, 1, 0, ?)",
+            (RunState.new("m", [{"role": "user", "content": "kept"}], run_id="run_old", status="completed").dumps(),),
+        )
+    store = SqliteStore(db)
+    try:
+        old = await store.load_run("run_old")
+        assert old is not None and old.messages == [{"role": "user", "content": "kept"}]
+        await store.append_events("run_old", [{"type": "run_resumed"}])
+        assert await store.reserve("demo", "total", 1.0, 1.0) is not None
+    finally:
+        await store.close()
+    assert user_version(db) == len(MIGRATIONS)
+
+
+async def test_reopening_an_up_to_date_file_changes_nothing(tmp_path: Path) -> None:
+    db = tmp_path / "current.db"
+    store = SqliteStore(db)
+    await store.create_run(RunState.new("m", [], run_id="run_a"))
+    await store.close()
+    with sqlite3.connect(db) as conn:
+        schema = conn.execute("SELECT sql FROM sqlite_master ORDER BY name").fetchall()
+    blocker = sqlite3.connect(db, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")  # holds the write lock: a migration could not run now
+    try:
+        started = time.monotonic()
+        store = SqliteStore(db)
+        assert time.monotonic() - started < 1.0  # did not wait on the lock
+        assert await store.load_run("run_a") is not None
+        await store.close()
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT sql FROM sqlite_master ORDER BY name").fetchall() == schema
+    assert user_version(db) == len(MIGRATIONS)
+
+
+def test_a_file_from_a_newer_gateway_is_refused(tmp_path: Path) -> None:
+    db = tmp_path / "newer.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
+    with pytest.raises(StoreError, match="newer than this gateway"):
+        SqliteStore(db)
+
+
+def test_a_file_that_is_not_a_database_is_named(tmp_path: Path) -> None:
+    db = tmp_path / "notes.txt"
+    db.write_text("these are not the tables you are looking for\n" * 100)
+    with pytest.raises(StoreError, match="notes.txt"):
+        SqliteStore(db)
+
+
+async def test_save_of_a_ten_message_run_takes_well_under_half_a_millisecond(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "speed.db")
+    run = RunState.new(
+        "scripted-plan",
+        [{"role": "user" if i % 2 == 0 else "assistant", "content": "a realistic line of agent chatter " * 6}
+         for i in range(10)],
+        run_id="run_speed",
+    )
+    await store.create_run(run)
+    timings = []
+    for _ in range(300):
+        started = time.perf_counter()
+        await store.save_run(run)
+        timings.append(time.perf_counter() - started)
+    await store.close()
+    median = statistics.median(timings)
+    print(f"sqlite save_run of a 10-message run: median {median * 1e6:.0f} us")
+    assert median < 0.0005
+
+
+async def test_expired_reservations_are_forgotten_after_the_retention(tmp_path: Path) -> None:
+    db = tmp_path / "retention.db"
+    store = SqliteStore(db)
+    try:
+        old = await store.reserve("demo", "total", 0.01, 1.0, ttl_s=0)
+        recent = await store.reserve("demo", "total", 0.01, 1.0, ttl_s=0)
+        assert old is not None and recent is not None
+        with sqlite3.connect(db) as conn:  # make one of them older than the retention
+            conn.execute("UPDATE reservations SET expires_at = expires_at - 2 * 86400 WHERE id = ?", (old,))
+        assert await store.reserve("demo", "total", 0.01, 1.0) is not None
+        with sqlite3.connect(db) as conn:
+            states = dict(conn.execute("SELECT id, state FROM reservations WHERE id IN (?, ?)", (old, recent)))
+        assert states == {recent: "expired"}
+        await store.settle(old, 0.5)  # forgotten: nothing to book any more
+        await store.settle(recent, 0.02)
+        assert await store.team_spend("demo", "total") == (0.02, 0.01)
+    finally:
+        await store.close()
