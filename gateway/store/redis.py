@@ -1,0 +1,196 @@
+"""The Redis store: runs, traces, ledgers and leases shared by several gateway replicas.
+
+Every read-check-write is one Lua script, so it is atomic across replicas; reservation
+expiry uses the Redis server's clock (TIME), which all replicas share. Durability is the
+server's (configure appendonly for it); this module adds no caching.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from types import TracebackType
+from typing import Any, Final
+from urllib.parse import urlsplit, urlunsplit
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from gateway.harness.state import RunState
+from gateway.store import redis_lua
+from gateway.store.base import (
+    DEFAULT_RESERVATION_TTL_S,
+    EXPIRED_RETENTION_S,
+    Event,
+    check_list_args,
+    check_ttl,
+    from_micros,
+    new_reservation_id,
+    parse_run,
+    stamped_body,
+    to_micros,
+)
+from gateway.store.errors import RunExists, RunNotFound, StaleRun, StoreError
+
+DEFAULT_PREFIX: Final = "gw:"
+_RETENTION_MS: Final = str(int(EXPIRED_RETENTION_S * 1000))
+
+
+def redact(url: str) -> str:
+    """The URL without its password, fit for error messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
+
+
+class _Translate:
+    """Turns client errors (connection refused, timeouts) into StoreError naming the server."""
+
+    def __init__(self, url: str) -> None:
+        self.url = redact(url)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if isinstance(exc, RedisError):
+            raise StoreError(f"redis store {self.url}: {exc}") from exc
+
+
+class RedisStore:
+    """The store in a Redis server; every replica pointing at the same url and prefix shares it."""
+
+    def __init__(self, url: str, prefix: str = DEFAULT_PREFIX) -> None:
+        self.url = url
+        self.prefix = prefix
+        self._errors = _Translate(url)
+        self._client: aioredis.Redis | None = aioredis.Redis.from_url(url)
+        client = self._client
+        self._create = client.register_script(redis_lua.CREATE_RUN)
+        self._save = client.register_script(redis_lua.SAVE_RUN)
+        self._list = client.register_script(redis_lua.LIST_RUNS)
+        self._reserve = client.register_script(redis_lua.RESERVE)
+        self._settle = client.register_script(redis_lua.SETTLE)
+        self._release = client.register_script(redis_lua.RELEASE)
+        self._spend = client.register_script(redis_lua.TEAM_SPEND)
+        self._acquire = client.register_script(redis_lua.ACQUIRE_LEASE)
+        self._unlease = client.register_script(redis_lua.RELEASE_LEASE)
+
+    def _redis(self) -> aioredis.Redis:
+        if self._client is None:
+            raise StoreError(f"redis store {redact(self.url)} is closed")
+        return self._client
+
+    def _key(self, kind: str, name: str) -> str:
+        return f"{self.prefix}{kind}:{name}"
+
+    async def create_run(self, state: RunState) -> None:
+        self._redis()
+        with self._errors:
+            created = await self._create(
+                args=[self.prefix, state.run_id, state.team, state.status, repr(state.created_at),
+                      str(state.revision), state.dumps()]
+            )
+        if int(created) != 1:
+            raise RunExists(state.run_id)
+
+    async def load_run(self, run_id: str) -> RunState | None:
+        with self._errors:
+            body = await self._redis().hget(self._key("run", run_id), "body")
+        return None if body is None else parse_run(run_id, body)
+
+    async def save_run(self, state: RunState) -> None:
+        now = time.time()
+        revision = state.revision + 1
+        body = orjson.dumps(stamped_body(state, revision, now))
+        self._redis()
+        with self._errors:
+            result: list[Any] = await self._save(
+                args=[self.prefix, state.run_id, str(state.revision), str(revision), state.status, state.team, body]
+            )
+        if int(result[0]) == 0:
+            raise RunNotFound(state.run_id)
+        if int(result[0]) == 2:
+            raise StaleRun(state.run_id, state.revision, int(result[1]))
+        state.revision = revision
+        state.updated_at = now
+
+    async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100) -> list[RunState]:
+        check_list_args(status, limit)
+        self._redis()
+        with self._errors:
+            flat: list[bytes] = await self._list(args=[self.prefix, team or "", status or "", str(limit)])
+        return [parse_run(flat[i].decode(), flat[i + 1]) for i in range(0, len(flat), 2)]
+
+    async def append_events(self, run_id: str, events: list[Event]) -> None:
+        if not events:
+            return
+        encoded = [orjson.dumps(e) for e in events]
+        with self._errors:
+            await self._redis().rpush(self._key("events", run_id), *encoded)
+
+    async def events(self, run_id: str, after: int = 0) -> list[tuple[int, Event]]:
+        start = max(after, 0)
+        with self._errors:
+            raw = await self._redis().lrange(self._key("events", run_id), start, -1)
+        return [(start + i + 1, orjson.loads(item)) for i, item in enumerate(raw)]
+
+    async def reserve(
+        self, team: str, period: str, amount_usd: float, budget_usd: float, ttl_s: float = DEFAULT_RESERVATION_TTL_S
+    ) -> str | None:
+        amount = to_micros(amount_usd, "amount_usd")
+        budget = to_micros(budget_usd, "budget_usd")
+        ttl_ms = round(check_ttl(ttl_s, "ttl_s", allow_zero=True) * 1000)
+        rid = new_reservation_id()
+        self._redis()
+        with self._errors:
+            ok = await self._reserve(
+                args=[self.prefix, team, period, str(amount), str(budget), str(ttl_ms), rid, _RETENTION_MS]
+            )
+        return rid if int(ok) == 1 else None
+
+    async def settle(self, reservation_id: str, actual_usd: float) -> None:
+        actual = to_micros(actual_usd, "actual_usd")
+        self._redis()
+        with self._errors:
+            await self._settle(args=[self.prefix, reservation_id, str(actual)])
+
+    async def release(self, reservation_id: str) -> None:
+        self._redis()
+        with self._errors:
+            await self._release(args=[self.prefix, reservation_id])
+
+    async def team_spend(self, team: str, period: str) -> tuple[float, float]:
+        self._redis()
+        with self._errors:
+            spent, reserved = await self._spend(args=[self.prefix, team, period, _RETENTION_MS])
+        return from_micros(int(spent)), from_micros(int(reserved))
+
+    async def charge(self, team: str, period: str, amount_usd: float) -> None:
+        amount = to_micros(amount_usd, "amount_usd")
+        with self._errors:
+            await self._redis().hincrby(self._key("ledger", team), f"spent:{period}", amount)
+
+    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
+        ttl_ms = max(1, math.ceil(check_ttl(ttl_s, "ttl_s", allow_zero=False) * 1000))
+        self._redis()
+        with self._errors:
+            ok = await self._acquire(keys=[self._key("lease", run_id)], args=[owner, str(ttl_ms)])
+        return int(ok) == 1
+
+    async def release_lease(self, run_id: str, owner: str) -> None:
+        self._redis()
+        with self._errors:
+            await self._unlease(keys=[self._key("lease", run_id)], args=[owner])
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with self._errors:
+                await client.aclose()

@@ -1,0 +1,160 @@
+"""Lua scripts of the Redis store: each one is a single atomic step shared by all replicas.
+
+Keys are derived inside the scripts from a prefix (ARGV[1]), so the store targets a
+standalone Redis (or one primary), not Redis Cluster. Amounts are integer micro-dollars
+passed as strings and stay below 2^53, where Lua's doubles are exact; numbers computed in
+Lua are formatted with %d before they reach a command, never in exponent form.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+_HELPERS: Final = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function neg(s)
+  if s == '0' then return '0' end
+  return '-' .. s
+end
+-- Reservations whose expiry passed: their process is presumed dead, give the money back.
+-- The record stays (state expired) for a while so that a late settle still books the spend.
+local function reclaim(p, team, now, retention)
+  local held = p .. 'held:' .. team
+  local ledger = p .. 'ledger:' .. team
+  local ids = redis.call('ZRANGEBYSCORE', held, '-inf', string.format('%d', now))
+  for _, rid in ipairs(ids) do
+    local rk = p .. 'res:' .. rid
+    local r = redis.call('HMGET', rk, 'period', 'amount')
+    if r[1] then
+      redis.call('HINCRBY', ledger, 'reserved:' .. r[1], neg(r[2]))
+      redis.call('HSET', rk, 'state', 'expired')
+      redis.call('PEXPIRE', rk, retention)
+    end
+    redis.call('ZREM', held, rid)
+  end
+end
+"""
+
+CREATE_RUN: Final = """
+local p, id, team, status, created, rev, body = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
+local key = p .. 'run:' .. id
+if redis.call('EXISTS', key) == 1 then return 0 end
+redis.call('HSET', key, 'revision', rev, 'status', status, 'team', team, 'body', body)
+redis.call('ZADD', p .. 'runs', created, id)
+redis.call('ZADD', p .. 'runs:team:' .. team, created, id)
+redis.call('ZADD', p .. 'runs:status:' .. status, created, id)
+return 1
+"""
+
+# Returns {0} if the run does not exist, {1} when saved, {2, stored_revision} when stale.
+SAVE_RUN: Final = """
+local p, id, expected, new, status, team, body = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
+local key = p .. 'run:' .. id
+local cur = redis.call('HMGET', key, 'revision', 'status', 'team')
+if not cur[1] then return {0} end
+if cur[1] ~= expected then return {2, cur[1]} end
+redis.call('HSET', key, 'revision', new, 'status', status, 'team', team, 'body', body)
+if cur[2] ~= status or cur[3] ~= team then
+  local created = redis.call('ZSCORE', p .. 'runs', id)
+  redis.call('ZREM', p .. 'runs:status:' .. cur[2], id)
+  redis.call('ZADD', p .. 'runs:status:' .. status, created, id)
+  redis.call('ZREM', p .. 'runs:team:' .. cur[3], id)
+  redis.call('ZADD', p .. 'runs:team:' .. team, created, id)
+end
+return {1}
+"""
+
+# Walks the smallest applicable index, newest first, filtering; returns id, body, id, body...
+LIST_RUNS: Final = """
+local p, team, status, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local idx = p .. 'runs'
+if team ~= '' then idx = p .. 'runs:team:' .. team end
+if status ~= '' then
+  local by_status = p .. 'runs:status:' .. status
+  if team == '' or redis.call('ZCARD', by_status) < redis.call('ZCARD', idx) then idx = by_status end
+end
+local out = {}
+local start = 0
+while #out < 2 * limit do
+  local ids = redis.call('ZREVRANGE', idx, start, start + 199)
+  if #ids == 0 then break end
+  for _, id in ipairs(ids) do
+    local r = redis.call('HMGET', p .. 'run:' .. id, 'status', 'team', 'body')
+    if r[3] and (status == '' or r[1] == status) and (team == '' or r[2] == team) then
+      out[#out + 1] = id
+      out[#out + 1] = r[3]
+      if #out >= 2 * limit then break end
+    end
+  end
+  start = start + 200
+end
+return out
+"""
+
+RESERVE: Final = _HELPERS + """
+local p, team, period, amount, budget, ttl, rid, retention =
+  ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]
+local now = now_ms()
+reclaim(p, team, now, retention)
+local ledger = p .. 'ledger:' .. team
+local spent = tonumber(redis.call('HGET', ledger, 'spent:' .. period) or '0')
+local reserved = tonumber(redis.call('HGET', ledger, 'reserved:' .. period) or '0')
+if spent + reserved + tonumber(amount) > tonumber(budget) then return 0 end
+redis.call('HSET', p .. 'res:' .. rid, 'team', team, 'period', period, 'amount', amount, 'state', 'held')
+redis.call('ZADD', p .. 'held:' .. team, string.format('%d', now + tonumber(ttl)), rid)
+redis.call('HINCRBY', ledger, 'reserved:' .. period, amount)
+return 1
+"""
+
+SETTLE: Final = _HELPERS + """
+local p, rid, actual = ARGV[1], ARGV[2], ARGV[3]
+local rk = p .. 'res:' .. rid
+local r = redis.call('HMGET', rk, 'team', 'period', 'amount', 'state')
+if not r[1] then return 0 end
+local ledger = p .. 'ledger:' .. r[1]
+if r[4] == 'held' then
+  redis.call('HINCRBY', ledger, 'reserved:' .. r[2], neg(r[3]))
+  redis.call('ZREM', p .. 'held:' .. r[1], rid)
+end
+redis.call('HINCRBY', ledger, 'spent:' .. r[2], actual)
+redis.call('DEL', rk)
+return 1
+"""
+
+RELEASE: Final = _HELPERS + """
+local p, rid = ARGV[1], ARGV[2]
+local rk = p .. 'res:' .. rid
+local r = redis.call('HMGET', rk, 'team', 'period', 'amount', 'state')
+if not r[1] then return 0 end
+if r[4] == 'held' then
+  redis.call('HINCRBY', p .. 'ledger:' .. r[1], 'reserved:' .. r[2], neg(r[3]))
+  redis.call('ZREM', p .. 'held:' .. r[1], rid)
+end
+redis.call('DEL', rk)
+return 1
+"""
+
+TEAM_SPEND: Final = _HELPERS + """
+local p, team, period, retention = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+reclaim(p, team, now_ms(), retention)
+local ledger = p .. 'ledger:' .. team
+return {redis.call('HGET', ledger, 'spent:' .. period) or '0', redis.call('HGET', ledger, 'reserved:' .. period) or '0'}
+"""
+
+ACQUIRE_LEASE: Final = """
+local key, owner, ttl = KEYS[1], ARGV[1], ARGV[2]
+if redis.call('SET', key, owner, 'NX', 'PX', ttl) then return 1 end
+if redis.call('GET', key) == owner then
+  redis.call('SET', key, owner, 'XX', 'PX', ttl)
+  return 1
+end
+return 0
+"""
+
+RELEASE_LEASE: Final = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
