@@ -1,0 +1,65 @@
+"""`open_store`: the `store:` section of config.yaml turned into a Store, or a clear error."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, Final
+
+from gateway.store.base import Store
+from gateway.store.errors import StoreConfigError
+
+_FIELDS: Final[Mapping[str, frozenset[str]]] = MappingProxyType({
+    "sqlite": frozenset({"kind", "path"}),
+    "redis": frozenset({"kind", "url", "prefix"}),
+    "memory": frozenset({"kind"}),
+})
+_REDIS_SCHEMES: Final = ("redis://", "rediss://", "unix://")
+
+
+def _text(config: Mapping[str, Any], name: str, example: str) -> str:
+    value = config.get(name)
+    if value is None:
+        raise StoreConfigError(f"store.{name}: missing (e.g. {name}: {example})")
+    if not isinstance(value, str) or not value.strip():
+        raise StoreConfigError(f"store.{name}: expected a non-empty string, got {value!r}")
+    return value
+
+
+def open_store(config: Mapping[str, Any]) -> Store:
+    """Open the store described by `{kind: sqlite, path}`, `{kind: redis, url[, prefix]}` or `{kind: memory}`.
+
+    Errors (StoreConfigError) name the field and what is wrong. A Redis server is only
+    contacted on first use; an unreachable one then raises StoreError naming it.
+    """
+    if not isinstance(config, Mapping):
+        raise StoreConfigError(f"store: expected a mapping like {{kind: sqlite, path: ./gateway.db}}, got {config!r}")
+    kind = config.get("kind")
+    if not isinstance(kind, str) or kind not in _FIELDS:
+        raise StoreConfigError(f"store.kind: expected one of {', '.join(sorted(_FIELDS))}, got {kind!r}")
+    unknown = sorted(str(k) for k in config if k not in _FIELDS[kind])
+    if unknown:
+        raise StoreConfigError(
+            f"store: unknown field(s) {', '.join(unknown)} for kind {kind} "
+            f"(allowed: {', '.join(sorted(_FIELDS[kind]))})"
+        )
+    if kind == "sqlite":
+        from gateway.store.sqlite import SqliteStore
+
+        return SqliteStore(_text(config, "path", "./gateway.db"))
+    if kind == "redis":
+        url = _text(config, "url", "redis://127.0.0.1:6379/0")
+        if not url.startswith(_REDIS_SCHEMES):
+            raise StoreConfigError(f"store.url: expected a {', '.join(_REDIS_SCHEMES)} URL, got {url!r}")
+        prefix = config.get("prefix", "gw:")
+        if not isinstance(prefix, str):
+            raise StoreConfigError(f"store.prefix: expected a string, got {prefix!r}")
+        from gateway.store.redis import RedisStore
+
+        try:
+            return RedisStore(url, prefix)
+        except ValueError as exc:
+            raise StoreConfigError(f"store.url: {exc}") from exc
+    from gateway.store.memory import MemoryStore
+
+    return MemoryStore()

@@ -1,0 +1,119 @@
+"""Fixtures of the store tests: a real redis-server, and one Store per backend.
+
+The contract suite runs once per backend through `stores` (memory, a SQLite file in
+tmp_path, a real redis-server). `stores.open()` gives another view of the same data
+(a second SQLite connection, a second Redis client), which is how two replicas see it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import redis
+
+from gateway.store.base import Store
+from gateway.store.memory import MemoryStore
+from gateway.store.redis import RedisStore
+from gateway.store.sqlite import SqliteStore
+from tests.support.procs import free_port
+
+Backend = Literal["memory", "sqlite", "redis"]
+BACKENDS: tuple[Backend, ...] = ("memory", "sqlite", "redis")
+
+
+def _start_redis(exe: str, workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """Start redis-server on a free port and poll PING until it answers."""
+    for _attempt in range(3):  # the free port can be taken between probing and binding
+        port = free_port()
+        log = workdir / f"redis-{port}.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", str(workdir)],
+                stdout=out, stderr=subprocess.STDOUT,
+            )
+        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
+        deadline = time.monotonic() + 15
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    if client.ping():
+                        return proc, port
+                except redis.ConnectionError:
+                    time.sleep(0.02)  # poll interval, not a synchronisation stand-in
+        finally:
+            client.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"redis-server on port {port} did not answer PING within 15 s:\n{log.read_text()}")
+        if "Address already in use" not in log.read_text(errors="replace"):
+            raise RuntimeError(f"redis-server exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
+    raise RuntimeError("redis-server could not bind a free port in 3 attempts")
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real, throwaway redis-server (no persistence), killed at the end of the session."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed; the store tests need it (apt-get install -y redis-server)")
+    proc, port = _start_redis(exe, tmp_path_factory.mktemp("redis"))
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+class Stores:
+    """Opens stores of one backend over the same data, and closes them all at teardown."""
+
+    def __init__(self, backend: Backend, tmp_path: Path, redis_url: str | None) -> None:
+        self.backend = backend
+        self.path = tmp_path / "store.db"
+        self.redis_url = redis_url
+        self.prefix = f"test-{uuid.uuid4().hex[:12]}:"  # isolates this test's keys on the shared server
+        self._memory = MemoryStore()
+        self._opened: list[Store] = []
+
+    def open(self) -> Store:
+        store: Store
+        if self.backend == "memory":
+            store = self._memory  # one process: every "view" is the same object
+        elif self.backend == "sqlite":
+            store = SqliteStore(self.path)
+        else:
+            assert self.redis_url is not None
+            store = RedisStore(self.redis_url, prefix=self.prefix)
+        self._opened.append(store)
+        return store
+
+    async def close_all(self) -> None:
+        for store in self._opened:
+            await store.close()
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> tuple[Backend, str | None]:
+    kind: Backend = request.param
+    return kind, (request.getfixturevalue("redis_url") if kind == "redis" else None)
+
+
+@pytest.fixture
+async def stores(backend: tuple[Backend, str | None], tmp_path: Path) -> AsyncIterator[Stores]:
+    opened = Stores(backend[0], tmp_path, backend[1])
+    yield opened
+    await opened.close_all()
+
+
+@pytest.fixture
+async def store(stores: Stores) -> Store:
+    return stores.open()

@@ -1,0 +1,64 @@
+"""open_store: every configured kind opens a working store; bad config names the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.harness.state import RunState
+from gateway.store import StoreConfigError, StoreError, open_store
+from gateway.store.memory import MemoryStore
+from gateway.store.redis import RedisStore
+from gateway.store.sqlite import SqliteStore
+from tests.support.procs import free_port
+
+
+async def roundtrip(config: dict[str, Any]) -> type:
+    store = open_store(config)
+    try:
+        await store.create_run(RunState.new("m", [], run_id="run_factory"))
+        loaded = await store.load_run("run_factory")
+        assert loaded is not None and loaded.run_id == "run_factory"
+        return type(store)
+    finally:
+        await store.close()
+
+
+async def test_each_kind_opens_a_working_store(tmp_path: Path, redis_url: str) -> None:
+    assert await roundtrip({"kind": "memory"}) is MemoryStore
+    assert await roundtrip({"kind": "sqlite", "path": str(tmp_path / "sub" / "gateway.db")}) is SqliteStore
+    assert (tmp_path / "sub" / "gateway.db").exists()
+    assert await roundtrip({"kind": "redis", "url": redis_url, "prefix": "factory:"}) is RedisStore
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ("sqlite", r"store: expected a mapping"),
+        ({}, r"store.kind: expected one of memory, redis, sqlite, got None"),
+        ({"kind": "mysql"}, r"store.kind: .* got 'mysql'"),
+        ({"kind": "sqlite"}, r"store.path: missing"),
+        ({"kind": "sqlite", "path": 3}, r"store.path: expected a non-empty string, got 3"),
+        ({"kind": "sqlite", "path": "x.db", "url": "redis://x"}, r"store: unknown field\(s\) url for kind sqlite"),
+        ({"kind": "redis"}, r"store.url: missing"),
+        ({"kind": "redis", "url": "http://127.0.0.1:6379"}, r"store.url: expected a redis://"),
+        ({"kind": "redis", "url": "redis://127.0.0.1:6379", "prefix": 7}, r"store.prefix: expected a string"),
+        ({"kind": "redis", "url": "redis://127.0.0.1:port"}, r"store.url: "),
+    ],
+)
+def test_bad_config_names_the_field(config: Any, message: str) -> None:
+    with pytest.raises(StoreConfigError, match=message):
+        open_store(config)
+
+
+async def test_an_unreachable_redis_is_named_without_its_password() -> None:
+    port = free_port()  # nothing listens there
+    store = open_store({"kind": "redis", "url": f"redis://user:s3cret@127.0.0.1:{port}/0"})
+    try:
+        with pytest.raises(StoreError, match=rf"redis store redis://user:\*\*\*@127.0.0.1:{port}/0") as caught:
+            await store.load_run("run_a")
+        assert "s3cret" not in str(caught.value)
+    finally:
+        await store.close()
