@@ -1,0 +1,83 @@
+"""Server-sent events: the wire format of streamed answers and followed traces.
+
+Progress travels as SSE comment lines (`: tool_start read_file`), which OpenAI clients
+skip; answers as `data:` lines holding chat.completion.chunk objects, ended by
+`data: [DONE]`. A write to a client that went away raises `ClientGone`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientGone(ConnectionError):
+    """The client closed the connection while we were writing to it."""
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def progress_comment(event: Mapping[str, Any]) -> str | None:
+    """The comment line for a trace event, or None for events a client need not see."""
+    kind = event.get("type")
+    tool = str(event.get("toolName", ""))
+    if kind == "turn":
+        return f"turn {event.get('turn')}"
+    if kind == "tool_start":
+        return f"tool_start {tool}"
+    if kind == "tool_progress":
+        return f"tool_progress {tool} {event.get('label', '')}"
+    if kind == "tool_result":
+        return f"tool_result {tool} {'ok' if event.get('ok') else 'error'} {event.get('ms')}ms"
+    if kind in ("tool_deduped", "tool_denied", "approval_required"):
+        return f"{kind} {tool}"
+    if kind == "run_stopped":
+        return f"run_stopped {event.get('status')} {event.get('reason')}"
+    return None
+
+
+class SSEStream:
+    """An open `text/event-stream` response."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        self.response = response
+
+    @classmethod
+    async def open(cls, request: web.Request, headers: Mapping[str, str] | None = None) -> SSEStream:
+        """Send the status line and headers now: the client sees the stream start at once."""
+        response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **(headers or {})})
+        await response.prepare(request)
+        return cls(response)
+
+    async def _write(self, data: bytes) -> None:
+        try:
+            await self.response.write(data)
+        except (ConnectionError, RuntimeError) as exc:  # aiohttp raises both for a closed transport
+            raise ClientGone(str(exc)) from exc
+
+    async def comment(self, text: str) -> None:
+        await self._write(f": {_one_line(text)}\n\n".encode())
+
+    async def data(self, payload: Any, *, event: str | None = None, id: int | None = None) -> None:
+        """One SSE message; `payload` is JSON-encoded unless it is already a string."""
+        body = payload if isinstance(payload, str) else orjson.dumps(payload).decode()
+        head = (f"event: {event}\n" if event else "") + (f"id: {id}\n" if id is not None else "")
+        await self._write(f"{head}data: {body}\n\n".encode())
+
+    async def done(self) -> None:
+        """`data: [DONE]`, then close the response."""
+        await self._write(b"data: [DONE]\n\n")
+        await self.close()
+
+    async def close(self) -> None:
+        try:
+            await self.response.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
