@@ -1,0 +1,262 @@
+"""Driving a server-side run: one replica at a time, every change saved, Stop reachable.
+
+`RunDriver.drive(run_id, ...)` takes the run's lease (an expired lease of a dead replica
+can be taken over), reloads the run, compiles the tools of the policy *version* the run
+started under, and runs the harness loop with:
+
+- `checkpoint` = write the buffered trace, then `store.save_run` (optimistic revision):
+  every state change is durable before the next model call or tool run;
+- `on_event` = the run's `TraceWriter` (store, trace file, metrics, the caller's listeners);
+- a `CancelScope` registered in `ActiveRuns` (the cancel route and a client that went
+  away press it), and a watcher for cancel requests written by other replicas.
+
+Errors the loop lets through (upstream failure, the team budget refusing a call) end the
+run with a status and a reason, saved and traced like any other exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import aiohttp
+
+from gateway.harness.execute import CancelScope
+from gateway.harness.loop import Outcome, run
+from gateway.harness.model import Model
+from gateway.harness.state import Interruption, RunState
+from gateway.harness.usage import Price, Usage
+from gateway.policy.decl import Policy
+from gateway.policy.executors import ToolEnv, compile_options
+from gateway.policy.registry import PolicyRegistry
+from gateway.policy.sandbox import prepare_sandbox, sandbox_config
+from gateway.server.cancels import ActiveRuns, RunBusy, watch_remote_cancel
+from gateway.server.errors import ApiError, Conflict, LimitExceeded, NotFound
+from gateway.server.metrics import Metrics
+from gateway.server.tracelog import Listener, TraceWriter
+from gateway.store.base import Event, Store
+from gateway.store.errors import StoreError
+
+log = logging.getLogger(__name__)
+
+StartKind = Literal["run_started", "run_resumed"]
+Prepare = Callable[[RunState, Policy], "dict[str, Any] | None"]
+"""Changes a call makes to the run before it is driven (append tool results, raise limits).
+
+Runs under the lease on the freshly loaded run; returns the fields of the start event
+(None: the call has nothing to drive, answer with the run as it is). Raises ApiError
+to refuse, before anything is saved.
+"""
+
+ModelFactory = Callable[[RunState], Model]
+"""The model a run's turns (and its sub-runs') go to: the team's governed upstream."""
+
+
+@dataclass(frozen=True)
+class Drive:
+    """What one drive did: how the loop returned, and what this drive spent."""
+
+    outcome: Outcome
+    usage: Usage
+    cost_usd: float
+    driven: bool = True
+
+    @property
+    def state(self) -> RunState:
+        return self.outcome.state
+
+
+class PolicyGone(Conflict):
+    """The policy version the run started under is not loaded any more."""
+
+
+class RunDriver:
+    """Drives server-side runs for one gateway process."""
+
+    def __init__(self, store: Store, policies: PolicyRegistry, *, model_for: ModelFactory,
+                 price_for: Callable[[str], Price], runs_dir: Path, session: aiohttp.ClientSession | None = None,
+                 trace_file: Path | None = None, metrics: Metrics | None = None, owner: str | None = None,
+                 lease_ttl_s: float = 15.0, cancel_poll_s: float = 0.1) -> None:
+        self.store = store
+        self.policies = policies
+        self.model_for = model_for
+        self.price_for = price_for
+        self.runs_dir = runs_dir
+        self.session = session
+        self.trace_file = trace_file
+        self.metrics = metrics
+        self.owner = owner or f"gw-{uuid.uuid4().hex[:12]}"
+        self.lease_ttl_s = lease_ttl_s
+        self.cancel_poll_s = cancel_poll_s
+        self.active = ActiveRuns()
+
+    def policy_of(self, state: RunState) -> Policy:
+        """The policy version the run started under (the current one if it is the same file)."""
+        policy = self.policies.get_version(state.policy, state.policy_version)
+        if policy is None:
+            current = self.policies.get(state.policy)
+            if current is not None and not state.policy_version:
+                return current
+            raise PolicyGone(f"run {state.run_id} started under policy '{state.policy}' version "
+                             f"{state.policy_version or '?'}, which this gateway has not loaded",
+                             code="policy_not_found")
+        return policy
+
+    def sandbox_of(self, state: RunState, policy: Policy) -> Path | None:
+        """The run's folder: made on its first drive, found again on every later one
+        (by any process sharing `runs_dir`), so its files survive restarts."""
+        config = sandbox_config(policy, self.policies)
+        if config is None:
+            return None
+        if config.path is not None:
+            return prepare_sandbox(config, self.runs_dir, base_dir=policy.path.parent)
+        home = self.runs_dir / state.run_id
+        existing = sorted(p for p in home.iterdir() if p.is_dir()) if home.is_dir() else []
+        return existing[0] if existing else prepare_sandbox(config, home)
+
+    async def drive(self, run_id: str, *, prepare: Prepare | None = None, client_tools: Sequence[dict[str, Any]] = (),
+                    listeners: Sequence[Listener] = (), start: StartKind = "run_resumed") -> Drive:
+        """Drive the run until it stops or hands calls to the client.
+
+        Raises RunBusy if it is driven elsewhere, NotFound if it does not exist, and what
+        `prepare` raises; anything else the loop raises ends the run (saved, traced).
+        """
+        writer = TraceWriter(self.store, run_id, trace_file=self.trace_file, listeners=listeners)
+        with self.active.claim(run_id, writer) as scope:
+            if not await self.store.acquire_lease(run_id, self.owner, self.lease_ttl_s):
+                raise RunBusy(run_id, "by another gateway replica")
+            if self.metrics is not None:
+                self.metrics.run_active(1)
+            try:
+                return await self._drive(run_id, scope, writer, prepare, client_tools, start)
+            finally:
+                if self.metrics is not None:
+                    self.metrics.run_active(-1)
+                await self.store.release_lease(run_id, self.owner)
+
+    async def _drive(self, run_id: str, scope: CancelScope, writer: TraceWriter, prepare: Prepare | None,
+                     client_tools: Sequence[dict[str, Any]], start: StartKind) -> Drive:
+        state = await self.store.load_run(run_id)
+        if state is None:
+            raise NotFound(f"run {run_id} not found", code="run_not_found")
+        policy = self.policy_of(state)
+        fields = prepare(state, policy) if prepare is not None else {}
+        if fields is None:  # nothing to drive (it waits for a person): keep what the call added
+            await self.store.save_run(state)
+            return Drive(Outcome(state, "stopped", _last_answer(state)), Usage(), 0.0, driven=False)
+        usage_before, cost_before = state.usage, state.cost_usd
+        model = self.model_for(state)
+        if self.metrics is not None:
+            writer.listeners.append(_MetricsListener(self.metrics, state, policy))
+
+        async def checkpoint(s: RunState) -> None:
+            await writer.flush()
+            await self.store.save_run(s)
+
+        env = ToolEnv(session=self.session, model=model, model_name=state.model, price_for=self.price_for,
+                      registry=self.policies, sandbox_root=self.sandbox_of(state, policy), on_event=writer)
+        options = compile_options(policy, env, client_tools=list(client_tools), checkpoint=checkpoint)
+        writer({"runId": run_id, "type": start, **fields, "turns": state.turns, "costUsd": round(state.cost_usd, 9),
+                "ts": round(time.time(), 6)})
+        await checkpoint(state)
+        seen = await self.store.events(run_id)
+        writer.start()
+        keeper = asyncio.ensure_future(self._keep_lease(run_id, scope))
+        watcher = asyncio.ensure_future(
+            watch_remote_cancel(self.store, run_id, scope, seen[-1][0] if seen else 0, self.cancel_poll_s))
+        try:
+            try:
+                outcome = await run(state, model, options, scope)
+            except (asyncio.CancelledError, KeyboardInterrupt):
+                raise
+            except Exception as exc:  # the loop let it through: end the run with a reason
+                if isinstance(exc, StoreError):  # StaleRun included: the saved run is not ours to overwrite
+                    raise
+                outcome = await self._end(state, exc, writer, checkpoint)
+        finally:
+            keeper.cancel()
+            watcher.cancel()
+            await asyncio.gather(keeper, watcher, return_exceptions=True)
+            await writer.close()
+        return Drive(outcome, _minus(state.usage, usage_before), state.cost_usd - cost_before)
+
+    async def _keep_lease(self, run_id: str, scope: CancelScope) -> None:
+        """Renew the lease while driving; if another replica took it, stop driving."""
+        while True:
+            await asyncio.sleep(self.lease_ttl_s / 3)
+            if not await self.store.acquire_lease(run_id, self.owner, self.lease_ttl_s):
+                scope.cancel("another gateway replica took over the run")
+                return
+
+    async def _end(self, state: RunState, exc: Exception, writer: TraceWriter,
+                   checkpoint: Callable[[RunState], Any]) -> Outcome:
+        """Save a run the loop could not finish: a refused call or a failed upstream."""
+        if isinstance(exc, LimitExceeded) and exc.kind == "team_budget_exceeded":
+            state.status, state.reason, state.interruption = "budget_exceeded", "team_budget", Interruption("max_budget")
+            state.error = exc.message
+        elif isinstance(exc, LimitExceeded) and exc.kind == "budget_exceeded":
+            state.status, state.reason, state.interruption = "budget_exceeded", "max_budget", Interruption("max_budget")
+        elif isinstance(exc, LimitExceeded):
+            state.status, state.reason, state.interruption = "max_turns_exceeded", "max_turns", Interruption("max_turns")
+        elif isinstance(exc, ApiError):
+            state.status, state.reason, state.error = "failed", "upstream_error", exc.message
+        else:
+            log.exception("run %s failed inside the gateway", state.run_id)
+            state.status, state.reason, state.error = "failed", "internal_error", f"{type(exc).__name__}: {exc}"
+        event: Event = {"runId": state.run_id, "type": "run_stopped", "status": state.status, "reason": state.reason,
+                        "turns": state.turns, "costUsd": round(state.cost_usd, 9)}
+        if state.error:
+            event["detail"] = state.error
+        event["ts"] = round(time.time(), 6)
+        writer(event)
+        state.updated_at = time.time()
+        await checkpoint(state)
+        return Outcome(state, "stopped")
+
+    async def refresh_approvals(self, team: str) -> int:
+        """Recount the team's runs waiting for a person (the gauge survives restarts this way)."""
+        runs = await self.store.list_runs(team=team, status="interrupted", limit=10_000)
+        count = sum(1 for r in runs if r.interruption is not None and r.interruption.type == "approval")
+        if self.metrics is not None:
+            self.metrics.set_approvals_pending(team, count)
+        return count
+
+
+def _minus(a: Usage, b: Usage) -> Usage:
+    return Usage(a.prompt_tokens - b.prompt_tokens, a.completion_tokens - b.completion_tokens)
+
+
+def _last_answer(state: RunState) -> str | None:
+    if state.status != "completed":
+        return None
+    last = next((m for m in reversed(state.messages) if m.get("role") == "assistant"), None)
+    return str(last.get("content") or "") if last else None
+
+
+class _MetricsListener:
+    """Trace events of one run -> Prometheus (labels: team, policy, model; never the run id)."""
+
+    def __init__(self, metrics: Metrics, state: RunState, policy: Policy) -> None:
+        self.metrics = metrics
+        self.state = state
+        self.policy = policy.name
+
+    def __call__(self, event: Event) -> None:
+        kind = event.get("type")
+        m, s = self.metrics, self.state
+        if kind == "tool_result":
+            m.on_tool(self.policy, str(event.get("toolName")), "ok" if event.get("ok") else "error",
+                      float(event.get("ms") or 0) / 1000)
+        elif kind == "tool_deduped":
+            m.on_tool(self.policy, str(event.get("toolName")), "deduped")
+        elif kind == "tool_denied":
+            m.on_tool(self.policy, str(event.get("toolName")), "denied")
+        elif kind == "run_stopped" and event.get("runId") == s.run_id:
+            m.on_run_stopped(s.team, self.policy, str(event.get("status")), str(event.get("reason")),
+                             int(event.get("turns") or 0), float(event.get("costUsd") or 0.0))
