@@ -1,0 +1,215 @@
+"""Server-side runs over HTTP: a chat call (or a resume) drives the run and answers it.
+
+`handle_server_side(request, call)` is `app[HARNESS]`: the pass-through route resolved the
+team, the run (new or loaded) and the policy; here the run is driven by the `RunDriver`
+and answered with one chat.completion (or, streamed, SSE progress comments then the
+answer as chunks). A client that goes away mid-run presses the run's Stop: it is saved
+as interrupted ("client disconnected") and can be resumed.
+
+`setup(app)` is called by `build_app`: it builds the driver at startup (after the store
+and the governor), stops every run this process drives at shutdown, sets `app[HARNESS]`
+and adds the runs API (gateway.server.runs_api), which uses the same driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import orjson
+from aiohttp import web
+
+from gateway.harness.state import RunState
+from gateway.harness.usage import CHAPTER_PRICE, Price
+from gateway.server import context as ctx
+from gateway.server.answers import Answer, completion_body, completion_chunks, completion_id
+from gateway.server.cancels import CLIENT_DISCONNECTED, ActiveRuns, RunBusy
+from gateway.server.continuations import continue_chat, start
+from gateway.server.driver import Drive, Prepare, RunDriver, StartKind
+from gateway.server.config import Config
+from gateway.server.errors import ApiError, Conflict, InvalidField
+from gateway.server.headers import run_headers
+from gateway.server.model import UpstreamModel
+from gateway.server.runs import Call
+from gateway.server.sse import ClientGone, SSEStream, progress_comment
+from gateway.store.base import Event
+
+DRIVER: Final = web.AppKey("driver", RunDriver)
+CLIENT_POLL_S: Final = 0.02
+"""How often a waiting handler checks that its client is still connected."""
+SHUTDOWN_GRACE_S: Final = 5.0
+
+
+def setup(app: web.Application) -> None:
+    """Serve server-side runs and the runs API in `app` (called by `build_app`)."""
+    from gateway.server import runs_api  # it builds on this module's driver and answers
+
+    app[ctx.HARNESS] = handle_server_side
+    app.cleanup_ctx.append(_driver_ctx)
+    runs_api.setup(app)
+
+
+def runs_dir(config: Config) -> Path:
+    """Where runs keep their sandbox folders: `runs/` next to the SQLite file (else the config)."""
+    base = Path(config.store.path).resolve().parent if config.store.path else config.path.resolve().parent
+    return base / "runs"
+
+
+async def _driver_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[ctx.CONFIG]
+
+    def model_for(state: RunState) -> UpstreamModel:
+        return UpstreamModel.for_run(app, state)
+
+    def price_for(model: str) -> Price:
+        route = config.route(model)
+        return route.price if route is not None else CHAPTER_PRICE
+
+    owner = f"{socket.gethostname()}:{config.server.port}"
+    driver = RunDriver(app[ctx.STORE], app[ctx.POLICIES], model_for=model_for, price_for=price_for,
+                       runs_dir=runs_dir(config), session=app[ctx.SESSION], trace_file=config.trace_file,
+                       metrics=app[ctx.METRICS], owner=owner)
+    app[DRIVER] = driver
+    for team in config.teams:
+        await driver.refresh_approvals(team.name)
+    try:
+        yield
+    finally:
+        await stop_all(driver.active, "the gateway is shutting down")
+
+
+async def stop_all(active: ActiveRuns, reason: str) -> None:
+    """Press Stop on every run driven here and wait (briefly) until each is saved."""
+    runs = list(active)
+    active.cancel_all(reason)
+    for run_id in runs:
+        await active.wait_stopped(run_id, SHUTDOWN_GRACE_S)
+
+
+async def handle_server_side(request: web.Request, call: Call) -> web.StreamResponse:
+    """`app[HARNESS]`: drive the call's run and answer it like a chat completion."""
+    server_tools = {t.name for t in call.policy.tools}
+    client_tools = list(call.chat.tools or [])
+    for i, tool in enumerate(client_tools):
+        name = (tool.get("function") or {}).get("name")
+        if name in server_tools:
+            raise InvalidField(f"tools[{i}]", f"tools[{i}] is named '{name}', like a tool of policy "
+                                              f"'{call.policy.name}' (which the gateway runs itself); rename it")
+    kind: StartKind = "run_started" if call.created else "run_resumed"
+    prepare = start() if call.created else continue_chat(call.chat.messages, call.chat.model)
+    return await answer(request, call.run.run_id, prepare=prepare, start=kind, client_tools=client_tools,
+                        stream=call.chat.stream, include_usage=call.chat.include_usage)
+
+
+async def answer(request: web.Request, run_id: str, *, prepare: Prepare, start: StartKind,
+                 client_tools: Sequence[dict[str, Any]] = (), stream: bool = False,
+                 include_usage: bool = False) -> web.StreamResponse:
+    """Drive the run and answer: one chat.completion, or an SSE stream when `stream`."""
+    if stream:
+        return await _stream(request, run_id, prepare, start, client_tools, include_usage)
+    drive = await _drive_watched(request, run_id, prepare, start, client_tools, [])
+    state = drive.state
+    request[ctx.RUN] = state
+    body = completion_body(state, Answer.of(state, drive.outcome.answer, drive.outcome.kind == "client_tools"),
+                           drive.usage)
+    return web.Response(body=orjson.dumps(body), content_type="application/json",
+                        headers=run_headers(state, await _team_left(request.app, state)))
+
+
+async def _team_left(app: web.Application, state: RunState) -> float | None:
+    team = app[ctx.CONFIG].team(state.team)
+    return None if team is None else await app[ctx.GOVERNOR].team_remaining(team)
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def _watch_client(request: web.Request, active: ActiveRuns, run_id: str) -> None:
+    """When the client goes away, press the run's Stop (as soon as the run is driven here)."""
+    while not _client_gone(request):
+        await asyncio.sleep(CLIENT_POLL_S)  # aiohttp signals a lost client to no awaitable
+    while not active.cancel(run_id, CLIENT_DISCONNECTED, "client"):
+        await asyncio.sleep(CLIENT_POLL_S)
+
+
+async def _drive_watched(request: web.Request, run_id: str, prepare: Prepare, start: StartKind,
+                         client_tools: Sequence[dict[str, Any]], listeners: list[Any]) -> Drive:
+    driver = request.app[DRIVER]
+    task = asyncio.ensure_future(driver.drive(run_id, prepare=prepare, client_tools=client_tools,
+                                              listeners=listeners, start=start))
+    watcher = asyncio.ensure_future(_watch_client(request, driver.active, run_id))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:  # the server cancelled the handler: the client is gone
+        driver.active.cancel(run_id, CLIENT_DISCONNECTED, "client")
+        with contextlib.suppress(Exception):
+            await task
+        raise
+    except RunBusy as exc:
+        raise Conflict(str(exc), code="run_busy") from None
+    finally:
+        watcher.cancel()
+
+
+async def _stream(request: web.Request, run_id: str, prepare: Prepare, start: StartKind,
+                  client_tools: Sequence[dict[str, Any]], include_usage: bool) -> web.StreamResponse:
+    """SSE: progress comments while the run is driven, then the answer as chunks, then [DONE].
+
+    The stream opens on the run's first trace line, so a refusal before the run starts
+    (busy, bad input) is still an ordinary JSON error.
+    """
+    queue: asyncio.Queue[Event] = asyncio.Queue()
+    task = asyncio.ensure_future(_drive_watched(request, run_id, prepare, start, client_tools, [queue.put_nowait]))
+    sse: SSEStream | None = None
+    gone = False
+    try:
+        while not (task.done() and queue.empty()):
+            if queue.empty():
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait((task, getter), return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    continue
+                event = getter.result()
+            else:
+                event = queue.get_nowait()
+            comment = progress_comment(event)
+            if gone or comment is None:
+                continue
+            try:
+                if sse is None:
+                    sse = await SSEStream.open(request, {"X-Run-Id": run_id})
+                await sse.comment(comment)
+            except ClientGone:
+                gone = True
+                request.app[DRIVER].active.cancel(run_id, CLIENT_DISCONNECTED, "client")
+        drive = task.result()
+    except ApiError as exc:
+        if sse is None:
+            raise
+        if not gone:
+            with contextlib.suppress(ClientGone):
+                await sse.data(exc.body())
+                await sse.done()
+        return sse.response
+    finally:
+        if not task.done():
+            task.cancel()
+    state = drive.state
+    request[ctx.RUN] = state
+    if sse is None:
+        sse = await SSEStream.open(request, run_headers(state, await _team_left(request.app, state)))
+    if gone:
+        return sse.response
+    answer_ = Answer.of(state, drive.outcome.answer, drive.outcome.kind == "client_tools")
+    with contextlib.suppress(ClientGone):
+        for chunk in completion_chunks(state, answer_, drive.usage if include_usage else None, cid=completion_id()):
+            await sse.data(chunk)
+        await sse.done()
+    return sse.response

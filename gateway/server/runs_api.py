@@ -1,0 +1,302 @@
+"""The runs API: list, read, trace, approve, resume and cancel runs.
+
+| route                            | does                                                     |
+| GET  /v1/runs?status=&team=      | runs visible to the caller                               |
+| GET  /v1/runs/{id}               | the run with its transcript                              |
+| GET  /v1/runs/{id}/events        | its trace as JSONL (`?follow=1`: SSE until it stops)     |
+| POST /v1/runs/{id}/approvals     | approve or reject the call it waits for (approvers only) |
+| POST /v1/runs/{id}/resume        | continue it; answers like chat completions               |
+| POST /v1/runs/{id}/cancel        | stop it within milliseconds, tools included              |
+
+A run is visible to its own team and to the teams its policy names as approvers; any
+other caller gets the same 404 as for a run that does not exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Final
+
+import orjson
+from aiohttp import web
+
+from gateway.harness.approvals import ApprovalError, decide
+from gateway.harness.state import STATUSES, Decision, Interruption, RunState
+from gateway.harness.trace import Tracer
+from gateway.policy.approval import can_decide, expired, expiry_decision
+from gateway.policy.decl import Policy
+from gateway.server import context as ctx
+from gateway.server.cancels import RunBusy, cancel_event
+from gateway.server.config import TeamConfig
+from gateway.server.continuations import resume_with
+from gateway.server.errors import Conflict, Forbidden, InvalidField, InvalidJSON, NotFound
+from gateway.server.harness_route import DRIVER, answer
+from gateway.server.passthrough import read_body
+from gateway.server.runs import update_run
+from gateway.server.sse import ClientGone, SSEStream
+from gateway.server.tracelog import TraceWriter
+
+FOLLOW_POLL_S: Final = 0.05
+STATUS_CHECK_S: Final = 1.0
+CANCEL_WAIT_S: Final = 5.0
+LIST_SCAN: Final = 1000
+"""Runs read per listing before the visibility filter (approvers see other teams' runs)."""
+
+
+def setup(app: web.Application) -> None:
+    """Add the runs API to `app` (called by `build_app`; needs `harness_route.setup`)."""
+    app.router.add_get("/v1/runs", list_runs)
+    app.router.add_get("/v1/runs/{id}", get_run)
+    app.router.add_get("/v1/runs/{id}/events", run_events)
+    app.router.add_post("/v1/runs/{id}/approvals", post_approval)
+    app.router.add_post("/v1/runs/{id}/resume", post_resume)
+    app.router.add_post("/v1/runs/{id}/cancel", post_cancel)
+
+
+def _policy(app: web.Application, run: RunState) -> Policy | None:
+    policies = app[ctx.POLICIES]
+    return policies.get_version(run.policy, run.policy_version) or policies.get(run.policy)
+
+
+def _visible(app: web.Application, run: RunState, team: TeamConfig) -> bool:
+    if run.team == team.name:
+        return True
+    policy = _policy(app, run)
+    return policy is not None and team.name in policy.approval.approvers
+
+
+async def _run_for(request: web.Request) -> tuple[TeamConfig, RunState]:
+    """The caller's team and the run of the path, or 404 if the caller may not see it."""
+    app = request.app
+    team = app[ctx.KEYRING].authenticate(request)
+    run_id = request.match_info["id"]
+    run = await app[ctx.STORE].load_run(run_id)
+    if run is None or not _visible(app, run, team):
+        raise NotFound(f"run {run_id} not found", code="run_not_found")
+    request[ctx.RUN] = run
+    return team, run
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    raw = await read_body(request, request.app[ctx.CONFIG].server.max_body_bytes)
+    if not raw.strip():
+        return {}
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidJSON(str(exc)) from None
+    if not isinstance(body, dict):
+        raise InvalidJSON("expected a JSON object")
+    return body
+
+
+def _optional(body: dict[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise InvalidField(name, f"{name} must be {what}, got {value!r}", "invalid_type")
+    if not isinstance(value, kind):
+        raise InvalidField(name, f"{name} must be {what}, got {value!r}", "invalid_type")
+    return value
+
+
+def run_json(run: RunState, *, transcript: bool = False) -> dict[str, Any]:
+    """The run as the API shows it; `transcript` adds its messages."""
+    out: dict[str, Any] = {
+        "object": "run", **run.summary(), "team": run.team, "policy": run.policy,
+        "policy_version": run.policy_version, "model": run.model, "limits": run.limits.to_json(),
+        "error": run.error, "decisions": {cid: d.to_json() for cid, d in run.decisions.items()},
+        "created_at": run.created_at, "updated_at": run.updated_at,
+    }
+    if transcript:
+        out["per_turn"] = [u.to_json() for u in run.per_turn]
+        out["transcript"] = run.messages
+    return out
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+async def list_runs(request: web.Request) -> web.Response:
+    """GET /v1/runs?status=&team=&limit=: newest first."""
+    app = request.app
+    caller = app[ctx.KEYRING].authenticate(request)
+    status = request.query.get("status") or None
+    if status is not None and status not in STATUSES:
+        raise InvalidField("status", f"status must be one of {', '.join(STATUSES)}, got {status!r}")
+    team = request.query.get("team") or None
+    raw_limit = request.query.get("limit", "100")
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= LIST_SCAN:
+        raise InvalidField("limit", f"limit must be an integer from 1 to {LIST_SCAN}, got {raw_limit!r}")
+    limit = int(raw_limit)
+    scan = limit if team == caller.name else LIST_SCAN
+    runs = await app[ctx.STORE].list_runs(team=team, status=status, limit=scan)
+    data = [run_json(r) for r in runs if _visible(app, r, caller)][:limit]
+    return _json({"object": "list", "data": data})
+
+
+async def get_run(request: web.Request) -> web.Response:
+    """GET /v1/runs/{id}: status, turns, cost, usage, interruption, transcript."""
+    _, run = await _run_for(request)
+    return _json(run_json(run, transcript=True))
+
+
+async def run_events(request: web.Request) -> web.StreamResponse:
+    """GET /v1/runs/{id}/events[?after=N][&follow=1]."""
+    _, run = await _run_for(request)
+    raw_after = request.query.get("after") or request.headers.get("Last-Event-ID") or "0"
+    if not raw_after.isdigit():
+        raise InvalidField("after", f"after must be a sequence number (an integer >= 0), got {raw_after!r}")
+    after = int(raw_after)
+    store = request.app[ctx.STORE]
+    if request.query.get("follow") not in ("1", "true"):
+        lines = b"".join(orjson.dumps(e) + b"\n" for _, e in await store.events(run.run_id, after))
+        return web.Response(body=lines, content_type="application/x-ndjson")
+    sse = await SSEStream.open(request)
+    last_check = 0.0
+    try:
+        while True:
+            batch = await store.events(run.run_id, after)
+            for seq, event in batch:
+                await sse.data(event, id=seq)
+                after = seq
+            stopped = any(e.get("type") == "run_stopped" and e.get("runId") == run.run_id for _, e in batch)
+            if stopped or time.monotonic() - last_check > STATUS_CHECK_S:
+                last_check = time.monotonic()
+                current = await store.load_run(run.run_id)
+                if current is None or current.status != "running":
+                    # the trace is written before the run is saved: nothing of this stop is missing
+                    for seq, event in await store.events(run.run_id, after):
+                        await sse.data(event, id=seq)
+                    await sse.data((current or run).summary(), event="end")
+                    break
+            await asyncio.sleep(FOLLOW_POLL_S)  # polling the shared store: works across replicas
+    except ClientGone:
+        return sse.response
+    await sse.close()
+    return sse.response
+
+
+async def post_approval(request: web.Request) -> web.Response:
+    """POST /v1/runs/{id}/approvals {"call_id", "decision": "approve"|"reject", "reason"}."""
+    app = request.app
+    team, run = await _run_for(request)
+    policy = _policy(app, run)
+    if policy is None or not can_decide(policy.approval, team.name, run.team):
+        approvers = ", ".join(policy.approval.approvers) if policy else "unknown"
+        raise Forbidden(f"team '{team.name}' may not decide calls of policy '{run.policy}' (approvers: {approvers})",
+                        code="not_an_approver")
+    body = await _body(request)
+    call_id = body.get("call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise InvalidField("call_id", "call_id must be the id of the call the run waits for (a string)",
+                           "missing_field" if call_id is None else "invalid_type")
+    verdict = body.get("decision")
+    if verdict not in ("approve", "reject"):
+        raise InvalidField("decision", f"decision must be \"approve\" or \"reject\", got {verdict!r}")
+    reason = _optional(body, "reason", str, "a string") or ""
+    store = app[ctx.STORE]
+    asked_at = await _asked_at(app, run, call_id)
+    late = asked_at is not None and expired(asked_at, time.time(), policy.approval)
+    decision = expiry_decision(policy.approval) if late else Decision(verdict, reason, team.name)
+    waiting = run.interruption
+
+    def change(state: RunState) -> None:
+        try:
+            decide(state, call_id, decision)
+        except ApprovalError as exc:
+            raise Conflict(str(exc), code="not_waiting_for_call") from None
+
+    run = await update_run(store, run, change)
+    request[ctx.RUN] = run
+    writer = TraceWriter(store, run.run_id, trace_file=app[ctx.CONFIG].trace_file)
+    Tracer(run.run_id, writer)(
+        "approval_decided", callId=call_id, toolName=waiting.tool_name if waiting else None,
+        args=waiting.args if waiting else None, decision=decision.decision, reason=decision.reason,
+        by=decision.by, expired=late)
+    await writer.flush()
+    await app[DRIVER].refresh_approvals(run.team)
+    return _json({"run": run_json(run), "decision": {"call_id": call_id, **decision.to_json(), "expired": late}})
+
+
+async def _asked_at(app: web.Application, run: RunState, call_id: str) -> float | None:
+    """When the run asked a person about `call_id` (its trace), else when it last stopped."""
+    events = await app[ctx.STORE].events(run.run_id)
+    asked = [e.get("ts") for _, e in events if e.get("type") == "approval_required" and e.get("callId") == call_id]
+    if asked and isinstance(asked[-1], (int, float)):
+        return float(asked[-1])
+    return run.updated_at if run.interruption is not None and run.interruption.call_id == call_id else None
+
+
+async def post_resume(request: web.Request) -> web.StreamResponse:
+    """POST /v1/runs/{id}/resume {"max_turns"?, "max_budget_usd"?, "stream"?}."""
+    team, run = await _run_for(request)
+    body = await _body(request)
+    max_turns = _optional(body, "max_turns", int, "an integer >= 1")
+    if max_turns is not None and max_turns < 1:
+        raise InvalidField("max_turns", f"max_turns must be an integer >= 1, got {max_turns}")
+    budget = _optional(body, "max_budget_usd", (int, float), "a number of USD > 0")
+    if budget is not None and budget <= 0:
+        raise InvalidField("max_budget_usd", f"max_budget_usd must be > 0, got {budget}")
+    stream = bool(_optional(body, "stream", bool, "true or false"))
+    options = _optional(body, "stream_options", dict, "an object") or {}
+    prepare = resume_with(max_turns, float(budget) if budget is not None else None, team.name)
+    return await answer(request, run.run_id, prepare=prepare, start="run_resumed", stream=stream,
+                        include_usage=bool(options.get("include_usage")))
+
+
+async def post_cancel(request: web.Request) -> web.Response:
+    """POST /v1/runs/{id}/cancel {"reason"}: Stop, here or on the replica driving the run."""
+    app = request.app
+    team, run = await _run_for(request)
+    body = await _body(request)
+    reason = _optional(body, "reason", str, "a string") or f"cancelled by team {team.name}"
+    driver = app[DRIVER]
+    if driver.active.cancel(run.run_id, reason, team.name):
+        await driver.active.wait_stopped(run.run_id, CANCEL_WAIT_S)
+        return _json({"run": run_json(await _reload(app, run)), "cancel": "done"})
+    if run.status != "running":
+        raise Conflict(f"run {run.run_id} is not running (status {run.status}); nothing to cancel",
+                       code="run_not_running")
+    store = app[ctx.STORE]
+    try:
+        with driver.active.claim(run.run_id, lambda event: None):
+            if await store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s):
+                try:
+                    run = await _cancel_undriven(app, run, reason, team.name)
+                finally:
+                    await store.release_lease(run.run_id, driver.owner)
+                request[ctx.RUN] = run
+                return _json({"run": run_json(run), "cancel": "done"})
+    except RunBusy:  # a drive started here meanwhile: stop it
+        driver.active.cancel(run.run_id, reason, team.name)
+        await driver.active.wait_stopped(run.run_id, CANCEL_WAIT_S)
+        return _json({"run": run_json(await _reload(app, run)), "cancel": "done"})
+    # Another replica drives it: it reads its run's trace and stops.
+    await store.append_events(run.run_id, [cancel_event(run.run_id, reason, team.name)])
+    return _json({"run": run_json(run), "cancel": "requested"}, status=202)
+
+
+async def _reload(app: web.Application, run: RunState) -> RunState:
+    return await app[ctx.STORE].load_run(run.run_id) or run
+
+
+async def _cancel_undriven(app: web.Application, run: RunState, reason: str, by: str) -> RunState:
+    """A `running` run nobody drives (it waits for client tools, or its replica died)."""
+    store = app[ctx.STORE]
+    # The trace first, then the run: a follower that sees the run stopped has its last lines.
+    writer = TraceWriter(store, run.run_id, trace_file=app[ctx.CONFIG].trace_file)
+    writer(cancel_event(run.run_id, reason, by))
+    Tracer(run.run_id, writer)("run_stopped", status="interrupted", reason="cancelled", turns=run.turns,
+                               costUsd=round(run.cost_usd, 9), detail=reason)
+    await writer.flush()
+
+    def change(state: RunState) -> None:
+        state.status, state.reason = "interrupted", "cancelled"
+        state.interruption = Interruption("cancelled", reason=reason)
+
+    return await update_run(store, run, change)
+
