@@ -26,7 +26,7 @@ def exit_sentence(state: RunState) -> str:
         return f"The run stopped: it reached its cap of {limits.max_turns} turns."
     if state.status == "budget_exceeded":
         if state.reason == "team_budget":
-            return f"The run stopped: its team's budget is spent{_detail(state.error)}."
+            return "The run stopped: its team's budget cannot pay for another turn."
         budget = limits.max_budget_usd or 0.0
         return f"The run stopped: it spent ${state.cost_usd:.6f} and reached its budget of ${budget:.2f}."
     if state.status == "interrupted" and i is not None:
@@ -42,10 +42,6 @@ def exit_sentence(state: RunState) -> str:
     if state.status == "running":
         return "The run is still running."
     return "The run completed without an answer."
-
-
-def _detail(text: str | None) -> str:
-    return f" ({text})" if text else ""
 
 
 @dataclass(frozen=True)

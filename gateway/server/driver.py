@@ -33,7 +33,7 @@ from gateway.harness.model import Model
 from gateway.harness.state import Interruption, RunState
 from gateway.harness.usage import Price, Usage
 from gateway.policy.decl import Policy
-from gateway.policy.executors import ToolEnv, compile_options
+from gateway.policy.executors import CompileError, ToolEnv, compile_options
 from gateway.policy.registry import PolicyRegistry
 from gateway.policy.sandbox import prepare_sandbox, sandbox_config
 from gateway.server.cancels import ActiveRuns, RunBusy, watch_remote_cancel
@@ -134,7 +134,10 @@ class RunDriver:
             if self.metrics is not None:
                 self.metrics.run_active(1)
             try:
-                return await self._drive(run_id, scope, writer, prepare, client_tools, start)
+                drive = await self._drive(run_id, scope, writer, prepare, client_tools, start)
+                if _waits_for_approval(drive.state) and drive.driven:
+                    await self.refresh_approvals(drive.state.team)
+                return drive
             finally:
                 if self.metrics is not None:
                     self.metrics.run_active(-1)
@@ -159,9 +162,12 @@ class RunDriver:
             await writer.flush()
             await self.store.save_run(s)
 
-        env = ToolEnv(session=self.session, model=model, model_name=state.model, price_for=self.price_for,
-                      registry=self.policies, sandbox_root=self.sandbox_of(state, policy), on_event=writer)
-        options = compile_options(policy, env, client_tools=list(client_tools), checkpoint=checkpoint)
+        try:
+            env = ToolEnv(session=self.session, model=model, model_name=state.model, price_for=self.price_for,
+                          registry=self.policies, sandbox_root=self.sandbox_of(state, policy), on_event=writer)
+            options = compile_options(policy, env, client_tools=list(client_tools), checkpoint=checkpoint)
+        except (CompileError, OSError) as exc:
+            raise Conflict(f"run {run_id} cannot be driven: {exc}", code="run_not_drivable") from None
         writer({"runId": run_id, "type": start, **fields, "turns": state.turns, "costUsd": round(state.cost_usd, 9),
                 "ts": round(time.time(), 6)})
         await checkpoint(state)
@@ -226,6 +232,10 @@ class RunDriver:
         if self.metrics is not None:
             self.metrics.set_approvals_pending(team, count)
         return count
+
+
+def _waits_for_approval(state: RunState) -> bool:
+    return state.interruption is not None and state.interruption.type == "approval"
 
 
 def _minus(a: Usage, b: Usage) -> Usage:

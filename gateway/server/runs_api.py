@@ -31,7 +31,9 @@ from gateway.server.cancels import RunBusy, cancel_event
 from gateway.server.config import TeamConfig
 from gateway.server.continuations import resume_with
 from gateway.server.errors import Conflict, Forbidden, InvalidField, InvalidJSON, NotFound
+from gateway.server.driver import Prepare
 from gateway.server.harness_route import DRIVER, answer
+from gateway.server.headers import run_headers
 from gateway.server.passthrough import read_body
 from gateway.server.runs import update_run
 from gateway.server.sse import ClientGone, SSEStream
@@ -116,8 +118,10 @@ def run_json(run: RunState, *, transcript: bool = False) -> dict[str, Any]:
     return out
 
 
-def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+def _json(data: Any, status: int = 200, run: RunState | None = None) -> web.Response:
+    """A JSON answer; about one run, it carries the run's X-Run-* headers too."""
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json",
+                        headers=run_headers(run) if run is not None else None)
 
 
 async def list_runs(request: web.Request) -> web.Response:
@@ -141,7 +145,7 @@ async def list_runs(request: web.Request) -> web.Response:
 async def get_run(request: web.Request) -> web.Response:
     """GET /v1/runs/{id}: status, turns, cost, usage, interruption, transcript."""
     _, run = await _run_for(request)
-    return _json(run_json(run, transcript=True))
+    return _json(run_json(run, transcript=True), run=run)
 
 
 async def run_events(request: web.Request) -> web.StreamResponse:
@@ -219,7 +223,8 @@ async def post_approval(request: web.Request) -> web.Response:
         by=decision.by, expired=late)
     await writer.flush()
     await app[DRIVER].refresh_approvals(run.team)
-    return _json({"run": run_json(run), "decision": {"call_id": call_id, **decision.to_json(), "expired": late}})
+    return _json({"run": run_json(run), "decision": {"call_id": call_id, **decision.to_json(), "expired": late}},
+                 run=run)
 
 
 async def _asked_at(app: web.Application, run: RunState, call_id: str) -> float | None:
@@ -244,8 +249,27 @@ async def post_resume(request: web.Request) -> web.StreamResponse:
     stream = bool(_optional(body, "stream", bool, "true or false"))
     options = _optional(body, "stream_options", dict, "an object") or {}
     prepare = resume_with(max_turns, float(budget) if budget is not None else None, team.name)
+    policy = _policy(request.app, run)
+    if policy is not None and not policy.server_side:
+        return await _reopen_passthrough(request, run, policy, prepare)
     return await answer(request, run.run_id, prepare=prepare, start="run_resumed", stream=stream,
                         include_usage=bool(options.get("include_usage")))
+
+
+async def _reopen_passthrough(request: web.Request, run: RunState, policy: Policy, prepare: Prepare) -> web.Response:
+    """A pass-through run is driven by its client: resuming it only reopens it for the next call."""
+    app = request.app
+    fields: dict[str, Any] = {}
+
+    def change(state: RunState) -> None:
+        fields.update(prepare(state, policy) or {})
+
+    run = await update_run(app[ctx.STORE], run, change)
+    request[ctx.RUN] = run
+    writer = TraceWriter(app[ctx.STORE], run.run_id, trace_file=app[ctx.CONFIG].trace_file)
+    Tracer(run.run_id, writer)("run_resumed", **fields, turns=run.turns, costUsd=round(run.cost_usd, 9))
+    await writer.flush()
+    return _json({"run": run_json(run)}, run=run)
 
 
 async def post_cancel(request: web.Request) -> web.Response:
@@ -257,7 +281,8 @@ async def post_cancel(request: web.Request) -> web.Response:
     driver = app[DRIVER]
     if driver.active.cancel(run.run_id, reason, team.name):
         await driver.active.wait_stopped(run.run_id, CANCEL_WAIT_S)
-        return _json({"run": run_json(await _reload(app, run)), "cancel": "done"})
+        run = await _reload(app, run)
+        return _json({"run": run_json(run), "cancel": "done"}, run=run)
     if run.status != "running":
         raise Conflict(f"run {run.run_id} is not running (status {run.status}); nothing to cancel",
                        code="run_not_running")
@@ -270,14 +295,15 @@ async def post_cancel(request: web.Request) -> web.Response:
                 finally:
                     await store.release_lease(run.run_id, driver.owner)
                 request[ctx.RUN] = run
-                return _json({"run": run_json(run), "cancel": "done"})
+                return _json({"run": run_json(run), "cancel": "done"}, run=run)
     except RunBusy:  # a drive started here meanwhile: stop it
         driver.active.cancel(run.run_id, reason, team.name)
         await driver.active.wait_stopped(run.run_id, CANCEL_WAIT_S)
-        return _json({"run": run_json(await _reload(app, run)), "cancel": "done"})
+        run = await _reload(app, run)
+        return _json({"run": run_json(run), "cancel": "done"}, run=run)
     # Another replica drives it: it reads its run's trace and stops.
     await store.append_events(run.run_id, [cancel_event(run.run_id, reason, team.name)])
-    return _json({"run": run_json(run), "cancel": "requested"}, status=202)
+    return _json({"run": run_json(run), "cancel": "requested"}, status=202, run=run)
 
 
 async def _reload(app: web.Application, run: RunState) -> RunState:
