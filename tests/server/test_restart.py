@@ -1,0 +1,83 @@
+"""Runs survive a SIGKILL of the gateway: approved on the new process, resumed, nothing twice."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.server.served import OPS, TASK, Served, chat_body, events, get_run, request, wait_event
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    gateway = Served.start(tmp_path / "gw")
+    yield gateway
+    gateway.proc.stop()
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def test_approval_after_a_crash_then_resume_runs_nothing_twice(served: Served,
+                                                                     session: aiohttp.ClientSession) -> None:
+    client = served.openai(**{"X-Policy": "files"})
+    raw = await client.chat.completions.with_raw_response.create(model="scripted-destructive", messages=TASK)  # type: ignore[arg-type]
+    run_id = raw.headers["X-Run-Id"]
+    before = await get_run(session, served.url, run_id)
+    assert before["status"] == "interrupted" and before["interruption"]["call_id"] == "c2"
+
+    served.proc.kill()  # SIGKILL: no shutdown code runs
+    served.restart()
+
+    restored = await get_run(session, served.url, run_id)
+    assert (restored["turns"], restored["cost_usd"], len(restored["transcript"])) == (
+        before["turns"], before["cost_usd"], len(before["transcript"]))
+    status, _, body = await request(session, "POST", f"{served.url}/v1/runs/{run_id}/approvals", key=OPS,
+                                    body={"call_id": "c2", "decision": "approve", "reason": "old logs"})
+    assert status == 200, body
+    status, headers, body = await request(session, "POST", f"{served.url}/v1/runs/{run_id}/resume", key=OPS, body={})
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] == "Deleted access.log to free space."
+    assert headers["X-Run-Status"] == "completed" and headers["X-Run-Turns"] == "3"
+    assert served.deleted(run_id) == ["access.log"]
+    assert sorted(p.name for p in served.sandbox(run_id).iterdir() if not p.name.startswith(".")) == [
+        "errors.log", "notes.txt"]
+
+    trace = await events(session, served.url, run_id)
+    started = Counter(e["callId"] for e in trace if e["type"] == "tool_start")
+    assert started == {"c1": 1, "c2": 1}  # across both processes, no tool ran twice
+    assert [e["turn"] for e in trace if e["type"] == "turn"] == [1, 2, 3]  # no turn paid twice
+    final = await get_run(session, served.url, run_id)
+    assert final["cost_usd"] == pytest.approx(sum(
+        (u["prompt_tokens"] * 2 + u["completion_tokens"] * 12) / 1e6 for u in final["per_turn"]))
+
+
+async def test_a_run_killed_mid_tool_resumes_without_paying_its_turn_again(served: Served,
+                                                                          session: aiohttp.ClientSession) -> None:
+    run_id = "killed-mid-scan"
+    call = asyncio.ensure_future(request(session, "POST", f"{served.url}/v1/chat/completions",
+                                         body=chat_body("scripted-slow"),
+                                         headers={"X-Policy": "files", "X-Run-Id": run_id}))
+    await wait_event(session, served.url, run_id, "tool_progress")
+    served.proc.kill()
+    with pytest.raises(aiohttp.ClientError):
+        await call
+    served.restart()  # same port: the same lease owner, so the run is not locked out
+
+    restored = await get_run(session, served.url, run_id)
+    assert restored["status"] == "running" and restored["turns"] == 1
+    status, headers, body = await request(session, "POST", f"{served.url}/v1/runs/{run_id}/resume", body={})
+    assert status == 200, body
+    assert headers["X-Run-Status"] == "completed" and headers["X-Run-Turns"] == "2"
+    trace = await events(session, served.url, run_id)
+    assert [e["turn"] for e in trace if e["type"] == "turn"] == [1, 2]
+    results = [e for e in trace if e["type"] == "tool_result"]
+    assert [(e["callId"], e["ok"]) for e in results] == [("c1", True)]  # the scan finished once, after resume
