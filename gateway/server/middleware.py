@@ -5,6 +5,8 @@ aiohttp's own errors (unknown route, wrong method, body too big) get the same sh
 unexpected exception is logged and answered 500 without details. `requests_total` is
 labelled by route template (never the raw path, so run ids stay out of labels), and
 `overhead_seconds` is the handler's time minus the time spent waiting on the upstream.
+The first request also tells the app its own address (for the scripted mount) when
+`serve` did not.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ def _error_response(request: web.Request, exc: ApiError) -> web.Response:
 @web.middleware
 async def gateway_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     started = time.perf_counter()
+    upstreams = request.config_dict[ctx.UPSTREAMS]
+    if upstreams.self_url is None:
+        upstreams.learn_self_url(request)
     try:
         response = await handler(request)
     except ApiError as exc:

@@ -30,7 +30,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if route is None:
         raise NotFound(f"model '{chat.model}' is not routed by this gateway (see GET /v1/models)",
                        code="model_not_found", param="model")
-    app[ctx.UPSTREAMS].learn_self_url(request)
     call = await resolve_call(app[ctx.STORE], app[ctx.POLICIES], team, request.headers, chat, route)
     request[ctx.RUN] = call.run
     if call.policy.server_side:

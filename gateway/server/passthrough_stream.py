@@ -32,7 +32,7 @@ from gateway.server.runs import Call
 from gateway.server.turns import Booked, book_turn
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-EventKind = Literal["chunk", "usage_only", "done", "error", "other"]
+EventKind = Literal["chunk", "usage_only", "done", "error", "malformed", "other"]
 
 
 class Reassembly:
@@ -54,9 +54,9 @@ class Reassembly:
         try:
             chunk = orjson.loads(data)
         except orjson.JSONDecodeError:
-            return "other"
+            return "malformed"
         if not isinstance(chunk, dict):
-            return "other"
+            return "malformed"
         if "error" in chunk and "choices" not in chunk:
             return "error"
         usage = chunk.get("usage")
@@ -131,6 +131,10 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, upstr
                 kind = got.feed(event)
                 if kind == "done":
                     break
+                if kind == "malformed":  # never passed on: the client's parser would choke on it
+                    failure = UpstreamError(502, "upstream_malformed", f"upstream '{upstream.name}' sent a "
+                                            f"chunk that is not JSON: {event[:80]!r}", upstream.name, 200)
+                    break
                 if kind == "usage_only" and not call.chat.include_usage:
                     continue
                 try:
@@ -147,8 +151,10 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, upstr
             await app[ctx.GOVERNOR].release(adm)
             raise
         failure = exc
-    except BaseException:
-        await _charge_received(request, call, adm, got, "cancelled")
+    except BaseException:  # cancelled: by a client that left (aiohttp may cancel the handler) or a shutdown
+        transport = request.transport
+        gone = transport is None or transport.is_closing()
+        await _charge_received(request, call, adm, got, "client_disconnected" if gone else "cancelled")
         raise
     seconds = time.perf_counter() - started
     request[ctx.UPSTREAM_SECONDS] = seconds

@@ -21,7 +21,8 @@ from gateway.policy.decl import Policy
 from gateway.policy.registry import PolicyRegistry
 from gateway.server.chat_request import ChatRequest
 from gateway.server.config import ModelRoute, TeamConfig
-from gateway.server.errors import Conflict, Forbidden, InvalidField, NotFound, PolicyMismatch
+from gateway.server.headers import run_headers
+from gateway.server.errors import ApiError, Conflict, Forbidden, InvalidField, NotFound, PolicyMismatch
 from gateway.store.base import Store
 from gateway.store.errors import RunExists, StaleRun
 
@@ -70,7 +71,13 @@ async def resolve_call(store: Store, policies: PolicyRegistry, team: TeamConfig,
             if loaded is None:
                 raise
             run = loaded
-    return Call(team, _existing_run_policy(policies, team, run, wanted), run, False, chat, route)
+    try:
+        policy = _existing_run_policy(policies, team, run, wanted)
+    except ApiError as exc:
+        if run.team == team.name:  # the caller's own run: its figures go with the error
+            exc.headers.update(run_headers(run))
+        raise
+    return Call(team, policy, run, False, chat, route)
 
 
 def _new_run_policy(policies: PolicyRegistry, team: TeamConfig, wanted: str | None) -> Policy:
