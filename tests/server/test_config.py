@@ -1,0 +1,134 @@
+"""config.yaml: the shipped one loads; every error names the file, the field and the problem."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gateway.server.app import build_app, load_policies
+from gateway.server.config import ConfigError, load_config
+from tests.server.conftest import config_data, write_config
+from tests.support.procs import ROOT
+
+
+def test_the_shipped_config_loads_with_the_shipped_policies() -> None:
+    config = load_config(ROOT / "config.yaml")
+    assert config.server.port == 8080 and config.server.max_body_bytes == 4 * 1024 * 1024
+    assert config.store.kind == "sqlite" and config.store.path == str(ROOT / "gateway.db")
+    assert config.policies_dir == ROOT / "policies"
+    assert config.upstreams["scripted"].kind == "scripted"
+    route = config.route("scripted-plan")
+    assert route is not None and route.upstream == "scripted"
+    assert (route.price.input_per_million, route.price.output_per_million) == (2.0, 12.0)
+    assert config.team("demo") is not None and config.team("demo").policies[0] == "passthrough"  # type: ignore[union-attr]
+    load_policies(config)  # every team's policies exist
+
+
+def test_paths_are_relative_to_the_config_folder(tmp_path: Path) -> None:
+    path = write_config(tmp_path / "deep", config_data())
+    config = load_config(path)
+    assert config.store.options["path"] == str((tmp_path / "deep" / "gateway.db").resolve())
+    assert config.trace_file == (tmp_path / "deep" / "trace.jsonl").resolve()
+    assert config.policies_dir == (tmp_path / "deep" / "policies").resolve()
+
+
+def test_first_matching_model_route_wins(tmp_path: Path) -> None:
+    data = config_data(models=[
+        {"match": "scripted-plan", "upstream": "scripted", "price_in": 1.0, "price_out": 1.0},
+        {"match": "scripted-*", "upstream": "scripted"},
+    ])
+    config = load_config(write_config(tmp_path, data))
+    assert config.route("scripted-plan").price.input_per_million == 1.0  # type: ignore[union-attr]
+    assert config.route("scripted-runaway").price.input_per_million == 2.0  # type: ignore[union-attr]
+    assert config.route("gpt-4o") is None
+
+
+def _with(change: Any) -> dict[str, Any]:
+    data = config_data()
+    change(data)
+    return data
+
+
+ERRORS = [
+    (lambda d: d["teams"][0].update(budget_usd="ten"), "teams[0].budget_usd", "must be a number"),
+    (lambda d: d["teams"][0].update(budget_usd=-1), "teams[0].budget_usd", ">= 0"),
+    (lambda d: d["teams"][1].update(budget_period="week"), "teams[1].budget_period", "day, month, total"),
+    (lambda d: d["teams"][0].update(budget_mode="hard"), "teams[0].budget_mode", "turn, strict"),
+    (lambda d: d["teams"][0].update(policies=[]), "teams[0].policies", "at least one policy"),
+    (lambda d: d["teams"][0].update(keys=[]), "teams[0].keys", "at least one key"),
+    (lambda d: d["teams"][1].update(keys=["sk-test"]), "teams[1].keys", "also a key of team 't'"),
+    (lambda d: d["teams"][1].update(name="t"), "teams[1].name", "defined twice"),
+    (lambda d: d["teams"][0].update(key_env="GATEWAY_TEST_UNSET_VAR"), "teams[0].key_env", "is not set"),
+    (lambda d: d["teams"][0].update(budgett=3), "teams[0].budgett", "unknown field"),
+    (lambda d: d.update(upstreams=[{"name": "x", "kind": "openai"}]), "upstreams[0].base_url", "is required"),
+    (lambda d: d.update(upstreams=[{"name": "x", "base_url": "ftp://x"}]), "upstreams[0].base_url", "http://"),
+    (lambda d: d.update(upstreams=[{"name": "x", "kind": "magic"}]), "upstreams[0].kind", "scripted, openai"),
+    (lambda d: d["upstreams"][0].update(timeout_s=0), "upstreams[0].timeout_s", "> 0"),
+    (lambda d: d.update(upstreams=[]), "upstreams", "at least one upstream"),
+    (lambda d: d["models"][0].update(upstream="nowhere"), "models[0].upstream", "no upstream named 'nowhere'"),
+    (lambda d: d["models"][0].update(price_in="cheap"), "models[0].price_in", "must be a number"),
+    (lambda d: d["models"][0].pop("match"), "models[0].match", "is required"),
+    (lambda d: d.update(teams={"t": 1}), "teams", "must be a list"),
+    (lambda d: d.pop("teams"), "teams", "is required"),
+    (lambda d: d["server"].update(port=70000), "server.port", "<= 65535"),
+    (lambda d: d["server"].update(max_body_bytes="4MB"), "server.max_body_bytes", "must be an integer"),
+    (lambda d: d["defaults"].update(output_allowance_tokens=0), "defaults.output_allowance_tokens", ">= 1"),
+    (lambda d: d.update(stores={}), "stores", "unknown field"),
+]
+
+
+@pytest.mark.parametrize(("change", "field", "problem"), ERRORS)
+def test_errors_name_file_field_and_problem(tmp_path: Path, change: Any, field: str, problem: str) -> None:
+    path = write_config(tmp_path, _with(change))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.file == str(path)
+    assert info.value.path == field
+    assert problem in info.value.problem
+    assert str(info.value).startswith(f"{path}: {field}: ")
+
+
+def test_unreadable_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"missing\.yaml: file not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("teams: [\n  - {name: x\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML \(line \d+"):
+        load_config(bad)
+
+
+def test_key_env_supplies_a_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATEWAY_TEST_KEY", "sk-from-env")
+    path = write_config(tmp_path, _with(lambda d: d["teams"][1].update(key_env="GATEWAY_TEST_KEY")))
+    assert load_config(path).teams[1].keys == ("sk-other", "sk-from-env")
+
+
+def test_team_policies_must_exist(tmp_path: Path) -> None:
+    path = write_config(tmp_path, _with(lambda d: d["teams"][1].update(policies=["passthrough", "ghost"])))
+    with pytest.raises(ConfigError) as info:
+        build_app(load_config(path))
+    assert info.value.path == "teams[1].policies[1]" and "no policy named 'ghost'" in info.value.problem
+
+
+def test_store_errors_are_config_errors(tmp_path: Path) -> None:
+    path = write_config(tmp_path, config_data(store={"kind": "redis", "url": "http://nope"}))
+    with pytest.raises(ConfigError) as info:
+        build_app(load_config(path))
+    assert str(info.value).startswith(f"{path}: store.url: ")
+
+
+def test_gateway_serve_prints_the_error_and_exits_2(tmp_path: Path) -> None:
+    data = config_data()
+    data["teams"][0]["budget_usd"] = "ten"
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    proc = subprocess.run([sys.executable, "-m", "gateway", "serve", "--config", str(path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert f"{path}: teams[0].budget_usd: must be a number" in proc.stderr
+    assert "serving" not in proc.stderr
