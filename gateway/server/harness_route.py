@@ -69,7 +69,10 @@ async def _driver_ctx(app: web.Application) -> AsyncIterator[None]:
         route = config.route(model)
         return route.price if route is not None else CHAPTER_PRICE
 
-    owner = f"{socket.gethostname()}:{config.server.port}"
+    # A process restarted at the same address takes its own leases back at once; two live
+    # processes never share an address. Without a known address, a fresh owner per process.
+    self_url = app.get(ctx.SELF_URL)
+    owner = f"{socket.gethostname()}/{self_url}" if self_url else None
     driver = RunDriver(app[ctx.STORE], app[ctx.POLICIES], model_for=model_for, price_for=price_for,
                        runs_dir=runs_dir(config), session=app[ctx.SESSION], trace_file=config.trace_file,
                        metrics=app[ctx.METRICS], owner=owner)
@@ -123,6 +126,11 @@ async def answer(request: web.Request, run_id: str, *, prepare: Prepare, start: 
 async def _team_left(app: web.Application, state: RunState) -> float | None:
     team = app[ctx.CONFIG].team(state.team)
     return None if team is None else await app[ctx.GOVERNOR].team_remaining(team)
+
+
+def _client_closed() -> web.Response:
+    """What the log and metrics see for a client that left before its answer (nginx's 499)."""
+    return web.Response(status=499, reason="Client Closed Request")
 
 
 def _client_gone(request: web.Request) -> bool:
@@ -184,7 +192,7 @@ async def _stream(request: web.Request, run_id: str, prepare: Prepare, start: St
                 continue
             try:
                 if sse is None:
-                    sse = await SSEStream.open(request, {"X-Run-Id": run_id})
+                    sse = await SSEStream.open(request, {"X-Run-Id": run_id, "X-Run-Status": "running"})
                 await sse.comment(comment)
             except ClientGone:
                 gone = True
@@ -203,10 +211,13 @@ async def _stream(request: web.Request, run_id: str, prepare: Prepare, start: St
             task.cancel()
     state = drive.state
     request[ctx.RUN] = state
-    if sse is None:
-        sse = await SSEStream.open(request, run_headers(state, await _team_left(request.app, state)))
     if gone:
-        return sse.response
+        return sse.response if sse is not None else _client_closed()
+    if sse is None:
+        try:
+            sse = await SSEStream.open(request, run_headers(state, await _team_left(request.app, state)))
+        except ClientGone:
+            return _client_closed()
     answer_ = Answer.of(state, drive.outcome.answer, drive.outcome.kind == "client_tools")
     with contextlib.suppress(ClientGone):
         for chunk in completion_chunks(state, answer_, drive.usage if include_usage else None, cid=completion_id()):

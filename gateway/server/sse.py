@@ -28,6 +28,8 @@ def progress_comment(event: Mapping[str, Any]) -> str | None:
     """The comment line for a trace event, or None for events a client need not see."""
     kind = event.get("type")
     tool = str(event.get("toolName", ""))
+    if kind in ("run_started", "run_resumed"):
+        return f"{kind} {event.get('runId')}"
     if kind == "turn":
         return f"turn {event.get('turn')}"
     if kind == "tool_start":
@@ -53,7 +55,10 @@ class SSEStream:
     async def open(cls, request: web.Request, headers: Mapping[str, str] | None = None) -> SSEStream:
         """Send the status line and headers now: the client sees the stream start at once."""
         response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **(headers or {})})
-        await response.prepare(request)
+        try:
+            await response.prepare(request)
+        except (ConnectionError, RuntimeError) as exc:
+            raise ClientGone(str(exc)) from exc
         return cls(response)
 
     async def _write(self, data: bytes) -> None:

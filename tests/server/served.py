@@ -91,6 +91,12 @@ class Served:
         n = len(list(self.folder.glob("gateway-*.log"))) + 1
         self.proc = self._spawn(self.folder, self.port, n)
 
+    def replica(self) -> Proc:
+        """Another gateway process on the same config and database, on its own port."""
+        port = free_port()
+        return start_gateway(["serve", "--config", str(self.folder / "config.yaml"), "--port", str(port)],
+                             "/healthz", port, self.folder / f"replica-{port}.log")
+
     @property
     def url(self) -> str:
         return self.proc.url

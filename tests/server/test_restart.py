@@ -1,4 +1,5 @@
-"""Runs survive a SIGKILL of the gateway: approved on the new process, resumed, nothing twice."""
+"""Runs survive a SIGKILL of the gateway (approved on the new process, resumed, nothing run
+twice), and replicas sharing one database drive each run one at a time."""
 
 from __future__ import annotations
 
@@ -81,3 +82,29 @@ async def test_a_run_killed_mid_tool_resumes_without_paying_its_turn_again(serve
     assert [e["turn"] for e in trace if e["type"] == "turn"] == [1, 2]
     results = [e for e in trace if e["type"] == "tool_result"]
     assert [(e["callId"], e["ok"]) for e in results] == [("c1", True)]  # the scan finished once, after resume
+
+
+async def test_a_replica_cannot_drive_a_run_another_drives_but_can_stop_it(served: Served,
+                                                                           session: aiohttp.ClientSession) -> None:
+    replica = served.replica()
+    try:
+        run_id = "two-replicas"
+        call = asyncio.ensure_future(request(session, "POST", f"{served.url}/v1/chat/completions",
+                                             body=chat_body("scripted-slow"),
+                                             headers={"X-Policy": "files", "X-Run-Id": run_id}))
+        await wait_event(session, served.url, run_id, "tool_progress")
+        status, _, body = await request(session, "POST", f"{replica.url}/v1/runs/{run_id}/resume", body={})
+        assert status == 409 and body["error"]["code"] == "run_busy", body
+        status, _, body = await request(session, "POST", f"{replica.url}/v1/runs/{run_id}/cancel",
+                                        body={"reason": "stopped from the other replica"})
+        assert status == 202 and body["cancel"] == "requested", body
+        status, _, answered = await call  # the driving replica read the request from the shared trace
+        assert answered["run"]["interruption"] == {"type": "cancelled", "reason": "stopped from the other replica"}
+        trace = await events(session, replica.url, run_id)
+        asked = next(e for e in trace if e["type"] == "cancel_requested")
+        stopped = next(e for e in trace if e["type"] == "run_stopped")
+        assert 0 <= stopped["ts"] - asked["ts"] < 0.5  # one poll of the trace, not the scan's 3 s
+        status, _, body = await request(session, "POST", f"{replica.url}/v1/runs/{run_id}/resume", body={})
+        assert status == 200 and body["run"]["status"] == "completed", body  # free again: any replica drives it
+    finally:
+        replica.stop()
