@@ -60,11 +60,10 @@ ModelFactory = Callable[[RunState], Model]
 
 @dataclass(frozen=True)
 class Drive:
-    """What one drive did: how the loop returned, and what this drive spent."""
+    """What one drive did: how the loop returned, and the tokens this drive spent."""
 
     outcome: Outcome
     usage: Usage
-    cost_usd: float
     driven: bool = True
 
     @property
@@ -145,6 +144,9 @@ class RunDriver:
 
     async def _drive(self, run_id: str, scope: CancelScope, writer: TraceWriter, prepare: Prepare | None,
                      client_tools: Sequence[dict[str, Any]], start: StartKind) -> Drive:
+        # Cancel requests of other replicas are read from here on: any written before we held
+        # the lease found the run undriven and stopped it themselves.
+        seen = await self.store.events(run_id)
         state = await self.store.load_run(run_id)
         if state is None:
             raise NotFound(f"run {run_id} not found", code="run_not_found")
@@ -152,8 +154,8 @@ class RunDriver:
         fields = prepare(state, policy) if prepare is not None else {}
         if fields is None:  # nothing to drive (it waits for a person): keep what the call added
             await self.store.save_run(state)
-            return Drive(Outcome(state, "stopped", _last_answer(state)), Usage(), 0.0, driven=False)
-        usage_before, cost_before = state.usage, state.cost_usd
+            return Drive(Outcome(state, "stopped", _last_answer(state)), Usage(), driven=False)
+        usage_before = state.usage
         model = self.model_for(state)
         if self.metrics is not None:
             writer.listeners.append(_MetricsListener(self.metrics, state, policy))
@@ -171,7 +173,6 @@ class RunDriver:
         writer({"runId": run_id, "type": start, **fields, "turns": state.turns, "costUsd": round(state.cost_usd, 9),
                 "ts": round(time.time(), 6)})
         await checkpoint(state)
-        seen = await self.store.events(run_id)
         writer.start()
         keeper = asyncio.ensure_future(self._keep_lease(run_id, scope))
         watcher = asyncio.ensure_future(
@@ -190,7 +191,7 @@ class RunDriver:
             watcher.cancel()
             await asyncio.gather(keeper, watcher, return_exceptions=True)
             await writer.close()
-        return Drive(outcome, _minus(state.usage, usage_before), state.cost_usd - cost_before)
+        return Drive(outcome, _minus(state.usage, usage_before))
 
     async def _keep_lease(self, run_id: str, scope: CancelScope) -> None:
         """Renew the lease while driving; if another replica took it, stop driving."""

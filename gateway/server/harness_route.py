@@ -26,11 +26,11 @@ from aiohttp import web
 from gateway.harness.state import RunState
 from gateway.harness.usage import CHAPTER_PRICE, Price
 from gateway.server import context as ctx
+from gateway.server import continuations
 from gateway.server.answers import Answer, completion_body, completion_chunks, completion_id
 from gateway.server.cancels import CLIENT_DISCONNECTED, ActiveRuns, RunBusy
-from gateway.server.continuations import continue_chat, start
-from gateway.server.driver import Drive, Prepare, RunDriver, StartKind
 from gateway.server.config import Config
+from gateway.server.driver import Drive, Prepare, RunDriver, StartKind
 from gateway.server.errors import ApiError, Conflict, InvalidField
 from gateway.server.headers import run_headers
 from gateway.server.model import UpstreamModel
@@ -42,6 +42,7 @@ DRIVER: Final = web.AppKey("driver", RunDriver)
 CLIENT_POLL_S: Final = 0.02
 """How often a waiting handler checks that its client is still connected."""
 SHUTDOWN_GRACE_S: Final = 5.0
+SHUTTING_DOWN: Final = "the gateway is shutting down"
 
 
 def setup(app: web.Application) -> None:
@@ -50,6 +51,7 @@ def setup(app: web.Application) -> None:
 
     app[ctx.HARNESS] = handle_server_side
     app.cleanup_ctx.append(_driver_ctx)
+    app.on_shutdown.append(_stop_runs)
     runs_api.setup(app)
 
 
@@ -82,7 +84,14 @@ async def _driver_ctx(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        await stop_all(driver.active, "the gateway is shutting down")
+        await stop_all(driver.active, SHUTTING_DOWN)
+
+
+async def _stop_runs(app: web.Application) -> None:
+    # on_shutdown comes before aiohttp waits for open requests: runs stop now, saved as
+    # interrupted (resumable), and their callers get that answer instead of a cut.
+    if DRIVER in app:
+        await stop_all(app[DRIVER].active, SHUTTING_DOWN)
 
 
 async def stop_all(active: ActiveRuns, reason: str) -> None:
@@ -103,7 +112,8 @@ async def handle_server_side(request: web.Request, call: Call) -> web.StreamResp
             raise InvalidField(f"tools[{i}]", f"tools[{i}] is named '{name}', like a tool of policy "
                                               f"'{call.policy.name}' (which the gateway runs itself); rename it")
     kind: StartKind = "run_started" if call.created else "run_resumed"
-    prepare = start() if call.created else continue_chat(call.chat.messages, call.chat.model)
+    prepare = continuations.start() if call.created else continuations.continue_chat(call.chat.messages,
+                                                                                        call.chat.model)
     return await answer(request, call.run.run_id, prepare=prepare, start=kind, client_tools=client_tools,
                         stream=call.chat.stream, include_usage=call.chat.include_usage)
 

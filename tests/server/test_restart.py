@@ -108,3 +108,21 @@ async def test_a_replica_cannot_drive_a_run_another_drives_but_can_stop_it(serve
         assert status == 200 and body["run"]["status"] == "completed", body  # free again: any replica drives it
     finally:
         replica.stop()
+
+
+async def test_a_graceful_stop_saves_running_runs_as_interrupted(served: Served,
+                                                                 session: aiohttp.ClientSession) -> None:
+    run_id = "stopped-by-sigterm"
+    call = asyncio.ensure_future(request(session, "POST", f"{served.url}/v1/chat/completions",
+                                         body=chat_body("scripted-slow"),
+                                         headers={"X-Policy": "files", "X-Run-Id": run_id}))
+    await wait_event(session, served.url, run_id, "tool_progress")
+    served.proc.popen.terminate()  # SIGTERM: the gateway stops its runs before it exits
+    status, headers, body = await call
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] == "The run was interrupted: the gateway is shutting down."
+    assert served.proc.popen.wait(timeout=10) == 0
+    served.restart()
+    run = await get_run(session, served.url, run_id)
+    assert run["status"] == "interrupted" and run["interruption"]["reason"] == "the gateway is shutting down"
+    assert run["turns"] == 1
