@@ -67,7 +67,7 @@ def junk_request(i: int, rng: random.Random, used: set[str]) -> tuple[str, str, 
     if kind == 6:  # random path under /v1, POSTed
         return "POST", f"/v1/{t}", auth, body
     if kind == 7:  # a run that does not exist, through every runs route
-        sub = rng.choice(["", "/events", "/cancel", "/resume", "/approvals"])
+        sub = ["", "/events", "/cancel", "/resume", "/approvals"][(i // 10) % 5]  # all five within WARMUP
         return ("GET" if sub in ("", "/events") else "POST"), f"/v1/runs/{t}{sub}", auth, (None if sub in ("", "/events") else {})
     if kind == 8:  # a random path on the scripted upstream's mount
         return "POST", f"/scripted/v1/{t}", auth, body

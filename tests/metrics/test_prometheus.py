@@ -1,0 +1,236 @@
+"""The metrics proof: a real Prometheus scraping a real gateway.
+
+Two identical rounds of traffic each take every exit a run can take (completed,
+max_turns, max_budget, team_budget, approval, cancelled, permanent_error, repeated_call,
+upstream_error). Prometheus scrapes between and after them (waited for through its API,
+never slept for), so every counter and histogram has grown between two scrapes and every
+rate and quantile is defined. Then every PromQL expression of every dashboard panel is
+evaluated through Prometheus's HTTP API, exactly as written with the template variables
+substituted, and must return data.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.metrics.dashboards import DESIGN_METRICS, EXTRA_HISTOGRAMS, load_dashboards, panel_queries
+from tests.metrics.exposition import Exposition, scrape
+from tests.metrics.prom import JOB, Prometheus, start_prometheus
+from tests.metrics.traffic import Client, Exits, drive_every_exit, write_gateway_config
+from tests.support.procs import ROOT, Proc, free_port, start_gateway
+
+pytestmark = pytest.mark.timeout(240)
+
+STOP_REASONS = {
+    ("completed", "completed"), ("max_turns_exceeded", "max_turns"), ("budget_exceeded", "max_budget"),
+    ("budget_exceeded", "team_budget"), ("interrupted", "approval"), ("interrupted", "cancelled"),
+    ("failed", "permanent_error"), ("failed", "repeated_call"), ("failed", "upstream_error"),
+}
+
+
+@dataclass
+class Stack:
+    gateway: Proc
+    prom: Prometheus
+    config: Path
+    demo: Client
+    ops: Client
+    tight: Client
+
+
+@dataclass
+class Traffic:
+    rounds: list[Exits]
+    start: float
+    end: float
+    exposition: Exposition
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("proof")
+    config = write_gateway_config(tmp)
+    port = free_port()
+    gateway = start_gateway(["serve", "--config", str(config), "--port", str(port)], "/healthz", port,
+                            tmp / "gateway.log")
+    try:
+        # Started right away: its first scrape comes ~5 s later (target discovery is batched).
+        prom = start_prometheus(f"127.0.0.1:{port}", tmp / "prometheus")
+    except BaseException:
+        gateway.stop()
+        raise
+    try:
+        yield Stack(gateway, prom, config, Client(gateway.url, "sk-demo"), Client(gateway.url, "sk-ops"),
+                    Client(gateway.url, "sk-tight"))
+    finally:
+        prom.stop()
+        gateway.stop()
+
+
+def wait_scraped(stack: Stack, after: float) -> Exposition:
+    """Wait for a scrape that started after `after` and saw what /metrics shows now."""
+    def probe() -> Exposition | None:
+        if stack.prom.wait_scrape_after(after) is None:
+            return None
+        exposition = scrape(stack.gateway.url)
+        for name in ("gateway_runs_stopped_total", "gateway_cost_usd_total", "gateway_turns_total"):
+            seen = stack.prom.scalar(f'sum({name}{{job="{JOB}"}})')
+            if seen is None or not math.isclose(seen, exposition.total(name), rel_tol=0, abs_tol=1e-12):
+                return None
+        return exposition
+    return stack.prom.wait_for("a scrape holding all the traffic", probe, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def traffic(stack: Stack) -> Traffic:
+    start = time.time()
+    rounds = [drive_every_exit(stack.demo, stack.ops, stack.tight)]
+    wait_scraped(stack, time.time())
+    rounds.append(drive_every_exit(stack.demo, stack.ops, stack.tight))
+    end = time.time()
+    exposition = wait_scraped(stack, end)
+    return Traffic(rounds, start, end, exposition)
+
+
+def has_data(result: list[dict[str, Any]]) -> bool:
+    """At least one series with at least one finite sample (a NaN quantile is not data)."""
+    for series in result:
+        samples = series.get("values") or ([series["value"]] if "value" in series else [])
+        if any(math.isfinite(float(value)) for _, value in samples):
+            return True
+    return False
+
+
+def test_every_dashboard_panel_query_returns_data(stack: Stack, traffic: Traffic) -> None:
+    now = time.time()
+    empty = []
+    queries = panel_queries()
+    for q in queries:
+        if q.instant:
+            result = stack.prom.query(q.expr, at=now)
+        else:
+            # Grafana's grid ends at "now"; so does this one (start a whole number of steps back)
+            result = stack.prom.query_range(q.expr, now - math.ceil(now - traffic.start + 2), now, "1s")
+        if not has_data(result):
+            empty.append(f"{q.name}: {q.expr}")
+    assert not empty, f"{len(empty)} of {len(queries)} panel queries returned no data:\n" + "\n".join(empty)
+
+
+def test_dashboard_variables_list_the_teams_and_policies(stack: Stack, traffic: Traffic) -> None:
+    for dashboard in load_dashboards().values():
+        for var in dashboard["templating"]["list"]:
+            if var["type"] != "query":
+                continue
+            metric, label = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", var["definition"]).groups()  # type: ignore[union-attr]
+            values = set(stack.prom.label_values(label, metric))
+            expected = {"team": {"demo", "tight"}, "policy": {"files", "capped", "tiny", "passcap", "passthrough"}}
+            assert expected[label] <= values, (var["name"], values)
+
+
+def test_every_design_metric_is_exported_with_its_type(stack: Stack, traffic: Traffic) -> None:
+    types = traffic.exposition.types
+    for name, kind in DESIGN_METRICS.items():
+        assert types.get(name) == kind, f"{name}: exported as {types.get(name)}, DESIGN says {kind}"
+    for name in EXTRA_HISTOGRAMS:
+        assert types.get(name) == "histogram", name
+    # and Prometheus holds samples of each
+    for name, kind in {**DESIGN_METRICS, **{n: "histogram" for n in EXTRA_HISTOGRAMS}}.items():
+        series = name + "_count" if kind == "histogram" else name
+        assert stack.prom.query(f'count({series}{{job="{JOB}"}})'), f"Prometheus has no {series}"
+
+
+def test_every_stop_reason_is_counted_once_per_round(stack: Stack, traffic: Traffic) -> None:
+    result = stack.prom.query(f'sum by (status, reason) (gateway_runs_stopped_total{{job="{JOB}"}})')
+    counted = {(r["metric"]["status"], r["metric"]["reason"]): float(r["value"][1]) for r in result}
+    missing = STOP_REASONS - set(counted)
+    assert not missing, f"stop reasons never counted: {sorted(missing)}; counted: {counted}"
+    for pair in STOP_REASONS:
+        assert counted[pair] >= len(traffic.rounds), (pair, counted[pair])
+
+
+def test_gauges_after_the_traffic(stack: Stack, traffic: Traffic) -> None:
+    # one destructive run per round is left waiting for a person
+    assert stack.prom.scalar(f'sum(gateway_approvals_pending{{job="{JOB}", team="demo"}})') == len(traffic.rounds)
+    # nothing is running any more
+    assert stack.prom.scalar(f'sum(gateway_runs_active{{job="{JOB}"}})') == 0
+    # the tight team has spent nothing and has no budget left for a call's reservation
+    remaining = stack.prom.scalar(f'gateway_team_budget_remaining_usd{{job="{JOB}", team="tight"}}')
+    assert remaining is not None and remaining <= 0.0001
+
+
+def runs_of(client: Client) -> list[dict[str, Any]]:
+    reply = client.request("GET", "/v1/runs?limit=1000")
+    assert reply.status == 200, (reply.status, reply.text)
+    body = reply.body
+    runs: list[dict[str, Any]] = body["data"] if isinstance(body, dict) else body
+    return runs
+
+
+def test_cost_counter_equals_the_runs_cost_in_the_store(stack: Stack, traffic: Traffic) -> None:
+    runs = {run["id"]: run for client in (stack.demo, stack.ops, stack.tight) for run in runs_of(client)}
+    made = {run_id for exits in traffic.rounds for run_id in exits.runs.values() if run_id}
+    assert made <= set(runs), f"runs made by the traffic but not listed: {sorted(made - set(runs))}"
+    store_total = sum(float(run["cost_usd"]) for run in runs.values())
+    counter = stack.prom.scalar(f'sum(gateway_cost_usd_total{{job="{JOB}"}})')
+    assert counter is not None and store_total > 0.01
+    assert round(counter, 2) == round(store_total, 2)  # issue 5: to the cent
+    assert counter == pytest.approx(store_total, abs=1e-6)  # in fact to the micro-dollar
+    assert counter == pytest.approx(traffic.exposition.total("gateway_cost_usd_total"), abs=1e-12)
+    # the team's spend gauge is the same money, seen from the ledger
+    demo_total = sum(float(run["cost_usd"]) for run in runs.values() if run.get("team", "demo") == "demo")
+    spend = stack.prom.scalar(f'gateway_team_spend_usd{{job="{JOB}", team="demo"}}')
+    assert spend == pytest.approx(demo_total, abs=1e-6)
+
+
+def test_no_label_carries_a_run_id_or_a_raw_path(stack: Stack, traffic: Traffic) -> None:
+    run_ids = {run_id for exits in traffic.rounds for run_id in exits.runs.values() if run_id}
+    for run_id in run_ids:
+        assert run_id not in traffic.exposition.text.split("# {")[0]
+    for (name, labels) in traffic.exposition.series:
+        for label, value in labels:
+            assert "run_" not in value, (name, label, value)
+            if label == "route":
+                assert "/runs/run_" not in value and not re.search(r"/[0-9a-f]{12,}", value), value
+
+
+@pytest.mark.xfail(strict=True, reason="gateway/server/metrics.py records no exemplars and /metrics does not "
+                   "answer OpenMetrics yet (requested from the metrics owner); strict: passing flags the fix")
+def test_latency_exemplars_link_to_runs(stack: Stack, traffic: Traffic) -> None:
+    exemplars = stack.prom.exemplars("gateway_upstream_duration_seconds_bucket", traffic.start - 1, time.time())
+    linked = {e["labels"].get("run_id") for group in exemplars for e in group["exemplars"]}
+    assert linked - {None}, "no exemplar with a run_id on gateway_upstream_duration_seconds"
+    runs = {run["id"] for client in (stack.demo, stack.ops, stack.tight) for run in runs_of(client)}
+    assert linked <= runs
+
+
+def test_promtool_lints_the_real_exposition(traffic: Traffic) -> None:
+    done = subprocess.run(["promtool", "check", "metrics"], input=traffic.exposition.text,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_trace_command_prints_a_real_run(stack: Stack, traffic: Traffic) -> None:
+    run_id = traffic.rounds[0].runs["completed"]
+    done = subprocess.run([sys.executable, "-m", "gateway", "trace", run_id, "--config", str(stack.config)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "sqlite store" in lines[0]
+    assert [re.search(r"turn \d+: in (\d+)", line).group(1) for line in lines if " turn " in line] == [  # type: ignore[union-attr]
+        "204", "269", "342"]  # the chapter's per-turn prompt tokens
+    assert sum(1 for line in lines if "  tool list_files() -> ok in" in line or "  tool read_file(" in line) == 2
+    assert "stopped: completed (completed), turns 3, cost $0.002470" in done.stdout
+    assert lines[-1].startswith("total: 3 turns, 2 tool runs (0 failed), tokens in 815 out 70, cost $0.002470")
+    # every line of the trace also went to the trace file
+    trace_file = stack.config.parent / "trace.jsonl"
+    assert f'"runId":"{run_id}"' in trace_file.read_text()
