@@ -158,13 +158,11 @@ def _describe(event: Event, results: Mapping[Any, Event], started: Set[Any]) -> 
         result = results.get(event.get("callId"))
         if result is None:
             return f"{head} -> no result"
-        outcome = "ok" if result.get("ok") else "failed"
-        return f"{head} -> {outcome} in {_ms(result.get('ms'))}"
+        return f"{head} -> {_outcome(result)} in {_ms(result.get('ms'))}"
     if kind == "tool_result":
         if event.get("callId") in started and results.get(event.get("callId")) is event:
             return None  # shown on its tool_start line
-        outcome = "ok" if event.get("ok") else "failed"
-        return f"  tool {event.get('toolName')} -> {outcome} in {_ms(event.get('ms'))}"
+        return f"  tool {event.get('toolName')} -> {_outcome(event)} in {_ms(event.get('ms'))}"
     if kind == "tool_progress":
         return f"    {event.get('toolName')}: {event.get('label')}"
     if kind == "tool_deduped":
@@ -184,7 +182,7 @@ def _describe(event: Event, results: Mapping[Any, Event], started: Set[Any]) -> 
 def _totals(events: Iterable[Event]) -> str:
     turns = [e for e in events if e.get("type") == "turn"]
     tools = [e for e in events if e.get("type") == "tool_result"]
-    failed = sum(1 for e in tools if not e.get("ok"))
+    failed = sum(1 for e in tools if _outcome(e) not in ("ok", "cancelled"))
     tokens_in = sum(_int(e.get("prompt_tokens")) for e in turns)
     tokens_out = sum(_int(e.get("completion_tokens")) for e in turns)
     cost = turns[-1].get("costUsd") if turns else 0.0
@@ -192,6 +190,14 @@ def _totals(events: Iterable[Event]) -> str:
     end = f", last stop {stops[-1].get('status')} ({stops[-1].get('reason')})" if stops else ", not stopped"
     return (f"total: {len(turns)} turns, {len(tools)} tool runs ({failed} failed), "
             f"tokens in {tokens_in} out {tokens_out}, cost {_usd(cost)}{end}")
+
+
+def _outcome(result: Event) -> str:
+    """ok | failed, or the result's own `outcome` (e.g. cancelled) when the trace carries one."""
+    outcome = result.get("outcome")
+    if isinstance(outcome, str) and outcome:
+        return "failed" if outcome == "error" else outcome
+    return "ok" if result.get("ok") else "failed"
 
 
 def _rest(event: Event) -> str:

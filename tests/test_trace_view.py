@@ -142,6 +142,8 @@ def test_interrupted_tools_progress_and_approvals(ok: bool) -> None:
     trace("turn", turn=1, prompt_tokens=10, completion_tokens=5, total_tokens=15, costUsd=0.00008, finish="tool_calls")
     trace("tool_start", toolName="scan_archive", args='{"path": "archive"}', callId="c1")
     trace("tool_progress", toolName="scan_archive", label="200/1200 files")
+    trace("tool_start", toolName="scan_archive", args="{}", callId="c0")
+    trace("tool_result", toolName="scan_archive", ms=1202, ok=False, outcome="cancelled", callId="c0")
     trace("tool_start", toolName="read_file", args='{"path": "' + "x" * 200 + '"}', callId="c2")
     trace("tool_result", toolName="read_file", ms=7.4, ok=ok, callId="c2")
     trace("approval_required", toolName="delete_file", args='{"path": "access.log"}', callId="c3")
@@ -153,9 +155,10 @@ def test_interrupted_tools_progress_and_approvals(ok: bool) -> None:
     text = "\n".join(lines)
     assert 'tool scan_archive({"path": "archive"}) -> no result' in text
     assert "scan_archive: 200/1200 files" in text
+    assert "tool scan_archive() -> cancelled in 1202 ms" in text  # a cancelled call is not a failure
     read = next(line for line in lines if "read_file(" in line)
     assert read.endswith(f"-> {'ok' if ok else 'failed'} in 7 ms") and "..." in read and len(read) < 140
     assert 'approval needed: delete_file({"path": "access.log"}) call c3' in text
     assert 'approval_decided  callId=c3 decision=reject reason="keep the logs"' in text
     assert "stopped: interrupted (cancelled), turns 1, cost $0.000080: user pressed Stop" in text
-    assert lines[-1].startswith(f"total: 1 turns, 1 tool runs ({0 if ok else 1} failed)")
+    assert lines[-1].startswith(f"total: 1 turns, 2 tool runs ({0 if ok else 1} failed)")
