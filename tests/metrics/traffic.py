@@ -59,8 +59,10 @@ def write_gateway_config(tmp: Path, *, trace_file: bool = True) -> Path:
         # nothing listens there: calls to it fail the way a dead upstream does
         f"  - {{name: down, base_url: 'http://127.0.0.1:{free_port()}/v1', timeout_s: 5}}",
         "models:",
-        "  - {match: broken-model, upstream: down, price_in: 2.00, price_out: 12.00}",
         '  - {match: "scripted-*", upstream: scripted, price_in: 2.00, price_out: 12.00}',
+        "  - {match: broken-model, upstream: down, price_in: 2.00, price_out: 12.00}",
+        # like the shipped config, any other name is routed (to an upstream that is down)
+        '  - {match: "*", upstream: down, price_in: 0.0, price_out: 0.0}',
         "teams:",
         "  - {name: demo, keys: [sk-demo], budget_usd: 10.0, budget_period: month,",
         "     policies: [passthrough, files, research, capped, tiny, passcap]}",
