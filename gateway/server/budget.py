@@ -69,10 +69,21 @@ class Governor:
         self.clock = clock
         self._turns: dict[str, int] = {}
         self._usd: dict[str, float] = {}
+        self._periods: dict[tuple[object, ...], str] = {}
 
     def period(self, team: TeamConfig) -> str:
         """The team's ledger key now (rolls over with the clock)."""
-        return period_key(team.budget_period, self.clock())
+        now = self.clock()
+        if now.tzinfo is None:
+            return period_key(team.budget_period, now)  # refuses a naive clock, by name
+        utc = now.astimezone(UTC)
+        key = (team.budget_period, utc.year, utc.month, utc.day)
+        cached = self._periods.get(key)
+        if cached is None:  # period_key formats dates: once a day per kind is enough
+            if len(self._periods) > 64:
+                self._periods.clear()
+            cached = self._periods[key] = period_key(team.budget_period, utc)
+        return cached
 
     def in_flight(self, run_id: str) -> int:
         return self._turns.get(run_id, 0)

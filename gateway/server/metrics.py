@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -33,6 +34,7 @@ class Metrics:
     def __init__(self, known_models: Iterable[str] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.known_models = frozenset(known_models)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.requests = Counter("gateway_requests_total", "HTTP requests by route template and status.",
                                 ["route", "code"], registry=r)
@@ -71,29 +73,37 @@ class Metrics:
                                       buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1,
                                                5))
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, cached: the lookup runs on every call of the hot path."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def model_label(self, model: str) -> str:
         """The model's name if the config routes it by name (or a scripted scenario), else "other"."""
         return model if model in self.known_models else OTHER
 
     def on_request(self, route: str, code: int) -> None:
-        self.requests.labels(route, str(code)).inc()
+        self._child(self.requests, route, str(code)).inc()
 
     def on_overhead(self, seconds: float) -> None:
         self.overhead.observe(max(0.0, seconds))
 
     def on_upstream(self, upstream: str, model: str, seconds: float) -> None:
-        self.upstream_duration.labels(upstream, self.model_label(model)).observe(seconds)
+        self._child(self.upstream_duration, upstream, self.model_label(model)).observe(seconds)
 
     def on_ttft(self, upstream: str, model: str, seconds: float) -> None:
-        self.ttft.labels(upstream, self.model_label(model)).observe(seconds)
+        self._child(self.ttft, upstream, self.model_label(model)).observe(seconds)
 
     def on_turn(self, team: str, policy: str, model: str, usage: Usage, cost_usd: float) -> None:
         """One model turn of a run (pass-through or server-side)."""
         label = self.model_label(model)
-        self.turns.labels(team, policy, label).inc()
-        self.tokens.labels(team, label, "prompt").inc(usage.prompt_tokens)
-        self.tokens.labels(team, label, "completion").inc(usage.completion_tokens)
-        self.cost.labels(team, label).inc(cost_usd)
+        self._child(self.turns, team, policy, label).inc()
+        self._child(self.tokens, team, label, "prompt").inc(usage.prompt_tokens)
+        self._child(self.tokens, team, label, "completion").inc(usage.completion_tokens)
+        self._child(self.cost, team, label).inc(cost_usd)
 
     def on_tool(self, policy: str, tool: str, outcome: ToolOutcome, seconds: float | None = None) -> None:
         """One server-side tool call; `seconds` only for calls that ran."""
