@@ -132,3 +132,10 @@ def test_gateway_serve_prints_the_error_and_exits_2(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert f"{path}: teams[0].budget_usd: must be a number" in proc.stderr
     assert "serving" not in proc.stderr
+
+
+def test_a_missing_policies_dir_is_a_config_error(tmp_path: Path) -> None:
+    path = write_config(tmp_path, _with(lambda d: d.update(policies_dir="./no-such-folder")))
+    with pytest.raises(ConfigError) as info:
+        build_app(load_config(path))
+    assert info.value.path == "policies_dir" and "no-such-folder" in info.value.problem
