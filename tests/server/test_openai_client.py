@@ -176,3 +176,37 @@ def test_shipped_config_serves_on_a_fresh_folder(tmp_path: Path) -> None:
     finally:
         proc.stop()
     assert (tmp_path / "gateway.db").exists()
+
+
+def test_sighup_reloads_policies_for_new_runs(tmp_path: Path) -> None:
+    import signal
+    import urllib.error
+    import urllib.request
+
+    proc = serve(tmp_path / "gwh", config_data())
+    try:
+        def call(run_id: str) -> int:
+            req = urllib.request.Request(proc.url + "/v1/chat/completions", method="POST",
+                                         data=json.dumps({"model": "scripted-runaway",
+                                                          "messages": [{"role": "user", "content": "go"}]}).encode(),
+                                         headers={"Authorization": f"Bearer {KEY}", "X-Run-Id": run_id,
+                                                  "X-Policy": "capped", "Content-Type": "application/json"})
+            try:
+                return int(urllib.request.urlopen(req, timeout=5).status)
+            except urllib.error.HTTPError as exc:
+                return int(exc.code)
+
+        assert [call("before") for _ in range(2)] == [200, 200]  # cap 3
+        policy = tmp_path / "gwh" / "policies" / "capped.yaml"
+        policy.write_text(yaml.safe_dump({"name": "capped", "limits": {"max_turns": 1}}))
+        proc.popen.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        n = 0
+        while True:  # poll: the reload happens on the gateway's loop, soon after the signal
+            n += 1
+            if [call(f"after-{n}") for _ in range(2)] == [200, 429]:
+                break
+            assert time.monotonic() < deadline, proc.output()
+        assert call("before") == 200  # the run started before keeps the version it started under
+    finally:
+        proc.stop()
