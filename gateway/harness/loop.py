@@ -160,6 +160,7 @@ async def _run_tool(state: RunState, *, tool_name: str, call_id: str, raw_args: 
     exc = done.error or RuntimeError("tool failed")
     text = options.tool_errors.render(tool_name, exc)
     _answer(state, call_id, tool_name, text)
+    state.failed_calls.append(call_id)
     if isinstance(exc, options.tool_errors.permanent):
         state.error = f"{tool_name} failed permanently: {exc}"
         return Stop("failed", "permanent_error", state.error)
@@ -186,10 +187,14 @@ def _dedupes(options: RunOptions, read_only: bool) -> bool:
 
 
 def _earlier_result(state: RunState, call: dict[str, Any]) -> str | None:
-    """The result of an earlier identical call (same tool, same arguments), if any."""
+    """The result of an earlier identical call (same tool, same arguments) that succeeded, if any.
+
+    A failure is never reused: the error may be transient, and a permanent one stops the run.
+    """
     wanted = signature(call)
     ids = {str(c.get("id")) for m in state.messages if m.get("role") == "assistant"
            for c in (m.get("tool_calls") or []) if c is not call and signature(c) == wanted}
+    ids.difference_update(state.failed_calls)
     for m in state.messages:
         if m.get("role") == "tool" and m.get("tool_call_id") in ids:
             return str(m.get("content", ""))

@@ -103,6 +103,7 @@ class RunState:
     cost_usd: float = 0.0
     per_turn: list[Usage] = field(default_factory=list)
     decisions: dict[str, Decision] = field(default_factory=dict)
+    failed_calls: list[str] = field(default_factory=list)  # their results are errors: never reused
     error: str | None = None
     parent_run_id: str | None = None
     created_at: float = field(default_factory=time.time)
@@ -156,6 +157,7 @@ class RunState:
             "cost_usd": self.cost_usd,
             "per_turn": [u.to_json() for u in self.per_turn],
             "decisions": {cid: d.to_json() for cid, d in self.decisions.items()},
+            "failed_calls": self.failed_calls,
             "error": self.error,
             "messages": self.messages,
             "created_at": self.created_at,
@@ -194,6 +196,7 @@ class RunState:
                 cost_usd=float(data.get("cost_usd", 0.0)),
                 per_turn=[Usage.from_json(u) for u in data.get("per_turn", [])],
                 decisions={cid: Decision(**d) for cid, d in (data.get("decisions") or {}).items()},
+                failed_calls=list(data.get("failed_calls") or []),
                 error=data.get("error"),
                 created_at=float(data.get("created_at", 0.0)),
                 updated_at=float(data.get("updated_at", 0.0)),
@@ -211,7 +214,8 @@ class RunState:
         return cls.from_json(data)
 
     def copy(self) -> RunState:
-        return replace(self, messages=list(self.messages), decisions=dict(self.decisions), per_turn=list(self.per_turn))
+        return replace(self, messages=list(self.messages), decisions=dict(self.decisions), per_turn=list(self.per_turn),
+                       failed_calls=list(self.failed_calls))
 
 
 def new_run_id() -> str:

@@ -25,6 +25,7 @@ EventKind = Literal[
     "run_resumed",
     "run_stopped",
     "subrun_started",
+    "cancel_requested",
 ]
 EVENT_KINDS: tuple[EventKind, ...] = get_args(EventKind)
 

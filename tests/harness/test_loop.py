@@ -141,3 +141,11 @@ async def test_repeated_call_condition_stops_the_run() -> None:
     out = await run(new_state(), model, RunOptions(tools={"read_file": Recorder().tool("read_file")}, dedupe="off",
                                                    stop_when=[RepeatedCall(3)]))
     assert out.state.status == "failed" and out.state.reason == "repeated_call" and out.state.turns == 3
+
+
+async def test_dedupe_never_reuses_a_failed_result() -> None:
+    rec = Recorder()
+    tools = {"read_file": rec.tool("read_file", raises=FileNotFoundError("no such file: a"))}
+    model = ScriptModel(lambda t, _: call(f"c{t + 1}", "read_file", {"path": "a"}) if t < 2 else text("gave up"))
+    out = await run(new_state(), model, RunOptions(tools=tools))
+    assert len(rec.runs) == 2 and out.state.failed_calls == ["c1", "c2"]

@@ -141,6 +141,7 @@ async def test_through_the_loop_allow_deny_ask_reject_and_expire(policy_dir: Pat
     decide(state, "c5", expiry_decision(policy.approval))
     out = await run(state, model, options)
     assert out.state.status == "completed"
-    assert tool_messages(state)[4].endswith("The reviewer said: " + expiry_sentence(policy.approval))
+    assert tool_messages(state)[4].startswith('Nobody approved the call delete_file({"path":"errors.log"}) in time')
+    assert tool_messages(state)[4].endswith(expiry_sentence(policy.approval))
     assert state.decisions["c5"].by == "approval-expiry"
     assert sum(m.startswith("echo") for m in tool_messages(state)) == 2  # only c1 and c3 ever ran

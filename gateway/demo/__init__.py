@@ -1,0 +1,1 @@
+"""`gateway demo`: the chapter's experiments reproduced against the scripted provider."""
