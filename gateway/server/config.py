@@ -4,6 +4,19 @@ The shape is DESIGN.md's (field names are the contract). Every error is a `Confi
 naming the file, the field path (`teams[0].budget_usd`) and what is wrong; `gateway
 serve` prints it and exits 2 without starting. Relative paths are taken from the
 config file's folder, so the gateway works from any working directory.
+
+Settings beyond DESIGN.md's shape:
+
+- `server.lease_ttl_s` (default 15): how long a replica's hold on a run it drives lasts
+  without renewal (renewed every third of it). A run whose replica died can be resumed
+  by another replica once this much time has passed since the last renewal.
+- `runs_dir` (default `runs/` next to the SQLite file, else next to this file): where
+  per-run sandbox folders live. Replicas that share a store must share this folder too,
+  so a run resumed on another replica finds its files.
+- `teams[i].admin` (default false): keys of an admin team may call the admin API
+  (`POST /v1/admin/reload`). Admin is an explicit grant: being named as an approver by
+  a policy does not make a team an admin, so editing a policy file can never widen who
+  may reload policies.
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ BudgetMode = Literal["turn", "strict"]
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_OUTPUT_ALLOWANCE = 4096
 DEFAULT_UPSTREAM_TIMEOUT_S = 60.0
+DEFAULT_LEASE_TTL_S = 15.0
 SCRIPTED_PREFIX = "/scripted/v1"
 
 
@@ -40,6 +54,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
 
 
 @dataclass(frozen=True)
@@ -89,6 +104,7 @@ class TeamConfig:
     budget_usd: float | None = None
     budget_period: BudgetPeriod = "month"
     budget_mode: BudgetMode = "turn"
+    admin: bool = False
 
     @property
     def default_policy(self) -> str:
@@ -108,6 +124,7 @@ class Config:
     server: ServerConfig
     store: StoreConfig
     policies_dir: Path
+    runs_dir: Path
     trace_file: Path | None
     upstreams: Mapping[str, UpstreamConfig]
     models: tuple[ModelRoute, ...]
@@ -151,13 +168,16 @@ def parse_config(data: Any, file: Path) -> Config:
     """Validate an already-parsed YAML document as if it were read from `file`."""
     base = file.resolve().parent
     root = Field(str(file), "", data if data is not None else {})
-    root.keys_only({"server", "store", "policies_dir", "trace_file", "upstreams", "models", "teams", "defaults"})
+    root.keys_only({"server", "store", "policies_dir", "runs_dir", "trace_file", "upstreams", "models", "teams",
+                    "defaults"})
     upstreams = _upstreams(root.get("upstreams"))
+    store = _store(root.get("store"), base)
     return Config(
         path=file,
         server=_server(root.get("server")),
-        store=_store(root.get("store"), base),
+        store=store,
         policies_dir=base / root.get("policies_dir").optional_str("./policies"),
+        runs_dir=_optional_path(root.get("runs_dir"), base) or _default_runs_dir(store, base),
         trace_file=_optional_path(root.get("trace_file"), base),
         upstreams=upstreams,
         models=_models(root.get("models"), upstreams),
@@ -169,11 +189,12 @@ def parse_config(data: Any, file: Path) -> Config:
 def _server(at: Field) -> ServerConfig:
     if at.missing:
         return ServerConfig()
-    at.keys_only({"host", "port", "max_body_bytes"})
+    at.keys_only({"host", "port", "max_body_bytes", "lease_ttl_s"})
     return ServerConfig(
         host=at.get("host").optional_str("127.0.0.1"),
         port=at.get("port").optional_int(8080, low=0, high=65535),
         max_body_bytes=at.get("max_body_bytes").optional_int(DEFAULT_MAX_BODY_BYTES, low=1),
+        lease_ttl_s=at.get("lease_ttl_s").optional_number(DEFAULT_LEASE_TTL_S, positive=True),
     )
 
 
@@ -195,6 +216,11 @@ def _store(at: Field, base: Path) -> StoreConfig:
 def _optional_path(at: Field, base: Path) -> Path | None:
     value = at.optional_str_or_none()
     return base / value if value else None
+
+
+def _default_runs_dir(store: StoreConfig, base: Path) -> Path:
+    """`runs/` next to the SQLite file (a store without a file: next to the config)."""
+    return (Path(store.path).parent if store.path else base) / "runs"
 
 
 def _upstreams(section: Field) -> dict[str, UpstreamConfig]:
@@ -241,7 +267,7 @@ def _teams(section: Field) -> tuple[TeamConfig, ...]:
     teams: list[TeamConfig] = []
     seen_keys: dict[str, str] = {}
     for at in section.required().list_of():
-        at.keys_only({"name", "keys", "key_env", "budget_usd", "budget_period", "budget_mode", "policies"})
+        at.keys_only({"name", "keys", "key_env", "budget_usd", "budget_period", "budget_mode", "policies", "admin"})
         name = at.get("name").required().nonempty_str()
         if any(t.name == name for t in teams):
             at.get("name").fail(f"team '{name}' is defined twice")
@@ -267,6 +293,7 @@ def _teams(section: Field) -> tuple[TeamConfig, ...]:
             name=name, keys=tuple(keys), policies=tuple(policies), budget_usd=budget,
             budget_period=at.get("budget_period").choice(("day", "month", "total"), "month"),
             budget_mode=at.get("budget_mode").choice(("turn", "strict"), "turn"),
+            admin=at.get("admin").optional_bool(False),
         ))
     if not teams:
         section.fail("at least one team is required")

@@ -103,6 +103,13 @@ class Field:
             return None
         return self.nonempty_str()
 
+    def optional_bool(self, default: bool) -> bool:
+        if self.missing or self.value is None:
+            return default
+        if not isinstance(self.value, bool):
+            self.fail(f"must be true or false, got {_kind(self.value)}")
+        return self.value
+
     def choice(self, options: Sequence[S], default: S) -> S:
         if self.missing or self.value is None:
             return default

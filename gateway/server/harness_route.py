@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
 from typing import Any, Final
 
 import orjson
@@ -29,7 +28,6 @@ from gateway.server import context as ctx
 from gateway.server import continuations
 from gateway.server.answers import Answer, completion_body, completion_chunks, completion_id
 from gateway.server.cancels import CLIENT_DISCONNECTED, ActiveRuns, RunBusy
-from gateway.server.config import Config
 from gateway.server.driver import Drive, Prepare, RunDriver, StartKind
 from gateway.server.errors import ApiError, Conflict, InvalidField
 from gateway.server.headers import run_headers
@@ -55,12 +53,6 @@ def setup(app: web.Application) -> None:
     runs_api.setup(app)
 
 
-def runs_dir(config: Config) -> Path:
-    """Where runs keep their sandbox folders: `runs/` next to the SQLite file (else the config)."""
-    base = Path(config.store.path).resolve().parent if config.store.path else config.path.resolve().parent
-    return base / "runs"
-
-
 async def _driver_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[ctx.CONFIG]
 
@@ -76,8 +68,8 @@ async def _driver_ctx(app: web.Application) -> AsyncIterator[None]:
     self_url = app.get(ctx.SELF_URL)
     owner = f"{socket.gethostname()}/{self_url}" if self_url else None
     driver = RunDriver(app[ctx.STORE], app[ctx.POLICIES], model_for=model_for, price_for=price_for,
-                       runs_dir=runs_dir(config), session=app[ctx.SESSION], trace_file=config.trace_file,
-                       metrics=app[ctx.METRICS], owner=owner)
+                       runs_dir=config.runs_dir, session=app[ctx.SESSION], trace_file=config.trace_file,
+                       metrics=app[ctx.METRICS], owner=owner, lease_ttl_s=config.server.lease_ttl_s)
     app[DRIVER] = driver
     for team in config.teams:
         await driver.refresh_approvals(team.name)
