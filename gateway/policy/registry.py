@@ -9,7 +9,7 @@ policy it started with even after the file is edited.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -97,14 +97,20 @@ class PolicyRegistry:
             raise PolicySetError(result.errors)
         return result
 
-    def reload(self) -> ReloadResult:
-        """Load the directory again; on any error keep the current set and report why."""
+    def reload(self, check: Callable[[Mapping[str, Policy]], Sequence[PolicyError]] | None = None) -> ReloadResult:
+        """Load the directory again; on any error keep the current set and report why.
+
+        `check` sees the new set before it is swapped in and may refuse it with errors of
+        its own (e.g. a policy the config needs is gone), reported like a file's.
+        """
         try:
             files = policy_files(self.directory)
         except OSError as exc:
             error = PolicyError(str(self.directory), None, (), f"cannot list the policy directory: {exc.strerror or exc}")
             return ReloadResult(loaded=self.names(), errors=(error,))
         policies, errors = load_set(files)
+        if not errors and check is not None:
+            errors = list(check(policies))
         if errors:
             return ReloadResult(loaded=self.names(), errors=tuple(errors))
         changed = tuple(
