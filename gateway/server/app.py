@@ -35,8 +35,8 @@ from gateway.server.runs import Call
 from gateway.store import Store, StoreConfigError, StoreError, open_store
 from gateway.tokens import get_counter
 
-OPTIONAL_MODULES = ("gateway.server.harness_route",)
-"""Modules with a `setup(app)` that add to the gateway (server-side runs and the runs API)."""
+OPTIONAL_MODULES = ("gateway.server.harness_route", "gateway.server.admin")
+"""Modules with a `setup(app)` that add to the gateway (server-side runs and the runs API, the admin API)."""
 
 
 def routed_models(config: Config) -> list[tuple[str, str]]:

@@ -1,7 +1,8 @@
 """`gateway serve`: load and check the config, then run the gateway until stopped.
 
 A config error (file, field, problem) is printed and the process exits 2 without
-listening. SIGHUP reloads the policies (new runs get the new versions).
+listening. SIGHUP reloads the policies like POST /v1/admin/reload (new runs get the new
+versions) and logs the result.
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from gateway.server import context as ctx
+from gateway.server.admin import reload_policies
 from gateway.server.app import build_app
 from gateway.server.config import ConfigError, load_config
 
-log = logging.getLogger("gateway")
 
 
 def _self_url(host: str, port: int) -> str:
@@ -32,12 +32,7 @@ async def _reload_on_sighup(app: web.Application) -> AsyncIterator[None]:
     loop = asyncio.get_running_loop()
 
     def reload() -> None:
-        result = app[ctx.POLICIES].reload()
-        if result.ok:
-            log.warning("policies reloaded: %s (changed: %s)", ", ".join(result.loaded),
-                        ", ".join(result.changed) or "none")
-        else:
-            log.error("policy reload refused, previous policies kept:\n%s", "\n".join(map(str, result.errors)))
+        reload_policies(app, by="SIGHUP")  # logs what it loaded, or why it kept the old set
 
     try:
         loop.add_signal_handler(signal.SIGHUP, reload)
