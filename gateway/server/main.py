@@ -21,7 +21,6 @@ from gateway.server.app import build_app
 from gateway.server.config import ConfigError, load_config
 
 
-
 def _self_url(host: str, port: int) -> str:
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
