@@ -28,7 +28,7 @@ from gateway.server.auth import KeyRing
 from gateway.server.budget import Governor
 from gateway.server.config import SCRIPTED_PREFIX, Config, ConfigError
 from gateway.server.errors import ApiError
-from gateway.server.metrics import CONTENT_TYPE, Metrics
+from gateway.server.metrics import Metrics
 from gateway.server.middleware import gateway_middleware
 from gateway.server.passthrough import chat_completions
 from gateway.server.runs import Call
@@ -142,7 +142,9 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """Prometheus text. Team ledger gauges are read at scrape time (shared by replicas)."""
+    """The metrics, in OpenMetrics (with run-id exemplars) for a scraper that asks for it
+    (Prometheus does), else Prometheus text. Team ledger gauges are read at scrape time
+    (shared by replicas)."""
     app = request.app
     registry = app[ctx.METRICS]
     governor = app[ctx.GOVERNOR]
@@ -150,7 +152,8 @@ async def metrics(request: web.Request) -> web.Response:
         spent, reserved = await app[ctx.STORE].team_spend(team.name, governor.period(team))
         remaining = None if team.budget_usd is None else team.budget_usd - spent - reserved
         registry.set_team_budget(team.name, spent, remaining)
-    return web.Response(body=registry.render(), headers={"Content-Type": CONTENT_TYPE})
+    body, content_type = registry.exposition(request.headers.get("Accept"))
+    return web.Response(body=body, headers={"Content-Type": content_type, "Vary": "Accept"})
 
 
 async def healthz(request: web.Request) -> web.Response:

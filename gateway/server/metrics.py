@@ -2,22 +2,62 @@
 
 Labels stay bounded: routes are route templates (never raw paths), models are the names
 the config routes (anything else is "other"), reasons are short codes, and no label ever
-carries a run id.
+carries a run id. The run id goes in exemplars instead: every counter increment and
+histogram observation made while a request is served (`exemplar_run`) carries
+`{run_id="..."}`, which only the OpenMetrics exposition shows (`exposition(accept)`
+answers OpenMetrics to a scraper that asks for it, as Prometheus does, and the classic
+text format otherwise).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from contextvars import ContextVar, Token
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import choose_encoder
 
 from gateway.harness.usage import Usage
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OTHER = "other"
 _CODE = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
+
+EXEMPLAR_LABEL = "run_id"
+MAX_EXEMPLAR_RUN_ID = 128 - len(EXEMPLAR_LABEL)
+"""OpenMetrics caps an exemplar's label names and values at 128 characters together (and
+prometheus_client raises past it); a longer run id (up to 128 are valid) gets no exemplar."""
+
+RunIdSource = Callable[[], "str | None"]
+"""Tells the run id that metrics recorded now belong to (None: no run)."""
+
+# A ContextVar, not shared state: each request's task (and every task it starts, which
+# copies the context) sees its own source. Created once, at module level, as the contextvars
+# documentation requires (contexts keep strong references to their variables).
+_RUN_ID_SOURCE: ContextVar[RunIdSource | None] = ContextVar("gateway_metrics_run_id_source", default=None)
+
+
+def exemplar_run(source: RunIdSource) -> Token[RunIdSource | None]:
+    """Metrics recorded from now on in this context, and in the tasks it starts, carry
+    `source()` as their `run_id` exemplar. Undo with `end_exemplar_run(token)`."""
+    return _RUN_ID_SOURCE.set(source)
+
+
+def end_exemplar_run(token: Token[RunIdSource | None]) -> None:
+    """Undo `exemplar_run`."""
+    _RUN_ID_SOURCE.reset(token)
+
+
+def _exemplar() -> dict[str, str] | None:
+    """`{"run_id": ...}` for the run being served, or None (no run, or an id too long)."""
+    source = _RUN_ID_SOURCE.get()
+    if source is None:
+        return None
+    run_id = source()
+    if not run_id or len(run_id) > MAX_EXEMPLAR_RUN_ID:
+        return None
+    return {EXEMPLAR_LABEL: run_id}
 
 ToolOutcome = str
 """ok | error | denied | rejected | deduped | cancelled | timeout (any short code)."""
@@ -67,10 +107,10 @@ class Metrics:
         self.approvals_pending = Gauge("gateway_approvals_pending", "Calls waiting for a person's decision.",
                                        ["team"], registry=r)
         self.runs_active = Gauge("gateway_runs_active", "Runs with a call in progress in this process.", registry=r)
-        self.turns_per_run = Histogram("gateway_turns_per_run", "Turns of a run when it stops.", registry=r,
-                                       buckets=(1, 2, 3, 5, 8, 13, 20, 30, 50, 100, 200))
-        self.cost_per_run = Histogram("gateway_cost_per_run_usd", "Cost of a run when it stops.", registry=r,
-                                      buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1,
+        self.turns_per_run = Histogram("gateway_turns_per_run", "Turns of a run when it stops.", ["team", "policy"],
+                                       registry=r, buckets=(1, 2, 3, 5, 8, 13, 20, 30, 50, 100, 200))
+        self.cost_per_run = Histogram("gateway_cost_per_run_usd", "Cost of a run when it stops.", ["team", "policy"],
+                                      registry=r, buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1,
                                                5))
 
     def _child(self, metric: Any, *labels: str) -> Any:
@@ -92,31 +132,34 @@ class Metrics:
         self.overhead.observe(max(0.0, seconds))
 
     def on_upstream(self, upstream: str, model: str, seconds: float) -> None:
-        self._child(self.upstream_duration, upstream, self.model_label(model)).observe(seconds)
+        self._child(self.upstream_duration, upstream, self.model_label(model)).observe(seconds, _exemplar())
 
     def on_ttft(self, upstream: str, model: str, seconds: float) -> None:
-        self._child(self.ttft, upstream, self.model_label(model)).observe(seconds)
+        self._child(self.ttft, upstream, self.model_label(model)).observe(seconds, _exemplar())
 
     def on_turn(self, team: str, policy: str, model: str, usage: Usage, cost_usd: float) -> None:
         """One model turn of a run (pass-through or server-side)."""
         label = self.model_label(model)
-        self._child(self.turns, team, policy, label).inc()
-        self._child(self.tokens, team, label, "prompt").inc(usage.prompt_tokens)
-        self._child(self.tokens, team, label, "completion").inc(usage.completion_tokens)
-        self._child(self.cost, team, label).inc(cost_usd)
+        exemplar = _exemplar()
+        self._child(self.turns, team, policy, label).inc(1, exemplar)
+        self._child(self.tokens, team, label, "prompt").inc(usage.prompt_tokens, exemplar)
+        self._child(self.tokens, team, label, "completion").inc(usage.completion_tokens, exemplar)
+        self._child(self.cost, team, label).inc(cost_usd, exemplar)
 
     def on_tool(self, policy: str, tool: str, outcome: ToolOutcome, seconds: float | None = None) -> None:
         """One server-side tool call; `seconds` only for calls that ran."""
-        self.tool_calls.labels(policy, tool, _code(outcome)).inc()
+        exemplar = _exemplar()
+        self._child(self.tool_calls, policy, tool, _code(outcome)).inc(1, exemplar)
         if seconds is not None:
-            self.tool_duration.labels(tool).observe(seconds)
+            self._child(self.tool_duration, tool).observe(seconds, exemplar)
 
     def on_run_stopped(self, team: str, policy: str, status: str, reason: str, turns: int, cost_usd: float) -> None:
         """A run left `running`. `reason` is a short code (max_turns, max_budget, team_budget,
         completed, cancelled, approval, ...); free text is counted as "other"."""
-        self.runs_stopped.labels(team, policy, status, _code(reason)).inc()
-        self.turns_per_run.observe(turns)
-        self.cost_per_run.observe(cost_usd)
+        exemplar = _exemplar()
+        self._child(self.runs_stopped, team, policy, status, _code(reason)).inc(1, exemplar)
+        self._child(self.turns_per_run, team, policy).observe(turns, exemplar)
+        self._child(self.cost_per_run, team, policy).observe(cost_usd, exemplar)
 
     def set_approvals_pending(self, team: str, count: int) -> None:
         self.approvals_pending.labels(team).set(count)
@@ -133,4 +176,12 @@ class Metrics:
             self.team_remaining.labels(team).set(remaining)
 
     def render(self) -> bytes:
+        """The classic text format (no exemplars)."""
         return bytes(generate_latest(self.registry))
+
+    def exposition(self, accept: str | None) -> tuple[bytes, str]:
+        """(body, Content-Type) for a scrape sending `accept`: OpenMetrics, with the run-id
+        exemplars, when it asks for OpenMetrics 1.0 (as Prometheus does); the classic text
+        format otherwise."""
+        encoder, content_type = choose_encoder(accept or "")
+        return bytes(encoder(self.registry)), content_type

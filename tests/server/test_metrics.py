@@ -94,6 +94,6 @@ def test_label_values_stay_bounded() -> None:
                  reason="permanent_error") == 1
     assert value(text, "gateway_tool_calls_total", policy="p", tool="read_file", outcome="other") == 1
     assert value(text, "gateway_tool_duration_seconds_count", tool="read_file") == 1
-    assert value(text, "gateway_turns_per_run_count") == 2
+    assert value(text, "gateway_turns_per_run_count", team="t", policy="p") == 2
     # two apps, two registries: nothing leaks between them
-    assert value(Metrics().render().decode(), "gateway_turns_per_run_count") == 0
+    assert value(Metrics().render().decode(), "gateway_turns_per_run_count", team="t", policy="p") == 0
