@@ -10,6 +10,7 @@ shares; the driving replica polls its own run's trace and presses its own scope.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,6 +19,9 @@ from typing import Any
 
 from gateway.harness.execute import CancelScope
 from gateway.store.base import Store
+from gateway.store.errors import StoreError
+
+log = logging.getLogger(__name__)
 
 CANCEL_REQUESTED = "cancel_requested"
 """Trace event kind of a Stop pressed on a run (by the API or by a client that went away)."""
@@ -104,10 +108,20 @@ class ActiveRuns:
 async def watch_remote_cancel(store: Store, run_id: str, scope: CancelScope, after: int, interval_s: float) -> None:
     """Poll the run's trace for a `cancel_requested` line newer than `after`; press `scope`.
 
-    Runs until cancelled (the driver stops it when the run stops) or until it pressed Stop.
+    Runs until cancelled (the driver stops it when the run stops) or until it pressed Stop;
+    a store that fails for a moment is polled again (the lease keeper decides when the
+    store has been gone too long to keep driving).
     """
+    failing = False
     while not scope.cancelled:
-        for seq, event in await store.events(run_id, after):
+        try:
+            batch = await store.events(run_id, after)
+            failing = False
+        except StoreError as exc:
+            if not failing:  # once per outage, not once per poll
+                log.warning("run %s: reading cancel requests failed, retrying: %s", run_id, exc)
+            failing, batch = True, []
+        for seq, event in batch:
             after = seq
             if event.get("type") == CANCEL_REQUESTED:
                 scope.cancel(str(event.get("reason") or "cancelled"))

@@ -12,6 +12,12 @@ started under, and runs the harness loop with:
 
 Errors the loop lets through (upstream failure, the team budget refusing a call) end the
 run with a status and a reason, saved and traced like any other exit.
+
+The lease lasts `server.lease_ttl_s` and is renewed every third of it while the run is
+driven, so a replica that dies holds its runs at most that long; sandboxes live under
+`runs_dir`, which replicas share. A replica that cannot renew (the store is unreachable,
+or another replica took the run after a stall) stops driving: two replicas never drive
+one run at once for longer than a renewal period.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from gateway.policy.executors import CompileError, ToolEnv, compile_options
 from gateway.policy.registry import PolicyRegistry
 from gateway.policy.sandbox import prepare_sandbox, sandbox_config
 from gateway.server.cancels import ActiveRuns, RunBusy, watch_remote_cancel
+from gateway.server.config import DEFAULT_LEASE_TTL_S
 from gateway.server.errors import ApiError, Conflict, LimitExceeded, NotFound
 from gateway.server.metrics import Metrics
 from gateway.server.tracelog import Listener, TraceWriter
@@ -81,7 +88,7 @@ class RunDriver:
     def __init__(self, store: Store, policies: PolicyRegistry, *, model_for: ModelFactory,
                  price_for: Callable[[str], Price], runs_dir: Path, session: aiohttp.ClientSession | None = None,
                  trace_file: Path | None = None, metrics: Metrics | None = None, owner: str | None = None,
-                 lease_ttl_s: float = 15.0, cancel_poll_s: float = 0.1) -> None:
+                 lease_ttl_s: float = DEFAULT_LEASE_TTL_S, cancel_poll_s: float = 0.1) -> None:
         self.store = store
         self.policies = policies
         self.model_for = model_for
@@ -194,12 +201,24 @@ class RunDriver:
         return Drive(outcome, _minus(state.usage, usage_before))
 
     async def _keep_lease(self, run_id: str, scope: CancelScope) -> None:
-        """Renew the lease while driving; if another replica took it, stop driving."""
+        """Renew the lease while driving; stop driving if another replica took it, or if
+        the store could not renew it for a whole TTL (others may take the run by then)."""
+        held_until = time.monotonic() + self.lease_ttl_s
         while True:
             await asyncio.sleep(self.lease_ttl_s / 3)
-            if not await self.store.acquire_lease(run_id, self.owner, self.lease_ttl_s):
+            asked = time.monotonic()  # the store's clock starts the new TTL no earlier than this
+            try:
+                renewed = await self.store.acquire_lease(run_id, self.owner, self.lease_ttl_s)
+            except StoreError as exc:
+                if time.monotonic() < held_until:
+                    log.warning("run %s: lease renewal failed, retrying: %s", run_id, exc)
+                    continue
+                scope.cancel(f"the gateway lost the run's lease (store unreachable: {exc})")
+                return
+            if not renewed:
                 scope.cancel("another gateway replica took over the run")
                 return
+            held_until = asked + self.lease_ttl_s
 
     async def _end(self, state: RunState, exc: Exception, writer: TraceWriter,
                    checkpoint: Callable[[RunState], Any]) -> Outcome:
