@@ -110,8 +110,8 @@ class Metrics:
         self.turns_per_run = Histogram("gateway_turns_per_run", "Turns of a run when it stops.", ["team", "policy"],
                                        registry=r, buckets=(1, 2, 3, 5, 8, 13, 20, 30, 50, 100, 200))
         self.cost_per_run = Histogram("gateway_cost_per_run_usd", "Cost of a run when it stops.", ["team", "policy"],
-                                      registry=r, buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1,
-                                               5))
+                                      registry=r, buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                                           0.1, 0.5, 1, 5))
 
     def _child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, cached: the lookup runs on every call of the hot path."""

@@ -5,6 +5,9 @@ aiohttp's own errors (unknown route, wrong method, body too big) get the same sh
 unexpected exception is logged and answered 500 without details. `requests_total` is
 labelled by route template (never the raw path, so run ids stay out of labels), and
 `overhead_seconds` is the handler's time minus the time spent waiting on the upstream.
+The scripted provider mounted at /scripted/v1 is an upstream that happens to live in this
+process: its requests (mostly the gateway's own upstream calls) are not counted as gateway
+traffic. Metrics recorded while a request is served carry its run's id as an exemplar.
 The first request also tells the app its own address (for the scripted mount) when
 `serve` did not.
 """
@@ -13,13 +16,16 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from gateway.server import context as ctx
+from gateway.server.config import SCRIPTED_PREFIX
 from gateway.server.errors import ApiError, InternalError, from_http_exception
 from gateway.server.headers import run_headers
+from gateway.server.metrics import end_exemplar_run, exemplar_run
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +34,15 @@ def route_label(request: web.Request) -> str:
     """The route template that matched (`/v1/runs/{id}`), or "unmatched"."""
     resource = request.match_info.route.resource
     return resource.canonical if resource is not None else "unmatched"
+
+
+def _run_id(request: web.Request) -> str | None:
+    run = request.get(ctx.RUN)
+    return run.run_id if run is not None else None
+
+
+def _scripted_mount(path: str) -> bool:
+    return path.startswith(SCRIPTED_PREFIX) and (len(path) == len(SCRIPTED_PREFIX) or path[len(SCRIPTED_PREFIX)] == "/")
 
 
 def _error_response(request: web.Request, exc: ApiError) -> web.Response:
@@ -44,6 +59,7 @@ async def gateway_middleware(request: web.Request, handler: Handler) -> web.Stre
     upstreams = request.config_dict[ctx.UPSTREAMS]
     if upstreams.self_url is None:
         upstreams.learn_self_url(request)
+    exemplars = exemplar_run(partial(_run_id, request))
     try:
         response = await handler(request)
     except ApiError as exc:
@@ -55,8 +71,11 @@ async def gateway_middleware(request: web.Request, handler: Handler) -> web.Stre
     except Exception:
         log.exception("unexpected error on %s %s", request.method, request.path)
         response = _error_response(request, InternalError("the gateway failed on this request; see its log"))
+    finally:
+        end_exemplar_run(exemplars)
     metrics = request.config_dict[ctx.METRICS]
-    metrics.on_request(route_label(request), response.status)
+    if not _scripted_mount(request.path):
+        metrics.on_request(route_label(request), response.status)
     upstream = request.get(ctx.UPSTREAM_SECONDS)
     if upstream is not None:
         metrics.on_overhead(time.perf_counter() - started - upstream)
