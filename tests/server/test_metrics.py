@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.harness.usage import Usage
-from gateway.server.metrics import Metrics
+from gateway.server.metrics import MAX_EXEMPLAR_RUN_ID, Metrics, end_exemplar_run, exemplar_run
 from tests.server.conftest import PLAN_USER, FixedUpstream, Gateway, MakeGateway, fixed_config
+
+# What Prometheus 2.x sends when it scrapes (scrape.go, acceptHeader).
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+PLAIN = "text/plain; version=0.0.4; charset=utf-8"
+# The families recorded per run: each of their samples may carry the run id as exemplar.
+RUN_FAMILIES = ("gateway_upstream_duration_seconds_bucket", "gateway_turns_total", "gateway_tokens_total",
+                "gateway_cost_usd_total", "gateway_runs_stopped_total", "gateway_turns_per_run_bucket",
+                "gateway_cost_per_run_usd_bucket")
 
 DESIGN_METRICS = [
     "gateway_requests", "gateway_turns", "gateway_tokens", "gateway_cost_usd", "gateway_runs_stopped",
@@ -97,3 +109,135 @@ def test_label_values_stay_bounded() -> None:
     assert value(text, "gateway_turns_per_run_count", team="t", policy="p") == 2
     # two apps, two registries: nothing leaks between them
     assert value(Metrics().render().decode(), "gateway_turns_per_run_count", team="t", policy="p") == 0
+
+
+async def scrape(gw: Gateway, accept: str | None) -> tuple[str, str]:
+    """(Content-Type, body) of GET /metrics sent with `accept`."""
+    headers = {"Accept": accept} if accept is not None else {}
+    async with gw.client.get("/metrics", headers=headers) as resp:
+        assert resp.status == 200
+        assert resp.headers["Vary"] == "Accept"
+        return resp.headers["Content-Type"], await resp.text()
+
+
+def exemplar_runs(text: str) -> dict[str, set[str]]:
+    """Sample name -> the run ids its samples' exemplars carry (OpenMetrics text)."""
+    out: dict[str, set[str]] = {}
+    for family in openmetrics_families(text):  # type: ignore[no-untyped-call]
+        for s in family.samples:
+            if s.exemplar is not None:
+                assert set(s.exemplar.labels) == {"run_id"}, s
+                out.setdefault(s.name, set()).add(s.exemplar.labels["run_id"])
+    return out
+
+
+def completing_upstream(fixed_upstream: FixedUpstream) -> None:
+    fixed_upstream.json_body = orjson.dumps({
+        "id": "x", "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 100, "completion_tokens": 10}})
+
+
+async def test_prometheus_gets_openmetrics_with_the_run_id_as_exemplar(make_gateway: MakeGateway,
+                                                                     fixed_upstream: FixedUpstream) -> None:
+    completing_upstream(fixed_upstream)
+    gw = await make_gateway(**fixed_config(fixed_upstream))
+    status, headers, _ = await gw.chat({"model": "m", "messages": [PLAN_USER]}, run_id="ex-run-1")
+    assert status == 200 and headers["X-Run-Status"] == "completed"
+
+    content_type, text = await scrape(gw, PROMETHEUS_ACCEPT)
+    assert content_type.startswith("application/openmetrics-text; version=1.0.0; charset=utf-8"), content_type
+    assert text.endswith("# EOF\n")
+    runs = exemplar_runs(text)
+    for name in RUN_FAMILIES:
+        assert runs.get(name) == {"ex-run-1"}, (name, runs)
+    assert "gateway_requests_total" not in runs  # a request is not a run's: no exemplar there
+    # the same figures as the classic format
+    assert value(text.replace("# EOF\n", ""), "gateway_turns_total", team="t", policy="passthrough", model="other") == 1
+
+    # a scraper asking for nothing in particular (curl, promtool) gets the classic text, without exemplars
+    for accept in (None, "*/*", "text/plain", "application/openmetrics-text;version=0.0.1"):
+        content_type, text = await scrape(gw, accept)
+        assert content_type == PLAIN, (accept, content_type)
+        assert "# {" not in text and "ex-run-1" not in text and "# EOF" not in text
+        assert value(text, "gateway_turns_total", team="t", policy="passthrough", model="other") == 1
+
+
+async def test_a_run_id_too_long_for_an_exemplar_is_counted_without_one(make_gateway: MakeGateway,
+                                                                        fixed_upstream: FixedUpstream) -> None:
+    completing_upstream(fixed_upstream)
+    gw = await make_gateway(**fixed_config(fixed_upstream))
+    longest = "r" * 128  # the longest run id the gateway accepts
+    status, _, _ = await gw.chat({"model": "m", "messages": [PLAN_USER]}, run_id=longest)
+    assert status == 200
+    _, text = await scrape(gw, PROMETHEUS_ACCEPT)
+    assert exemplar_runs(text) == {}
+    assert longest not in text
+    assert value(text.replace("# EOF\n", ""), "gateway_turns_total", team="t", policy="passthrough", model="other") == 1
+
+    fits = "f" * MAX_EXEMPLAR_RUN_ID  # 122: with the label name, exactly OpenMetrics' 128 characters
+    status, _, _ = await gw.chat({"model": "m", "messages": [PLAN_USER]}, run_id=fits)
+    assert status == 200
+    _, text = await scrape(gw, PROMETHEUS_ACCEPT)
+    assert exemplar_runs(text)["gateway_turns_total"] == {fits}
+    assert value(text.replace("# EOF\n", ""), "gateway_turns_total", team="t", policy="passthrough", model="other") == 2
+
+
+async def test_streams_put_the_run_id_on_time_to_first_token(gw: Gateway) -> None:
+    async with gw.client.post("/v1/chat/completions", headers={"Authorization": "Bearer sk-test", "X-Run-Id": "ex-s"},
+                              json={"model": "scripted-plan", "messages": [PLAN_USER], "stream": True}) as resp:
+        assert resp.status == 200
+        await resp.read()
+    _, text = await scrape(gw, PROMETHEUS_ACCEPT)
+    runs = exemplar_runs(text)
+    assert runs["gateway_ttft_seconds_bucket"] == {"ex-s"}
+    assert runs["gateway_upstream_duration_seconds_bucket"] == {"ex-s"}
+
+
+async def test_the_scripted_mount_is_an_upstream_not_gateway_traffic(gw: Gateway) -> None:
+    status, _, _ = await gw.chat({"model": "scripted-plan", "messages": [PLAN_USER]})
+    assert status == 200
+    async with gw.client.get("/scripted/v1/models") as resp:  # a direct call to the mount
+        assert resp.status == 200
+    async with gw.client.get("/scripted/v1/no-such-route") as resp:
+        assert resp.status == 404
+    text = await gw.metrics()
+    routes = {dict(labels)["route"] for (name, labels) in samples(text) if name == "gateway_requests_total"}
+    assert routes == {"/v1/chat/completions"}, routes  # this scrape is counted after it is answered
+    assert value(text, "gateway_requests_total", route="/v1/chat/completions", code="200") == 1
+    # the gateway's call to the mount is measured as what it is: an upstream call
+    assert value(text, "gateway_upstream_duration_seconds_count", upstream="scripted", model="scripted-plan") == 1
+    assert "/scripted" not in text
+
+
+async def test_exemplars_follow_the_served_run_into_the_tasks_it_starts() -> None:
+    metrics = Metrics(["m"])
+    served: list[str | None] = ["run-a"]
+    metrics.on_turn("t", "p", "m", Usage(1, 1), 0.1)  # outside any request: no exemplar
+    assert exemplar_runs(metrics.exposition(PROMETHEUS_ACCEPT)[0].decode()) == {}
+
+    scope = exemplar_run(lambda: served[0])
+    try:
+        # a task started while serving (the run driver's); it runs after the scope ended
+        started = asyncio.ensure_future(_record_stop(metrics))
+    finally:
+        end_exemplar_run(scope)
+    metrics.on_tool("p", "read_file", "ok", 0.01)  # after the request: no exemplar
+    served[0] = "run-b"  # the source is asked at record time: a run keyed later is the one seen
+    await started  # a task started while serving still belongs to the run being served
+    runs = exemplar_runs(metrics.exposition(PROMETHEUS_ACCEPT)[0].decode())
+    assert runs["gateway_runs_stopped_total"] == {"run-b"}
+    assert runs["gateway_turns_per_run_bucket"] == {"run-b"}
+    assert "gateway_tool_calls_total" not in runs and "gateway_turns_total" not in runs
+
+    served[0] = None  # a request with no run yet: nothing to link
+    scope = exemplar_run(lambda: served[0])
+    try:
+        metrics.on_upstream("u", "m", 0.2)
+    finally:
+        end_exemplar_run(scope)
+    assert "gateway_upstream_duration_seconds_bucket" not in exemplar_runs(
+        metrics.exposition(PROMETHEUS_ACCEPT)[0].decode())
+
+
+async def _record_stop(metrics: Metrics) -> None:
+    metrics.on_run_stopped("t", "p", "completed", "completed", 2, 0.01)
