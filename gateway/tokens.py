@@ -94,12 +94,24 @@ def load_encoding(path: Path = ENCODING_PATH, expected_hash: str = ENCODING_SHA2
         raise EncodingFileError(
             f"{location}: not the official o200k_base rank file (sha256 must be {expected_hash})"
         ) from exc
-    return tiktoken.Encoding(
-        name=ENCODING_NAME,
-        pat_str=O200K_PAT_STR,
-        mergeable_ranks=ranks,
-        special_tokens=dict(O200K_SPECIAL_TOKENS),
-    )
+    return LeanEncoding(location, expected_hash, ranks)
+
+
+class LeanEncoding(tiktoken.Encoding):
+    """o200k_base without tiktoken's Python copy of the rank table (~28 MB of the gateway's RSS).
+
+    tiktoken's Rust core keeps its own copy, which is all that encoding and decoding use;
+    the Python dict only serves pickling, which here reloads the (hash-checked) file instead.
+    """
+
+    def __init__(self, location: str, expected_hash: str, ranks: dict[bytes, int]) -> None:
+        super().__init__(name=ENCODING_NAME, pat_str=O200K_PAT_STR, mergeable_ranks=ranks,
+                         special_tokens=dict(O200K_SPECIAL_TOKENS))
+        self._source = (Path(location), expected_hash)
+        del self._mergeable_ranks
+
+    def __reduce__(self) -> tuple[Any, tuple[Path, str]]:
+        return load_encoding, self._source
 
 
 def _text(content: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -196,3 +197,15 @@ def test_remembered_transcripts_are_bounded() -> None:
         counter.count_messages([{"role": "system", "content": f"run {i}"}, {"role": "user", "content": "go"}])
     info = counter.cache_info()
     assert info["transcript_messages"] <= 8 and info["transcripts"] <= 4
+
+
+def test_the_encoding_keeps_no_python_rank_table_and_still_round_trips() -> None:
+    enc = get_counter().encoding
+    assert not hasattr(enc, "_mergeable_ranks")  # the Rust core's copy is the only one kept
+    text = "Ünïcödé, 日本語 and a timeout after 30000 ms"
+    tokens = enc.encode_ordinary(text)
+    assert enc.decode(tokens) == text
+    assert enc.decode_single_token_bytes(tokens[0]) == enc.decode_bytes(tokens[:1])
+    assert enc.encode("<|endoftext|>", allowed_special="all") == [199999]
+    again = pickle.loads(pickle.dumps(enc))  # pickled by reference to the hash-checked file
+    assert again is not enc and again.encode_ordinary(text) == tokens
