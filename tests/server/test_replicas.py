@@ -1,0 +1,305 @@
+"""Two real gateway processes on one real redis-server and one shared `runs_dir`.
+
+Each replica has its own config file (own folder, port and trace file) naming the same
+redis store (a prefix of its own per test), the same policies folder and the same
+`runs_dir`, with `server.lease_ttl_s: 1`. Shown here:
+
+- a strict team budget is shared: a storm of calls split over both replicas never
+  jointly spends more than it (and the ledger equals what the runs were charged);
+- a run paused for approval on A is approved and resumed on B, in A's sandbox;
+- A is SIGKILLed mid-tool; B is refused while A's lease lives, then takes the run over
+  when the lease expires and completes it without paying a turn twice.
+
+Plus the config side of these settings: `server.lease_ttl_s` and `runs_dir`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+import yaml
+
+from gateway.harness.usage import Price, Usage
+from gateway.server.budget import MARGIN_USD
+from gateway.server.config import DEFAULT_LEASE_TTL_S, ConfigError, parse_config
+from gateway.store.periods import period_key
+from gateway.store.redis import RedisStore
+from gateway.tokens import get_counter
+from tests.server.conftest import config_data
+from tests.server.served import DEMO, OPS, TASK, chat_body, events, get_run, poll, request, wait_event
+from tests.store.conftest import _start_redis
+from tests.support.procs import ROOT, Proc, free_port, start_gateway
+
+THRIFTY = "sk-thrifty"
+LEASE_TTL_S = 1.0
+PRICE = Price(2.0, 12.0)
+STORM_BODY: dict[str, Any] = {"model": "scripted-runaway", "messages": TASK}
+STORM_HEADERS = {"X-Policy": "passthrough", "X-Scripted-Latency-Ms": "20"}
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed; the replica tests need it (apt-get install -y redis-server)")
+    proc: subprocess.Popen[bytes]
+    proc, port = _start_redis(exe, tmp_path_factory.mktemp("redis"))
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@dataclass
+class Pair:
+    """Replicas `a` and `b`, the folder they share and their store's address."""
+
+    a: Proc
+    b: Proc
+    folder: Path
+    redis_url: str
+    prefix: str
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.folder / "shared-runs"
+
+    def store(self) -> RedisStore:
+        """Another client of the replicas' store, to read the ledger they share."""
+        return RedisStore(self.redis_url, self.prefix)
+
+    def sandbox(self, run_id: str) -> Path:
+        folders = [p for p in (self.runs_dir / run_id).iterdir() if p.is_dir()]
+        assert len(folders) == 1, folders  # one sandbox per run, whichever replica drove it
+        return folders[0]
+
+    def trace_file(self, name: str, run_id: str) -> list[dict[str, Any]]:
+        """What replica `name` itself wrote of the run (each replica has its own trace file)."""
+        path = self.folder / name / "trace.jsonl"
+        lines = [orjson.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
+        return [e for e in lines if e.get("runId") == run_id]
+
+
+def write_replica_config(folder: Path, port: int, shared: Path, redis_url: str, prefix: str,
+                         budget_usd: float) -> Path:
+    folder.mkdir(parents=True)
+    config = {
+        "server": {"host": "127.0.0.1", "port": port, "lease_ttl_s": LEASE_TTL_S},
+        "store": {"kind": "redis", "url": redis_url, "prefix": prefix},
+        "policies_dir": str(shared / "policies"),
+        "runs_dir": str(shared / "shared-runs"),
+        "trace_file": "./trace.jsonl",
+        "upstreams": [{"name": "scripted", "kind": "scripted"}],
+        "models": [{"match": "scripted-*", "upstream": "scripted", "price_in": 2.0, "price_out": 12.0}],
+        "teams": [
+            {"name": "demo", "keys": [DEMO], "budget_usd": 10.0, "policies": ["passthrough", "files"]},
+            {"name": "ops", "keys": [OPS], "budget_usd": None, "policies": ["passthrough"]},
+            {"name": "thrifty", "keys": [THRIFTY], "budget_usd": budget_usd, "budget_period": "total",
+             "budget_mode": "strict", "policies": ["passthrough"]},
+        ],
+    }
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def storm_turn_cost() -> float:
+    """What one runaway turn of the storm costs (its prompt and its 23-token reply)."""
+    prompt = get_counter().count_request(STORM_BODY["messages"])
+    return PRICE.cost(Usage(prompt, 23))
+
+
+def start_pair(shared: Path, redis_url: str) -> Pair:
+    """Replicas a and b on one redis (a prefix of their own), one policies folder, one runs_dir."""
+    (shared / "policies").mkdir(parents=True)
+    for path in (ROOT / "policies").glob("*.yaml"):
+        (shared / "policies" / path.name).write_text(path.read_text())
+    prefix = f"replicas-{uuid.uuid4().hex[:12]}:"
+    budget = 8 * storm_turn_cost()
+
+    def start(name: str) -> Proc:
+        port = free_port()
+        config = write_replica_config(shared / name, port, shared, redis_url, prefix, budget)
+        return start_gateway(["serve", "--config", str(config)], "/healthz", port, shared / name / "gateway.log")
+
+    with ThreadPoolExecutor(2) as pool:  # both start at once: the test waits for the slower one only
+        a, b = pool.map(start, ["a", "b"])
+    return Pair(a, b, shared, redis_url, prefix)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Pair]:
+    """Shared by the tests that kill nothing (each uses its own team or run ids)."""
+    started = start_pair(tmp_path_factory.mktemp("replicas"), redis_url)
+    yield started
+    started.a.stop()
+    started.b.stop()
+
+
+@pytest.fixture
+def own_pair(tmp_path: Path, redis_url: str) -> Iterator[Pair]:
+    """A pair of the test's own (it kills a replica)."""
+    started = start_pair(tmp_path / "replicas", redis_url)
+    yield started
+    started.a.stop()
+    started.b.stop()
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def test_a_strict_team_budget_holds_across_replicas(pair: Pair, session: aiohttp.ClientSession) -> None:
+    budget = 8 * storm_turn_cost()
+    replicas = [pair.a, pair.b] * 20
+
+    async def call(proc: Proc, key: str = THRIFTY, **extra: Any) -> tuple[str, int, dict[str, str], Any]:
+        status, headers, body = await request(session, "POST", f"{proc.url}/v1/chat/completions", key=key,
+                                              body={**STORM_BODY, **extra}, headers=STORM_HEADERS)
+        return proc.url, status, headers, body
+
+    for proc in (pair.a, pair.b):  # warm both (a team without a budget): neither starts the storm late
+        assert (await call(proc, OPS))[1] == 200
+    # An allowance of 30 tokens (a reply is 23): several calls hold reservations at once,
+    # from both replicas, instead of the first one holding the whole budget.
+    results = await asyncio.gather(*[call(p, max_tokens=30) for p in replicas])
+    paid: list[float] = []
+    served_by: set[str] = set()
+    for url, status, headers, body in results:
+        if status == 200:
+            paid.append(float(headers["X-Run-Cost-Usd"]))
+            served_by.add(url)
+        else:
+            assert status == 429 and body["error"]["type"] == "team_budget_exceeded", body
+    assert served_by == {pair.a.url, pair.b.url}  # both replicas spent from the budget
+    assert len(paid) < len(replicas)  # and the shared ledger stopped the storm
+    assert sum(paid) <= budget + 1e-9, (sum(paid), budget)
+
+    # One call at a time, alternating replicas: strict clamps each to what is left, so the
+    # budget is used up to the last affordable token and never passed.
+    for proc in [pair.a, pair.b] * 10:
+        _, status, headers, body = await call(proc)
+        if status != 200:
+            break
+        paid.append(float(headers["X-Run-Cost-Usd"]))
+    assert status == 429 and body["error"]["type"] == "team_budget_exceeded", body
+    store = pair.store()
+    try:
+        spent, reserved = await store.team_spend("thrifty", "total")
+    finally:
+        await store.close()
+    smallest_call = PRICE.cost(Usage(get_counter().count_request(TASK), 1)) + MARGIN_USD
+    assert reserved == 0 and budget - smallest_call < spent <= budget + 1e-9, (spent, budget)
+    assert sum(paid) == pytest.approx(spent, abs=1e-9)  # the ledger is exactly what the runs were charged
+
+
+async def test_a_run_paused_on_one_replica_is_approved_and_finished_on_the_other(
+        pair: Pair, session: aiohttp.ClientSession) -> None:
+    status, headers, body = await request(session, "POST", f"{pair.a.url}/v1/chat/completions",
+                                          body=chat_body("scripted-destructive"), headers={"X-Policy": "files"})
+    assert status == 200, body
+    run_id = headers["X-Run-Id"]
+    assert body["run"]["interruption"]["call_id"] == "c2" and body["run"]["turns"] == 2
+    sandbox = pair.sandbox(run_id)  # made by A under the shared runs_dir
+
+    status, _, body = await request(session, "POST", f"{pair.b.url}/v1/runs/{run_id}/approvals", key=OPS,
+                                    body={"call_id": "c2", "decision": "approve", "reason": "old logs"})
+    assert status == 200, body
+    status, headers, body = await request(session, "POST", f"{pair.b.url}/v1/runs/{run_id}/resume", body={})
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] == "Deleted access.log to free space."
+    assert headers["X-Run-Status"] == "completed" and headers["X-Run-Turns"] == "3"
+
+    assert pair.sandbox(run_id) == sandbox  # B worked in A's folder
+    journal = [orjson.loads(line)["path"] for line in (sandbox / ".deleted.jsonl").read_bytes().splitlines()]
+    assert journal == ["access.log"]
+    assert sorted(p.name for p in sandbox.iterdir() if not p.name.startswith(".")) == ["errors.log", "notes.txt"]
+    trace = await events(session, pair.a.url, run_id)  # the shared trace, read through A
+    assert Counter(e["callId"] for e in trace if e["type"] == "tool_start") == {"c1": 1, "c2": 1}
+    assert [e["turn"] for e in trace if e["type"] == "turn"] == [1, 2, 3]
+    # who did what: A the first two turns, B the approved delete and the last turn
+    assert [e["turn"] for e in pair.trace_file("a", run_id) if e["type"] == "turn"] == [1, 2]
+    b_lines = pair.trace_file("b", run_id)
+    assert [e["callId"] for e in b_lines if e["type"] == "tool_start"] == ["c2"]
+    assert [e["turn"] for e in b_lines if e["type"] == "turn"] == [3]
+
+
+async def test_a_run_whose_replica_died_is_taken_over_when_its_lease_expires(
+        own_pair: Pair, session: aiohttp.ClientSession) -> None:
+    pair = own_pair
+    run_id = f"orphan-{uuid.uuid4().hex[:8]}"
+    call = asyncio.ensure_future(request(session, "POST", f"{pair.a.url}/v1/chat/completions",
+                                         body=chat_body("scripted-slow"),
+                                         headers={"X-Policy": "files", "X-Run-Id": run_id}))
+    await wait_event(session, pair.b.url, run_id, "tool_progress")  # A is inside scan_archive (3 s)
+    pair.a.kill()
+    killed_at = time.monotonic()
+    with pytest.raises(aiohttp.ClientError):
+        await call
+
+    refusals: list[str] = []
+
+    async def resumed_on_b() -> tuple[dict[str, str], Any] | None:
+        status, headers, body = await request(session, "POST", f"{pair.b.url}/v1/runs/{run_id}/resume", body={})
+        if status == 409:
+            refusals.append(body["error"]["code"])
+            return None
+        assert status == 200, body
+        return headers, body
+
+    headers, body = await poll(resumed_on_b, timeout=10 * LEASE_TTL_S + 5)
+    assert refusals and set(refusals) == {"run_busy"}  # the dead replica's lease held the run...
+    assert time.monotonic() - killed_at < LEASE_TTL_S + 3 + 2  # ...about its TTL (+ the 3 s scan), not 15 s
+    assert headers["X-Run-Status"] == "completed" and headers["X-Run-Turns"] == "2"
+    assert body["choices"][0]["message"]["content"].startswith("The archive scan reported: Scanned 1200")
+
+    run = await get_run(session, pair.b.url, run_id)
+    assert run["cost_usd"] == pytest.approx(sum((u["prompt_tokens"] * 2 + u["completion_tokens"] * 12) / 1e6
+                                                for u in run["per_turn"]))
+    trace = await events(session, pair.b.url, run_id)
+    assert [e["turn"] for e in trace if e["type"] == "turn"] == [1, 2]  # turn 1 (paid on A) was not paid again
+    assert [(e["callId"], e["ok"]) for e in trace if e["type"] == "tool_result"] == [("c1", True)]
+    assert [e["callId"] for e in pair.trace_file("b", run_id) if e["type"] == "tool_start"] == ["c1"]  # rerun on B
+    store = pair.store()
+    try:
+        spent, reserved = await store.team_spend("demo", period_key("month"))  # demo's budget_period
+    finally:
+        await store.close()
+    assert reserved == 0 and spent == pytest.approx(run["cost_usd"], abs=1e-9)  # the team paid each turn once
+    pair.sandbox(run_id)  # one sandbox: B found A's
+
+
+def test_lease_ttl_and_runs_dir_settings(tmp_path: Path) -> None:
+    file = tmp_path / "cfg" / "config.yaml"
+    config = parse_config(config_data(), file)
+    assert config.server.lease_ttl_s == DEFAULT_LEASE_TTL_S == 15.0
+    assert config.runs_dir == file.resolve().parent / "runs"  # next to ./gateway.db, which is next to the config
+    config = parse_config(config_data(store={"kind": "sqlite", "path": "./data/gw.db"}), file)
+    assert config.runs_dir == file.resolve().parent / "data" / "runs"
+    config = parse_config(config_data(store={"kind": "redis", "url": "redis://127.0.0.1:1/0"}), file)
+    assert config.runs_dir == file.resolve().parent / "runs"  # no file store: next to the config
+    config = parse_config({**config_data(server={"lease_ttl_s": 0.5}), "runs_dir": "../shared"}, file)
+    assert config.server.lease_ttl_s == 0.5 and config.runs_dir == file.resolve().parent / ".." / "shared"
+    for value, problem in ((0, "must be > 0, got 0"), ("soon", "must be a number, got a string ('soon')")):
+        with pytest.raises(ConfigError) as caught:
+            parse_config(config_data(server={"lease_ttl_s": value}), file)
+        assert caught.value.path == "server.lease_ttl_s" and caught.value.problem == problem
+    with pytest.raises(ConfigError) as caught:
+        parse_config({**config_data(), "runs_dir": 3}, file)
+    assert caught.value.path == "runs_dir"
