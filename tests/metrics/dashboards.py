@@ -36,6 +36,25 @@ DESIGN_METRICS: dict[str, str] = {
 }
 EXTRA_HISTOGRAMS = ("gateway_ttft_seconds", "gateway_turns_per_run", "gateway_cost_per_run_usd")
 KNOWN_METRICS: frozenset[str] = frozenset(DESIGN_METRICS) | frozenset(EXTRA_HISTOGRAMS)
+# The labels of each metric (histograms' `le` aside): DESIGN's for its metrics.
+METRIC_LABELS: dict[str, frozenset[str]] = {name: frozenset(labels) for name, labels in {
+    "gateway_requests_total": ("route", "code"),
+    "gateway_turns_total": ("team", "policy", "model"),
+    "gateway_tokens_total": ("team", "model", "kind"),
+    "gateway_cost_usd_total": ("team", "model"),
+    "gateway_runs_stopped_total": ("team", "policy", "status", "reason"),
+    "gateway_tool_calls_total": ("policy", "tool", "outcome"),
+    "gateway_tool_duration_seconds": ("tool",),
+    "gateway_upstream_duration_seconds": ("upstream", "model"),
+    "gateway_overhead_seconds": (),
+    "gateway_team_spend_usd": ("team",),
+    "gateway_team_budget_remaining_usd": ("team",),
+    "gateway_approvals_pending": ("team",),
+    "gateway_runs_active": (),
+    "gateway_ttft_seconds": ("upstream", "model"),
+    "gateway_turns_per_run": ("team", "policy"),
+    "gateway_cost_per_run_usd": ("team", "policy"),
+}.items()}
 
 # Grafana's built-in interval variables, as the test evaluates them: windows wide enough to
 # hold the whole test's traffic (Grafana would derive them from the time range and scrape
@@ -44,6 +63,7 @@ BUILTINS: dict[str, str] = {"__rate_interval": "2m", "__interval": "15s", "__ran
 
 VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)\]\]")
 METRIC_NAME = re.compile(r"\bgateway_[a-z0-9_]+\b")
+SELECTOR = re.compile(r"\b(gateway_[a-z0-9_]+)\b(\{[^}]*\})?")
 
 
 @dataclass(frozen=True)
@@ -123,10 +143,27 @@ def panel_queries() -> list[PanelQuery]:
 
 def metric_names(expr: str) -> set[str]:
     """The gateway metric families an expression reads (histogram suffixes stripped)."""
-    names = set()
-    for name in METRIC_NAME.findall(expr):
-        for suffix in ("_bucket", "_sum", "_count"):
-            if name.endswith(suffix) and name[: -len(suffix)] in KNOWN_METRICS:
-                name = name[: -len(suffix)]
-        names.add(name)
-    return names
+    return {family(name) for name in METRIC_NAME.findall(expr)}
+
+
+def family(name: str) -> str:
+    """The metric family of a sample name (histogram suffixes stripped)."""
+    for suffix in ("_bucket", "_sum", "_count"):
+        if name.endswith(suffix) and name[: -len(suffix)] in KNOWN_METRICS:
+            return name[: -len(suffix)]
+    return name
+
+
+def selectors(expr: str) -> list[tuple[str, str]]:
+    """(metric family, its `{...}` matchers or "") for every gateway metric an expression reads."""
+    return [(family(name), matchers or "") for name, matchers in SELECTOR.findall(expr)]
+
+
+def metric_of_sample(sample_name: str) -> str:
+    """The metric (as METRIC_LABELS names it) a sample of the exposition belongs to:
+    `x_bucket`, `x_count`, `x_sum` and `x_created` (counters: `x_created` of `x_total`)."""
+    base = sample_name.removesuffix("_created")
+    for candidate in (base, base + "_total", family(base)):
+        if candidate in METRIC_LABELS:
+            return candidate
+    raise AssertionError(f"sample {sample_name} belongs to no known metric (tests/metrics/dashboards.py)")

@@ -1,9 +1,10 @@
 """Junk input must not grow the metrics: 1,000 requests with random model names, random
 paths, random policies and run ids add no series to a real gateway's /metrics.
 
-A first batch of the same junk (50 requests, other random values) lets the bounded labels
-appear (code 404 on route "unmatched", model "other", ...); after it, the set of series
-must not change, however many more random names arrive. Loopback only, bounded loop.
+A warm-up sends each kind of junk once, in order, through every route the junk can
+reach (each of the five runs routes among them), so the bounded labels appear (code 404
+on route "unmatched", model "other", ...); after it, the set of series must not change,
+however many more random names arrive. Loopback only, bounded loop.
 """
 
 from __future__ import annotations
@@ -17,15 +18,18 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.metrics.exposition import Exposition, scrape
+from tests.metrics.exposition import scrape
 from tests.metrics.traffic import write_gateway_config
 from tests.support.procs import Proc, free_port, start_gateway
 
 pytestmark = pytest.mark.timeout(180)
 
-WARMUP = 50
 JUNK = 1000
 CONCURRENCY = 16
+KINDS = 10
+RUN_ROUTES = ("", "/events", "/cancel", "/resume", "/approvals")  # after /v1/runs/{id}
+RUNS_KIND = 7
+SCRIPTED_KIND = 8
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +47,19 @@ def token(rng: random.Random, n: int = 10) -> str:
     return "".join(rng.choice(string.ascii_lowercase + string.digits) for _ in range(n))
 
 
-def junk_request(i: int, rng: random.Random, used: set[str]) -> tuple[str, str, dict[str, str], dict[str, object] | None]:
-    """The i-th junk request: (method, path, headers, json body); every random value is
-    recorded in `used` so the test can look for it in /metrics."""
+JunkRequest = tuple[str, str, dict[str, str], dict[str, object] | None]
+
+
+def junk_request(i: int, rng: random.Random, used: set[str]) -> JunkRequest:
+    """The i-th junk request: (method, path, headers, json body); kind i % 10, and for the
+    runs kind, runs route (i // 10) % 5. Every random value is recorded in `used` so the
+    test can look for it in /metrics."""
     t = token(rng)
     used.add(t)
     auth = {"Authorization": "Bearer sk-demo"}
     chat = "/v1/chat/completions"
     body: dict[str, object] = {"model": f"m-{t}", "messages": [{"role": "user", "content": "hi"}]}
-    kind = i % 10
+    kind = i % KINDS
     if kind == 0:  # unknown model, no route in the config
         return "POST", chat, auth, body
     if kind == 1:  # looks routed (matches scripted-*) but no such scenario
@@ -66,12 +74,34 @@ def junk_request(i: int, rng: random.Random, used: set[str]) -> tuple[str, str, 
         return "GET", f"/{t}/{token(rng, 6)}", auth, None
     if kind == 6:  # random path under /v1, POSTed
         return "POST", f"/v1/{t}", auth, body
-    if kind == 7:  # a run that does not exist, through every runs route
-        sub = ["", "/events", "/cancel", "/resume", "/approvals"][(i // 10) % 5]  # all five within WARMUP
+    if kind == RUNS_KIND:  # a run that does not exist, through every runs route
+        sub = RUN_ROUTES[(i // KINDS) % len(RUN_ROUTES)]
         return ("GET" if sub in ("", "/events") else "POST"), f"/v1/runs/{t}{sub}", auth, (None if sub in ("", "/events") else {})
-    if kind == 8:  # a random path on the scripted upstream's mount
+    if kind == SCRIPTED_KIND:  # a random path on the scripted upstream's mount (an upstream: not counted)
         return "POST", f"/scripted/v1/{t}", auth, body
     return "GET", f"/v1/models/{t}?q={token(rng, 4)}", auth, None  # random path with a query string
+
+
+def warmup_indexes() -> list[int]:
+    """One junk request of each kind, the runs kind once per runs route: every route
+    template and label value the junk can reach, deterministically."""
+    indexes = [kind for kind in range(KINDS) if kind != RUNS_KIND]
+    indexes += [RUNS_KIND + KINDS * n for n in range(len(RUN_ROUTES))]
+    return indexes
+
+
+async def warm_up(base_url: str, used: set[str]) -> dict[int, int]:
+    """The warm-up, one request after the other (other random values than the junk's)."""
+    rng = random.Random(1)
+    statuses: dict[int, int] = {}
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for i in warmup_indexes():
+            method, path, headers, body = junk_request(i, rng, used)
+            async with session.request(method, base_url + path, headers=headers, json=body) as resp:
+                await resp.read()
+                statuses[resp.status] = statuses.get(resp.status, 0) + 1
+    return statuses
 
 
 async def send_junk(base_url: str, count: int, rng: random.Random, used: set[str]) -> dict[int, int]:
@@ -92,27 +122,26 @@ async def send_junk(base_url: str, count: int, rng: random.Random, used: set[str
     return statuses
 
 
-def requests_counted(exposition: Exposition) -> float:
-    """Requests the gateway answered to clients (the scripted upstream is mounted in the same
-    app: the gateway's own calls to it are counted under its /scripted routes)."""
-    return sum(v for (name, labels), v in exposition.values.items()
-               if name == "gateway_requests_total" and not dict(labels)["route"].startswith("/scripted/"))
-
-
 async def test_junk_adds_no_series(gateway: Proc) -> None:
     rng = random.Random(5)
     used: set[str] = set()
-    await send_junk(gateway.url, WARMUP, rng, used)
+    warmed = await warm_up(gateway.url, used)
+    assert sum(warmed.values()) == len(warmup_indexes()) == KINDS - 1 + len(RUN_ROUTES)
     scrape(gateway.url)  # the /metrics route's own series appear with the first scrape
     before = scrape(gateway.url)
+    # the warm-up reached every route the junk can reach
+    routes = before.label_values("gateway_requests_total", "route")
+    assert {"/v1/chat/completions", "unmatched"} | {"/v1/runs/{id}" + sub for sub in RUN_ROUTES} <= routes, routes
 
     statuses = await send_junk(gateway.url, JUNK, rng, used)
     after = scrape(gateway.url)
 
     assert sum(statuses.values()) == JUNK
     assert all(400 <= status < 600 for status in statuses), statuses  # junk is refused, never served
-    # every junk request was counted (plus the one scrape in between) ...
-    assert requests_counted(after) - requests_counted(before) == JUNK + 1
+    # every junk request was counted (plus the one scrape in between), but those sent to the
+    # scripted upstream's mount, which is not the gateway's API ...
+    scripted = sum(1 for i in range(JUNK) if i % KINDS == SCRIPTED_KIND)
+    assert after.total("gateway_requests_total") - before.total("gateway_requests_total") == JUNK - scripted + 1
     # ... and not one series was added
     added = after.series - before.series
     assert not added, f"{len(added)} new series after {JUNK} junk requests, e.g. {sorted(added)[:10]}"

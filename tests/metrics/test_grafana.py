@@ -19,10 +19,12 @@ from tests.metrics.dashboards import (
     DESIGN_METRICS,
     EXTRA_HISTOGRAMS,
     KNOWN_METRICS,
+    METRIC_LABELS,
     load_dashboards,
     metric_names,
     panel_queries,
     panels,
+    selectors,
     substitute,
     variables,
 )
@@ -99,6 +101,47 @@ def test_dashboards_show_what_issue_5_lists() -> None:
     assert some(r'gateway_requests_total\{code=~"5\.\."\}.*/ sum\(rate\(gateway_requests_total')
 
 
+def test_panels_filter_by_every_dashboard_variable_their_metric_carries() -> None:
+    """On a dashboard with a team (policy) picker, every metric labelled by team (policy) is
+    filtered by it, so no panel silently shows all teams."""
+    for dashboard in load_dashboards().values():
+        pickers = {v["name"] for v in dashboard["templating"]["list"] if v["type"] == "query"}
+        for panel in panels(dashboard):
+            for target in panel["targets"]:
+                for metric, matchers in selectors(target["expr"]):
+                    for label in pickers & METRIC_LABELS[metric]:
+                        assert f'{label}=~"${label}"' in matchers, \
+                            f"{dashboard['title']} / {panel['title']}: {metric} not filtered by ${label}"
+
+
+def test_per_run_panels_follow_the_team_and_policy_pickers() -> None:
+    per_run = [q for q in panel_queries() if metric_names(q.expr) & {"gateway_turns_per_run", "gateway_cost_per_run_usd"}]
+    assert len(per_run) == 8  # two heatmaps, two panels of three quantiles
+    for q in per_run:
+        assert 'team=~"$team"' in q.raw and 'policy=~"$policy"' in q.raw, q.name
+
+
+def readme_metrics() -> dict[str, tuple[str, frozenset[str]]]:
+    """The README's metric table: name -> (type, labels)."""
+    rows = {}
+    for line in (GRAFANA / "README.md").read_text().splitlines():
+        match = re.match(r"\|\s*`(gateway_[a-z_]+)`\s*\|\s*(\w+)\s*\|([^|]*)\|\s*\S", line)
+        if match:
+            name, kind, labels = match.groups()
+            assert name not in rows, f"{name} documented twice"
+            rows[name] = (kind, frozenset(re.findall(r"`([a-z_]+)`", labels)))
+    return rows
+
+
+def test_readme_documents_every_metric_with_its_type_and_labels() -> None:
+    documented = readme_metrics()
+    assert set(documented) == KNOWN_METRICS, sorted(KNOWN_METRICS ^ set(documented))
+    kinds = {**DESIGN_METRICS, **{name: "histogram" for name in EXTRA_HISTOGRAMS}}
+    for name, (kind, labels) in documented.items():
+        assert kind == kinds[name], (name, kind)
+        assert labels == METRIC_LABELS[name], (name, sorted(labels))
+
+
 def test_dashboard_json_is_well_formed() -> None:
     uids = set()
     for file_name, dashboard in load_dashboards().items():
@@ -146,9 +189,12 @@ def test_design_metric_list_matches_the_design() -> None:
         pytest.skip("DESIGN.md is not beside this checkout")
     text = design.read_text()
     section = text.split("### Metrics", 1)[1].split("\n## ", 1)[0]
-    named = set(re.findall(r"`(gateway_[a-z_]+)", section))
-    assert named == set(DESIGN_METRICS)
-    assert not named & set(EXTRA_HISTOGRAMS)
+    named = {name: frozenset(filter(None, labels.split(",")))
+             for name, labels in re.findall(r"`(gateway_[a-z_]+)(?:\{([a-z_,]*)\})?`", section)}
+    assert set(named) == set(DESIGN_METRICS)
+    assert not set(named) & set(EXTRA_HISTOGRAMS)
+    for name, labels in named.items():
+        assert METRIC_LABELS[name] == labels, (name, sorted(METRIC_LABELS[name]), sorted(labels))
 
 
 def test_promtool_accepts_the_shipped_and_the_test_scrape_configs(tmp_path: Path) -> None:

@@ -6,7 +6,8 @@ upstream_error). Prometheus scrapes between and after them (waited for through i
 never slept for), so every counter and histogram has grown between two scrapes and every
 rate and quantile is defined. Then every PromQL expression of every dashboard panel is
 evaluated through Prometheus's HTTP API, exactly as written with the template variables
-substituted, and must return data.
+substituted, and must return data. Prometheus runs with exemplar storage and scrapes
+OpenMetrics, so its exemplar API must link each run metric to a run in the store.
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ from typing import Any
 
 import pytest
 
-from tests.metrics.dashboards import DESIGN_METRICS, EXTRA_HISTOGRAMS, load_dashboards, panel_queries
+from tests.metrics.dashboards import (
+    DESIGN_METRICS,
+    EXTRA_HISTOGRAMS,
+    METRIC_LABELS,
+    load_dashboards,
+    metric_of_sample,
+    panel_queries,
+)
 from tests.metrics.exposition import Exposition, scrape
 from tests.metrics.prom import JOB, Prometheus, start_prometheus
 from tests.metrics.traffic import Client, Exits, drive_every_exit, write_gateway_config
@@ -143,6 +151,11 @@ def test_every_design_metric_is_exported_with_its_type(stack: Stack, traffic: Tr
         assert types.get(name) == kind, f"{name}: exported as {types.get(name)}, DESIGN says {kind}"
     for name in EXTRA_HISTOGRAMS:
         assert types.get(name) == "histogram", name
+    # with the labels DESIGN (and grafana/README.md) give them, no more, no fewer
+    for sample_name, labels in traffic.exposition.series:
+        name = metric_of_sample(sample_name)
+        names = {label for label, _ in labels} - {"le"}
+        assert names == METRIC_LABELS[name], (sample_name, sorted(names), sorted(METRIC_LABELS[name]))
     # and Prometheus holds samples of each
     for name, kind in {**DESIGN_METRICS, **{n: "histogram" for n in EXTRA_HISTOGRAMS}}.items():
         series = name + "_count" if kind == "histogram" else name
@@ -203,14 +216,51 @@ def test_no_label_carries_a_run_id_or_a_raw_path(stack: Stack, traffic: Traffic)
                 assert "/runs/run_" not in value and not re.search(r"/[0-9a-f]{12,}", value), value
 
 
-@pytest.mark.xfail(strict=True, reason="gateway/server/metrics.py records no exemplars and /metrics does not "
-                   "answer OpenMetrics yet (requested from the metrics owner); strict: passing flags the fix")
-def test_latency_exemplars_link_to_runs(stack: Stack, traffic: Traffic) -> None:
-    exemplars = stack.prom.exemplars("gateway_upstream_duration_seconds_bucket", traffic.start - 1, time.time())
-    linked = {e["labels"].get("run_id") for group in exemplars for e in group["exemplars"]}
-    assert linked - {None}, "no exemplar with a run_id on gateway_upstream_duration_seconds"
-    runs = {run["id"] for client in (stack.demo, stack.ops, stack.tight) for run in runs_of(client)}
-    assert linked <= runs
+# Every family recorded per run, and the labels its series share with the run they link to.
+EXEMPLAR_FAMILIES: dict[str, tuple[str, ...]] = {
+    "gateway_upstream_duration_seconds_bucket": (),
+    "gateway_ttft_seconds_bucket": (),
+    "gateway_turns_total": ("team", "policy"),
+    "gateway_tokens_total": ("team",),
+    "gateway_cost_usd_total": ("team",),
+    "gateway_runs_stopped_total": ("team", "policy"),
+    "gateway_tool_calls_total": ("policy",),
+    "gateway_tool_duration_seconds_bucket": (),
+    "gateway_turns_per_run_bucket": ("team", "policy"),
+    "gateway_cost_per_run_usd_bucket": ("team", "policy"),
+}
+
+
+def test_exemplars_link_every_run_metric_to_its_run_in_the_store(stack: Stack, traffic: Traffic) -> None:
+    """Prometheus scraped OpenMetrics and kept exemplars: each carries the id of a run that
+    is in the store, of the team and policy its series is labelled with."""
+    clients = {"demo": stack.demo, "ops": stack.ops, "tight": stack.tight}
+    runs = {run["id"]: run for client in clients.values() for run in runs_of(client)}
+    linked_all: set[str] = set()
+    for family, shared in EXEMPLAR_FAMILIES.items():
+        groups = stack.prom.exemplars(f'{family}{{job="{JOB}"}}', traffic.start - 1, time.time())
+        assert groups, f"Prometheus kept no exemplar of {family}"
+        for group in groups:
+            series = group["seriesLabels"]
+            for exemplar in group["exemplars"]:
+                run_id = exemplar["labels"].get("run_id")
+                assert run_id in runs, f"{family}{series}: exemplar {exemplar['labels']} names no run in the store"
+                for label in shared:
+                    assert runs[run_id][label] == series[label], (family, series, run_id, runs[run_id][label])
+                linked_all.add(run_id)
+    # every stop reason links to a run whose trace says it stopped for that reason
+    linked_reasons = set()
+    for group in stack.prom.exemplars(f'gateway_runs_stopped_total{{job="{JOB}"}}', traffic.start - 1, time.time()):
+        series = group["seriesLabels"]
+        for exemplar in group["exemplars"]:
+            run_id = exemplar["labels"]["run_id"]
+            stops = {(e.get("status"), e.get("reason")) for e in clients[runs[run_id]["team"]].events(run_id)
+                     if e.get("type") == "run_stopped"}
+            assert (series["status"], series["reason"]) in stops, (series, run_id, stops)
+            linked_reasons.add((series["status"], series["reason"]))
+    assert STOP_REASONS <= linked_reasons, sorted(STOP_REASONS - linked_reasons)
+    made = {run_id for exits in traffic.rounds for run_id in exits.runs.values() if run_id}
+    assert len(linked_all & made) >= len(STOP_REASONS), sorted(linked_all)
 
 
 def test_promtool_lints_the_real_exposition(traffic: Traffic) -> None:
