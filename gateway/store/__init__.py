@@ -1,6 +1,6 @@
 """Run, trace, ledger and lease stores: sqlite (default), redis (multi-replica), memory (tests)."""
 
-from gateway.store.base import Store
+from gateway.store.base import Booking, Ledger, Store
 from gateway.store.errors import (
     RunExists,
     RunNotFound,
@@ -10,4 +10,5 @@ from gateway.store.errors import (
 )
 from gateway.store.factory import open_store
 
-__all__ = ["RunExists", "RunNotFound", "StaleRun", "Store", "StoreConfigError", "StoreError", "open_store"]
+__all__ = ["Booking", "Ledger", "RunExists", "RunNotFound", "StaleRun", "Store", "StoreConfigError", "StoreError",
+           "open_store"]

@@ -9,18 +9,37 @@ from __future__ import annotations
 
 import math
 import uuid
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.harness.state import STATUSES, RunState, StateError
 from gateway.store.errors import StoreError
 
 Event = dict[str, Any]
+Ledger = tuple[float, float]
+"""(spent, reserved) USD of a team in a period, as `team_spend` reports them."""
 
 MICROS_PER_USD = 1_000_000
 DEFAULT_RESERVATION_TTL_S = 600.0
 """A reservation outlives any sane model call; past it, the reserving process is presumed dead."""
 EXPIRED_RETENTION_S = 86_400.0
 """How long an expired reservation is remembered, so a late `settle` still books the spend."""
+
+
+@dataclass(frozen=True)
+class Booking:
+    """What a turn books on its team's ledger, in the same step as the run's save.
+
+    With `reservation_id`, that reservation is settled for `actual_usd` (exactly as `settle`:
+    once, on the reservation's own team and period); without, `actual_usd` is charged to
+    `team`'s `period` (as `charge`, nothing when it is 0). `team` and `period` also name the
+    ledger whose figures `commit_turn` returns.
+    """
+
+    team: str
+    period: str
+    actual_usd: float
+    reservation_id: str | None = None
 
 
 class Store(Protocol):
@@ -41,6 +60,17 @@ class Store(Protocol):
         run was never created). On success the store holds revision + 1, and `state.revision`
         and `state.updated_at` are updated in place. Durable once it returns: a SIGKILL of
         the process right after loses nothing.
+        """
+        ...
+
+    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None) -> Ledger | None:
+        """Save `state`, append `events` and book `booking` as one step: all of it or nothing.
+
+        The save is `save_run`'s (StaleRun or RunNotFound, and then nothing at all is written;
+        on success `state.revision` and `state.updated_at` are updated in place), the events are
+        `append_events`', the booking is `settle`'s or `charge`'s (see `Booking`). Durable once
+        it returns. Returns the booking's team ledger (spent, reserved) right after, as
+        `team_spend` would; None without a booking.
         """
         ...
 

@@ -15,7 +15,9 @@ from gateway.harness.state import RunState
 from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
     EXPIRED_RETENTION_S,
+    Booking,
     Event,
+    Ledger,
     check_list_args,
     check_ttl,
     from_micros,
@@ -75,6 +77,10 @@ class MemoryStore:
         return None if stored is None else parse_run(run_id, stored.body)
 
     async def save_run(self, state: RunState) -> None:
+        self._save(state, [])
+
+    def _save(self, state: RunState, events: list[Event]) -> None:
+        """Checks first, then writes: nothing is changed when anything is refused."""
         self._check_open()
         stored = self._runs.get(state.run_id)
         if stored is None:
@@ -83,9 +89,23 @@ class MemoryStore:
             raise StaleRun(state.run_id, state.revision, stored.revision)
         now = time.time()
         body = orjson.dumps(stamped_body(state, state.revision + 1, now))
+        encoded = [orjson.dumps(e) for e in events]
         stored.team, stored.status, stored.revision, stored.body = state.team, state.status, state.revision + 1, body
+        if encoded:
+            self._events.setdefault(state.run_id, []).extend(encoded)
         state.revision += 1
         state.updated_at = now
+
+    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None) -> Ledger | None:
+        actual = 0 if booking is None else to_micros(booking.actual_usd, "actual_usd")
+        self._save(state, events)
+        if booking is None:
+            return None
+        if booking.reservation_id is not None:
+            self._settle(booking.reservation_id, actual)
+        elif actual:
+            self._spent[(booking.team, booking.period)] = self._spent.get((booking.team, booking.period), 0) + actual
+        return await self.team_spend(booking.team, booking.period)
 
     async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100) -> list[RunState]:
         self._check_open()
@@ -142,7 +162,9 @@ class MemoryStore:
 
     async def settle(self, reservation_id: str, actual_usd: float) -> None:
         self._check_open()
-        actual = to_micros(actual_usd, "actual_usd")
+        self._settle(reservation_id, to_micros(actual_usd, "actual_usd"))
+
+    def _settle(self, reservation_id: str, actual: int) -> None:
         r = self._reservations.pop(reservation_id, None)
         if r is not None:
             key = (r.team, r.period)

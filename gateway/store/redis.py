@@ -22,7 +22,9 @@ from gateway.store import redis_lua
 from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
     EXPIRED_RETENTION_S,
+    Booking,
     Event,
+    Ledger,
     check_list_args,
     check_ttl,
     from_micros,
@@ -74,6 +76,7 @@ class RedisStore:
         client = self._client
         self._create = client.register_script(redis_lua.CREATE_RUN)
         self._save = client.register_script(redis_lua.SAVE_RUN)
+        self._commit = client.register_script(redis_lua.COMMIT_TURN)
         self._list = client.register_script(redis_lua.LIST_RUNS)
         self._reserve = client.register_script(redis_lua.RESERVE)
         self._settle = client.register_script(redis_lua.SETTLE)
@@ -114,12 +117,35 @@ class RedisStore:
             result: list[Any] = await self._save(
                 args=[self.prefix, state.run_id, str(state.revision), str(revision), state.status, state.team, body]
             )
+        self._check_saved(state, result)
+        state.revision = revision
+        state.updated_at = now
+
+    @staticmethod
+    def _check_saved(state: RunState, result: list[Any]) -> None:
         if int(result[0]) == 0:
             raise RunNotFound(state.run_id)
         if int(result[0]) == 2:
             raise StaleRun(state.run_id, state.revision, int(result[1]))
+
+    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None) -> Ledger | None:
+        actual = 0 if booking is None else to_micros(booking.actual_usd, "actual_usd")
+        now = time.time()
+        revision = state.revision + 1
+        body = orjson.dumps(stamped_body(state, revision, now))
+        args: list[Any] = [self.prefix, state.run_id, str(state.revision), str(revision), state.status, state.team, body]
+        if booking is None:
+            args += ["0", "", "0", "", "", _RETENTION_MS]
+        else:
+            args += ["1", booking.reservation_id or "", str(actual), booking.team, booking.period, _RETENTION_MS]
+        args += [orjson.dumps(e) for e in events]
+        self._redis()
+        with self._errors:
+            result: list[Any] = await self._commit(args=args)
+        self._check_saved(state, result)
         state.revision = revision
         state.updated_at = now
+        return None if booking is None else (from_micros(int(result[1])), from_micros(int(result[2])))
 
     async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100) -> list[RunState]:
         check_list_args(status, limit)

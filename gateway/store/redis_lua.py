@@ -49,22 +49,28 @@ redis.call('ZADD', p .. 'runs:status:' .. status, created, id)
 return 1
 """
 
-# Returns {0} if the run does not exist, {1} when saved, {2, stored_revision} when stale.
-SAVE_RUN: Final = """
-local p, id, expected, new, status, team, body = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
-local key = p .. 'run:' .. id
-local cur = redis.call('HMGET', key, 'revision', 'status', 'team')
-if not cur[1] then return {0} end
-if cur[1] ~= expected then return {2, cur[1]} end
-redis.call('HSET', key, 'revision', new, 'status', status, 'team', team, 'body', body)
-if cur[2] ~= status or cur[3] ~= team then
-  local created = redis.call('ZSCORE', p .. 'runs', id)
-  redis.call('ZREM', p .. 'runs:status:' .. cur[2], id)
-  redis.call('ZADD', p .. 'runs:status:' .. status, created, id)
-  redis.call('ZREM', p .. 'runs:team:' .. cur[3], id)
-  redis.call('ZADD', p .. 'runs:team:' .. team, created, id)
+_SAVE: Final = """
+-- Saves a run if its stored revision is `expected`: nil when saved, else what SAVE_RUN returns.
+local function save(p, id, expected, new, status, team, body)
+  local key = p .. 'run:' .. id
+  local cur = redis.call('HMGET', key, 'revision', 'status', 'team')
+  if not cur[1] then return {0} end
+  if cur[1] ~= expected then return {2, cur[1]} end
+  redis.call('HSET', key, 'revision', new, 'status', status, 'team', team, 'body', body)
+  if cur[2] ~= status or cur[3] ~= team then
+    local created = redis.call('ZSCORE', p .. 'runs', id)
+    redis.call('ZREM', p .. 'runs:status:' .. cur[2], id)
+    redis.call('ZADD', p .. 'runs:status:' .. status, created, id)
+    redis.call('ZREM', p .. 'runs:team:' .. cur[3], id)
+    redis.call('ZADD', p .. 'runs:team:' .. team, created, id)
+  end
+  return nil
 end
-return {1}
+"""
+
+# Returns {0} if the run does not exist, {1} when saved, {2, stored_revision} when stale.
+SAVE_RUN: Final = _SAVE + """
+return save(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]) or {1}
 """
 
 # Walks the smallest applicable index, newest first, filtering; returns id, body, id, body...
@@ -109,19 +115,25 @@ redis.call('HINCRBY', ledger, 'reserved:' .. period, amount)
 return 1
 """
 
-SETTLE: Final = _HELPERS + """
-local p, rid, actual = ARGV[1], ARGV[2], ARGV[3]
-local rk = p .. 'res:' .. rid
-local r = redis.call('HMGET', rk, 'team', 'period', 'amount', 'state')
-if not r[1] then return 0 end
-local ledger = p .. 'ledger:' .. r[1]
-if r[4] == 'held' then
-  redis.call('HINCRBY', ledger, 'reserved:' .. r[2], neg(r[3]))
-  redis.call('ZREM', p .. 'held:' .. r[1], rid)
+_SETTLE: Final = """
+-- Books a reservation's actual cost once (an expired one too, while it is remembered).
+local function settle(p, rid, actual)
+  local rk = p .. 'res:' .. rid
+  local r = redis.call('HMGET', rk, 'team', 'period', 'amount', 'state')
+  if not r[1] then return 0 end
+  local ledger = p .. 'ledger:' .. r[1]
+  if r[4] == 'held' then
+    redis.call('HINCRBY', ledger, 'reserved:' .. r[2], neg(r[3]))
+    redis.call('ZREM', p .. 'held:' .. r[1], rid)
+  end
+  redis.call('HINCRBY', ledger, 'spent:' .. r[2], actual)
+  redis.call('DEL', rk)
+  return 1
 end
-redis.call('HINCRBY', ledger, 'spent:' .. r[2], actual)
-redis.call('DEL', rk)
-return 1
+"""
+
+SETTLE: Final = _HELPERS + _SETTLE + """
+return settle(ARGV[1], ARGV[2], ARGV[3])
 """
 
 RELEASE: Final = _HELPERS + """
@@ -142,6 +154,26 @@ local p, team, period, retention = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 reclaim(p, team, now_ms(), retention)
 local ledger = p .. 'ledger:' .. team
 return {redis.call('HGET', ledger, 'spent:' .. period) or '0', redis.call('HGET', ledger, 'reserved:' .. period) or '0'}
+"""
+
+# One turn: the run's save (refused as SAVE_RUN refuses, and then nothing is written), its
+# trace events, and its booking (settle a reservation, or charge the period); returns
+# {1, spent, reserved} of the booking's ledger after it ({1} without a booking).
+COMMIT_TURN: Final = _HELPERS + _SAVE + _SETTLE + """
+local p, id = ARGV[1], ARGV[2]
+local refused = save(p, id, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
+if refused then return refused end
+local book, rid, actual, team, period, retention = ARGV[8], ARGV[9], ARGV[10], ARGV[11], ARGV[12], ARGV[13]
+if #ARGV > 13 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, 14)) end
+if book ~= '1' then return {1} end
+if rid ~= '' then
+  settle(p, rid, actual)
+elseif actual ~= '0' then
+  redis.call('HINCRBY', p .. 'ledger:' .. team, 'spent:' .. period, actual)
+end
+reclaim(p, team, now_ms(), retention)
+local ledger = p .. 'ledger:' .. team
+return {1, redis.call('HGET', ledger, 'spent:' .. period) or '0', redis.call('HGET', ledger, 'reserved:' .. period) or '0'}
 """
 
 ACQUIRE_LEASE: Final = """

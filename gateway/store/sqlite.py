@@ -24,7 +24,9 @@ from gateway.harness.state import RunState
 from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
     EXPIRED_RETENTION_S,
+    Booking,
     Event,
+    Ledger,
     check_list_args,
     check_ttl,
     from_micros,
@@ -172,19 +174,43 @@ class SqliteStore:
         revision = state.revision + 1
         body = orjson.dumps(stamped_body(state, revision, now))
         with self._errors:
-            db = self._db()
-            cur = db.execute(
-                "UPDATE runs SET team = ?, status = ?, policy = ?, updated_at = ?, revision = ?, body = ?"
-                " WHERE id = ? AND revision = ?",
-                (state.team, state.status, state.policy, now, revision, body, state.run_id, state.revision),
-            )
-            if cur.rowcount != 1:
-                row = db.execute("SELECT revision FROM runs WHERE id = ?", (state.run_id,)).fetchone()
-                if row is None:
-                    raise RunNotFound(state.run_id)
-                raise StaleRun(state.run_id, state.revision, int(row[0]))
+            self._update_run(self._db(), state, revision, now, body)
         state.revision = revision
         state.updated_at = now
+
+    @staticmethod
+    def _update_run(db: sqlite3.Connection, state: RunState, revision: int, now: float, body: bytes) -> None:
+        cur = db.execute(
+            "UPDATE runs SET team = ?, status = ?, policy = ?, updated_at = ?, revision = ?, body = ?"
+            " WHERE id = ? AND revision = ?",
+            (state.team, state.status, state.policy, now, revision, body, state.run_id, state.revision),
+        )
+        if cur.rowcount != 1:
+            row = db.execute("SELECT revision FROM runs WHERE id = ?", (state.run_id,)).fetchone()
+            if row is None:
+                raise RunNotFound(state.run_id)
+            raise StaleRun(state.run_id, state.revision, int(row[0]))
+
+    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None) -> Ledger | None:
+        actual = 0 if booking is None else to_micros(booking.actual_usd, "actual_usd")
+        now = time.time()
+        revision = state.revision + 1
+        body = orjson.dumps(stamped_body(state, revision, now))
+        encoded = [orjson.dumps(e) for e in events]
+        ledger: Ledger | None = None
+        with self._errors, self._immediate() as db:  # a refusal rolls all of it back
+            self._update_run(db, state, revision, now, body)
+            if encoded:
+                self._insert_events(db, state.run_id, encoded)
+            if booking is not None:
+                if booking.reservation_id is not None:
+                    self._settle(db, booking.reservation_id, actual)
+                elif actual:
+                    self._book(db, booking.team, booking.period, actual)
+                ledger = self._spend(db, booking.team, booking.period)
+        state.revision = revision
+        state.updated_at = now
+        return ledger
 
     async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100) -> list[RunState]:
         check_list_args(status, limit)
@@ -209,11 +235,15 @@ class SqliteStore:
             return
         encoded = [orjson.dumps(e) for e in events]
         with self._errors, self._immediate() as db:
-            last = int(db.execute("SELECT COALESCE(MAX(seq), 0) FROM events WHERE run_id = ?", (run_id,)).fetchone()[0])
-            db.executemany(
-                "INSERT INTO events (run_id, seq, body) VALUES (?, ?, ?)",
-                [(run_id, last + i + 1, raw) for i, raw in enumerate(encoded)],
-            )
+            self._insert_events(db, run_id, encoded)
+
+    @staticmethod
+    def _insert_events(db: sqlite3.Connection, run_id: str, encoded: list[bytes]) -> None:
+        last = int(db.execute("SELECT COALESCE(MAX(seq), 0) FROM events WHERE run_id = ?", (run_id,)).fetchone()[0])
+        db.executemany(
+            "INSERT INTO events (run_id, seq, body) VALUES (?, ?, ?)",
+            [(run_id, last + i + 1, raw) for i, raw in enumerate(encoded)],
+        )
 
     async def events(self, run_id: str, after: int = 0) -> list[tuple[int, Event]]:
         with self._errors:
@@ -256,11 +286,15 @@ class SqliteStore:
     async def settle(self, reservation_id: str, actual_usd: float) -> None:
         actual = to_micros(actual_usd, "actual_usd")
         with self._errors, self._immediate() as db:
-            row = db.execute("SELECT team, period FROM reservations WHERE id = ?", (reservation_id,)).fetchone()
-            if row is None:
-                return  # already settled or released: nothing more to book
-            db.execute("DELETE FROM reservations WHERE id = ?", (reservation_id,))
-            self._book(db, row[0], row[1], actual)
+            self._settle(db, reservation_id, actual)
+
+    @classmethod
+    def _settle(cls, db: sqlite3.Connection, reservation_id: str, actual: int) -> None:
+        row = db.execute("SELECT team, period FROM reservations WHERE id = ?", (reservation_id,)).fetchone()
+        if row is None:
+            return  # already settled or released: nothing more to book
+        db.execute("DELETE FROM reservations WHERE id = ?", (reservation_id,))
+        cls._book(db, row[0], row[1], actual)
 
     @staticmethod
     def _book(db: sqlite3.Connection, team: str, period: str, micros: int) -> None:
@@ -276,12 +310,16 @@ class SqliteStore:
 
     async def team_spend(self, team: str, period: str) -> tuple[float, float]:
         with self._errors:
-            spent, reserved = self._db().execute(
-                "SELECT (SELECT COALESCE(SUM(spent_micros), 0) FROM ledger WHERE team = ?1 AND period = ?2),"
-                " (SELECT COALESCE(SUM(amount_micros), 0) FROM reservations"
-                "  WHERE team = ?1 AND period = ?2 AND state = 'held' AND expires_at > ?3)",
-                (team, period, time.time()),
-            ).fetchone()
+            return self._spend(self._db(), team, period)
+
+    @staticmethod
+    def _spend(db: sqlite3.Connection, team: str, period: str) -> Ledger:
+        spent, reserved = db.execute(
+            "SELECT (SELECT COALESCE(SUM(spent_micros), 0) FROM ledger WHERE team = ?1 AND period = ?2),"
+            " (SELECT COALESCE(SUM(amount_micros), 0) FROM reservations"
+            "  WHERE team = ?1 AND period = ?2 AND state = 'held' AND expires_at > ?3)",
+            (team, period, time.time()),
+        ).fetchone()
         return from_micros(int(spent)), from_micros(int(reserved))
 
     async def charge(self, team: str, period: str, amount_usd: float) -> None:
