@@ -15,9 +15,9 @@ run with a status and a reason, saved and traced like any other exit.
 
 The lease lasts `server.lease_ttl_s` and is renewed every third of it while the run is
 driven, so a replica that dies holds its runs at most that long; sandboxes live under
-`runs_dir`, which replicas share. A replica that cannot renew (the store is unreachable,
-or another replica took the run after a stall) stops driving: two replicas never drive
-one run at once for longer than a renewal period.
+`runs_dir`, which replicas share. A replica that cannot renew (another replica took the
+run after a stall, or the store was unreachable for a whole TTL) stops driving at its
+next renewal; until then the store's revision check refuses its saves.
 """
 
 from __future__ import annotations
