@@ -8,6 +8,9 @@ Every call is admitted before it is forwarded and closed after it, exactly once:
     settle(...)   the actual cost booked in place of the reservation
     release(...)  nothing booked (upstream error, cancel, nothing received)
 
+A pass-through turn closes its admission with `booking(...)` instead of `settle`: the
+store books it in the same step as the run's save (`Store.commit_turn`).
+
 Modes: `turn` checks before the call (an overshoot is at most one turn per call in
 flight, and only when a reply outgrows its allowance); `strict` clamps the upstream
 `max_tokens` to what the run's and the team's remaining budgets can pay for, so spend
@@ -28,7 +31,7 @@ from gateway.harness.state import RunState
 from gateway.harness.usage import Price, Usage
 from gateway.server.config import Defaults, TeamConfig
 from gateway.server.errors import LimitExceeded
-from gateway.store.base import Store
+from gateway.store.base import Booking, Store
 from gateway.store.periods import period_key
 from gateway.tokens import TokenCounter
 
@@ -186,6 +189,30 @@ class Governor:
             await self.store.settle(adm.reservation, actual_usd)
         elif actual_usd > 0:
             await self.store.charge(adm.team.name, adm.period or self.period(adm.team), actual_usd)
+
+    def booking(self, adm: Admission, actual_usd: float) -> Booking | None:
+        """Close the call and say what `Store.commit_turn` must book for it (what `settle`
+        would book); None when there is nothing to book (closed already, or free and
+        unreserved)."""
+        if adm.closed:
+            return None
+        self._close(adm)
+        if adm.reservation is None and actual_usd <= 0:
+            return None
+        return Booking(adm.team.name, adm.period or self.period(adm.team), actual_usd, adm.reservation)
+
+    async def book(self, booking: Booking) -> None:
+        """Book on its own what a failed `commit_turn` did not (settle is idempotent)."""
+        if booking.reservation_id is not None:
+            await self.store.settle(booking.reservation_id, booking.actual_usd)
+        elif booking.actual_usd > 0:
+            await self.store.charge(booking.team, booking.period, booking.actual_usd)
+
+    def remaining(self, team: TeamConfig, ledger: tuple[float, float] | None) -> float | None:
+        """Budget minus spent minus reserved from ledger figures the store just reported."""
+        if team.budget_usd is None or ledger is None:
+            return None
+        return team.budget_usd - ledger[0] - ledger[1]
 
     async def release(self, adm: Admission) -> None:
         """Nothing to pay: give the reservation back."""

@@ -7,6 +7,8 @@ refused is checked before anything is written: a bad request leaves the store un
 
 `update_run` applies a change with optimistic concurrency: on `StaleRun` it reloads and
 applies the same change again, so concurrent calls of one run never lose a turn.
+`commit_run` does the same for a change that comes with trace lines and a ledger booking
+(`Store.commit_turn`): a refused attempt wrote nothing, so the retry books exactly once.
 """
 
 from __future__ import annotations
@@ -21,9 +23,16 @@ from gateway.policy.decl import Policy
 from gateway.policy.registry import PolicyRegistry
 from gateway.server.chat_request import ChatRequest
 from gateway.server.config import ModelRoute, TeamConfig
+from gateway.server.errors import (
+    ApiError,
+    Conflict,
+    Forbidden,
+    InvalidField,
+    NotFound,
+    PolicyMismatch,
+)
 from gateway.server.headers import run_headers
-from gateway.server.errors import ApiError, Conflict, Forbidden, InvalidField, NotFound, PolicyMismatch
-from gateway.store.base import Store
+from gateway.store.base import Booking, Event, Ledger, Store
 from gateway.store.errors import RunExists, StaleRun
 
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$")
@@ -112,6 +121,24 @@ async def update_run(store: Store, run: RunState, change: Callable[[RunState], N
         try:
             await store.save_run(run)
             return run
+        except StaleRun:
+            fresh = await store.load_run(run.run_id)
+            if fresh is None:
+                raise
+            run = fresh
+    raise Conflict(f"run {run.run_id} is being changed by too many calls at once; retry", code="run_contended")
+
+
+async def commit_run(store: Store, run: RunState, change: Callable[[RunState], None],
+                     trace: Callable[[RunState], list[Event]],
+                     booking: Booking | None) -> tuple[RunState, list[Event], Ledger | None]:
+    """Apply `change`, then save it with `trace(run)`'s lines and `booking` in one store step;
+    on a concurrent save, reload and do it again. Returns the run, the lines and the ledger."""
+    for _ in range(UPDATE_ATTEMPTS):
+        change(run)
+        events = trace(run)
+        try:
+            return run, events, await store.commit_turn(run, events, booking)
         except StaleRun:
             fresh = await store.load_run(run.run_id)
             if fresh is None:

@@ -1,27 +1,36 @@
 """The two ends of a governed pass-through call: refuse it, or book the turn it made.
 
 Booking a turn settles the team reservation with the actual cost, saves the run (turns,
-usage, cost, per-turn usage, last transcript), appends the `turn` trace line (to the store
-and the trace file) and counts it in the metrics, before the client sees the answer's
-end, so the client's next call always meets the updated run.
+usage, cost, per-turn usage, last transcript) and appends the `turn` trace line, all in one
+store step (`Store.commit_turn`, which also reports the team's ledger for the headers), then
+writes the line to the trace file and counts the turn in the metrics, before the client sees
+the answer's end, so the client's next call always meets the updated run. If that step
+fails for good, the spend is still booked on its own: the money was spent upstream.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
+import orjson
 from aiohttp import web
 
 from gateway.harness.state import Interruption, Message, RunState, Status
 from gateway.harness.usage import Usage
 from gateway.server import context as ctx
 from gateway.server.budget import Admission
-from gateway.server.errors import LimitExceeded
+from gateway.server.errors import Conflict, LimitExceeded
 from gateway.server.headers import run_headers
-from gateway.server.runs import Call, add_turn, stop_run, update_run
-from gateway.server.tracelog import TraceWriter
+from gateway.server.runs import Call, add_turn, commit_run, stop_run
+from gateway.store.base import Booking, Event
+from gateway.store.errors import RunNotFound, StaleRun
+
+log = logging.getLogger(__name__)
 
 StopReason = Literal["max_turns", "max_budget", "team_budget"]
 
@@ -51,11 +60,15 @@ def event(run_id: str, kind: str, **fields: Any) -> dict[str, Any]:
     return out
 
 
-async def write_trace(app: web.Application, run_id: str, events: list[dict[str, Any]]) -> None:
-    writer = TraceWriter(app[ctx.STORE], run_id, trace_file=app[ctx.CONFIG].trace_file)
-    for e in events:
-        writer(e)
-    await writer.flush()
+def append_trace_file(path: Path | None, events: list[Event]) -> None:
+    """The lines the store has, also in the optional trace file (a failure there is logged)."""
+    if path is None or not events:
+        return
+    try:
+        with path.open("ab") as fh:
+            fh.write(b"".join(orjson.dumps(e) + b"\n" for e in events))
+    except OSError:
+        log.exception("cannot append to the trace file %s", path)
 
 
 async def refuse(request: web.Request, call: Call, exc: LimitExceeded) -> LimitExceeded:
@@ -64,11 +77,15 @@ async def refuse(request: web.Request, call: Call, exc: LimitExceeded) -> LimitE
     status, reason, interruption = _REFUSALS[exc.kind]
     run = call.run
     if (run.status, run.reason) != (status, reason):
-        run = await update_run(app[ctx.STORE], run, stop_run(status, reason, interruption,
-                                                             exc.message if reason == "team_budget" else None))
-        await write_trace(app, run.run_id, [event(run.run_id, "run_stopped", status=status, reason=reason,
-                                                  turns=run.turns, costUsd=round(run.cost_usd, 9),
-                                                  detail=exc.message)])
+        detail = exc.message if reason == "team_budget" else None
+
+        def trace(r: RunState) -> list[Event]:
+            return [event(r.run_id, "run_stopped", status=status, reason=reason, turns=r.turns,
+                          costUsd=round(r.cost_usd, 9), detail=exc.message)]
+
+        run, events, _ = await commit_run(app[ctx.STORE], run, stop_run(status, reason, interruption, detail), trace,
+                                          None)
+        append_trace_file(app[ctx.CONFIG].trace_file, events)
         app[ctx.METRICS].on_run_stopped(call.team.name, call.policy.name, status, reason, run.turns, run.cost_usd)
     call.run = run
     request[ctx.RUN] = run
@@ -80,25 +97,48 @@ async def refuse(request: web.Request, call: Call, exc: LimitExceeded) -> LimitE
 
 async def book_turn(request: web.Request, call: Call, adm: Admission, *, usage: Usage, message: Message,
                     finish: str) -> Booked:
-    """Settle, save and trace one turn; returns the updated run."""
+    """Settle, save and trace one turn in one store step; returns the updated run."""
     app = request.app
+    governor = app[ctx.GOVERNOR]
     cost = call.route.price.cost(usage)
-    await app[ctx.GOVERNOR].settle(adm, cost)
+    booking = governor.booking(adm, cost)
     completed = finish == "stop" and not message.get("tool_calls")
-    transcript = [*call.chat.messages, message]
-    run = await update_run(app[ctx.STORE], call.run,
-                           add_turn(model=call.chat.model, usage=usage, cost_usd=cost, transcript=transcript,
-                                    completed=completed))
+    change = add_turn(model=call.chat.model, usage=usage, cost_usd=cost, transcript=[*call.chat.messages, message],
+                      completed=completed)
+
+    def trace(run: RunState) -> list[Event]:
+        lines = [event(run.run_id, "turn", turn=run.turns, prompt_tokens=usage.prompt_tokens,
+                       completion_tokens=usage.completion_tokens, total_tokens=usage.total_tokens,
+                       costUsd=round(run.cost_usd, 9), finish=finish)]
+        if completed:
+            lines.append(event(run.run_id, "run_stopped", status="completed", reason="completed", turns=run.turns,
+                               costUsd=round(run.cost_usd, 9)))
+        return lines
+
+    try:
+        run, events, ledger = await commit_run(app[ctx.STORE], call.run, change, trace, booking)
+    except BaseException as exc:
+        if booking is not None:
+            await _book_alone(governor.book, booking, exc)
+        raise
     call.run = run
     request[ctx.RUN] = run
-    events = [event(run.run_id, "turn", turn=run.turns, prompt_tokens=usage.prompt_tokens,
-                    completion_tokens=usage.completion_tokens, total_tokens=usage.total_tokens,
-                    costUsd=round(run.cost_usd, 9), finish=finish)]
+    append_trace_file(app[ctx.CONFIG].trace_file, events)
     metrics = app[ctx.METRICS]
     metrics.on_turn(call.team.name, call.policy.name, call.chat.model, usage, cost)
     if completed:
-        events.append(event(run.run_id, "run_stopped", status="completed", reason="completed", turns=run.turns,
-                            costUsd=round(run.cost_usd, 9)))
         metrics.on_run_stopped(call.team.name, call.policy.name, "completed", "completed", run.turns, run.cost_usd)
-    await write_trace(app, run.run_id, events)
-    return Booked(run, await app[ctx.GOVERNOR].team_remaining(call.team))
+    team = call.team
+    left = governor.remaining(team, ledger) if ledger is not None else await governor.team_remaining(team)
+    return Booked(run, left)
+
+
+async def _book_alone(book: Callable[[Booking], Awaitable[None]], booking: Booking, exc: BaseException) -> None:
+    """The turn's save failed for good: book its spend anyway. A settle is idempotent, so it
+    is safe whatever happened; a charge only when the store surely wrote nothing."""
+    if booking.reservation_id is None and not isinstance(exc, (StaleRun, RunNotFound, Conflict)):
+        return
+    try:
+        await book(booking)
+    except Exception:
+        log.exception("cannot book $%.9f of team %s after a failed turn save", booking.actual_usd, booking.team)

@@ -129,3 +129,30 @@ async def test_no_budget_and_no_strict_counts_nothing(store: Store) -> None:
     await gov.settle(adm, 0.25)  # still booked on the team's ledger (for the spend gauge)
     spent, _ = await store.team_spend("t", gov.period(team()))
     assert spent == pytest.approx(0.25)
+
+
+async def test_a_turns_booking_closes_the_call_and_books_once_with_its_save(store: Store) -> None:
+    gov = Governor(store, get_counter(), Defaults())
+    t = team(budget_usd=1.0, budget_period="total")
+    run = RunState.new("m", MESSAGES, team="t")
+    await store.create_run(run)
+    adm = await admit(gov, t, run, max_tokens=100)
+    booking = gov.booking(adm, 0.002)
+    assert booking is not None and booking.reservation_id == adm.reservation and gov.in_flight(run.run_id) == 0
+    assert gov.booking(adm, 0.002) is None  # closed: a second close books nothing
+    run.turns = 1
+    ledger = await store.commit_turn(run, [{"type": "turn"}], booking)
+    assert gov.remaining(t, ledger) == pytest.approx(0.998)
+    await gov.book(booking)  # the fallback after a failed save is safe even when the save went through
+    spent, reserved = await store.team_spend("t", "total")
+    assert spent == pytest.approx(0.002) and reserved == 0.0
+
+
+async def test_a_free_unreserved_call_books_nothing_and_a_paid_one_is_charged(store: Store) -> None:
+    gov = Governor(store, get_counter(), Defaults())
+    assert gov.booking(await admit(gov, team(), RunState.new("m", MESSAGES)), 0.0) is None
+    booking = gov.booking(await admit(gov, team(), RunState.new("m", MESSAGES)), 0.25)
+    assert booking is not None and booking.reservation_id is None and booking.period == gov.period(team())
+    await gov.book(booking)
+    assert await store.team_spend("t", booking.period) == (0.25, 0.0)
+    assert gov.remaining(team(), (0.25, 0.0)) is None  # no team budget: nothing remains to report
