@@ -2,6 +2,7 @@
 
 `synchronous=NORMAL` in WAL mode writes every commit to the WAL before returning (no fsync):
 a SIGKILL right after a save loses nothing; only a power cut can lose the last commits.
+Checkpoints (the fsyncs) run in a thread of their own, off the event loop (`sqlite_wal`).
 The stdlib driver is called synchronously from the async methods on purpose: a statement
 takes tens of microseconds, less than a hop to a thread would. Transactions that read then
 write (reserve, settle, event numbering) use BEGIN IMMEDIATE, so they are atomic across
@@ -10,6 +11,7 @@ every process that opens the same file.
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -36,6 +38,7 @@ from gateway.store.base import (
     to_micros,
 )
 from gateway.store.errors import RunExists, RunNotFound, StaleRun, StoreError
+from gateway.store.sqlite_wal import Checkpointer
 
 MIGRATIONS: Final[tuple[str, ...]] = (
     # Append only: `PRAGMA user_version` counts the entries already applied to a file.
@@ -60,6 +63,8 @@ MIGRATIONS: Final[tuple[str, ...]] = (
 )
 
 BUSY_TIMEOUT_S: Final = 10.0
+JOURNAL_SIZE_LIMIT: Final = 64 * 1024 * 1024
+"""A WAL that grew past this is truncated back to it when it restarts."""
 
 
 class _Translate:
@@ -134,6 +139,20 @@ class SqliteStore:
         self.path = str(path)
         self._errors = _Translate(self.path)
         self._conn: sqlite3.Connection | None = connect(self.path)
+        try:
+            with self._errors:
+                self._conn.execute("PRAGMA wal_autocheckpoint = 0")  # the checkpointer's thread does it
+                self._conn.execute(f"PRAGMA journal_size_limit = {int(JOURNAL_SIZE_LIMIT)}")
+                self._wal = Checkpointer(self.path, BUSY_TIMEOUT_S)
+        except BaseException:
+            self._conn.close()
+            raise
+
+    async def _writable(self) -> None:
+        """Count the write; wait first if the checkpointer holds writes (rarely; see sqlite_wal)."""
+        fence = self._wal.write()
+        if fence is not None:
+            await asyncio.shield(fence)
 
     def _db(self) -> sqlite3.Connection:
         if self._conn is None:
@@ -153,6 +172,7 @@ class SqliteStore:
             raise
 
     async def create_run(self, state: RunState) -> None:
+        await self._writable()
         with self._errors:
             try:
                 self._db().execute(
@@ -170,6 +190,7 @@ class SqliteStore:
         return None if row is None else parse_run(run_id, row[0])
 
     async def save_run(self, state: RunState) -> None:
+        await self._writable()
         now = time.time()
         revision = state.revision + 1
         body = orjson.dumps(stamped_body(state, revision, now))
@@ -192,6 +213,7 @@ class SqliteStore:
             raise StaleRun(state.run_id, state.revision, int(row[0]))
 
     async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None) -> Ledger | None:
+        await self._writable()
         actual = 0 if booking is None else to_micros(booking.actual_usd, "actual_usd")
         now = time.time()
         revision = state.revision + 1
@@ -231,6 +253,7 @@ class SqliteStore:
         return [parse_run(run_id, body) for run_id, body in rows]
 
     async def append_events(self, run_id: str, events: list[Event]) -> None:
+        await self._writable()
         if not events:
             return
         encoded = [orjson.dumps(e) for e in events]
@@ -255,6 +278,7 @@ class SqliteStore:
     async def reserve(
         self, team: str, period: str, amount_usd: float, budget_usd: float, ttl_s: float = DEFAULT_RESERVATION_TTL_S
     ) -> str | None:
+        await self._writable()
         amount = to_micros(amount_usd, "amount_usd")
         budget = to_micros(budget_usd, "budget_usd")
         ttl = check_ttl(ttl_s, "ttl_s", allow_zero=True)
@@ -284,6 +308,7 @@ class SqliteStore:
             return rid
 
     async def settle(self, reservation_id: str, actual_usd: float) -> None:
+        await self._writable()
         actual = to_micros(actual_usd, "actual_usd")
         with self._errors, self._immediate() as db:
             self._settle(db, reservation_id, actual)
@@ -305,6 +330,7 @@ class SqliteStore:
         )
 
     async def release(self, reservation_id: str) -> None:
+        await self._writable()
         with self._errors:
             self._db().execute("DELETE FROM reservations WHERE id = ?", (reservation_id,))
 
@@ -323,11 +349,13 @@ class SqliteStore:
         return from_micros(int(spent)), from_micros(int(reserved))
 
     async def charge(self, team: str, period: str, amount_usd: float) -> None:
+        await self._writable()
         amount = to_micros(amount_usd, "amount_usd")
         with self._errors:
             self._book(self._db(), team, period, amount)
 
     async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
+        await self._writable()
         ttl = check_ttl(ttl_s, "ttl_s", allow_zero=False)
         now = time.time()
         with self._errors:
@@ -340,10 +368,12 @@ class SqliteStore:
         return cur.rowcount == 1
 
     async def release_lease(self, run_id: str, owner: str) -> None:
+        await self._writable()
         with self._errors:
             self._db().execute("DELETE FROM leases WHERE run_id = ? AND owner = ?", (run_id, owner))
 
     async def close(self) -> None:
+        self._wal.close()  # first: the last connection to close checkpoints and removes the WAL
         conn, self._conn = self._conn, None
         if conn is not None:
             with self._errors:

@@ -149,10 +149,14 @@ COMMITTER = textwrap.dedent(
 )
 
 
+def committer(db: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", COMMITTER, str(db)], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
 async def test_a_turn_survives_sigkill_whole_or_not_at_all(tmp_path: Path) -> None:
     db = tmp_path / "crash.db"
-    proc = subprocess.Popen([sys.executable, "-c", COMMITTER, str(db)], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = committer(db)
     assert proc.stdout is not None and proc.stderr is not None
     last = 0
     while last < 300:  # past several background checkpoints of the WAL

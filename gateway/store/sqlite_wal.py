@@ -1,0 +1,124 @@
+"""WAL checkpoints of the SQLite store, off the event loop.
+
+SQLite's automatic checkpoint runs inside the COMMIT that crosses 1000 WAL pages, on the
+committing thread, and costs two fsyncs (the WAL, then the database file): a few
+milliseconds during which the event loop serves nobody. The store turns it off
+(`wal_autocheckpoint = 0`) and a `Checkpointer` thread, with a connection of its own, copies
+the WAL into the database file in the background instead (PASSIVE: it never blocks a
+writer, and the GIL is released while SQLite works). Durability does not change: commits
+are in the WAL before they return, whoever checkpoints.
+
+A WAL can only restart from its beginning once a checkpoint has copied all of it; under a
+steady stream of writes a background pass never catches up, and the WAL would grow without
+end. So when it reaches `FENCE_FRAMES` frames, the store holds its next writes (they await;
+the loop goes on serving) while one pass copies everything, then lets them go; the first
+of them restarts the WAL. Between fences at least `FENCE_WRITES` writes pass, so a WAL that
+another process keeps busy costs at most a short wait now and then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+import threading
+from typing import Final
+
+log = logging.getLogger(__name__)
+
+PASS_INTERVAL_S: Final = 0.1
+"""How often the thread looks for new commits to copy."""
+FENCE_FRAMES: Final = 8192
+"""WAL frames (pages of 4 KiB) past which writes are held for one complete pass (32 MiB)."""
+FENCE_WRITES: Final = 1000
+"""Writes that pass between two fences, whatever happens."""
+
+
+class Checkpointer:
+    """Copies a SQLite file's WAL into it from a daemon thread; see the module docstring."""
+
+    def __init__(self, path: str, busy_timeout_s: float, interval_s: float = PASS_INTERVAL_S) -> None:
+        self.path = path
+        self.interval_s = interval_s
+        self.writes = 0
+        """Commits made through the store; bumped by the event loop, read by the thread."""
+        self.frames = 0
+        """The WAL's length (frames) at the last pass; 0 when the next write restarts it."""
+        self.passes = 0
+        """Checkpoint passes done."""
+        self.fences = 0
+        """Fences lifted (times writes were held for a complete pass)."""
+        self._fenced_at = -FENCE_WRITES
+        self._fence: asyncio.Future[None] | None = None
+        self._fence_request: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
+        self._wake = threading.Event()
+        self._closing = False
+        self._conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
+        self._thread = threading.Thread(target=self._run, name=f"sqlite-checkpointer:{path}", daemon=True)
+        self._thread.start()
+
+    def write(self) -> asyncio.Future[None] | None:
+        """Count a write about to be made (event loop only); returns the fence it must await
+        (shielded) first, if there is one, starting one when the WAL has grown too long."""
+        self.writes += 1
+        if self._fence is None and self.frames >= FENCE_FRAMES and self.writes - self._fenced_at >= FENCE_WRITES:
+            loop = asyncio.get_running_loop()
+            self._fenced_at = self.writes
+            self._fence = loop.create_future()
+            self._fence_request = (loop, self._fence)
+            self._wake.set()
+        return self._fence
+
+    def _run(self) -> None:
+        seen = 0
+        try:
+            while not self._closing:
+                self._wake.wait(self.interval_s)
+                self._wake.clear()
+                request, self._fence_request = self._fence_request, None
+                if self.writes != seen or request is not None:
+                    seen = self.writes
+                    self._pass(fenced=request is not None)
+                if request is not None:
+                    self._lift(*request)
+        finally:
+            self._conn.close()
+
+    def _pass(self, fenced: bool) -> None:
+        before = self.writes
+        try:
+            _busy, frames, copied = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        except sqlite3.Error:  # the next pass tries again; the WAL keeps every commit meanwhile
+            log.exception("sqlite store %s: WAL checkpoint failed", self.path)
+            return
+        self.passes += 1
+        # `frames` is the WAL's length when the pass began. All of it copied with no write
+        # since (or held by a fence): the next write restarts the WAL from its beginning.
+        done = frames == copied and (fenced or self.writes == before)
+        self.frames = 0 if done else int(frames)
+
+    def _lift(self, loop: asyncio.AbstractEventLoop, fence: asyncio.Future[None]) -> None:
+        def lift() -> None:
+            self.fences += 1
+            if self._fence is fence:
+                self._fence = None
+            if not fence.done():
+                fence.set_result(None)
+
+        try:
+            loop.call_soon_threadsafe(lift)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    def close(self) -> None:
+        """Stop the thread (after the pass in progress) and close its connection. Idempotent."""
+        self._closing = True
+        self._wake.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+        fence, self._fence = self._fence, None
+        if fence is not None and not fence.done():
+            try:
+                fence.set_result(None)
+            except RuntimeError:  # its loop is closed: nobody is waiting any more
+                pass

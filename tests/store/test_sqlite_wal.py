@@ -1,0 +1,80 @@
+"""The SQLite store's WAL is checkpointed by a thread of its own, and still restarts under load."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from gateway.harness.state import RunState
+from gateway.store import sqlite as sqlite_store
+from gateway.store import sqlite_wal
+from gateway.store.sqlite import SqliteStore
+
+
+def main_file_has_run(db: Path, copy: Path, run_id: str) -> bool:
+    """Whether the database file itself (its WAL left out) holds the run yet."""
+    shutil.copyfile(db, copy)
+    with sqlite3.connect(copy) as conn:
+        try:
+            return conn.execute("SELECT COUNT(*) FROM runs WHERE id = ?", (run_id,)).fetchone()[0] == 1
+        except sqlite3.OperationalError:  # not even the schema yet
+            return False
+
+
+async def test_commits_reach_the_database_file_without_the_event_loop_checkpointing(tmp_path: Path) -> None:
+    db = tmp_path / "g.db"
+    store = SqliteStore(db)
+    try:
+        await store.create_run(RunState.new("m", [], run_id="run_a"))
+        assert (tmp_path / "g.db-wal").stat().st_size > 0
+        deadline = time.monotonic() + 10
+        while not main_file_has_run(db, tmp_path / "copy.db", "run_a"):  # poll: the thread copies it
+            assert time.monotonic() < deadline, "the checkpointer never copied the WAL into the file"
+            await asyncio.sleep(0.02)
+    finally:
+        await store.close()
+    assert not (tmp_path / "g.db-wal").exists()  # the last connection to close removed the WAL
+
+
+async def test_a_steady_stream_of_writes_still_restarts_the_wal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sqlite_wal, "FENCE_FRAMES", 64)
+    monkeypatch.setattr(sqlite_wal, "FENCE_WRITES", 20)
+    monkeypatch.setattr(sqlite_store, "JOURNAL_SIZE_LIMIT", 0)  # a restarted WAL shrinks: its size tells
+    db = tmp_path / "g.db"
+    store = SqliteStore(db)
+    wal = store._wal
+    try:
+        await store.create_run(RunState.new("m", [], run_id="run_a"))
+        writes = 0
+        while wal.fences < 3:  # no pause between writes: a background pass alone never catches up
+            await store.append_events("run_a", [{"type": "tick", "n": writes}])
+            writes += 1
+            assert writes < 200_000, "the WAL never got a fence"
+        await store.append_events("run_a", [{"type": "tick", "n": writes}])  # restarts the WAL
+        writes += 1
+        assert (tmp_path / "g.db-wal").stat().st_size < writes * 4096 / 4  # each commit wrote >= 1 page
+        assert [e["n"] for _, e in await store.events("run_a")] == list(range(writes))
+    finally:
+        await store.close()
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+async def test_a_write_waits_out_a_fence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sqlite_wal, "FENCE_FRAMES", 0)  # every write past FENCE_WRITES starts a fence
+    monkeypatch.setattr(sqlite_wal, "FENCE_WRITES", 1)
+    store = SqliteStore(tmp_path / "g.db")
+    try:
+        await store.create_run(RunState.new("m", [], run_id="run_a"))
+        fence = store._wal.write()
+        assert fence is not None and not fence.done()
+        await store.append_events("run_a", [{"type": "after the fence"}])  # waited for the pass, then wrote
+        assert fence.done() and store._wal.fences >= 1
+        assert [e["type"] for _, e in await store.events("run_a")] == ["after the fence"]
+    finally:
+        await store.close()
