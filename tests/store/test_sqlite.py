@@ -249,3 +249,26 @@ async def test_expired_reservations_are_forgotten_after_the_retention(tmp_path: 
         assert await store.team_spend("demo", "total") == (0.02, 0.01)
     finally:
         await store.close()
+
+
+async def test_reservations_held_before_the_reservations_rebuild_are_kept(tmp_path: Path) -> None:
+    db = tmp_path / "v10.db"
+    with sqlite3.connect(db) as conn:  # a file of the gateway whose reservations had a rowid and two indexes
+        for sql in MIGRATIONS[:10]:
+            conn.execute(sql)
+        conn.execute("PRAGMA user_version = 10")
+        conn.execute("INSERT INTO reservations (id, team, period, amount_micros, expires_at)"
+                     " VALUES ('res_old', 'demo', 'total', 40000, ?)", (time.time() + 600,))
+    store = SqliteStore(db)
+    try:
+        assert await store.team_spend("demo", "total") == (0.0, 0.04)
+        assert await store.reserve("demo", "total", 0.07, 0.1) is None  # the old hold still counts
+        await store.settle("res_old", 0.03)
+        assert await store.team_spend("demo", "total") == (0.03, 0.0)
+    finally:
+        await store.close()
+    assert user_version(db) == len(MIGRATIONS)
+    with sqlite3.connect(db) as conn:
+        indexes = {r[0] for r in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'reservations'")}
+        assert indexes == {"reservations_team_state"}  # the id is the table's own key
