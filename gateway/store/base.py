@@ -8,7 +8,7 @@ Protocol speaks float USD at the edges because that is what prices produce.
 from __future__ import annotations
 
 import math
-import uuid
+import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -167,7 +167,7 @@ def check_list_args(status: str | None, limit: int) -> None:
 
 
 def new_reservation_id() -> str:
-    return "res_" + uuid.uuid4().hex
+    return "res_" + os.urandom(16).hex()
 
 
 def stamped_body(state: RunState, revision: int, updated_at: float) -> dict[str, Any]:

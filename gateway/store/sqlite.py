@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final
@@ -75,6 +73,10 @@ MIGRATIONS: Final[tuple[str, ...]] = (
 BUSY_TIMEOUT_S: Final = 10.0
 JOURNAL_SIZE_LIMIT: Final = 64 * 1024 * 1024
 """A WAL that grew past this is truncated back to it when it restarts."""
+RECLAIM_EVERY_S: Final = 1.0
+"""How often a team's expired reservations are marked (and forgotten past the retention) by
+`reserve`, at the latest; sooner when one this store made expires. The budget check itself
+never counts an expired reservation, marked or not."""
 
 
 class _Translate:
@@ -89,6 +91,31 @@ class _Translate:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if isinstance(exc, sqlite3.Error):
             raise StoreError(f"sqlite store {self.path}: {exc}") from exc
+
+
+class _Immediate:
+    """A write transaction (a class, not @contextmanager: it runs twice per call on the hot path)."""
+
+    __slots__ = ("db",)
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.db.execute("BEGIN IMMEDIATE")
+        return self.db
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        try:
+            if kind is None:
+                self.db.execute("COMMIT")
+                return
+        except BaseException:
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+            raise
+        if self.db.in_transaction:
+            self.db.execute("ROLLBACK")
 
 
 def migrate(conn: sqlite3.Connection, path: str) -> int:
@@ -149,6 +176,7 @@ class SqliteStore:
         self.path = str(path)
         self._errors = _Translate(self.path)
         self._conn: sqlite3.Connection | None = connect(self.path)
+        self._reclaim_due: dict[str, float] = {}
         try:
             with self._errors:
                 self._conn.execute("PRAGMA wal_autocheckpoint = 0")  # the checkpointer's thread does it
@@ -169,17 +197,9 @@ class SqliteStore:
             raise StoreError(f"sqlite store {self.path} is closed")
         return self._conn
 
-    @contextmanager
-    def _immediate(self) -> Iterator[sqlite3.Connection]:
-        db = self._db()
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            yield db
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
+    def _immediate(self) -> _Immediate:
+        """`with self._immediate() as db:` one BEGIN IMMEDIATE transaction, rolled back on any error."""
+        return _Immediate(self._db())
 
     async def create_run(self, state: RunState) -> None:
         await self._writable()
@@ -293,22 +313,26 @@ class SqliteStore:
         ttl = check_ttl(ttl_s, "ttl_s", allow_zero=True)
         with self._errors, self._immediate() as db:
             now = time.time()
-            db.execute(
-                "UPDATE reservations SET state = 'expired' WHERE team = ? AND state = 'held' AND expires_at <= ?",
-                (team, now),
-            )
-            db.execute(
-                "DELETE FROM reservations WHERE team = ? AND state = 'expired' AND expires_at <= ?",
-                (team, now - EXPIRED_RETENTION_S),
-            )
+            due = self._reclaim_due.get(team, 0.0)
+            if now >= due:
+                db.execute(
+                    "UPDATE reservations SET state = 'expired' WHERE team = ? AND state = 'held' AND expires_at <= ?",
+                    (team, now),
+                )
+                db.execute(
+                    "DELETE FROM reservations WHERE team = ? AND state = 'expired' AND expires_at <= ?",
+                    (team, now - EXPIRED_RETENTION_S),
+                )
+                due = now + RECLAIM_EVERY_S
             rid = new_reservation_id()
-            granted = db.execute(  # inserted only if spent + reserved + amount <= budget
+            granted = db.execute(  # inserted only if spent + live reservations + amount <= budget
                 "INSERT INTO reservations (id, team, period, amount_micros, expires_at) SELECT ?1, ?2, ?3, ?4, ?5"
                 " WHERE (SELECT COALESCE(SUM(spent_micros), 0) FROM ledger WHERE team = ?2 AND period = ?3)"
                 " + (SELECT COALESCE(SUM(amount_micros), 0) FROM reservations"
-                "    WHERE team = ?2 AND period = ?3 AND state = 'held') + ?4 <= ?6",
-                (rid, team, period, amount, now + ttl, budget),
+                "    WHERE team = ?2 AND period = ?3 AND state = 'held' AND expires_at > ?7) + ?4 <= ?6",
+                (rid, team, period, amount, now + ttl, budget, now),
             ).rowcount
+            self._reclaim_due[team] = min(due, now + ttl) if granted == 1 else due
             return rid if granted == 1 else None
 
     async def settle(self, reservation_id: str, actual_usd: float) -> None:

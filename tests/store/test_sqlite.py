@@ -272,3 +272,19 @@ async def test_reservations_held_before_the_reservations_rebuild_are_kept(tmp_pa
         indexes = {r[0] for r in conn.execute(
             "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'reservations'")}
         assert indexes == {"reservations_team_state"}  # the id is the table's own key
+
+
+async def test_an_expired_reservation_never_counts_even_before_it_is_marked(tmp_path: Path) -> None:
+    db = tmp_path / "ledger.db"
+    store, other = SqliteStore(db), SqliteStore(db)  # two processes on one file
+    try:
+        assert await store.reserve("demo", "total", 0.01, 0.1) is not None  # marks expired ones, next time in 1 s
+        dead = await other.reserve("demo", "total", 0.09, 0.1)  # fills the budget; then its process dies
+        assert dead is not None and await store.reserve("demo", "total", 0.01, 0.1) is None
+        with sqlite3.connect(db) as conn:  # ... and its hold's time passes
+            conn.execute("UPDATE reservations SET expires_at = expires_at - 1000 WHERE id = ?", (dead,))
+        assert await store.reserve("demo", "total", 0.09, 0.1) is not None  # not counted, marked or not
+        assert await store.team_spend("demo", "total") == (0.0, 0.1)
+    finally:
+        await store.close()
+        await other.close()
