@@ -1,0 +1,383 @@
+"""`gateway demo --local`: the chapter's six tasks, run by the gateway against a local model.
+
+Everything is real: a `gateway local` process (started here unless something already
+answers at `--local-url`), a `gateway serve` process with a temporary config (one `local`
+upstream at price 0, a SQLite store, the shipped policies) and, for each task, one
+chat completion with `X-Policy: files`, so the gateway runs the loop and the tools. The
+run is then read back from the runs API (turns, status, tool runs from the trace).
+
+Each answer is marked RIGHT or WRONG against the sample folder's real contents
+(`judge`, a pure function): the chapter's point is that the harness makes an agent
+governable, not correct.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import aiohttp
+import orjson
+import yaml
+
+from gateway.demo.report import tool_runs
+from gateway.tools.chapter import SYSTEM_PROMPT
+from gateway.tools.files import SAMPLE
+
+TaskKind = Literal["timeout", "count", "notes", "read_all", "largest", "rotating"]
+
+
+@dataclass(frozen=True)
+class Task:
+    kind: TaskKind
+    question: str
+
+
+TASKS: Final = (
+    Task("timeout", "Which file mentions a timeout?"),
+    Task("count", "How many files are in the directory?"),
+    Task("notes", "Read notes.txt and tell me what it says."),
+    Task("read_all", "List the files and then read each one."),
+    Task("largest", "Which file is the largest?"),
+    Task("rotating", "Is there a file about rotating logs?"),
+)
+CHAPTER_REFERENCE: Final = ("chapter (Qwen2.5-0.5B-Instruct, its machine): every task 2 turns, "
+                            "TOTAL turns=12  toolruns=7  wall=82,896ms  mean turn=6,908ms")
+POLICIES_DIR: Final = Path(__file__).resolve().parents[2] / "policies"
+KEY: Final = "sk-demo"
+LOCAL_START_TIMEOUT_S: Final = 600.0  # the first start assembles the model (seconds to minutes)
+GATEWAY_START_TIMEOUT_S: Final = 30.0
+UPSTREAM_TIMEOUT_S: Final = 600.0
+TASK_TIMEOUT_S: Final = 1800.0  # up to the policy's 20 turns of a slow CPU model
+POLL_S: Final = 0.1
+
+_TIMEOUT = re.compile(r"\btime[sd]?[\s-]?outs?\b|\btimed[\s-]?out\b", re.IGNORECASE)
+_ROTATING = re.compile(r"\brotat", re.IGNORECASE)
+_WORD = re.compile(r"[a-z]+")
+_NUMBER_WORDS: Final = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
+                        "eleven", "twelve")
+_NUMBER = re.compile(r"\b(\d+|" + "|".join(_NUMBER_WORDS) + r")\b", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Truth:
+    """What the sandbox really holds: each file's text and size."""
+
+    texts: Mapping[str, str]
+    sizes: Mapping[str, int]
+
+    @classmethod
+    def of(cls, folder: Path = SAMPLE) -> Truth:
+        files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+        return cls({p.name: p.read_text("utf-8", errors="replace") for p in files},
+                   {p.name: p.stat().st_size for p in files})
+
+    @property
+    def largest(self) -> str:
+        return max(self.sizes, key=lambda name: self.sizes[name])
+
+    def mentioning(self, pattern: re.Pattern[str]) -> frozenset[str]:
+        return frozenset(name for name, text in self.texts.items() if pattern.search(text))
+
+    def keywords(self, name: str) -> tuple[str, ...]:
+        """The file's words of four letters or more, cut to five (so "rotate" matches "rotating")."""
+        return tuple(dict.fromkeys(w[:5] for w in _WORD.findall(self.texts[name].lower()) if len(w) >= 4))
+
+
+def first_file_named(answer: str, names: Sequence[str]) -> str | None:
+    """The sandbox file the answer names first (None if it names none)."""
+    low = answer.lower()
+    found = [(low.find(n.lower()), n) for n in names if n.lower() in low]
+    return min(found)[1] if found else None
+
+
+def first_number(answer: str) -> int | None:
+    """The first number in the answer, in digits or words (zero to twelve)."""
+    found = _NUMBER.search(answer)
+    if found is None:
+        return None
+    token = found.group(1).lower()
+    return int(token) if token.isdigit() else _NUMBER_WORDS.index(token)
+
+
+def judge(kind: TaskKind, answer: str, runs: Sequence[str], truth: Truth) -> bool:
+    """Is this answer (and, for `read_all`, this run's tool runs) right about `truth`?
+
+    `runs` are the run's executed tools as `name` or `name:path` (report.tool_runs).
+    """
+    names = list(truth.texts)
+    named = first_file_named(answer, names)
+    if kind == "timeout":
+        return named is not None and named in truth.mentioning(_TIMEOUT)
+    if kind == "count":
+        return first_number(answer) == len(names)
+    if kind == "notes":
+        words = truth.keywords("notes.txt")
+        low = answer.lower()
+        return bool(words) and sum(w in low for w in words) * 2 >= len(words)
+    if kind == "read_all":
+        read = {Path(r.split(":", 1)[1]).name for r in runs if r.startswith("read_file:")}
+        return set(names) <= read
+    if kind == "largest":
+        return named == truth.largest
+    # rotating: name the file about rotation, or say yes without pointing at a wrong file
+    about = truth.mentioning(_ROTATING)
+    if named is not None:
+        return named in about
+    return bool(about) and answer.strip().lower().startswith("yes")
+
+
+@dataclass
+class TaskResult:
+    """One task as the gateway ran it."""
+
+    task: str
+    kind: str
+    run_id: str
+    status: str
+    reason: str | None
+    turns: int
+    tool_runs: list[str]
+    prompt_tokens: int
+    completion_tokens: int
+    cost_usd: float
+    wall_ms: int
+    answer: str
+    right: bool
+
+    def line(self) -> str:
+        short = " ".join(self.answer.split())
+        short = short if len(short) <= 70 else short[:67] + "..."
+        text = (f"turns={self.turns} tools={len(self.tool_runs)} wall={self.wall_ms:>7,}ms  "
+                f'{self.task:<36} -> "{short}"  {"RIGHT" if self.right else "WRONG"}')
+        if self.status != "completed":
+            text += f"  status={self.status}" + (f' reason="{self.reason}"' if self.reason else "")
+        return text
+
+    def json(self) -> str:
+        return orjson.dumps(asdict(self)).decode()
+
+
+def total_line(results: Sequence[TaskResult]) -> str:
+    turns = sum(r.turns for r in results)
+    wall = sum(r.wall_ms for r in results)
+    mean = round(wall / turns) if turns else 0
+    right = sum(r.right for r in results)
+    return (f"TOTAL turns={turns}  toolruns={sum(len(r.tool_runs) for r in results)}  wall={wall:,}ms  "
+            f"mean turn={mean:,}ms  right={right}/{len(results)}")
+
+
+class DemoError(Exception):
+    """The demo cannot run (no local model, the gateway did not start...)."""
+
+
+def _say(message: str) -> None:
+    print(f"gateway demo --local: {message}", file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Child:
+    """A `python -m gateway ...` process this demo started (stopped at the end)."""
+
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    @classmethod
+    def start(cls, args: Sequence[str], log: Path) -> Child:
+        with log.open("wb") as out:
+            popen = subprocess.Popen([sys.executable, "-m", "gateway", *args], stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        return cls(popen, log)
+
+    def check_alive(self, what: str) -> None:
+        if self.popen.poll() is not None:
+            tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-20:])
+            raise DemoError(f"{what} exited with {self.popen.returncode}:\n{tail}")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=10)
+
+
+async def _models(session: aiohttp.ClientSession, base_url: str) -> list[str] | None:
+    """The model ids served at `base_url` once it answers 200; None while nothing (ready) answers."""
+    try:
+        async with session.get(base_url.rstrip("/") + "/models", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            if resp.status != 200:
+                return None
+            body = await resp.json(content_type=None)
+    except (TimeoutError, aiohttp.ClientError, ValueError):
+        return None
+    data = body.get("data") if isinstance(body, dict) else None
+    return [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m] if isinstance(data, list) else []
+
+
+async def _answers_at_all(session: aiohttp.ClientSession, base_url: str) -> bool:
+    try:
+        async with session.get(base_url.rstrip("/") + "/models", timeout=aiohttp.ClientTimeout(total=5)):
+            return True
+    except (TimeoutError, aiohttp.ClientError):
+        return False
+
+
+async def ensure_local(session: aiohttp.ClientSession, base_url: str, folder: Path) -> tuple[str, Child | None]:
+    """The local model's id, and the `gateway local` process started for it (None if one already ran)."""
+    child: Child | None = None
+    if not await _answers_at_all(session, base_url):
+        url = urllib.parse.urlsplit(base_url)
+        if url.hostname not in ("127.0.0.1", "localhost") or url.port is None:
+            raise DemoError(f"nothing answers at {base_url}, and it is not a local address with a port to start "
+                            "`gateway local` on (e.g. http://127.0.0.1:8081/v1)")
+        _say(f"nothing answers at {base_url}: starting `gateway local --port {url.port}` (log {folder}/local.log)")
+        child = Child.start(["local", "--host", url.hostname, "--port", str(url.port)], folder / "local.log")
+    deadline = time.monotonic() + LOCAL_START_TIMEOUT_S
+    try:
+        while (names := await _models(session, base_url)) is None:
+            if child is not None:
+                child.check_alive("gateway local")
+            if time.monotonic() > deadline:
+                raise DemoError(f"{base_url}/models did not answer 200 within {LOCAL_START_TIMEOUT_S:.0f}s")
+            await asyncio.sleep(POLL_S)  # readiness probe interval
+    except BaseException:
+        if child is not None:
+            child.stop()
+        raise
+    return (names[0] if names else "qwen2.5-coder-0.5b"), child
+
+
+def gateway_config(local_url: str, port: int, policies_dir: Path = POLICIES_DIR) -> dict[str, Any]:
+    """A gateway that routes every model name to the local upstream at price 0, for team key sk-demo."""
+    return {
+        "server": {"host": "127.0.0.1", "port": port},
+        "store": {"kind": "sqlite", "path": "./gateway.db"},
+        "policies_dir": str(policies_dir),
+        "upstreams": [{"name": "local", "base_url": local_url, "timeout_s": UPSTREAM_TIMEOUT_S}],
+        "models": [{"match": "*", "upstream": "local", "price_in": 0.0, "price_out": 0.0}],
+        "teams": [{"name": "demo", "keys": [KEY], "budget_usd": None, "policies": ["files"]}],
+    }
+
+
+async def start_gateway(session: aiohttp.ClientSession, folder: Path, local_url: str) -> tuple[str, Child]:
+    """`gateway serve` on a free port with a temporary config in `folder`; its URL once /healthz is 200."""
+    if not (POLICIES_DIR / "files.yaml").is_file():
+        raise DemoError(f"the shipped policies are not at {POLICIES_DIR} (policies/files.yaml is needed)")
+    port = _free_port()
+    config = folder / "config.yaml"
+    config.write_text(yaml.safe_dump(gateway_config(local_url, port), sort_keys=False))
+    child = Child.start(["serve", "--config", str(config)], folder / "gateway.log")
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + GATEWAY_START_TIMEOUT_S
+    try:
+        while True:
+            child.check_alive("gateway serve")
+            try:
+                async with session.get(url + "/healthz", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                    if resp.status == 200:
+                        return url, child
+            except (TimeoutError, aiohttp.ClientError):
+                pass
+            if time.monotonic() > deadline:
+                raise DemoError(f"gateway serve did not answer {url}/healthz within {GATEWAY_START_TIMEOUT_S:.0f}s")
+            await asyncio.sleep(POLL_S)  # readiness probe interval
+    except BaseException:
+        child.stop()
+        raise
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str) -> Any:
+    async with session.get(url, headers={"Authorization": f"Bearer {KEY}"}) as resp:
+        raw = await resp.read()
+        if resp.status != 200:
+            raise DemoError(f"GET {url} answered {resp.status}: {raw.decode(errors='replace')[:300]}")
+    return orjson.loads(raw)
+
+
+async def run_task(session: aiohttp.ClientSession, gateway: str, model: str, task: Task, truth: Truth) -> TaskResult:
+    """POST the task with X-Policy: files, then read the run and its trace back."""
+    run_id = f"local-{task.kind}-{uuid.uuid4().hex[:8]}"
+    # No sampling fields: a server-side run does not forward them (the model's defaults apply).
+    body = {"model": model,
+            "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.question}]}
+    headers = {"Authorization": f"Bearer {KEY}", "X-Policy": "files", "X-Run-Id": run_id}
+    started = time.perf_counter()
+    async with session.post(gateway + "/v1/chat/completions", data=orjson.dumps(body), headers=headers,
+                            timeout=aiohttp.ClientTimeout(total=TASK_TIMEOUT_S)) as resp:
+        raw = await resp.read()
+        http_status = resp.status
+    wall_ms = round((time.perf_counter() - started) * 1000)
+    reply: Any = orjson.loads(raw) if raw else {}
+    if http_status == 200:
+        answer = str(reply["choices"][0]["message"].get("content") or "")
+    else:
+        answer = str((reply.get("error") or {}).get("message") or raw.decode(errors="replace"))
+    run = await _get_json(session, f"{gateway}/v1/runs/{run_id}")
+    async with session.get(f"{gateway}/v1/runs/{run_id}/events", headers={"Authorization": f"Bearer {KEY}"}) as resp:
+        events = [orjson.loads(line) for line in (await resp.read()).splitlines() if line.strip()]
+    runs = tool_runs(events, run_id)
+    status = str(run["status"])
+    return TaskResult(
+        task=task.question, kind=task.kind, run_id=run_id, status=status, reason=run.get("reason"),
+        turns=int(run["turns"]), tool_runs=runs, prompt_tokens=int(run["usage"]["prompt_tokens"]),
+        completion_tokens=int(run["usage"]["completion_tokens"]), cost_usd=float(run["cost_usd"]),
+        wall_ms=wall_ms, answer=answer, right=status == "completed" and judge(task.kind, answer, runs, truth),
+    )
+
+
+async def run_demo(local_url: str, as_json: bool = False) -> list[TaskResult]:
+    """Start what is missing, run the six tasks through the gateway, print a line (or JSON) each."""
+    truth = Truth.of()
+    results: list[TaskResult] = []
+    with tempfile.TemporaryDirectory(prefix="gateway-demo-local-") as tmp:
+        folder = Path(tmp)
+        async with aiohttp.ClientSession() as session:
+            model, local = await ensure_local(session, local_url, folder)
+            try:
+                gateway, served = await start_gateway(session, folder, local_url)
+                _say(f"model {model} at {local_url}, gateway {gateway} (policy files); six tasks, one at a time")
+                try:
+                    for task in TASKS:
+                        result = await run_task(session, gateway, model, task, truth)
+                        results.append(result)
+                        print(result.json() if as_json else result.line(), flush=True)
+                finally:
+                    served.stop()
+            finally:
+                if local is not None:
+                    local.stop()
+    if not as_json:
+        print(total_line(results))
+        print(CHAPTER_REFERENCE)
+    return results
+
+
+def local_demo(args: argparse.Namespace) -> int:
+    """`gateway demo --local [--local-url URL] [--json]`: 0 once the six tasks ran, 1 if the demo could not run."""
+    try:
+        asyncio.run(run_demo(args.local_url, as_json=bool(getattr(args, "json", False))))
+    except DemoError as exc:
+        _say(str(exc))
+        return 1
+    return 0

@@ -1,0 +1,157 @@
+"""`gateway demo --local` without a model: the judge, the table, the config and finding a running model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from gateway.demo.local import (
+    CHAPTER_REFERENCE,
+    TASKS,
+    DemoError,
+    TaskResult,
+    Truth,
+    ensure_local,
+    first_file_named,
+    first_number,
+    gateway_config,
+    judge,
+    total_line,
+)
+from gateway.server.config import parse_config
+from tests.support.procs import free_port
+
+SAMPLE = Truth.of()
+
+
+def test_truth_comes_from_the_packaged_sample() -> None:
+    assert SAMPLE.sizes == {"access.log": 52, "errors.log": 87, "notes.txt": 40}
+    assert SAMPLE.largest == "errors.log"
+    assert [t.question for t in TASKS] == [
+        "Which file mentions a timeout?", "How many files are in the directory?",
+        "Read notes.txt and tell me what it says.", "List the files and then read each one.",
+        "Which file is the largest?", "Is there a file about rotating logs?"]
+
+
+@pytest.mark.parametrize("kind, answer, right", [
+    # the chapter's own answers, marked as the chapter marks them
+    ("timeout", "The file timeout.txt does not exist...", False),
+    ("count", "There are three files...", True),
+    ("notes", "Remember to rotate your logs.", True),
+    ("largest", "The largest file is access.log.", False),
+    # and the answers it should have given
+    ("timeout", "errors.log mentions a timeout: worker 7 timed out after 30000 ms.", True),
+    ("timeout", "access.log mentions it, not errors.log.", False),
+    ("count", "There are 3 files in the directory.", True),
+    ("count", "There are 2 files: access.log and errors.log.", False),
+    ("count", "I could not count them.", False),
+    ("notes", "notes.txt is a text file.", False),
+    ("largest", "errors.log (87 bytes) is larger than access.log (52 bytes).", True),
+    ("largest", "I don't know.", False),
+    ("rotating", "Yes, notes.txt says to rotate the logs every week.", True),
+    ("rotating", "Yes.", True),
+    ("rotating", "No, there is no such file.", False),
+    ("rotating", "Yes: errors.log.", False),
+])
+def test_judge_answers_against_the_sample(kind: str, answer: str, right: bool) -> None:
+    assert judge(kind, answer, [], SAMPLE) is right  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("runs, right", [
+    (["list_files", "read_file:access.log", "read_file:errors.log", "read_file:notes.txt"], True),
+    (["read_file:./access.log", "read_file:errors.log", "read_file:notes.txt"], True),
+    (["list_files", "read_file:access.log", "read_file:errors.log"], False),
+    (["list_files", "read_file:C:\\path\\to\\notes.txt", "read_file:access.log", "read_file:errors.log"], False),
+    (["list_files"], False),
+])
+def test_read_all_is_judged_by_what_was_read(runs: list[str], right: bool) -> None:
+    assert judge("read_all", "I read them all.", runs, SAMPLE) is right
+
+
+def test_truth_follows_the_folder_it_is_given(tmp_path: Path) -> None:
+    (tmp_path / "big.log").write_text("x" * 500 + " request timeout\n")
+    (tmp_path / "notes.txt").write_text("Rotating the archives happens on Sundays.\n")
+    (tmp_path / ".hidden").write_text("y" * 5000)
+    truth = Truth.of(tmp_path)
+
+    assert truth.largest == "big.log"
+    assert judge("largest", "big.log is the largest.", [], truth)
+    assert judge("timeout", "big.log has a request timeout.", [], truth)
+    assert judge("count", "Two files.", [], truth)
+    assert judge("rotating", "notes.txt talks about rotating archives.", [], truth)
+    assert judge("notes", "It says the archives are rotated on Sundays.", [], truth)
+    assert not judge("largest", "errors.log", [], truth)
+
+
+def test_helpers_find_the_first_file_and_number() -> None:
+    names = ["access.log", "errors.log", "notes.txt"]
+    assert first_file_named("Both ERRORS.LOG and access.log", names) == "errors.log"
+    assert first_file_named("nothing here", names) is None
+    assert first_number("there are twelve, not 3") == 12
+    assert first_number("2 files") == 2
+    assert first_number("none") is None
+
+
+def result(turns: int, tools: int, wall: int, task: str, answer: str, right: bool,
+           status: str = "completed", reason: str | None = None) -> TaskResult:
+    return TaskResult(task=task, kind="timeout", run_id="r", status=status, reason=reason, turns=turns,
+                      tool_runs=["list_files"] * tools, prompt_tokens=1, completion_tokens=1, cost_usd=0.0,
+                      wall_ms=wall, answer=answer, right=right)
+
+
+def test_lines_in_the_chapters_format() -> None:
+    line = result(2, 1, 15_260, "Which file mentions a timeout?", "The file timeout.txt does not exist...",
+                  False).line()
+    assert line == ('turns=2 tools=1 wall= 15,260ms  Which file mentions a timeout?       '
+                    '-> "The file timeout.txt does not exist..."  WRONG')
+    failed = result(5, 3, 900, "Which file is the largest?", "The run failed:\n  repeated call " + "x" * 100,
+                    False, "failed", "repeated_call").line()
+    assert '-> "The run failed: repeated call xxx' in failed and failed.count("\n") == 0
+    assert '..."  WRONG  status=failed reason="repeated_call"' in failed
+
+
+def test_total_line_reproduces_the_chapters_arithmetic() -> None:
+    walls = [15_260, 13_037, 10_121, 21_290, 10_698, 12_490]
+    tools = [1, 1, 1, 2, 1, 1]
+    rows = [result(2, n, w, "t", "a", i in (1, 2)) for i, (n, w) in enumerate(zip(tools, walls))]
+    assert total_line(rows) == "TOTAL turns=12  toolruns=7  wall=82,896ms  mean turn=6,908ms  right=2/6"
+    assert "mean turn=6,908ms" in CHAPTER_REFERENCE
+
+
+def test_gateway_config_is_valid_for_the_real_loader(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(gateway_config("http://127.0.0.1:8081/v1", 9999)))
+    config = parse_config(yaml.safe_load(path.read_text()), path)
+
+    route = config.route("qwen2.5-coder-0.5b")
+    assert route is not None and route.upstream == "local" and route.price.input_per_million == 0
+    assert route.price.output_per_million == 0
+    assert config.upstreams["local"].base_url == "http://127.0.0.1:8081/v1"
+    assert (config.policies_dir / "files.yaml").is_file()
+    assert config.teams[0].policies == ("files",) and config.teams[0].keys == ("sk-demo",)
+
+
+async def test_a_model_already_answering_is_used_not_started(tmp_path: Path) -> None:
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "served-model", "object": "model"}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+        name, child = await ensure_local(session, str(server.make_url("/v1")), tmp_path)
+
+    assert (name, child) == ("served-model", None)
+    assert not (tmp_path / "local.log").exists()
+
+
+async def test_nothing_answering_where_no_local_model_can_be_started_is_named(tmp_path: Path) -> None:
+    url = f"http://127.0.0.2:{free_port()}/v1"  # loopback, but not an address `gateway local` is started on
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(DemoError, match=f"nothing answers at {url}, and it is not a local address"):
+            await ensure_local(session, url, tmp_path)
+    assert not (tmp_path / "local.log").exists()
