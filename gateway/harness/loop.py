@@ -58,7 +58,7 @@ async def run(state: RunState, model: Model, options: RunOptions, cancel: Cancel
             continue
         request = ModelRequest(
             model=state.model, messages=state.messages, tools=specs, max_tokens=options.max_tokens,
-            run_id=state.run_id, budget_remaining_usd=_remaining(state),
+            run_id=state.run_id, budget_remaining_usd=_remaining(state), extra=dict(options.sampling),
         )
         finished, reply = await race(model.complete(request), scope)
         if not finished:

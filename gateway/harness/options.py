@@ -105,6 +105,7 @@ class RunOptions:
     stop_when: Sequence[StopCondition] = ()
     approval: ApprovalPolicy = default_approval
     max_tokens: int | None = None
+    sampling: Mapping[str, Any] = field(default_factory=dict)  # temperature, seed, ...: sent with every call
     on_event: EventSink = lambda event: None
     checkpoint: Checkpoint = _no_checkpoint
     # Told of every dollar this run spends (its turns and its tools'); a sub-run chains it

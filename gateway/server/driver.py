@@ -26,8 +26,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -82,6 +82,15 @@ class PolicyGone(Conflict):
     """The policy version the run started under is not loaded any more."""
 
 
+@dataclass(frozen=True)
+class FromClient:
+    """What a chat call brings to a server-side run: its own tools and its sampling settings."""
+
+    tools: Sequence[dict[str, Any]] = ()
+    sampling: Mapping[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = None
+
+
 class RunDriver:
     """Drives server-side runs for one gateway process."""
 
@@ -126,7 +135,7 @@ class RunDriver:
         existing = sorted(p for p in home.iterdir() if p.is_dir()) if home.is_dir() else []
         return existing[0] if existing else prepare_sandbox(config, home)
 
-    async def drive(self, run_id: str, *, prepare: Prepare | None = None, client_tools: Sequence[dict[str, Any]] = (),
+    async def drive(self, run_id: str, *, prepare: Prepare | None = None, client: FromClient = FromClient(),
                     listeners: Sequence[Listener] = (), start: StartKind = "run_resumed") -> Drive:
         """Drive the run until it stops or hands calls to the client.
 
@@ -140,7 +149,7 @@ class RunDriver:
             if self.metrics is not None:
                 self.metrics.run_active(1)
             try:
-                drive = await self._drive(run_id, scope, writer, prepare, client_tools, start)
+                drive = await self._drive(run_id, scope, writer, prepare, client, start)
                 if _waits_for_approval(drive.state) and drive.driven:
                     await self.refresh_approvals(drive.state.team)
                 return drive
@@ -150,7 +159,7 @@ class RunDriver:
                 await self.store.release_lease(run_id, self.owner)
 
     async def _drive(self, run_id: str, scope: CancelScope, writer: TraceWriter, prepare: Prepare | None,
-                     client_tools: Sequence[dict[str, Any]], start: StartKind) -> Drive:
+                     client: FromClient, start: StartKind) -> Drive:
         # Cancel requests of other replicas are read from here on: any written before we held
         # the lease found the run undriven and stopped it themselves.
         seen = await self.store.events(run_id)
@@ -174,7 +183,8 @@ class RunDriver:
         try:
             env = ToolEnv(session=self.session, model=model, model_name=state.model, price_for=self.price_for,
                           registry=self.policies, sandbox_root=self.sandbox_of(state, policy), on_event=writer)
-            options = compile_options(policy, env, client_tools=list(client_tools), checkpoint=checkpoint)
+            options = compile_options(policy, env, client_tools=list(client.tools), sampling=dict(client.sampling),
+                                      max_tokens=client.max_tokens, checkpoint=checkpoint)
         except (CompileError, OSError) as exc:
             raise Conflict(f"run {run_id} cannot be driven: {exc}", code="run_not_drivable") from None
         writer({"runId": run_id, "type": start, **fields, "turns": state.turns, "costUsd": round(state.cost_usd, 9),

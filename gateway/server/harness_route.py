@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Final
 
 import orjson
@@ -28,7 +28,7 @@ from gateway.server import context as ctx
 from gateway.server import continuations
 from gateway.server.answers import Answer, completion_body, completion_chunks, completion_id
 from gateway.server.cancels import CLIENT_DISCONNECTED, ActiveRuns, RunBusy
-from gateway.server.driver import Drive, Prepare, RunDriver, StartKind
+from gateway.server.driver import Drive, FromClient, Prepare, RunDriver, StartKind
 from gateway.server.errors import ApiError, Conflict, InvalidField
 from gateway.server.headers import run_headers
 from gateway.server.model import UpstreamModel
@@ -94,6 +94,14 @@ async def stop_all(active: ActiveRuns, reason: str) -> None:
         await active.wait_stopped(run_id, SHUTDOWN_GRACE_S)
 
 
+SAMPLING = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "user")
+"""Fields of a chat call that a server-side run passes on to every model call it makes."""
+
+
+def sampling_of(body: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: body[k] for k in SAMPLING if k in body}
+
+
 async def handle_server_side(request: web.Request, call: Call) -> web.StreamResponse:
     """`app[HARNESS]`: drive the call's run and answer it like a chat completion."""
     server_tools = {t.name for t in call.policy.tools}
@@ -106,17 +114,18 @@ async def handle_server_side(request: web.Request, call: Call) -> web.StreamResp
     kind: StartKind = "run_started" if call.created else "run_resumed"
     prepare = continuations.start() if call.created else continuations.continue_chat(call.chat.messages,
                                                                                         call.chat.model)
-    return await answer(request, call.run.run_id, prepare=prepare, start=kind, client_tools=client_tools,
+    client = FromClient(client_tools, sampling_of(call.chat.body), call.chat.max_tokens)
+    return await answer(request, call.run.run_id, prepare=prepare, start=kind, client=client,
                         stream=call.chat.stream, include_usage=call.chat.include_usage)
 
 
 async def answer(request: web.Request, run_id: str, *, prepare: Prepare, start: StartKind,
-                 client_tools: Sequence[dict[str, Any]] = (), stream: bool = False,
+                 client: FromClient = FromClient(), stream: bool = False,
                  include_usage: bool = False) -> web.StreamResponse:
     """Drive the run and answer: one chat.completion, or an SSE stream when `stream`."""
     if stream:
-        return await _stream(request, run_id, prepare, start, client_tools, include_usage)
-    drive = await _drive_watched(request, run_id, prepare, start, client_tools, [])
+        return await _stream(request, run_id, prepare, start, client, include_usage)
+    drive = await _drive_watched(request, run_id, prepare, start, client, [])
     state = drive.state
     request[ctx.RUN] = state
     body = completion_body(state, Answer.of(state, drive.outcome.answer, drive.outcome.kind == "client_tools"),
@@ -149,9 +158,9 @@ async def _watch_client(request: web.Request, active: ActiveRuns, run_id: str) -
 
 
 async def _drive_watched(request: web.Request, run_id: str, prepare: Prepare, start: StartKind,
-                         client_tools: Sequence[dict[str, Any]], listeners: list[Any]) -> Drive:
+                         client: FromClient, listeners: list[Any]) -> Drive:
     driver = request.app[DRIVER]
-    task = asyncio.ensure_future(driver.drive(run_id, prepare=prepare, client_tools=client_tools,
+    task = asyncio.ensure_future(driver.drive(run_id, prepare=prepare, client=client,
                                               listeners=listeners, start=start))
     watcher = asyncio.ensure_future(_watch_client(request, driver.active, run_id))
     try:
@@ -168,14 +177,14 @@ async def _drive_watched(request: web.Request, run_id: str, prepare: Prepare, st
 
 
 async def _stream(request: web.Request, run_id: str, prepare: Prepare, start: StartKind,
-                  client_tools: Sequence[dict[str, Any]], include_usage: bool) -> web.StreamResponse:
+                  client: FromClient, include_usage: bool) -> web.StreamResponse:
     """SSE: progress comments while the run is driven, then the answer as chunks, then [DONE].
 
     The stream opens on the run's first trace line, so a refusal before the run starts
     (busy, bad input) is still an ordinary JSON error.
     """
     queue: asyncio.Queue[Event] = asyncio.Queue()
-    task = asyncio.ensure_future(_drive_watched(request, run_id, prepare, start, client_tools, [queue.put_nowait]))
+    task = asyncio.ensure_future(_drive_watched(request, run_id, prepare, start, client, [queue.put_nowait]))
     sse: SSEStream | None = None
     gone = False
     try:
