@@ -318,8 +318,8 @@ async def _get_json(session: aiohttp.ClientSession, url: str) -> Any:
 async def run_task(session: aiohttp.ClientSession, gateway: str, model: str, task: Task, truth: Truth) -> TaskResult:
     """POST the task with X-Policy: files, then read the run and its trace back."""
     run_id = f"local-{task.kind}-{uuid.uuid4().hex[:8]}"
-    # No sampling fields: a server-side run does not forward them (the model's defaults apply).
-    body = {"model": model,
+    # Greedy decoding, as in the chapter: the server-side run sends it with every model call.
+    body = {"model": model, "temperature": 0, "seed": 0,
             "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.question}]}
     headers = {"Authorization": f"Bearer {KEY}", "X-Policy": "files", "X-Run-Id": run_id}
     started = time.perf_counter()
