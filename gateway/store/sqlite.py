@@ -231,6 +231,15 @@ class SqliteStore:
 
     @staticmethod
     def _update_run(db: sqlite3.Connection, state: RunState, revision: int, now: float, body: bytes) -> None:
+        # SQLite rewrites an index whenever its column is SET, changed or not: the usual save
+        # (same team, status and policy) leaves them out, which keeps the two run indexes clean.
+        cur = db.execute(
+            "UPDATE runs SET updated_at = ?, revision = ?, body = ?"
+            " WHERE id = ? AND revision = ? AND team = ? AND status = ? AND policy = ?",
+            (now, revision, body, state.run_id, state.revision, state.team, state.status, state.policy),
+        )
+        if cur.rowcount == 1:
+            return
         cur = db.execute(
             "UPDATE runs SET team = ?, status = ?, policy = ?, updated_at = ?, revision = ?, body = ?"
             " WHERE id = ? AND revision = ?",
