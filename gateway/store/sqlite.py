@@ -211,10 +211,12 @@ class SqliteStore:
 
     @staticmethod
     def _insert_events(db: sqlite3.Connection, run_id: str, encoded: list[bytes]) -> None:
-        db.executemany(  # each line takes the next number (inside the caller's write transaction)
-            "INSERT INTO events (run_id, seq, body) SELECT ?1, COALESCE(MAX(seq), 0) + 1, ?2 FROM events WHERE run_id = ?1",
-            [(run_id, raw) for raw in encoded],
-        )
+        # Each line takes the next number (inside the caller's write transaction).
+        sql = "INSERT INTO events (run_id, seq, body) SELECT ?1, COALESCE(MAX(seq), 0) + 1, ?2 FROM events WHERE run_id = ?1"
+        if len(encoded) == 1:  # the usual turn: one line, without executemany's iterator
+            db.execute(sql, (run_id, encoded[0]))
+        else:
+            db.executemany(sql, [(run_id, raw) for raw in encoded])
 
     async def events(self, run_id: str, after: int = 0) -> list[tuple[int, Event]]:
         with self._errors:
