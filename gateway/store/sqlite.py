@@ -70,7 +70,7 @@ class SqliteStore:
         self._conn: sqlite3.Connection | None = connect(self.path)
         self._reclaim_due: dict[str, float] = {}
         self._held: dict[str, float] = {}  # reservations this store made and nobody settled yet -> expiry
-        self._batch = WriteBatch(self._db, self._translate)
+        self._batch = WriteBatch(self._db, self._translate, (StaleRun, RunNotFound, RunExists))
         try:
             with self._errors:
                 self._conn.execute("PRAGMA wal_autocheckpoint = 0")  # the checkpointer's thread does it

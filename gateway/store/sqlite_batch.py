@@ -5,11 +5,13 @@ commit) in bursts, often ten or more in one turn of the event loop. Each in a tr
 of its own costs a BEGIN IMMEDIATE (file locks), a COMMIT, and the pages it touched
 written to the WAL, although the ledger row and the reservations page are the same for
 all of them. `WriteBatch` runs the steps queued during one loop turn in one transaction
-(scheduled with `call_soon`, so it runs at the start of the next turn), each step in a
-SAVEPOINT of its own: a step that raises is undone alone and its caller gets the
-exception; the others commit together. Every caller hears back only after the COMMIT
-has returned, so each write is as durable before its caller goes on as it was alone; if
-the COMMIT fails, every step fails.
+(scheduled with `call_soon`, so it runs at the start of the next turn). A step may refuse
+(StaleRun, RunNotFound, RunExists: the `refusals` the store names) only before it has
+written anything, so a refused step is simply left out and its caller gets the refusal;
+the others commit together. Any other error undoes the whole transaction and fails every
+step (a savepoint per step would cost two more statements each). Every caller hears back
+only after the COMMIT has returned, so each write is as durable before its caller goes on
+as it was alone.
 
 A step whose caller was cancelled before the batch ran is skipped if it asked for that
 (a reservation nobody waits for any more); others run anyway (a turn's commit books
@@ -26,7 +28,8 @@ from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 Step = Callable[[sqlite3.Connection], T]
-"""A write: runs inside an open transaction on the store's connection, returns its result."""
+"""A write: runs inside an open transaction on the store's connection, returns its result;
+raises one of the batch's refusals only before it has written anything."""
 
 
 @dataclass
@@ -39,9 +42,11 @@ class _Queued(Generic[T]):
 class WriteBatch:
     """Queues steps and runs each loop turn's queue in one transaction."""
 
-    def __init__(self, db: Callable[[], sqlite3.Connection], translate: Callable[[Exception], Exception]) -> None:
+    def __init__(self, db: Callable[[], sqlite3.Connection], translate: Callable[[Exception], Exception],
+                 refusals: tuple[type[Exception], ...]) -> None:
         self._db = db
         self._translate = translate
+        self._refusals = refusals
         self._queue: list[_Queued[Any]] | None = None
         self.transactions = 0
         """Batches committed so far."""
@@ -74,16 +79,10 @@ class WriteBatch:
             db.execute("BEGIN IMMEDIATE")
             try:
                 for q in todo:
-                    db.execute("SAVEPOINT step")
                     try:
-                        value = q.step(db)
-                    except Exception as exc:  # noqa: BLE001 - this step only: undone, reported to its caller
-                        db.execute("ROLLBACK TO step")
-                        db.execute("RELEASE step")
-                        outcomes.append((False, self._translate(exc)))
-                    else:
-                        db.execute("RELEASE step")
-                        outcomes.append((True, value))
+                        outcomes.append((True, q.step(db)))
+                    except self._refusals as exc:  # raised before the step wrote anything
+                        outcomes.append((False, exc))
                 db.execute("COMMIT")
             except BaseException:
                 if db.in_transaction:
