@@ -139,3 +139,25 @@ async def test_a_batch_that_cannot_run_fails_every_write(tmp_path: Path) -> None
             assert loaded is not None and loaded.revision == 0
     finally:
         await reopened.close()
+
+
+async def test_an_error_that_is_not_a_refusal_undoes_the_whole_batch(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "g.db")
+    try:
+        run = make_run("run_a")
+        await store.create_run(run)
+
+        def broken(db: object) -> None:  # writes, then fails for a reason that is not a refusal
+            store._insert_events(db, "run_a", [b'{"type": "half"}'])  # type: ignore[arg-type]
+            raise RuntimeError("disk on fire")
+
+        run.turns = 1
+        failing = store._batch.submit(broken, skip_if_cancelled=False)  # a batch is now pending ...
+        results = await asyncio.gather(failing, store.commit_turn(run, [{"type": "turn"}]),  # ... this joins it
+                                       return_exceptions=True)
+        assert isinstance(results[0], RuntimeError) and isinstance(results[1], RuntimeError)
+        assert await store.events("run_a") == []
+        loaded = await store.load_run("run_a")
+        assert loaded is not None and loaded.revision == 0 and run.revision == 0
+    finally:
+        await store.close()
