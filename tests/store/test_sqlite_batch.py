@@ -146,18 +146,22 @@ async def test_an_error_that_is_not_a_refusal_undoes_the_whole_batch(tmp_path: P
     try:
         run = make_run("run_a")
         await store.create_run(run)
+        mine = await store.reserve("demo", "total", 0.01, 1.0)
+        assert mine is not None and await store.reserve("demo", "total", 0.01, 1.0) is not None  # another call
 
         def broken(db: object) -> None:  # writes, then fails for a reason that is not a refusal
             store._insert_events(db, "run_a", [b'{"type": "half"}'])  # type: ignore[arg-type]
             raise RuntimeError("disk on fire")
 
         run.turns = 1
-        failing = store._batch.submit(broken, skip_if_cancelled=False)  # a batch is now pending ...
-        results = await asyncio.gather(failing, store.commit_turn(run, [{"type": "turn"}]),  # ... this joins it
-                                       return_exceptions=True)
+        turn = asyncio.create_task(store.commit_turn(run, [{"type": "turn"}], Booking("demo", "total", 0.01, mine)))
+        await asyncio.sleep(0)  # the turn is queued for the next batch ...
+        failing = store._batch.submit(broken, skip_if_cancelled=False)  # ... and so is this
+        results = await asyncio.gather(turn, failing, return_exceptions=True)
         assert isinstance(results[0], RuntimeError) and isinstance(results[1], RuntimeError)
         assert await store.events("run_a") == []
         loaded = await store.load_run("run_a")
         assert loaded is not None and loaded.revision == 0 and run.revision == 0
+        assert await store.team_spend("demo", "total") == (0.0, 0.02)  # nothing settled
     finally:
         await store.close()
