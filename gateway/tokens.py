@@ -26,7 +26,9 @@ Completion tokens of a reply (`count_completion`):
 call's id, function name and arguments string, so the same call counts the same whether
 it arrives from a client, an upstream or a stream reassembled from deltas.
 
-A transcript is re-sent on every turn, so counting is cached twice over, both bounded:
+A transcript is re-sent on every turn, so counting is cached twice over, both bounded by a
+number of messages and by the characters they hold (`cache_chars`: tool results of a few KB
+would otherwise keep tens of MB alive in a long-running gateway):
 - `count_message` keeps an LRU keyed by a tuple of the message's strings (whose hashes
   Python caches): counting a 100-turn run encodes each message once, not once per turn;
 - `count_messages` remembers the last transcript seen per first message with its running
@@ -73,6 +75,7 @@ TOKENS_PER_MESSAGE = 3
 TOKENS_PER_NAME = 1
 REPLY_PRIMING = 3
 DEFAULT_CACHE_SIZE = 16_384
+DEFAULT_CACHE_CHARS = 4_000_000
 
 # (role, content, name, tool_call_id, ((id, name, arguments), ...))
 MessageKey = tuple[str, Any, str | None, str | None, tuple[tuple[str, str, str], ...]]
@@ -154,6 +157,30 @@ def _frozen(msg: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _key_chars(key: MessageKey) -> int:
+    """Characters a cached message key keeps alive."""
+    role, content, name, call_id, calls = key
+    n = len(role) + len(name or "") + len(call_id or "") + sum(len(a) + len(b) + len(c) for a, b, c in calls)
+    if isinstance(content, str):
+        return n + len(content)
+    if isinstance(content, tuple):
+        return n + sum(len(part) for part in content)
+    return n
+
+
+def _message_chars(msg: Mapping[str, Any]) -> int:
+    """Characters of a message's content and tool-call arguments (what a remembered transcript holds)."""
+    content = msg.get("content")
+    n = len(content) if isinstance(content, str) else 0
+    if isinstance(content, list):
+        n += sum(len(str(part.get("text") or "")) for part in content if isinstance(part, Mapping))
+    for call in msg.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if isinstance(function, Mapping):
+            n += len(str(function.get("arguments") or ""))
+    return n
+
+
 def _common_prefix(a: list[Mapping[str, Any]], b: list[Mapping[str, Any]]) -> int:
     """How many leading messages `a` and `b` have in common."""
     k = min(len(a), len(b))
@@ -175,15 +202,19 @@ def tool_calls_json(calls: Sequence[tuple[str, str, str]]) -> str:
 class TokenCounter:
     """Counts prompts and completions the way the module docstring describes."""
 
-    def __init__(self, encoding: tiktoken.Encoding, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+    def __init__(self, encoding: tiktoken.Encoding, cache_size: int = DEFAULT_CACHE_SIZE,
+                 cache_chars: int = DEFAULT_CACHE_CHARS) -> None:
         self.encoding = encoding
         self.cache_size = cache_size
+        self.cache_chars = cache_chars
         self._messages: OrderedDict[MessageKey, int] = OrderedDict()
+        self._message_chars = 0
         self._tools: OrderedDict[bytes, int] = OrderedDict()
-        # first message (role, content) -> (copies of the last transcript, running totals)
-        # (the third item is the length `_held` counted for it)
-        self._transcripts: OrderedDict[Any, tuple[list[Mapping[str, Any]], list[int], int]] = OrderedDict()
+        # first message (role, content) -> (copies of the last transcript, running totals,
+        # and the messages and characters `_held` / `_held_chars` counted for it)
+        self._transcripts: OrderedDict[Any, tuple[list[Mapping[str, Any]], list[int], int, int]] = OrderedDict()
         self._held = 0
+        self._held_chars = 0
         self._lock = threading.Lock()
         self._empty_calls = self.count_text("[]")
 
@@ -221,9 +252,12 @@ class TokenCounter:
         if calls:
             n += self.count_text(tool_calls_json(calls))
         with self._lock:
+            if key not in self._messages:
+                self._message_chars += _key_chars(key)
             self._messages[key] = n
-            if len(self._messages) > self.cache_size:
-                self._messages.popitem(last=False)
+            while self._messages and (len(self._messages) > self.cache_size or self._message_chars > self.cache_chars):
+                old, _ = self._messages.popitem(last=False)
+                self._message_chars -= _key_chars(old)
         return n
 
     def count_messages(self, messages: Sequence[Mapping[str, Any]]) -> int:
@@ -244,24 +278,32 @@ class TokenCounter:
                 self._transcripts.move_to_end(anchor)
         snapshot: list[Mapping[str, Any]] = []
         totals: list[int] = []
+        chars = 0
         if memo is not None:
             shared = _common_prefix(msgs, memo[0])
             if shared == len(msgs):
                 return memo[1][shared - 1]
             # Extending the remembered transcript (the usual turn) reuses its lists.
-            snapshot, totals = memo[:2] if shared == len(memo[0]) else (memo[0][:shared], memo[1][:shared])
+            if shared == len(memo[0]):
+                snapshot, totals, chars = memo[0], memo[1], memo[3]
+            else:
+                snapshot, totals = memo[0][:shared], memo[1][:shared]
+                chars = sum(_message_chars(m) for m in snapshot)
         total = totals[-1] if totals else 0
         for m in msgs[len(totals):]:
             total += self.count_message(m)
             totals.append(total)
             snapshot.append(_frozen(m))
+            chars += _message_chars(m)
         with self._lock:
             old = self._transcripts.pop(anchor, None)
             self._held += len(snapshot) - (old[2] if old else 0)
-            self._transcripts[anchor] = (snapshot, totals, len(snapshot))
-            while self._held > self.cache_size and len(self._transcripts) > 1:
-                _, (_, _, held) = self._transcripts.popitem(last=False)
+            self._held_chars += chars - (old[3] if old else 0)
+            self._transcripts[anchor] = (snapshot, totals, len(snapshot), chars)
+            while (self._held > self.cache_size or self._held_chars > self.cache_chars) and len(self._transcripts) > 1:
+                _, (_, _, held, held_chars) = self._transcripts.popitem(last=False)
                 self._held -= held
+                self._held_chars -= held_chars
         return total
 
     def count_tools(self, tools: Sequence[Mapping[str, Any]] | None) -> int:
@@ -292,9 +334,12 @@ class TokenCounter:
         return n + (self.count_text(tool_calls_json(calls)) if calls else self._empty_calls)
 
     def cache_info(self) -> dict[str, int]:
-        """Entries held by the caches (messages, tools, remembered transcripts and their messages)."""
+        """Entries held by the caches (messages, tools, remembered transcripts and their messages)
+        and the characters they keep alive."""
         return {"messages": len(self._messages), "tools": len(self._tools), "transcripts": len(self._transcripts),
-                "transcript_messages": self._held, "max_messages": self.cache_size}
+                "transcript_messages": self._held, "max_messages": self.cache_size,
+                "message_chars": self._message_chars, "transcript_chars": self._held_chars,
+                "max_chars": self.cache_chars}
 
 
 @functools.cache

@@ -209,3 +209,16 @@ def test_the_encoding_keeps_no_python_rank_table_and_still_round_trips() -> None
     assert enc.encode("<|endoftext|>", allowed_special="all") == [199999]
     again = pickle.loads(pickle.dumps(enc))  # pickled by reference to the hash-checked file
     assert again is not enc and again.encode_ordinary(text) == tokens
+
+
+def test_caches_are_bounded_by_the_characters_they_hold() -> None:
+    counter = TokenCounter(get_counter().encoding, cache_chars=50_000)
+    reference = TokenCounter(get_counter().encoding, cache_size=0)
+    for run in range(6):  # agent runs whose tool results are a few KB each
+        messages: list[dict[str, Any]] = [{"role": "system", "content": f"run {run}"}]
+        for turn in range(8):
+            messages.append({"role": "tool", "tool_call_id": f"c{turn}", "content": f"{run}-{turn} " + "x" * 3000})
+            assert counter.count_request(messages) == reference.count_request(messages)
+    info = counter.cache_info()
+    assert info["message_chars"] <= 50_000 and info["transcript_chars"] <= 50_000
+    assert info["messages"] < 6 * 8  # older messages were let go to stay within the budget
