@@ -4,10 +4,11 @@ Every commit is in the WAL before it returns (`sqlite_schema.connect`): a SIGKIL
 after a save loses nothing. Checkpoints (the fsyncs) run in a thread of their own, off
 the event loop (`sqlite_wal`). The stdlib driver is called synchronously from the async
 methods on purpose: a statement takes microseconds, less than a hop to a thread would.
-Writes run in BEGIN IMMEDIATE transactions, atomic across every process that opens the
-same file: alone when this store serves one call at a time, and in one transaction per
-event-loop turn (`sqlite_batch`) while other calls of this process are in flight, which
-it tells by the reservations it holds for them.
+Every write is atomic across the processes that open the same file (one statement in
+autocommit, or a BEGIN IMMEDIATE transaction), and runs at once when this store serves
+one call at a time; while other calls of this process are in flight, which it tells by
+the reservations it holds for them, the writes of one event-loop turn share one
+transaction (`sqlite_batch`).
 """
 
 from __future__ import annotations
