@@ -86,8 +86,11 @@ async def destructive(lab: Lab) -> list[Result]:
     out = []
     variants = (("approved", Decision("approve", by="demo")),
                 ("rejected with a reason", Decision("reject", "Keep access.log: the audit needs it.", by="demo")),
-                ("rejected with nothing", Decision("reject", "", by="demo")))
+                ("rejected with nothing", Decision("reject", "", by="demo")),
+                ("rejected, empty result (chapter)", Decision("reject", "", by="demo")))
     for variant, decision in variants:
+        # The chapter's harness wrote nothing for a rejection without a reason; ours writes a sentence.
+        wording: dict[str, Any] = {"rejection_text": silent} if variant.endswith("(chapter)") else {}
         paused = await lab.trial("scripted-destructive", limits=Limits(max_turns=20))
         state = paused.state
         if variant == "approved":
@@ -96,12 +99,16 @@ async def destructive(lab: Lab) -> list[Result]:
             out.append(stop)
         assert state.interruption is not None and state.interruption.call_id is not None
         decide(state, state.interruption.call_id, decision)
-        done = await lab.trial(state.model, state=state, sandbox=paused.sandbox)
+        done = await lab.trial(state.model, state=state, sandbox=paused.sandbox, **wording)
         result = done.result("destructive", variant)
         result.tool_runs = paused.result("", "").tool_runs + result.tool_runs  # both halves of the run
         result.deleted = deleted(done.sandbox)
         out.append(result)
     return out
+
+
+def silent(name: str, args: Any, reason: str, by: str) -> str:
+    return ""
 
 
 async def cancel(lab: Lab) -> list[Result]:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import orjson
 
-from gateway.harness.approvals import denial_text, rejection_text
+from gateway.harness.approvals import denial_text
 from gateway.harness.execute import CancelScope, execute, race
 from gateway.harness.model import Model, ModelRequest
 from gateway.harness.options import RunOptions, Stop
@@ -106,7 +106,7 @@ async def _drain(state: RunState, calls: list[dict[str, Any]], client_names: set
             continue
         decision = state.decisions.get(call_id)
         if decision is not None and decision.decision == "reject":
-            _answer(state, call_id, name, rejection_text(name, args, decision.reason, decision.by))
+            _answer(state, call_id, name, options.rejection_text(name, args, decision.reason, decision.by))
             await _save(state, options)
             continue
         if decision is None:

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from gateway.harness.approvals import rejection_text
 from gateway.harness.state import Interruption, RunState, Status
 from gateway.harness.tools import PermanentToolError, Tool, ToolSpec
 from gateway.harness.usage import CHAPTER_PRICE, Price, Usage
@@ -86,6 +87,8 @@ class StopCondition(Protocol):
 
 
 EventSink = Callable[[dict[str, Any]], None]
+RejectionText = Callable[[str, Any, str, str], str]
+"""(tool name, args, reason, decided by) -> what the model reads for a rejected call."""
 Checkpoint = Callable[[RunState], Awaitable[None]]
 
 
@@ -104,6 +107,7 @@ class RunOptions:
     dedupe: Dedupe = "read_only"
     stop_when: Sequence[StopCondition] = ()
     approval: ApprovalPolicy = default_approval
+    rejection_text: RejectionText = rejection_text  # never return "": silence reads as success
     max_tokens: int | None = None
     sampling: Mapping[str, Any] = field(default_factory=dict)  # temperature, seed, ...: sent with every call
     on_event: EventSink = lambda event: None

@@ -96,6 +96,9 @@ def test_approval_decides_and_answers_never_claim_a_deletion_that_did_not_happen
         rejected = results["destructive", variant]
         assert rejected.turns == 3 and rejected.deleted == []
         assert "Deleted" not in rejected.answer and "did not delete" in rejected.answer
+    # the chapter's harness wrote an empty result: nothing was deleted and the agent says it was
+    silent = results["destructive", "rejected, empty result (chapter)"]
+    assert silent.deleted == [] and silent.answer == "Deleted access.log to free space."
 
 
 def test_killed_and_resumed_run_costs_the_same_and_runs_each_tool_once(results: dict[tuple[str, str], Result]) -> None:
@@ -132,7 +135,7 @@ def test_demo_json_lines_carry_the_contract_fields() -> None:
     out = subprocess.run([sys.executable, "-m", "gateway", "demo", "--json", "--only", "plan", "--only", "destructive"],
                          capture_output=True, text=True, check=True, timeout=60).stdout
     rows = [json.loads(line) for line in out.splitlines()]
-    assert len(rows) == 5
+    assert len(rows) == 6
     for row in rows:
         for key in ("experiment", "variant", "status", "reason", "turns", "tool_runs", "prompt_tokens",
                     "completion_tokens", "per_turn_prompt_tokens", "cost_usd", "answer", "deleted", "ms"):
