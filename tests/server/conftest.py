@@ -5,11 +5,12 @@ counter) on another real server.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 import yaml
@@ -125,6 +126,13 @@ def make_gateway(aiohttp_client: Any, tmp_path: Path) -> MakeGateway:
 @pytest.fixture
 async def gw(make_gateway: MakeGateway) -> Gateway:
     return await make_gateway()
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    """A client session for tests that speak to a real gateway process."""
+    async with aiohttp.ClientSession() as s:
+        yield s
 
 
 @dataclass

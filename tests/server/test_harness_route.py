@@ -9,7 +9,7 @@ continues the same run.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -37,12 +37,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     gateway = Served.start(tmp_path_factory.mktemp("harness") / "gw")
     yield gateway
     gateway.proc.stop()
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def test_plan_completes_server_side_in_one_call(served: Served, session: aiohttp.ClientSession) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -19,12 +19,6 @@ def served(tmp_path: Path) -> Iterator[Served]:
     gateway = Served.start(tmp_path / "gw")
     yield gateway
     gateway.proc.stop()
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def test_approval_after_a_crash_then_resume_runs_nothing_twice(served: Served,

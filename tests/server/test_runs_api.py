@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -32,12 +32,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     gateway = Served.start(tmp_path_factory.mktemp("runs_api") / "gw")
     yield gateway
     gateway.proc.stop()
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def chat(session: aiohttp.ClientSession, served: Served, model: str, *, policy: str = "files",
