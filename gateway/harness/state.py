@@ -155,7 +155,8 @@ class RunState:
             "turns": self.turns,
             "usage": self.usage.to_json(),
             "cost_usd": self.cost_usd,
-            "per_turn": [u.to_json() for u in self.per_turn],
+            "per_turn": [{"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+                         for p, c in ((u.prompt_tokens, u.completion_tokens) for u in self.per_turn)],
             "decisions": {cid: d.to_json() for cid, d in self.decisions.items()},
             "failed_calls": self.failed_calls,
             "error": self.error,
@@ -194,7 +195,7 @@ class RunState:
                 turns=int(data.get("turns", 0)),
                 usage=Usage.from_json(data.get("usage")),
                 cost_usd=float(data.get("cost_usd", 0.0)),
-                per_turn=[Usage.from_json(u) for u in data.get("per_turn", [])],
+                per_turn=_usages(data.get("per_turn", [])),
                 decisions={cid: Decision(**d) for cid, d in (data.get("decisions") or {}).items()},
                 failed_calls=list(data.get("failed_calls") or []),
                 error=data.get("error"),
@@ -216,6 +217,20 @@ class RunState:
     def copy(self) -> RunState:
         return replace(self, messages=list(self.messages), decisions=dict(self.decisions), per_turn=list(self.per_turn),
                        failed_calls=list(self.failed_calls))
+
+
+def _usages(items: Any) -> list[Usage]:
+    """`per_turn` back into Usages, as `Usage.from_json` reads each; the usual entry (two
+    ints) skips its checks, since a run is loaded on every call and holds every turn."""
+    out: list[Usage] = []
+    for item in items:
+        if type(item) is dict:
+            p, c = item.get("prompt_tokens"), item.get("completion_tokens")
+            if type(p) is int and type(c) is int:
+                out.append(Usage(p, c))
+                continue
+        out.append(Usage.from_json(item))
+    return out
 
 
 def new_run_id() -> str:

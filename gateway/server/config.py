@@ -47,6 +47,8 @@ DEFAULT_OUTPUT_ALLOWANCE = 4096
 DEFAULT_UPSTREAM_TIMEOUT_S = 60.0
 DEFAULT_LEASE_TTL_S = 15.0
 SCRIPTED_PREFIX = "/scripted/v1"
+ROUTE_CACHE_SIZE = 1024
+"""Model names remembered by `Config.route` (it runs on every call; names come from clients)."""
 
 
 @dataclass(frozen=True)
@@ -130,13 +132,19 @@ class Config:
     models: tuple[ModelRoute, ...]
     teams: tuple[TeamConfig, ...]
     defaults: Defaults = field(default_factory=Defaults)
+    _routes: dict[str, ModelRoute | None] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def route(self, model: str) -> ModelRoute | None:
         """The first route matching `model`, or None (unknown model)."""
-        for route in self.models:
-            if fnmatch.fnmatchcase(model, route.match):
-                return route
-        return None
+        try:
+            return self._routes[model]
+        except KeyError:
+            pass
+        found = next((r for r in self.models if fnmatch.fnmatchcase(model, r.match)), None)
+        if len(self._routes) >= ROUTE_CACHE_SIZE:  # model names come from clients: keep the memo bounded
+            self._routes.clear()
+        self._routes[model] = found
+        return found
 
     def team_for_key(self) -> dict[str, TeamConfig]:
         return {key: team for team in self.teams for key in team.keys}

@@ -75,6 +75,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.known_models = frozenset(known_models)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._turn_children: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}
         r = self.registry
         self.requests = Counter("gateway_requests_total", "HTTP requests by route template and status.",
                                 ["route", "code"], registry=r)
@@ -139,12 +140,22 @@ class Metrics:
 
     def on_turn(self, team: str, policy: str, model: str, usage: Usage, cost_usd: float) -> None:
         """One model turn of a run (pass-through or server-side)."""
-        label = self.model_label(model)
+        key = (team, policy, model)
+        children = self._turn_children.get(key)
+        if children is None:  # labels are bounded, so is this cache (unknown models share "other")
+            label = self.model_label(model)
+            children = (self._child(self.turns, team, policy, label),
+                        self._child(self.tokens, team, label, "prompt"),
+                        self._child(self.tokens, team, label, "completion"),
+                        self._child(self.cost, team, label))
+            if label == model:
+                self._turn_children[key] = children
+        turns, prompt, completion, cost = children
         exemplar = _exemplar()
-        self._child(self.turns, team, policy, label).inc(1, exemplar)
-        self._child(self.tokens, team, label, "prompt").inc(usage.prompt_tokens, exemplar)
-        self._child(self.tokens, team, label, "completion").inc(usage.completion_tokens, exemplar)
-        self._child(self.cost, team, label).inc(cost_usd, exemplar)
+        turns.inc(1, exemplar)
+        prompt.inc(usage.prompt_tokens, exemplar)
+        completion.inc(usage.completion_tokens, exemplar)
+        cost.inc(cost_usd, exemplar)
 
     def on_tool(self, policy: str, tool: str, outcome: ToolOutcome, seconds: float | None = None) -> None:
         """One server-side tool call; `seconds` only for calls that ran."""
