@@ -237,6 +237,13 @@ def new_run_id() -> str:
     return "run_" + uuid.uuid4().hex[:20]
 
 
+def assistant_message(message: dict[str, Any]) -> Message:
+    """A reply's message as the transcript keeps it (no null fields but content)."""
+    out = {k: v for k, v in message.items() if v is not None or k == "content"}
+    out["role"] = "assistant"
+    return out
+
+
 def pending(state: RunState) -> list[dict[str, Any]]:
     """Tool calls of the last assistant message that have no tool result yet.
 

@@ -13,6 +13,7 @@ import aiohttp
 import orjson
 
 from gateway.harness.model import ModelReply, ModelRequest
+from gateway.harness.state import assistant_message
 from gateway.harness.usage import Usage
 
 
@@ -63,6 +64,4 @@ def parse_completion(data: Any) -> ModelReply:
         message = dict(choice["message"])
     except (KeyError, IndexError, TypeError):
         raise ModelCallError(200, "response has no choices[0].message") from None
-    message = {k: v for k, v in message.items() if v is not None or k == "content"}
-    message["role"] = "assistant"
-    return ModelReply(message, Usage.from_json(data.get("usage")), str(choice.get("finish_reason") or "stop"))
+    return ModelReply(assistant_message(message), Usage.from_json(data.get("usage")), str(choice.get("finish_reason") or "stop"))

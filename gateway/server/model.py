@@ -15,14 +15,14 @@ import orjson
 from aiohttp import web
 
 from gateway.harness.model import ModelReply, ModelRequest
-from gateway.harness.state import RunState
+from gateway.harness.state import RunState, assistant_message
 from gateway.providers.upstream import Upstream
 from gateway.server import context as ctx
 from gateway.server.budget import Governor
 from gateway.server.config import Config, ModelRoute, TeamConfig
 from gateway.server.errors import ApiError, NotFound
 from gateway.server.metrics import Metrics
-from gateway.server.replies import assistant_message, counted_usage, usage_of
+from gateway.server.replies import counted_usage, usage_of
 from gateway.tokens import TokenCounter
 
 

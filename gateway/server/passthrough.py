@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from gateway.harness.state import assistant_message
 from gateway.server import context as ctx
 from gateway.server.budget import Admission
 from gateway.server.chat_request import parse_chat_request
 from gateway.server.errors import Conflict, LimitExceeded, NotFound, PayloadTooLarge
 from gateway.server.passthrough_stream import stream_through
-from gateway.server.replies import assistant_message, counted_usage, usage_of, with_run
+from gateway.server.replies import counted_usage, usage_of, with_run
 from gateway.server.runs import Call, resolve_call
 from gateway.server.turns import book_turn, refuse
 

@@ -12,13 +12,6 @@ from gateway.harness.usage import Usage
 from gateway.tokens import TokenCounter
 
 
-def assistant_message(message: dict[str, Any]) -> Message:
-    """The reply as the transcript keeps it (no null fields but content)."""
-    out = {k: v for k, v in message.items() if v is not None or k == "content"}
-    out["role"] = "assistant"
-    return out
-
-
 def usage_of(data: Any) -> Usage | None:
     """The upstream's own usage, if it reported a usable one."""
     if not isinstance(data, dict):
