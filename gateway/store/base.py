@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from gateway.harness.state import STATUSES, RunState, StateError
 from gateway.store.errors import StoreError
@@ -40,6 +41,57 @@ class Booking:
     period: str
     actual_usd: float
     reservation_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What one admitted model call holds until its turn is booked or the call is released.
+
+    An amount of the team's budget for `period` (checked against `budget_usd` when it is
+    set) and, with `run_id`, one of the run's turn slots: the run's booked turns plus the
+    slots held for it stay below `max_turns`, the slots stay below `max_in_flight`, and
+    (with `run_budget_usd`) the run's booked cost plus the amounts its slots hold plus this
+    one stay within it. All checked and held in one atomic step, across every replica.
+    `owner` names the process that holds it (`release_owner`); past `ttl_s` without
+    `renew` the hold no longer counts (its process is presumed dead).
+    """
+
+    team: str
+    period: str
+    amount_usd: float = 0.0
+    budget_usd: float | None = None
+    run_id: str | None = None
+    max_turns: int | None = None
+    max_in_flight: int | None = None
+    run_budget_usd: float | None = None
+    owner: str = ""
+    ttl_s: float = DEFAULT_RESERVATION_TTL_S
+
+
+Refusal = Literal["max_turns", "busy", "run_budget", "team_budget", "run_missing"]
+"""Why `admit` held nothing: the run's turn cap, its calls in flight, its budget, the team's
+budget, or a run that is not stored."""
+
+
+@dataclass(frozen=True)
+class Figures:
+    """A team's ledger in one period and one run's counts, as an admission sees them."""
+
+    spent_usd: float = 0.0
+    reserved_usd: float = 0.0
+    run_turns: int = 0
+    run_in_flight: int = 0
+    run_cost_usd: float = 0.0
+    run_held_usd: float = 0.0
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The answer to a `Claim`: a reservation id, or the refusal and the figures behind it."""
+
+    reservation_id: str | None
+    refused: Refusal | None = None
+    figures: Figures = Figures()
 
 
 class Store(Protocol):
@@ -97,6 +149,22 @@ class Store(Protocol):
         """
         ...
 
+    async def admit(self, claim: Claim) -> Grant:
+        """Check and hold a `Claim` in one atomic step (see `Claim`); refusals hold nothing."""
+        ...
+
+    async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
+        """The figures `admit` checks, now (a strict admission sizes its clamp from them)."""
+        ...
+
+    async def renew(self, reservation_ids: Sequence[str], ttl_s: float) -> None:
+        """Push back the expiry of held reservations (their process is alive)."""
+        ...
+
+    async def release_owner(self, owner: str) -> int:
+        """Release every reservation `owner` still holds (it restarted); returns how many."""
+        ...
+
     async def settle(self, reservation_id: str, actual_usd: float) -> None:
         """Turn a reservation into spending of `actual_usd` (more or less than reserved).
 
@@ -141,6 +209,30 @@ def to_micros(usd: float, what: str) -> int:
     if not math.isfinite(usd) or usd < 0:
         raise ValueError(f"{what} must be a finite amount >= 0 USD, got {usd!r}")
     return round(usd * MICROS_PER_USD)
+
+
+def judge(claim: Claim, figures: Figures, run_exists: bool) -> Refusal | None:
+    """Which of a claim's conditions the figures break, first in the order of `Refusal`."""
+    if claim.run_id is not None and not run_exists:
+        return "run_missing"
+    if claim.max_turns is not None and figures.run_turns + figures.run_in_flight >= claim.max_turns:
+        return "max_turns"
+    if claim.max_in_flight is not None and figures.run_in_flight >= claim.max_in_flight:
+        return "busy"
+    amount = to_micros(claim.amount_usd, "amount_usd")
+    if claim.run_budget_usd is not None and (to_micros(figures.run_cost_usd, "run_cost_usd")
+                                             + to_micros(figures.run_held_usd, "run_held_usd") + amount
+                                             > to_micros(claim.run_budget_usd, "run_budget_usd")):
+        return "run_budget"
+    if claim.budget_usd is not None and (to_micros(figures.spent_usd, "spent_usd")
+                                         + to_micros(figures.reserved_usd, "reserved_usd") + amount
+                                         > to_micros(claim.budget_usd, "budget_usd")):
+        return "team_budget"
+    return None
+
+
+def optional_micros(usd: float | None, what: str) -> int | None:
+    return None if usd is None else to_micros(usd, what)
 
 
 def from_micros(micros: int) -> float:

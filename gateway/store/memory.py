@@ -7,6 +7,7 @@ mutates a loaded run cannot reach into the store, and unserializable data fails 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import orjson
@@ -16,14 +17,19 @@ from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
     EXPIRED_RETENTION_S,
     Booking,
+    Claim,
     Event,
+    Figures,
+    Grant,
     Ledger,
     check_list_args,
     check_ttl,
     from_micros,
+    judge,
     new_reservation_id,
     parse_run,
     stamped_body,
+    optional_micros,
     to_micros,
 )
 from gateway.store.errors import RunExists, RunNotFound, StaleRun, StoreError
@@ -37,6 +43,8 @@ class _StoredRun:
     order: int
     revision: int
     body: bytes
+    turns: int = 0
+    cost: int = 0
 
 
 @dataclass
@@ -46,6 +54,11 @@ class _Reservation:
     amount: int
     expires_at: float
     expired: bool = False
+    run_id: str | None = None
+    owner: str = ""
+
+    def live(self, now: float) -> bool:
+        return not self.expired and self.expires_at > now
 
 
 class MemoryStore:
@@ -68,7 +81,8 @@ class MemoryStore:
         if state.run_id in self._runs:
             raise RunExists(state.run_id)
         self._runs[state.run_id] = _StoredRun(
-            state.team, state.status, state.created_at, len(self._runs), state.revision, state.dumps()
+            state.team, state.status, state.created_at, len(self._runs), state.revision, state.dumps(),
+            state.turns, to_micros(state.cost_usd, "cost_usd"),
         )
 
     async def load_run(self, run_id: str) -> RunState | None:
@@ -91,6 +105,7 @@ class MemoryStore:
         body = orjson.dumps(stamped_body(state, state.revision + 1, now))
         encoded = [orjson.dumps(e) for e in events]
         stored.team, stored.status, stored.revision, stored.body = state.team, state.status, state.revision + 1, body
+        stored.turns, stored.cost = state.turns, to_micros(state.cost_usd, "cost_usd")
         if encoded:
             self._events.setdefault(state.run_id, []).extend(encoded)
         state.revision += 1
@@ -139,26 +154,57 @@ class MemoryStore:
                 r.expired = True
 
     def _reserved(self, team: str, period: str, now: float) -> int:
-        return sum(
-            r.amount
-            for r in self._reservations.values()
-            if r.team == team and r.period == period and not r.expired and r.expires_at > now
-        )
+        return sum(r.amount for r in self._reservations.values() if r.team == team and r.period == period and r.live(now))
+
+    def _figures(self, team: str, period: str, run_id: str | None, now: float) -> tuple[Figures, _StoredRun | None]:
+        run = None if run_id is None else self._runs.get(run_id)
+        slots = [] if run_id is None else [r for r in self._reservations.values() if r.run_id == run_id and r.live(now)]
+        figures = Figures(from_micros(self._spent.get((team, period), 0)), from_micros(self._reserved(team, period, now)),
+                          run.turns if run else 0, len(slots), from_micros(run.cost) if run else 0.0,
+                          from_micros(sum(r.amount for r in slots)))
+        return figures, run
+
+    async def admit(self, claim: Claim) -> Grant:
+        self._check_open()
+        optional_micros(claim.budget_usd, "budget_usd")
+        optional_micros(claim.run_budget_usd, "run_budget_usd")
+        amount = to_micros(claim.amount_usd, "amount_usd")
+        ttl = check_ttl(claim.ttl_s, "ttl_s", allow_zero=True)
+        now = time.time()
+        self._reclaim(claim.team, now)
+        figures, run = self._figures(claim.team, claim.period, claim.run_id, now)
+        refused = judge(claim, figures, run is not None)
+        if refused is not None:
+            return Grant(None, refused, figures)
+        rid = new_reservation_id()
+        self._reservations[rid] = _Reservation(claim.team, claim.period, amount, now + ttl, run_id=claim.run_id,
+                                               owner=claim.owner)
+        return Grant(rid, None, figures)
+
+    async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
+        self._check_open()
+        return self._figures(team, period, run_id, time.time())[0]
+
+    async def renew(self, reservation_ids: Sequence[str], ttl_s: float) -> None:
+        self._check_open()
+        until = time.time() + check_ttl(ttl_s, "ttl_s", allow_zero=False)
+        for rid in reservation_ids:
+            r = self._reservations.get(rid)
+            if r is not None and not r.expired:
+                r.expires_at = max(r.expires_at, until)
+
+    async def release_owner(self, owner: str) -> int:
+        self._check_open()
+        mine = [rid for rid, r in self._reservations.items() if r.owner == owner and not r.expired]
+        for rid in mine:
+            del self._reservations[rid]
+        return len(mine)
 
     async def reserve(
         self, team: str, period: str, amount_usd: float, budget_usd: float, ttl_s: float = DEFAULT_RESERVATION_TTL_S
     ) -> str | None:
-        self._check_open()
-        amount = to_micros(amount_usd, "amount_usd")
-        budget = to_micros(budget_usd, "budget_usd")
-        ttl = check_ttl(ttl_s, "ttl_s", allow_zero=True)
-        now = time.time()
-        self._reclaim(team, now)
-        if self._spent.get((team, period), 0) + self._reserved(team, period, now) + amount > budget:
-            return None
-        rid = new_reservation_id()
-        self._reservations[rid] = _Reservation(team, period, amount, now + ttl)
-        return rid
+        to_micros(budget_usd, "budget_usd")
+        return (await self.admit(Claim(team, period, amount_usd, budget_usd, ttl_s=ttl_s))).reservation_id
 
     async def settle(self, reservation_id: str, actual_usd: float) -> None:
         self._check_open()

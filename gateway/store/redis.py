@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Final, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import orjson
@@ -23,12 +24,17 @@ from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
     EXPIRED_RETENTION_S,
     Booking,
+    Claim,
     Event,
+    Figures,
+    Grant,
     Ledger,
+    Refusal,
     check_list_args,
     check_ttl,
     from_micros,
     new_reservation_id,
+    optional_micros,
     parse_run,
     stamped_body,
     to_micros,
@@ -78,7 +84,10 @@ class RedisStore:
         self._save = client.register_script(redis_lua.SAVE_RUN)
         self._commit = client.register_script(redis_lua.COMMIT_TURN)
         self._list = client.register_script(redis_lua.LIST_RUNS)
-        self._reserve = client.register_script(redis_lua.RESERVE)
+        self._admit = client.register_script(redis_lua.ADMIT)
+        self._figures = client.register_script(redis_lua.FIGURES)
+        self._renew = client.register_script(redis_lua.RENEW)
+        self._release_owner = client.register_script(redis_lua.RELEASE_OWNER)
         self._settle = client.register_script(redis_lua.SETTLE)
         self._release = client.register_script(redis_lua.RELEASE)
         self._spend = client.register_script(redis_lua.TEAM_SPEND)
@@ -98,7 +107,7 @@ class RedisStore:
         with self._errors:
             created = await self._create(
                 args=[self.prefix, state.run_id, state.team, state.status, repr(state.created_at),
-                      str(state.revision), state.dumps()]
+                      str(state.revision), state.dumps(), str(state.turns), str(to_micros(state.cost_usd, "cost_usd"))]
             )
         if int(created) != 1:
             raise RunExists(state.run_id)
@@ -115,7 +124,8 @@ class RedisStore:
         self._redis()
         with self._errors:
             result: list[Any] = await self._save(
-                args=[self.prefix, state.run_id, str(state.revision), str(revision), state.status, state.team, body]
+                args=[self.prefix, state.run_id, str(state.revision), str(revision), state.status, state.team, body,
+                      str(state.turns), str(to_micros(state.cost_usd, "cost_usd"))]
             )
         self._check_saved(state, result)
         state.revision = revision
@@ -133,7 +143,8 @@ class RedisStore:
         now = time.time()
         revision = state.revision + 1
         body = orjson.dumps(stamped_body(state, revision, now))
-        args: list[Any] = [self.prefix, state.run_id, str(state.revision), str(revision), state.status, state.team, body]
+        args: list[Any] = [self.prefix, state.run_id, str(state.revision), str(revision), state.status, state.team, body,
+                           str(state.turns), str(to_micros(state.cost_usd, "cost_usd"))]
         if booking is None:
             args += ["0", "", "0", "", "", _RETENTION_MS]
         else:
@@ -170,16 +181,43 @@ class RedisStore:
     async def reserve(
         self, team: str, period: str, amount_usd: float, budget_usd: float, ttl_s: float = DEFAULT_RESERVATION_TTL_S
     ) -> str | None:
-        amount = to_micros(amount_usd, "amount_usd")
-        budget = to_micros(budget_usd, "budget_usd")
-        ttl_ms = round(check_ttl(ttl_s, "ttl_s", allow_zero=True) * 1000)
+        to_micros(budget_usd, "budget_usd")
+        return (await self.admit(Claim(team, period, amount_usd, budget_usd, ttl_s=ttl_s))).reservation_id
+
+    async def admit(self, claim: Claim) -> Grant:
+        amount = to_micros(claim.amount_usd, "amount_usd")
+        budget = optional_micros(claim.budget_usd, "budget_usd")
+        run_budget = optional_micros(claim.run_budget_usd, "run_budget_usd")
+        ttl_ms = round(check_ttl(claim.ttl_s, "ttl_s", allow_zero=True) * 1000)
         rid = new_reservation_id()
         self._redis()
         with self._errors:
-            ok = await self._reserve(
-                args=[self.prefix, team, period, str(amount), str(budget), str(ttl_ms), rid, _RETENTION_MS]
-            )
-        return rid if int(ok) == 1 else None
+            result: list[Any] = await self._admit(args=[
+                self.prefix, claim.team, claim.period, str(amount), _opt(budget), str(ttl_ms), rid, _RETENTION_MS,
+                claim.run_id or "", _opt(claim.max_turns), _opt(claim.max_in_flight), _opt(run_budget), claim.owner,
+            ])
+        if int(result[0]) == 1:
+            return Grant(rid)
+        return Grant(None, cast(Refusal, _text(result[1])), _figures(result[2:]))
+
+    async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
+        self._redis()
+        with self._errors:
+            result: list[Any] = await self._figures(args=[self.prefix, team, period, run_id or "", _RETENTION_MS])
+        return _figures(result)
+
+    async def renew(self, reservation_ids: Sequence[str], ttl_s: float) -> None:
+        if not reservation_ids:
+            return
+        ttl_ms = max(1, math.ceil(check_ttl(ttl_s, "ttl_s", allow_zero=False) * 1000))
+        self._redis()
+        with self._errors:
+            await self._renew(args=[self.prefix, str(ttl_ms), *reservation_ids])
+
+    async def release_owner(self, owner: str) -> int:
+        self._redis()
+        with self._errors:
+            return int(await self._release_owner(args=[self.prefix, owner]))
 
     async def settle(self, reservation_id: str, actual_usd: float) -> None:
         actual = to_micros(actual_usd, "actual_usd")
@@ -220,3 +258,18 @@ class RedisStore:
         if client is not None:
             with self._errors:
                 await client.aclose()
+
+
+def _opt(value: int | None) -> str:
+    return "" if value is None else str(value)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _figures(raw: list[Any]) -> Figures:
+    """{spent, reserved, turns, cost, in_flight, held} of the Lua scripts (micros as integers)."""
+    spent, reserved, turns, cost, in_flight, held = (_text(v) for v in raw)
+    return Figures(from_micros(int(spent)), from_micros(int(reserved)), int(turns or 0), int(in_flight),
+                   from_micros(int(cost)), from_micros(int(held)))

@@ -19,6 +19,27 @@ local function neg(s)
   if s == '0' then return '0' end
   return '-' .. s
 end
+-- A reservation that ends (settled, released, expired) leaves its run's slots and its owner's set.
+local function unslot(p, rid, run, owner)
+  if run and run ~= '' then redis.call('ZREM', p .. 'slots:' .. run, rid) end
+  if owner and owner ~= '' then redis.call('SREM', p .. 'owner:' .. owner, rid) end
+end
+-- {spent, reserved, turns or false, cost, in_flight, held} of a team's period and a run.
+local function figures(p, team, period, run, now)
+  local ledger = p .. 'ledger:' .. team
+  local spent = redis.call('HGET', ledger, 'spent:' .. period) or '0'
+  local reserved = redis.call('HGET', ledger, 'reserved:' .. period) or '0'
+  if run == '' then return {spent, reserved, false, '0', 0, 0} end
+  local r = redis.call('HMGET', p .. 'run:' .. run, 'turns', 'cost')
+  local slots = p .. 'slots:' .. run
+  redis.call('ZREMRANGEBYSCORE', slots, '-inf', string.format('%d', now))
+  local ids = redis.call('ZRANGE', slots, 0, -1)
+  local held = 0
+  for _, rid in ipairs(ids) do
+    held = held + tonumber(redis.call('HGET', p .. 'res:' .. rid, 'amount') or '0')
+  end
+  return {spent, reserved, r[1] or false, r[2] or '0', #ids, held}
+end
 -- Reservations whose expiry passed: their process is presumed dead, give the money back.
 -- The record stays (state expired) for a while so that a late settle still books the spend.
 local function reclaim(p, team, now, retention)
@@ -27,11 +48,12 @@ local function reclaim(p, team, now, retention)
   local ids = redis.call('ZRANGEBYSCORE', held, '-inf', string.format('%d', now))
   for _, rid in ipairs(ids) do
     local rk = p .. 'res:' .. rid
-    local r = redis.call('HMGET', rk, 'period', 'amount')
+    local r = redis.call('HMGET', rk, 'period', 'amount', 'run', 'owner')
     if r[1] then
       redis.call('HINCRBY', ledger, 'reserved:' .. r[1], neg(r[2]))
       redis.call('HSET', rk, 'state', 'expired')
       redis.call('PEXPIRE', rk, retention)
+      unslot(p, rid, r[3], r[4])
     end
     redis.call('ZREM', held, rid)
   end
@@ -42,7 +64,8 @@ CREATE_RUN: Final = """
 local p, id, team, status, created, rev, body = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
 local key = p .. 'run:' .. id
 if redis.call('EXISTS', key) == 1 then return 0 end
-redis.call('HSET', key, 'revision', rev, 'status', status, 'team', team, 'body', body)
+redis.call('HSET', key, 'revision', rev, 'status', status, 'team', team, 'body', body, 'turns', ARGV[8],
+           'cost', ARGV[9])
 redis.call('ZADD', p .. 'runs', created, id)
 redis.call('ZADD', p .. 'runs:team:' .. team, created, id)
 redis.call('ZADD', p .. 'runs:status:' .. status, created, id)
@@ -51,12 +74,12 @@ return 1
 
 _SAVE: Final = """
 -- Saves a run if its stored revision is `expected`: nil when saved, else what SAVE_RUN returns.
-local function save(p, id, expected, new, status, team, body)
+local function save(p, id, expected, new, status, team, body, turns, cost)
   local key = p .. 'run:' .. id
   local cur = redis.call('HMGET', key, 'revision', 'status', 'team')
   if not cur[1] then return {0} end
   if cur[1] ~= expected then return {2, cur[1]} end
-  redis.call('HSET', key, 'revision', new, 'status', status, 'team', team, 'body', body)
+  redis.call('HSET', key, 'revision', new, 'status', status, 'team', team, 'body', body, 'turns', turns, 'cost', cost)
   if cur[2] ~= status or cur[3] ~= team then
     local created = redis.call('ZSCORE', p .. 'runs', id)
     redis.call('ZREM', p .. 'runs:status:' .. cur[2], id)
@@ -70,7 +93,7 @@ end
 
 # Returns {0} if the run does not exist, {1} when saved, {2, stored_revision} when stale.
 SAVE_RUN: Final = _SAVE + """
-return save(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]) or {1}
+return save(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]) or {1}
 """
 
 # Walks the smallest applicable index, newest first, filtering; returns id, body, id, body...
@@ -100,18 +123,55 @@ end
 return out
 """
 
-RESERVE: Final = _HELPERS + """
-local p, team, period, amount, budget, ttl, rid, retention =
-  ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]
+# A Claim: checked (run exists, turn cap, calls in flight, run budget, team budget; '' = no
+# such condition) and held at once. Returns {1} or {0, refusal, figures...}.
+ADMIT: Final = _HELPERS + """
+local p, team, period, amount, budget, ttl, rid, retention, run, max_turns, max_in_flight, run_budget, owner =
+  ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11],
+  ARGV[12], ARGV[13]
 local now = now_ms()
 reclaim(p, team, now, retention)
-local ledger = p .. 'ledger:' .. team
-local spent = tonumber(redis.call('HGET', ledger, 'spent:' .. period) or '0')
-local reserved = tonumber(redis.call('HGET', ledger, 'reserved:' .. period) or '0')
-if spent + reserved + tonumber(amount) > tonumber(budget) then return 0 end
-redis.call('HSET', p .. 'res:' .. rid, 'team', team, 'period', period, 'amount', amount, 'state', 'held')
-redis.call('ZADD', p .. 'held:' .. team, string.format('%d', now + tonumber(ttl)), rid)
-redis.call('HINCRBY', ledger, 'reserved:' .. period, amount)
+local f = figures(p, team, period, run, now)
+local refused = nil
+if run ~= '' and not f[3] then refused = 'run_missing'
+elseif max_turns ~= '' and tonumber(f[3]) + f[5] >= tonumber(max_turns) then refused = 'max_turns'
+elseif max_in_flight ~= '' and f[5] >= tonumber(max_in_flight) then refused = 'busy'
+elseif run_budget ~= '' and tonumber(f[4]) + f[6] + amount > tonumber(run_budget) then refused = 'run_budget'
+elseif budget ~= '' and tonumber(f[1]) + tonumber(f[2]) + amount > tonumber(budget) then refused = 'team_budget'
+end
+if refused then
+  return {0, refused, f[1], f[2], f[3] or '0', f[4], f[5], string.format('%d', f[6])}
+end
+local expires = string.format('%d', now + tonumber(ttl))
+redis.call('HSET', p .. 'res:' .. rid, 'team', team, 'period', period, 'amount', ARGV[4], 'state', 'held',
+           'run', run, 'owner', owner)
+redis.call('ZADD', p .. 'held:' .. team, expires, rid)
+redis.call('HINCRBY', p .. 'ledger:' .. team, 'reserved:' .. period, ARGV[4])
+if run ~= '' then redis.call('ZADD', p .. 'slots:' .. run, expires, rid) end
+if owner ~= '' then redis.call('SADD', p .. 'owner:' .. owner, rid) end
+return {1}
+"""
+
+FIGURES: Final = _HELPERS + """
+local p, team, period, run, retention = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local now = now_ms()
+reclaim(p, team, now, retention)
+local f = figures(p, team, period, run, now)
+return {f[1], f[2], f[3] or '', f[4], f[5], string.format('%d', f[6])}
+"""
+
+# Pushes back the expiry of held reservations (ARGV[3..]) to now + ttl ms (ARGV[2]).
+RENEW: Final = _HELPERS + """
+local p, ttl = ARGV[1], tonumber(ARGV[2])
+local expires = string.format('%d', now_ms() + ttl)
+for i = 3, #ARGV do
+  local rid = ARGV[i]
+  local r = redis.call('HMGET', p .. 'res:' .. rid, 'team', 'state', 'run')
+  if r[1] and r[2] == 'held' then
+    redis.call('ZADD', p .. 'held:' .. r[1], 'XX', 'GT', expires, rid)
+    if r[3] and r[3] ~= '' then redis.call('ZADD', p .. 'slots:' .. r[3], 'XX', 'GT', expires, rid) end
+  end
+end
 return 1
 """
 
@@ -119,13 +179,14 @@ _SETTLE: Final = """
 -- Books a reservation's actual cost once (an expired one too, while it is remembered).
 local function settle(p, rid, actual)
   local rk = p .. 'res:' .. rid
-  local r = redis.call('HMGET', rk, 'team', 'period', 'amount', 'state')
+  local r = redis.call('HMGET', rk, 'team', 'period', 'amount', 'state', 'run', 'owner')
   if not r[1] then return 0 end
   local ledger = p .. 'ledger:' .. r[1]
   if r[4] == 'held' then
     redis.call('HINCRBY', ledger, 'reserved:' .. r[2], neg(r[3]))
     redis.call('ZREM', p .. 'held:' .. r[1], rid)
   end
+  unslot(p, rid, r[5], r[6])
   redis.call('HINCRBY', ledger, 'spent:' .. r[2], actual)
   redis.call('DEL', rk)
   return 1
@@ -136,17 +197,33 @@ SETTLE: Final = _HELPERS + _SETTLE + """
 return settle(ARGV[1], ARGV[2], ARGV[3])
 """
 
-RELEASE: Final = _HELPERS + """
-local p, rid = ARGV[1], ARGV[2]
-local rk = p .. 'res:' .. rid
-local r = redis.call('HMGET', rk, 'team', 'period', 'amount', 'state')
-if not r[1] then return 0 end
-if r[4] == 'held' then
-  redis.call('HINCRBY', p .. 'ledger:' .. r[1], 'reserved:' .. r[2], neg(r[3]))
-  redis.call('ZREM', p .. 'held:' .. r[1], rid)
+_RELEASE: Final = """
+local function release(p, rid)
+  local rk = p .. 'res:' .. rid
+  local r = redis.call('HMGET', rk, 'team', 'period', 'amount', 'state', 'run', 'owner')
+  if not r[1] then return 0 end
+  if r[4] == 'held' then
+    redis.call('HINCRBY', p .. 'ledger:' .. r[1], 'reserved:' .. r[2], neg(r[3]))
+    redis.call('ZREM', p .. 'held:' .. r[1], rid)
+  end
+  unslot(p, rid, r[5], r[6])
+  redis.call('DEL', rk)
+  return 1
 end
-redis.call('DEL', rk)
-return 1
+"""
+
+RELEASE: Final = _HELPERS + _RELEASE + """
+return release(ARGV[1], ARGV[2])
+"""
+
+RELEASE_OWNER: Final = _HELPERS + _RELEASE + """
+local p, owner = ARGV[1], ARGV[2]
+local n = 0
+for _, rid in ipairs(redis.call('SMEMBERS', p .. 'owner:' .. owner)) do
+  if redis.call('HGET', p .. 'res:' .. rid, 'state') == 'held' then n = n + release(p, rid) end
+end
+redis.call('DEL', p .. 'owner:' .. owner)
+return n
 """
 
 TEAM_SPEND: Final = _HELPERS + """
@@ -161,10 +238,10 @@ return {redis.call('HGET', ledger, 'spent:' .. period) or '0', redis.call('HGET'
 # {1, spent, reserved} of the booking's ledger after it ({1} without a booking).
 COMMIT_TURN: Final = _HELPERS + _SAVE + _SETTLE + """
 local p, id = ARGV[1], ARGV[2]
-local refused = save(p, id, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
+local refused = save(p, id, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9])
 if refused then return refused end
-local book, rid, actual, team, period, retention = ARGV[8], ARGV[9], ARGV[10], ARGV[11], ARGV[12], ARGV[13]
-if #ARGV > 13 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, 14)) end
+local book, rid, actual, team, period, retention = ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[14], ARGV[15]
+if #ARGV > 15 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, 16)) end
 if book ~= '1' then return {1} end
 if rid ~= '' then
   settle(p, rid, actual)

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import sqlite3
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -27,12 +28,17 @@ from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
     EXPIRED_RETENTION_S,
     Booking,
+    Claim,
     Event,
+    Figures,
+    Grant,
     Ledger,
     check_list_args,
     check_ttl,
     from_micros,
+    judge,
     new_reservation_id,
+    optional_micros,
     parse_run,
     stamped_body,
     to_micros,
@@ -60,6 +66,32 @@ RECLAIM_EVERY_S: Final = 1.0
 """How often a team's expired reservations are marked (and forgotten past the retention) by
 `reserve`, at the latest; sooner when one this store made expires. The budget check itself
 never counts an expired reservation, marked or not."""
+
+
+_LIVE: Final = "state = 'held' AND expires_at > :now"
+_ADMIT: Final = (
+    "INSERT INTO reservations (id, team, period, amount_micros, expires_at, run_id, owner)"
+    " SELECT :id, :team, :period, :amount, :expires, :run, :owner"
+    " WHERE (:run IS NULL OR EXISTS (SELECT 1 FROM runs WHERE id = :run))"
+    " AND (:max_turns IS NULL OR (SELECT turns FROM runs WHERE id = :run)"
+    f"      + (SELECT COUNT(*) FROM reservations WHERE run_id = :run AND {_LIVE}) < :max_turns)"
+    " AND (:max_in_flight IS NULL"
+    f"      OR (SELECT COUNT(*) FROM reservations WHERE run_id = :run AND {_LIVE}) < :max_in_flight)"
+    " AND (:run_budget IS NULL OR (SELECT cost_micros FROM runs WHERE id = :run)"
+    f"      + (SELECT COALESCE(SUM(amount_micros), 0) FROM reservations WHERE run_id = :run AND {_LIVE})"
+    "       + :amount <= :run_budget)"
+    " AND (:budget IS NULL OR (SELECT COALESCE(SUM(spent_micros), 0) FROM ledger WHERE team = :team AND period = :period)"
+    "      + (SELECT COALESCE(SUM(amount_micros), 0) FROM reservations"
+    f"         WHERE team = :team AND period = :period AND {_LIVE}) + :amount <= :budget)"
+)
+"""Checks every condition of a `Claim` and holds it, in one statement (atomic on its own)."""
+_FIGURES: Final = (
+    "SELECT (SELECT COALESCE(SUM(spent_micros), 0) FROM ledger WHERE team = :team AND period = :period),"
+    f" (SELECT COALESCE(SUM(amount_micros), 0) FROM reservations WHERE team = :team AND period = :period AND {_LIVE}),"
+    " (SELECT turns FROM runs WHERE id = :run), (SELECT cost_micros FROM runs WHERE id = :run),"
+    f" (SELECT COUNT(*) FROM reservations WHERE run_id = :run AND {_LIVE}),"
+    f" (SELECT COALESCE(SUM(amount_micros), 0) FROM reservations WHERE run_id = :run AND {_LIVE})"
+)
 
 
 class SqliteStore:
@@ -116,12 +148,12 @@ class SqliteStore:
 
     async def create_run(self, state: RunState) -> None:
         row = (state.run_id, state.team, state.status, state.policy, state.created_at, state.updated_at,
-               state.revision, state.dumps())
+               state.revision, state.dumps(), state.turns, to_micros(state.cost_usd, "cost_usd"))
 
         def step(db: sqlite3.Connection) -> None:
             try:
-                db.execute("INSERT INTO runs (id, team, status, policy, created_at, updated_at, revision, body)"
-                           " VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row)
+                db.execute("INSERT INTO runs (id, team, status, policy, created_at, updated_at, revision, body, turns,"
+                           " cost_micros) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
             except sqlite3.IntegrityError as exc:
                 raise RunExists(state.run_id) from exc
 
@@ -145,17 +177,20 @@ class SqliteStore:
     def _update_run(db: sqlite3.Connection, state: RunState, revision: int, now: float, body: bytes) -> None:
         # SQLite rewrites an index whenever its column is SET, changed or not: the usual save
         # (same team, status and policy) leaves them out, which keeps the two run indexes clean.
+        cost = to_micros(state.cost_usd, "cost_usd")
         cur = db.execute(
-            "UPDATE runs SET updated_at = ?, revision = ?, body = ?"
+            "UPDATE runs SET updated_at = ?, revision = ?, body = ?, turns = ?, cost_micros = ?"
             " WHERE id = ? AND revision = ? AND team = ? AND status = ? AND policy = ?",
-            (now, revision, body, state.run_id, state.revision, state.team, state.status, state.policy),
+            (now, revision, body, state.turns, cost, state.run_id, state.revision, state.team, state.status,
+             state.policy),
         )
         if cur.rowcount == 1:
             return
         cur = db.execute(
-            "UPDATE runs SET team = ?, status = ?, policy = ?, updated_at = ?, revision = ?, body = ?"
-            " WHERE id = ? AND revision = ?",
-            (state.team, state.status, state.policy, now, revision, body, state.run_id, state.revision),
+            "UPDATE runs SET team = ?, status = ?, policy = ?, updated_at = ?, revision = ?, body = ?, turns = ?,"
+            " cost_micros = ? WHERE id = ? AND revision = ?",
+            (state.team, state.status, state.policy, now, revision, body, state.turns, cost, state.run_id,
+             state.revision),
         )
         if cur.rowcount != 1:
             row = db.execute("SELECT revision FROM runs WHERE id = ?", (state.run_id,)).fetchone()
@@ -236,41 +271,82 @@ class SqliteStore:
     async def reserve(
         self, team: str, period: str, amount_usd: float, budget_usd: float, ttl_s: float = DEFAULT_RESERVATION_TTL_S
     ) -> str | None:
-        amount = to_micros(amount_usd, "amount_usd")
-        budget = to_micros(budget_usd, "budget_usd")
-        ttl = check_ttl(ttl_s, "ttl_s", allow_zero=True)
+        to_micros(budget_usd, "budget_usd")
+        return (await self.admit(Claim(team, period, amount_usd, budget_usd, ttl_s=ttl_s))).reservation_id
+
+    async def admit(self, claim: Claim) -> Grant:
+        params: dict[str, Any] = {
+            "team": claim.team, "period": claim.period, "amount": to_micros(claim.amount_usd, "amount_usd"),
+            "budget": optional_micros(claim.budget_usd, "budget_usd"), "run": claim.run_id,
+            "max_turns": claim.max_turns, "max_in_flight": claim.max_in_flight,
+            "run_budget": optional_micros(claim.run_budget_usd, "run_budget_usd"), "owner": claim.owner,
+        }
+        ttl = check_ttl(claim.ttl_s, "ttl_s", allow_zero=True)
         granted: list[tuple[str, float]] = []
 
-        def step(db: sqlite3.Connection) -> str | None:
+        def step(db: sqlite3.Connection) -> Grant:
             now = time.time()
-            due = self._reclaim_due.get(team, 0.0)
+            due = self._reclaim_due.get(claim.team, 0.0)
             if now >= due:
-                self._reclaim(db, team, now)
+                self._reclaim(db, claim.team, now)
                 due = now + RECLAIM_EVERY_S
             rid = new_reservation_id()
-            inserted = db.execute(  # only if spent + live reservations + amount <= budget
-                "INSERT INTO reservations (id, team, period, amount_micros, expires_at) SELECT ?1, ?2, ?3, ?4, ?5"
-                " WHERE (SELECT COALESCE(SUM(spent_micros), 0) FROM ledger WHERE team = ?2 AND period = ?3)"
-                " + (SELECT COALESCE(SUM(amount_micros), 0) FROM reservations"
-                "    WHERE team = ?2 AND period = ?3 AND state = 'held' AND expires_at > ?7) + ?4 <= ?6",
-                (rid, team, period, amount, now + ttl, budget, now),
-            ).rowcount == 1
-            self._reclaim_due[team] = min(due, now + ttl) if inserted else due
+            inserted = db.execute(_ADMIT, {**params, "id": rid, "now": now, "expires": now + ttl}).rowcount == 1
+            self._reclaim_due[claim.team] = min(due, now + ttl) if inserted else due
             if not inserted:
-                return None
+                # Why, from figures read right after; another process may have moved them
+                # since (then "busy": a retry may pass).
+                figures, run_exists = self._figures(db, claim.team, claim.period, claim.run_id, now)
+                return Grant(None, judge(claim, figures, run_exists) or "busy", figures)
             granted.append((rid, now + ttl))
-            return rid
+            return Grant(rid)
 
         try:
             # One INSERT checks and holds at once; marking expired ones needs no atomicity.
-            rid = await self._write(step, atomic=False, skip_if_cancelled=True)
+            grant = await self._write(step, atomic=False, skip_if_cancelled=True)
         except asyncio.CancelledError:
             if granted:  # a batch made it for a caller who left meanwhile: give it back
                 self._give_back(granted[0][0])
             raise
-        if rid is not None:
-            self._held[rid] = granted[0][1]
-        return rid
+        if grant.reservation_id is not None:
+            self._held[grant.reservation_id] = granted[0][1]
+        return grant
+
+    async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
+        with self._errors:
+            return self._figures(self._db(), team, period, run_id, time.time())[0]
+
+    @staticmethod
+    def _figures(db: sqlite3.Connection, team: str, period: str, run_id: str | None,
+                 now: float) -> tuple[Figures, bool]:
+        spent, reserved, turns, cost, in_flight, held = db.execute(_FIGURES, {
+            "team": team, "period": period, "run": run_id, "now": now}).fetchone()
+        figures = Figures(from_micros(int(spent)), from_micros(int(reserved)), int(turns or 0), int(in_flight),
+                          from_micros(int(cost or 0)), from_micros(int(held)))
+        return figures, turns is not None
+
+    async def renew(self, reservation_ids: Sequence[str], ttl_s: float) -> None:
+        if not reservation_ids:
+            return
+        ttl = check_ttl(ttl_s, "ttl_s", allow_zero=False)
+        ids = list(reservation_ids)
+
+        def step(db: sqlite3.Connection) -> None:
+            until = time.time() + ttl
+            db.executemany("UPDATE reservations SET expires_at = MAX(expires_at, ?) WHERE id = ? AND state = 'held'",
+                           [(until, rid) for rid in ids])
+            for rid in ids:
+                if rid in self._held:
+                    self._held[rid] = max(self._held[rid], until)
+
+        await self._write(step, atomic=True)
+
+    async def release_owner(self, owner: str) -> int:
+        def step(db: sqlite3.Connection) -> int:
+            return int(db.execute("DELETE FROM reservations WHERE owner = ? AND owner != '' AND state = 'held'",
+                                  (owner,)).rowcount)
+
+        return await self._write(step, atomic=False)
 
     def _reclaim(self, db: sqlite3.Connection, team: str, now: float) -> None:
         db.execute("UPDATE reservations SET state = 'expired' WHERE team = ? AND state = 'held' AND expires_at <= ?",

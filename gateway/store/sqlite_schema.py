@@ -48,6 +48,15 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     # died), so scanning it costs less than keeping an index page up to date on every
     # reserve and every settle.
     "DROP INDEX reservations_team_state",
+    # A run's booked turns and cost as columns, so that admitting a call checks its turn cap
+    # and budget against them in the same statement that holds its slot.
+    "ALTER TABLE runs ADD COLUMN turns INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE runs ADD COLUMN cost_micros INTEGER NOT NULL DEFAULT 0",
+    """UPDATE runs SET turns = COALESCE(json_extract(CAST(body AS TEXT), '$.turns'), 0),
+        cost_micros = CAST(ROUND(COALESCE(json_extract(CAST(body AS TEXT), '$.cost_usd'), 0) * 1000000) AS INTEGER)""",
+    # A reservation is also the turn slot of its run's call, held by one process (its owner).
+    "ALTER TABLE reservations ADD COLUMN run_id TEXT",
+    "ALTER TABLE reservations ADD COLUMN owner TEXT NOT NULL DEFAULT ''",
 )
 
 BUSY_TIMEOUT_S: Final = 10.0

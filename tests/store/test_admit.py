@@ -1,0 +1,112 @@
+"""The admission contract (`Store.admit`), on every backend: a turn slot and a budget hold in
+one atomic step, exact across two views of one store (two replicas)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.harness.state import RunState
+from gateway.store.base import Booking, Claim, Store
+from tests.store.conftest import Stores
+
+
+async def new_run(store: Store, run_id: str = "run_a", *, turns: int = 0, cost_usd: float = 0.0) -> RunState:
+    run = RunState.new("scripted-plan", [{"role": "user", "content": "hi"}], run_id=run_id, team="demo",
+                       policy="passthrough")
+    run.turns, run.cost_usd = turns, cost_usd
+    await store.create_run(run)
+    return run
+
+
+def slot(run_id: str = "run_a", **kw: object) -> Claim:
+    fields: dict[str, object] = {"team": "demo", "period": "total", "run_id": run_id}
+    fields.update(kw)
+    return Claim(**fields)  # type: ignore[arg-type]
+
+
+async def test_turn_slots_are_exact_across_two_replicas(stores: Stores) -> None:
+    views = [stores.open(), stores.open()]
+    await new_run(views[0], turns=5)
+    grants = await asyncio.gather(*(views[i % 2].admit(slot(max_turns=20)) for i in range(64)))
+    held = [g for g in grants if g.reservation_id is not None]
+    assert len(held) == 15  # 5 booked turns + 15 in flight = the cap
+    assert {g.refused for g in grants if g.reservation_id is None} == {"max_turns"}
+    figures = await views[1].figures("demo", "total", "run_a")
+    assert (figures.run_turns, figures.run_in_flight) == (5, 15)
+
+
+async def test_a_booked_turn_frees_its_slot_and_counts_as_a_turn(store: Store) -> None:
+    run = await new_run(store)
+    first = await store.admit(slot(max_turns=2, amount_usd=0.01))
+    second = await store.admit(slot(max_turns=2))
+    assert first.reservation_id and second.reservation_id
+    assert (await store.admit(slot(max_turns=2))).refused == "max_turns"
+    run.turns, run.cost_usd = 1, 0.004
+    await store.commit_turn(run, [], Booking("demo", "total", 0.004, first.reservation_id))
+    refused = await store.admit(slot(max_turns=2))  # 1 booked + 1 in flight
+    assert refused.refused == "max_turns"
+    assert (refused.figures.run_turns, refused.figures.run_in_flight) == (1, 1)
+    await store.release(second.reservation_id)
+    assert (await store.admit(slot(max_turns=2))).reservation_id is not None
+    assert await store.team_spend("demo", "total") == (0.004, 0.0)
+
+
+async def test_calls_in_flight_per_run_are_bounded(store: Store) -> None:
+    await new_run(store)
+    grants = [await store.admit(slot(max_in_flight=3)) for _ in range(4)]
+    assert [g.refused for g in grants] == [None, None, None, "busy"]
+    await new_run(store, "run_b")  # another run has slots of its own
+    assert (await store.admit(slot("run_b", max_in_flight=3))).reservation_id is not None
+
+
+async def test_the_run_budget_counts_booked_cost_and_holds_in_flight(store: Store) -> None:
+    await new_run(store, cost_usd=0.05)
+    assert (await store.admit(slot(amount_usd=0.03, run_budget_usd=0.1))).reservation_id
+    refused = await store.admit(slot(amount_usd=0.03, run_budget_usd=0.1))
+    assert refused.refused == "run_budget"
+    assert refused.figures.run_cost_usd == 0.05 and refused.figures.run_held_usd == 0.03
+    assert (await store.admit(slot(amount_usd=0.02, run_budget_usd=0.1))).reservation_id  # exactly what is left
+
+
+async def test_the_team_budget_is_checked_in_the_same_step(store: Store) -> None:
+    await new_run(store)
+    assert (await store.admit(slot(amount_usd=0.06, budget_usd=0.1))).reservation_id
+    refused = await store.admit(slot(amount_usd=0.06, budget_usd=0.1, max_turns=10))
+    assert refused.refused == "team_budget" and refused.figures.reserved_usd == 0.06
+    assert (await store.figures("demo", "total", "run_a")).run_in_flight == 1  # the refusal held nothing
+
+
+async def test_a_slot_for_a_run_that_is_not_stored_is_refused(store: Store) -> None:
+    assert (await store.admit(slot("run_missing", max_turns=3))).refused == "run_missing"
+    no_run = await store.admit(Claim("demo", "total", 0.01))  # a hold without a run (a sub-run's call)
+    assert no_run.reservation_id is not None
+
+
+async def test_expired_slots_do_not_count_and_renewed_ones_do(store: Store) -> None:
+    await new_run(store)
+    dead = await store.admit(slot(max_turns=2, amount_usd=0.01, budget_usd=1.0, ttl_s=0))
+    alive = await store.admit(slot(max_turns=2, amount_usd=0.01, budget_usd=1.0, ttl_s=0.5))
+    assert dead.reservation_id and alive.reservation_id
+    await store.renew([alive.reservation_id], 60)
+    await asyncio.sleep(0.6)  # past the first ttl: only a renewal keeps it
+    figures = await store.figures("demo", "total", "run_a")
+    assert (figures.run_in_flight, figures.reserved_usd) == (1, 0.01)
+
+
+async def test_release_owner_gives_back_every_hold_of_a_restarted_process(store: Store) -> None:
+    await new_run(store)
+    mine = [await store.admit(slot(owner="host/a", amount_usd=0.01, budget_usd=1.0)) for _ in range(3)]
+    theirs = await store.admit(slot(owner="host/b", amount_usd=0.01, budget_usd=1.0))
+    assert all(g.reservation_id for g in [*mine, theirs])
+    assert await store.release_owner("host/a") == 3
+    figures = await store.figures("demo", "total", "run_a")
+    assert (figures.run_in_flight, figures.reserved_usd) == (1, 0.01)
+    assert await store.release_owner("host/a") == 0
+
+
+@pytest.mark.parametrize("field", ["amount_usd", "budget_usd", "run_budget_usd"])
+async def test_bad_amounts_are_refused_by_name(store: Store, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        await store.admit(slot(**{field: float("nan")}))
