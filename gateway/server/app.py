@@ -10,9 +10,14 @@ when the app is built (so a bad `store:` section fails before listening) and clo
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import fnmatch
 import importlib
 import importlib.util
+import logging
+import os
+import socket
 from collections.abc import AsyncIterator
 
 import orjson
@@ -34,6 +39,8 @@ from gateway.server.passthrough import chat_completions
 from gateway.server.runs import Call
 from gateway.store import Store, StoreConfigError, StoreError, open_store
 from gateway.tokens import get_counter
+
+log = logging.getLogger(__name__)
 
 OPTIONAL_MODULES = ("gateway.server.harness_route", "gateway.server.admin")
 """Modules with a `setup(app)` that add to the gateway (server-side runs and the runs API, the admin API)."""
@@ -96,15 +103,32 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     store = app[ctx.STORE]
     session = new_session()
     app[ctx.SESSION] = session
-    app[ctx.GOVERNOR] = Governor(store, app[ctx.COUNTER], config.defaults)
+    governor = Governor(store, app[ctx.COUNTER], config.defaults, owner=process_owner(app.get(ctx.SELF_URL)),
+                        ttl_s=config.server.lease_ttl_s)
+    app[ctx.GOVERNOR] = governor
     upstreams = ctx.Upstreams(config, session)
     upstreams.self_url = app.get(ctx.SELF_URL)
     app[ctx.UPSTREAMS] = upstreams
     try:
+        await governor.start()
+    except StoreError as exc:  # the store may be back later: its holds then expire on their own
+        log.warning("cannot release this gateway's earlier reservations: %s", exc)
+    keeper = asyncio.ensure_future(governor.keep_alive())
+    try:
         yield
     finally:
+        keeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await keeper
         await session.close()
         await store.close()
+
+
+def process_owner(self_url: str | None) -> str:
+    """Who holds this process's leases and reservations: the same name after a restart at
+    the same address (so it takes back its own at once); never shared by two live processes."""
+    host = socket.gethostname()
+    return f"{host}/{self_url}" if self_url else f"{host}/pid{os.getpid()}-{os.urandom(4).hex()}"
 
 
 def build_app(config: Config, *, self_url: str | None = None) -> web.Application:

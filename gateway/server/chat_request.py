@@ -44,6 +44,7 @@ class ChatRequest:
     include_usage: bool
     max_tokens: int | None
     max_tokens_field: str
+    n: int = 1
 
     def upstream_body(self, *, max_tokens: int | None, force_usage: bool) -> bytes:
         """The body to forward: the raw bytes unless a clamp or a usage request changes it."""
@@ -92,7 +93,8 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise InvalidField("n", f"n must be an integer >= 1, got {n!r}", "invalid_type")
-    return ChatRequest(raw, body, model, messages, tools or None, bool(stream), include_usage, max_tokens, field)
+    return ChatRequest(raw, body, model, messages, tools or None, bool(stream), include_usage, max_tokens, field,
+                       n or 1)
 
 
 def _messages(messages: Any) -> list[Message]:

@@ -7,9 +7,13 @@ config file's folder, so the gateway works from any working directory.
 
 Settings beyond DESIGN.md's shape:
 
-- `server.lease_ttl_s` (default 15): how long a replica's hold on a run it drives lasts
-  without renewal (renewed every third of it). A run whose replica died can be resumed
-  by another replica once this much time has passed since the last renewal.
+- `server.lease_ttl_s` (default 15): how long a replica's hold on a run it drives, and on
+  the reservations of its calls in flight, lasts without renewal (renewed every third of
+  it). A run whose replica died can be resumed by another replica, and its reservations
+  stop counting against the team, once this much time has passed since the last renewal.
+- `defaults.max_calls_in_flight_per_run` (default 64): calls of one pass-through run the
+  gateway forwards at once, across replicas; one more is refused before anything is
+  forwarded (409 `run_busy`, retryable).
 - `runs_dir` (default `runs/` next to the SQLite file, else next to this file): where
   per-run sandbox folders live. Replicas that share a store must share this folder too,
   so a run resumed on another replica finds its files.
@@ -44,6 +48,7 @@ BudgetMode = Literal["turn", "strict"]
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_OUTPUT_ALLOWANCE = 4096
+DEFAULT_CALLS_IN_FLIGHT_PER_RUN = 64
 DEFAULT_UPSTREAM_TIMEOUT_S = 60.0
 DEFAULT_LEASE_TTL_S = 15.0
 SCRIPTED_PREFIX = "/scripted/v1"
@@ -116,6 +121,7 @@ class TeamConfig:
 @dataclass(frozen=True)
 class Defaults:
     output_allowance_tokens: int = DEFAULT_OUTPUT_ALLOWANCE
+    max_calls_in_flight_per_run: int = DEFAULT_CALLS_IN_FLIGHT_PER_RUN
 
 
 @dataclass(frozen=True)
@@ -311,5 +317,8 @@ def _teams(section: Field) -> tuple[TeamConfig, ...]:
 def _defaults(at: Field) -> Defaults:
     if at.missing:
         return Defaults()
-    at.keys_only({"output_allowance_tokens"})
-    return Defaults(at.get("output_allowance_tokens").optional_int(DEFAULT_OUTPUT_ALLOWANCE, low=1))
+    at.keys_only({"output_allowance_tokens", "max_calls_in_flight_per_run"})
+    return Defaults(
+        at.get("output_allowance_tokens").optional_int(DEFAULT_OUTPUT_ALLOWANCE, low=1, high=10_000_000),
+        at.get("max_calls_in_flight_per_run").optional_int(DEFAULT_CALLS_IN_FLIGHT_PER_RUN, low=1, high=100_000),
+    )

@@ -11,7 +11,8 @@ Handlers raise; one middleware renders. The tree (HTTP status, `error.type`):
     ├── Forbidden                    403 permission_error, code policy_not_allowed
     ├── NotFound                     404 not_found_error, code model_not_found | run_not_found | route_not_found
     ├── MethodNotAllowed             405 invalid_request_error
-    ├── Conflict                     409 conflict_error (a run that cannot take calls now)
+    ├── Conflict                     409 conflict_error (a run that cannot take calls now;
+    │                                    x-should-retry: false, but true on run_busy)
     ├── PayloadTooLarge              413 invalid_request_error, code body_too_large
     ├── LimitExceeded                429 max_turns_exceeded | budget_exceeded | team_budget_exceeded
     │                                    (+ header x-should-retry: false, + top-level `run`)
@@ -113,8 +114,15 @@ class MethodNotAllowed(ApiError):
 
 
 class Conflict(ApiError):
+    """The run cannot take this call now. SDKs retry a 409 unless told not to: the header
+    says whether a retry can succeed (false unless the raiser says otherwise)."""
+
     status = 409
     type = "conflict_error"
+
+    def __init__(self, message: str, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.headers.setdefault("x-should-retry", "false")
 
 
 class PayloadTooLarge(ApiError):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Final
 
@@ -63,10 +62,7 @@ async def _driver_ctx(app: web.Application) -> AsyncIterator[None]:
         route = config.route(model)
         return route.price if route is not None else CHAPTER_PRICE
 
-    # A process restarted at the same address takes its own leases back at once; two live
-    # processes never share an address. Without a known address, a fresh owner per process.
-    self_url = app.get(ctx.SELF_URL)
-    owner = f"{socket.gethostname()}/{self_url}" if self_url else None
+    owner = app[ctx.GOVERNOR].owner  # the same name for its leases as for its reservations
     driver = RunDriver(app[ctx.STORE], app[ctx.POLICIES], model_for=model_for, price_for=price_for,
                        runs_dir=config.runs_dir, session=app[ctx.SESSION], trace_file=config.trace_file,
                        metrics=app[ctx.METRICS], owner=owner, lease_ttl_s=config.server.lease_ttl_s)
@@ -170,8 +166,8 @@ async def _drive_watched(request: web.Request, run_id: str, prepare: Prepare, st
         with contextlib.suppress(Exception):
             await task
         raise
-    except RunBusy as exc:
-        raise Conflict(str(exc), code="run_busy") from None
+    except RunBusy as exc:  # it stops soon: a retry can succeed
+        raise Conflict(str(exc), code="run_busy", headers={"x-should-retry": "true", "retry-after": "1"}) from None
     finally:
         watcher.cancel()
 

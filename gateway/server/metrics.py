@@ -87,6 +87,10 @@ class Metrics:
                             ["team", "model"], registry=r)
         self.runs_stopped = Counter("gateway_runs_stopped_total", "Runs that stopped, by status and reason code.",
                                     ["team", "policy", "status", "reason"], registry=r)
+        self.usage_clamped = Counter("gateway_usage_clamped_total",
+                                     "Upstream replies whose reported usage was beyond belief and booked at the "
+                                     "gateway's own count instead, by upstream and kind (prompt | completion).",
+                                     ["upstream", "kind"], registry=r)
         self.tool_calls = Counter("gateway_tool_calls_total", "Server-side tool calls by outcome.",
                                   ["policy", "tool", "outcome"], registry=r)
         self.tool_duration = Histogram("gateway_tool_duration_seconds", "Server-side tool run time.",
@@ -134,6 +138,10 @@ class Metrics:
 
     def on_upstream(self, upstream: str, model: str, seconds: float) -> None:
         self._child(self.upstream_duration, upstream, self.model_label(model)).observe(seconds, _exemplar())
+
+    def on_usage_clamped(self, upstream: str, kinds: tuple[str, ...]) -> None:
+        for kind in kinds:
+            self.usage_clamped.labels(upstream, kind).inc()
 
     def on_ttft(self, upstream: str, model: str, seconds: float) -> None:
         self._child(self.ttft, upstream, self.model_label(model)).observe(seconds, _exemplar())

@@ -18,11 +18,11 @@ from gateway.harness.model import ModelReply, ModelRequest
 from gateway.harness.state import RunState, assistant_message
 from gateway.providers.upstream import Upstream
 from gateway.server import context as ctx
-from gateway.server.budget import Governor
+from gateway.server.budget import Ask, Governor
 from gateway.server.config import Config, ModelRoute, TeamConfig
 from gateway.server.errors import ApiError, NotFound
 from gateway.server.metrics import Metrics
-from gateway.server.replies import counted_usage, usage_of
+from gateway.server.replies import checked_usage, usage_of
 from gateway.tokens import TokenCounter
 
 
@@ -70,21 +70,21 @@ class UpstreamModel:
     async def complete(self, request: ModelRequest) -> ModelReply:
         route = self.route(request.model)
         upstream: Upstream = self.upstreams[route.upstream]
-        adm = self.governor.open_call(request.run_id, self.team, self.strict)
-        await self.governor.reserve(adm, price=route.price, messages=request.messages, tools=request.tools or None,
-                                    max_tokens=request.max_tokens, run_remaining_usd=request.budget_remaining_usd)
-        try:
-            reply = await upstream.complete(self.body(request, adm.max_tokens or request.max_tokens),
-                                            upstream.headers())
-        except BaseException:
-            await self.governor.release(adm)
-            raise
-        choice = reply.data["choices"][0]
-        message = assistant_message(choice["message"])
-        usage = usage_of(reply.data.get("usage")) or counted_usage(self.counter, request.messages,
-                                                                   request.tools or None, message)
-        cost = route.price.cost(usage)
-        await self.governor.settle(adm, cost)
+        ask = Ask(route.price, request.messages, request.tools or None, request.max_tokens)
+        async with await self.governor.admit_call(request.run_id, self.team, self.strict, ask,
+                                                  request.budget_remaining_usd) as adm:
+            body = self.body(request, adm.max_tokens or request.max_tokens)
+            reply = await upstream.complete(body, upstream.headers())
+            choice = reply.data["choices"][0]
+            message = assistant_message(choice["message"])
+            checked = checked_usage(usage_of(reply.data.get("usage")), counter=self.counter, messages=request.messages,
+                                    tools=request.tools or None, message=message, body_bytes=len(body),
+                                    allowed_completion=adm.allowed_completion, n=1, counted_prompt=adm.prompt_tokens)
+            if checked.reported is not None:
+                self.metrics.on_usage_clamped(upstream.name, checked.clamped)
+            usage = checked.usage
+            cost = route.price.cost(usage)
+            await self.governor.settle(adm, cost)
         self.metrics.on_upstream(upstream.name, request.model, reply.seconds)
         self.metrics.on_turn(self.team.name, self.policy, request.model, usage, cost)
         return ModelReply(message, usage, str(choice.get("finish_reason") or "stop"))

@@ -13,11 +13,11 @@ from aiohttp import web
 
 from gateway.harness.state import assistant_message
 from gateway.server import context as ctx
-from gateway.server.budget import Admission
+from gateway.server.budget import Admission, Ask
 from gateway.server.chat_request import parse_chat_request
 from gateway.server.errors import Conflict, LimitExceeded, NotFound, PayloadTooLarge
 from gateway.server.passthrough_stream import stream_through
-from gateway.server.replies import counted_usage, usage_of, with_run
+from gateway.server.replies import usage_of, with_run
 from gateway.server.runs import Call, resolve_call
 from gateway.server.turns import book_turn, refuse
 
@@ -59,49 +59,38 @@ def _check_open(call: Call) -> None:
 
 
 async def admit(request: web.Request, call: Call) -> Admission:
-    """Open and reserve the call, or refuse it with 429 (the run takes the refusal's status)."""
-    governor = request.app[ctx.GOVERNOR]
-    run, chat = call.run, call.chat
+    """Admit the call (turn slot, budget holds), or refuse it with 429 (the run takes the
+    refusal's status) or 409 `run_busy` before anything is forwarded."""
+    chat = call.chat
+    ask = Ask(call.route.price, chat.messages, chat.tools, chat.max_tokens, chat.n)
     try:
-        adm = governor.open(run, call.team)
-        remaining = None if run.limits.max_budget_usd is None else run.limits.max_budget_usd - run.cost_usd
-        await governor.reserve(adm, price=call.route.price, messages=chat.messages, tools=chat.tools,
-                               max_tokens=chat.max_tokens, run_remaining_usd=remaining)
+        return await request.app[ctx.GOVERNOR].admit_turn(call.run, call.team, ask)
     except LimitExceeded as exc:
         raise await refuse(request, call, exc) from None
-    return adm
 
 
 async def pass_through(request: web.Request, call: Call) -> web.StreamResponse:
-    """Governed pass-through of one call (streamed or not)."""
+    """Governed pass-through of one call (streamed or not); whatever the exit, the
+    admission's holds are booked or released (`Admission` is a context manager)."""
     _check_open(call)
-    adm = await admit(request, call)
     metrics = request.app[ctx.METRICS]
-    metrics.run_active(1)
-    try:
-        upstream = request.app[ctx.UPSTREAMS][call.route.upstream]
+    async with await admit(request, call) as adm:
+        metrics.run_active(1)
         try:
+            upstream = request.app[ctx.UPSTREAMS][call.route.upstream]
             body = call.chat.upstream_body(max_tokens=adm.max_tokens, force_usage=True)
             headers = upstream.headers(request.headers)
-        except BaseException:
-            await request.app[ctx.GOVERNOR].release(adm)
-            raise
-        if call.chat.stream:
-            return await stream_through(request, call, adm, upstream, body, headers)
-        try:
+            if call.chat.stream:
+                return await stream_through(request, call, adm, upstream, body, headers)
             reply = await upstream.complete(body, headers)
-        except BaseException:
-            await request.app[ctx.GOVERNOR].release(adm)
-            raise
-        request[ctx.UPSTREAM_SECONDS] = reply.seconds
-        metrics.on_upstream(upstream.name, call.chat.model, reply.seconds)
-        choice = reply.data["choices"][0]
-        message = assistant_message(choice["message"])
-        usage = usage_of(reply.data.get("usage")) or counted_usage(request.app[ctx.COUNTER], call.chat.messages,
-                                                                   call.chat.tools, message)
-        booked = await book_turn(request, call, adm, usage=usage, message=message,
-                                 finish=str(choice.get("finish_reason") or "stop"))
-        return web.Response(body=with_run(reply.raw, booked.run.summary()), content_type="application/json",
-                            headers=booked.headers())
-    finally:
-        metrics.run_active(-1)
+            request[ctx.UPSTREAM_SECONDS] = reply.seconds
+            metrics.on_upstream(upstream.name, call.chat.model, reply.seconds)
+            choice = reply.data["choices"][0]
+            message = assistant_message(choice["message"])
+            booked = await book_turn(request, call, adm, reported=usage_of(reply.data.get("usage")), message=message,
+                                     finish=str(choice.get("finish_reason") or "stop"))
+            return web.Response(body=with_run(reply.raw, booked.run.summary()), content_type="application/json",
+                                headers=booked.headers())
+        finally:
+            metrics.run_active(-1)
+

@@ -27,7 +27,7 @@ from gateway.providers.upstream import Upstream, UpstreamError
 from gateway.server import context as ctx
 from gateway.server.budget import Admission
 from gateway.server.headers import run_headers
-from gateway.server.replies import counted_usage, usage_of
+from gateway.server.replies import usage_of
 from gateway.server.runs import Call
 from gateway.server.turns import Booked, book_turn
 
@@ -147,8 +147,7 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, upstr
                                             "in the stream", upstream.name, 200)
                     break
     except UpstreamError as exc:
-        if response is None:  # nothing sent yet: an ordinary error answer
-            await app[ctx.GOVERNOR].release(adm)
+        if response is None:  # nothing sent yet: an ordinary error answer (the admission releases)
             raise
         failure = exc
     except BaseException:  # cancelled: by a client that left (aiohttp may cancel the handler) or a shutdown
@@ -184,6 +183,4 @@ async def _charge_received(request: web.Request, call: Call, adm: Admission, got
     if got.chunks == 0 and got.usage is None:
         await request.app[ctx.GOVERNOR].release(adm)
         return None
-    message = got.message()
-    usage = got.usage or counted_usage(request.app[ctx.COUNTER], call.chat.messages, call.chat.tools, message)
-    return await book_turn(request, call, adm, usage=usage, message=message, finish=finish)
+    return await book_turn(request, call, adm, reported=got.usage, message=got.message(), finish=finish)

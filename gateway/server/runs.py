@@ -126,15 +126,16 @@ async def update_run(store: Store, run: RunState, change: Callable[[RunState], N
             if fresh is None:
                 raise
             run = fresh
-    raise Conflict(f"run {run.run_id} is being changed by too many calls at once; retry", code="run_contended")
+    raise Conflict(f"run {run.run_id} is being changed by too many calls at once; retry", code="run_contended",
+                   headers={"x-should-retry": "true", "retry-after": "1"})
 
 
 async def commit_run(store: Store, run: RunState, change: Callable[[RunState], None],
-                     trace: Callable[[RunState], list[Event]],
-                     booking: Booking | None) -> tuple[RunState, list[Event], Ledger | None]:
+                     trace: Callable[[RunState], list[Event]], booking: Booking | None,
+                     attempts: int = UPDATE_ATTEMPTS) -> tuple[RunState, list[Event], Ledger | None]:
     """Apply `change`, then save it with `trace(run)`'s lines and `booking` in one store step;
     on a concurrent save, reload and do it again. Returns the run, the lines and the ledger."""
-    for _ in range(UPDATE_ATTEMPTS):
+    for _ in range(attempts):
         change(run)
         events = trace(run)
         try:
@@ -144,7 +145,8 @@ async def commit_run(store: Store, run: RunState, change: Callable[[RunState], N
             if fresh is None:
                 raise
             run = fresh
-    raise Conflict(f"run {run.run_id} is being changed by too many calls at once; retry", code="run_contended")
+    raise Conflict(f"run {run.run_id} is being changed by too many calls at once; retry", code="run_contended",
+                   headers={"x-should-retry": "true", "retry-after": "1"})
 
 
 def add_turn(*, model: str, usage: Usage, cost_usd: float, transcript: list[dict[str, object]] | None,

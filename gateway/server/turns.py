@@ -26,6 +26,7 @@ from gateway.server import context as ctx
 from gateway.server.budget import Admission
 from gateway.server.errors import Conflict, LimitExceeded
 from gateway.server.headers import run_headers
+from gateway.server.replies import checked_usage
 from gateway.server.runs import Call, add_turn, commit_run, stop_run
 from gateway.store.base import Booking, Event
 from gateway.store.errors import RunNotFound, StaleRun
@@ -83,8 +84,9 @@ async def refuse(request: web.Request, call: Call, exc: LimitExceeded) -> LimitE
             return [event(r.run_id, "run_stopped", status=status, reason=reason, turns=r.turns,
                           costUsd=round(r.cost_usd, 9), detail=exc.message)]
 
-        run, events, _ = await commit_run(app[ctx.STORE], run, stop_run(status, reason, interruption, detail), trace,
-                                          None)
+        async with app[ctx.GOVERNOR].run_lock(run.run_id):
+            run, events, _ = await commit_run(app[ctx.STORE], run, stop_run(status, reason, interruption, detail),
+                                              trace, None)
         append_trace_file(app[ctx.CONFIG].trace_file, events)
         app[ctx.METRICS].on_run_stopped(call.team.name, call.policy.name, status, reason, run.turns, run.cost_usd)
     call.run = run
@@ -95,11 +97,20 @@ async def refuse(request: web.Request, call: Call, exc: LimitExceeded) -> LimitE
     return exc
 
 
-async def book_turn(request: web.Request, call: Call, adm: Admission, *, usage: Usage, message: Message,
+async def book_turn(request: web.Request, call: Call, adm: Admission, *, reported: Usage | None, message: Message,
                     finish: str) -> Booked:
-    """Settle, save and trace one turn in one store step; returns the updated run."""
+    """Settle, save and trace one turn in one store step; returns the updated run.
+
+    The usage booked is the upstream's `reported` one unless it is absent or beyond belief
+    (`checked_usage`); then the gateway's count is booked, and a `usage_clamped` line says so.
+    """
     app = request.app
     governor = app[ctx.GOVERNOR]
+    chat = call.chat
+    checked = checked_usage(reported, counter=app[ctx.COUNTER], messages=chat.messages, tools=chat.tools,
+                            message=message, body_bytes=len(chat.raw), allowed_completion=adm.allowed_completion,
+                            n=chat.n, counted_prompt=adm.prompt_tokens)
+    usage = checked.usage
     cost = call.route.price.cost(usage)
     booking = governor.booking(adm, cost)
     completed = finish == "stop" and not message.get("tool_calls")
@@ -107,16 +118,24 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, usage: 
                       completed=completed)
 
     def trace(run: RunState) -> list[Event]:
-        lines = [event(run.run_id, "turn", turn=run.turns, prompt_tokens=usage.prompt_tokens,
-                       completion_tokens=usage.completion_tokens, total_tokens=usage.total_tokens,
-                       costUsd=round(run.cost_usd, 9), finish=finish)]
+        lines = []
+        if checked.reported is not None:
+            lines.append(event(run.run_id, "usage_clamped", upstream=call.route.upstream,
+                               reported=checked.reported.to_json(), booked=usage.to_json(), kinds=list(checked.clamped)))
+        lines.append(event(run.run_id, "turn", turn=run.turns, prompt_tokens=usage.prompt_tokens,
+                           completion_tokens=usage.completion_tokens, total_tokens=usage.total_tokens,
+                           costUsd=round(run.cost_usd, 9), finish=finish))
         if completed:
             lines.append(event(run.run_id, "run_stopped", status="completed", reason="completed", turns=run.turns,
                                costUsd=round(run.cost_usd, 9)))
         return lines
 
     try:
-        run, events, ledger = await commit_run(app[ctx.STORE], call.run, change, trace, booking)
+        # Bookings of one run take turns here; between replicas, each round of revision
+        # conflicts books at least one of the run's calls in flight, which are bounded.
+        async with governor.run_lock(call.run.run_id):
+            run, events, ledger = await commit_run(app[ctx.STORE], call.run, change, trace, booking,
+                                                   attempts=app[ctx.CONFIG].defaults.max_calls_in_flight_per_run + 8)
     except BaseException as exc:
         if booking is not None:
             await _book_alone(governor.book, booking, exc)
@@ -126,6 +145,8 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, usage: 
     append_trace_file(app[ctx.CONFIG].trace_file, events)
     metrics = app[ctx.METRICS]
     metrics.on_turn(call.team.name, call.policy.name, call.chat.model, usage, cost)
+    if checked.reported is not None:
+        metrics.on_usage_clamped(call.route.upstream, checked.clamped)
     if completed:
         metrics.on_run_stopped(call.team.name, call.policy.name, "completed", "completed", run.turns, run.cost_usd)
     team = call.team

@@ -10,7 +10,7 @@ import pytest
 
 from gateway.harness.state import Limits, RunState
 from gateway.harness.usage import Price, Usage
-from gateway.server.budget import MARGIN_USD, Governor
+from gateway.server.budget import MARGIN_USD, Admission, Ask, Governor
 from gateway.server.config import Defaults, TeamConfig
 from gateway.server.errors import LimitExceeded
 from gateway.store import Store, open_store
@@ -43,12 +43,14 @@ def prompt_cost() -> float:
     return PRICE.cost(Usage(get_counter().count_request(MESSAGES), 0))
 
 
-async def admit(gov: Governor, t: TeamConfig, run: RunState, max_tokens: int | None = None):  # type: ignore[no-untyped-def]
-    adm = gov.open(run, t)
-    remaining = None if run.limits.max_budget_usd is None else run.limits.max_budget_usd - run.cost_usd
-    await gov.reserve(adm, price=PRICE, messages=MESSAGES, tools=None, max_tokens=max_tokens,
-                      run_remaining_usd=remaining)
-    return adm
+async def admit(gov: Governor, t: TeamConfig, run: RunState, max_tokens: int | None = None, n: int = 1) -> Admission:
+    if await gov.store.load_run(run.run_id) is None:  # a call's turn slot belongs to a stored run
+        await gov.store.create_run(run)
+    return await gov.admit_turn(run, t, Ask(PRICE, MESSAGES, None, max_tokens, n))
+
+
+async def in_flight(gov: Governor, run: RunState) -> int:
+    return (await gov.store.figures("t", "total", run.run_id)).run_in_flight
 
 
 async def test_team_budget_rolls_over_with_the_clock(store: Store) -> None:
@@ -82,11 +84,11 @@ async def test_release_gives_the_reservation_back_and_settle_is_once(store: Stor
     adm = await admit(gov, t, run, max_tokens=100)
     held = prompt_cost() + PRICE.cost(Usage(0, 100))
     assert await store.team_spend("t", "total") == (0.0, pytest.approx(held))
-    assert gov.in_flight(run.run_id) == 1
+    assert await in_flight(gov, run) == 1
     await gov.release(adm)
     await gov.settle(adm, 0.5)  # after a release: nothing more is booked
     assert await store.team_spend("t", "total") == (0.0, 0.0)
-    assert gov.in_flight(run.run_id) == 0
+    assert await in_flight(gov, run) == 0
 
 
 async def test_strict_clamps_to_the_run_budget_and_counts_calls_in_flight(store: Store) -> None:
@@ -111,21 +113,54 @@ async def test_turn_cap_counts_calls_in_flight(store: Store) -> None:
     gov = Governor(store, get_counter(), Defaults())
     t = team()
     run = RunState.new("m", MESSAGES, limits=Limits(max_turns=2))
-    a = gov.open(run, t)
-    b = gov.open(run, t)
+    a = await admit(gov, t, run)
+    b = await admit(gov, t, run)
     with pytest.raises(LimitExceeded) as info:
-        gov.open(run, t)
+        await admit(gov, t, run)
     assert info.value.kind == "max_turns_exceeded" and "2 more in flight" in info.value.message
     await gov.release(a)
-    c = gov.open(run, t)  # a slot came back
+    c = await admit(gov, t, run)  # a slot came back
     for adm in (b, c):
         await gov.release(adm)
+
+
+async def test_an_admission_left_without_a_booking_releases_its_slot(store: Store) -> None:
+    gov = Governor(store, get_counter(), Defaults())
+    t = team(budget_usd=1.0, budget_period="total")
+    run = RunState.new("m", MESSAGES, limits=Limits(max_turns=1))
+    with pytest.raises(RuntimeError):
+        async with await admit(gov, t, run):
+            raise RuntimeError("the upstream failed")
+    assert await store.team_spend("t", "total") == (0.0, 0.0)
+    async with await admit(gov, t, run) as adm:  # the slot came back
+        await gov.settle(adm, 0.001)
+    assert await store.team_spend("t", "total") == (0.001, 0.0)
+
+
+async def test_reservations_are_sized_for_every_choice(store: Store) -> None:
+    gov = Governor(store, get_counter(), Defaults())
+    t = team(budget_usd=1.0, budget_period="total")
+    adm = await admit(gov, t, RunState.new("m", MESSAGES), max_tokens=100, n=8)
+    assert await store.team_spend("t", "total") == (0.0, pytest.approx(prompt_cost() + PRICE.cost(Usage(0, 800))))
+    assert adm.allowed_completion == 800
+    await gov.release(adm)
+
+
+async def test_strict_clamps_each_choice_so_all_of_them_fit(store: Store) -> None:
+    gov = Governor(store, get_counter(), Defaults())
+    t = team(budget_usd=0.01, budget_period="total", budget_mode="strict")
+    adm = await admit(gov, t, RunState.new("m", MESSAGES), n=8)
+    assert adm.max_tokens is not None
+    prompt = get_counter().count_request(MESSAGES)
+    assert PRICE.cost(Usage(prompt, adm.max_tokens * 8)) <= 0.01
+    assert PRICE.cost(Usage(prompt, (adm.max_tokens + 1) * 8)) > 0.01 - 2 * MARGIN_USD
+    await gov.release(adm)
 
 
 async def test_no_budget_and_no_strict_counts_nothing(store: Store) -> None:
     gov = Governor(store, get_counter(), Defaults())
     adm = await admit(gov, team(), RunState.new("m", MESSAGES))
-    assert adm.prompt_tokens is None and adm.reservation is None and adm.max_tokens is None
+    assert adm.prompt_tokens is None and adm.max_tokens is None
     await gov.settle(adm, 0.25)  # still booked on the team's ledger (for the spend gauge)
     spent, _ = await store.team_spend("t", gov.period(team()))
     assert spent == pytest.approx(0.25)
@@ -138,7 +173,7 @@ async def test_a_turns_booking_closes_the_call_and_books_once_with_its_save(stor
     await store.create_run(run)
     adm = await admit(gov, t, run, max_tokens=100)
     booking = gov.booking(adm, 0.002)
-    assert booking is not None and booking.reservation_id == adm.reservation and gov.in_flight(run.run_id) == 0
+    assert booking is not None and booking.reservation_id == adm.reservation
     assert gov.booking(adm, 0.002) is None  # closed: a second close books nothing
     run.turns = 1
     ledger = await store.commit_turn(run, [{"type": "turn"}], booking)
@@ -148,11 +183,16 @@ async def test_a_turns_booking_closes_the_call_and_books_once_with_its_save(stor
     assert spent == pytest.approx(0.002) and reserved == 0.0
 
 
-async def test_a_free_unreserved_call_books_nothing_and_a_paid_one_is_charged(store: Store) -> None:
+async def test_every_call_holds_a_slot_that_its_booking_frees(store: Store) -> None:
     gov = Governor(store, get_counter(), Defaults())
-    assert gov.booking(await admit(gov, team(), RunState.new("m", MESSAGES)), 0.0) is None
+    run = RunState.new("m", MESSAGES, team="t")
+    free = gov.booking(await admit(gov, team(), run), 0.0)  # a free call still holds the run's turn slot
+    assert free is not None and free.reservation_id is not None and free.actual_usd == 0.0
+    run.turns = 1
+    await store.commit_turn(run, [], free)
+    assert (await store.figures("t", free.period, run.run_id)).run_in_flight == 0
     booking = gov.booking(await admit(gov, team(), RunState.new("m", MESSAGES)), 0.25)
-    assert booking is not None and booking.reservation_id is None and booking.period == gov.period(team())
+    assert booking is not None and booking.period == gov.period(team())
     await gov.book(booking)
     assert await store.team_spend("t", booking.period) == (0.25, 0.0)
     assert gov.remaining(team(), (0.25, 0.0)) is None  # no team budget: nothing remains to report

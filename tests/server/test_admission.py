@@ -1,0 +1,236 @@
+"""Admission holds under concurrency, across replicas and against a lying upstream.
+
+Real gateway processes (one on SQLite, two on one real redis-server) in front of a real
+HTTP upstream served by this test (so it can count what reaches it, bill every choice of
+`n`, or report absurd usage):
+
+- 64 concurrent calls on one run with `max_turns: 20`, split over two replicas: exactly 20
+  reach the upstream, the rest are refused before anything is forwarded;
+- a strict team budget is never passed by calls asking `n=8` choices, on two replicas;
+- 48 concurrent first calls on one new run: every call that was forwarded is answered and
+  booked (none is refused after it was paid), and the ledger equals the run's cost;
+- an upstream reporting 1e9/1e9 tokens is booked at the gateway's own count, traced and
+  counted as `usage_clamped`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+import yaml
+from aiohttp import web
+
+from gateway.harness.usage import Price, Usage
+from gateway.store.periods import period_key
+from gateway.store.redis import RedisStore
+from gateway.store.sqlite import SqliteStore
+from gateway.tokens import get_counter
+from tests.store.conftest import _start_redis
+from tests.support.procs import ROOT, Proc, free_port, start_gateway
+
+KEY, THRIFTY = "sk-adm", "sk-thrifty"
+PRICE = Price(2.0, 12.0)
+TASK = [{"role": "user", "content": "Say ok."}]
+PER_CHOICE = 10
+"""Completion tokens one choice of the counting upstream bills when `max_tokens` allows."""
+
+
+@dataclass
+class Upstream:
+    """An OpenAI-compatible upstream that counts the calls reaching it, by model."""
+
+    url: str = ""
+    calls: Counter[str] = field(default_factory=Counter)
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        model, n = body["model"], int(body.get("n") or 1)
+        self.calls[model] += 1
+        await asyncio.sleep(0.05)  # the upstream's own latency: calls overlap in flight
+        prompt = get_counter().count_request(body["messages"], body.get("tools"))
+        if model == "liar":
+            usage = {"prompt_tokens": 10**9, "completion_tokens": 10**9, "total_tokens": 2 * 10**9}
+        else:  # "many" writes every choice up to its max_tokens, as a long answer would
+            cap = body.get("max_tokens") or PER_CHOICE
+            per_choice = cap if model == "many" else min(PER_CHOICE, cap)
+            usage = {"prompt_tokens": prompt, "completion_tokens": n * per_choice,
+                     "total_tokens": prompt + n * per_choice}
+        choices = [{"index": i, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+                   for i in range(n)]
+        return web.json_response({"id": "chatcmpl-x", "object": "chat.completion", "created": 0, "model": model,
+                                  "choices": choices, "usage": usage})
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[Upstream]:
+    state = Upstream()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", state.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    state.url = f"http://127.0.0.1:{port}/v1"
+    yield state
+    await runner.cleanup()
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed (apt-get install -y redis-server)")
+    proc: subprocess.Popen[bytes]
+    proc, port = _start_redis(exe, tmp_path_factory.mktemp("redis"))
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, Any]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    policies = folder.parent / "policies"
+    if not policies.exists():
+        policies.mkdir()
+        for path in (ROOT / "policies").glob("*.yaml"):
+            (policies / path.name).write_text(path.read_text())
+        (policies / "wide.yaml").write_text(yaml.safe_dump(
+            {"name": "wide", "description": "pass-through with room for many turns",
+             "limits": {"max_turns": 100, "max_budget_usd": None}}))
+    config = {
+        "server": {"host": "127.0.0.1", "port": port, "lease_ttl_s": 5},
+        "store": store,
+        "policies_dir": str(policies),
+        "trace_file": "./trace.jsonl",
+        "upstreams": [{"name": "counting", "base_url": upstream_url}],
+        "models": [{"match": "*", "upstream": "counting", "price_in": 2.0, "price_out": 12.0}],
+        "teams": [
+            {"name": "adm", "keys": [KEY], "budget_usd": 10.0, "budget_period": "total",
+             "policies": ["passthrough", "wide"]},
+            {"name": "thrifty", "keys": [THRIFTY], "budget_usd": 0.01, "budget_period": "total",
+             "budget_mode": "strict", "policies": ["passthrough"]},
+        ],
+    }
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def start(folder: Path, upstream_url: str, store: dict[str, Any]) -> Proc:
+    port = free_port()
+    config = write_config(folder, port, upstream_url, store)
+    return start_gateway(["serve", "--config", str(config)], "/healthz", port, folder / "gateway.log")
+
+
+@pytest.fixture
+def pair(tmp_path: Path, redis_url: str, upstream: Upstream) -> Iterator[tuple[Proc, Proc, RedisStore]]:
+    store = {"kind": "redis", "url": redis_url, "prefix": f"adm-{uuid.uuid4().hex[:8]}:"}
+    with ThreadPoolExecutor(2) as pool:
+        a, b = pool.map(lambda name: start(tmp_path / name, upstream.url, store), ["a", "b"])
+    yield a, b, RedisStore(redis_url, str(store["prefix"]))
+    a.stop()
+    b.stop()
+
+
+@pytest.fixture
+def single(tmp_path: Path, upstream: Upstream) -> Iterator[Proc]:
+    proc = start(tmp_path / "one", upstream.url, {"kind": "sqlite", "path": "./gateway.db"})
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def chat(session: aiohttp.ClientSession, proc: Proc, key: str, body: dict[str, Any],
+               headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
+    async with session.post(f"{proc.url}/v1/chat/completions", data=orjson.dumps(body),
+                            headers={"Authorization": f"Bearer {key}", **(headers or {})}) as resp:
+        return resp.status, dict(resp.headers), orjson.loads(await resp.read())
+
+
+async def test_a_turn_cap_is_exact_across_two_replicas(pair: tuple[Proc, Proc, RedisStore], upstream: Upstream,
+                                                       session: aiohttp.ClientSession) -> None:
+    a, b, store = pair
+    run_id = f"cap-{uuid.uuid4().hex[:8]}"
+    body = {"model": "cap", "messages": TASK}
+    results = await asyncio.gather(*(chat(session, (a, b)[i % 2], KEY, body, {"X-Run-Id": run_id})
+                                     for i in range(64)))
+    statuses = Counter(status for status, _, _ in results)
+    assert upstream.calls["cap"] == 20  # forwarded: exactly the cap
+    assert statuses == {200: 20, 429: 44}, statuses
+    for status, headers, reply in results:
+        if status == 429:
+            assert reply["error"]["type"] == "max_turns_exceeded" and headers["x-should-retry"] == "false"
+    run = await store.load_run(run_id)
+    assert run is not None and run.turns == 20
+    spent, reserved = await store.team_spend("adm", "total")
+    assert reserved == 0.0 and spent == pytest.approx(run.cost_usd, abs=1e-6)
+    await store.close()
+
+
+async def test_a_strict_team_budget_holds_with_n_choices_on_two_replicas(
+        pair: tuple[Proc, Proc, RedisStore], upstream: Upstream, session: aiohttp.ClientSession) -> None:
+    a, b, store = pair
+    results = await asyncio.gather(*(chat(session, (a, b)[i % 2], THRIFTY, {"model": "many", "messages": TASK, "n": 8})
+                                     for i in range(24)))
+    ok = [headers for status, headers, _ in results if status == 200]
+    refused = [reply for status, _, reply in results if status != 200]
+    assert ok and refused and upstream.calls["many"] == len(ok)
+    assert all(r["error"]["type"] == "team_budget_exceeded" for r in refused), refused
+    spent, reserved = await store.team_spend("thrifty", "total")
+    assert reserved == 0.0 and spent <= 0.01 + 1e-9, spent
+    assert spent == pytest.approx(sum(float(h["X-Run-Cost-Usd"]) for h in ok), abs=1e-6)
+    await store.close()
+
+
+async def test_concurrent_first_calls_of_a_new_run_are_each_paid_and_booked(
+        single: Proc, upstream: Upstream, session: aiohttp.ClientSession, tmp_path: Path) -> None:
+    run_id = f"storm-{uuid.uuid4().hex[:8]}"
+    body = {"model": "storm", "messages": TASK}
+    results = await asyncio.gather(*(chat(session, single, KEY, body, {"X-Run-Id": run_id, "X-Policy": "wide"})
+                                     for _ in range(48)))
+    assert [status for status, _, _ in results] == [200] * 48, [r for s, _, r in results if s != 200][:3]
+    assert upstream.calls["storm"] == 48
+    store = SqliteStore(tmp_path / "one" / "gateway.db")
+    run = await store.load_run(run_id)
+    assert run is not None and run.turns == 48
+    assert await store.team_spend("adm", "total") == (pytest.approx(run.cost_usd, abs=1e-6), 0.0)
+    await store.close()
+
+
+async def test_absurd_upstream_usage_is_booked_at_the_gateways_count(
+        single: Proc, upstream: Upstream, session: aiohttp.ClientSession) -> None:
+    status, headers, reply = await chat(session, single, KEY, {"model": "liar", "messages": TASK, "max_tokens": 50},
+                                        {"X-Run-Id": "liar-1"})
+    assert status == 200, reply
+    prompt = get_counter().count_request(TASK)
+    expected = PRICE.cost(Usage(prompt, get_counter().count_completion({"content": "ok"})))
+    assert float(headers["X-Run-Cost-Usd"]) == pytest.approx(expected, abs=1e-9)
+    async with session.get(f"{single.url}/v1/runs/liar-1/events", headers={"Authorization": f"Bearer {KEY}"}) as r:
+        events = [orjson.loads(line) for line in (await r.read()).splitlines()]
+    clamped = [e for e in events if e["type"] == "usage_clamped"]
+    assert len(clamped) == 1 and clamped[0]["reported"]["prompt_tokens"] == 10**9
+    assert clamped[0]["kinds"] == ["prompt", "completion"]
+    async with session.get(f"{single.url}/metrics") as r:
+        text = await r.text()
+    assert 'gateway_usage_clamped_total{kind="prompt",upstream="counting"} 1.0' in text
+    assert 'gateway_usage_clamped_total{kind="completion",upstream="counting"} 1.0' in text
