@@ -102,7 +102,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         proc.wait()
 
 
-def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, Any]) -> Path:
+def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, Any], budget_usd: float = 10.0) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     policies = folder.parent / "policies"
     if not policies.exists():
@@ -120,7 +120,7 @@ def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, An
         "upstreams": [{"name": "counting", "base_url": upstream_url}],
         "models": [{"match": "*", "upstream": "counting", "price_in": 2.0, "price_out": 12.0}],
         "teams": [
-            {"name": "adm", "keys": [KEY], "budget_usd": 10.0, "budget_period": "total",
+            {"name": "adm", "keys": [KEY], "budget_usd": budget_usd, "budget_period": "total",
              "policies": ["passthrough", "wide"]},
             {"name": "thrifty", "keys": [THRIFTY], "budget_usd": 0.01, "budget_period": "total",
              "budget_mode": "strict", "policies": ["passthrough"]},
@@ -131,9 +131,9 @@ def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, An
     return path
 
 
-def start(folder: Path, upstream_url: str, store: dict[str, Any]) -> Proc:
+def start(folder: Path, upstream_url: str, store: dict[str, Any], budget_usd: float = 10.0) -> Proc:
     port = free_port()
-    config = write_config(folder, port, upstream_url, store)
+    config = write_config(folder, port, upstream_url, store, budget_usd)
     return start_gateway(["serve", "--config", str(config)], "/healthz", port, folder / "gateway.log")
 
 
@@ -234,3 +234,73 @@ async def test_absurd_upstream_usage_is_booked_at_the_gateways_count(
         text = await r.text()
     assert 'gateway_usage_clamped_total{kind="prompt",upstream="counting"} 1.0' in text
     assert 'gateway_usage_clamped_total{kind="completion",upstream="counting"} 1.0' in text
+
+
+@dataclass
+class Hanging(Upstream):
+    """An upstream whose "hang" calls never answer: they stay in flight until the caller dies."""
+
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    wanted: int = 0
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if body["model"] != "hang":
+            return await super().handle(request)
+        self.calls["hang"] += 1
+        if self.calls["hang"] >= self.wanted:
+            self.arrived.set()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("same_address", [True, False], ids=["restarted-in-place", "another-process"])
+async def test_a_crash_under_load_blocks_the_team_no_longer_than_the_lease(
+        tmp_path: Path, session: aiohttp.ClientSession, same_address: bool) -> None:
+    hanging = Hanging(wanted=32)
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", hanging.handle)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    up_port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", up_port).start()
+    url = f"http://127.0.0.1:{up_port}/v1"
+    store = {"kind": "sqlite", "path": "./gateway.db"}
+    first = start(tmp_path / "one", url, store, budget_usd=1.0)
+    try:
+        # 32 calls of team adm ($1 budget) in flight, each holding its prompt + 2,600 tokens:
+        # the whole budget is held when the process dies.
+        flying = [asyncio.ensure_future(chat(session, first, KEY, {"model": "hang", "messages": TASK,
+                                                                   "max_tokens": 2600}))
+                  for _ in range(32)]
+        await asyncio.wait_for(hanging.arrived.wait(), 30)
+        held = await SqliteStore(tmp_path / "one" / "gateway.db").team_spend("adm", "total")
+        assert held[1] > 0.99  # 32 x (prompt + 2,600 tokens): nothing is left for another call
+        first.kill()
+        for task in flying:
+            task.cancel()
+        await asyncio.gather(*flying, return_exceptions=True)
+        if same_address:
+            port = int(first.url.rsplit(":", 1)[1])
+            config = tmp_path / "one" / "config.yaml"
+            second = start_gateway(["serve", "--config", str(config)], "/healthz", port, tmp_path / "one" / "2.log")
+        else:
+            second = start(tmp_path / "two", url, {"kind": "sqlite", "path": str(tmp_path / "one" / "gateway.db")},
+                           budget_usd=1.0)
+        try:
+            loop = asyncio.get_running_loop()
+            crashed_at = loop.time()
+            store_view = SqliteStore(tmp_path / "one" / "gateway.db")
+            while (await store_view.team_spend("adm", "total"))[1] > 0:
+                assert loop.time() - crashed_at < 5 + 5, "the dead process's holds outlived its lease"
+                await asyncio.sleep(0.1)  # polling the ledger, as an operator's dashboard would
+            if same_address:  # its own holds were released at start, before it served anything
+                assert loop.time() - crashed_at < 1.0
+            status, _, reply = await chat(session, second, KEY, {"model": "ok", "messages": TASK})
+            assert status == 200, reply
+            await store_view.close()
+        finally:
+            second.stop()
+    finally:
+        first.stop()
+        await runner.cleanup()
