@@ -38,7 +38,11 @@ from gateway.server.middleware import gateway_middleware
 from gateway.server.passthrough import chat_completions
 from gateway.server.runs import Call
 from gateway.store import Store, StoreConfigError, StoreError, open_store
+from gateway.server.turns import replay_spool
+from gateway.store.spool import Spool
 from gateway.tokens import get_counter
+
+SPOOL_REPLAY_S = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -114,14 +118,30 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     except StoreError as exc:  # the store may be back later: its holds then expire on their own
         log.warning("cannot release this gateway's earlier reservations: %s", exc)
     keeper = asyncio.ensure_future(governor.keep_alive())
+    replayer = asyncio.ensure_future(_replay_spool_forever(app))
     try:
         yield
     finally:
-        keeper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await keeper
+        for task in (keeper, replayer):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await session.close()
         await store.close()
+
+
+async def _replay_spool_forever(app: web.Application) -> None:
+    """Book spooled turns as soon as the store takes them again (checked every second)."""
+    spool = app[ctx.SPOOL]
+    while True:
+        if spool.has_pending():
+            try:
+                booked = await replay_spool(app)
+                if booked:
+                    log.warning("booked %d spooled turns", booked)
+            except Exception:
+                log.exception("replaying the spool failed")
+        await asyncio.sleep(SPOOL_REPLAY_S)
 
 
 def process_owner(self_url: str | None) -> str:
@@ -142,6 +162,7 @@ def build_app(config: Config, *, self_url: str | None = None) -> web.Application
     app[ctx.METRICS] = Metrics(name for name, _ in routed_models(config))
     app[ctx.HARNESS] = _no_harness
     app[ctx.STORE] = _open_store(config)
+    app[ctx.SPOOL] = Spool(config.spool_file)
     if self_url is not None:
         app[ctx.SELF_URL] = self_url.rstrip("/")
     app.cleanup_ctx.append(_resources)

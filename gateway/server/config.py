@@ -17,6 +17,8 @@ Settings beyond DESIGN.md's shape:
 - `runs_dir` (default `runs/` next to the SQLite file, else next to this file): where
   per-run sandbox folders live. Replicas that share a store must share this folder too,
   so a run resumed on another replica finds its files.
+- `spool_file` (default `spool.jsonl` next to this file): where a turn that was paid
+  upstream while the store was unreachable is written (durably) until the store books it.
 - `teams[i].admin` (default false): keys of an admin team may call the admin API
   (`POST /v1/admin/reload`). Admin is an explicit grant: being named as an approver by
   a policy does not make a team an admin, so editing a policy file can never widen who
@@ -134,6 +136,7 @@ class Config:
     policies_dir: Path
     runs_dir: Path
     trace_file: Path | None
+    spool_file: Path
     upstreams: Mapping[str, UpstreamConfig]
     models: tuple[ModelRoute, ...]
     teams: tuple[TeamConfig, ...]
@@ -182,8 +185,8 @@ def parse_config(data: Any, file: Path) -> Config:
     """Validate an already-parsed YAML document as if it were read from `file`."""
     base = file.resolve().parent
     root = Field(str(file), "", data if data is not None else {})
-    root.keys_only({"server", "store", "policies_dir", "runs_dir", "trace_file", "upstreams", "models", "teams",
-                    "defaults"})
+    root.keys_only({"server", "store", "policies_dir", "runs_dir", "trace_file", "spool_file", "upstreams", "models",
+                    "teams", "defaults"})
     upstreams = _upstreams(root.get("upstreams"))
     store = _store(root.get("store"), base)
     return Config(
@@ -193,6 +196,7 @@ def parse_config(data: Any, file: Path) -> Config:
         policies_dir=base / root.get("policies_dir").optional_str("./policies"),
         runs_dir=_optional_path(root.get("runs_dir"), base) or _default_runs_dir(store, base),
         trace_file=_optional_path(root.get("trace_file"), base),
+        spool_file=_optional_path(root.get("spool_file"), base) or base / "spool.jsonl",
         upstreams=upstreams,
         models=_models(root.get("models"), upstreams),
         teams=_teams(root.get("teams")),

@@ -22,6 +22,7 @@ from gateway.server.config import SCRIPTED_PREFIX, Config
 from gateway.server.metrics import Metrics
 from gateway.server.runs import Call
 from gateway.store.base import Store
+from gateway.store.spool import Spool
 from gateway.tokens import TokenCounter
 
 HarnessHandler = Callable[[web.Request, Call], Awaitable[web.StreamResponse]]
@@ -66,6 +67,7 @@ GOVERNOR: Final = web.AppKey("governor", Governor)
 UPSTREAMS: Final = web.AppKey("upstreams", Upstreams)
 HARNESS: Final = web.AppKey[HarnessHandler]("harness")
 SELF_URL: Final = web.AppKey("self_url", str)
+SPOOL: Final = web.AppKey("spool", Spool)
 
 # Per request: the run as last known (error responses carry its headers) and the time
 # spent waiting on the upstream (the overhead metric subtracts it).

@@ -41,6 +41,9 @@ class Booking:
     period: str
     actual_usd: float
     reservation_id: str | None = None
+    if_held: bool = False
+    """With a reservation: refuse the whole commit (AlreadyBooked, nothing written) unless the
+    reservation is still stored, so a booking replayed after an outage books exactly once."""
 
 
 @dataclass(frozen=True)

@@ -38,3 +38,12 @@ class StaleRun(StoreError):
         self.run_id = run_id
         self.expected = expected
         self.stored = stored
+
+
+class AlreadyBooked(StoreError):
+    """A `Booking(if_held=True)` whose reservation was settled or released already: the
+    commit wrote nothing (the turn it books was booked before)."""
+
+    def __init__(self, reservation_id: str) -> None:
+        super().__init__(f"reservation {reservation_id!r} was booked or released already")
+        self.reservation_id = reservation_id

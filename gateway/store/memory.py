@@ -32,7 +32,7 @@ from gateway.store.base import (
     optional_micros,
     to_micros,
 )
-from gateway.store.errors import RunExists, RunNotFound, StaleRun, StoreError
+from gateway.store.errors import AlreadyBooked, RunExists, RunNotFound, StaleRun, StoreError
 
 
 @dataclass
@@ -113,6 +113,9 @@ class MemoryStore:
 
     async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None) -> Ledger | None:
         actual = 0 if booking is None else to_micros(booking.actual_usd, "actual_usd")
+        rid = None if booking is None else booking.reservation_id
+        if booking is not None and booking.if_held and rid is not None and rid not in self._reservations:
+            raise AlreadyBooked(rid)
         self._save(state, events)
         if booking is None:
             return None

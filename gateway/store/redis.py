@@ -39,7 +39,7 @@ from gateway.store.base import (
     stamped_body,
     to_micros,
 )
-from gateway.store.errors import RunExists, RunNotFound, StaleRun, StoreError
+from gateway.store.errors import AlreadyBooked, RunExists, RunNotFound, StaleRun, StoreError
 
 DEFAULT_PREFIX: Final = "gw:"
 _RETENTION_MS: Final = str(int(EXPIRED_RETENTION_S * 1000))
@@ -132,7 +132,9 @@ class RedisStore:
         state.updated_at = now
 
     @staticmethod
-    def _check_saved(state: RunState, result: list[Any]) -> None:
+    def _check_saved(state: RunState, result: list[Any], reservation_id: str | None = None) -> None:
+        if int(result[0]) == 3:
+            raise AlreadyBooked(reservation_id or "")
         if int(result[0]) == 0:
             raise RunNotFound(state.run_id)
         if int(result[0]) == 2:
@@ -148,12 +150,13 @@ class RedisStore:
         if booking is None:
             args += ["0", "", "0", "", "", _RETENTION_MS]
         else:
-            args += ["1", booking.reservation_id or "", str(actual), booking.team, booking.period, _RETENTION_MS]
+            flag = "2" if booking.if_held and booking.reservation_id else "1"
+            args += [flag, booking.reservation_id or "", str(actual), booking.team, booking.period, _RETENTION_MS]
         args += [orjson.dumps(e) for e in events]
         self._redis()
         with self._errors:
             result: list[Any] = await self._commit(args=args)
-        self._check_saved(state, result)
+        self._check_saved(state, result, None if booking is None else booking.reservation_id)
         state.revision = revision
         state.updated_at = now
         return None if booking is None else (from_micros(int(result[1])), from_micros(int(result[2])))

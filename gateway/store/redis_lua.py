@@ -235,14 +235,16 @@ return {redis.call('HGET', ledger, 'spent:' .. period) or '0', redis.call('HGET'
 
 # One turn: the run's save (refused as SAVE_RUN refuses, and then nothing is written), its
 # trace events, and its booking (settle a reservation, or charge the period); returns
-# {1, spent, reserved} of the booking's ledger after it ({1} without a booking).
+# {1, spent, reserved} of the booking's ledger after it ({1} without a booking). Booking
+# flag '2' (if_held): {3} and nothing written unless the reservation is still stored.
 COMMIT_TURN: Final = _HELPERS + _SAVE + _SETTLE + """
 local p, id = ARGV[1], ARGV[2]
+if ARGV[10] == '2' and redis.call('EXISTS', p .. 'res:' .. ARGV[11]) == 0 then return {3} end
 local refused = save(p, id, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9])
 if refused then return refused end
 local book, rid, actual, team, period, retention = ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[14], ARGV[15]
 if #ARGV > 15 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, 16)) end
-if book ~= '1' then return {1} end
+if book == '0' then return {1} end
 if rid ~= '' then
   settle(p, rid, actual)
 elseif actual ~= '0' then

@@ -43,7 +43,7 @@ from gateway.store.base import (
     stamped_body,
     to_micros,
 )
-from gateway.store.errors import RunExists, RunNotFound, StaleRun, StoreError
+from gateway.store.errors import AlreadyBooked, RunExists, RunNotFound, StaleRun, StoreError
 from gateway.store.sqlite_batch import Step, WriteBatch
 from gateway.store.sqlite_schema import (
     BUSY_TIMEOUT_S,
@@ -103,7 +103,7 @@ class SqliteStore:
         self._conn: sqlite3.Connection | None = connect(self.path)
         self._reclaim_due: dict[str, float] = {}
         self._held: dict[str, float] = {}  # reservations this store made and nobody settled yet -> expiry
-        self._batch = WriteBatch(self._db, self._translate, (StaleRun, RunNotFound, RunExists))
+        self._batch = WriteBatch(self._db, self._translate, (StaleRun, RunNotFound, RunExists, AlreadyBooked))
         try:
             with self._errors:
                 self._conn.execute("PRAGMA wal_autocheckpoint = 0")  # the checkpointer's thread does it
@@ -207,6 +207,9 @@ class SqliteStore:
         mine = None if booking is None else booking.reservation_id
 
         def step(db: sqlite3.Connection) -> Ledger | None:  # a refusal undoes all of it
+            if booking is not None and booking.if_held and booking.reservation_id is not None and db.execute(
+                    "SELECT 1 FROM reservations WHERE id = ?", (booking.reservation_id,)).fetchone() is None:
+                raise AlreadyBooked(booking.reservation_id)
             self._update_run(db, state, revision, now, body)
             if encoded:
                 self._insert_events(db, state.run_id, encoded)

@@ -9,6 +9,7 @@ import pytest
 
 from gateway.harness.state import RunState
 from gateway.store.base import Booking, Claim, Store
+from gateway.store.errors import AlreadyBooked
 from tests.store.conftest import Stores
 
 
@@ -110,3 +111,21 @@ async def test_release_owner_gives_back_every_hold_of_a_restarted_process(store:
 async def test_bad_amounts_are_refused_by_name(store: Store, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         await store.admit(slot(**{field: float("nan")}))
+
+
+async def test_a_replayed_booking_books_once(store: Store) -> None:
+    run = await new_run(store)
+    grant = await store.admit(slot(amount_usd=0.01, budget_usd=1.0))
+    assert grant.reservation_id is not None
+    booking = Booking("demo", "total", 0.004, grant.reservation_id, if_held=True)
+    run.turns, run.cost_usd = 1, 0.004
+    await store.commit_turn(run, [{"type": "turn"}], booking)
+    again = await store.load_run("run_a")
+    assert again is not None
+    again.turns, again.cost_usd = 2, 0.008
+    with pytest.raises(AlreadyBooked):
+        await store.commit_turn(again, [{"type": "turn"}], booking)
+    stored = await store.load_run("run_a")
+    assert stored is not None and (stored.turns, stored.revision) == (1, 1)  # nothing written the second time
+    assert await store.team_spend("demo", "total") == (0.004, 0.0)
+    assert [e for _, e in await store.events("run_a")] == [{"type": "turn"}]

@@ -1,0 +1,150 @@
+"""Turns paid upstream while the store is down are booked once it is back (the spool).
+
+A real gateway on a real redis-server (with an append-only file, so a restart keeps its
+data) in front of an upstream served by this test that holds its replies until told: the
+calls are admitted, Redis is stopped, the upstream answers; the clients get their answers,
+the turns wait in the gateway's spool file, a new call forwards nothing, and once Redis
+is back every turn is booked exactly once: ledger = sum of the runs' costs = what the
+upstream's own usage says, to the micro-dollar.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+import redis
+from aiohttp import web
+
+from gateway.harness.usage import Price, Usage
+from gateway.store.redis import RedisStore
+from gateway.tokens import get_counter
+from tests.server.test_admission import KEY, TASK, chat, start
+from tests.support.procs import free_port
+
+PRICE = Price(2.0, 12.0)
+
+
+@dataclass
+class HeldUpstream:
+    """Answers every call (10 completion tokens) only once `release` is set."""
+
+    url: str = ""
+    calls: Counter[str] = field(default_factory=Counter)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    wanted: int = 0
+    billed: list[Usage] = field(default_factory=list)
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.calls[body["model"]] += 1
+        if self.calls[body["model"]] >= self.wanted:
+            self.arrived.set()
+        await self.release.wait()
+        usage = Usage(get_counter().count_request(body["messages"]), 10)
+        self.billed.append(usage)
+        return web.json_response({"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
+                                  "choices": [{"index": 0, "finish_reason": "stop",
+                                               "message": {"role": "assistant", "content": "ok"}}],
+                                  "usage": {**usage.to_json()}})
+
+
+def start_redis(workdir: Path, port: int) -> subprocess.Popen[bytes]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed (apt-get install -y redis-server)")
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
+                             "--appendfsync", "always", "--dir", str(workdir)],
+                            stdout=(workdir / f"redis-{time.monotonic_ns()}.log").open("wb"), stderr=subprocess.STDOUT)
+    client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
+    deadline = time.monotonic() + 15
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if client.ping():
+                    return proc
+            except redis.ConnectionError:
+                time.sleep(0.02)  # readiness poll
+    finally:
+        client.close()
+    proc.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+@pytest.fixture
+async def held() -> AsyncIterator[HeldUpstream]:
+    state = HeldUpstream()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", state.handle)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    state.url = f"http://127.0.0.1:{port}/v1"
+    yield state
+    state.release.set()
+    await runner.cleanup()
+
+
+async def test_turns_paid_during_a_store_outage_are_booked_once_when_it_returns(
+        tmp_path: Path, held: HeldUpstream) -> None:
+    redis_dir = tmp_path / "redis"
+    redis_dir.mkdir()
+    port = free_port()
+    server = start_redis(redis_dir, port)
+    url = f"redis://127.0.0.1:{port}/0"
+    prefix = f"spool-{uuid.uuid4().hex[:8]}:"
+    gateway = start(tmp_path / "gw", held.url, {"kind": "redis", "url": url, "prefix": prefix})
+    runs = [f"outage-{i}" for i in range(6)]
+    held.wanted = len(runs)
+    try:
+        async with aiohttp.ClientSession() as session:
+            calls = [asyncio.ensure_future(chat(session, gateway, KEY, {"model": "paid", "messages": TASK},
+                                                {"X-Run-Id": run_id})) for run_id in runs]
+            await asyncio.wait_for(held.arrived.wait(), 30)  # all admitted and forwarded
+            server.terminate()
+            server.wait(10)
+            held.release.set()  # the upstream answers: these turns are paid, the store is gone
+            results = await asyncio.gather(*calls)
+            assert [status for status, _, _ in results] == [200] * len(runs), results
+            assert [reply["run"]["turns"] for _, _, reply in results] == [1] * len(runs), results
+            spool = tmp_path / "gw" / "spool.jsonl"
+            assert len(spool.read_bytes().splitlines()) == len(runs)
+
+            status, headers, reply = await chat(session, gateway, KEY, {"model": "down", "messages": TASK})
+            assert status >= 500 and held.calls["down"] == 0, reply  # nothing forwarded while the store is down
+            assert "Error" not in reply["error"]["message"]
+
+            server = start_redis(redis_dir, port)
+            store = RedisStore(url, prefix)
+            deadline = time.monotonic() + 20
+            while spool.read_bytes():
+                assert time.monotonic() < deadline, "the spool was not replayed"
+                await asyncio.sleep(0.1)  # the gateway replays on its own; this polls for it
+            costs = []
+            for run_id in runs:
+                run = await store.load_run(run_id)
+                assert run is not None and run.turns == 1, run_id
+                costs.append(run.cost_usd)
+            spent, reserved = await store.team_spend("adm", "total")
+            billed = sum(PRICE.cost(u) for u in held.billed)
+            assert round(spent, 6) == round(sum(costs), 6) == round(billed, 6) and reserved == 0.0
+            events = [e for _, e in await store.events(runs[0])]
+            assert [e["type"] for e in events].count("turn") == 1
+            await store.close()
+    finally:
+        gateway.stop()
+        server.kill()
+        server.wait()
