@@ -1,9 +1,15 @@
 """The loop: a pure async function over a `RunState`, with five exits.
 
-Each iteration checks the stop conditions first (turn cap, budget, the policy's own),
-then drains `pending(state)` (calls of the last assistant message without a result) and
-only asks the model when nothing is pending. So resume and approval are the normal path.
-Every state change is handed to `options.checkpoint` before the next side effect.
+Each iteration checks the stop conditions first (turn cap, budget, tool-call cap,
+wall-clock cap, the policy's own), then drains `pending(state)` (calls of the last
+assistant message without a result) and only asks the model when nothing is pending. So
+resume and approval are the normal path. Every state change is handed to
+`options.checkpoint` before the next side effect.
+
+Only calls the run's own model turns made (`state.model_call_ids`) are ever run: a model
+reply gets its call ids made unique before it is saved (`own_calls`), and a pending call
+from anywhere else (a client's history) is answered in words, never executed. The
+tool-call cap and the clock are checked again right before each execution.
 """
 
 from __future__ import annotations
@@ -19,14 +25,15 @@ from gateway.harness.approvals import denial_text
 from gateway.harness.execute import CancelScope, execute, race
 from gateway.harness.model import Model, ModelRequest
 from gateway.harness.options import RunOptions, Stop
-from gateway.harness.state import Interruption, Message, RunState, pending
-from gateway.harness.stops import first_stop, signature
+from gateway.harness.state import Interruption, Message, RunState, own_calls, pending
+from gateway.harness.stops import execution_stop, first_stop, signature
 from gateway.harness.tools import ToolContext
 from gateway.harness.trace import Tracer
 from gateway.harness.usage import Usage
 
 OutcomeKind = Literal["stopped", "client_tools"]
 REUSED_PREFIX = "[same call as before; its earlier result is reused] "
+NOT_OWN = "it was not made by one of the gateway's own model turns"
 
 
 @dataclass(frozen=True)
@@ -44,8 +51,10 @@ async def run(state: RunState, model: Model, options: RunOptions, cancel: Cancel
     trace = Tracer(state.run_id, options.on_event)
     specs = options.tool_specs()
     client_names = {t.get("function", {}).get("name") for t in options.client_tools}
+    if state.started_at is None:
+        state.started_at = options.clock()
     while True:
-        stop = first_stop(state, options.stop_when)
+        stop = first_stop(state, options.stop_when, options.clock())
         if stop is None and scope.cancelled:
             stop = _cancelled(scope)
         if stop is not None:
@@ -63,7 +72,7 @@ async def run(state: RunState, model: Model, options: RunOptions, cancel: Cancel
         finished, reply = await race(model.complete(request), scope)
         if not finished:
             return await _stop(state, _cancelled(scope), options, trace)
-        message: Message = reply.message
+        message: Message = own_calls(state, reply.message)
         state.messages.append(message)
         state.turns += 1
         state.per_turn.append(reply.usage)
@@ -81,12 +90,19 @@ async def _drain(state: RunState, calls: list[dict[str, Any]], client_names: set
                  scope: CancelScope, trace: Tracer) -> Outcome | None:
     """Run or answer every pending server-side call; hand the rest to the client."""
     for_client = []
+    own = set(state.model_call_ids)
     for call in calls:
         if scope.cancelled:
             return await _stop(state, _cancelled(scope), options, trace)
-        fn = call.get("function") or {}
-        name, raw_args = str(fn.get("name", "")), fn.get("arguments") or "{}"
-        call_id = str(call.get("id", ""))
+        raw_fn = call.get("function")
+        fn: dict[str, Any] = raw_fn if isinstance(raw_fn, dict) else {}
+        name, raw_args = str(fn.get("name", "")), str(fn.get("arguments") or "{}")
+        call_id = str(call.get("id") or "")
+        if call_id not in own:  # the HTTP layer refuses these first; never run, whatever their name
+            trace("tool_denied", toolName=name, args=raw_args, callId=call_id, reason=NOT_OWN)
+            _answer(state, call_id, name, f"The gateway did not run the call {name}: {NOT_OWN}.")
+            await _save(state, options)
+            continue
         tool = options.tools.get(name)
         if tool is None and name in client_names:
             for_client.append(call)
@@ -127,6 +143,9 @@ async def _drain(state: RunState, calls: list[dict[str, Any]], client_names: set
             _answer(state, call_id, name, REUSED_PREFIX + reused.removeprefix(REUSED_PREFIX))
             await _save(state, options)
             continue
+        limit = execution_stop(state, options.clock())
+        if limit is not None:  # the call stays pending: a resume with raised limits runs it
+            return await _stop(state, limit, options, trace)
         failed = await _run_tool(state, tool_name=name, call_id=call_id, raw_args=raw_args, args=args,
                                  options=options, scope=scope, trace=trace)
         if failed is not None:
@@ -146,6 +165,7 @@ async def _run_tool(state: RunState, *, tool_name: str, call_id: str, raw_args: 
         budget_remaining_usd=_remaining(state),
         spend=lambda usage, cost_usd: _charge(state, options, usage, cost_usd),
     )
+    state.tool_calls += 1
     trace("tool_start", toolName=tool_name, args=raw_args, callId=call_id)
     done = await execute(tool, args, ctx, scope)
     trace("tool_result", toolName=tool_name, ms=done.ms, ok=done.outcome == "ok", callId=call_id)
@@ -220,7 +240,7 @@ async def _stop(state: RunState, stop: Stop, options: RunOptions, trace: Tracer,
     if stop.status == "failed" and state.error is None:
         state.error = stop.detail
     fields: dict[str, Any] = {"status": stop.status, "reason": stop.reason, "turns": state.turns,
-                              "costUsd": round(state.cost_usd, 9)}
+                              "toolCalls": state.tool_calls, "costUsd": round(state.cost_usd, 9)}
     if stop.detail:
         fields["detail"] = stop.detail
     trace("run_stopped", **fields)
