@@ -15,14 +15,14 @@ import orjson
 from aiohttp import web
 
 from gateway.harness.model import ModelReply, ModelRequest
-from gateway.harness.state import RunState, assistant_message
+from gateway.harness.state import RunState
 from gateway.providers.upstream import Upstream
 from gateway.server import context as ctx
 from gateway.server.budget import Governor
 from gateway.server.config import Config, ModelRoute, TeamConfig
 from gateway.server.errors import ApiError, NotFound
 from gateway.server.metrics import Metrics
-from gateway.server.replies import counted_usage, usage_of
+from gateway.server.replies import counted_usage
 from gateway.tokens import TokenCounter
 
 
@@ -76,15 +76,14 @@ class UpstreamModel:
         try:
             reply = await upstream.complete(self.body(request, adm.max_tokens or request.max_tokens),
                                             upstream.headers())
+            parsed = upstream.parse(reply)  # a malformed reply is an UpstreamError: nothing to pay for
         except BaseException:
             await self.governor.release(adm)
             raise
-        choice = reply.data["choices"][0]
-        message = assistant_message(choice["message"])
-        usage = usage_of(reply.data.get("usage")) or counted_usage(self.counter, request.messages,
-                                                                   request.tools or None, message)
+        message = parsed.message
+        usage = parsed.usage or counted_usage(self.counter, request.messages, request.tools or None, message)
         cost = route.price.cost(usage)
         await self.governor.settle(adm, cost)
         self.metrics.on_upstream(upstream.name, request.model, reply.seconds)
         self.metrics.on_turn(self.team.name, self.policy, request.model, usage, cost)
-        return ModelReply(message, usage, str(choice.get("finish_reason") or "stop"))
+        return ModelReply(message, usage, parsed.finish_reason)
