@@ -360,6 +360,8 @@ def pending(state: RunState) -> list[dict[str, Any]]:
             continue
         if m.get("role") == "assistant":
             # ids compared as the loop writes them (a missing id is ""): an answered call is never pending again
-            return [c for c in (m.get("tool_calls") or []) if str(c.get("id") or "") not in answered]
+            calls = m.get("tool_calls")
+            return [c for c in calls if isinstance(c, dict) and str(c.get("id") or "") not in answered] \
+                if isinstance(calls, list) else []
         return []
     return []
