@@ -9,13 +9,15 @@ resume and approval are the normal path. Every state change is handed to
 Only calls the run's own model turns made (`state.model_call_ids`) are ever run: a model
 reply gets its call ids made unique before it is saved (`own_calls`), and a pending call
 from anywhere else (a client's history) is answered in words, never executed. The
-tool-call cap and the clock are checked again right before each execution.
+tool-call cap and the clock are checked again right before each execution, and with
+`max_duration_s` a deadline also stops the model call or tool in flight.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,6 +36,7 @@ from gateway.harness.usage import Usage
 OutcomeKind = Literal["stopped", "client_tools"]
 REUSED_PREFIX = "[same call as before; its earlier result is reused] "
 NOT_OWN = "it was not made by one of the gateway's own model turns"
+OUT_OF_TIME = "reached its wall-clock cap (limits.max_duration_s) during a step"
 
 
 @dataclass(frozen=True)
@@ -47,12 +50,48 @@ class Outcome:
 
 async def run(state: RunState, model: Model, options: RunOptions, cancel: CancelScope | None = None) -> Outcome:
     """Drive `state` until it stops or waits for the client's own tools."""
-    scope = cancel or CancelScope()
+    if state.started_at is None:
+        state.started_at = options.clock()
+    scope, disarm = _with_deadline(state, options, cancel or CancelScope())
+    try:
+        return await _loop(state, model, options, scope)
+    finally:
+        disarm()
+
+
+def _with_deadline(state: RunState, options: RunOptions, scope: CancelScope) -> tuple[CancelScope, Callable[[], None]]:
+    """A scope that the run's Stop presses and, with `max_duration_s`, its deadline too.
+
+    The deadline reaches into the model call or tool in flight (a tool without a timeout
+    cannot outlive the cap); it gets a scope of its own so that it never presses the
+    caller's (a parent run's, for a sub-run).
+    """
+    cap = state.limits.max_duration_s
+    if cap is None or state.started_at is None:
+        return scope, lambda: None
+    inner = CancelScope()
+    if scope.cancelled:
+        inner.cancel(scope.reason)
+
+    async def forward() -> None:
+        await scope.event.wait()
+        inner.cancel(scope.reason)
+
+    forwarder = asyncio.ensure_future(forward())
+    left = state.started_at + cap - options.clock()
+    timer = asyncio.get_running_loop().call_later(max(0.0, left), inner.cancel, OUT_OF_TIME)
+
+    def disarm() -> None:
+        timer.cancel()
+        forwarder.cancel()
+
+    return inner, disarm
+
+
+async def _loop(state: RunState, model: Model, options: RunOptions, scope: CancelScope) -> Outcome:
     trace = Tracer(state.run_id, options.on_event)
     specs = options.tool_specs()
     client_names = {t.get("function", {}).get("name") for t in options.client_tools}
-    if state.started_at is None:
-        state.started_at = options.clock()
     while True:
         stop = first_stop(state, options.stop_when, options.clock())
         if stop is None and scope.cancelled:
@@ -227,6 +266,8 @@ def _remaining(state: RunState) -> float | None:
 
 
 def _cancelled(scope: CancelScope) -> Stop:
+    if scope.reason == OUT_OF_TIME:  # the deadline pressed it, not a person
+        return Stop("max_duration_exceeded", "max_duration", OUT_OF_TIME, Interruption("max_duration"))
     return Stop("interrupted", "cancelled", scope.reason, Interruption("cancelled", reason=scope.reason))
 
 

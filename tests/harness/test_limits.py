@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from gateway.harness.approvals import resume
+from gateway.harness.execute import CancelScope
 from gateway.harness.loop import NOT_OWN, run
 from gateway.harness.options import RunOptions, Verdict
 from gateway.harness.state import DEFAULT_MAX_TOOL_CALLS, Limits, Message, RunState, pending
@@ -139,3 +140,14 @@ async def test_duration_is_checked_before_the_model_is_asked() -> None:
     model = ScriptModel(lambda t, _: text("late"))
     out = await run(state, model, RunOptions(clock=clock))
     assert out.state.status == "max_duration_exceeded" and model.requests == []
+
+
+async def test_the_deadline_stops_a_tool_in_flight_without_pressing_the_callers_stop() -> None:
+    rec, outer = Recorder(), CancelScope()
+    model = ScriptModel(lambda t, _: many(1) if t == 0 else text("done"))
+    hanging = rec.tool("list_files", slow=3600)  # returns only when its run is stopped
+    state = new_state(Limits(max_turns=20, max_duration_s=0.05))
+    out = await run(state, model, RunOptions(tools={"list_files": hanging}), outer)
+    assert out.state.status == "max_duration_exceeded" and out.state.reason == "max_duration"
+    assert len(rec.runs) == 1 and len(pending(out.state)) == 1  # cut short: it stays pending for a resume
+    assert not outer.cancelled

@@ -133,17 +133,20 @@ async def test_tool_call_cap_stops_exactly_and_resume_raises_it(served: Served,
 
 async def test_wall_clock_cap_stops_before_the_next_step_and_resume_extends_it(
         served: Served, session: aiohttp.ClientSession) -> None:
-    # scan_archive takes 3 s, more than the 1 s cap: the run stops before asking the model again.
+    # scan_archive takes 3 s, more than the 1 s cap: the deadline cuts it short, and it stays pending.
     status, _, body = await chat(session, served, chat_body("scripted-slow"), "timed", "timed-1")
     assert status == 200 and body["run"]["status"] == "max_duration_exceeded", body
     assert answer(body) == f"The run stopped: it reached its cap of {TIMED_DURATION_S:g} seconds of wall-clock time."
     assert body["run"]["turns"] == 1 and body["run"]["interruption"] == {"type": "max_duration"}
+    assert len(await tool_starts(session, served, "timed-1")) == 1
+    run = await get_run(session, served.url, "timed-1")
+    assert [m for m in run["transcript"] if m["role"] == "tool"] == []
     status, _, body = await resume(session, served, "timed-1", max_duration_s=0.5)
     assert status == 400 and body["error"]["param"] == "max_duration_s", body
     status, _, body = await resume(session, served, "timed-1", max_duration_s=600)
     assert status == 200 and body["run"]["status"] == "completed", body
     assert answer(body).startswith("The archive scan reported: Scanned")
-    assert len(await tool_starts(session, served, "timed-1")) == 1
+    assert len(await tool_starts(session, served, "timed-1")) == 2  # run again, whole this time
 
 
 async def test_malformed_upstream_reply_fails_a_server_side_run_with_a_sentence(
