@@ -1,15 +1,23 @@
 """The loop: a pure async function over a `RunState`, with five exits.
 
-Each iteration checks the stop conditions first (turn cap, budget, the policy's own),
-then drains `pending(state)` (calls of the last assistant message without a result) and
-only asks the model when nothing is pending. So resume and approval are the normal path.
-Every state change is handed to `options.checkpoint` before the next side effect.
+Each iteration checks the stop conditions first (turn cap, budget, tool-call cap,
+wall-clock cap, the policy's own), then drains `pending(state)` (calls of the last
+assistant message without a result) and only asks the model when nothing is pending. So
+resume and approval are the normal path. Every state change is handed to
+`options.checkpoint` before the next side effect.
+
+Only calls the run's own model turns made (`state.model_call_ids`) are ever run: a model
+reply gets its call ids made unique before it is saved (`own_calls`), and a pending call
+from anywhere else (a client's history) is answered in words, never executed. The
+tool-call cap and the clock are checked again right before each execution, and with
+`max_duration_s` a deadline also stops the model call or tool in flight.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -19,14 +27,16 @@ from gateway.harness.approvals import denial_text
 from gateway.harness.execute import CancelScope, execute, race
 from gateway.harness.model import Model, ModelRequest
 from gateway.harness.options import RunOptions, Stop
-from gateway.harness.state import Interruption, Message, RunState, pending
-from gateway.harness.stops import first_stop, signature
+from gateway.harness.state import Interruption, Message, RunState, own_calls, pending
+from gateway.harness.stops import execution_stop, first_stop, signature
 from gateway.harness.tools import ToolContext
 from gateway.harness.trace import Tracer
 from gateway.harness.usage import Usage
 
 OutcomeKind = Literal["stopped", "client_tools"]
 REUSED_PREFIX = "[same call as before; its earlier result is reused] "
+NOT_OWN = "it was not made by one of the gateway's own model turns"
+OUT_OF_TIME = "reached its wall-clock cap (limits.max_duration_s) during a step"
 
 
 @dataclass(frozen=True)
@@ -40,12 +50,50 @@ class Outcome:
 
 async def run(state: RunState, model: Model, options: RunOptions, cancel: CancelScope | None = None) -> Outcome:
     """Drive `state` until it stops or waits for the client's own tools."""
-    scope = cancel or CancelScope()
+    if state.started_at is None:
+        state.started_at = options.clock()
+    scope, disarm = _with_deadline(state, options, cancel or CancelScope())
+    try:
+        return await _loop(state, model, options, scope)
+    finally:
+        disarm()
+
+
+def _with_deadline(state: RunState, options: RunOptions, scope: CancelScope) -> tuple[CancelScope, Callable[[], None]]:
+    """A scope that the run's Stop presses and, with `max_duration_s`, its deadline too.
+
+    The deadline reaches into the model call or tool in flight (a tool without a timeout
+    cannot outlive the cap); it gets a scope of its own so that it never presses the
+    caller's (a parent run's, for a sub-run).
+    """
+    cap = state.limits.max_duration_s
+    if cap is None or state.started_at is None:
+        return scope, lambda: None
+    inner = CancelScope()
+    if scope.cancelled:
+        inner.cancel(scope.reason)
+
+    async def forward() -> None:
+        await scope.event.wait()
+        inner.cancel(scope.reason)
+
+    forwarder = asyncio.ensure_future(forward())
+    left = state.started_at + cap - options.clock()
+    timer = asyncio.get_running_loop().call_later(max(0.0, left), inner.cancel, OUT_OF_TIME)
+
+    def disarm() -> None:
+        timer.cancel()
+        forwarder.cancel()
+
+    return inner, disarm
+
+
+async def _loop(state: RunState, model: Model, options: RunOptions, scope: CancelScope) -> Outcome:
     trace = Tracer(state.run_id, options.on_event)
     specs = options.tool_specs()
     client_names = {t.get("function", {}).get("name") for t in options.client_tools}
     while True:
-        stop = first_stop(state, options.stop_when)
+        stop = first_stop(state, options.stop_when, options.clock())
         if stop is None and scope.cancelled:
             stop = _cancelled(scope)
         if stop is not None:
@@ -63,7 +111,7 @@ async def run(state: RunState, model: Model, options: RunOptions, cancel: Cancel
         finished, reply = await race(model.complete(request), scope)
         if not finished:
             return await _stop(state, _cancelled(scope), options, trace)
-        message: Message = reply.message
+        message: Message = own_calls(state, reply.message)
         state.messages.append(message)
         state.turns += 1
         state.per_turn.append(reply.usage)
@@ -81,12 +129,19 @@ async def _drain(state: RunState, calls: list[dict[str, Any]], client_names: set
                  scope: CancelScope, trace: Tracer) -> Outcome | None:
     """Run or answer every pending server-side call; hand the rest to the client."""
     for_client = []
+    own = set(state.model_call_ids)
     for call in calls:
         if scope.cancelled:
             return await _stop(state, _cancelled(scope), options, trace)
-        fn = call.get("function") or {}
-        name, raw_args = str(fn.get("name", "")), fn.get("arguments") or "{}"
-        call_id = str(call.get("id", ""))
+        raw_fn = call.get("function")
+        fn: dict[str, Any] = raw_fn if isinstance(raw_fn, dict) else {}
+        name, raw_args = str(fn.get("name", "")), str(fn.get("arguments") or "{}")
+        call_id = str(call.get("id") or "")
+        if call_id not in own:  # the HTTP layer refuses these first; never run, whatever their name
+            trace("tool_denied", toolName=name, args=raw_args, callId=call_id, reason=NOT_OWN)
+            _answer(state, call_id, name, f"The gateway did not run the call {name}: {NOT_OWN}.")
+            await _save(state, options)
+            continue
         tool = options.tools.get(name)
         if tool is None and name in client_names:
             for_client.append(call)
@@ -127,6 +182,9 @@ async def _drain(state: RunState, calls: list[dict[str, Any]], client_names: set
             _answer(state, call_id, name, REUSED_PREFIX + reused.removeprefix(REUSED_PREFIX))
             await _save(state, options)
             continue
+        limit = execution_stop(state, options.clock())
+        if limit is not None:  # the call stays pending: a resume with raised limits runs it
+            return await _stop(state, limit, options, trace)
         failed = await _run_tool(state, tool_name=name, call_id=call_id, raw_args=raw_args, args=args,
                                  options=options, scope=scope, trace=trace)
         if failed is not None:
@@ -146,6 +204,7 @@ async def _run_tool(state: RunState, *, tool_name: str, call_id: str, raw_args: 
         budget_remaining_usd=_remaining(state),
         spend=lambda usage, cost_usd: _charge(state, options, usage, cost_usd),
     )
+    state.tool_calls += 1
     trace("tool_start", toolName=tool_name, args=raw_args, callId=call_id)
     done = await execute(tool, args, ctx, scope)
     trace("tool_result", toolName=tool_name, ms=done.ms, ok=done.outcome == "ok", callId=call_id)
@@ -207,6 +266,8 @@ def _remaining(state: RunState) -> float | None:
 
 
 def _cancelled(scope: CancelScope) -> Stop:
+    if scope.reason == OUT_OF_TIME:  # the deadline pressed it, not a person
+        return Stop("max_duration_exceeded", "max_duration", OUT_OF_TIME, Interruption("max_duration"))
     return Stop("interrupted", "cancelled", scope.reason, Interruption("cancelled", reason=scope.reason))
 
 
@@ -220,7 +281,7 @@ async def _stop(state: RunState, stop: Stop, options: RunOptions, trace: Tracer,
     if stop.status == "failed" and state.error is None:
         state.error = stop.detail
     fields: dict[str, Any] = {"status": stop.status, "reason": stop.reason, "turns": state.turns,
-                              "costUsd": round(state.cost_usd, 9)}
+                              "toolCalls": state.tool_calls, "costUsd": round(state.cost_usd, 9)}
     if stop.detail:
         fields["detail"] = stop.detail
     trace("run_stopped", **fields)

@@ -5,6 +5,7 @@ A policy file (gateway.policy) compiles to `RunOptions`; the demo builds them by
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -57,6 +58,8 @@ StopReason = Literal[
     "completed",  # the model answered in prose
     "max_turns",  # the turn cap
     "max_budget",  # the run budget
+    "max_tool_calls",  # the cap on tool executions
+    "max_duration",  # the wall-clock cap
     "approval",  # a call waits for a person
     "cancelled",  # Stop, client disconnect (detail says which)
     "tool_error",  # a tool failed and the policy says tool errors are fatal
@@ -115,6 +118,7 @@ class RunOptions:
     # Told of every dollar this run spends (its turns and its tools'); a sub-run chains it
     # to the parent's ToolContext.spend so spend rolls up live through any depth.
     on_spend: Callable[[Usage, float], None] | None = None
+    clock: Callable[[], float] = time.time  # wall-clock seconds, for limits.max_duration_s
 
     def tool_specs(self) -> list[dict[str, Any]]:
         """The `tools` array sent to the model: server-side tools, then the client's own."""

@@ -16,12 +16,21 @@ import orjson
 
 from gateway.harness.usage import Usage
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""v2: `model_call_ids` (the calls the gateway's own model turns made: the only ones it
+runs), `tool_calls` (tool executions so far), `started_at` (the first drive), and the
+limits `max_tool_calls` and `max_duration_s`."""
 
-Status = Literal["running", "completed", "failed", "max_turns_exceeded", "budget_exceeded", "interrupted"]
+DEFAULT_MAX_TOOL_CALLS = 100
+"""Tool executions a run may make when its policy names no `max_tool_calls`: there is
+always a cap, since one model reply can ask for any number of calls."""
+
+Status = Literal["running", "completed", "failed", "max_turns_exceeded", "budget_exceeded",
+                 "max_tool_calls_exceeded", "max_duration_exceeded", "interrupted"]
 STATUSES: tuple[Status, ...] = get_args(Status)
-RESUMABLE: frozenset[Status] = frozenset({"running", "max_turns_exceeded", "budget_exceeded", "interrupted"})
-InterruptionType = Literal["approval", "max_turns", "max_budget", "cancelled"]
+RESUMABLE: frozenset[Status] = frozenset({"running", "max_turns_exceeded", "budget_exceeded",
+                                          "max_tool_calls_exceeded", "max_duration_exceeded", "interrupted"})
+InterruptionType = Literal["approval", "max_turns", "max_budget", "max_tool_calls", "max_duration", "cancelled"]
 
 Message = dict[str, Any]
 
@@ -57,19 +66,27 @@ class Interruption:
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-run caps; None means no cap. `strict` clamps output so spend never passes the budget."""
+    """Per-run caps; None means no cap. `strict` clamps output so spend never passes the budget.
+
+    `max_tool_calls` counts tool executions (always capped); `max_duration_s` is wall-clock
+    seconds from the run's first drive, waits for a person or a client included.
+    """
 
     max_turns: int | None = None
     max_budget_usd: float | None = None
     budget_mode: Literal["turn", "strict"] = "turn"
+    max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS
+    max_duration_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"max_turns": self.max_turns, "max_budget_usd": self.max_budget_usd, "budget_mode": self.budget_mode}
+        return {"max_turns": self.max_turns, "max_budget_usd": self.max_budget_usd, "budget_mode": self.budget_mode,
+                "max_tool_calls": self.max_tool_calls, "max_duration_s": self.max_duration_s}
 
     @classmethod
     def from_json(cls, data: Any) -> Limits:
         data = data or {}
-        return cls(data.get("max_turns"), data.get("max_budget_usd"), data.get("budget_mode", "turn"))
+        return cls(data.get("max_turns"), data.get("max_budget_usd"), data.get("budget_mode", "turn"),
+                   data.get("max_tool_calls") or DEFAULT_MAX_TOOL_CALLS, data.get("max_duration_s"))
 
 
 @dataclass(frozen=True)
@@ -104,6 +121,9 @@ class RunState:
     per_turn: list[Usage] = field(default_factory=list)
     decisions: dict[str, Decision] = field(default_factory=dict)
     failed_calls: list[str] = field(default_factory=list)  # their results are errors: never reused
+    model_call_ids: list[str] = field(default_factory=list)  # calls its own model turns made: the only ones run
+    tool_calls: int = 0  # tool executions so far (counted against limits.max_tool_calls)
+    started_at: float | None = None  # its first drive (limits.max_duration_s counts from here)
     error: str | None = None
     parent_run_id: str | None = None
     created_at: float = field(default_factory=time.time)
@@ -159,6 +179,9 @@ class RunState:
                          for p, c in ((u.prompt_tokens, u.completion_tokens) for u in self.per_turn)],
             "decisions": {cid: d.to_json() for cid, d in self.decisions.items()},
             "failed_calls": self.failed_calls,
+            "model_call_ids": self.model_call_ids,
+            "tool_calls": self.tool_calls,
+            "started_at": self.started_at,
             "error": self.error,
             "messages": self.messages,
             "created_at": self.created_at,
@@ -174,8 +197,11 @@ class RunState:
         if not isinstance(data, dict):
             raise StateError("a run must be a JSON object")
         version = data.get("version")
-        if version != SCHEMA_VERSION:
-            raise StateError(f"run schema version {version!r} is not supported (this gateway reads {SCHEMA_VERSION})")
+        if version == 1:
+            data = upgrade_v1(data)
+        elif version != SCHEMA_VERSION:
+            raise StateError(f"run schema version {version!r} is not supported (this gateway reads 1 to "
+                             f"{SCHEMA_VERSION})")
         status = data.get("status")
         if status not in STATUSES:
             raise StateError(f"unknown run status {status!r}")
@@ -198,6 +224,9 @@ class RunState:
                 per_turn=_usages(data.get("per_turn", [])),
                 decisions={cid: Decision(**d) for cid, d in (data.get("decisions") or {}).items()},
                 failed_calls=list(data.get("failed_calls") or []),
+                model_call_ids=[str(c) for c in data.get("model_call_ids") or []],
+                tool_calls=int(data.get("tool_calls") or 0),
+                started_at=_optional_float(data.get("started_at")),
                 error=data.get("error"),
                 created_at=float(data.get("created_at", 0.0)),
                 updated_at=float(data.get("updated_at", 0.0)),
@@ -216,7 +245,51 @@ class RunState:
 
     def copy(self) -> RunState:
         return replace(self, messages=list(self.messages), decisions=dict(self.decisions), per_turn=list(self.per_turn),
-                       failed_calls=list(self.failed_calls))
+                       failed_calls=list(self.failed_calls), model_call_ids=list(self.model_call_ids))
+
+
+def upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
+    """A v1 run in the v2 shape.
+
+    v1 recorded no origin of tool calls. A v1 run's assistant tool calls after its first
+    turn were made by its model (a server-side run appends only model replies; a
+    pass-through run is never driven here); the calls of the history its client sent
+    first came from the client. Of those, only the ones already answered are kept as
+    history: a call left pending from the client's own first messages is not marked,
+    so it is never run. Tool executions so far are not recorded either: the tool results
+    in the transcript are their upper bound (denials and reused results included), and
+    the first drive is taken to be the run's creation.
+    """
+    out = dict(data)
+    messages = [m for m in data.get("messages") or [] if isinstance(m, dict)]
+    first_model = _first_model_turn(messages, int(data.get("turns") or 0))
+    ids: list[str] = []
+    for i, m in enumerate(messages):
+        if m.get("role") == "assistant" and i >= first_model:
+            ids.extend(str(c["id"]) for c in m.get("tool_calls") or [] if isinstance(c, dict) and c.get("id"))
+    out["model_call_ids"] = ids
+    out["tool_calls"] = sum(1 for m in messages if m.get("role") == "tool")
+    out["started_at"] = data.get("created_at")
+    out["version"] = SCHEMA_VERSION
+    return out
+
+
+def _first_model_turn(messages: list[Message], turns: int) -> int:
+    """The index of the first assistant message a v1 run's model made: the last `turns`
+    assistant messages are its turns (a run holds its client's history, then its turns)."""
+    if turns <= 0:
+        return len(messages)
+    seen = 0
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].get("role") == "assistant":
+            seen += 1
+            if seen == turns:
+                return i
+    return 0
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _usages(items: Any) -> list[Usage]:
@@ -244,6 +317,36 @@ def assistant_message(message: dict[str, Any]) -> Message:
     return out
 
 
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def own_calls(state: RunState, message: Message) -> Message:
+    """The model's reply with every tool call given an id unique within the run.
+
+    A call without an id (or with one that is not a string, empty, used twice in the reply
+    or already used in the run) gets `call_<random>`; the ids are recorded in
+    `state.model_call_ids`, which makes them calls the gateway may run. Done before the
+    reply is saved, so a result can always be matched to its call.
+    """
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    used = set(state.model_call_ids)
+    for m in state.messages:
+        if m.get("role") == "assistant":
+            used.update(str(c.get("id")) for c in m.get("tool_calls") or [] if isinstance(c, dict))
+    fixed: list[dict[str, Any]] = []
+    for call in calls:
+        call_id = call.get("id")
+        if not isinstance(call_id, str) or not call_id or call_id in used:
+            call = {**call, "id": new_call_id()}
+        used.add(call["id"])
+        state.model_call_ids.append(call["id"])
+        fixed.append(call)
+    return {**message, "tool_calls": fixed}
+
+
 def pending(state: RunState) -> list[dict[str, Any]]:
     """Tool calls of the last assistant message that have no tool result yet.
 
@@ -253,9 +356,12 @@ def pending(state: RunState) -> list[dict[str, Any]]:
     answered: set[str] = set()
     for m in reversed(state.messages):
         if m.get("role") == "tool":
-            answered.add(m.get("tool_call_id", ""))
+            answered.add(str(m.get("tool_call_id") or ""))
             continue
         if m.get("role") == "assistant":
-            return [c for c in (m.get("tool_calls") or []) if c.get("id") not in answered]
+            # ids compared as the loop writes them (a missing id is ""): an answered call is never pending again
+            calls = m.get("tool_calls")
+            return [c for c in calls if isinstance(c, dict) and str(c.get("id") or "") not in answered] \
+                if isinstance(calls, list) else []
         return []
     return []

@@ -2,7 +2,8 @@
 
 Stopping is plural (as `stopWhen` is in Vercel's `ai`): the turn cap and the run budget
 are two predicates among others, all checked before the model is asked, so an overshoot
-is at most one turn.
+is at most one turn. The tool-call cap and the wall-clock cap are checked there too and
+again before every tool execution (`execution_stop`), so a run stops at exactly either.
 """
 
 from __future__ import annotations
@@ -29,6 +30,31 @@ def run_budget(state: RunState) -> Stop | None:
         return Stop("budget_exceeded", "max_budget",
                     f"spent ${state.cost_usd:.6f} of a ${budget:.6f} budget", Interruption("max_budget"))
     return None
+
+
+def tool_cap(state: RunState) -> Stop | None:
+    cap = state.limits.max_tool_calls
+    if state.tool_calls >= cap:
+        return Stop("max_tool_calls_exceeded", "max_tool_calls", f"reached the cap of {cap} tool calls",
+                    Interruption("max_tool_calls"))
+    return None
+
+
+def duration_cap(state: RunState, now: float) -> Stop | None:
+    """Wall-clock from the run's first drive (`state.started_at`) against `max_duration_s`."""
+    cap = state.limits.max_duration_s
+    if cap is None or state.started_at is None:
+        return None
+    elapsed = now - state.started_at
+    if elapsed >= cap:
+        return Stop("max_duration_exceeded", "max_duration",
+                    f"ran for {elapsed:.1f} s, past its cap of {cap:g} s", Interruption("max_duration"))
+    return None
+
+
+def execution_stop(state: RunState, now: float) -> Stop | None:
+    """The limits checked right before a tool runs: the tool-call cap, then the clock."""
+    return tool_cap(state) or duration_cap(state, now)
 
 
 class RepeatedCall:
@@ -69,9 +95,15 @@ def signature(call: dict[str, object]) -> tuple[str, bytes]:
     return name, canonical
 
 
-def first_stop(state: RunState, extra: Sequence[StopCondition]) -> Stop | None:
-    """The built-in limits, then the policy's own conditions, in order."""
-    for condition in (turn_cap, run_budget, *extra):
+def first_stop(state: RunState, extra: Sequence[StopCondition], now: float | None = None) -> Stop | None:
+    """The built-in limits, then the policy's own conditions, in order (`now`: the clock,
+    for the wall-clock cap; None skips it)."""
+    builtin = turn_cap(state) or run_budget(state) or tool_cap(state)
+    if builtin is None and now is not None:
+        builtin = duration_cap(state, now)
+    if builtin is not None:
+        return builtin
+    for condition in extra:
         stop = condition(state)
         if stop is not None:
             return stop

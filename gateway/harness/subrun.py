@@ -22,7 +22,7 @@ def child_limits(own: Limits, parent_remaining_usd: float | None) -> Limits:
     budget = own.max_budget_usd
     if parent_remaining_usd is not None:
         budget = parent_remaining_usd if budget is None else min(budget, parent_remaining_usd)
-    return Limits(own.max_turns, budget, own.budget_mode)
+    return replace(own, max_budget_usd=budget)
 
 
 async def run_subrun(ctx: ToolContext, *, model: Model, model_name: str, options: RunOptions, system: str,

@@ -75,7 +75,8 @@ def describe(policy: Policy) -> str:
     if policy.description:
         lines.append(f"  {policy.description}")
     lim = policy.limits
-    lines.append(f"  limits: max_turns={lim.max_turns} max_budget_usd={lim.max_budget_usd} budget_mode={lim.budget_mode}")
+    lines.append(f"  limits: max_turns={lim.max_turns} max_budget_usd={lim.max_budget_usd} budget_mode={lim.budget_mode}"
+                 f" max_tool_calls={lim.max_tool_calls} max_duration_s={lim.max_duration_s}")
     if policy.server_side:
         stops = ", ".join(f"repeated_call {s.n}" for s in policy.stop_when) or "none"
         te = policy.tool_errors

@@ -161,10 +161,10 @@ def agent_tool(spec: ToolSpec, config: AgentExecutor, env: ToolEnv) -> ToolFunct
     child = env.registry.get(config.policy) if env.registry is not None else None
     if child is None:
         raise CompileError(f"tool {spec.name} runs policy {config.policy!r}, which is not loaded")
-    limits = Limits(
+    limits = dataclasses.replace(
+        child.limits,
         max_turns=config.max_turns or child.limits.max_turns,
         max_budget_usd=config.max_budget_usd or child.limits.max_budget_usd,
-        budget_mode=child.limits.budget_mode,
     )
     system = config.system_prompt or child.system_prompt or DEFAULT_SUBRUN_SYSTEM
 

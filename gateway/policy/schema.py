@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 import jsonschema
 
 from gateway.harness.options import ApprovalAction, Dedupe
-from gateway.harness.state import Limits
+from gateway.harness.state import DEFAULT_MAX_TOOL_CALLS, Limits
 from gateway.harness.tools import ToolSpec
 from gateway.policy.decl import (
     DEFAULT_PERMANENT,
@@ -112,11 +112,13 @@ def _dedupe(at: At | None) -> Dedupe:
 def _limits(at: At | None) -> Limits:
     if at is None:
         return Limits()
-    f = at.fields(("max_turns", "max_budget_usd", "budget_mode"))
+    f = at.fields(("max_turns", "max_budget_usd", "budget_mode", "max_tool_calls", "max_duration_s"))
     return Limits(
         max_turns=t.positive_int() if (t := f.get("max_turns")) else None,
         max_budget_usd=b.positive_number() if (b := f.get("max_budget_usd")) else None,
         budget_mode=cast(Any, m.choice(("turn", "strict"))) if (m := f.get("budget_mode")) else "turn",
+        max_tool_calls=c.positive_int() if (c := f.get("max_tool_calls")) else DEFAULT_MAX_TOOL_CALLS,
+        max_duration_s=d.positive_number() if (d := f.get("max_duration_s")) else None,
     )
 
 

@@ -34,13 +34,17 @@ class Call:
 
 @dataclass(frozen=True)
 class Reply:
-    """What the script says this turn: prose, or tool calls (never both)."""
+    """What the script says this turn: prose, or tool calls (never both); or, to test the
+    gateway against a bad upstream, a `raw` message sent exactly as given."""
 
     text: str | None = None
     calls: tuple[Call, ...] = ()
+    raw: Mapping[str, Any] | None = None
 
     def message(self) -> dict[str, Any]:
         """The assistant message as chat completions returns it."""
+        if self.raw is not None:
+            return dict(self.raw)
         if self.calls:
             return {"role": "assistant", "content": None, "tool_calls": [c.openai() for c in self.calls]}
         return {"role": "assistant", "content": self.text or ""}
@@ -173,6 +177,26 @@ def research(v: View) -> Reply:
     return say("Research found: " + (v.last_tool or ""))
 
 
+def _untagged(name: str, **args: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "arguments": orjson.dumps(args).decode()}}
+
+
+def noids(v: View) -> Reply:
+    """The `plan` task from a model that gives its calls no ids, then one id twice."""
+    if v.turn == 0:
+        return Reply(raw={"role": "assistant", "content": None, "tool_calls": [_untagged("list_files")]})
+    if v.turn == 1:
+        calls = [{"id": "dup", **_untagged("read_file", path="errors.log")},
+                 {"id": "dup", **_untagged("read_file", path="notes.txt")}]
+        return Reply(raw={"role": "assistant", "content": None, "tool_calls": calls})
+    return say(PLAN_ANSWER)
+
+
+def malformed(v: View) -> Reply:
+    """A reply whose tool_calls is a string, as a broken upstream sends it."""
+    return Reply(raw={"role": "assistant", "content": None, "tool_calls": "abc"})
+
+
 SCENARIOS: Mapping[str, Scenario] = {
     "plan": plan,
     "runaway": runaway,
@@ -184,6 +208,8 @@ SCENARIOS: Mapping[str, Scenario] = {
     "forbidden": forbidden,
     "slow": slow,
     "research": research,
+    "noids": noids,
+    "malformed": malformed,
 }
 MODEL_PREFIX = "scripted-"
 

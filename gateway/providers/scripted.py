@@ -187,11 +187,14 @@ def build_reply(ask: Ask, counter: TokenCounter) -> tuple[dict[str, Any], str, d
     assert scenario is not None  # _parse refused unknown models
     reply = scenario(view_of(ask.messages))
     message = reply.message()
-    finish = "tool_calls" if reply.calls else "stop"
-    if ask.max_tokens is not None:
+    finish = "tool_calls" if reply.calls or (reply.raw is not None and reply.raw.get("tool_calls")) else "stop"
+    if ask.max_tokens is not None and reply.raw is None:
         message, finish = fit(message, finish, ask.max_tokens, counter)
     prompt = counter.count_request(ask.messages, ask.tools)
-    completion = counter.count_completion(message)
+    try:
+        completion = counter.count_completion(message)
+    except (AttributeError, TypeError):  # a deliberately malformed reply: count its JSON
+        completion = counter.count_text(orjson.dumps(message).decode())
     return message, finish, {"prompt_tokens": prompt, "completion_tokens": completion,
                              "total_tokens": prompt + completion}
 
@@ -227,12 +230,18 @@ def stream_chunks(ask: Ask, message: dict[str, Any], finish: str, usage: dict[st
 
     calls = message.get("tool_calls") or []
     content = message.get("content")
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):  # malformed on purpose
+        yield chunk(dict(message))
+        yield chunk({}, finish)
+        if ask.include_usage:
+            yield {**base, "choices": [], "usage": usage}
+        return
     yield chunk({"role": "assistant", "content": None if calls and not content else ""})
     for piece in _pieces(content or "", 4):
         yield chunk({"content": piece})
     for index, call in enumerate(calls):
         fn = call["function"]
-        yield chunk({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
+        yield chunk({"tool_calls": [{"index": index, "id": call.get("id"), "type": "function",
                                      "function": {"name": fn["name"], "arguments": ""}}]})
         for piece in _pieces(fn["arguments"], 3):
             yield chunk({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})

@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from gateway.providers.reply import MalformedReply, ParsedReply, parse_completion
 from gateway.server.config import UpstreamConfig
 from gateway.server.errors import UpstreamError
 
@@ -167,6 +168,15 @@ class Upstream:
                 resp.release()  # fully read: the connection goes back to the pool
             else:
                 resp.close()  # abandoned mid-body: the connection cannot be reused
+
+    def parse(self, reply: UpstreamReply) -> ParsedReply:
+        """Choice 0 of a reply, checked (`gateway.providers.reply`): 502 upstream_malformed
+        naming the field when it is not a usable chat completion."""
+        try:
+            return parse_completion(reply.data)
+        except MalformedReply as exc:
+            raise UpstreamError(502, "upstream_malformed", f"upstream '{self.name}' returned a malformed reply: "
+                                f"{exc}", self.name, 200) from None
 
     def _unreachable(self, exc: BaseException) -> UpstreamError:
         return UpstreamError(502, "upstream_unreachable", f"upstream '{self.name}' is unreachable: {exc}", self.name)

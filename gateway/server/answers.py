@@ -24,6 +24,12 @@ def exit_sentence(state: RunState) -> str:
     limits, i = state.limits, state.interruption
     if state.status == "max_turns_exceeded":
         return f"The run stopped: it reached its cap of {limits.max_turns} turns."
+    if state.status == "max_tool_calls_exceeded":
+        return (f"The run stopped: it made {state.tool_calls} tool calls and reached its cap of "
+                f"{limits.max_tool_calls}.")
+    if state.status == "max_duration_exceeded":
+        return (f"The run stopped: it reached its cap of {limits.max_duration_s or 0.0:g} seconds "
+                "of wall-clock time.")
     if state.status == "budget_exceeded":
         if state.reason == "team_budget":
             return "The run stopped: its team's budget cannot pay for another turn."

@@ -13,6 +13,7 @@ answer with the run as it is, e.g. it still waits for a person).
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -32,6 +33,35 @@ def start() -> Prepare:
         return {"team": state.team, "policy": policy.name, "policyVersion": policy.version, "model": state.model}
 
     return prepare
+
+
+def refuse_unanswered_calls(messages: list[Message]) -> None:
+    """A new server-side run's history may not end with tool calls nobody answered.
+
+    The gateway runs only calls its own model turns made (`RunState.model_call_ids`); a call
+    in the client's history is history, and one left unanswered is refused here with a 400
+    naming it, before the run is driven (the loop would answer it in words, never run it).
+    """
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
+        if m.get("role") == "tool":
+            continue
+        if m.get("role") != "assistant":
+            return
+        answered = {str(t.get("tool_call_id") or "") for t in messages[i + 1:]}
+        calls = m.get("tool_calls")
+        for j, call in enumerate(calls if isinstance(calls, list) else []):
+            call_id = str(call.get("id") or "") if isinstance(call, dict) else ""
+            if call_id and call_id in answered:
+                continue
+            fn = call.get("function") if isinstance(call, dict) else None
+            name = fn.get("name") if isinstance(fn, dict) else None
+            what = f"the call {name!r}" if isinstance(name, str) else "the call"
+            raise InvalidField(f"messages[{i}].tool_calls[{j}]",
+                               f"messages[{i}].tool_calls[{j}] ({what}) has no tool result: the gateway runs only "
+                               "tool calls its own model turns made, so a call in your history is never run; "
+                               "answer it with a tool message (tool_call_id) or drop it", "unanswered_tool_call")
+        return
 
 
 def _waiting_approval(state: RunState) -> bool:
@@ -122,10 +152,21 @@ def continue_chat(messages: list[Message], model: str) -> Prepare:
     return prepare
 
 
-def resume_with(max_turns: int | None, max_budget_usd: float | None, by: str) -> Prepare:
-    """POST /v1/runs/{id}/resume: continue a resumable run, with raised limits if given."""
+def resume_with(max_turns: int | None, max_budget_usd: float | None, by: str, *, max_tool_calls: int | None = None,
+                max_duration_s: float | None = None) -> Prepare:
+    """POST /v1/runs/{id}/resume: continue a resumable run, with raised limits if given.
+
+    A raised limit must be above what the run already used (turns, dollars, tool calls,
+    seconds since its first drive)."""
 
     def prepare(state: RunState, policy: Policy) -> dict[str, Any]:
+        if max_tool_calls is not None and max_tool_calls <= state.tool_calls:
+            raise InvalidField("max_tool_calls", f"max_tool_calls must be more than the {state.tool_calls} tool calls "
+                                                 f"run {state.run_id} already made, got {max_tool_calls}")
+        elapsed = 0.0 if state.started_at is None else time.time() - state.started_at
+        if max_duration_s is not None and max_duration_s <= elapsed:
+            raise InvalidField("max_duration_s", f"max_duration_s must be more than the {elapsed:.1f} s run "
+                                                 f"{state.run_id} has run since its first drive, got {max_duration_s:g}")
         if max_turns is not None and max_turns <= state.turns:
             raise InvalidField("max_turns", f"max_turns must be more than the {state.turns} turns run "
                                             f"{state.run_id} already made, got {max_turns}")
@@ -138,11 +179,14 @@ def resume_with(max_turns: int | None, max_budget_usd: float | None, by: str) ->
             raise Conflict(f"run {state.run_id} waits for the client's results of tool calls {ids}; send them "
                            "with a chat completion call carrying X-Run-Id", code="run_waits_for_client")
         limits = replace(state.limits, max_turns=max_turns or state.limits.max_turns,
-                         max_budget_usd=max_budget_usd or state.limits.max_budget_usd)
+                         max_budget_usd=max_budget_usd or state.limits.max_budget_usd,
+                         max_tool_calls=max_tool_calls or state.limits.max_tool_calls,
+                         max_duration_s=max_duration_s or state.limits.max_duration_s)
         try:
             resume(state, limits)
         except ApprovalError as exc:
             raise Conflict(str(exc), code="run_not_resumable") from None
-        return {"by": by, "maxTurns": limits.max_turns, "maxBudgetUsd": limits.max_budget_usd}
+        return {"by": by, "maxTurns": limits.max_turns, "maxBudgetUsd": limits.max_budget_usd,
+                "maxToolCalls": limits.max_tool_calls, "maxDurationS": limits.max_duration_s}
 
     return prepare

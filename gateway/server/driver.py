@@ -53,6 +53,7 @@ from gateway.store.errors import StoreError
 log = logging.getLogger(__name__)
 
 StartKind = Literal["run_started", "run_resumed"]
+INTERNAL_ERROR = "the gateway failed while driving the run; see its log"
 Prepare = Callable[[RunState, Policy], "dict[str, Any] | None"]
 """Changes a call makes to the run before it is driven (append tool results, raise limits).
 
@@ -244,7 +245,8 @@ class RunDriver:
             state.status, state.reason, state.error = "failed", "upstream_error", exc.message
         else:
             log.exception("run %s failed inside the gateway", state.run_id)
-            state.status, state.reason, state.error = "failed", "internal_error", f"{type(exc).__name__}: {exc}"
+            # the log has the exception; the run (and so every client answer) has a sentence
+            state.status, state.reason, state.error = "failed", "internal_error", INTERNAL_ERROR
         event: Event = {"runId": state.run_id, "type": "run_stopped", "status": state.status, "reason": state.reason,
                         "turns": state.turns, "costUsd": round(state.cost_usd, 9)}
         if state.error:

@@ -107,6 +107,8 @@ async def handle_server_side(request: web.Request, call: Call) -> web.StreamResp
         if name in server_tools:
             raise InvalidField(f"tools[{i}]", f"tools[{i}] is named '{name}', like a tool of policy "
                                               f"'{call.policy.name}' (which the gateway runs itself); rename it")
+    if call.created:
+        continuations.refuse_unanswered_calls(call.chat.messages)
     kind: StartKind = "run_started" if call.created else "run_resumed"
     prepare = continuations.start() if call.created else continuations.continue_chat(call.chat.messages,
                                                                                         call.chat.model)

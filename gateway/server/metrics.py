@@ -174,7 +174,8 @@ class Metrics:
 
     def on_run_stopped(self, team: str, policy: str, status: str, reason: str, turns: int, cost_usd: float) -> None:
         """A run left `running`. `reason` is a short code (max_turns, max_budget, team_budget,
-        completed, cancelled, approval, ...); free text is counted as "other"."""
+        max_tool_calls, max_duration, completed, cancelled, approval, upstream_error, ...);
+        free text is counted as "other"."""
         exemplar = _exemplar()
         self._child(self.runs_stopped, team, policy, status, _code(reason)).inc(1, exemplar)
         self._child(self.turns_per_run, team, policy).observe(turns, exemplar)

@@ -15,14 +15,14 @@ import orjson
 from aiohttp import web
 
 from gateway.harness.model import ModelReply, ModelRequest
-from gateway.harness.state import RunState, assistant_message
+from gateway.harness.state import RunState
 from gateway.providers.upstream import Upstream
 from gateway.server import context as ctx
 from gateway.server.budget import Ask, Governor
 from gateway.server.config import Config, ModelRoute, TeamConfig
 from gateway.server.errors import ApiError, NotFound
 from gateway.server.metrics import Metrics
-from gateway.server.replies import checked_usage, usage_of
+from gateway.server.replies import checked_usage
 from gateway.tokens import TokenCounter
 
 
@@ -75,9 +75,9 @@ class UpstreamModel:
                                                   request.budget_remaining_usd) as adm:
             body = self.body(request, adm.max_tokens or request.max_tokens)
             reply = await upstream.complete(body, upstream.headers())
-            choice = reply.data["choices"][0]
-            message = assistant_message(choice["message"])
-            checked = checked_usage(usage_of(reply.data.get("usage")), counter=self.counter, messages=request.messages,
+            parsed = upstream.parse(reply)  # a malformed reply is an UpstreamError: nothing to pay for
+            message = parsed.message
+            checked = checked_usage(parsed.usage, counter=self.counter, messages=request.messages,
                                     tools=request.tools or None, message=message, body_bytes=len(body),
                                     allowed_completion=adm.allowed_completion, n=1, counted_prompt=adm.prompt_tokens)
             if checked.reported is not None:
@@ -87,4 +87,4 @@ class UpstreamModel:
             await self.governor.settle(adm, cost)
         self.metrics.on_upstream(upstream.name, request.model, reply.seconds)
         self.metrics.on_turn(self.team.name, self.policy, request.model, usage, cost)
-        return ModelReply(message, usage, str(choice.get("finish_reason") or "stop"))
+        return ModelReply(message, usage, parsed.finish_reason)

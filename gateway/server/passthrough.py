@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gateway.harness.state import assistant_message
 from gateway.server import context as ctx
 from gateway.server.budget import Admission, Ask
 from gateway.server.chat_request import parse_chat_request
 from gateway.server.errors import Conflict, LimitExceeded, NotFound, PayloadTooLarge
 from gateway.server.passthrough_stream import stream_through
-from gateway.server.replies import usage_of, with_run
+from gateway.server.replies import with_run
 from gateway.server.runs import Call, resolve_call
 from gateway.server.turns import book_turn, refuse
 
@@ -83,14 +82,12 @@ async def pass_through(request: web.Request, call: Call) -> web.StreamResponse:
             if call.chat.stream:
                 return await stream_through(request, call, adm, upstream, body, headers)
             reply = await upstream.complete(body, headers)
+            parsed = upstream.parse(reply)  # 502 upstream_malformed, released like any upstream failure
             request[ctx.UPSTREAM_SECONDS] = reply.seconds
             metrics.on_upstream(upstream.name, call.chat.model, reply.seconds)
-            choice = reply.data["choices"][0]
-            message = assistant_message(choice["message"])
-            booked = await book_turn(request, call, adm, reported=usage_of(reply.data.get("usage")), message=message,
-                                     finish=str(choice.get("finish_reason") or "stop"))
+            booked = await book_turn(request, call, adm, reported=parsed.usage, message=parsed.message,
+                                     finish=parsed.finish_reason)
             return web.Response(body=with_run(reply.raw, booked.run.summary()), content_type="application/json",
                                 headers=booked.headers())
         finally:
             metrics.run_active(-1)
-

@@ -66,30 +66,38 @@ class Reassembly:
         if not choices:
             return "usage_only" if isinstance(usage, dict) else "other"
         self.chunks += 1
-        for choice in choices:
+        for choice in choices if isinstance(choices, list) else ():
             if isinstance(choice, dict) and choice.get("index", 0) == 0:
                 self._choice(choice)
         return "chunk"
 
     def _choice(self, choice: Mapping[str, Any]) -> None:
-        if choice.get("finish_reason"):
-            self.finish = str(choice["finish_reason"])
+        # The chunk was forwarded as it came (the client judges it); only well-typed
+        # parts are kept for the transcript and the count, so a malformed one never crashes the booking.
+        if isinstance(choice.get("finish_reason"), str) and choice["finish_reason"]:
+            self.finish = choice["finish_reason"]
         delta = choice.get("delta")
         if not isinstance(delta, dict):
             return
         if isinstance(delta.get("content"), str):
             self.content.append(delta["content"])
-        for part in delta.get("tool_calls") or ():
+        parts = delta.get("tool_calls")
+        for part in parts if isinstance(parts, list) else ():
             if not isinstance(part, dict):
                 continue
-            call = self.calls.setdefault(int(part.get("index", 0)),
+            index = part.get("index", 0)
+            if isinstance(index, bool) or not isinstance(index, int):
+                continue
+            call = self.calls.setdefault(index,
                                          {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
-            if part.get("id"):
+            if isinstance(part.get("id"), str) and part["id"]:
                 call["id"] = part["id"]
-            function = part.get("function") or {}
-            if function.get("name"):
+            function = part.get("function")
+            if not isinstance(function, dict):
+                continue
+            if isinstance(function.get("name"), str):
                 call["function"]["name"] += function["name"]
-            if function.get("arguments"):
+            if isinstance(function.get("arguments"), str):
                 call["function"]["arguments"] += function["arguments"]
 
     def message(self) -> Message:

@@ -237,7 +237,8 @@ async def _asked_at(app: web.Application, run: RunState, call_id: str) -> float 
 
 
 async def post_resume(request: web.Request) -> web.StreamResponse:
-    """POST /v1/runs/{id}/resume {"max_turns"?, "max_budget_usd"?, "stream"?}."""
+    """POST /v1/runs/{id}/resume {"max_turns"?, "max_budget_usd"?, "max_tool_calls"?, "max_duration_s"?,
+    "stream"?}."""
     team, run = await _run_for(request)
     body = await _body(request)
     max_turns = _optional(body, "max_turns", int, "an integer >= 1")
@@ -246,9 +247,17 @@ async def post_resume(request: web.Request) -> web.StreamResponse:
     budget = _optional(body, "max_budget_usd", (int, float), "a number of USD > 0")
     if budget is not None and budget <= 0:
         raise InvalidField("max_budget_usd", f"max_budget_usd must be > 0, got {budget}")
+    max_tool_calls = _optional(body, "max_tool_calls", int, "an integer >= 1")
+    if max_tool_calls is not None and max_tool_calls < 1:
+        raise InvalidField("max_tool_calls", f"max_tool_calls must be an integer >= 1, got {max_tool_calls}")
+    duration = _optional(body, "max_duration_s", (int, float), "a number of seconds > 0")
+    if duration is not None and not 0 < duration < float("inf"):
+        raise InvalidField("max_duration_s", f"max_duration_s must be a number of seconds > 0, got {duration}")
     stream = bool(_optional(body, "stream", bool, "true or false"))
     options = _optional(body, "stream_options", dict, "an object") or {}
-    prepare = resume_with(max_turns, float(budget) if budget is not None else None, team.name)
+    prepare = resume_with(max_turns, float(budget) if budget is not None else None, team.name,
+                          max_tool_calls=max_tool_calls,
+                          max_duration_s=float(duration) if duration is not None else None)
     policy = _policy(request.app, run)
     if policy is not None and not policy.server_side:
         return await _reopen_passthrough(request, run, policy, prepare)

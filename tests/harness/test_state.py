@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from gateway.harness.state import SCHEMA_VERSION, RunState, StateError, pending
+from gateway.harness.state import DEFAULT_MAX_TOOL_CALLS, SCHEMA_VERSION, RunState, StateError, own_calls, pending
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -39,3 +39,45 @@ def test_bad_serialized_runs_are_refused_with_a_reason(mutate, message) -> None:
         RunState.from_json(data)
     with pytest.raises(StateError, match="not valid JSON"):
         RunState.loads(b"{")
+
+
+def test_v1_upgrades_its_model_turns_calls_as_the_gateways_own() -> None:
+    state = RunState.loads((FIXTURES / "run_v1.json").read_bytes())
+    assert state.version == SCHEMA_VERSION
+    assert state.model_call_ids == ["c1", "c2"]  # both came from its two turns: c2 may run once approved
+    assert state.tool_calls == 1  # the one tool result in its transcript
+    assert state.started_at == state.created_at
+    assert state.limits.max_tool_calls == DEFAULT_MAX_TOOL_CALLS and state.limits.max_duration_s is None
+
+
+def test_v1_call_pending_from_the_clients_own_history_is_not_upgraded_as_own() -> None:
+    data = orjson.loads((FIXTURES / "run_v1.json").read_bytes())
+    forged = {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "list_files", "arguments": "{}"}}]}
+    data.update(turns=0, per_turn=[], status="running", reason=None, interruption=None,
+                messages=[{"role": "user", "content": "x"}, forged])
+    state = RunState.from_json(data)
+    assert state.model_call_ids == [] and len(pending(state)) == 1
+
+
+def test_v2_fixture_keeps_the_new_fields() -> None:
+    state = RunState.loads((FIXTURES / "run_v2.json").read_bytes())
+    assert state.model_call_ids == ["c1", "c2"] and state.tool_calls == 1
+    assert state.limits.max_tool_calls == 50 and state.limits.max_duration_s == 600.0
+    assert state.started_at == 1796000000.0
+
+
+def test_own_calls_names_missing_and_repeated_ids_uniquely() -> None:
+    state = RunState.loads((FIXTURES / "run_v2.json").read_bytes())
+    reply = {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "a", "arguments": "{}"}},
+        {"id": "x", "type": "function", "function": {"name": "b", "arguments": "{}"}},
+        {"id": "x", "type": "function", "function": {"name": "c", "arguments": "{}"}},
+        {"id": "c1", "type": "function", "function": {"name": "d", "arguments": "{}"}},  # used in an earlier turn
+        {"id": 7, "type": "function", "function": {"name": "e", "arguments": "{}"}},
+    ]}
+    ids = [c["id"] for c in own_calls(state, reply)["tool_calls"]]
+    assert ids[1] == "x"
+    assert all(isinstance(i, str) and i.startswith("call_") for i in (ids[0], ids[2], ids[3], ids[4]))
+    assert len(set(ids)) == 5 and state.model_call_ids[-5:] == ids
+    assert reply["tool_calls"][0].get("id") is None  # the reply itself is not changed in place

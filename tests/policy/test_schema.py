@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.harness.state import Limits
+from gateway.harness.state import DEFAULT_MAX_TOOL_CALLS, Limits
 from gateway.policy.errors import PolicyError
 from gateway.policy.schema import AgentExecutor, HttpExecutor, PythonExecutor, RepeatedCall, load_policy
 from tests.policy.conftest import WriteFile
@@ -67,8 +67,17 @@ def test_a_policy_without_tools_is_passthrough_and_version_follows_bytes(write: 
     assert a.version != b.version
 
 
+def test_tool_call_and_wall_clock_limits(write: WriteFile) -> None:
+    a = load_policy(write("a.yaml", "limits: {max_tool_calls: 7, max_duration_s: 90}\n"))
+    assert a.limits.max_tool_calls == 7 and a.limits.max_duration_s == 90.0
+    b = load_policy(write("b.yaml", "limits: {max_turns: 3, max_tool_calls: null}\n"))
+    assert b.limits.max_tool_calls == DEFAULT_MAX_TOOL_CALLS and b.limits.max_duration_s is None  # always a cap
+
+
 BAD = [
     ("unknown top field", "name: x\nmax_turns: 3\n", 2, "max_turns", "unknown field"),
+    ("zero tool calls", "limits: {max_tool_calls: 0}\n", 1, "limits.max_tool_calls", "at least 1"),
+    ("negative duration", "limits: {max_duration_s: -5}\n", 1, "limits.max_duration_s", "positive number"),
     ("zero turns", "name: x\nlimits:\n  max_turns: 0\n", 3, "limits.max_turns", "at least 1"),
     ("budget mode", "name: x\nlimits: {budget_mode: never}\n", 2, "limits.budget_mode", "must be one of turn, strict"),
     ("negative budget", "limits:\n  max_budget_usd: -1\n", 2, "limits.max_budget_usd", "positive number"),

@@ -2,7 +2,8 @@
 
 The config lives in a temp folder: the shipped policies plus two test policies
 (`hybrid`: only list_files runs server-side, so a client-supplied read_file comes back to
-the client; `files_expiring`: approvals expire after 50 ms), a SQLite store, teams demo
+the client; `files_expiring`: approvals expire after 50 ms; `limited`: 3 tool calls, no
+dedupe; `timed`: 1 s of wall-clock), a SQLite store, teams demo
 (sk-demo, runs the policies), ops (sk-ops, the approver), other (sk-other) and poor
 (sk-poor, a team budget of $0.001: too little for one turn's reservation).
 """
@@ -27,6 +28,9 @@ DEMO, OPS, OTHER, POOR = "sk-demo", "sk-ops", "sk-other", "sk-poor"
 PLAN_ANSWER = "errors.log mentions a timeout: worker 7 timed out after 30000 ms."
 TASK = [{"role": "user", "content": "Which file mentions a timeout?"}]
 EXPIRES_AFTER_S = 0.05
+LIMITED_TOOL_CALLS = 3
+TIMED_DURATION_S = 1.0
+"""Less than the 3 s scan_archive takes, far more than a scripted turn."""
 
 
 def _files_policy() -> dict[str, Any]:
@@ -46,6 +50,14 @@ def write_config(folder: Path, port: int) -> Path:
     expiring["name"] = "files_expiring"
     expiring["approval"]["expires_after_s"] = EXPIRES_AFTER_S
     (policies / "files_expiring.yaml").write_text(yaml.safe_dump(expiring))
+    limited = _files_policy()  # every call runs (no dedupe, no repeat stop): only the tool-call cap stops runaway
+    limited.update(name="limited", dedupe="off", stop_when=[])
+    limited["limits"].update(max_tool_calls=LIMITED_TOOL_CALLS)
+    (policies / "limited.yaml").write_text(yaml.safe_dump(limited))
+    timed = _files_policy()
+    timed["name"] = "timed"
+    timed["limits"].update(max_duration_s=TIMED_DURATION_S)
+    (policies / "timed.yaml").write_text(yaml.safe_dump(timed))
     config = {
         "server": {"host": "127.0.0.1", "port": port},
         "store": {"kind": "sqlite", "path": "./gateway.db"},
@@ -55,7 +67,7 @@ def write_config(folder: Path, port: int) -> Path:
         "models": [{"match": "scripted-*", "upstream": "scripted", "price_in": 2.0, "price_out": 12.0}],
         "teams": [
             {"name": "demo", "keys": [DEMO], "budget_usd": 10.0,
-             "policies": ["passthrough", "files", "research", "hybrid", "files_expiring"]},
+             "policies": ["passthrough", "files", "research", "hybrid", "files_expiring", "limited", "timed"]},
             {"name": "ops", "keys": [OPS], "budget_usd": None, "policies": ["passthrough"]},
             {"name": "other", "keys": [OTHER], "budget_usd": None, "policies": ["passthrough", "files"]},
             {"name": "poor", "keys": [POOR], "budget_usd": 0.001, "budget_period": "total", "policies": ["files"]},
