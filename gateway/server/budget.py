@@ -149,6 +149,12 @@ class Governor:
         (LimitExceeded, RunBusy) before anything is forwarded."""
         limits = run.limits
         strict = limits.budget_mode == "strict" or team.budget_mode == "strict"
+        if limits.max_duration_s is not None:
+            started = run.started_at or run.created_at
+            if time.time() - started >= limits.max_duration_s:
+                raise LimitExceeded("max_duration_exceeded",
+                                    f"run {run.run_id} started {time.time() - started:.1f} s ago, past its cap of "
+                                    f"{limits.max_duration_s:g} s; nothing was forwarded")
         if not strict and limits.max_budget_usd is not None and run.cost_usd >= limits.max_budget_usd:
             raise LimitExceeded("budget_exceeded",
                                 f"run {run.run_id} spent ${run.cost_usd:.6f} of its ${limits.max_budget_usd:.6f} "

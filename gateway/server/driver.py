@@ -44,7 +44,7 @@ from gateway.policy.registry import PolicyRegistry
 from gateway.policy.sandbox import prepare_sandbox, sandbox_config
 from gateway.server.cancels import ActiveRuns, RunBusy, watch_remote_cancel
 from gateway.server.config import DEFAULT_LEASE_TTL_S
-from gateway.server.errors import ApiError, Conflict, LimitExceeded, NotFound
+from gateway.server.errors import ApiError, Conflict, LimitExceeded, NotFound, limit_stop
 from gateway.server.metrics import Metrics
 from gateway.server.tracelog import Listener, TraceWriter
 from gateway.store.base import Event, Store
@@ -234,13 +234,10 @@ class RunDriver:
     async def _end(self, state: RunState, exc: Exception, writer: TraceWriter,
                    checkpoint: Callable[[RunState], Any]) -> Outcome:
         """Save a run the loop could not finish: a refused call or a failed upstream."""
-        if isinstance(exc, LimitExceeded) and exc.kind == "team_budget_exceeded":
-            state.status, state.reason, state.interruption = "budget_exceeded", "team_budget", Interruption("max_budget")
-            state.error = exc.message
-        elif isinstance(exc, LimitExceeded) and exc.kind == "budget_exceeded":
-            state.status, state.reason, state.interruption = "budget_exceeded", "max_budget", Interruption("max_budget")
-        elif isinstance(exc, LimitExceeded):
-            state.status, state.reason, state.interruption = "max_turns_exceeded", "max_turns", Interruption("max_turns")
+        if isinstance(exc, LimitExceeded):
+            state.status, state.reason, state.interruption = limit_stop(exc.kind)
+            if exc.kind == "team_budget_exceeded":
+                state.error = exc.message
         elif isinstance(exc, ApiError):
             state.status, state.reason, state.error = "failed", "upstream_error", exc.message
         else:

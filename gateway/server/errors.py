@@ -15,6 +15,7 @@ Handlers raise; one middleware renders. The tree (HTTP status, `error.type`):
     │                                    x-should-retry: false, but true on run_busy)
     ├── PayloadTooLarge              413 invalid_request_error, code body_too_large
     ├── LimitExceeded                429 max_turns_exceeded | budget_exceeded | team_budget_exceeded
+    │                                    | max_duration_exceeded
     │                                    (+ header x-should-retry: false, + top-level `run`)
     ├── UpstreamError                502 upstream_error | 504 upstream_timeout (+ upstream_status)
     └── InternalError                500 server_error
@@ -30,7 +31,23 @@ from typing import Any, Literal
 import orjson
 from aiohttp import web
 
-LimitKind = Literal["max_turns_exceeded", "budget_exceeded", "team_budget_exceeded"]
+from gateway.harness.state import Interruption, InterruptionType, Status
+
+LimitKind = Literal["max_turns_exceeded", "budget_exceeded", "team_budget_exceeded", "max_duration_exceeded"]
+
+_LIMIT_STOPS: dict[str, tuple[Status, str, InterruptionType]] = {
+    "max_turns_exceeded": ("max_turns_exceeded", "max_turns", "max_turns"),
+    "budget_exceeded": ("budget_exceeded", "max_budget", "max_budget"),
+    "team_budget_exceeded": ("budget_exceeded", "team_budget", "max_budget"),
+    "max_duration_exceeded": ("max_duration_exceeded", "max_duration", "max_duration"),
+}
+
+
+def limit_stop(kind: LimitKind) -> tuple[Status, str, Interruption]:
+    """The status, reason and interruption a run takes when a limit refuses its call (the
+    one mapping, for pass-through refusals and server-side runs alike)."""
+    status, reason, interruption = _LIMIT_STOPS[kind]
+    return status, reason, Interruption(interruption)
 
 
 class ApiError(Exception):

@@ -17,16 +17,16 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 from aiohttp import web
 
-from gateway.harness.state import Interruption, Message, RunState, Status
+from gateway.harness.state import Message, RunState
 from gateway.harness.usage import Usage
 from gateway.server import context as ctx
 from gateway.server.budget import Admission
-from gateway.server.errors import Conflict, LimitExceeded
+from gateway.server.errors import Conflict, LimitExceeded, limit_stop
 from gateway.server.headers import run_headers
 from gateway.server.replies import CheckedUsage, checked_usage
 from gateway.server.runs import Call, add_turn, commit_run, stop_run
@@ -35,13 +35,6 @@ from gateway.store.errors import AlreadyBooked, RunNotFound, StaleRun, StoreErro
 
 log = logging.getLogger(__name__)
 
-StopReason = Literal["max_turns", "max_budget", "team_budget"]
-
-_REFUSALS: dict[str, tuple[Status, StopReason, Interruption]] = {
-    "max_turns_exceeded": ("max_turns_exceeded", "max_turns", Interruption("max_turns")),
-    "budget_exceeded": ("budget_exceeded", "max_budget", Interruption("max_budget")),
-    "team_budget_exceeded": ("budget_exceeded", "team_budget", Interruption("max_budget")),
-}
 
 
 @dataclass(frozen=True)
@@ -77,7 +70,7 @@ def append_trace_file(path: Path | None, events: list[Event]) -> None:
 async def refuse(request: web.Request, call: Call, exc: LimitExceeded) -> LimitExceeded:
     """The run takes the refusal's status (once); the 429 carries the run object and headers."""
     app = request.app
-    status, reason, interruption = _REFUSALS[exc.kind]
+    status, reason, interruption = limit_stop(exc.kind)
     run = call.run
     if (run.status, run.reason) != (status, reason):
         detail = exc.message if reason == "team_budget" else None

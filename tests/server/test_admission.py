@@ -112,6 +112,9 @@ def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, An
         (policies / "wide.yaml").write_text(yaml.safe_dump(
             {"name": "wide", "description": "pass-through with room for many turns",
              "limits": {"max_turns": 100, "max_budget_usd": None}}))
+        (policies / "brief.yaml").write_text(yaml.safe_dump(
+            {"name": "brief", "description": "pass-through runs that last half a second",
+             "limits": {"max_turns": 100, "max_duration_s": 0.5}}))
     config = {
         "server": {"host": "127.0.0.1", "port": port, "lease_ttl_s": 5},
         "store": store,
@@ -121,7 +124,7 @@ def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, An
         "models": [{"match": "*", "upstream": "counting", "price_in": 2.0, "price_out": 12.0}],
         "teams": [
             {"name": "adm", "keys": [KEY], "budget_usd": budget_usd, "budget_period": "total",
-             "policies": ["passthrough", "wide"]},
+             "policies": ["passthrough", "wide", "brief"]},
             {"name": "thrifty", "keys": [THRIFTY], "budget_usd": 0.01, "budget_period": "total",
              "budget_mode": "strict", "policies": ["passthrough"]},
         ],
@@ -304,3 +307,15 @@ async def test_a_crash_under_load_blocks_the_team_no_longer_than_the_lease(
     finally:
         first.stop()
         await runner.cleanup()
+
+
+async def test_a_pass_through_run_past_its_wall_clock_cap_is_refused(
+        single: Proc, upstream: Upstream, session: aiohttp.ClientSession) -> None:
+    headers = {"X-Run-Id": f"brief-{uuid.uuid4().hex[:8]}", "X-Policy": "brief"}
+    status, _, _ = await chat(session, single, KEY, {"model": "brief", "messages": TASK}, headers)
+    assert status == 200
+    await asyncio.sleep(0.6)  # the cap is wall-clock time: let it pass
+    status, got, reply = await chat(session, single, KEY, {"model": "brief", "messages": TASK}, headers)
+    assert status == 429 and reply["error"]["type"] == "max_duration_exceeded", reply
+    assert got["X-Run-Status"] == "max_duration_exceeded" and got["x-should-retry"] == "false"
+    assert upstream.calls["brief"] == 1
