@@ -1,7 +1,9 @@
 """`build_app(config)`: the gateway as an aiohttp application.
 
 Routes: POST /v1/chat/completions, GET /v1/models, GET /metrics, GET /healthz, the
-scripted provider at /scripted/v1, plus what the optional modules add:
+scripted provider at /scripted/v1 (only when the config has a `kind: scripted` upstream,
+and only for callers with a gateway key: a team's, or the random one this process makes
+at start for its own upstream calls), plus what the optional modules add:
 `gateway.server.harness_route.setup(app)` (server-side runs: sets `app[HARNESS]`, adds
 the runs API). Resources that live on the event
 loop (HTTP session, governor, upstreams) come with `cleanup_ctx`; the store is opened
@@ -11,12 +13,16 @@ when the app is built (so a bad `store:` section fails before listening) and clo
 from __future__ import annotations
 
 import fnmatch
+import hashlib
+import hmac
 import importlib
 import importlib.util
+import secrets
 from collections.abc import AsyncIterator
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from gateway.policy.errors import PolicySetError
 from gateway.policy.registry import PolicyRegistry
@@ -97,7 +103,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     session = new_session()
     app[ctx.SESSION] = session
     app[ctx.GOVERNOR] = Governor(store, app[ctx.COUNTER], config.defaults)
-    upstreams = ctx.Upstreams(config, session)
+    upstreams = ctx.Upstreams(config, session, app.get(ctx.SCRIPTED_KEY))
     upstreams.self_url = app.get(ctx.SELF_URL)
     app[ctx.UPSTREAMS] = upstreams
     try:
@@ -105,6 +111,20 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     finally:
         await session.close()
         await store.close()
+
+
+def _scripted_guard(keyring: KeyRing, own_key: str) -> Middleware:
+    """The scripted mount's key check: this process's own key, or any team's (401 otherwise)."""
+    own = hashlib.sha256(own_key.encode()).digest()
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        if not (scheme.lower() == "bearer" and hmac.compare_digest(hashlib.sha256(key.strip().encode()).digest(), own)):
+            keyring.authenticate(request)  # a team key, or 401 naming what is wrong
+        return await handler(request)
+
+    return guard
 
 
 def build_app(config: Config, *, self_url: str | None = None) -> web.Application:
@@ -125,7 +145,9 @@ def build_app(config: Config, *, self_url: str | None = None) -> web.Application
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
-    app.add_subapp(SCRIPTED_PREFIX, scripted_app())
+    if any(u.kind == "scripted" for u in config.upstreams.values()):
+        app[ctx.SCRIPTED_KEY] = secrets.token_urlsafe(32)
+        app.add_subapp(SCRIPTED_PREFIX, scripted_app(guard=_scripted_guard(app[ctx.KEYRING], app[ctx.SCRIPTED_KEY])))
     for name in OPTIONAL_MODULES:
         if importlib.util.find_spec(name) is not None:
             importlib.import_module(name).setup(app)

@@ -32,9 +32,11 @@ class Upstreams:
     """The configured upstreams by name; a `scripted` one is this server's own mount, whose
     address is known once the server listens (set by `serve`, or learnt from the first request)."""
 
-    def __init__(self, config: Config, session: aiohttp.ClientSession) -> None:
+    def __init__(self, config: Config, session: aiohttp.ClientSession, scripted_key: str | None = None) -> None:
+        """`scripted_key`: what this process's calls to its own scripted mount authenticate with."""
         self.self_url: str | None = None
-        self._by_name = {name: Upstream(u, session, self._scripted_base) for name, u in config.upstreams.items()}
+        self._by_name = {name: Upstream(u, session, self._scripted_base, scripted_key if u.kind == "scripted" else None)
+                         for name, u in config.upstreams.items()}
 
     def _scripted_base(self) -> str | None:
         return self.self_url + SCRIPTED_PREFIX if self.self_url else None
@@ -66,6 +68,8 @@ GOVERNOR: Final = web.AppKey("governor", Governor)
 UPSTREAMS: Final = web.AppKey("upstreams", Upstreams)
 HARNESS: Final = web.AppKey[HarnessHandler]("harness")
 SELF_URL: Final = web.AppKey("self_url", str)
+SCRIPTED_KEY: Final = web.AppKey("scripted_key", str)
+"""A random secret made at start: the key of the gateway's own calls to its scripted mount."""
 
 # Per request: the run as last known (error responses carry its headers) and the time
 # spent waiting on the upstream (the overhead metric subtracts it).
