@@ -1,6 +1,7 @@
 """`build_app(config)`: the gateway as an aiohttp application.
 
-Routes: POST /v1/chat/completions, GET /v1/models, GET /metrics, GET /healthz, the
+Routes: POST /v1/chat/completions, GET /v1/models, GET /metrics (`metrics_route`: maybe
+with a token, maybe on its own address), GET /healthz, the
 scripted provider at /scripted/v1 (only when the config has a `kind: scripted` upstream,
 and only for callers with a gateway key: a team's, or the random one this process makes
 at start for its own upstream calls), plus what the optional modules add:
@@ -30,6 +31,7 @@ from gateway.providers.scenarios import model_names
 from gateway.providers.scripted import scripted_app
 from gateway.providers.upstream import new_session
 from gateway.server import context as ctx
+from gateway.server import metrics_route
 from gateway.server.auth import KeyRing
 from gateway.server.budget import Governor
 from gateway.server.config import SCRIPTED_PREFIX, Config, ConfigError
@@ -143,7 +145,7 @@ def build_app(config: Config, *, self_url: str | None = None) -> web.Application
     app.cleanup_ctx.append(_resources)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/metrics", metrics)
+    metrics_route.setup(app)
     app.router.add_get("/healthz", healthz)
     if any(u.kind == "scripted" for u in config.upstreams.values()):
         app[ctx.SCRIPTED_KEY] = secrets.token_urlsafe(32)
@@ -161,21 +163,6 @@ async def list_models(request: web.Request) -> web.Response:
     data = [{"id": name, "object": "model", "created": 0, "owned_by": upstream}
             for name, upstream in routed_models(app[ctx.CONFIG])]
     return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
-
-
-async def metrics(request: web.Request) -> web.Response:
-    """The metrics, in OpenMetrics (with run-id exemplars) for a scraper that asks for it
-    (Prometheus does), else Prometheus text. Team ledger gauges are read at scrape time
-    (shared by replicas)."""
-    app = request.app
-    registry = app[ctx.METRICS]
-    governor = app[ctx.GOVERNOR]
-    for team in app[ctx.CONFIG].teams:
-        spent, reserved = await app[ctx.STORE].team_spend(team.name, governor.period(team))
-        remaining = None if team.budget_usd is None else team.budget_usd - spent - reserved
-        registry.set_team_budget(team.name, spent, remaining)
-    body, content_type = registry.exposition(request.headers.get("Accept"))
-    return web.Response(body=body, headers={"Content-Type": content_type, "Vary": "Accept"})
 
 
 async def healthz(request: web.Request) -> web.Response:
