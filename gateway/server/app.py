@@ -1,8 +1,8 @@
 """`build_app(config)`: the gateway as an aiohttp application.
 
 Routes: POST /v1/chat/completions, GET /v1/models, GET /metrics (`metrics_route`: maybe
-with a token, maybe on its own address), GET /healthz, the
-scripted provider at /scripted/v1 (only when the config has a `kind: scripted` upstream,
+with a token, maybe on its own address), GET /healthz, the scripted provider at
+/scripted/v1 (only when a `kind: scripted` upstream without `base_url` uses this mount,
 and only for callers with a gateway key: a team's, or the random one this process makes
 at start for its own upstream calls), plus what the optional modules add:
 `gateway.server.harness_route.setup(app)` (server-side runs: sets `app[HARNESS]`, adds
@@ -147,7 +147,7 @@ def build_app(config: Config, *, self_url: str | None = None) -> web.Application
     app.router.add_get("/v1/models", list_models)
     metrics_route.setup(app)
     app.router.add_get("/healthz", healthz)
-    if any(u.kind == "scripted" for u in config.upstreams.values()):
+    if any(ctx.uses_mount(u) for u in config.upstreams.values()):
         app[ctx.SCRIPTED_KEY] = secrets.token_urlsafe(32)
         app.add_subapp(SCRIPTED_PREFIX, scripted_app(guard=_scripted_guard(app[ctx.KEYRING], app[ctx.SCRIPTED_KEY])))
     for name in OPTIONAL_MODULES:
