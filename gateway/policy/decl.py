@@ -7,6 +7,7 @@ into the harness's `RunOptions`; `gateway.policy.approval` turns its rules into 
 from __future__ import annotations
 
 import json
+import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,7 +91,8 @@ class Rule:
     """One approval rule; the first rule that matches a call decides it.
 
     `tool` is a glob on the tool name, `args` maps argument names to globs matched
-    against `str(value)` (all must match; a missing argument never matches),
+    against `arg_text(value)` (strings as normalised paths; all must match; a missing
+    argument never matches),
     `read_only` (when set) must equal the tool's flag.
     """
 
@@ -152,8 +154,23 @@ class Policy:
         return tuple(t.spec for t in self.tools)
 
 
+def normal_path(text: str) -> str:
+    """`text` read as a POSIX path, lexically normalised: `./a`, `a/`, `.//a` and `b/../a`
+    are all `a`, and `//a` is `/a`. Text with a URL scheme (`://`) and "" are left as they are."""
+    if not text or "://" in text:
+        return text
+    out = posixpath.normpath(text)
+    return "/" + out.lstrip("/") if out.startswith("//") else out
+
+
 def arg_text(value: object) -> str:
-    """An argument value as approval globs see it: strings as they are, the rest as JSON."""
+    """An argument value as approval globs see it (rule globs are read the same way).
+
+    Strings are read as paths (`normal_path`): the file tools act on the path a string
+    names, not on its spelling, so a rule on `notes.txt` also matches `./notes.txt` or
+    `sub/../notes.txt`, and an allow rule on `tmp/*` does not match `tmp/../notes.txt`.
+    Any other value is its JSON text.
+    """
     if isinstance(value, str):
-        return value
+        return normal_path(value)
     return json.dumps(value, sort_keys=True, ensure_ascii=False)

@@ -160,6 +160,16 @@ def forbidden(v: View) -> Reply:
     return ask(f"c{v.turn + 1}", "read_file", path="/etc/shadow")
 
 
+def sidestep(v: View) -> Reply:
+    """Deletes the runbook under another spelling of its path (`./notes.txt`)."""
+    if v.turn == 0:
+        return ask("c1", "delete_file", path="./notes.txt")
+    result = (v.last_tool or "").strip()
+    if REFUSED.search(result):
+        return say("I did not delete notes.txt: the policy denied it.")
+    return say(f"Deleted notes.txt: {result}")
+
+
 def slow(v: View) -> Reply:
     """Runs the slow, cancellable tool, then reports what it said."""
     if v.turn == 0:
@@ -206,6 +216,7 @@ SCENARIOS: Mapping[str, Scenario] = {
     "once": once,
     "repeat-write": repeat_write,
     "forbidden": forbidden,
+    "sidestep": sidestep,
     "slow": slow,
     "research": research,
     "noids": noids,

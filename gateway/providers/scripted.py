@@ -10,6 +10,8 @@ Request headers that shape the answer (for tests and benchmarks):
 - `X-Scripted-Latency-Ms`: wait this long before answering (before the first byte of a
   stream); the app-level `latency_ms` is the default.
 - `X-Scripted-Chunk-Delay-Ms`: wait this long between stream chunks.
+  Both are at most `MAX_DELAY_MS` (60 s; more is a 400 naming the header), so no request
+  keeps a handler asleep for long, and a server shutting down cuts the latency wait short.
 - `X-Scripted-Fail`: `500`, `429` (OpenAI-shaped errors), `malformed` (a body that is not
   JSON), `hang` (no answer until the client gives up), `cut` (the connection drops halfway,
   without `[DONE]` and without usage).
@@ -29,6 +31,7 @@ from typing import Any, Literal, get_args
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from gateway.providers.scenarios import model_names, scenario_for, view_of
 from gateway.tokens import TokenCounter, get_counter
@@ -39,6 +42,8 @@ LATENCY_HEADER = "X-Scripted-Latency-Ms"
 CHUNK_DELAY_HEADER = "X-Scripted-Chunk-Delay-Ms"
 FAIL_HEADER = "X-Scripted-Fail"
 MAX_BODY_BYTES = 64 * 1024 * 1024
+MAX_DELAY_MS = 60_000.0
+"""The most a request may ask the provider to wait (each X-Scripted-*-Ms header)."""
 
 
 @dataclass(frozen=True)
@@ -91,8 +96,9 @@ def _ms_header(request: web.Request, name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not value >= 0:  # also refuses NaN
-        raise BadRequest(400, f"header {name} must be a number of milliseconds >= 0, got {raw!r}", None)
+    if not 0 <= value <= MAX_DELAY_MS:  # also refuses NaN and infinities
+        raise BadRequest(400, f"header {name} must be a number of milliseconds from 0 to {MAX_DELAY_MS:.0f}, "
+                              f"got {raw!r}", name)
     return value
 
 
@@ -326,7 +332,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if fail == "hang":
         return await _hang(request)
     if latency_ms:
-        await asyncio.sleep(latency_ms / 1000)
+        try:  # the wait is the latency asked for; shutdown ends it early
+            await asyncio.wait_for(request.app[CLOSING_KEY].wait(), timeout=latency_ms / 1000)
+        except TimeoutError:
+            pass
     if fail == "500":
         return _error(500, f"The scripted upstream failed on purpose ({FAIL_HEADER}: 500).", "server_error",
                       "internal_error")
@@ -368,9 +377,15 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
                       exc.reason.lower().replace(" ", "_"))
 
 
-def scripted_app(*, latency_ms: float = 0.0, chunk_delay_ms: float = 0.0) -> web.Application:
-    """The provider as an aiohttp app with routes `/chat/completions` and `/models`."""
-    app = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY_BYTES)
+def scripted_app(*, latency_ms: float = 0.0, chunk_delay_ms: float = 0.0,
+                 guard: Middleware | None = None) -> web.Application:
+    """The provider as an aiohttp app with routes `/chat/completions` and `/models`.
+
+    `guard` runs before every route (the gateway's mount checks keys with it); without
+    one the app is open, as `gateway scripted` serves it: a test upstream started on purpose.
+    """
+    middlewares: list[Middleware] = [json_errors] if guard is None else [json_errors, guard]
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[CONFIG_KEY] = ScriptedConfig(latency_ms, chunk_delay_ms)
     app[CLOSING_KEY] = asyncio.Event()
     app[COUNTER_KEY] = get_counter()

@@ -30,7 +30,8 @@ from gateway.server.errors import UpstreamError
 __all__ = ["Upstream", "UpstreamError", "UpstreamReply", "UpstreamStream", "new_session"]
 
 FORWARDED_PREFIX = "x-scripted-"
-"""Client headers passed on to the upstream (the scripted provider's failure injection)."""
+"""Client headers passed on to a `scripted` upstream only (its failure injection); any other
+upstream never sees them."""
 
 
 def new_session() -> aiohttp.ClientSession:
@@ -82,11 +83,14 @@ class Upstream:
     """One configured upstream bound to the shared session."""
 
     def __init__(self, config: UpstreamConfig, session: aiohttp.ClientSession,
-                 base_url: Callable[[], str | None]) -> None:
+                 base_url: Callable[[], str | None], key: str | None = None) -> None:
+        """`key` is sent as the bearer key when the config names no `api_key_env` (the
+        gateway's own secret for its scripted mount)."""
         self.config = config
         self.name = config.name
         self.session = session
         self._base_url = base_url
+        self._key = key
         self._plain_timeout = aiohttp.ClientTimeout(total=config.timeout_s)
         self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.timeout_s,
                                                      sock_read=config.timeout_s)
@@ -109,7 +113,9 @@ class Upstream:
                                     f"upstream '{self.name}': environment variable {self.config.api_key_env} "
                                     "is not set", self.name)
             out["Authorization"] = f"Bearer {key}"
-        if client_headers:
+        elif self._key:
+            out["Authorization"] = f"Bearer {self._key}"
+        if client_headers and self.config.kind == "scripted":
             for name, value in client_headers.items():
                 if name.lower().startswith(FORWARDED_PREFIX):
                     out[name] = value

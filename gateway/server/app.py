@@ -1,7 +1,10 @@
 """`build_app(config)`: the gateway as an aiohttp application.
 
-Routes: POST /v1/chat/completions, GET /v1/models, GET /metrics, GET /healthz, the
-scripted provider at /scripted/v1, plus what the optional modules add:
+Routes: POST /v1/chat/completions, GET /v1/models, GET /metrics (`metrics_route`: maybe
+with a token, maybe on its own address), GET /healthz, the scripted provider at
+/scripted/v1 (only when a `kind: scripted` upstream without `base_url` uses this mount,
+and only for callers with a gateway key: a team's, or the random one this process makes
+at start for its own upstream calls), plus what the optional modules add:
 `gateway.server.harness_route.setup(app)` (server-side runs: sets `app[HARNESS]`, adds
 the runs API). Resources that live on the event
 loop (HTTP session, governor, upstreams) come with `cleanup_ctx`; the store is opened
@@ -13,15 +16,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fnmatch
+import hashlib
+import hmac
 import importlib
 import importlib.util
 import logging
 import os
 import socket
+import secrets
 from collections.abc import AsyncIterator
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from gateway.policy.errors import PolicySetError
 from gateway.policy.registry import PolicyRegistry
@@ -29,6 +36,7 @@ from gateway.providers.scenarios import model_names
 from gateway.providers.scripted import scripted_app
 from gateway.providers.upstream import new_session
 from gateway.server import context as ctx
+from gateway.server import metrics_route
 from gateway.server.auth import KeyRing
 from gateway.server.budget import Governor
 from gateway.server.config import SCRIPTED_PREFIX, Config, ConfigError
@@ -110,7 +118,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     governor = Governor(store, app[ctx.COUNTER], config.defaults, owner=process_owner(app.get(ctx.SELF_URL)),
                         ttl_s=config.server.lease_ttl_s)
     app[ctx.GOVERNOR] = governor
-    upstreams = ctx.Upstreams(config, session)
+    upstreams = ctx.Upstreams(config, session, app.get(ctx.SCRIPTED_KEY))
     upstreams.self_url = app.get(ctx.SELF_URL)
     app[ctx.UPSTREAMS] = upstreams
     try:
@@ -151,6 +159,20 @@ def process_owner(self_url: str | None) -> str:
     return f"{host}/{self_url}" if self_url else f"{host}/pid{os.getpid()}-{os.urandom(4).hex()}"
 
 
+def _scripted_guard(keyring: KeyRing, own_key: str) -> Middleware:
+    """The scripted mount's key check: this process's own key, or any team's (401 otherwise)."""
+    own = hashlib.sha256(own_key.encode()).digest()
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        if not (scheme.lower() == "bearer" and hmac.compare_digest(hashlib.sha256(key.strip().encode()).digest(), own)):
+            keyring.authenticate(request)  # a team key, or 401 naming what is wrong
+        return await handler(request)
+
+    return guard
+
+
 def build_app(config: Config, *, self_url: str | None = None) -> web.Application:
     """The gateway app. `self_url` (e.g. http://127.0.0.1:8080) addresses the scripted
     mount; without it the address is learnt from the first request."""
@@ -168,9 +190,11 @@ def build_app(config: Config, *, self_url: str | None = None) -> web.Application
     app.cleanup_ctx.append(_resources)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/metrics", metrics)
+    metrics_route.setup(app)
     app.router.add_get("/healthz", healthz)
-    app.add_subapp(SCRIPTED_PREFIX, scripted_app())
+    if any(ctx.uses_mount(u) for u in config.upstreams.values()):
+        app[ctx.SCRIPTED_KEY] = secrets.token_urlsafe(32)
+        app.add_subapp(SCRIPTED_PREFIX, scripted_app(guard=_scripted_guard(app[ctx.KEYRING], app[ctx.SCRIPTED_KEY])))
     for name in OPTIONAL_MODULES:
         if importlib.util.find_spec(name) is not None:
             importlib.import_module(name).setup(app)
@@ -184,21 +208,6 @@ async def list_models(request: web.Request) -> web.Response:
     data = [{"id": name, "object": "model", "created": 0, "owned_by": upstream}
             for name, upstream in routed_models(app[ctx.CONFIG])]
     return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
-
-
-async def metrics(request: web.Request) -> web.Response:
-    """The metrics, in OpenMetrics (with run-id exemplars) for a scraper that asks for it
-    (Prometheus does), else Prometheus text. Team ledger gauges are read at scrape time
-    (shared by replicas)."""
-    app = request.app
-    registry = app[ctx.METRICS]
-    governor = app[ctx.GOVERNOR]
-    for team in app[ctx.CONFIG].teams:
-        spent, reserved = await app[ctx.STORE].team_spend(team.name, governor.period(team))
-        remaining = None if team.budget_usd is None else team.budget_usd - spent - reserved
-        registry.set_team_budget(team.name, spent, remaining)
-    body, content_type = registry.exposition(request.headers.get("Accept"))
-    return web.Response(body=body, headers={"Content-Type": content_type, "Vary": "Accept"})
 
 
 async def healthz(request: web.Request) -> web.Response:

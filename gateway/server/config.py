@@ -19,6 +19,11 @@ Settings beyond DESIGN.md's shape:
   so a run resumed on another replica finds its files.
 - `spool_file` (default `spool.jsonl` next to this file): where a turn that was paid
   upstream while the store was unreachable is written (durably) until the store books it.
+- `metrics` (default: none, /metrics open on the main address as before):
+  `token_env: NAME` makes /metrics require `Authorization: Bearer <the value of $NAME>`
+  (the token itself is never written in the config); `listen: "HOST:PORT"` serves
+  /metrics on that address only, from a second listener of the same process, and the
+  main address no longer has it. Both may be set.
 - `teams[i].admin` (default false): keys of an admin team may call the admin API
   (`POST /v1/admin/reload`). Admin is an explicit grant: being named as an approver by
   a policy does not make a team an admin, so editing a policy file can never widen who
@@ -40,7 +45,7 @@ from gateway.harness.usage import Price
 from gateway.server.config_fields import ConfigError, Field
 
 __all__ = [
-    "Config", "ConfigError", "Defaults", "ModelRoute", "ServerConfig", "StoreConfig", "TeamConfig",
+    "Config", "ConfigError", "Defaults", "MetricsConfig", "ModelRoute", "ServerConfig", "StoreConfig", "TeamConfig",
     "UpstreamConfig", "load_config", "parse_config",
 ]
 
@@ -127,6 +132,15 @@ class Defaults:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """`metrics:`: who may read /metrics and where it is served (both off by default)."""
+
+    token_env: str | None = None
+    token: str | None = field(default=None, repr=False)
+    listen: tuple[str, int] | None = None
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole validated configuration."""
 
@@ -141,6 +155,7 @@ class Config:
     models: tuple[ModelRoute, ...]
     teams: tuple[TeamConfig, ...]
     defaults: Defaults = field(default_factory=Defaults)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     _routes: dict[str, ModelRoute | None] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def route(self, model: str) -> ModelRoute | None:
@@ -186,12 +201,17 @@ def parse_config(data: Any, file: Path) -> Config:
     base = file.resolve().parent
     root = Field(str(file), "", data if data is not None else {})
     root.keys_only({"server", "store", "policies_dir", "runs_dir", "trace_file", "spool_file", "upstreams", "models",
-                    "teams", "defaults"})
+                    "teams", "defaults", "metrics"})
     upstreams = _upstreams(root.get("upstreams"))
     store = _store(root.get("store"), base)
+    server = _server(root.get("server"))
+    metrics = _metrics(root.get("metrics"))
+    if metrics.listen == (server.host, server.port):
+        root.get("metrics").get("listen").fail(f"is the gateway's own address (server.host:server.port); give "
+                                               "/metrics another port, or leave listen out to serve it there")
     return Config(
         path=file,
-        server=_server(root.get("server")),
+        server=server,
         store=store,
         policies_dir=base / root.get("policies_dir").optional_str("./policies"),
         runs_dir=_optional_path(root.get("runs_dir"), base) or _default_runs_dir(store, base),
@@ -201,6 +221,7 @@ def parse_config(data: Any, file: Path) -> Config:
         models=_models(root.get("models"), upstreams),
         teams=_teams(root.get("teams")),
         defaults=_defaults(root.get("defaults")),
+        metrics=metrics,
     )
 
 
@@ -326,3 +347,26 @@ def _defaults(at: Field) -> Defaults:
         at.get("output_allowance_tokens").optional_int(DEFAULT_OUTPUT_ALLOWANCE, low=1, high=10_000_000),
         at.get("max_calls_in_flight_per_run").optional_int(DEFAULT_CALLS_IN_FLIGHT_PER_RUN, low=1, high=100_000),
     )
+
+
+def _metrics(at: Field) -> MetricsConfig:
+    if at.missing or at.value is None:
+        return MetricsConfig()
+    at.keys_only({"token_env", "listen"})
+    token_env = at.get("token_env").optional_str_or_none()
+    token = None
+    if token_env is not None:
+        token = os.environ.get(token_env)
+        if not token:
+            at.get("token_env").fail(f"environment variable {token_env} is not set (it should hold the token "
+                                     "a scraper sends as 'Authorization: Bearer <token>')")
+    listen_at = at.get("listen")
+    raw = listen_at.optional_str_or_none()
+    listen = None
+    if raw is not None:
+        host, sep, port = raw.rpartition(":")
+        host = host.strip("[]")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            listen_at.fail(f"must be HOST:PORT with a port from 1 to 65535 (e.g. 127.0.0.1:9464), got {raw!r}")
+        listen = (host, int(port))
+    return MetricsConfig(token_env=token_env, token=token, listen=listen)

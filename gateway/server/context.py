@@ -18,7 +18,7 @@ from gateway.policy.registry import PolicyRegistry
 from gateway.providers.upstream import Upstream
 from gateway.server.auth import KeyRing
 from gateway.server.budget import Governor
-from gateway.server.config import SCRIPTED_PREFIX, Config
+from gateway.server.config import SCRIPTED_PREFIX, Config, UpstreamConfig
 from gateway.server.metrics import Metrics
 from gateway.server.runs import Call
 from gateway.store.base import Store
@@ -29,13 +29,21 @@ HarnessHandler = Callable[[web.Request, Call], Awaitable[web.StreamResponse]]
 """What serves a call whose policy runs the loop server-side (gateway.server.harness_route)."""
 
 
+def uses_mount(upstream: UpstreamConfig) -> bool:
+    """A `scripted` upstream without a `base_url` is this process's own /scripted/v1 mount
+    (one with a `base_url` is a scripted provider elsewhere, which never gets our secret)."""
+    return upstream.kind == "scripted" and upstream.base_url is None
+
+
 class Upstreams:
     """The configured upstreams by name; a `scripted` one is this server's own mount, whose
     address is known once the server listens (set by `serve`, or learnt from the first request)."""
 
-    def __init__(self, config: Config, session: aiohttp.ClientSession) -> None:
+    def __init__(self, config: Config, session: aiohttp.ClientSession, scripted_key: str | None = None) -> None:
+        """`scripted_key`: what this process's calls to its own scripted mount authenticate with."""
         self.self_url: str | None = None
-        self._by_name = {name: Upstream(u, session, self._scripted_base) for name, u in config.upstreams.items()}
+        self._by_name = {name: Upstream(u, session, self._scripted_base, scripted_key if uses_mount(u) else None)
+                         for name, u in config.upstreams.items()}
 
     def _scripted_base(self) -> str | None:
         return self.self_url + SCRIPTED_PREFIX if self.self_url else None
@@ -68,6 +76,8 @@ UPSTREAMS: Final = web.AppKey("upstreams", Upstreams)
 HARNESS: Final = web.AppKey[HarnessHandler]("harness")
 SELF_URL: Final = web.AppKey("self_url", str)
 SPOOL: Final = web.AppKey("spool", Spool)
+SCRIPTED_KEY: Final = web.AppKey("scripted_key", str)
+"""A random secret made at start: the key of the gateway's own calls to its scripted mount."""
 
 # Per request: the run as last known (error responses carry its headers) and the time
 # spent waiting on the upstream (the overhead metric subtracts it).

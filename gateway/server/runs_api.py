@@ -8,8 +8,9 @@
 | POST /v1/runs/{id}/resume        | continue it; answers like chat completions               |
 | POST /v1/runs/{id}/cancel        | stop it within milliseconds, tools included              |
 
-A run is visible to its own team and to the teams its policy names as approvers; any
-other caller gets the same 404 as for a run that does not exist.
+Who may do what is `gateway.server.run_access`'s table: the owning team and admin teams
+see and steer (resume, cancel) a run, approvers see it and decide; any other caller gets
+the same 404 as for a run that does not exist.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from aiohttp import web
 from gateway.harness.approvals import ApprovalError, decide
 from gateway.harness.state import STATUSES, Decision, Interruption, RunState
 from gateway.harness.trace import Tracer
-from gateway.policy.approval import can_decide, expired, expiry_decision
+from gateway.policy.approval import expired, expiry_decision
 from gateway.policy.decl import Policy
 from gateway.server import context as ctx
 from gateway.server.cancels import RunBusy, cancel_event
@@ -35,6 +36,7 @@ from gateway.server.driver import Prepare
 from gateway.server.harness_route import DRIVER, answer
 from gateway.server.headers import run_headers
 from gateway.server.passthrough import read_body
+from gateway.server.run_access import may_decide, may_see, require_steer
 from gateway.server.runs import update_run
 from gateway.server.sse import ClientGone, SSEStream
 from gateway.server.tracelog import TraceWriter
@@ -62,10 +64,7 @@ def _policy(app: web.Application, run: RunState) -> Policy | None:
 
 
 def _visible(app: web.Application, run: RunState, team: TeamConfig) -> bool:
-    if run.team == team.name:
-        return True
-    policy = _policy(app, run)
-    return policy is not None and team.name in policy.approval.approvers
+    return may_see(team, run, _policy(app, run))
 
 
 async def _run_for(request: web.Request) -> tuple[TeamConfig, RunState]:
@@ -189,7 +188,7 @@ async def post_approval(request: web.Request) -> web.Response:
     app = request.app
     team, run = await _run_for(request)
     policy = _policy(app, run)
-    if policy is None or not can_decide(policy.approval, team.name, run.team):
+    if policy is None or not may_decide(team, run, policy):
         approvers = ", ".join(policy.approval.approvers) if policy else "unknown"
         raise Forbidden(f"team '{team.name}' may not decide calls of policy '{run.policy}' (approvers: {approvers})",
                         code="not_an_approver")
@@ -240,6 +239,7 @@ async def post_resume(request: web.Request) -> web.StreamResponse:
     """POST /v1/runs/{id}/resume {"max_turns"?, "max_budget_usd"?, "max_tool_calls"?, "max_duration_s"?,
     "stream"?}."""
     team, run = await _run_for(request)
+    require_steer(team, run, "resume")
     body = await _body(request)
     max_turns = _optional(body, "max_turns", int, "an integer >= 1")
     if max_turns is not None and max_turns < 1:
@@ -285,6 +285,7 @@ async def post_cancel(request: web.Request) -> web.Response:
     """POST /v1/runs/{id}/cancel {"reason"}: Stop, here or on the replica driving the run."""
     app = request.app
     team, run = await _run_for(request)
+    require_steer(team, run, "cancel")
     body = await _body(request)
     reason = _optional(body, "reason", str, "a string") or f"cancelled by team {team.name}"
     driver = app[DRIVER]
@@ -292,7 +293,7 @@ async def post_cancel(request: web.Request) -> web.Response:
         await driver.active.wait_stopped(run.run_id, CANCEL_WAIT_S)
         run = await _reload(app, run)
         return _json({"run": run_json(run), "cancel": "done"}, run=run)
-    if run.status != "running":
+    if run.status != "running" and _waiting_decision(run) is None:
         raise Conflict(f"run {run.run_id} is not running (status {run.status}); nothing to cancel",
                        code="run_not_running")
     store = app[ctx.STORE]
@@ -300,10 +301,11 @@ async def post_cancel(request: web.Request) -> web.Response:
         with driver.active.claim(run.run_id, lambda event: None):
             if await store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s):
                 try:
-                    run = await _cancel_undriven(app, run, reason, team.name)
+                    run = await _cancel_undriven(app, await _reload(app, run), reason, team.name)
                 finally:
                     await store.release_lease(run.run_id, driver.owner)
                 request[ctx.RUN] = run
+                await driver.refresh_approvals(run.team)
                 return _json({"run": run_json(run), "cancel": "done"}, run=run)
     except RunBusy:  # a drive started here meanwhile: stop it
         driver.active.cancel(run.run_id, reason, team.name)
@@ -319,12 +321,30 @@ async def _reload(app: web.Application, run: RunState) -> RunState:
     return await app[ctx.STORE].load_run(run.run_id) or run
 
 
+def _waiting_decision(run: RunState) -> Interruption | None:
+    """The approval an interrupted run waits for, if it waits for one still undecided."""
+    waiting = run.interruption
+    if run.status == "interrupted" and waiting is not None and waiting.type == "approval" \
+            and waiting.call_id not in run.decisions:
+        return waiting
+    return None
+
+
 async def _cancel_undriven(app: web.Application, run: RunState, reason: str, by: str) -> RunState:
-    """A `running` run nobody drives (it waits for client tools, or its replica died)."""
+    """A run nobody drives: `running` (it waits for client tools, or its replica died) or
+    waiting for a decision. A pending approval is dropped: nobody can decide it any more,
+    and a later resume asks again (the call is still pending in the transcript)."""
     store = app[ctx.STORE]
+    if run.status != "running" and _waiting_decision(run) is None:
+        raise Conflict(f"run {run.run_id} is not running (status {run.status}); nothing to cancel",
+                       code="run_not_running")
+    dropped = _waiting_decision(run)
     # The trace first, then the run: a follower that sees the run stopped has its last lines.
     writer = TraceWriter(store, run.run_id, trace_file=app[ctx.CONFIG].trace_file)
     writer(cancel_event(run.run_id, reason, by))
+    if dropped is not None:
+        Tracer(run.run_id, writer)("approval_dropped", callId=dropped.call_id, toolName=dropped.tool_name,
+                                   args=dropped.args, reason=reason, by=by)
     Tracer(run.run_id, writer)("run_stopped", status="interrupted", reason="cancelled", turns=run.turns,
                                costUsd=round(run.cost_usd, 9), detail=reason)
     await writer.flush()

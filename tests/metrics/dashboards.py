@@ -35,7 +35,8 @@ DESIGN_METRICS: dict[str, str] = {
     "gateway_runs_active": "gauge",
 }
 EXTRA_HISTOGRAMS = ("gateway_ttft_seconds", "gateway_turns_per_run", "gateway_cost_per_run_usd")
-KNOWN_METRICS: frozenset[str] = frozenset(DESIGN_METRICS) | frozenset(EXTRA_HISTOGRAMS)
+EXTRA_COUNTERS = ("gateway_usage_clamped_total",)
+KNOWN_METRICS: frozenset[str] = frozenset(DESIGN_METRICS) | frozenset(EXTRA_HISTOGRAMS) | frozenset(EXTRA_COUNTERS)
 # The labels of each metric (histograms' `le` aside): DESIGN's for its metrics.
 METRIC_LABELS: dict[str, frozenset[str]] = {name: frozenset(labels) for name, labels in {
     "gateway_requests_total": ("route", "code"),
@@ -54,6 +55,7 @@ METRIC_LABELS: dict[str, frozenset[str]] = {name: frozenset(labels) for name, la
     "gateway_ttft_seconds": ("upstream", "model"),
     "gateway_turns_per_run": ("team", "policy"),
     "gateway_cost_per_run_usd": ("team", "policy"),
+    "gateway_usage_clamped_total": ("upstream", "kind"),
 }.items()}
 
 # Grafana's built-in interval variables, as the test evaluates them: windows wide enough to

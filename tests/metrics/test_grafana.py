@@ -17,6 +17,7 @@ import yaml
 
 from tests.metrics.dashboards import (
     DESIGN_METRICS,
+    EXTRA_COUNTERS,
     EXTRA_HISTOGRAMS,
     KNOWN_METRICS,
     METRIC_LABELS,
@@ -136,7 +137,8 @@ def readme_metrics() -> dict[str, tuple[str, frozenset[str]]]:
 def test_readme_documents_every_metric_with_its_type_and_labels() -> None:
     documented = readme_metrics()
     assert set(documented) == KNOWN_METRICS, sorted(KNOWN_METRICS ^ set(documented))
-    kinds = {**DESIGN_METRICS, **{name: "histogram" for name in EXTRA_HISTOGRAMS}}
+    kinds = {**DESIGN_METRICS, **{name: "histogram" for name in EXTRA_HISTOGRAMS},
+             **{name: "counter" for name in EXTRA_COUNTERS}}
     for name, (kind, labels) in documented.items():
         assert kind == kinds[name], (name, kind)
         assert labels == METRIC_LABELS[name], (name, sorted(labels))

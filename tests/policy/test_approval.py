@@ -13,7 +13,7 @@ from gateway.harness.loop import run
 from gateway.harness.options import Verdict
 from gateway.harness.state import Decision
 from gateway.policy.approval import can_decide, compile_approval, expired, expiry_decision, expiry_sentence
-from gateway.policy.decl import ApprovalConfig, Policy
+from gateway.policy.decl import ApprovalConfig, Policy, normal_path
 from gateway.policy.executors import ToolEnv, compile_options
 from gateway.policy.registry import PolicyRegistry
 from gateway.policy.schema import load_policy
@@ -74,6 +74,38 @@ def test_rules_decide_in_order(policy: Policy, tool: str, args: dict[str, object
     assert decl is not None
     assert approval.explain(decl.spec, args) == (verdict, rule)
     assert approval(decl.spec, args) == verdict
+
+
+SHIPPED = PolicyRegistry(Path(__file__).resolve().parents[2] / "policies")
+
+
+@pytest.mark.parametrize("path", ["notes.txt", "./notes.txt", "sub/../notes.txt", ".//notes.txt", "notes.txt/",
+                                  "./sub/./../notes.txt", "notes.txt/.", "a/b/../../notes.txt"])
+def test_a_deny_rule_on_a_path_catches_every_spelling_of_it(path: str) -> None:
+    SHIPPED.load()
+    files = SHIPPED.get("files")
+    assert files is not None and (decl := files.tool("delete_file")) is not None
+    verdict, rule = compile_approval(files.approval).explain(decl.spec, {"path": path})
+    assert (verdict.action, rule) == ("deny", 0), (path, verdict)
+
+
+@pytest.mark.parametrize(("path", "verdict", "rule"), [
+    ("tmp/../notes.txt", Verdict("ask"), 4),  # an allow on tmp/* does not reach out of tmp
+    ("tmp/./a.txt", Verdict("allow"), 2),
+    ("//etc//passwd", Verdict("deny", "system files are off limits"), 1),
+    ("/tmp/../etc/passwd", Verdict("deny", "system files are off limits"), 1),
+    ("./x/../access.log", Verdict("ask"), 0),
+])
+def test_globs_match_the_normalised_path(policy: Policy, path: str, verdict: Verdict, rule: int) -> None:
+    decl = policy.tool("delete_file")
+    assert decl is not None
+    assert compile_approval(policy.approval).explain(decl.spec, {"path": path, "force": True}) == (verdict, rule)
+
+
+def test_rule_globs_are_read_as_paths_too_and_urls_are_left_alone(write: WriteFile) -> None:
+    written = load_policy(write("dotted.yaml", POLICY.replace('path: "tmp/*"', 'path: "./tmp//*"')))
+    assert written.approval.rules[2].args["path"] == "tmp/*"
+    assert normal_path("http://host//a/../b") == "http://host//a/../b" and normal_path("") == ""
 
 
 def test_without_rules_the_tool_flag_decides(policy: Policy) -> None:

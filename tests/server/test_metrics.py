@@ -196,9 +196,9 @@ async def test_streams_put_the_run_id_on_time_to_first_token(gw: Gateway) -> Non
 async def test_the_scripted_mount_is_an_upstream_not_gateway_traffic(gw: Gateway) -> None:
     status, _, _ = await gw.chat({"model": "scripted-plan", "messages": [PLAN_USER]})
     assert status == 200
-    async with gw.client.get("/scripted/v1/models") as resp:  # a direct call to the mount
+    async with gw.client.get("/scripted/v1/models", headers={"Authorization": "Bearer sk-test"}) as resp:  # direct
         assert resp.status == 200
-    async with gw.client.get("/scripted/v1/no-such-route") as resp:
+    async with gw.client.get("/scripted/v1/no-such-route", headers={"Authorization": "Bearer sk-test"}) as resp:
         assert resp.status == 404
     text = await gw.metrics()
     routes = {dict(labels)["route"] for (name, labels) in samples(text) if name == "gateway_requests_total"}

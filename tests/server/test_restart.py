@@ -38,7 +38,7 @@ async def test_approval_after_a_crash_then_resume_runs_nothing_twice(served: Ser
     status, _, body = await request(session, "POST", f"{served.url}/v1/runs/{run_id}/approvals", key=OPS,
                                     body={"call_id": "c2", "decision": "approve", "reason": "old logs"})
     assert status == 200, body
-    status, headers, body = await request(session, "POST", f"{served.url}/v1/runs/{run_id}/resume", key=OPS, body={})
+    status, headers, body = await request(session, "POST", f"{served.url}/v1/runs/{run_id}/resume", body={})
     assert status == 200, body
     assert body["choices"][0]["message"]["content"] == "Deleted access.log to free space."
     assert headers["X-Run-Status"] == "completed" and headers["X-Run-Turns"] == "3"

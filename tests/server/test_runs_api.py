@@ -102,7 +102,7 @@ async def test_rejection_is_written_in_words_and_nothing_is_claimed(served: Serv
     status, _, body = await request(session, "POST", url(served, run_id, "/approvals"), key=OPS,
                                     body={"call_id": "c2", "decision": "reject", "reason": reason})
     assert status == 200, body
-    status, _, body = await request(session, "POST", url(served, run_id, "/resume"), key=OPS, body={})
+    status, _, body = await request(session, "POST", url(served, run_id, "/resume"), body={})  # the owner resumes
     assert status == 200, body
     answer = body["choices"][0]["message"]["content"]
     assert answer == "I did not delete anything: you declined the deletion."
@@ -127,7 +127,7 @@ async def test_an_expired_approval_becomes_a_rejection_saying_so(served: Served,
     assert status == 200, body
     assert body["decision"]["decision"] == "reject" and body["decision"]["expired"] is True
     assert "expired" in body["decision"]["reason"]
-    status, _, body = await request(session, "POST", url(served, run_id, "/resume"), key=OPS, body={})
+    status, _, body = await request(session, "POST", url(served, run_id, "/resume"), body={})  # the owner resumes
     assert body["choices"][0]["message"]["content"] == "I did not delete anything: you declined the deletion."
     assert served.deleted(run_id) == []
 
