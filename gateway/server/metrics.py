@@ -71,7 +71,7 @@ def _code(value: str) -> str:
 class Metrics:
     """Every metric of DESIGN.md "Metrics", plus a few histograms per run."""
 
-    def __init__(self, known_models: Iterable[str] = ()) -> None:
+    def __init__(self, known_models: Iterable[str] = (), upstreams: Iterable[str] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.known_models = frozenset(known_models)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
@@ -91,6 +91,9 @@ class Metrics:
                                      "Upstream replies whose reported usage was beyond belief and booked at the "
                                      "gateway's own count instead, by upstream and kind (prompt | completion).",
                                      ["upstream", "kind"], registry=r)
+        for upstream in upstreams:  # at 0 from the start: a dashboard shows "none" rather than "no data"
+            for kind in ("prompt", "completion"):
+                self.usage_clamped.labels(upstream, kind)
         self.tool_calls = Counter("gateway_tool_calls_total", "Server-side tool calls by outcome.",
                                   ["policy", "tool", "outcome"], registry=r)
         self.tool_duration = Histogram("gateway_tool_duration_seconds", "Server-side tool run time.",
