@@ -244,7 +244,9 @@ class RunDriver:
             state.status, state.reason, state.error = "failed", "upstream_error", exc.message
         else:
             log.exception("run %s failed inside the gateway", state.run_id)
-            state.status, state.reason, state.error = "failed", "internal_error", f"{type(exc).__name__}: {exc}"
+            # The error is shown to clients (the answer, the run, the trace): the details stay in the log.
+            state.status, state.reason = "failed", "internal_error"
+            state.error = "the gateway failed while driving the run; see its log"
         event: Event = {"runId": state.run_id, "type": "run_stopped", "status": state.status, "reason": state.reason,
                         "turns": state.turns, "costUsd": round(state.cost_usd, 9)}
         if state.error:
