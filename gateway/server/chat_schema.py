@@ -111,7 +111,7 @@ def _message(m: Any, path: str) -> None:
     if not isinstance(m, dict):
         raise wrong_type(path, "an object", m)
     role = m.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:  # (a list is unhashable: no `in` on a set)
         shown = repr(role) if isinstance(role, str) else kind(role)
         raise InvalidField(f"{path}.role", f"{path}.role must be one of {', '.join(sorted(ROLES))}, got {shown}",
                            "invalid_value")
@@ -167,7 +167,7 @@ def _part(part: Any, allowed: frozenset[str], role: str, path: str) -> None:
     if not isinstance(part, dict):
         raise wrong_type(path, "a content part object", part)
     kind_ = part.get("type")
-    if kind_ not in allowed:
+    if not isinstance(kind_, str) or kind_ not in allowed:
         shown = repr(kind_) if isinstance(kind_, str) else kind(kind_)
         raise InvalidField(f"{path}.type", f"{path}.type must be one of {', '.join(sorted(allowed))} in a {role} "
                                            f"message, got {shown}",
