@@ -58,7 +58,7 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         raise InvalidJSON(str(exc)) from None
     if not isinstance(body, dict):
         raise InvalidJSON(f"expected a JSON object, got {kind(body)}")
-    check_depth(body)
+    check_depth(body, raw=raw)
     model = body.get("model")
     if model is None:
         raise InvalidField("model", "missing required field: model", "missing_field")

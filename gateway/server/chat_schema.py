@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, Final
 
 from gateway.server.errors import InvalidField
@@ -53,6 +54,7 @@ PARTS_BY_ROLE: Final[Mapping[str, frozenset[str]]] = {
     "assistant": frozenset({"text", "refusal"}),
 }
 ROLES: Final = frozenset({*PARTS_BY_ROLE, "function"})
+PLAIN_ROLES: Final = frozenset({"system", "developer", "user", "assistant"})
 
 NUMBERS: Final[Mapping[str, tuple[bool, float, float]]] = {
     # field: (integer?, lowest, highest)
@@ -73,25 +75,12 @@ OBJECTS: Final = ("metadata", "response_format", "audio", "prediction", "web_sea
 
 def check_body(body: Mapping[str, Any]) -> None:
     """Check every field of a chat body this gateway knows, but model and messages
-    (`check_messages`), which the parser checks first."""
-    for name, (integer, low, high) in NUMBERS.items():
-        if name in body:
-            if integer:
-                optional_int(body, name, int(low), int(high))
-            else:
-                optional_number(body, name, low, high)
-    for name in BOOLEANS:
-        optional_bool(body, name)
-    for name in STRINGS:
-        optional_str(body, name)
-    for name in OBJECTS:
-        value = body.get(name)
-        if value is not None and not isinstance(value, dict):
-            raise wrong_type(name, "an object", value)
-    for name, check in FIELD_CHECKS.items():
-        value = body.get(name)
-        if value is not None:
-            check(value)
+    (`check_messages`), which the parser checks first. Walks the body's own keys (a few)
+    rather than the table of known fields (some thirty): this runs on every call."""
+    for name in body:
+        check = CHECKS.get(name)
+        if check is not None:
+            check(body, name)
 
 
 def check_messages(messages: Any) -> list[dict[str, Any]]:
@@ -103,8 +92,40 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
     if not messages:
         raise InvalidField("messages", "messages must hold at least one message", "invalid_value")
     for i, message in enumerate(messages):
-        _message(message, f"messages[{i}]")
+        if not _plain(message):
+            _message(message, f"messages[{i}]")
     return messages
+
+
+def _plain(m: Any) -> bool:
+    """The usual messages, recognised without building paths: {role, content: string}, a tool
+    result {role: tool, tool_call_id, content: string}, and an assistant's tool calls
+    {role: assistant, content: string or null, tool_calls: [{id, type, function: {name, arguments}}]}."""
+    if type(m) is not dict:
+        return False
+    content, role = m.get("content"), m.get("role")
+    if type(role) is not str:  # (an object or array is unhashable: no `in` on a set)
+        return False
+    if len(m) == 2:
+        return type(content) is str and role in PLAIN_ROLES
+    if len(m) != 3:
+        return False
+    if role == "tool":
+        call_id = m.get("tool_call_id")
+        return type(content) is str and type(call_id) is str and bool(call_id)
+    calls = m.get("tool_calls")
+    if role != "assistant" or (content is not None and type(content) is not str) or type(calls) is not list:
+        return False
+    for call in calls:
+        if type(call) is not dict or len(call) != 3 or call.get("type") != "function":
+            return False
+        call_id, function = call.get("id"), call.get("function")
+        if type(call_id) is not str or not call_id or type(function) is not dict or len(function) != 2:
+            return False
+        name = function.get("name")
+        if type(name) is not str or not name or type(function.get("arguments")) is not str:
+            return False
+    return True
 
 
 def _message(m: Any, path: str) -> None:
@@ -371,3 +392,34 @@ FIELD_CHECKS: Final[Mapping[str, Callable[[Any], object]]] = {
     "stream_options": _stream_options,
 }
 """Fields with a structure of their own: field -> its check (called when present and not null)."""
+
+
+def _object(body: Mapping[str, Any], name: str) -> None:
+    value = body[name]
+    if value is not None and not isinstance(value, dict):
+        raise wrong_type(name, "an object", value)
+
+
+def _structured(check: Callable[[Any], object]) -> Callable[[Mapping[str, Any], str], None]:
+    def run(body: Mapping[str, Any], name: str) -> None:
+        value = body[name]
+        if value is not None:
+            check(value)
+
+    return run
+
+
+def _checks() -> dict[str, Callable[[Mapping[str, Any], str], object]]:
+    out: dict[str, Callable[[Mapping[str, Any], str], object]] = {}
+    for name, (integer, low, high) in NUMBERS.items():
+        out[name] = (partial(optional_int, low=int(low), high=int(high)) if integer
+                     else partial(optional_number, low=low, high=high))
+    out.update({name: optional_bool for name in BOOLEANS})
+    out.update({name: optional_str for name in STRINGS})
+    out.update({name: _object for name in OBJECTS})
+    out.update({name: _structured(check) for name, check in FIELD_CHECKS.items()})
+    return out
+
+
+CHECKS: Final = _checks()
+"""Every known field but model and messages -> its check, called as check(body, field)."""

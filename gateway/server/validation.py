@@ -41,9 +41,12 @@ def wrong_type(path: str, expected: str, value: Any) -> InvalidField:
     return InvalidField(path, f"{path} must be {expected}, got {kind(value)}", "invalid_type")
 
 
-def check_depth(value: Any, limit: int = MAX_DEPTH, root: str = "") -> None:
+def check_depth(value: Any, limit: int = MAX_DEPTH, root: str = "", raw: bytes | None = None) -> None:
     """Refuse `value` if containers nest more than `limit` deep (checked level by level,
-    without recursion, so any depth is safe to check)."""
+    without recursion, so any depth is safe to check). `raw`, the JSON text of `value`,
+    skips the walk when it opens too few brackets to nest that deep."""
+    if raw is not None and raw.count(b"[") + raw.count(b"{") <= limit:
+        return
     level = [value] if isinstance(value, (dict, list)) else []
     depth = 0
     while level:
@@ -52,12 +55,9 @@ def check_depth(value: Any, limit: int = MAX_DEPTH, root: str = "") -> None:
             path = _deep_path(value, limit, root)
             raise InvalidField(path or "body", f"{path or 'the body'} nests objects and arrays more than {limit} "
                                                f"deep (the limit is {limit})", "invalid_value")
-        below: list[Any] = []
-        for item in level:
-            for child in (item.values() if isinstance(item, dict) else item):
-                if isinstance(child, (dict, list)):
-                    below.append(child)
-        level = below
+        # one comprehension per level (exact types: orjson builds only dict and list)
+        level = [child for item in level for child in (item.values() if type(item) is dict else item)
+                 if type(child) is dict or type(child) is list]
 
 
 def _deep_path(value: Any, limit: int, root: str) -> str:
