@@ -4,8 +4,9 @@ aiohttp refuses a request it cannot parse (a header line over 8 KB, more than 12
 headers, a malformed request line) before any route or middleware runs, and answers it
 with a plain-text 400 that quotes the offending bytes. Here that answer is the gateway's
 error shape instead: 431 `headers_too_large` for oversized or too many headers, 400
-`invalid_http_request` for anything else the parser refuses, and a bare 500 (no
-traceback) for a failure outside the middleware.
+`invalid_body` for a Content-Encoding it cannot read, 400 `invalid_http_request` for
+anything else the parser refuses, and a bare 500 (no traceback) for a failure outside
+the middleware.
 
 aiohttp has no option for the class of its per-connection `RequestHandler`, so
 `GatewayRunner` gives the `Server` it builds a subclass whose connections use
@@ -19,7 +20,7 @@ import contextlib
 import logging
 
 from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+from aiohttp.http_exceptions import BadHttpMessage, LineTooLong, PayloadEncodingError
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
@@ -37,6 +38,10 @@ def parser_error(status: int, exc: BaseException | None) -> ApiError:
         return ApiError("the request's head is too large: the request line and each header may hold at most "
                         "8190 bytes, and a request at most 128 headers", status=HEADERS_TOO_LARGE,
                         type="invalid_request_error", code="headers_too_large")
+    if isinstance(exc, PayloadEncodingError):
+        return ApiError("the request body could not be read: its Content-Encoding is not one this gateway reads "
+                        "(gzip, deflate) or does not match its bytes, or its Transfer-Encoding is broken",
+                        status=400, type="invalid_request_error", code="invalid_body")
     if 400 <= status < 500:
         return ApiError("the request is not valid HTTP/1.1 (its request line or headers could not be parsed)",
                         status=status, type="invalid_request_error", code="invalid_http_request")

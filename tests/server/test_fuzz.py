@@ -13,6 +13,7 @@ examples on every run, so the test is steady), all to one gateway process.
 from __future__ import annotations
 
 import copy
+import gzip
 import http.client
 import json
 import re
@@ -162,7 +163,7 @@ def chat_cases(draw: st.DrawFn) -> tuple[bytes, dict[str, str]]:
         path = draw(st.sampled_from(targets))
         delete = draw(st.integers(0, 5)) == 0
         try:
-            mutate(body, path, draw(ODD), delete)
+            mutate(body, path, copy.deepcopy(draw(ODD)), delete)  # (EDGES holds shared objects)
         except (KeyError, IndexError, TypeError):  # the path went away with an earlier mutation
             continue
     headers: dict[str, str] = {}
@@ -172,7 +173,12 @@ def chat_cases(draw: st.DrawFn) -> tuple[bytes, dict[str, str]]:
     if draw(st.integers(0, 9)) == 0:
         headers["X-Run-Id"] = draw(st.sampled_from(["fuzz-a", "fuzz-b", "-bad", "x" * 200, "ok.1:2"]))
     # the json module writes what orjson refuses (integers past 64 bits); deep values as they are
-    return json.dumps(body).encode(), headers
+    raw = json.dumps(body).encode()
+    encoding = draw(st.sampled_from([None] * 12 + ["gzip", "gzip-junk", "deflate-junk"]))
+    if encoding is not None:
+        headers["Content-Encoding"] = encoding.removesuffix("-junk")
+        raw = gzip.compress(raw) if encoding == "gzip" else raw
+    return raw, headers
 
 
 def test_fuzz_chat_bodies(client: Client) -> None:
@@ -239,7 +245,7 @@ def runs_cases(draw: st.DrawFn, ids: list[str]) -> tuple[str, str, bytes | None,
         return "GET", f"{path}/events?{urlencode(query)}", None, key, headers
     body: dict[str, Any] = {}
     for name in draw(st.sets(st.sampled_from(BODY_KEYS), max_size=4)):
-        body[name] = draw(st.one_of(st.just(GOOD_VALUES[name]), ODD))
+        body[name] = copy.deepcopy(draw(st.one_of(st.just(GOOD_VALUES[name]), ODD)))
     raw = json.dumps(body).encode() if draw(st.integers(0, 9)) else draw(st.sampled_from(
         [b"", b"[]", b"{", b"null", b"\"x\"", b"{\"reason\": " + b"[" * 300 + b"]" * 300 + b"}"]))
     return "POST", f"{path}/{route}", raw, key, headers

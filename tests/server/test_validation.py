@@ -32,7 +32,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     gateway.proc.stop()
 
 
-def assert_refused(status: int, body: Any, param: str, *, code: str | None = None, mentions: str = "",
+def assert_refused(status: int, body: Any, param: str | None, *, code: str | None = None, mentions: str = "",
                    expected: int = 400) -> None:
     assert status == expected, body
     assert isinstance(body, dict) and set(body["error"]) == {"message", "type", "code", "param"}, body
@@ -250,6 +250,19 @@ async def test_bad_approval_bodies_are_400(served: Served, session: aiohttp.Clie
     status, _, answer = await request(session, "POST", f"{served.url}/v1/runs/{files_run_id}/approvals", body=body,
                                       key=OPS)
     assert_refused(status, answer, param)
+
+
+async def test_a_body_that_does_not_match_its_encoding_is_400(served: Served,
+                                                              session: aiohttp.ClientSession) -> None:
+    """It answered 500 (aiohttp's decoder raised from request.read())."""
+    for encoding in ("gzip", "deflate", "br"):
+        async with session.post(served.url + URL_CHAT, data=b'{"model": "scripted-plan"}',
+                                headers={**auth(), "Content-Encoding": encoding}) as resp:
+            status, body = resp.status, await resp.json()
+        assert_refused(status, body, None, code="invalid_body", mentions="Content-Encoding")
+    # the connection was closed with the answer, so the session's next call is served as usual
+    status, _, body = await request(session, "POST", served.url + URL_CHAT, body=chat_body("scripted-plan"))
+    assert status == 200, body
 
 
 def raw_exchange(served: Served, head: bytes) -> tuple[int, str, bytes]:
