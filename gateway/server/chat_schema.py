@@ -177,7 +177,7 @@ def _content(m: dict[str, Any], role: str, path: str) -> None:
         return
     if not isinstance(content, list):
         raise wrong_type(where, "a string or an array of content parts", content)
-    if not content:
+    if not content and role != "assistant":  # (an assistant's empty array, sent by some clients, says nothing)
         raise InvalidField(where, f"{where} must hold at least one content part (or be a string)", "invalid_value")
     allowed = PARTS_BY_ROLE[role]
     for j, part in enumerate(content):
