@@ -129,11 +129,19 @@ def _text(content: Any) -> Any:
 
 
 def _calls(tool_calls: Any) -> tuple[tuple[str, str, str], ...]:
-    if not tool_calls:
+    """(id, name, arguments) of each call; what is not shaped like a call counts as empty
+    strings, since counting must never fail on a message it is handed (a stored run, an
+    upstream's reply)."""
+    if not tool_calls or not isinstance(tool_calls, (list, tuple)):
         return ()
     out = []
     for call in tool_calls:
-        function = call.get("function") or {}
+        if not isinstance(call, Mapping):
+            out.append(("", "", ""))
+            continue
+        function = call.get("function")
+        if not isinstance(function, Mapping):
+            function = {}
         out.append((str(call.get("id") or ""), str(function.get("name") or ""), str(function.get("arguments") or "")))
     return tuple(out)
 
@@ -174,7 +182,8 @@ def _message_chars(msg: Mapping[str, Any]) -> int:
     n = len(content) if isinstance(content, str) else 0
     if isinstance(content, list):
         n += sum(len(str(part.get("text") or "")) for part in content if isinstance(part, Mapping))
-    for call in msg.get("tool_calls") or ():
+    calls = msg.get("tool_calls")
+    for call in calls if isinstance(calls, list) else ():
         function = call.get("function") if isinstance(call, Mapping) else None
         if isinstance(function, Mapping):
             n += len(str(function.get("arguments") or ""))

@@ -73,11 +73,25 @@ class UpstreamStream:
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
             raise self.upstream.timeout("stream stalled") from None
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-            raise UpstreamError(502, "upstream_cut", f"upstream '{self.upstream.name}' cut the stream: {exc}",
-                                self.upstream.name, self.response.status) from None
+            raise UpstreamError(502, "upstream_cut", f"upstream '{self.upstream.name}' cut the stream: "
+                                f"{connection_problem(exc)}", self.upstream.name, self.response.status) from None
         if parts:  # a last event without its blank line
             yield b"".join(parts) + b"\n"
 
+
+
+def connection_problem(exc: BaseException) -> str:
+    """What went wrong with the connection, in words: aiohttp's messages embed the reprs of
+    other exceptions (`<TransferEncodingError: 400, ...>`), which clients must not see."""
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return "the body ended before its declared length or last chunk"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot connect to {exc.host}:{exc.port}"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the server closed the connection"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
+    return "the connection failed"
 
 class Upstream:
     """One configured upstream bound to the shared session."""
@@ -136,7 +150,8 @@ class Upstream:
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
             raise self.timeout("no complete answer") from None
         except aiohttp.ClientPayloadError as exc:
-            raise UpstreamError(502, "upstream_cut", f"upstream '{self.name}' cut its answer: {exc}", self.name) from None
+            raise UpstreamError(502, "upstream_cut", f"upstream '{self.name}' cut its answer: {connection_problem(exc)}",
+                                self.name) from None
         except aiohttp.ClientConnectionError as exc:
             raise self._unreachable(exc) from None
         if status != 200:
@@ -185,7 +200,8 @@ class Upstream:
                                 f"{exc}", self.name, 200) from None
 
     def _unreachable(self, exc: BaseException) -> UpstreamError:
-        return UpstreamError(502, "upstream_unreachable", f"upstream '{self.name}' is unreachable: {exc}", self.name)
+        return UpstreamError(502, "upstream_unreachable", f"upstream '{self.name}' is unreachable: "
+                                                          f"{connection_problem(exc)}", self.name)
 
     def _malformed(self, detail: str) -> UpstreamError:
         return UpstreamError(502, "upstream_malformed", f"upstream '{self.name}' answered malformed: {detail}",

@@ -1,7 +1,8 @@
 """A chat-completions request body, parsed once and checked field by field.
 
-Only what the gateway relies on is checked (the upstream judges the rest); every
-refusal is a 400 naming the field (`param`) and what is wrong with it.
+The whole body is checked up front, before any run is created or any count is taken:
+its depth, every message and tool, and the numbers (see gateway.server.chat_schema);
+every refusal is a 400 naming the field (`param`) and what is wrong with it.
 """
 
 from __future__ import annotations
@@ -12,23 +13,11 @@ from typing import Any
 import orjson
 
 from gateway.harness.state import Message
+from gateway.server.chat_schema import ROLES, check_body, check_messages
 from gateway.server.errors import InvalidField, InvalidJSON
+from gateway.server.validation import check_depth, kind
 
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-
-
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"
+__all__ = ["ROLES", "ChatRequest", "parse_chat_request"]
 
 
 @dataclass
@@ -60,7 +49,8 @@ class ChatRequest:
 
 
 def parse_chat_request(raw: bytes) -> ChatRequest:
-    """Parse and check a body; raises InvalidJSON or InvalidField."""
+    """Parse and check a body against the request's schema (gateway.server.chat_schema);
+    raises InvalidJSON or InvalidField before anything else looks at it."""
     if not raw.strip():
         raise InvalidJSON("the body is empty (expected a JSON object with model and messages)")
     try:
@@ -68,74 +58,22 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     except orjson.JSONDecodeError as exc:
         raise InvalidJSON(str(exc)) from None
     if not isinstance(body, dict):
-        raise InvalidJSON(f"expected a JSON object, got {_kind(body)}")
+        raise InvalidJSON(f"expected a JSON object, got {kind(body)}")
+    check_depth(body, raw=raw)
     model = body.get("model")
     if model is None:
         raise InvalidField("model", "missing required field: model", "missing_field")
     if not isinstance(model, str) or not model:
-        raise InvalidField("model", f"model must be a non-empty string, got {_kind(model)}", "invalid_type")
-    messages = _messages(body.get("messages"))
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise InvalidField("stream", f"stream must be a boolean, got {_kind(stream)}", "invalid_type")
-    include_usage = _stream_options(body.get("stream_options"), bool(stream))
-    tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise InvalidField("tools", f"tools must be an array, got {_kind(tools)}", "invalid_type")
-        for i, tool in enumerate(tools):
-            if not isinstance(tool, dict):
-                raise InvalidField(f"tools[{i}]", f"tools[{i}] must be an object, got {_kind(tool)}", "invalid_type")
-    field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    max_tokens = _positive_int(body, field)
-    if field == "max_completion_tokens" and "max_tokens" in body:
-        _positive_int(body, "max_tokens")
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise InvalidField("n", f"n must be an integer >= 1, got {n!r}", "invalid_type")
-    return ChatRequest(raw, body, model, messages, tools or None, bool(stream), include_usage, max_tokens, field,
-                       n or 1)
-
-
-def _messages(messages: Any) -> list[Message]:
-    if messages is None:
-        raise InvalidField("messages", "missing required field: messages", "missing_field")
-    if not isinstance(messages, list):
-        raise InvalidField("messages", f"messages must be an array of message objects, got {_kind(messages)}",
-                           "invalid_type")
-    if not messages:
-        raise InvalidField("messages", "messages must hold at least one message", "invalid_value")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise InvalidField(f"messages[{i}]", f"messages[{i}] must be an object, got {_kind(m)}", "invalid_type")
-        role = m.get("role")
-        if role not in ROLES:
-            raise InvalidField(f"messages[{i}].role",
-                               f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}, got {role!r}",
-                               "invalid_value")
-    return messages
-
-
-def _stream_options(options: Any, stream: bool) -> bool:
-    if options is None:
-        return False
-    if not isinstance(options, dict):
-        raise InvalidField("stream_options", f"stream_options must be an object, got {_kind(options)}", "invalid_type")
-    if not stream:
+        raise InvalidField("model", f"model must be a non-empty string, got {kind(model)}", "invalid_type")
+    messages = check_messages(body.get("messages"))
+    stream = bool(body.get("stream"))
+    options = body.get("stream_options")
+    if options is not None and not stream:
         raise InvalidField("stream_options", "stream_options is only allowed when stream is true", "invalid_value")
-    include = options.get("include_usage", False)
-    if include is not None and not isinstance(include, bool):
-        raise InvalidField("stream_options.include_usage",
-                           f"stream_options.include_usage must be a boolean, got {_kind(include)}", "invalid_type")
-    return bool(include)
-
-
-def _positive_int(body: dict[str, Any], field: str) -> int | None:
-    value = body.get(field)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidField(field, f"{field} must be an integer, got {_kind(value)}", "invalid_type")
-    if value < 1:
-        raise InvalidField(field, f"{field} must be >= 1, got {value}", "invalid_value")
-    return value
+    check_body(body)
+    include_usage = bool(options.get("include_usage")) if options is not None else False
+    tools = body.get("tools")
+    field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    max_tokens = body.get(field)
+    return ChatRequest(raw, body, model, messages, tools or None, stream, include_usage, max_tokens, field,
+                       body.get("n") or 1)

@@ -21,6 +21,9 @@ Handlers raise; one middleware renders. The tree (HTTP status, `error.type`):
     └── InternalError                500 server_error
 
 Every error carries the run headers when a run is known (the middleware adds them).
+Requests aiohttp refuses before routing get the same shape from gateway.server.listener:
+431 `headers_too_large`, 400 `invalid_body` (an unreadable Content-Encoding) or
+`invalid_http_request`.
 """
 
 from __future__ import annotations

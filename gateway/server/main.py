@@ -20,6 +20,7 @@ from aiohttp import web
 from gateway.server.admin import reload_policies
 from gateway.server.app import build_app
 from gateway.server.config import ConfigError, load_config
+from gateway.server.listener import run
 
 
 GC_YOUNG_THRESHOLD = 20_000
@@ -75,5 +76,5 @@ def serve_command(args: argparse.Namespace) -> int:
     app.on_startup.append(_settle_heap)  # runs after the cleanup contexts have set up
     print(f"gateway: serving on {_self_url(host, port)} (config {config.path}, store {config.store.kind})",
           file=sys.stderr, flush=True)
-    web.run_app(app, host=host, port=port, access_log=None, print=None, handle_signals=True)
+    run(app, host, port)  # web.run_app, with parser errors (oversized headers) in the OpenAI shape
     return 0

@@ -14,7 +14,7 @@ from aiohttp import web
 from gateway.server import context as ctx
 from gateway.server.budget import Admission, Ask
 from gateway.server.chat_request import parse_chat_request
-from gateway.server.errors import Conflict, LimitExceeded, NotFound, PayloadTooLarge
+from gateway.server.errors import BadRequest, Conflict, LimitExceeded, NotFound, PayloadTooLarge
 from gateway.server.passthrough_stream import stream_through
 from gateway.server.replies import with_run
 from gateway.server.runs import Call, resolve_call
@@ -46,6 +46,10 @@ async def read_body(request: web.Request, limit: int) -> bytes:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLarge(limit) from None
+    except web.RequestPayloadError:  # aiohttp's decoder refused the bytes (bad gzip, broken chunks)
+        raise BadRequest("the request body could not be read: it does not match its Content-Encoding or "
+                         "Transfer-Encoding, or it ended early", code="invalid_body",
+                         headers={"Connection": "close"}) from None  # the rest of its bytes cannot be skipped
 
 
 def _check_open(call: Call) -> None:

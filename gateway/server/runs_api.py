@@ -23,7 +23,7 @@ import orjson
 from aiohttp import web
 
 from gateway.harness.approvals import ApprovalError, decide
-from gateway.harness.state import STATUSES, Decision, Interruption, RunState
+from gateway.harness.state import Decision, Interruption, RunState
 from gateway.harness.trace import Tracer
 from gateway.policy.approval import expired, expiry_decision
 from gateway.policy.decl import Policy
@@ -31,15 +31,17 @@ from gateway.server import context as ctx
 from gateway.server.cancels import RunBusy, cancel_event
 from gateway.server.config import TeamConfig
 from gateway.server.continuations import resume_with
-from gateway.server.errors import Conflict, Forbidden, InvalidField, InvalidJSON, NotFound
+from gateway.server.errors import Conflict, Forbidden, InvalidJSON, NotFound
 from gateway.server.driver import Prepare
 from gateway.server.harness_route import DRIVER, answer
 from gateway.server.headers import run_headers
 from gateway.server.passthrough import read_body
 from gateway.server.run_access import may_decide, may_see, require_steer
 from gateway.server.runs import update_run
+from gateway.server.runs_input import approval_input, cancel_reason, events_after, follow, list_query, resume_input
 from gateway.server.sse import ClientGone, SSEStream
 from gateway.server.tracelog import TraceWriter
+from gateway.server.validation import check_depth
 
 FOLLOW_POLL_S: Final = 0.05
 STATUS_CHECK_S: Final = 1.0
@@ -89,18 +91,8 @@ async def _body(request: web.Request) -> dict[str, Any]:
         raise InvalidJSON(str(exc)) from None
     if not isinstance(body, dict):
         raise InvalidJSON("expected a JSON object")
+    check_depth(body)
     return body
-
-
-def _optional(body: dict[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-        raise InvalidField(name, f"{name} must be {what}, got {value!r}", "invalid_type")
-    if not isinstance(value, kind):
-        raise InvalidField(name, f"{name} must be {what}, got {value!r}", "invalid_type")
-    return value
 
 
 def run_json(run: RunState, *, transcript: bool = False) -> dict[str, Any]:
@@ -127,14 +119,8 @@ async def list_runs(request: web.Request) -> web.Response:
     """GET /v1/runs?status=&team=&limit=: newest first."""
     app = request.app
     caller = app[ctx.KEYRING].authenticate(request)
-    status = request.query.get("status") or None
-    if status is not None and status not in STATUSES:
-        raise InvalidField("status", f"status must be one of {', '.join(STATUSES)}, got {status!r}")
-    team = request.query.get("team") or None
-    raw_limit = request.query.get("limit", "100")
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= LIST_SCAN:
-        raise InvalidField("limit", f"limit must be an integer from 1 to {LIST_SCAN}, got {raw_limit!r}")
-    limit = int(raw_limit)
+    query = list_query(request.query, LIST_SCAN)
+    status, team, limit = query.status, query.team, query.limit
     scan = limit if team == caller.name else LIST_SCAN
     runs = await app[ctx.STORE].list_runs(team=team, status=status, limit=scan)
     data = [run_json(r) for r in runs if _visible(app, r, caller)][:limit]
@@ -150,12 +136,9 @@ async def get_run(request: web.Request) -> web.Response:
 async def run_events(request: web.Request) -> web.StreamResponse:
     """GET /v1/runs/{id}/events[?after=N][&follow=1]."""
     _, run = await _run_for(request)
-    raw_after = request.query.get("after") or request.headers.get("Last-Event-ID") or "0"
-    if not raw_after.isdigit():
-        raise InvalidField("after", f"after must be a sequence number (an integer >= 0), got {raw_after!r}")
-    after = int(raw_after)
+    after = events_after(request.query, request.headers)
     store = request.app[ctx.STORE]
-    if request.query.get("follow") not in ("1", "true"):
+    if not follow(request.query):
         lines = b"".join(orjson.dumps(e) + b"\n" for _, e in await store.events(run.run_id, after))
         return web.Response(body=lines, content_type="application/x-ndjson")
     sse = await SSEStream.open(request)
@@ -192,15 +175,8 @@ async def post_approval(request: web.Request) -> web.Response:
         approvers = ", ".join(policy.approval.approvers) if policy else "unknown"
         raise Forbidden(f"team '{team.name}' may not decide calls of policy '{run.policy}' (approvers: {approvers})",
                         code="not_an_approver")
-    body = await _body(request)
-    call_id = body.get("call_id")
-    if not isinstance(call_id, str) or not call_id:
-        raise InvalidField("call_id", "call_id must be the id of the call the run waits for (a string)",
-                           "missing_field" if call_id is None else "invalid_type")
-    verdict = body.get("decision")
-    if verdict not in ("approve", "reject"):
-        raise InvalidField("decision", f"decision must be \"approve\" or \"reject\", got {verdict!r}")
-    reason = _optional(body, "reason", str, "a string") or ""
+    given = approval_input(await _body(request))
+    call_id, verdict, reason = given.call_id, given.decision, given.reason
     store = app[ctx.STORE]
     asked_at = await _asked_at(app, run, call_id)
     late = asked_at is not None and expired(asked_at, time.time(), policy.approval)
@@ -240,29 +216,14 @@ async def post_resume(request: web.Request) -> web.StreamResponse:
     "stream"?}."""
     team, run = await _run_for(request)
     require_steer(team, run, "resume")
-    body = await _body(request)
-    max_turns = _optional(body, "max_turns", int, "an integer >= 1")
-    if max_turns is not None and max_turns < 1:
-        raise InvalidField("max_turns", f"max_turns must be an integer >= 1, got {max_turns}")
-    budget = _optional(body, "max_budget_usd", (int, float), "a number of USD > 0")
-    if budget is not None and budget <= 0:
-        raise InvalidField("max_budget_usd", f"max_budget_usd must be > 0, got {budget}")
-    max_tool_calls = _optional(body, "max_tool_calls", int, "an integer >= 1")
-    if max_tool_calls is not None and max_tool_calls < 1:
-        raise InvalidField("max_tool_calls", f"max_tool_calls must be an integer >= 1, got {max_tool_calls}")
-    duration = _optional(body, "max_duration_s", (int, float), "a number of seconds > 0")
-    if duration is not None and not 0 < duration < float("inf"):
-        raise InvalidField("max_duration_s", f"max_duration_s must be a number of seconds > 0, got {duration}")
-    stream = bool(_optional(body, "stream", bool, "true or false"))
-    options = _optional(body, "stream_options", dict, "an object") or {}
-    prepare = resume_with(max_turns, float(budget) if budget is not None else None, team.name,
-                          max_tool_calls=max_tool_calls,
-                          max_duration_s=float(duration) if duration is not None else None)
+    given = resume_input(await _body(request))
+    prepare = resume_with(given.max_turns, given.max_budget_usd, team.name, max_tool_calls=given.max_tool_calls,
+                          max_duration_s=given.max_duration_s)
     policy = _policy(request.app, run)
     if policy is not None and not policy.server_side:
         return await _reopen_passthrough(request, run, policy, prepare)
-    return await answer(request, run.run_id, prepare=prepare, start="run_resumed", stream=stream,
-                        include_usage=bool(options.get("include_usage")))
+    return await answer(request, run.run_id, prepare=prepare, start="run_resumed", stream=given.stream,
+                        include_usage=given.include_usage)
 
 
 async def _reopen_passthrough(request: web.Request, run: RunState, policy: Policy, prepare: Prepare) -> web.Response:
@@ -286,8 +247,7 @@ async def post_cancel(request: web.Request) -> web.Response:
     app = request.app
     team, run = await _run_for(request)
     require_steer(team, run, "cancel")
-    body = await _body(request)
-    reason = _optional(body, "reason", str, "a string") or f"cancelled by team {team.name}"
+    reason = cancel_reason(await _body(request)) or f"cancelled by team {team.name}"
     driver = app[DRIVER]
     if driver.active.cancel(run.run_id, reason, team.name):
         await driver.active.wait_stopped(run.run_id, CANCEL_WAIT_S)

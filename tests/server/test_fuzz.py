@@ -1,0 +1,265 @@
+"""Property-based fuzzing of one real gateway process: chat bodies and the runs API.
+
+Mostly-valid chat bodies with mutated fields (wrong types, huge integers, deep nesting,
+odd tool calls and tools), under the `passthrough` and `files` policies, streamed and
+not; then run ids, query parameters, Last-Event-ID and POST bodies of the runs API.
+Whatever is sent, the gateway answers below 500, every error is in the OpenAI shape,
+and no body names an exception class or carries a traceback.
+
+Requests are plain `http.client` calls driven by hypothesis (derandomized: the same
+examples on every run, so the test is steady), all to one gateway process.
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import http.client
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.server.served import DEMO, OPS, OTHER, Served
+
+CLASS_NAME = re.compile(rb"\b[A-Z][A-Za-z]*(Error|Exception)\b|Traceback")
+CHAT_EXAMPLES = 1500
+RUNS_EXAMPLES = 700
+FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False,
+                suppress_health_check=list(HealthCheck))
+
+
+class Client:
+    """Sync HTTP/1.1 to the gateway; every answer is checked before it is returned."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.host, self.port = host, int(port)
+        self.sent = 0
+        self.statuses: dict[int, int] = {}
+
+    def send(self, method: str, path: str, body: bytes | None = None, key: str | None = DEMO,
+             headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        h = {"Content-Type": "application/json", **(headers or {})}
+        if key is not None:
+            h["Authorization"] = f"Bearer {key}"
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        try:
+            conn.putrequest(method, path, skip_accept_encoding=True)
+            conn.putheader("Content-Length", str(len(body or b"")))
+            for name, value in h.items():
+                conn.putheader(name, value.encode())  # UTF-8, as clients send ("³")
+            conn.endheaders(body)
+            resp = conn.getresponse()
+            data = resp.read()
+            content_type = resp.getheader("Content-Type") or ""
+        finally:
+            conn.close()
+        self.sent += 1
+        self.statuses[resp.status] = self.statuses.get(resp.status, 0) + 1
+        where = f"{method} {path} {body[:300] if body else b''!r} -> {resp.status} {data[:500]!r}"
+        assert resp.status < 500, where
+        assert not CLASS_NAME.search(data), where
+        if resp.status >= 400:
+            assert content_type.startswith("application/json"), where
+            error = orjson.loads(data)["error"]
+            assert set(error) == {"message", "type", "code", "param"} and error["message"], where
+        return resp.status, data
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Client]:
+    gateway = Served.start(tmp_path_factory.mktemp("fuzz") / "gw")
+    try:
+        yield Client(gateway.url)
+    finally:
+        gateway.proc.stop()
+
+
+# --- values -------------------------------------------------------------------------------
+
+def nested(depth: int, inner: Any = 1) -> Any:
+    value = inner
+    for i in range(depth):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+LEAVES = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+          | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8))
+JSON = st.recursive(LEAVES, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+                    max_leaves=8)
+EDGES = st.sampled_from([
+    0, -1, 1, 2**31, 2**53 + 1, 2**62, 2**63 - 1, 2**63, -(2**63) - 1, 2**64, 10**30, -(10**30), 1e308, -1e308,
+    0.5, 2.5, "", "²", "³", "abc", "function", "user", "assistant", "tool", [], {}, [1], [[]], True, False, None,
+    {"type": "function"}, {"type": "function", "function": {"name": "x", "arguments": 1}},
+    [{"type": "text", "text": 1}], [{"type": "image_url"}], {"name": "list_files", "arguments": "{}"},
+])
+ODD = st.one_of(EDGES, JSON, st.integers(1, 120).map(nested))
+
+# --- chat bodies ----------------------------------------------------------------------------
+
+USER = {"role": "user", "content": "Which file mentions a timeout?"}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "list_files", "arguments": "{}"}}
+TOOL = {"type": "function", "function": {"name": "lookup", "description": "d",
+                                         "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
+BASES: list[dict[str, Any]] = [
+    {"model": "scripted-plan", "messages": [USER]},
+    {"model": "scripted-plan", "messages": [{"role": "system", "content": "be brief"}, USER], "max_tokens": 200,
+     "temperature": 0.2, "n": 1, "stop": ["x"]},
+    {"model": "scripted-plan", "messages": [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                                            {"role": "tool", "tool_call_id": "call_1", "content": "errors.log"}]},
+    {"model": "scripted-plan", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+     "tools": [TOOL], "tool_choice": "auto", "seed": 7, "logit_bias": {"1": 2}},
+    {"model": "scripted-plan", "messages": [USER], "stream": True, "stream_options": {"include_usage": True}},
+]
+FIELDS = ["model", "messages", "stream", "stream_options", "tools", "tool_choice", "max_tokens",
+          "max_completion_tokens", "n", "temperature", "top_p", "seed", "stop", "logit_bias", "presence_penalty",
+          "frequency_penalty", "functions", "function_call", "user", "metadata", "response_format", "new_field"]
+
+
+def paths(value: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    """Every path into a JSON value (keys and indexes), the value's own included."""
+    yield prefix
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from paths(v, (*prefix, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from paths(v, (*prefix, i))
+
+
+def mutate(body: dict[str, Any], path: tuple[Any, ...], value: Any, delete: bool) -> None:
+    if not path:
+        return
+    parent: Any = body
+    for step in path[:-1]:
+        parent = parent[step]
+    last = path[-1]
+    if delete:
+        del parent[last]
+    elif isinstance(parent, list) and last >= len(parent):
+        parent.append(value)
+    else:
+        parent[last] = value
+
+
+@st.composite
+def chat_cases(draw: st.DrawFn) -> tuple[bytes, dict[str, str]]:
+    body = copy.deepcopy(draw(st.sampled_from(BASES)))
+    stream = draw(st.sampled_from([None, True, False]))
+    if stream is not None:
+        body["stream"] = stream
+        if not stream:
+            body.pop("stream_options", None)
+    for _ in range(draw(st.integers(0, 3))):
+        targets = [p for p in paths(body) if p] + [(f,) for f in FIELDS]
+        path = draw(st.sampled_from(targets))
+        delete = draw(st.integers(0, 5)) == 0
+        try:
+            mutate(body, path, copy.deepcopy(draw(ODD)), delete)  # (EDGES holds shared objects)
+        except (KeyError, IndexError, TypeError):  # the path went away with an earlier mutation
+            continue
+    headers: dict[str, str] = {}
+    policy = draw(st.sampled_from([None, "passthrough", "files", "files", "nope"]))
+    if policy is not None:
+        headers["X-Policy"] = policy
+    if draw(st.integers(0, 9)) == 0:
+        headers["X-Run-Id"] = draw(st.sampled_from(["fuzz-a", "fuzz-b", "-bad", "x" * 200, "ok.1:2"]))
+    # the json module writes what orjson refuses (integers past 64 bits); deep values as they are
+    raw = json.dumps(body).encode()
+    encoding = draw(st.sampled_from([None] * 12 + ["gzip", "gzip-junk", "deflate-junk"]))
+    if encoding is not None:
+        headers["Content-Encoding"] = encoding.removesuffix("-junk")
+        raw = gzip.compress(raw) if encoding == "gzip" else raw
+    return raw, headers
+
+
+def test_fuzz_chat_bodies(client: Client) -> None:
+    before = client.sent
+
+    @settings(FUZZ, max_examples=CHAT_EXAMPLES)
+    @given(chat_cases())
+    def check(case: tuple[bytes, dict[str, str]]) -> None:
+        raw, headers = case
+        client.send("POST", "/v1/chat/completions", raw, headers=headers)
+
+    check()
+    assert client.sent - before >= CHAT_EXAMPLES
+    assert client.statuses.get(200, 0) > 50 and client.statuses.get(400, 0) > 200, client.statuses
+
+
+# --- runs API --------------------------------------------------------------------------------
+
+TEXT = st.text(st.characters(min_codepoint=32, max_codepoint=0x2FF, blacklist_characters="\x7f"), max_size=12)
+NUMBERISH = st.one_of(st.sampled_from(["0", "1", "-1", "²", "³", "9" * 31, "1e3", " 7", "0x10", "", "true"]),
+                      st.integers(-(2**70), 2**70).map(str), TEXT)
+BODY_KEYS = ["call_id", "decision", "reason", "max_turns", "max_budget_usd", "stream", "stream_options"]
+GOOD_VALUES: dict[str, Any] = {"call_id": "call_1", "decision": "approve", "reason": "ok", "max_turns": 5,
+                               "max_budget_usd": 1.0, "stream": False, "stream_options": {"include_usage": True}}
+
+
+@pytest.fixture(scope="module")
+def runs(client: Client) -> dict[str, str]:
+    """A passthrough run still going (its last answer asked for tools) and a finished files run."""
+    made: dict[str, str] = {}
+    for name, policy in (("fuzz-pass", "passthrough"), ("fuzz-files", "files")):
+        status, _ = client.send("POST", "/v1/chat/completions", orjson.dumps({"model": "scripted-plan",
+                                                                               "messages": [USER]}),
+                                headers={"X-Run-Id": name, "X-Policy": policy})
+        assert status == 200
+        made[policy] = name
+    return made
+
+
+@st.composite
+def runs_cases(draw: st.DrawFn, ids: list[str]) -> tuple[str, str, bytes | None, str | None, dict[str, str]]:
+    run_id = draw(st.one_of(st.sampled_from(ids), TEXT))
+    key = draw(st.sampled_from([DEMO, DEMO, OPS, OTHER, "sk-nope", None]))
+    route = draw(st.sampled_from(["list", "get", "events", "approvals", "resume", "cancel"]))
+    headers: dict[str, str] = {}
+    if route == "list":
+        query = {k: draw(NUMBERISH if k == "limit" else TEXT) for k in draw(st.sets(st.sampled_from(
+            ["status", "team", "limit"])))}
+        return "GET", "/v1/runs?" + urlencode(query), None, key, headers
+    path = f"/v1/runs/{quote(run_id, safe='')}"
+    if route == "get":
+        return "GET", path, None, key, headers
+    if route == "events":
+        query = {}
+        if draw(st.booleans()):
+            query["after"] = draw(NUMBERISH)
+        follow = draw(st.sampled_from(["", "0", "false", "2", "yes", "1", "TRUE", "²"]))
+        if follow:
+            query["follow"] = follow
+        if follow.lower() in ("1", "true"):  # following a run that has stopped ends at once
+            path = f"/v1/runs/{ids[-1]}"
+        if draw(st.booleans()):
+            headers["Last-Event-ID"] = draw(NUMBERISH).strip() or "0"
+        return "GET", f"{path}/events?{urlencode(query)}", None, key, headers
+    body: dict[str, Any] = {}
+    for name in draw(st.sets(st.sampled_from(BODY_KEYS), max_size=4)):
+        body[name] = copy.deepcopy(draw(st.one_of(st.just(GOOD_VALUES[name]), ODD)))
+    raw = json.dumps(body).encode() if draw(st.integers(0, 9)) else draw(st.sampled_from(
+        [b"", b"[]", b"{", b"null", b"\"x\"", b"{\"reason\": " + b"[" * 300 + b"]" * 300 + b"}"]))
+    return "POST", f"{path}/{route}", raw, key, headers
+
+
+def test_fuzz_runs_api(client: Client, runs: dict[str, str]) -> None:
+    before = client.sent
+    ids = [runs["passthrough"], runs["files"]]
+
+    @settings(FUZZ, max_examples=RUNS_EXAMPLES)
+    @given(runs_cases(ids))
+    def check(case: tuple[str, str, bytes | None, str | None, dict[str, str]]) -> None:
+        method, path, body, key, headers = case
+        client.send(method, path, body, key=key, headers=headers)
+
+    check()
+    assert client.sent - before >= RUNS_EXAMPLES
