@@ -136,6 +136,12 @@ class RunState:
         return cls(run_id=run_id or new_run_id(), model=model, messages=list(messages), **kw)
 
     @property
+    def public_id(self) -> str:
+        """The id its client knows: a stored id is scoped to its team (`team/id`, see
+        `scoped_run_id`), so two teams may each have a run called `r1`."""
+        return public_run_id(self.run_id)
+
+    @property
     def resumable(self) -> bool:
         return self.status in RESUMABLE
 
@@ -150,7 +156,7 @@ class RunState:
     def summary(self) -> dict[str, Any]:
         """The `run` object of the HTTP contract."""
         return {
-            "id": self.run_id,
+            "id": self.public_id,
             "status": self.status,
             "reason": self.reason,
             "turns": self.turns,
@@ -304,6 +310,16 @@ def _usages(items: Any) -> list[Usage]:
                 continue
         out.append(Usage.from_json(item))
     return out
+
+
+def scoped_run_id(team: str, run_id: str) -> str:
+    """The stored id of a team's run `run_id` (team names and run ids never hold a '/')."""
+    return f"{team}/{run_id}"
+
+
+def public_run_id(stored: str) -> str:
+    """The id a client knows of a stored run id (itself when it is not scoped)."""
+    return stored.split("/", 1)[1] if "/" in stored else stored
 
 
 def new_run_id() -> str:

@@ -39,7 +39,7 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
 
-from gateway.harness.state import RunState
+from gateway.harness.state import RunState, public_run_id
 from gateway.harness.usage import Price, Usage
 from gateway.server.config import Defaults, TeamConfig
 from gateway.server.errors import Conflict, LimitExceeded
@@ -232,7 +232,7 @@ class Governor:
     def _refusal(self, adm: Admission, why: str, figures: Figures, ask: Ask, prompt: int, out: int,
                  run_left: float | None = None) -> Exception:
         adm.closed = True
-        run_id, team = adm.run_id, adm.team
+        run_id, team = public_run_id(adm.run_id), adm.team
         need = ask.price.cost(Usage(prompt, out * ask.n))
         choices = f" x {ask.n} choices" if ask.n > 1 else ""
         if why == "max_turns":

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.harness.execute import CancelScope
+from gateway.harness.state import public_run_id
 from gateway.store.base import Store
 from gateway.store.errors import StoreError
 
@@ -33,7 +34,7 @@ class RunBusy(Exception):
     """The run is already being driven (here or by another replica)."""
 
     def __init__(self, run_id: str, where: str) -> None:
-        super().__init__(f"run {run_id} is already being driven {where}; wait for it to stop or cancel it")
+        super().__init__(f"run {public_run_id(run_id)} is already being driven {where}; wait for it to stop or cancel it")
         self.run_id = run_id
 
 

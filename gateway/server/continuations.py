@@ -102,7 +102,7 @@ def _tool_results(state: RunState, tail: list[Message]) -> list[Message]:
             continue  # a retry of results the run already has
         call = waiting.pop(str(cid), None)
         if call is None:
-            raise InvalidField("messages", f"a tool message answers tool_call_id {cid!r}, but run {state.run_id} "
+            raise InvalidField("messages", f"a tool message answers tool_call_id {cid!r}, but run {state.public_id} "
                                            f"waits for no such call (waiting: {', '.join(waiting) or 'none'})")
         name = (call.get("function") or {}).get("name", "")
         out.append({"role": "tool", "tool_call_id": cid, "name": name, "content": _text(m.get("content"))})
@@ -126,7 +126,7 @@ def continue_chat(messages: list[Message], model: str) -> Prepare:
         tail = _tail(messages)
         results = _tool_results(state, tail)
         if state.status == "failed":
-            raise Conflict(f"run {state.run_id} failed ({state.error or state.reason}) and cannot be continued; "
+            raise Conflict(f"run {state.public_id} failed ({state.error or state.reason}) and cannot be continued; "
                            "start a new run (another X-Run-Id)", code="run_failed")
         state.messages.extend(results)
         state.model = model
@@ -136,13 +136,13 @@ def continue_chat(messages: list[Message], model: str) -> Prepare:
         if state.status == "running":
             owed = [str(c.get("id")) for c in _client_calls(state, policy)]
             if owed and not results:
-                raise InvalidField("messages", f"run {state.run_id} waits for the results of tool calls "
+                raise InvalidField("messages", f"run {state.public_id} waits for the results of tool calls "
                                                f"{', '.join(owed)}: end messages with tool messages answering them")
             return fields
         if not results:
             added = [m for m in tail if m.get("role") != "tool"]
             if not added:
-                raise InvalidField("messages", f"nothing new to continue run {state.run_id} with: end messages with "
+                raise InvalidField("messages", f"nothing new to continue run {state.public_id} with: end messages with "
                                                "a user message (or tool results for the calls it handed you)")
             state.messages.extend(added)
             fields["messages"] = len(added)
@@ -162,21 +162,21 @@ def resume_with(max_turns: int | None, max_budget_usd: float | None, by: str, *,
     def prepare(state: RunState, policy: Policy) -> dict[str, Any]:
         if max_tool_calls is not None and max_tool_calls <= state.tool_calls:
             raise InvalidField("max_tool_calls", f"max_tool_calls must be more than the {state.tool_calls} tool calls "
-                                                 f"run {state.run_id} already made, got {max_tool_calls}")
+                                                 f"run {state.public_id} already made, got {max_tool_calls}")
         elapsed = 0.0 if state.started_at is None else time.time() - state.started_at
         if max_duration_s is not None and max_duration_s <= elapsed:
             raise InvalidField("max_duration_s", f"max_duration_s must be more than the {elapsed:.1f} s run "
-                                                 f"{state.run_id} has run since its first drive, got {max_duration_s:g}")
+                                                 f"{state.public_id} has run since its first drive, got {max_duration_s:g}")
         if max_turns is not None and max_turns <= state.turns:
             raise InvalidField("max_turns", f"max_turns must be more than the {state.turns} turns run "
-                                            f"{state.run_id} already made, got {max_turns}")
+                                            f"{state.public_id} already made, got {max_turns}")
         if max_budget_usd is not None and max_budget_usd <= state.cost_usd:
             raise InvalidField("max_budget_usd", f"max_budget_usd must be more than the ${state.cost_usd:.6f} run "
-                                                 f"{state.run_id} already spent, got {max_budget_usd}")
+                                                 f"{state.public_id} already spent, got {max_budget_usd}")
         owed = _client_calls(state, policy)
         if state.status == "running" and owed:
             ids = ", ".join(str(c.get("id")) for c in owed)
-            raise Conflict(f"run {state.run_id} waits for the client's results of tool calls {ids}; send them "
+            raise Conflict(f"run {state.public_id} waits for the client's results of tool calls {ids}; send them "
                            "with a chat completion call carrying X-Run-Id", code="run_waits_for_client")
         limits = replace(state.limits, max_turns=max_turns or state.limits.max_turns,
                          max_budget_usd=max_budget_usd or state.limits.max_budget_usd,

@@ -36,7 +36,7 @@ import aiohttp
 from gateway.harness.execute import CancelScope
 from gateway.harness.loop import Outcome, run
 from gateway.harness.model import Model
-from gateway.harness.state import Interruption, RunState
+from gateway.harness.state import Interruption, RunState, public_run_id
 from gateway.harness.usage import Price, Usage
 from gateway.policy.decl import Policy
 from gateway.policy.executors import CompileError, ToolEnv, compile_options
@@ -119,7 +119,7 @@ class RunDriver:
             current = self.policies.get(state.policy)
             if current is not None and not state.policy_version:
                 return current
-            raise PolicyGone(f"run {state.run_id} started under policy '{state.policy}' version "
+            raise PolicyGone(f"run {state.public_id} started under policy '{state.policy}' version "
                              f"{state.policy_version or '?'}, which this gateway has not loaded",
                              code="policy_not_found")
         return policy
@@ -166,7 +166,7 @@ class RunDriver:
         seen = await self.store.events(run_id)
         state = await self.store.load_run(run_id)
         if state is None:
-            raise NotFound(f"run {run_id} not found", code="run_not_found")
+            raise NotFound(f"run {public_run_id(run_id)} not found", code="run_not_found")
         policy = self.policy_of(state)
         fields = prepare(state, policy) if prepare is not None else {}
         if fields is None:  # nothing to drive (it waits for a person): keep what the call added
@@ -187,7 +187,7 @@ class RunDriver:
             options = compile_options(policy, env, client_tools=list(client.tools), sampling=dict(client.sampling),
                                       max_tokens=client.max_tokens, checkpoint=checkpoint)
         except (CompileError, OSError) as exc:
-            raise Conflict(f"run {run_id} cannot be driven: {exc}", code="run_not_drivable") from None
+            raise Conflict(f"run {public_run_id(run_id)} cannot be driven: {exc}", code="run_not_drivable") from None
         writer({"runId": run_id, "type": start, **fields, "turns": state.turns, "costUsd": round(state.cost_usd, 9),
                 "ts": round(time.time(), 6)})
         await checkpoint(state)

@@ -21,7 +21,7 @@ from typing import Any, Final
 import orjson
 from aiohttp import web
 
-from gateway.harness.state import RunState
+from gateway.harness.state import RunState, public_run_id
 from gateway.harness.usage import CHAPTER_PRICE, Price
 from gateway.server import context as ctx
 from gateway.server import continuations
@@ -201,7 +201,8 @@ async def _stream(request: web.Request, run_id: str, prepare: Prepare, start: St
                 continue
             try:
                 if sse is None:
-                    sse = await SSEStream.open(request, {"X-Run-Id": run_id, "X-Run-Status": "running"})
+                    sse = await SSEStream.open(request, {"X-Run-Id": public_run_id(run_id),
+                                                         "X-Run-Status": "running"})
                 await sse.comment(comment)
             except ClientGone:
                 gone = True

@@ -13,7 +13,7 @@ def usd(value: float) -> str:
 def run_headers(run: RunState, team_remaining_usd: float | None = None) -> dict[str, str]:
     """X-Run-Id, X-Run-Status, X-Run-Turns, X-Run-Cost-Usd and, where set, the budgets left."""
     headers = {
-        "X-Run-Id": run.run_id,
+        "X-Run-Id": run.public_id,
         "X-Run-Status": run.status,
         "X-Run-Turns": str(run.turns),
         "X-Run-Cost-Usd": usd(run.cost_usd),

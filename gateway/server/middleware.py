@@ -38,7 +38,7 @@ def route_label(request: web.Request) -> str:
 
 def _run_id(request: web.Request) -> str | None:
     run = request.get(ctx.RUN)
-    return run.run_id if run is not None else None
+    return run.public_id if run is not None else None
 
 
 def _scripted_mount(path: str) -> bool:

@@ -46,7 +46,7 @@ class UpstreamModel:
         config = app[ctx.CONFIG]
         team = config.team(state.team)
         if team is None:
-            raise ApiError(f"run {state.run_id} belongs to team '{state.team}', which the config no longer has",
+            raise ApiError(f"run {state.public_id} belongs to team '{state.team}', which the config no longer has",
                            status=409, type="conflict_error", code="team_not_found")
         strict = team.budget_mode == "strict" or state.limits.budget_mode == "strict"
         return cls(config=config, upstreams=app[ctx.UPSTREAMS], governor=app[ctx.GOVERNOR], metrics=app[ctx.METRICS],

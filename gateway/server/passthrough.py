@@ -55,10 +55,10 @@ async def read_body(request: web.Request, limit: int) -> bytes:
 def _check_open(call: Call) -> None:
     run = call.run
     if run.status == "failed":
-        raise Conflict(f"run {run.run_id} failed ({run.error or run.reason}); start a new run", code="run_failed")
+        raise Conflict(f"run {run.public_id} failed ({run.error or run.reason}); start a new run", code="run_failed")
     if run.status == "interrupted" and run.interruption is not None and run.interruption.type == "cancelled":
-        raise Conflict(f"run {run.run_id} was cancelled ({run.interruption.reason or 'no reason'}); resume it with "
-                       f"POST /v1/runs/{run.run_id}/resume to go on", code="run_cancelled")
+        raise Conflict(f"run {run.public_id} was cancelled ({run.interruption.reason or 'no reason'}); resume it "
+                       f"with POST /v1/runs/{run.public_id}/resume to go on", code="run_cancelled")
 
 
 async def admit(request: web.Request, call: Call) -> Admission:

@@ -60,6 +60,6 @@ def require_steer(team: TeamConfig, run: RunState, action: Steer) -> None:
     """403 `not_run_owner` unless `team` may resume or cancel `run` (call after `may_see`)."""
     if may_steer(team, run):
         return
-    raise Forbidden(f"team '{team.name}' may not {action} run {run.run_id}: it may see the run and decide its "
+    raise Forbidden(f"team '{team.name}' may not {action} run {run.public_id}: it may see the run and decide its "
                     f"approvals, but resuming and cancelling belong to the run's team '{run.team}' and to admin teams",
                     code="not_run_owner")

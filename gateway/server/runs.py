@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from gateway.harness.state import Interruption, RunState, Status, new_run_id
+from gateway.harness.state import Interruption, RunState, Status, new_run_id, scoped_run_id
 from gateway.harness.usage import Usage
 from gateway.policy.decl import Policy
 from gateway.policy.registry import PolicyRegistry
@@ -65,12 +65,14 @@ def run_id_from(headers: Mapping[str, str]) -> str | None:
 async def resolve_call(store: Store, policies: PolicyRegistry, team: TeamConfig, headers: Mapping[str, str],
                        chat: ChatRequest, route: ModelRoute) -> Call:
     """Load or create the call's run; 404 for another team's run, 403/400 for policy problems."""
-    run_id = run_id_from(headers)
+    given = run_id_from(headers)
+    run_id = scoped_run_id(team.name, given) if given is not None else None  # ids are per team
     wanted = headers.get("X-Policy") or None
     run = await store.load_run(run_id) if run_id is not None else None
     if run is None:
         policy = _new_run_policy(policies, team, wanted)
-        run = RunState.new(chat.model, list(chat.messages), run_id=run_id or new_run_id(), team=team.name,
+        run = RunState.new(chat.model, list(chat.messages), run_id=run_id or scoped_run_id(team.name, new_run_id()),
+                           team=team.name,
                            policy=policy.name, policy_version=policy.version, limits=policy.limits)
         try:
             await store.create_run(run)
@@ -103,13 +105,13 @@ def _new_run_policy(policies: PolicyRegistry, team: TeamConfig, wanted: str | No
 
 def _existing_run_policy(policies: PolicyRegistry, team: TeamConfig, run: RunState, wanted: str | None) -> Policy:
     if run.team != team.name:
-        raise NotFound(f"run {run.run_id} not found", code="run_not_found", param="X-Run-Id")
+        raise NotFound(f"run {run.public_id} not found", code="run_not_found", param="X-Run-Id")
     if wanted is not None and wanted != run.policy:
-        raise PolicyMismatch(f"run {run.run_id} is governed by policy '{run.policy}'; X-Policy '{wanted}' cannot "
+        raise PolicyMismatch(f"run {run.public_id} is governed by policy '{run.policy}'; X-Policy '{wanted}' cannot "
                              "change it (omit X-Policy, or start a new run)")
     policy = policies.get_version(run.policy, run.policy_version) or policies.get(run.policy)
     if policy is None:
-        raise Conflict(f"run {run.run_id} is governed by policy '{run.policy}', which is no longer loaded",
+        raise Conflict(f"run {run.public_id} is governed by policy '{run.policy}', which is no longer loaded",
                        code="policy_not_found")
     return policy
 
@@ -126,7 +128,7 @@ async def update_run(store: Store, run: RunState, change: Callable[[RunState], N
             if fresh is None:
                 raise
             run = fresh
-    raise Conflict(f"run {run.run_id} is being changed by too many calls at once; retry", code="run_contended",
+    raise Conflict(f"run {run.public_id} is being changed by too many calls at once; retry", code="run_contended",
                    headers={"x-should-retry": "true", "retry-after": "1"})
 
 
@@ -145,7 +147,7 @@ async def commit_run(store: Store, run: RunState, change: Callable[[RunState], N
             if fresh is None:
                 raise
             run = fresh
-    raise Conflict(f"run {run.run_id} is being changed by too many calls at once; retry", code="run_contended",
+    raise Conflict(f"run {run.public_id} is being changed by too many calls at once; retry", code="run_contended",
                    headers={"x-should-retry": "true", "retry-after": "1"})
 
 

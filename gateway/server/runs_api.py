@@ -23,7 +23,7 @@ import orjson
 from aiohttp import web
 
 from gateway.harness.approvals import ApprovalError, decide
-from gateway.harness.state import Decision, Interruption, RunState
+from gateway.harness.state import Decision, Interruption, RunState, scoped_run_id
 from gateway.harness.trace import Tracer
 from gateway.policy.approval import expired, expiry_decision
 from gateway.policy.decl import Policy
@@ -70,15 +70,51 @@ def _visible(app: web.Application, run: RunState, team: TeamConfig) -> bool:
 
 
 async def _run_for(request: web.Request) -> tuple[TeamConfig, RunState]:
-    """The caller's team and the run of the path, or 404 if the caller may not see it."""
+    """The caller's team and the run of the path, or 404 if the caller may not see it.
+
+    Run ids are per team: `{id}` is the caller's own run of that id if it has one; else,
+    for approvers and admins, the one run of that id among the teams whose runs they may
+    see (`?team=NAME` picks the team when several have one, which is a 409 otherwise).
+    """
     app = request.app
     team = app[ctx.KEYRING].authenticate(request)
     run_id = request.match_info["id"]
-    run = await app[ctx.STORE].load_run(run_id)
-    if run is None or not _visible(app, run, team):
+    store = app[ctx.STORE]
+    config = app[ctx.CONFIG]
+    owner = request.query.get("team")
+    if owner is not None and config.team(owner) is None:
+        raise NotFound(f"run {run_id} not found (no team named {owner!r})", code="run_not_found", param="team")
+    run = None
+    if owner in (None, team.name):
+        run = await store.load_run(scoped_run_id(team.name, run_id))
+    if run is None and _reviews_others(app, team):
+        names = [owner] if owner not in (None, team.name) else [t.name for t in config.teams if t.name != team.name]
+        found = [r for r in [await store.load_run(scoped_run_id(n, run_id)) for n in names if n is not None]
+                 if r is not None and _visible(app, r, team)]
+        if len(found) > 1:
+            teams = ", ".join(sorted(r.team for r in found))
+            raise Conflict(f"teams {teams} each have a run {run_id}; say which with ?team=NAME",
+                           code="run_ambiguous", param="team")
+        run = found[0] if found else None
+    if run is None:
         raise NotFound(f"run {run_id} not found", code="run_not_found")
     request[ctx.RUN] = run
     return team, run
+
+
+def _reviews_others(app: web.Application, team: TeamConfig) -> bool:
+    """Whether `team` may see other teams' runs at all (an admin, or a policy's approver)."""
+    policies = app[ctx.POLICIES]
+    return team.admin or any(team.name in p.approval.approvers
+                             for name in policies.names() if (p := policies.get(name)) is not None)
+
+
+def _public_event(run: RunState, event: dict[str, Any]) -> dict[str, Any]:
+    """A trace line as the API shows it: run ids as the client knows them."""
+    rid = event.get("runId")
+    if isinstance(rid, str) and rid.startswith(run.team + "/"):
+        return {**event, "runId": rid[len(run.team) + 1:]}
+    return event
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
@@ -139,7 +175,7 @@ async def run_events(request: web.Request) -> web.StreamResponse:
     after = events_after(request.query, request.headers)
     store = request.app[ctx.STORE]
     if not follow(request.query):
-        lines = b"".join(orjson.dumps(e) + b"\n" for _, e in await store.events(run.run_id, after))
+        lines = b"".join(orjson.dumps(_public_event(run, e)) + b"\n" for _, e in await store.events(run.run_id, after))
         return web.Response(body=lines, content_type="application/x-ndjson")
     sse = await SSEStream.open(request)
     last_check = 0.0
@@ -147,7 +183,7 @@ async def run_events(request: web.Request) -> web.StreamResponse:
         while True:
             batch = await store.events(run.run_id, after)
             for seq, event in batch:
-                await sse.data(event, id=seq)
+                await sse.data(_public_event(run, event), id=seq)
                 after = seq
             stopped = any(e.get("type") == "run_stopped" and e.get("runId") == run.run_id for _, e in batch)
             if stopped or time.monotonic() - last_check > STATUS_CHECK_S:
@@ -156,7 +192,7 @@ async def run_events(request: web.Request) -> web.StreamResponse:
                 if current is None or current.status != "running":
                     # the trace is written before the run is saved: nothing of this stop is missing
                     for seq, event in await store.events(run.run_id, after):
-                        await sse.data(event, id=seq)
+                        await sse.data(_public_event(run, event), id=seq)
                     await sse.data((current or run).summary(), event="end")
                     break
             await asyncio.sleep(FOLLOW_POLL_S)  # polling the shared store: works across replicas
@@ -254,7 +290,7 @@ async def post_cancel(request: web.Request) -> web.Response:
         run = await _reload(app, run)
         return _json({"run": run_json(run), "cancel": "done"}, run=run)
     if run.status != "running" and _waiting_decision(run) is None:
-        raise Conflict(f"run {run.run_id} is not running (status {run.status}); nothing to cancel",
+        raise Conflict(f"run {run.public_id} is not running (status {run.status}); nothing to cancel",
                        code="run_not_running")
     store = app[ctx.STORE]
     try:
@@ -296,7 +332,7 @@ async def _cancel_undriven(app: web.Application, run: RunState, reason: str, by:
     and a later resume asks again (the call is still pending in the transcript)."""
     store = app[ctx.STORE]
     if run.status != "running" and _waiting_decision(run) is None:
-        raise Conflict(f"run {run.run_id} is not running (status {run.status}); nothing to cancel",
+        raise Conflict(f"run {run.public_id} is not running (status {run.status}); nothing to cancel",
                        code="run_not_running")
     dropped = _waiting_decision(run)
     # The trace first, then the run: a follower that sees the run stopped has its last lines.

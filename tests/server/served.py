@@ -117,9 +117,9 @@ class Served:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0,
                                   default_headers=headers, timeout=30)
 
-    def sandbox(self, run_id: str) -> Path:
-        """The run's own copy of the sample folder (runs/<run id>/<folder>)."""
-        folders = [p for p in (self.folder / "runs" / run_id).iterdir() if p.is_dir()]
+    def sandbox(self, run_id: str, team: str = "demo") -> Path:
+        """The run's own copy of the sample folder (runs/<team>/<run id>/<folder>)."""
+        folders = [p for p in (self.folder / "runs" / team / run_id).iterdir() if p.is_dir()]
         assert len(folders) == 1, folders
         return folders[0]
 

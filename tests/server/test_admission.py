@@ -32,6 +32,7 @@ import pytest
 import yaml
 from aiohttp import web
 
+from gateway.harness.state import scoped_run_id
 from gateway.harness.usage import Price, Usage
 from gateway.store.periods import period_key
 from gateway.store.redis import RedisStore
@@ -183,7 +184,7 @@ async def test_a_turn_cap_is_exact_across_two_replicas(pair: tuple[Proc, Proc, R
     for status, headers, reply in results:
         if status == 429:
             assert reply["error"]["type"] == "max_turns_exceeded" and headers["x-should-retry"] == "false"
-    run = await store.load_run(run_id)
+    run = await store.load_run(scoped_run_id("adm", run_id))
     assert run is not None and run.turns == 20
     spent, reserved = await store.team_spend("adm", "total")
     assert reserved == 0.0 and spent == pytest.approx(run.cost_usd, abs=1e-6)
@@ -214,7 +215,7 @@ async def test_concurrent_first_calls_of_a_new_run_are_each_paid_and_booked(
     assert [status for status, _, _ in results] == [200] * 48, [r for s, _, r in results if s != 200][:3]
     assert upstream.calls["storm"] == 48
     store = SqliteStore(tmp_path / "one" / "gateway.db")
-    run = await store.load_run(run_id)
+    run = await store.load_run(scoped_run_id("adm", run_id))
     assert run is not None and run.turns == 48
     assert await store.team_spend("adm", "total") == (pytest.approx(run.cost_usd, abs=1e-6), 0.0)
     await store.close()

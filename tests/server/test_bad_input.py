@@ -7,6 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
+from gateway.harness.state import scoped_run_id
 from gateway.server import context as ctx
 
 from tests.server.conftest import KEY, OTHER_KEY, PLAN_USER, Gateway, MakeGateway
@@ -122,11 +123,16 @@ async def test_missing_or_wrong_key_is_401(seeded: Gateway, header: str | None, 
     assert await snapshot(seeded) == before
 
 
-async def test_another_teams_run_is_404(seeded: Gateway) -> None:
-    before = await snapshot(seeded)
-    status, _, body = await seeded.chat(GOOD, run_id="theirs")
-    assert_openai_error(status, body, 404, type_="not_found_error", code="run_not_found", mentions="theirs")
-    assert await snapshot(seeded) == before
+async def test_run_ids_are_per_team_so_another_teams_id_is_a_run_of_ones_own(seeded: Gateway) -> None:
+    status, headers, body = await seeded.chat(GOOD, run_id="theirs")  # team o has a run "theirs" too
+    assert status == 200 and headers["X-Run-Id"] == "theirs" and headers["X-Run-Turns"] == "1", body
+    mine = await seeded.store.load_run(scoped_run_id("t", "theirs"))
+    theirs = await seeded.store.load_run(scoped_run_id("o", "theirs"))
+    assert mine is not None and theirs is not None and (mine.team, theirs.team) == ("t", "o")
+    assert theirs.turns == 1  # untouched by team t's call
+    async with seeded.client.get("/v1/runs/theirs", headers={"Authorization": f"Bearer {OTHER_KEY}"}) as resp:
+        shown = orjson.loads(await resp.read())
+    assert resp.status == 200 and shown["id"] == "theirs" and shown["team"] == "o"
 
 
 async def test_policy_not_allowed_for_the_team_is_403(seeded: Gateway) -> None:

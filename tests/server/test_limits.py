@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from gateway.harness.state import scoped_run_id
 from gateway.harness.usage import Price, Usage
 from gateway.server import context as ctx
 from gateway.tokens import get_counter
@@ -37,9 +38,9 @@ async def test_turn_cap_refuses_without_forwarding(make_gateway: MakeGateway,
         assert body["run"]["status"] == "max_turns_exceeded" and body["run"]["turns"] == 3
         assert body["run"]["interruption"] == {"type": "max_turns"}
     assert len(counting_upstream.chat_calls()) == 3
-    run = await gw.store.load_run("cap-1")
+    run = await gw.store.load_run(scoped_run_id("t", "cap-1"))
     assert run is not None and run.status == "max_turns_exceeded" and run.reason == "max_turns"
-    stopped = [e for _, e in await gw.store.events("cap-1") if e["type"] == "run_stopped"]
+    stopped = [e for _, e in await gw.store.events(scoped_run_id("t", "cap-1")) if e["type"] == "run_stopped"]
     assert len(stopped) == 1 and stopped[0]["status"] == "max_turns_exceeded"  # traced once, not per refusal
     metrics = await gw.metrics()
     assert 'gateway_runs_stopped_total{policy="capped",reason="max_turns",status="max_turns_exceeded",team="t"} 1.0' \
@@ -80,7 +81,7 @@ async def test_team_budget_refuses_with_its_own_type(make_gateway: MakeGateway,
     assert_refusal(status, headers, body, "team_budget_exceeded", "tb-2")
     assert "team 't'" in body["error"]["message"] and "$0.001030" in body["error"]["message"]
     assert body["run"]["status"] == "budget_exceeded" and body["run"]["turns"] == 0
-    run = await gw.store.load_run("tb-2")
+    run = await gw.store.load_run(scoped_run_id("t", "tb-2"))
     assert run is not None and run.reason == "team_budget"
     spent, reserved = await gw.store.team_spend("t", gw.app[ctx.GOVERNOR].period(gw.config.teams[0]))
     assert reserved == 0
@@ -96,5 +97,5 @@ async def test_concurrent_calls_of_one_run_never_pass_its_turn_cap(make_gateway:
     results = await asyncio.gather(*[gw.chat(RUNAWAY, run_id="same", headers=latency) for _ in range(10)])
     assert sorted(r[0] for r in results) == [200] * 3 + [429] * 7
     assert len(counting_upstream.chat_calls()) == 3
-    run = await gw.store.load_run("same")
+    run = await gw.store.load_run(scoped_run_id("t", "same"))
     assert run is not None and run.turns == 3 and len(run.per_turn) == 3

@@ -17,6 +17,7 @@ import openai
 import pytest
 import yaml
 
+from gateway.harness.state import scoped_run_id
 from gateway.harness.usage import Price, Usage
 from gateway.providers.scenarios import PLAN_ANSWER
 from gateway.store import open_store
@@ -109,7 +110,7 @@ async def test_openai_client_runs_the_plan_task(gateway: Proc, tmp_path: Path, s
     assert costs == sorted(costs) and len(set(costs)) == 3
     store = open_store({"kind": "sqlite", "path": str(tmp_path / "gw" / "gateway.db")})
     try:
-        run = await store.load_run(run_id)
+        run = await store.load_run(scoped_run_id("t", run_id))
     finally:
         await store.close()
     assert run is not None and run.turns == 3 and run.status == "completed"

@@ -7,6 +7,7 @@ from typing import Any
 
 import orjson
 
+from gateway.harness.state import scoped_run_id
 from gateway.harness.usage import Price, Usage
 from gateway.providers.scenarios import PLAN_ANSWER
 from gateway.tokens import get_counter
@@ -48,7 +49,7 @@ async def test_plan_task_in_the_clients_loop_books_every_turn(gw: Gateway, tmp_p
     assert turns_seen == [1, 2, 3]
     assert costs_seen == sorted(costs_seen) and costs_seen[0] > 0
     expected = sum(PRICE.cost(u) for u in usages)
-    run = await gw.store.load_run("plan-1")
+    run = await gw.store.load_run(scoped_run_id("t", "plan-1"))
     assert run is not None
     assert run.turns == 3 and run.status == "completed" and run.team == "t" and run.policy == "passthrough"
     assert run.per_turn == usages
@@ -56,11 +57,11 @@ async def test_plan_task_in_the_clients_loop_books_every_turn(gw: Gateway, tmp_p
     assert abs(costs_seen[-1] - expected) < 1e-9
     assert run.messages == messages  # the last transcript, answer included
     # The trace: one `turn` line per call (cumulative cost), then the completion.
-    events = [e for _, e in await gw.store.events("plan-1")]
+    events = [e for _, e in await gw.store.events(scoped_run_id("t", "plan-1"))]
     turns = [e for e in events if e["type"] == "turn"]
     assert [e["turn"] for e in turns] == [1, 2, 3]
     assert [e["prompt_tokens"] for e in turns] == [u.prompt_tokens for u in usages]
-    assert all(e["runId"] == "plan-1" and e["total_tokens"] == e["prompt_tokens"] + e["completion_tokens"]
+    assert all(e["runId"] == "t/plan-1" and e["total_tokens"] == e["prompt_tokens"] + e["completion_tokens"]
                for e in turns)
     assert abs(turns[-1]["costUsd"] - expected) < 1e-9
     assert [e["finish"] for e in turns] == ["tool_calls", "tool_calls", "stop"]
@@ -68,7 +69,7 @@ async def test_plan_task_in_the_clients_loop_books_every_turn(gw: Gateway, tmp_p
     # ... and the same lines in the trace file.
     assert gw.config.trace_file is not None
     lines = [orjson.loads(line) for line in gw.config.trace_file.read_bytes().splitlines()]
-    assert [e["type"] for e in lines if e["runId"] == "plan-1"] == [e["type"] for e in events]
+    assert [e["type"] for e in lines if e["runId"] == "t/plan-1"] == [e["type"] for e in events]
 
 
 async def test_without_a_run_id_each_call_is_a_new_run(gw: Gateway) -> None:
@@ -80,14 +81,14 @@ async def test_without_a_run_id_each_call_is_a_new_run(gw: Gateway) -> None:
         assert headers["X-Run-Turns"] == "1"
         ids.add(headers["X-Run-Id"])
     assert len(ids) == 2
-    assert {r.run_id for r in await gw.store.list_runs()} == ids
+    assert {r.public_id for r in await gw.store.list_runs()} == ids
 
 
 async def test_x_policy_picks_the_policy_of_a_new_run_and_must_match_later(gw: Gateway) -> None:
     status, headers, _ = await gw.chat({"model": "scripted-plan", "messages": [PLAN_USER]}, run_id="pol-1",
                                        headers={"X-Policy": "capped"})
     assert status == 200
-    run = await gw.store.load_run("pol-1")
+    run = await gw.store.load_run(scoped_run_id("t", "pol-1"))
     assert run is not None and run.policy == "capped" and run.limits.max_turns == 3
     status, _, _ = await gw.chat({"model": "scripted-plan", "messages": [PLAN_USER]}, run_id="pol-1",
                                  headers={"X-Policy": "capped"})
@@ -157,7 +158,7 @@ async def test_stream_passes_tool_call_deltas_byte_exact_and_strips_unasked_usag
     assert orjson.loads(comment[len(b": run "):])["turns"] == 1
     # usage was asked for upstream all the same, and booked from the upstream's figures
     assert fixed_upstream.requests[0]["stream_options"] == {"include_usage": True}
-    run = await gw.store.load_run("s-1")
+    run = await gw.store.load_run(scoped_run_id("t", "s-1"))
     assert run is not None and run.per_turn == [Usage(9, 7)]
     assert run.messages[-1]["tool_calls"] == [
         {"id": "call_A", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "é.log"}'}}]
@@ -187,7 +188,7 @@ async def test_stream_without_upstream_usage_is_counted_with_o200k(make_gateway:
     counter = get_counter()
     expected = Usage(counter.count_request(messages, TOOLS),
                      counter.count_completion({"role": "assistant", "content": "".join(text)}))
-    run = await gw.store.load_run("s-3")
+    run = await gw.store.load_run(scoped_run_id("t", "s-3"))
     assert run is not None and run.per_turn == [expected] and run.status == "completed"
     assert abs(run.cost_usd - PRICE.cost(expected)) < 1e-12
 

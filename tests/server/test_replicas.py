@@ -83,7 +83,7 @@ class Pair:
         return RedisStore(self.redis_url, self.prefix)
 
     def sandbox(self, run_id: str) -> Path:
-        folders = [p for p in (self.runs_dir / run_id).iterdir() if p.is_dir()]
+        folders = [p for p in (self.runs_dir / "demo" / run_id).iterdir() if p.is_dir()]
         assert len(folders) == 1, folders  # one sandbox per run, whichever replica drove it
         return folders[0]
 
@@ -91,7 +91,7 @@ class Pair:
         """What replica `name` itself wrote of the run (each replica has its own trace file)."""
         path = self.folder / name / "trace.jsonl"
         lines = [orjson.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
-        return [e for e in lines if e.get("runId") == run_id]
+        return [e for e in lines if e.get("runId") == f"demo/{run_id}"]
 
 
 def write_replica_config(folder: Path, port: int, shared: Path, redis_url: str, prefix: str,

@@ -27,6 +27,7 @@ import pytest
 import redis
 from aiohttp import web
 
+from gateway.harness.state import scoped_run_id
 from gateway.harness.usage import Price, Usage
 from gateway.store.redis import RedisStore
 from gateway.tokens import get_counter
@@ -135,13 +136,13 @@ async def test_turns_paid_during_a_store_outage_are_booked_once_when_it_returns(
                 await asyncio.sleep(0.1)  # the gateway replays on its own; this polls for it
             costs = []
             for run_id in runs:
-                run = await store.load_run(run_id)
+                run = await store.load_run(scoped_run_id("adm", run_id))
                 assert run is not None and run.turns == 1, run_id
                 costs.append(run.cost_usd)
             spent, reserved = await store.team_spend("adm", "total")
             billed = sum(PRICE.cost(u) for u in held.billed)
             assert round(spent, 6) == round(sum(costs), 6) == round(billed, 6) and reserved == 0.0
-            events = [e for _, e in await store.events(runs[0])]
+            events = [e for _, e in await store.events(scoped_run_id("adm", runs[0]))]
             assert [e["type"] for e in events].count("turn") == 1
             await store.close()
     finally:

@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 
+from gateway.harness.state import scoped_run_id
 from gateway.server import context as ctx
 from tests.server.conftest import KEY, PLAN_USER, Gateway, MakeGateway
 
@@ -55,13 +56,13 @@ async def test_client_that_leaves_mid_stream_pays_what_it_received(make_gateway:
     resp.close()  # the client goes away after the first chunk
 
     async def booked() -> bool:
-        run = await gw.store.load_run("gone")
+        run = await gw.store.load_run(scoped_run_id("t", "gone"))
         return run is not None and run.turns == 1
 
     await wait_for(booked)
-    run = await gw.store.load_run("gone")
+    run = await gw.store.load_run(scoped_run_id("t", "gone"))
     assert run is not None and run.status == "running"
     spent, reserved = await gw.store.team_spend("t", gw.app[ctx.GOVERNOR].period(gw.config.teams[0]))
     assert reserved == 0 and abs(spent - run.cost_usd) < 1e-6
-    turn = [e for _, e in await gw.store.events("gone") if e["type"] == "turn"][-1]
+    turn = [e for _, e in await gw.store.events(scoped_run_id("t", "gone")) if e["type"] == "turn"][-1]
     assert turn["finish"] == "client_disconnected"

@@ -26,7 +26,7 @@ async def test_a_turn_whose_run_vanished_still_books_its_spend(make_gateway: Mak
 
     async def chat(request: web.Request) -> web.Response:
         with sqlite3.connect(box[0]) as conn:  # another process's hand, on the same file
-            conn.execute("DELETE FROM runs WHERE id = 'doomed'")
+            conn.execute("DELETE FROM runs WHERE id = 't/doomed'")
         return web.Response(body=orjson.dumps(ANSWER), content_type="application/json")
 
     app = web.Application()
@@ -41,7 +41,7 @@ async def test_a_turn_whose_run_vanished_still_books_its_spend(make_gateway: Mak
     status, _, body = await gw.chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, run_id="doomed")
     assert status == 500, body
     assert await gw.store.team_spend("t", "total") == (PRICE.cost(USAGE), 0.0)  # settled, nothing left held
-    assert await gw.store.events("doomed") == []  # no trace line of a turn that was not saved
+    assert await gw.store.events("t/doomed") == []  # no trace line of a turn that was not saved
 
 
 async def test_a_turn_answers_with_the_team_budget_the_store_booked(make_gateway: MakeGateway,
@@ -63,4 +63,4 @@ async def test_a_turn_answers_with_the_team_budget_the_store_booked(make_gateway
         assert status == 200, body
         assert headers["X-Run-Turns"] == str(turn)
         assert float(headers["X-Team-Budget-Remaining-Usd"]) == round(5.0 - turn * PRICE.cost(USAGE), 9)
-    assert [e["type"] for _, e in await gw.store.events("r1")] == ["turn", "run_stopped", "turn", "run_stopped"]
+    assert [e["type"] for _, e in await gw.store.events("t/r1")] == ["turn", "run_stopped", "turn", "run_stopped"]

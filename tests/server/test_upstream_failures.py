@@ -7,6 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
+from gateway.harness.state import scoped_run_id
 from gateway.server import context as ctx
 from tests.support.procs import free_port
 from tests.server.conftest import KEY, PLAN_USER, Gateway, MakeGateway
@@ -20,7 +21,7 @@ async def ledger(gw: Gateway) -> tuple[float, float]:
 
 
 async def assert_intact_and_resumable(gw: Gateway, run_id: str, turns: int = 0) -> None:
-    run = await gw.store.load_run(run_id)
+    run = await gw.store.load_run(scoped_run_id("t", run_id))
     assert run is not None and run.status == "running" and run.turns == turns
     status, headers, _ = await gw.chat(BODY, run_id=run_id)
     assert status == 200 and headers["X-Run-Turns"] == str(turns + 1)
@@ -74,7 +75,7 @@ async def test_unreachable_upstream_is_502(make_gateway: MakeGateway) -> None:
     got, _, body = await gw.chat(BODY, run_id="dead-1")
     assert got == 502 and body["error"]["code"] == "upstream_unreachable" and "'dead'" in body["error"]["message"]
     assert await ledger(gw) == (0.0, 0.0)
-    run = await gw.store.load_run("dead-1")
+    run = await gw.store.load_run(scoped_run_id("t", "dead-1"))
     assert run is not None and run.turns == 0 and run.status == "running"
 
 
@@ -92,12 +93,12 @@ async def test_stream_cut_charges_what_was_received_and_ends_with_an_error(gw: G
     assert b"[DONE]" not in b"".join(events)
     error = orjson.loads(events[-1][len(b"data: "):])["error"]
     assert error["code"] == "upstream_cut" and "'scripted'" in error["message"]
-    run = await gw.store.load_run("scut")
+    run = await gw.store.load_run(scoped_run_id("t", "scut"))
     assert run is not None and run.turns == 1 and run.status == "running"
     assert 0 < run.cost_usd
     spent, reserved = await ledger(gw)
     assert reserved == 0 and abs(spent - run.cost_usd) < 1e-6  # settled with what was received
-    trace = [e for _, e in await gw.store.events("scut") if e["type"] == "turn"]
+    trace = [e for _, e in await gw.store.events(scoped_run_id("t", "scut")) if e["type"] == "turn"]
     assert trace[-1]["finish"] == "cut"
     await assert_intact_and_resumable(gw, "scut", turns=1)
 
