@@ -46,6 +46,8 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_OUTPUT_ALLOWANCE = 4096
 DEFAULT_UPSTREAM_TIMEOUT_S = 60.0
 DEFAULT_LEASE_TTL_S = 15.0
+DEFAULT_STORE_TIMEOUT_S = 2.0
+"""The deadline of one store command (`store.timeout_s`, Redis): a frozen store is a 503 this soon."""
 SCRIPTED_PREFIX = "/scripted/v1"
 ROUTE_CACHE_SIZE = 1024
 """Model names remembered by `Config.route` (it runs on every call; names come from clients)."""
@@ -68,6 +70,7 @@ class StoreConfig:
     path: str | None = None
     url: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
+    timeout_s: float = DEFAULT_STORE_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -218,7 +221,11 @@ def _store(at: Field, base: Path) -> StoreConfig:
     options["kind"] = kind
     if resolved is not None:
         options["path"] = resolved
-    return StoreConfig(kind=kind, path=resolved, url=at.get("url").optional_str_or_none(), options=options)
+    timeout = at.get("timeout_s").optional_number(DEFAULT_STORE_TIMEOUT_S, positive=True)
+    if kind == "redis":
+        options["timeout_s"] = timeout
+    return StoreConfig(kind=kind, path=resolved, url=at.get("url").optional_str_or_none(), options=options,
+                       timeout_s=timeout)
 
 
 def _optional_path(at: Field, base: Path) -> Path | None:

@@ -69,7 +69,8 @@ async def _driver_ctx(app: web.Application) -> AsyncIterator[None]:
     owner = f"{socket.gethostname()}/{self_url}" if self_url else None
     driver = RunDriver(app[ctx.STORE], app[ctx.POLICIES], model_for=model_for, price_for=price_for,
                        runs_dir=config.runs_dir, session=app[ctx.SESSION], trace_file=config.trace_file,
-                       metrics=app[ctx.METRICS], owner=owner, lease_ttl_s=config.server.lease_ttl_s)
+                       metrics=app[ctx.METRICS], owner=owner, lease_ttl_s=config.server.lease_ttl_s,
+                       store_deadline_s=config.store.timeout_s)
     app[DRIVER] = driver
     for team in config.teams:
         await driver.refresh_approvals(team.name)

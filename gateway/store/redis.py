@@ -36,6 +36,7 @@ from gateway.store.base import (
 from gateway.store.errors import RunExists, RunNotFound, StaleRun, StoreError
 
 DEFAULT_PREFIX: Final = "gw:"
+DEFAULT_TIMEOUT_S: Final = 2.0
 _RETENTION_MS: Final = str(int(EXPIRED_RETENTION_S * 1000))
 
 
@@ -68,11 +69,15 @@ class _Translate:
 class RedisStore:
     """The store in a Redis server; every replica pointing at the same url and prefix shares it."""
 
-    def __init__(self, url: str, prefix: str = DEFAULT_PREFIX) -> None:
+    def __init__(self, url: str, prefix: str = DEFAULT_PREFIX, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.url = url
         self.prefix = prefix
+        self.timeout_s = timeout_s
         self._errors = _Translate(url)
-        self._client: aioredis.Redis | None = aioredis.Redis.from_url(url)
+        # Every command has a deadline: a frozen server (SIGSTOP, a stalled network) is a
+        # StoreError after timeout_s, never a call that waits forever.
+        self._client: aioredis.Redis | None = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         client = self._client
         self._create = client.register_script(redis_lua.CREATE_RUN)
         self._save = client.register_script(redis_lua.SAVE_RUN)
