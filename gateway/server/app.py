@@ -27,7 +27,7 @@ from gateway.server import context as ctx
 from gateway.server.auth import KeyRing
 from gateway.server.budget import Governor
 from gateway.server.config import SCRIPTED_PREFIX, Config, ConfigError
-from gateway.server.errors import ApiError
+from gateway.server.errors import ApiError, StoreUnavailable
 from gateway.server.metrics import Metrics
 from gateway.server.middleware import gateway_middleware
 from gateway.server.passthrough import chat_completions
@@ -161,5 +161,5 @@ async def healthz(request: web.Request) -> web.Response:
     try:
         await request.app[ctx.STORE].load_run("healthz-probe")
     except StoreError as exc:
-        raise ApiError(f"store unavailable: {exc}", status=503, type="server_error", code="store_unavailable") from None
+        raise StoreUnavailable(f"store unavailable: {exc}") from None
     return web.Response(body=orjson.dumps({"status": "ok"}), content_type="application/json")

@@ -16,7 +16,14 @@ Handlers raise; one middleware renders. The tree (HTTP status, `error.type`):
     ├── LimitExceeded                429 max_turns_exceeded | budget_exceeded | team_budget_exceeded
     │                                    (+ header x-should-retry: false, + top-level `run`)
     ├── UpstreamError                502 upstream_error | 504 upstream_timeout (+ upstream_status)
+    ├── StoreUnavailable             503 server_error, code store_unavailable
+    │                                    (+ headers retry-after, x-should-retry: true)
     └── InternalError                500 server_error
+
+A `StoreError` that reaches the middleware is answered by `from_store_error`: a store
+that failed or timed out is 503 `store_unavailable` (retryable: nothing was forwarded
+upstream, since admission writes to the store first); a refusal of the store about one
+run (saved meanwhile by someone else, exists, missing) is 409 `run_conflict`.
 
 Every error carries the run headers when a run is known (the middleware adds them).
 """
@@ -28,6 +35,8 @@ from typing import Any, Literal
 
 import orjson
 from aiohttp import web
+
+from gateway.store.errors import RunExists, RunNotFound, StaleRun, StoreError
 
 LimitKind = Literal["max_turns_exceeded", "budget_exceeded", "team_budget_exceeded"]
 
@@ -148,6 +157,28 @@ class UpstreamError(ApiError):
         self.upstream = upstream
         self.upstream_status = upstream_status
         self.extra["upstream"] = {"name": upstream, "status": upstream_status}
+
+
+STORE_RETRY_AFTER_S = 1
+"""What a 503 `store_unavailable` asks the client to wait before retrying (`retry-after`)."""
+
+
+class StoreUnavailable(ApiError):
+    """The store failed or did not answer in time: retry shortly (nothing was done upstream)."""
+
+    status = 503
+    type = "server_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="store_unavailable",
+                         headers={"retry-after": str(STORE_RETRY_AFTER_S), "x-should-retry": "true"})
+
+
+def from_store_error(exc: StoreError) -> ApiError:
+    """The answer to a store failure: 409 for a refusal about one run, else 503 (retryable)."""
+    if isinstance(exc, (StaleRun, RunExists, RunNotFound)):
+        return Conflict(f"the run changed while this call used it: {exc}; retry the call", code="run_conflict")
+    return StoreUnavailable(f"the gateway's store is unavailable ({exc}); retry in a moment")
 
 
 class InternalError(ApiError):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Final
@@ -29,12 +30,15 @@ from gateway.server import continuations
 from gateway.server.answers import Answer, completion_body, completion_chunks, completion_id
 from gateway.server.cancels import CLIENT_DISCONNECTED, ActiveRuns, RunBusy
 from gateway.server.driver import Drive, FromClient, Prepare, RunDriver, StartKind
-from gateway.server.errors import ApiError, Conflict, InvalidField
+from gateway.server.errors import ApiError, Conflict, InvalidField, from_store_error
 from gateway.server.headers import run_headers
 from gateway.server.model import UpstreamModel
 from gateway.server.runs import Call
 from gateway.server.sse import ClientGone, SSEStream, progress_comment
 from gateway.store.base import Event
+from gateway.store.errors import StoreError
+
+log = logging.getLogger(__name__)
 
 DRIVER: Final = web.AppKey("driver", RunDriver)
 CLIENT_POLL_S: Final = 0.02
@@ -173,6 +177,9 @@ async def _drive_watched(request: web.Request, run_id: str, prepare: Prepare, st
         raise
     except RunBusy as exc:
         raise Conflict(str(exc), code="run_busy") from None
+    except StoreError as exc:  # an ApiError here, so a stream already open ends with it too
+        log.warning("run %s: the store failed: %s", run_id, exc)
+        raise from_store_error(exc) from None
     finally:
         watcher.cancel()
 
