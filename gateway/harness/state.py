@@ -21,7 +21,7 @@ SCHEMA_VERSION = 1
 Status = Literal["running", "completed", "failed", "max_turns_exceeded", "budget_exceeded", "interrupted"]
 STATUSES: tuple[Status, ...] = get_args(Status)
 RESUMABLE: frozenset[Status] = frozenset({"running", "max_turns_exceeded", "budget_exceeded", "interrupted"})
-InterruptionType = Literal["approval", "max_turns", "max_budget", "cancelled"]
+InterruptionType = Literal["approval", "max_turns", "max_budget", "cancelled", "crashed"]
 
 Message = dict[str, Any]
 

@@ -21,6 +21,7 @@ EventKind = Literal[
     "tool_denied",
     "approval_required",
     "approval_decided",
+    "approval_expired",
     "run_started",
     "run_resumed",
     "run_stopped",

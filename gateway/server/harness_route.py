@@ -33,6 +33,7 @@ from gateway.server.driver import Drive, FromClient, Prepare, RunDriver, StartKi
 from gateway.server.errors import ApiError, Conflict, InvalidField, from_store_error
 from gateway.server.headers import run_headers
 from gateway.server.model import UpstreamModel
+from gateway.server.recovery import STARTUP_SCAN, Sweeper
 from gateway.server.runs import Call
 from gateway.server.sse import ClientGone, SSEStream, progress_comment
 from gateway.store.base import Event
@@ -76,11 +77,21 @@ async def _driver_ctx(app: web.Application) -> AsyncIterator[None]:
                        metrics=app[ctx.METRICS], owner=owner, lease_ttl_s=config.server.lease_ttl_s,
                        store_deadline_s=config.store.timeout_s)
     app[DRIVER] = driver
-    for team in config.teams:
-        await driver.refresh_approvals(team.name)
+    sweeper = Sweeper(driver, trace_file=config.trace_file, period_s=config.server.lease_ttl_s / 2)
+    try:
+        for team in config.teams:
+            await driver.refresh_approvals(team.name)
+        await sweeper.sweep(STARTUP_SCAN)  # before serving: runs this process drove before a restart
+    except StoreError as exc:  # the store is down: serve anyway (503s), recovery retries every period
+        log.warning("startup recovery failed, retrying in the background: %s", exc)
+    stop = asyncio.Event()
+    sweeping = asyncio.get_running_loop().create_task(sweeper.run_forever(stop))
     try:
         yield
     finally:
+        stop.set()
+        await asyncio.wait({sweeping}, timeout=SHUTDOWN_GRACE_S)
+        await sweeper.close()
         await stop_all(driver.active, SHUTTING_DOWN)
 
 

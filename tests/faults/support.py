@@ -80,14 +80,26 @@ class RedisProc:
         self.popen.send_signal(signal.SIGCONT)
 
 
+def files_variant(name: str, **changes: Any) -> dict[str, Any]:
+    """The shipped files policy under another name, with top-level fields changed."""
+    data: dict[str, Any] = yaml.safe_load((ROOT / "policies" / "files.yaml").read_text())
+    data.update(name=name, **changes)
+    return data
+
+
 def write_config(folder: Path, port: int, store: dict[str, Any], *, server: dict[str, Any] | None = None,
-                 extra: dict[str, Any] | None = None, policies: Sequence[str] = ("passthrough", "files")) -> Path:
-    """A gateway config in `folder`: the shipped policies, teams demo (sk-demo) and ops (sk-ops)."""
+                 extra: dict[str, Any] | None = None, policies: Sequence[str] = ("passthrough", "files"),
+                 variants: Sequence[dict[str, Any]] = ()) -> Path:
+    """A gateway config in `folder`: the shipped policies (plus `variants`, which team demo
+    may use too), teams demo (sk-demo) and ops (sk-ops)."""
     folder.mkdir(parents=True, exist_ok=True)
     pol = folder / "policies"
     pol.mkdir(exist_ok=True)
     for path in (ROOT / "policies").glob("*.yaml"):
         (pol / path.name).write_text(path.read_text())
+    for variant in variants:
+        (pol / f"{variant['name']}.yaml").write_text(yaml.safe_dump(variant))
+    policies = [*policies, *(v["name"] for v in variants)]
     config: dict[str, Any] = {
         "server": {"host": "127.0.0.1", "port": port, **(server or {})},
         "store": store,
