@@ -1,4 +1,5 @@
-"""A store outage is a retryable 503, never a 500, and nothing goes upstream meanwhile.
+"""A store outage is a retryable 503, never a 500, and nothing goes upstream meanwhile;
+server-side runs the outage cut are not left `running` (the recovery sweeper stops them).
 
 Real processes: a gateway on a real redis-server (`store.timeout_s: 0.5`) that the test
 stops, restarts on the same port (append-only file: the data survives) or freezes with
@@ -17,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from tests.faults.support import FILES_HEADERS, PLAN_BODY, RedisProc, chat, serve
-from tests.server.served import poll
+from tests.server.served import poll, request
 from tests.support.procs import Proc
 
 PASS_BODY: dict[str, Any] = {"model": "scripted-plan", "messages": [{"role": "user", "content": "hi"}]}
@@ -109,20 +110,28 @@ async def test_a_store_restarted_under_load_gives_503s_not_500s(tmp_path: Path, 
             statuses[status] = statuses.get(status, 0) + 1
             bodies.setdefault(status, answer)
 
-    workers = [asyncio.ensure_future(worker(i)) for i in range(8)]
+    async def none_running() -> bool:  # runs cut by the outage are recovered, not left running
+        status, _, listed = await request(session, "GET", f"{gw.url}/v1/runs?status=running&limit=1000")
+        assert status == 200, listed
+        return not [r for r in listed["data"] if r["policy"] == "files"]
+
     try:
-        await poll(lambda: _at_least(statuses, 200, 40), timeout=60)
-        redis_proc.stop()
-        await poll(lambda: _at_least(statuses, 503, 40), timeout=60)
-        redis_proc.start()
-        ok = statuses.get(200, 0)
-        await poll(lambda: _at_least(statuses, 200, ok + 40), timeout=60)
+        workers = [asyncio.ensure_future(worker(i)) for i in range(8)]
+        try:
+            await poll(lambda: _at_least(statuses, 200, 40), timeout=60)
+            redis_proc.stop()
+            await poll(lambda: _at_least(statuses, 503, 40), timeout=60)
+            redis_proc.start()
+            ok = statuses.get(200, 0)
+            await poll(lambda: _at_least(statuses, 200, ok + 40), timeout=60)
+        finally:
+            done.set()
+            await asyncio.gather(*workers)
+        assert set(statuses) == {200, 503}, {s: bodies[s] for s in statuses}
+        assert bodies[503]["error"]["code"] == "store_unavailable"
+        await poll(none_running, timeout=30)
     finally:
-        done.set()
-        await asyncio.gather(*workers)
         gw.stop()
-    assert set(statuses) == {200, 503}, {s: bodies[s] for s in statuses}
-    assert bodies[503]["error"]["code"] == "store_unavailable"
 
 
 async def _at_least(counts: dict[int, int], status: int, n: int) -> bool:
