@@ -27,6 +27,7 @@ from gateway.store.base import (
     to_micros,
 )
 from gateway.store.errors import RunExists, RunNotFound, StaleRun, StoreError
+from gateway.store.periods import ended_before as period_ended
 
 
 @dataclass
@@ -37,6 +38,7 @@ class _StoredRun:
     order: int
     revision: int
     body: bytes
+    updated_at: float = 0.0
 
 
 @dataclass
@@ -68,7 +70,8 @@ class MemoryStore:
         if state.run_id in self._runs:
             raise RunExists(state.run_id)
         self._runs[state.run_id] = _StoredRun(
-            state.team, state.status, state.created_at, len(self._runs), state.revision, state.dumps()
+            state.team, state.status, state.created_at, len(self._runs), state.revision, state.dumps(),
+            state.updated_at,
         )
 
     async def load_run(self, run_id: str) -> RunState | None:
@@ -91,6 +94,7 @@ class MemoryStore:
         body = orjson.dumps(stamped_body(state, state.revision + 1, now))
         encoded = [orjson.dumps(e) for e in events]
         stored.team, stored.status, stored.revision, stored.body = state.team, state.status, state.revision + 1, body
+        stored.updated_at = now
         if encoded:
             self._events.setdefault(state.run_id, []).extend(encoded)
         state.revision += 1
@@ -183,6 +187,24 @@ class MemoryStore:
         self._check_open()
         amount = to_micros(amount_usd, "amount_usd")
         self._spent[(team, period)] = self._spent.get((team, period), 0) + amount
+
+    async def prune_runs(self, updated_before: float, *, events_only: bool = False) -> int:
+        self._check_open()
+        old = [run_id for run_id, s in self._runs.items() if s.status != "running" and s.updated_at < updated_before]
+        if events_only:
+            return sum(1 for run_id in old if self._events.pop(run_id, None) is not None)
+        for run_id in old:
+            del self._runs[run_id]
+            self._events.pop(run_id, None)
+            self._leases.pop(run_id, None)
+        return len(old)
+
+    async def prune_ledgers(self, ended_before: float) -> int:
+        self._check_open()
+        old = [key for key in self._spent if period_ended(key[1], ended_before)]
+        for key in old:
+            del self._spent[key]
+        return len(old)
 
     async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
         self._check_open()

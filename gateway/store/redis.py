@@ -27,6 +27,7 @@ from gateway.store import redis_lua
 from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
     EXPIRED_RETENTION_S,
+    PRUNE_BATCH,
     Booking,
     Event,
     Ledger,
@@ -39,6 +40,7 @@ from gateway.store.base import (
     to_micros,
 )
 from gateway.store.errors import RunExists, RunNotFound, StaleRun, StoreError
+from gateway.store.periods import ended_before as period_ended
 
 DEFAULT_PREFIX: Final = "gw:"
 DEFAULT_TIMEOUT_S: Final = 2.0
@@ -107,6 +109,7 @@ class RedisStore:
         self._spend = client.register_script(redis_lua.TEAM_SPEND)
         self._acquire = client.register_script(redis_lua.ACQUIRE_LEASE)
         self._unlease = client.register_script(redis_lua.RELEASE_LEASE)
+        self._prune = client.register_script(redis_lua.PRUNE_RUNS)
 
     def _redis(self) -> aioredis.Redis:
         if self._client is None:
@@ -237,6 +240,29 @@ class RedisStore:
         self._redis()
         async with self._errors:
             await self._unlease(keys=[self._key("lease", run_id)], args=[owner])
+
+    async def prune_runs(self, updated_before: float, *, events_only: bool = False) -> int:
+        self._redis()
+        total, offset = 0, 0
+        while True:
+            async with self._errors:
+                pruned, kept, scanned = await self._prune(args=[
+                    self.prefix, repr(updated_before), str(offset), str(PRUNE_BATCH), "1" if events_only else "0"])
+            total += int(pruned)
+            offset += int(kept)
+            if int(scanned) < PRUNE_BATCH:
+                return total
+
+    async def prune_ledgers(self, ended_before: float) -> int:
+        client = self._redis()
+        pruned = 0
+        async with self._errors:
+            async for key in client.scan_iter(match=self._key("ledger", "*"), count=500):
+                fields = [f.decode() if isinstance(f, bytes) else f for f in await client.hkeys(key)]
+                old = [f for f in fields if f.startswith("spent:") and period_ended(f[len("spent:"):], ended_before)]
+                if old:
+                    pruned += int(await client.hdel(key, *old))
+        return pruned
 
     async def close(self) -> None:
         client, self._client = self._client, None
