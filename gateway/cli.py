@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "local": "gateway.local.main:local_command",
     "policy": "gateway.policy.check:policy_command",
     "trace": "gateway.trace_view:trace_command",
+    "prune": "gateway.server.retention:prune_command",
 }
 
 
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     trace = sub.add_parser("trace", help="print a run's trace as a timeline")
     trace.add_argument("run_id")
     trace.add_argument("--config", default="config.yaml")
+
+    prune = sub.add_parser("prune", help="delete what config.yaml's retention says is too old, now")
+    prune.add_argument("--config", default="config.yaml")
     return parser
 
 

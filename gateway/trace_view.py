@@ -22,6 +22,7 @@ from typing import Any, TextIO
 import orjson
 
 from gateway.server.config import Config, ConfigError, load_config
+from gateway.server.tracefile import rotated
 from gateway.store import StoreError, open_store
 
 Event = dict[str, Any]
@@ -86,7 +87,11 @@ async def load_events(config: Config, run_id: str) -> Loaded:
     if config.trace_file is None:
         searched.append("no trace_file configured")
         return Loaded([], "; ".join(searched), tuple(notes))
-    events, bad = read_trace_file(config.trace_file, run_id)
+    events, bad = [], 0
+    for path in [*rotated(config.trace_file, config.retention.trace_file_keep), config.trace_file]:
+        found, unreadable = read_trace_file(path, run_id)  # oldest file first: lines stay in order
+        events += found
+        bad += unreadable
     if bad:
         notes.append(f"{config.trace_file}: skipped {bad} unreadable line(s)")
     if events:

@@ -24,6 +24,7 @@ from gateway.providers.scenarios import model_names
 from gateway.providers.scripted import scripted_app
 from gateway.providers.upstream import new_session
 from gateway.server import context as ctx
+from gateway.server import retention
 from gateway.server.auth import KeyRing
 from gateway.server.budget import Governor
 from gateway.server.config import SCRIPTED_PREFIX, Config, ConfigError
@@ -121,6 +122,7 @@ def build_app(config: Config, *, self_url: str | None = None) -> web.Application
     if self_url is not None:
         app[ctx.SELF_URL] = self_url.rstrip("/")
     app.cleanup_ctx.append(_resources)
+    app.cleanup_ctx.append(retention.background)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/metrics", metrics)

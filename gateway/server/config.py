@@ -13,6 +13,10 @@ Settings beyond DESIGN.md's shape:
 - `runs_dir` (default `runs/` next to the SQLite file, else next to this file): where
   per-run sandbox folders live. Replicas that share a store must share this folder too,
   so a run resumed on another replica finds its files.
+- `store.timeout_s` (Redis, default 2): the deadline of one store command; a frozen or
+  unreachable store answers calls 503 `store_unavailable` within it.
+- `retention` (see `RetentionConfig`): finished runs, their events, closed ledgers and the
+  trace file deleted or rotated as they age.
 - `teams[i].admin` (default false): keys of an admin team may call the admin API
   (`POST /v1/admin/reload`). Admin is an explicit grant: being named as an approver by
   a policy does not make a team an admin, so editing a policy file can never widen who
@@ -34,7 +38,7 @@ from gateway.harness.usage import Price
 from gateway.server.config_fields import ConfigError, Field
 
 __all__ = [
-    "Config", "ConfigError", "Defaults", "ModelRoute", "ServerConfig", "StoreConfig", "TeamConfig",
+    "Config", "ConfigError", "Defaults", "ModelRoute", "RetentionConfig", "ServerConfig", "StoreConfig", "TeamConfig",
     "UpstreamConfig", "load_config", "parse_config",
 ]
 
@@ -117,6 +121,27 @@ class TeamConfig:
 
 
 @dataclass(frozen=True)
+class RetentionConfig:
+    """`retention:` what the gateway deletes as it ages, in the background every `interval_s`
+    and on `gateway prune`. None keeps forever (no rotation for the trace file).
+
+    - `runs_days`: finished runs (any status but running) last saved this long ago are
+      deleted with their events; `events_days`: only their events (the run is kept).
+    - `ledger_days`: figures of budget periods that ended this long ago; the current
+      period and a `total` one are never pruned.
+    - `trace_file_max_mb` / `trace_file_keep`: the trace file is rotated past this size,
+      keeping this many old files (trace.jsonl.1 ...).
+    """
+
+    runs_days: float | None = 30.0
+    events_days: float | None = 30.0
+    ledger_days: float | None = None
+    trace_file_max_mb: float | None = 100.0
+    trace_file_keep: int = 5
+    interval_s: float = 3600.0
+
+
+@dataclass(frozen=True)
 class Defaults:
     output_allowance_tokens: int = DEFAULT_OUTPUT_ALLOWANCE
 
@@ -135,6 +160,7 @@ class Config:
     models: tuple[ModelRoute, ...]
     teams: tuple[TeamConfig, ...]
     defaults: Defaults = field(default_factory=Defaults)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
     _routes: dict[str, ModelRoute | None] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def route(self, model: str) -> ModelRoute | None:
@@ -180,7 +206,7 @@ def parse_config(data: Any, file: Path) -> Config:
     base = file.resolve().parent
     root = Field(str(file), "", data if data is not None else {})
     root.keys_only({"server", "store", "policies_dir", "runs_dir", "trace_file", "upstreams", "models", "teams",
-                    "defaults"})
+                    "defaults", "retention"})
     upstreams = _upstreams(root.get("upstreams"))
     store = _store(root.get("store"), base)
     return Config(
@@ -194,6 +220,7 @@ def parse_config(data: Any, file: Path) -> Config:
         models=_models(root.get("models"), upstreams),
         teams=_teams(root.get("teams")),
         defaults=_defaults(root.get("defaults")),
+        retention=_retention(root.get("retention")),
     )
 
 
@@ -320,3 +347,22 @@ def _defaults(at: Field) -> Defaults:
         return Defaults()
     at.keys_only({"output_allowance_tokens"})
     return Defaults(at.get("output_allowance_tokens").optional_int(DEFAULT_OUTPUT_ALLOWANCE, low=1))
+
+
+def _days(at: Field, default: float | None) -> float | None:
+    return default if at.missing else at.optional_number_or_none(positive=True)
+
+
+def _retention(at: Field) -> RetentionConfig:
+    base = RetentionConfig()
+    if at.missing:
+        return base
+    at.keys_only({"runs_days", "events_days", "ledger_days", "trace_file_max_mb", "trace_file_keep", "interval_s"})
+    return RetentionConfig(
+        runs_days=_days(at.get("runs_days"), base.runs_days),
+        events_days=_days(at.get("events_days"), base.events_days),
+        ledger_days=_days(at.get("ledger_days"), base.ledger_days),
+        trace_file_max_mb=_days(at.get("trace_file_max_mb"), base.trace_file_max_mb),
+        trace_file_keep=at.get("trace_file_keep").optional_int(base.trace_file_keep, low=0),
+        interval_s=at.get("interval_s").optional_number(base.interval_s, positive=True),
+    )
