@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import random
 import shutil
@@ -71,6 +72,7 @@ class Row:
     fds: int
     storage_mb: float
     growth_kb_per_1k: float
+    parts_mb: str
 
 
 class Load:
@@ -191,17 +193,21 @@ def fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def storage_bytes(folder: Path, redis_port: int | None) -> int:
-    total = sum(p.stat().st_size for p in folder.glob("trace.jsonl*"))
+def storage_parts(folder: Path, redis_port: int | None) -> dict[str, int]:
+    """Bytes of each part of the storage: the trace files, and the SQLite file and its WAL
+    (the WAL is reused after checkpoints: it grows to a high-water mark, then stays) or
+    Redis's used_memory."""
+    parts = {"trace": sum(p.stat().st_size for p in folder.glob("trace.jsonl*"))}
     if redis_port is None:
-        total += sum(p.stat().st_size for p in folder.glob("gateway.db*"))
+        parts["db"] = sum(p.stat().st_size for p in folder.glob("gateway.db"))
+        parts["wal"] = sum(p.stat().st_size for p in folder.glob("gateway.db-wal"))
     else:
         client = redis.Redis(host="127.0.0.1", port=redis_port)
         try:
-            total += int(client.info("memory")["used_memory"])
+            parts["redis"] = int(client.info("memory")["used_memory"])
         finally:
             client.close()
-    return total
+    return parts
 
 
 def write_config(folder: Path, port: int, upstream: str, store: dict[str, Any], window_s: float) -> Path:
@@ -270,13 +276,14 @@ async def soak(kind: str, args: argparse.Namespace) -> list[Row]:
             procs.append(gateway)
             load = Load(gateway.url, args.minutes)
             rows: list[Row] = []
-            last_storage = storage_bytes(folder, redis_port)
+            last_storage = sum(storage_parts(folder, redis_port).values())
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=args.concurrency)) as session:
                 tasks = [asyncio.ensure_future(worker(load, session, i)) for i in range(args.concurrency)]
                 minute = 0
-                while not all(t.done() for t in tasks):
+                while minute < math.ceil(args.minutes):
                     await asyncio.wait(tasks, timeout=max(0.0, load.started + 60 * (minute + 1) - time.monotonic()))
-                    storage = storage_bytes(folder, redis_port)
+                    parts = storage_parts(folder, redis_port)
+                    storage = sum(parts.values())
                     m = load.minutes.get(minute, Minute())
                     lat = sorted(m.latencies)
                     n = len(lat)
@@ -284,7 +291,8 @@ async def soak(kind: str, args: argparse.Namespace) -> list[Row]:
                                     statistics.median(lat) * 1000 if lat else 0.0,
                                     lat[min(n - 1, int(0.99 * n))] * 1000 if lat else 0.0,
                                     rss_mb(gateway.popen.pid), fds(gateway.popen.pid), storage / 1e6,
-                                    (storage - last_storage) / 1024 / n * 1000 if n else 0.0))
+                                    (storage - last_storage) / 1024 / n * 1000 if n else 0.0,
+                                    " ".join(f"{k} {v / 1e6:.1f}" for k, v in parts.items())))
                     if m.first_error:
                         print(f"  [{kind}] minute {minute + 1}: first error: {m.first_error}", file=sys.stderr)
                     last_storage = storage
@@ -308,10 +316,10 @@ async def main_async(args: argparse.Namespace) -> int:
               f"(pruned every {args.window_s / 6:g} s); {total} requests, {errors} errors "
               f"({os.cpu_count()} CPUs shared by every process)")
         print(f"{'min':>4}{'requests':>10}{'errors':>8}{'p50 ms':>9}{'p99 ms':>9}{'RSS MB':>8}{'fds':>6}"
-              f"{'storage MB':>12}{'KB/1k req':>11}")
+              f"{'storage MB':>12}{'KB/1k req':>11}  parts MB")
         for r in rows:
             print(f"{r.minute:>4}{r.requests:>10}{r.errors:>8}{r.p50_ms:>9.1f}{r.p99_ms:>9.1f}{r.rss_mb:>8.1f}"
-                  f"{r.fds:>6}{r.storage_mb:>12.2f}{r.growth_kb_per_1k:>11.1f}")
+                  f"{r.fds:>6}{r.storage_mb:>12.2f}{r.growth_kb_per_1k:>11.1f}  {r.parts_mb}")
         window_minutes = int(args.window_s // 60) + 1
         after = [r for r in rows if r.minute > window_minutes]
         if after:

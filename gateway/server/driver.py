@@ -162,7 +162,10 @@ class RunDriver:
             finally:
                 if self.metrics is not None:
                     self.metrics.run_active(-1)
-                await self.store.release_lease(run_id, self.owner)
+                try:
+                    await self.store.release_lease(run_id, self.owner)
+                except StoreError as exc:  # it expires by itself within lease_ttl_s; the answer stands
+                    log.warning("run %s: could not release its lease: %s", run_id, exc)
 
     async def _drive(self, run_id: str, scope: CancelScope, writer: TraceWriter, prepare: Prepare | None,
                      client: FromClient, start: StartKind) -> Drive:

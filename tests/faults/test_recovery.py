@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.faults.support import chat, files_variant, restart, serve
+from tests.faults.support import RedisProc, chat, files_variant, restart, serve
 from tests.server.served import DEMO, TASK, events, get_run, poll, request, wait_event
 from tests.support.procs import Proc
 
@@ -134,3 +134,27 @@ async def _stored_statuses(folder: Path, ids: list[str]) -> dict[str, str]:
         return {rid: run.status for rid in ids if (run := await store.load_run(rid)) is not None}
     finally:
         await store.close()
+
+
+async def test_another_replica_interrupts_the_runs_of_a_replica_that_died(
+        tmp_path: Path, redis_proc: RedisProc, session: aiohttp.ClientSession) -> None:
+    store = {"kind": "redis", "url": redis_proc.url, "prefix": "replicas:"}
+    a = serve(tmp_path / "a", store, server={"lease_ttl_s": 1})
+    b = serve(tmp_path / "b", store, server={"lease_ttl_s": 1})
+    try:
+        ids, calls = await start_slow_runs(session, a, "files")
+        await kill(a, calls)  # b is never told: its sweeper finds the runs once a's leases expire
+
+        async def settled() -> dict[str, str] | None:
+            found = await statuses(session, b.url, ids)
+            return found if "running" not in found.values() else None
+
+        assert set((await poll(settled)).values()) == {"interrupted"}
+        for rid in ids:
+            assert (await get_run(session, b.url, rid))["reason"] == "crashed"
+        status, _, body = await request(session, "POST", f"{b.url}/v1/runs/{ids[0]}/resume", body={})
+        assert status == 200, body
+        assert (await get_run(session, b.url, ids[0]))["status"] == "completed"
+    finally:
+        a.stop()
+        b.stop()
