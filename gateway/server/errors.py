@@ -23,7 +23,8 @@ Handlers raise; one middleware renders. The tree (HTTP status, `error.type`):
 A `StoreError` that reaches the middleware is answered by `from_store_error`: a store
 that failed or timed out is 503 `store_unavailable` (retryable: nothing was forwarded
 upstream, since admission writes to the store first); a refusal of the store about one
-run (saved meanwhile by someone else, exists, missing) is 409 `run_conflict`.
+run is 409 `run_conflict` (saved meanwhile by someone else, or exists) or 404
+`run_not_found` (deleted meanwhile).
 
 Every error carries the run headers when a run is known (the middleware adds them).
 """
@@ -176,8 +177,11 @@ class StoreUnavailable(ApiError):
 
 def from_store_error(exc: StoreError) -> ApiError:
     """The answer to a store failure: 409 for a refusal about one run, else 503 (retryable)."""
-    if isinstance(exc, (StaleRun, RunExists, RunNotFound)):
-        return Conflict(f"the run changed while this call used it: {exc}; retry the call", code="run_conflict")
+    if isinstance(exc, RunNotFound):
+        return NotFound(f"run {exc.run_id} no longer exists (it was deleted while this call used it)",
+                        code="run_not_found")
+    if isinstance(exc, (StaleRun, RunExists)):
+        return Conflict(f"run {exc.run_id} changed while this call used it; retry the call", code="run_conflict")
     return StoreUnavailable(f"the gateway's store is unavailable ({exc}); retry in a moment")
 
 
