@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 
 from tests.faults.support import FILES_HEADERS, PLAN_BODY, RedisProc, chat, serve
 from tests.server.served import poll, request
@@ -136,3 +137,23 @@ async def test_a_store_restarted_under_load_gives_503s_not_500s(tmp_path: Path, 
 
 async def _at_least(counts: dict[int, int], status: int, n: int) -> bool:
     return counts.get(status, 0) >= n
+
+
+async def test_a_stream_whose_turn_cannot_be_saved_ends_with_the_store_error(
+        tmp_path: Path, redis_proc: RedisProc, session: aiohttp.ClientSession) -> None:
+    gw = redis_gateway(tmp_path / "gw", redis_proc)
+    try:
+        headers = {"Authorization": "Bearer sk-demo", "X-Scripted-Chunk-Delay-Ms": "100", **PASS_HEADERS}
+        body = {"model": "scripted-plan", "stream": True,
+                "messages": [{"role": "user", "content": "Which file mentions a timeout?"}]}
+        async with session.post(f"{gw.url}/v1/chat/completions", json=body, headers=headers) as resp:
+            assert resp.status == 200
+            await resp.content.readuntil(b"\n\n")  # the stream is open: the upstream is answering
+            redis_proc.stop()
+            rest = await asyncio.wait_for(resp.content.read(), CALL_TIMEOUT_S)
+        events = [e for e in rest.split(b"\n\n") if e.startswith(b"data: ")]
+        assert events[-1] != b"data: [DONE]"
+        error = orjson.loads(events[-1][len(b"data: "):])["error"]
+        assert error["code"] == "store_unavailable" and set(error) == {"message", "type", "code", "param"}
+    finally:
+        gw.stop()
