@@ -18,6 +18,11 @@ driven, so a replica that dies holds its runs at most that long; sandboxes live 
 `runs_dir`, which replicas share. A replica that cannot renew (another replica took the
 run after a stall, or the store was unreachable for a whole TTL) stops driving at its
 next renewal; until then the store's revision check refuses its saves.
+
+The lease keeper and the cancel watcher never hold a run's answer back: they stop on an
+event (a cancellation can be lost inside redis-py while a command is in flight), every
+store call they make has a deadline, and the driver waits for them at most
+`BACKGROUND_GRACE_S` once the run stopped.
 """
 
 from __future__ import annotations
