@@ -19,7 +19,7 @@ import aiohttp
 import orjson
 
 from tests.faults.support import FILES_HEADERS, PLAN_BODY, RedisProc, chat, serve
-from tests.server.served import poll, request
+from tests.server.served import poll, request, wait_event
 from tests.support.procs import Proc
 
 PASS_BODY: dict[str, Any] = {"model": "scripted-plan", "messages": [{"role": "user", "content": "hi"}]}
@@ -155,5 +155,32 @@ async def test_a_stream_whose_turn_cannot_be_saved_ends_with_the_store_error(
         assert events[-1] != b"data: [DONE]"
         error = orjson.loads(events[-1][len(b"data: "):])["error"]
         assert error["code"] == "store_unavailable" and set(error) == {"message", "type", "code", "param"}
+    finally:
+        gw.stop()
+
+
+async def test_a_store_frozen_mid_run_ends_the_call_with_a_503_and_the_run_is_recovered(
+        tmp_path: Path, redis_proc: RedisProc, session: aiohttp.ClientSession) -> None:
+    """The lease keeper's renewals time out; after a whole TTL it stops the run, whose save
+    fails too: 503, not a call that waits on a frozen store. Thawed, recovery stops the run."""
+    gw = redis_gateway(tmp_path / "gw", redis_proc)
+    try:
+        headers = {"X-Policy": "files", "X-Run-Id": "run_frozen"}
+        call = asyncio.ensure_future(chat(session, gw.url, {**PLAN_BODY, "model": "scripted-slow"}, headers=headers,
+                                          timeout_s=CALL_TIMEOUT_S))
+        await wait_event(session, gw.url, "run_frozen", "tool_start")
+        redis_proc.freeze()
+        try:
+            status, headers, body = await call
+        finally:
+            redis_proc.thaw()
+        assert_store_unavailable(status, headers, body)
+
+        async def recovered() -> dict[str, Any] | None:
+            status, _, run = await request(session, "GET", f"{gw.url}/v1/runs/run_frozen")
+            return run if status == 200 and run["status"] != "running" else None
+
+        run = await poll(recovered, timeout=30)
+        assert (run["status"], run["reason"]) == ("interrupted", "crashed")
     finally:
         gw.stop()
