@@ -207,8 +207,9 @@ for _, id in ipairs(ids) do
   elseif r[1] == 'running' then
     kept = kept + 1
   else
-    local ok, body = pcall(cjson.decode, r[3])
-    local updated = ok and tonumber(body['updated_at']) or 0
+    -- the body's last "updated_at" (stamped_body writes it after the transcript), read
+    -- without decoding a transcript that can be megabytes long while Redis waits
+    local updated = tonumber(string.match(r[3], '.*"updated_at":([-+.%deE]+)')) or 0
     if updated >= cutoff then
       kept = kept + 1
     elseif events_only == '1' then
