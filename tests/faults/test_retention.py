@@ -84,3 +84,21 @@ async def test_the_background_pass_prunes_without_anyone_acting(tmp_path: Path, 
         assert status == 200 and run["status"] == "running"
     finally:
         gw.stop()
+
+
+def test_retention_settings_parse_with_defaults_nulls_and_named_errors(tmp_path: Path) -> None:
+    import pytest
+
+    from gateway.server.config import ConfigError, RetentionConfig, parse_config
+    from tests.server.conftest import config_data
+
+    file = tmp_path / "config.yaml"
+    assert parse_config(config_data(), file).retention == RetentionConfig()
+    parsed = parse_config({**config_data(), "retention": {"runs_days": None, "events_days": 0.5,
+                                                          "trace_file_keep": 0, "interval_s": 60}}, file)
+    assert parsed.retention == RetentionConfig(runs_days=None, events_days=0.5, trace_file_keep=0, interval_s=60)
+    for bad, message in [({"runs_days": -1}, r"retention.runs_days.*> 0"),
+                         ({"trace_file_keep": 1.5}, r"retention.trace_file_keep.*integer"),
+                         ({"interval_s": None, "days": 3}, r"retention.*days")]:
+        with pytest.raises(ConfigError, match=message):
+            parse_config({**config_data(), "retention": bad}, file)
