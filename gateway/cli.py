@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "local": "gateway.local.main:local_command",
     "policy": "gateway.policy.check:policy_command",
     "trace": "gateway.trace_view:trace_command",
+    "prune": "gateway.server.retention:prune_command",
 }
 
 
@@ -54,8 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("files", nargs="*", help="policy files (default: policies/*.yaml)")
 
     trace = sub.add_parser("trace", help="print a run's trace as a timeline")
-    trace.add_argument("run_id")
+    trace.add_argument("run_id", help="the run's id (as its client gave it), or TEAM/ID")
+    trace.add_argument("--team", help="the team whose run it is (default: the first team that has one)")
     trace.add_argument("--config", default="config.yaml")
+
+    prune = sub.add_parser("prune", help="delete what config.yaml's retention says is too old, now")
+    prune.add_argument("--config", default="config.yaml")
     return parser
 
 

@@ -21,7 +21,9 @@ from typing import Any, TextIO
 
 import orjson
 
+from gateway.harness.state import scoped_run_id
 from gateway.server.config import Config, ConfigError, load_config
+from gateway.server.tracefile import rotated
 from gateway.store import StoreError, open_store
 
 Event = dict[str, Any]
@@ -50,7 +52,7 @@ def trace_command(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"gateway trace: {exc}", file=sys.stderr)
         return 2
-    loaded = asyncio.run(load_events(config, args.run_id))
+    loaded = asyncio.run(load_any(config, candidates(config, args.run_id, getattr(args, "team", None))))
     for note in loaded.notes:
         print(f"gateway trace: {note}", file=sys.stderr)
     if not loaded.events:
@@ -58,6 +60,26 @@ def trace_command(args: argparse.Namespace) -> int:
         return 1
     write_timeline(args.run_id, loaded.events, sys.stdout, source=loaded.source)
     return 0
+
+
+def candidates(config: Config, run_id: str, team: str | None) -> list[str]:
+    """The stored ids `run_id` may name: run ids are per team (stored as `team/id`), so a bare
+    id is looked for under `team`, or under each configured team in turn."""
+    if "/" in run_id:
+        return [run_id]
+    if team is not None:
+        return [scoped_run_id(team, run_id)]
+    return [*(scoped_run_id(t.name, run_id) for t in config.teams), run_id]
+
+
+async def load_any(config: Config, run_ids: list[str]) -> Loaded:
+    """The events of the first of `run_ids` that has any (what was searched, otherwise)."""
+    loaded = Loaded([], "")
+    for run_id in run_ids:
+        loaded = await load_events(config, run_id)
+        if loaded.events:
+            return loaded
+    return loaded
 
 
 async def load_events(config: Config, run_id: str) -> Loaded:
@@ -86,7 +108,11 @@ async def load_events(config: Config, run_id: str) -> Loaded:
     if config.trace_file is None:
         searched.append("no trace_file configured")
         return Loaded([], "; ".join(searched), tuple(notes))
-    events, bad = read_trace_file(config.trace_file, run_id)
+    events, bad = [], 0
+    for path in [*rotated(config.trace_file, config.retention.trace_file_keep), config.trace_file]:
+        found, unreadable = read_trace_file(path, run_id)  # oldest file first: lines stay in order
+        events += found
+        bad += unreadable
     if bad:
         notes.append(f"{config.trace_file}: skipped {bad} unreadable line(s)")
     if events:

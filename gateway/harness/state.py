@@ -30,7 +30,8 @@ Status = Literal["running", "completed", "failed", "max_turns_exceeded", "budget
 STATUSES: tuple[Status, ...] = get_args(Status)
 RESUMABLE: frozenset[Status] = frozenset({"running", "max_turns_exceeded", "budget_exceeded",
                                           "max_tool_calls_exceeded", "max_duration_exceeded", "interrupted"})
-InterruptionType = Literal["approval", "max_turns", "max_budget", "max_tool_calls", "max_duration", "cancelled"]
+InterruptionType = Literal["approval", "max_turns", "max_budget", "max_tool_calls", "max_duration", "cancelled",
+                           "crashed"]
 
 Message = dict[str, Any]
 

@@ -22,6 +22,7 @@ EventKind = Literal[
     "approval_required",
     "approval_decided",
     "approval_dropped",
+    "approval_expired",
     "run_started",
     "run_resumed",
     "run_stopped",

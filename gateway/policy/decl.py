@@ -124,6 +124,9 @@ class SandboxConfig:
     path: str | None = None
 
 
+Recovery = Literal["interrupt", "resume"]
+
+
 @dataclass(frozen=True)
 class Policy:
     """One loaded policy file. `version` is the first 12 hex digits of the file's sha256."""
@@ -140,6 +143,10 @@ class Policy:
     path: Path
     sandbox: SandboxConfig | None = None
     system_prompt: str | None = None
+    recovery: Recovery = "interrupt"
+    """What the gateway does with a server-side run whose driving process died (its lease
+    expired while the run was `running`): `interrupt` it (status interrupted, reason
+    crashed: its owner sees it and may resume it) or `resume` it at once."""
 
     @property
     def server_side(self) -> bool:

@@ -37,10 +37,11 @@ from gateway.providers.scripted import scripted_app
 from gateway.providers.upstream import new_session
 from gateway.server import context as ctx
 from gateway.server import metrics_route
+from gateway.server import retention
 from gateway.server.auth import KeyRing
 from gateway.server.budget import Governor
 from gateway.server.config import SCRIPTED_PREFIX, Config, ConfigError
-from gateway.server.errors import ApiError
+from gateway.server.errors import ApiError, StoreUnavailable
 from gateway.server.metrics import Metrics
 from gateway.server.middleware import gateway_middleware
 from gateway.server.passthrough import chat_completions
@@ -188,6 +189,7 @@ def build_app(config: Config, *, self_url: str | None = None) -> web.Application
     if self_url is not None:
         app[ctx.SELF_URL] = self_url.rstrip("/")
     app.cleanup_ctx.append(_resources)
+    app.cleanup_ctx.append(retention.background)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
     metrics_route.setup(app)
@@ -215,5 +217,5 @@ async def healthz(request: web.Request) -> web.Response:
     try:
         await request.app[ctx.STORE].load_run("healthz-probe")
     except StoreError as exc:
-        raise ApiError(f"store unavailable: {exc}", status=503, type="server_error", code="store_unavailable") from None
+        raise StoreUnavailable(f"store unavailable: {exc}") from None
     return web.Response(body=orjson.dumps({"status": "ok"}), content_type="application/json")

@@ -10,6 +10,7 @@ shares; the driving replica polls its own run's trace and presses its own scope.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -106,19 +107,24 @@ class ActiveRuns:
             self.cancel(run_id, reason, "gateway")
 
 
-async def watch_remote_cancel(store: Store, run_id: str, scope: CancelScope, after: int, interval_s: float) -> None:
+async def watch_remote_cancel(store: Store, run_id: str, scope: CancelScope, after: int, interval_s: float,
+                              stop: asyncio.Event | None = None, deadline_s: float = 5.0) -> None:
     """Poll the run's trace for a `cancel_requested` line newer than `after`; press `scope`.
 
-    Runs until cancelled (the driver stops it when the run stops) or until it pressed Stop;
-    a store that fails for a moment is polled again (the lease keeper decides when the
-    store has been gone too long to keep driving).
+    Runs until `stop` is set (the driver sets it when the run stops), until it pressed Stop,
+    or until cancelled; a store that fails or does not answer within `deadline_s` is polled
+    again (the lease keeper decides when the store has been gone too long to keep driving).
+    `stop` is what ends it reliably: a task cancelled while redis-py awaits a reply can lose
+    the cancellation (redis/redis-py#2028), and the driver never waits on this task anyway.
     """
+    stop = stop or asyncio.Event()
     failing = False
-    while not scope.cancelled:
+    while not scope.cancelled and not stop.is_set():
         try:
-            batch = await store.events(run_id, after)
+            async with asyncio.timeout(deadline_s):
+                batch = await store.events(run_id, after)
             failing = False
-        except StoreError as exc:
+        except (StoreError, TimeoutError) as exc:
             if not failing:  # once per outage, not once per poll
                 log.warning("run %s: reading cancel requests failed, retrying: %s", run_id, exc)
             failing, batch = True, []
@@ -127,4 +133,8 @@ async def watch_remote_cancel(store: Store, run_id: str, scope: CancelScope, aft
             if event.get("type") == CANCEL_REQUESTED:
                 scope.cancel(str(event.get("reason") or "cancelled"))
                 return
-        await asyncio.sleep(interval_s)  # polling period of a cross-replica signal
+        if stop.is_set():
+            return
+        with contextlib.suppress(TimeoutError):  # polling period of a cross-replica signal, cut short by stop
+            async with asyncio.timeout(interval_s):
+                await stop.wait()

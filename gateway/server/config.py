@@ -24,6 +24,10 @@ Settings beyond DESIGN.md's shape:
   (the token itself is never written in the config); `listen: "HOST:PORT"` serves
   /metrics on that address only, from a second listener of the same process, and the
   main address no longer has it. Both may be set.
+- `store.timeout_s` (Redis, default 2): the deadline of one store command; a frozen or
+  unreachable store answers calls 503 `store_unavailable` within it.
+- `retention` (see `RetentionConfig`): finished runs, their events, closed ledgers and the
+  trace file deleted or rotated as they age.
 - `teams[i].admin` (default false): keys of an admin team may call the admin API
   (`POST /v1/admin/reload`). Admin is an explicit grant: being named as an approver by
   a policy does not make a team an admin, so editing a policy file can never widen who
@@ -45,7 +49,8 @@ from gateway.harness.usage import Price
 from gateway.server.config_fields import ConfigError, Field
 
 __all__ = [
-    "Config", "ConfigError", "Defaults", "MetricsConfig", "ModelRoute", "ServerConfig", "StoreConfig", "TeamConfig",
+    "Config", "ConfigError", "Defaults", "MetricsConfig", "ModelRoute", "RetentionConfig", "ServerConfig", "StoreConfig",
+    "TeamConfig",
     "UpstreamConfig", "load_config", "parse_config",
 ]
 
@@ -58,6 +63,8 @@ DEFAULT_OUTPUT_ALLOWANCE = 4096
 DEFAULT_CALLS_IN_FLIGHT_PER_RUN = 64
 DEFAULT_UPSTREAM_TIMEOUT_S = 60.0
 DEFAULT_LEASE_TTL_S = 15.0
+DEFAULT_STORE_TIMEOUT_S = 2.0
+"""The deadline of one store command (`store.timeout_s`, Redis): a frozen store is a 503 this soon."""
 SCRIPTED_PREFIX = "/scripted/v1"
 ROUTE_CACHE_SIZE = 1024
 """Model names remembered by `Config.route` (it runs on every call; names come from clients)."""
@@ -80,6 +87,7 @@ class StoreConfig:
     path: str | None = None
     url: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
+    timeout_s: float = DEFAULT_STORE_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,27 @@ class TeamConfig:
 
 
 @dataclass(frozen=True)
+class RetentionConfig:
+    """`retention:` what the gateway deletes as it ages, in the background every `interval_s`
+    and on `gateway prune`. None keeps forever (no rotation for the trace file).
+
+    - `runs_days`: finished runs (any status but running) last saved this long ago are
+      deleted with their events; `events_days`: only their events (the run is kept).
+    - `ledger_days`: figures of budget periods that ended this long ago; the current
+      period and a `total` one are never pruned.
+    - `trace_file_max_mb` / `trace_file_keep`: the trace file is rotated past this size,
+      keeping this many old files (trace.jsonl.1 ...).
+    """
+
+    runs_days: float | None = 30.0
+    events_days: float | None = 30.0
+    ledger_days: float | None = None
+    trace_file_max_mb: float | None = 100.0
+    trace_file_keep: int = 5
+    interval_s: float = 3600.0
+
+
+@dataclass(frozen=True)
 class Defaults:
     output_allowance_tokens: int = DEFAULT_OUTPUT_ALLOWANCE
     max_calls_in_flight_per_run: int = DEFAULT_CALLS_IN_FLIGHT_PER_RUN
@@ -156,6 +185,7 @@ class Config:
     teams: tuple[TeamConfig, ...]
     defaults: Defaults = field(default_factory=Defaults)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
     _routes: dict[str, ModelRoute | None] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def route(self, model: str) -> ModelRoute | None:
@@ -201,7 +231,7 @@ def parse_config(data: Any, file: Path) -> Config:
     base = file.resolve().parent
     root = Field(str(file), "", data if data is not None else {})
     root.keys_only({"server", "store", "policies_dir", "runs_dir", "trace_file", "spool_file", "upstreams", "models",
-                    "teams", "defaults", "metrics"})
+                    "teams", "defaults", "metrics", "retention"})
     upstreams = _upstreams(root.get("upstreams"))
     store = _store(root.get("store"), base)
     server = _server(root.get("server"))
@@ -222,6 +252,7 @@ def parse_config(data: Any, file: Path) -> Config:
         teams=_teams(root.get("teams")),
         defaults=_defaults(root.get("defaults")),
         metrics=metrics,
+        retention=_retention(root.get("retention")),
     )
 
 
@@ -249,7 +280,11 @@ def _store(at: Field, base: Path) -> StoreConfig:
     options["kind"] = kind
     if resolved is not None:
         options["path"] = resolved
-    return StoreConfig(kind=kind, path=resolved, url=at.get("url").optional_str_or_none(), options=options)
+    timeout = at.get("timeout_s").optional_number(DEFAULT_STORE_TIMEOUT_S, positive=True)
+    if kind == "redis":
+        options["timeout_s"] = timeout
+    return StoreConfig(kind=kind, path=resolved, url=at.get("url").optional_str_or_none(), options=options,
+                       timeout_s=timeout)
 
 
 def _optional_path(at: Field, base: Path) -> Path | None:
@@ -370,3 +405,22 @@ def _metrics(at: Field) -> MetricsConfig:
             listen_at.fail(f"must be HOST:PORT with a port from 1 to 65535 (e.g. 127.0.0.1:9464), got {raw!r}")
         listen = (host, int(port))
     return MetricsConfig(token_env=token_env, token=token, listen=listen)
+
+
+def _days(at: Field, default: float | None) -> float | None:
+    return default if at.missing else at.optional_number_or_none(positive=True)
+
+
+def _retention(at: Field) -> RetentionConfig:
+    base = RetentionConfig()
+    if at.missing:
+        return base
+    at.keys_only({"runs_days", "events_days", "ledger_days", "trace_file_max_mb", "trace_file_keep", "interval_s"})
+    return RetentionConfig(
+        runs_days=_days(at.get("runs_days"), base.runs_days),
+        events_days=_days(at.get("events_days"), base.events_days),
+        ledger_days=_days(at.get("ledger_days"), base.ledger_days),
+        trace_file_max_mb=_days(at.get("trace_file_max_mb"), base.trace_file_max_mb),
+        trace_file_keep=at.get("trace_file_keep").optional_int(base.trace_file_keep, low=0),
+        interval_s=at.get("interval_s").optional_number(base.interval_s, positive=True),
+    )

@@ -18,11 +18,17 @@ driven, so a replica that dies holds its runs at most that long; sandboxes live 
 `runs_dir`, which replicas share. A replica that cannot renew (another replica took the
 run after a stall, or the store was unreachable for a whole TTL) stops driving at its
 next renewal; until then the store's revision check refuses its saves.
+
+The lease keeper and the cancel watcher never hold a run's answer back: they stop on an
+event (a cancellation can be lost inside redis-py while a command is in flight), every
+store call they make has a deadline, and the driver waits for them at most
+`BACKGROUND_GRACE_S` once the run stopped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -43,7 +49,7 @@ from gateway.policy.executors import CompileError, ToolEnv, compile_options
 from gateway.policy.registry import PolicyRegistry
 from gateway.policy.sandbox import prepare_sandbox, sandbox_config
 from gateway.server.cancels import ActiveRuns, RunBusy, watch_remote_cancel
-from gateway.server.config import DEFAULT_LEASE_TTL_S
+from gateway.server.config import DEFAULT_LEASE_TTL_S, DEFAULT_STORE_TIMEOUT_S
 from gateway.server.errors import ApiError, Conflict, LimitExceeded, NotFound, limit_stop
 from gateway.server.metrics import Metrics
 from gateway.server.tracelog import Listener, TraceWriter
@@ -61,6 +67,9 @@ Runs under the lease on the freshly loaded run; returns the fields of the start 
 (None: the call has nothing to drive, answer with the run as it is). Raises ApiError
 to refuse, before anything is saved.
 """
+
+BACKGROUND_GRACE_S = 0.5
+"""How long a run's answer may wait for its background tasks (cancel watcher, lease keeper) to stop."""
 
 ModelFactory = Callable[[RunState], Model]
 """The model a run's turns (and its sub-runs') go to: the team's governed upstream."""
@@ -98,7 +107,8 @@ class RunDriver:
     def __init__(self, store: Store, policies: PolicyRegistry, *, model_for: ModelFactory,
                  price_for: Callable[[str], Price], runs_dir: Path, session: aiohttp.ClientSession | None = None,
                  trace_file: Path | None = None, metrics: Metrics | None = None, owner: str | None = None,
-                 lease_ttl_s: float = DEFAULT_LEASE_TTL_S, cancel_poll_s: float = 0.1) -> None:
+                 lease_ttl_s: float = DEFAULT_LEASE_TTL_S, cancel_poll_s: float = 0.1,
+                 store_deadline_s: float = DEFAULT_STORE_TIMEOUT_S) -> None:
         self.store = store
         self.policies = policies
         self.model_for = model_for
@@ -110,6 +120,7 @@ class RunDriver:
         self.owner = owner or f"gw-{uuid.uuid4().hex[:12]}"
         self.lease_ttl_s = lease_ttl_s
         self.cancel_poll_s = cancel_poll_s
+        self.store_deadline_s = store_deadline_s
         self.active = ActiveRuns()
 
     def policy_of(self, state: RunState) -> Policy:
@@ -157,7 +168,10 @@ class RunDriver:
             finally:
                 if self.metrics is not None:
                     self.metrics.run_active(-1)
-                await self.store.release_lease(run_id, self.owner)
+                try:
+                    await self.store.release_lease(run_id, self.owner)
+                except StoreError as exc:  # it expires by itself within lease_ttl_s; the answer stands
+                    log.warning("run %s: could not release its lease: %s", run_id, exc)
 
     async def _drive(self, run_id: str, scope: CancelScope, writer: TraceWriter, prepare: Prepare | None,
                      client: FromClient, start: StartKind) -> Drive:
@@ -192,9 +206,10 @@ class RunDriver:
                 "ts": round(time.time(), 6)})
         await checkpoint(state)
         writer.start()
-        keeper = asyncio.ensure_future(self._keep_lease(run_id, scope))
-        watcher = asyncio.ensure_future(
-            watch_remote_cancel(self.store, run_id, scope, seen[-1][0] if seen else 0, self.cancel_poll_s))
+        stop = asyncio.Event()
+        keeper = asyncio.ensure_future(self._keep_lease(run_id, scope, stop))
+        watcher = asyncio.ensure_future(watch_remote_cancel(
+            self.store, run_id, scope, seen[-1][0] if seen else 0, self.cancel_poll_s, stop, self.store_deadline_s))
         try:
             try:
                 outcome = await run(state, model, options, scope)
@@ -205,22 +220,44 @@ class RunDriver:
                     raise
                 outcome = await self._end(state, exc, writer, checkpoint)
         finally:
-            keeper.cancel()
-            watcher.cancel()
-            await asyncio.gather(keeper, watcher, return_exceptions=True)
+            await self._stop_background(stop, keeper, watcher)
             await writer.close()
         return Drive(outcome, _minus(state.usage, usage_before))
 
-    async def _keep_lease(self, run_id: str, scope: CancelScope) -> None:
+    async def _stop_background(self, stop: asyncio.Event, *tasks: asyncio.Future[None]) -> None:
+        """End the run's background tasks without ever letting them hold the answer back.
+
+        `stop` ends their loops at the next check even if a cancellation is lost inside the
+        store client; they get a short grace (so a lease renewal in flight lands before the
+        lease is released), then are left to finish on their own, their errors logged.
+        """
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        _, pending = await asyncio.wait(tasks, timeout=BACKGROUND_GRACE_S)
+        for task in tasks:
+            if task in pending:
+                log.warning("a background task of a run did not stop within %.1fs; not waiting for it",
+                            BACKGROUND_GRACE_S)
+                task.add_done_callback(_log_failure)
+            else:
+                _log_failure(task)
+
+    async def _keep_lease(self, run_id: str, scope: CancelScope, stop: asyncio.Event) -> None:
         """Renew the lease while driving; stop driving if another replica took it, or if
         the store could not renew it for a whole TTL (others may take the run by then)."""
         held_until = time.monotonic() + self.lease_ttl_s
-        while True:
-            await asyncio.sleep(self.lease_ttl_s / 3)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.lease_ttl_s / 3):
+                    await stop.wait()
+            if stop.is_set():
+                return
             asked = time.monotonic()  # the store's clock starts the new TTL no earlier than this
             try:
-                renewed = await self.store.acquire_lease(run_id, self.owner, self.lease_ttl_s)
-            except StoreError as exc:
+                async with asyncio.timeout(self.store_deadline_s):
+                    renewed = await self.store.acquire_lease(run_id, self.owner, self.lease_ttl_s)
+            except (StoreError, TimeoutError) as exc:
                 if time.monotonic() < held_until:
                     log.warning("run %s: lease renewal failed, retrying: %s", run_id, exc)
                     continue
@@ -261,6 +298,11 @@ class RunDriver:
         if self.metrics is not None:
             self.metrics.set_approvals_pending(team, count)
         return count
+
+
+def _log_failure(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("a background task of a run failed", exc_info=task.exception())
 
 
 def _waits_for_approval(state: RunState) -> bool:

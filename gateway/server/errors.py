@@ -18,7 +18,15 @@ Handlers raise; one middleware renders. The tree (HTTP status, `error.type`):
     │                                    | max_duration_exceeded
     │                                    (+ header x-should-retry: false, + top-level `run`)
     ├── UpstreamError                502 upstream_error | 504 upstream_timeout (+ upstream_status)
+    ├── StoreUnavailable             503 server_error, code store_unavailable
+    │                                    (+ headers retry-after, x-should-retry: true)
     └── InternalError                500 server_error
+
+A `StoreError` that reaches the middleware is answered by `from_store_error`: a store
+that failed or timed out is 503 `store_unavailable` (retryable: nothing was forwarded
+upstream, since admission writes to the store first); a refusal of the store about one
+run is 409 `run_conflict` (saved meanwhile by someone else, or exists) or 404
+`run_not_found` (deleted meanwhile).
 
 Every error carries the run headers when a run is known (the middleware adds them).
 Requests aiohttp refuses before routing get the same shape from gateway.server.listener:
@@ -28,13 +36,18 @@ Requests aiohttp refuses before routing get the same shape from gateway.server.l
 
 from __future__ import annotations
 
+import logging
+
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import orjson
 from aiohttp import web
 
-from gateway.harness.state import Interruption, InterruptionType, Status
+from gateway.store.errors import RunExists, RunNotFound, StaleRun, StoreError
+from gateway.harness.state import Interruption, InterruptionType, Status, public_run_id
+
+log = logging.getLogger(__name__)
 
 LimitKind = Literal["max_turns_exceeded", "budget_exceeded", "team_budget_exceeded", "max_duration_exceeded"]
 
@@ -176,6 +189,34 @@ class UpstreamError(ApiError):
         self.upstream = upstream
         self.upstream_status = upstream_status
         self.extra["upstream"] = {"name": upstream, "status": upstream_status}
+
+
+STORE_RETRY_AFTER_S = 1
+"""What a 503 `store_unavailable` asks the client to wait before retrying (`retry-after`)."""
+
+
+class StoreUnavailable(ApiError):
+    """The store failed or did not answer in time: retry shortly (nothing was done upstream)."""
+
+    status = 503
+    type = "server_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="store_unavailable",
+                         headers={"retry-after": str(STORE_RETRY_AFTER_S), "x-should-retry": "true"})
+
+
+def from_store_error(exc: StoreError) -> ApiError:
+    """The answer to a store failure: 409 for a refusal about one run, else 503 (retryable)."""
+    if isinstance(exc, RunNotFound):
+        return NotFound(f"run {public_run_id(exc.run_id)} no longer exists (it was deleted while this call used it)",
+                        code="run_not_found")
+    if isinstance(exc, (StaleRun, RunExists)):
+        return Conflict(f"run {public_run_id(exc.run_id)} changed while this call used it; retry the call",
+                        code="run_conflict")
+    # The store's own words name hosts and files: they go to the log, not to clients.
+    log.warning("the store failed: %s", exc)
+    return StoreUnavailable("the gateway's store is unavailable; retry in a moment")
 
 
 class InternalError(ApiError):

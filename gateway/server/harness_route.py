@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Final
 
@@ -28,12 +29,16 @@ from gateway.server import continuations
 from gateway.server.answers import Answer, completion_body, completion_chunks, completion_id
 from gateway.server.cancels import CLIENT_DISCONNECTED, ActiveRuns, RunBusy
 from gateway.server.driver import Drive, FromClient, Prepare, RunDriver, StartKind
-from gateway.server.errors import ApiError, Conflict, InvalidField
+from gateway.server.errors import ApiError, Conflict, InvalidField, from_store_error
 from gateway.server.headers import run_headers
 from gateway.server.model import UpstreamModel
+from gateway.server.recovery import STARTUP_SCAN, Sweeper
 from gateway.server.runs import Call
 from gateway.server.sse import ClientGone, SSEStream, progress_comment
 from gateway.store.base import Event
+from gateway.store.errors import StoreError
+
+log = logging.getLogger(__name__)
 
 DRIVER: Final = web.AppKey("driver", RunDriver)
 CLIENT_POLL_S: Final = 0.02
@@ -65,13 +70,24 @@ async def _driver_ctx(app: web.Application) -> AsyncIterator[None]:
     owner = app[ctx.GOVERNOR].owner  # the same name for its leases as for its reservations
     driver = RunDriver(app[ctx.STORE], app[ctx.POLICIES], model_for=model_for, price_for=price_for,
                        runs_dir=config.runs_dir, session=app[ctx.SESSION], trace_file=config.trace_file,
-                       metrics=app[ctx.METRICS], owner=owner, lease_ttl_s=config.server.lease_ttl_s)
+                       metrics=app[ctx.METRICS], owner=owner, lease_ttl_s=config.server.lease_ttl_s,
+                       store_deadline_s=config.store.timeout_s)
     app[DRIVER] = driver
-    for team in config.teams:
-        await driver.refresh_approvals(team.name)
+    sweeper = Sweeper(driver, trace_file=config.trace_file, period_s=config.server.lease_ttl_s / 2)
+    try:
+        for team in config.teams:
+            await driver.refresh_approvals(team.name)
+        await sweeper.sweep(STARTUP_SCAN)  # before serving: runs this process drove before a restart
+    except StoreError as exc:  # the store is down: serve anyway (503s), recovery retries every period
+        log.warning("startup recovery failed, retrying in the background: %s", exc)
+    stop = asyncio.Event()
+    sweeping = asyncio.get_running_loop().create_task(sweeper.run_forever(stop))
     try:
         yield
     finally:
+        stop.set()
+        await asyncio.wait({sweeping}, timeout=SHUTDOWN_GRACE_S)
+        await sweeper.close()
         await stop_all(driver.active, SHUTTING_DOWN)
 
 
@@ -170,6 +186,9 @@ async def _drive_watched(request: web.Request, run_id: str, prepare: Prepare, st
         raise
     except RunBusy as exc:  # it stops soon: a retry can succeed
         raise Conflict(str(exc), code="run_busy", headers={"x-should-retry": "true", "retry-after": "1"}) from None
+    except StoreError as exc:  # an ApiError here, so a stream already open ends with it too
+        log.warning("run %s: the store failed: %s", run_id, exc)
+        raise from_store_error(exc) from None
     finally:
         watcher.cancel()
 

@@ -2,7 +2,8 @@
 
 Any `ApiError` becomes its JSON answer (with the run's headers when a run is known);
 aiohttp's own errors (unknown route, wrong method, body too big) get the same shape; an
-unexpected exception is logged and answered 500 without details. `requests_total` is
+unexpected exception is logged and answered 500 without details; a store failure is a
+503 `store_unavailable` (`errors.from_store_error`). `requests_total` is
 labelled by route template (never the raw path, so run ids stay out of labels), and
 `overhead_seconds` is the handler's time minus the time spent waiting on the upstream.
 The scripted provider mounted at /scripted/v1 is an upstream that happens to live in this
@@ -23,9 +24,10 @@ from aiohttp.typedefs import Handler
 
 from gateway.server import context as ctx
 from gateway.server.config import SCRIPTED_PREFIX
-from gateway.server.errors import ApiError, InternalError, from_http_exception
+from gateway.server.errors import ApiError, InternalError, from_http_exception, from_store_error
 from gateway.server.headers import run_headers
 from gateway.server.metrics import end_exemplar_run, exemplar_run
+from gateway.store.errors import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,9 @@ async def gateway_middleware(request: web.Request, handler: Handler) -> web.Stre
         if exc.status < 400:
             raise
         response = _error_response(request, from_http_exception(exc))
+    except StoreError as exc:
+        log.warning("store failed on %s %s: %s", request.method, request.path, exc)
+        response = _error_response(request, from_store_error(exc))
     except Exception:
         log.exception("unexpected error on %s %s", request.method, request.path)
         response = _error_response(request, InternalError("the gateway failed on this request; see its log"))

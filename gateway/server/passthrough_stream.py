@@ -10,10 +10,13 @@ with o200k_base. The turn is booked before `data: [DONE]`, preceded by an SSE co
 A stream the upstream cuts (or that stalls past the timeout) is charged for what was
 received and ends with an OpenAI-shaped `data: {"error": ...}` event, without [DONE]; a
 client that goes away is charged the same way. Nothing received: nothing is charged.
+A turn the store cannot save once the stream is open ends with the 503 `store_unavailable`
+error event instead of [DONE].
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -26,10 +29,14 @@ from gateway.harness.usage import Usage
 from gateway.providers.upstream import Upstream, UpstreamError
 from gateway.server import context as ctx
 from gateway.server.budget import Admission
+from gateway.server.errors import ApiError, from_store_error
 from gateway.server.headers import run_headers
 from gateway.server.replies import usage_of
 from gateway.server.runs import Call
 from gateway.server.turns import Booked, book_turn
+from gateway.store.errors import StoreError
+
+log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 EventKind = Literal["chunk", "usage_only", "done", "error", "malformed", "other"]
@@ -168,11 +175,18 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, upstr
     metrics.on_upstream(upstream.name, call.chat.model, seconds)
     assert response is not None
     finish = got.finish or ("client_disconnected" if client_gone else "cut" if failure else "stop")
-    booked = await _charge_received(request, call, adm, got, finish)
+    unbooked: ApiError | None = None
+    try:
+        booked = await _charge_received(request, call, adm, got, finish)
+    except StoreError as exc:  # the stream is open: it ends with the store's error, not a cut
+        log.warning("run %s: the streamed turn could not be saved: %s", call.run.run_id, exc)
+        booked, unbooked = None, from_store_error(exc)
     if client_gone:
         return response
     try:
-        if failure is not None:
+        if unbooked is not None:
+            await response.write(b"data: " + orjson.dumps(unbooked.body()) + b"\n\n")
+        elif failure is not None:
             if failure.extra.get("upstream", {}).get("status") is None:
                 failure.extra["upstream"] = {"name": upstream.name, "status": 200}
             await response.write(b"data: " + orjson.dumps(failure.body()) + b"\n\n")

@@ -14,8 +14,7 @@ import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import orjson
-
+from gateway.server import tracefile
 from gateway.store.base import Event, Store
 
 log = logging.getLogger(__name__)
@@ -86,9 +85,4 @@ class TraceWriter:
 
 
 def _append_lines(path: Path, events: list[Event]) -> None:
-    data = b"".join(orjson.dumps(e) + b"\n" for e in events)
-    try:
-        with path.open("ab") as fh:
-            fh.write(data)
-    except OSError:
-        log.exception("cannot append to the trace file %s", path)
+    tracefile.append(path, events)

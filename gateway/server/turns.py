@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from gateway.harness.state import Message, RunState
 from gateway.harness.usage import Usage
 from gateway.server import context as ctx
+from gateway.server import tracefile
 from gateway.server.budget import Admission
 from gateway.server.errors import Conflict, LimitExceeded, limit_stop
 from gateway.server.headers import run_headers
@@ -58,13 +58,7 @@ def event(run_id: str, kind: str, **fields: Any) -> dict[str, Any]:
 
 def append_trace_file(path: Path | None, events: list[Event]) -> None:
     """The lines the store has, also in the optional trace file (a failure there is logged)."""
-    if path is None or not events:
-        return
-    try:
-        with path.open("ab") as fh:
-            fh.write(b"".join(orjson.dumps(e) + b"\n" for e in events))
-    except OSError:
-        log.exception("cannot append to the trace file %s", path)
+    tracefile.append(path, events)
 
 
 async def refuse(request: web.Request, call: Call, exc: LimitExceeded) -> LimitExceeded:

@@ -25,6 +25,8 @@ DEFAULT_RESERVATION_TTL_S = 600.0
 """A reservation outlives any sane model call; past it, the reserving process is presumed dead."""
 EXPIRED_RETENTION_S = 86_400.0
 """How long an expired reservation is remembered, so a late `settle` still books the spend."""
+PRUNE_BATCH = 500
+"""Runs a prune deletes per step; the store serves other calls between steps."""
 
 
 @dataclass(frozen=True)
@@ -194,6 +196,20 @@ class Store(Protocol):
 
     async def release_lease(self, run_id: str, owner: str) -> None:
         """Give the lease back, if `owner` still holds it."""
+        ...
+
+    async def prune_runs(self, updated_before: float, *, events_only: bool = False) -> int:
+        """Retention: delete runs that are not `running` and were last saved before
+        `updated_before` (epoch seconds), with their events; with `events_only`, delete only
+        their events and keep the runs. A `running` run is never touched (a pass-through run
+        between calls, or one being driven). Works in batches, yielding to other calls in
+        between; returns how many runs were pruned (with `events_only`: whose events were)."""
+        ...
+
+    async def prune_ledgers(self, ended_before: float) -> int:
+        """Retention: delete the ledger figures of budget periods that ended before
+        `ended_before` (epoch seconds; see `periods.period_end`). The current period, and a
+        `total` period, never end. Returns how many (team, period) figures were deleted."""
         ...
 
     async def close(self) -> None:

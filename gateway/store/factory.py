@@ -11,10 +11,13 @@ from gateway.store.errors import StoreConfigError
 
 _FIELDS: Final[Mapping[str, frozenset[str]]] = MappingProxyType({
     "sqlite": frozenset({"kind", "path"}),
-    "redis": frozenset({"kind", "url", "prefix"}),
+    "redis": frozenset({"kind", "url", "prefix", "timeout_s"}),
     "memory": frozenset({"kind"}),
 })
 _REDIS_SCHEMES: Final = ("redis://", "rediss://", "unix://")
+DEFAULT_REDIS_TIMEOUT_S: Final = 2.0
+"""The deadline of one Redis command (connect, send, reply): past it the call fails with
+StoreError, so a frozen server costs a caller this long, not forever."""
 
 
 def _text(config: Mapping[str, Any], name: str, example: str) -> str:
@@ -27,7 +30,7 @@ def _text(config: Mapping[str, Any], name: str, example: str) -> str:
 
 
 def open_store(config: Mapping[str, Any]) -> Store:
-    """Open the store described by `{kind: sqlite, path}`, `{kind: redis, url[, prefix]}` or `{kind: memory}`.
+    """Open the store described by `{kind: sqlite, path}`, `{kind: redis, url[, prefix, timeout_s]}` or `{kind: memory}`.
 
     Errors (StoreConfigError) name the field and what is wrong. A Redis server is only
     contacted on first use; an unreachable one then raises StoreError naming it.
@@ -54,10 +57,13 @@ def open_store(config: Mapping[str, Any]) -> Store:
         prefix = config.get("prefix", "gw:")
         if not isinstance(prefix, str):
             raise StoreConfigError(f"store.prefix: expected a string, got {prefix!r}")
+        timeout = config.get("timeout_s", DEFAULT_REDIS_TIMEOUT_S)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise StoreConfigError(f"store.timeout_s: expected a number of seconds > 0, got {timeout!r}")
         from gateway.store.redis import RedisStore
 
         try:
-            return RedisStore(url, prefix)
+            return RedisStore(url, prefix, timeout_s=float(timeout))
         except ValueError as exc:
             raise StoreConfigError(f"store.url: {exc}") from exc
     from gateway.store.memory import MemoryStore

@@ -33,6 +33,7 @@ from gateway.store.base import (
     to_micros,
 )
 from gateway.store.errors import AlreadyBooked, RunExists, RunNotFound, StaleRun, StoreError
+from gateway.store.periods import ended_before as period_ended
 
 
 @dataclass
@@ -45,6 +46,7 @@ class _StoredRun:
     body: bytes
     turns: int = 0
     cost: int = 0
+    updated_at: float = 0.0
 
 
 @dataclass
@@ -83,6 +85,7 @@ class MemoryStore:
         self._runs[state.run_id] = _StoredRun(
             state.team, state.status, state.created_at, len(self._runs), state.revision, state.dumps(),
             state.turns, to_micros(state.cost_usd, "cost_usd"),
+            state.updated_at,
         )
 
     async def load_run(self, run_id: str) -> RunState | None:
@@ -106,6 +109,7 @@ class MemoryStore:
         encoded = [orjson.dumps(e) for e in events]
         stored.team, stored.status, stored.revision, stored.body = state.team, state.status, state.revision + 1, body
         stored.turns, stored.cost = state.turns, to_micros(state.cost_usd, "cost_usd")
+        stored.updated_at = now
         if encoded:
             self._events.setdefault(state.run_id, []).extend(encoded)
         state.revision += 1
@@ -232,6 +236,24 @@ class MemoryStore:
         self._check_open()
         amount = to_micros(amount_usd, "amount_usd")
         self._spent[(team, period)] = self._spent.get((team, period), 0) + amount
+
+    async def prune_runs(self, updated_before: float, *, events_only: bool = False) -> int:
+        self._check_open()
+        old = [run_id for run_id, s in self._runs.items() if s.status != "running" and s.updated_at < updated_before]
+        if events_only:
+            return sum(1 for run_id in old if self._events.pop(run_id, None) is not None)
+        for run_id in old:
+            del self._runs[run_id]
+            self._events.pop(run_id, None)
+            self._leases.pop(run_id, None)
+        return len(old)
+
+    async def prune_ledgers(self, ended_before: float) -> int:
+        self._check_open()
+        old = [key for key in self._spent if period_ended(key[1], ended_before)]
+        for key in old:
+            del self._spent[key]
+        return len(old)
 
     async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
         self._check_open()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Literal, get_args
 
 PeriodKind = Literal["day", "month", "total"]
@@ -24,3 +24,23 @@ def period_key(kind: PeriodKind, now: datetime | None = None) -> str:
         raise ValueError(f"period_key needs a timezone-aware datetime, got naive {now.isoformat()}")
     utc = now.astimezone(UTC)
     return utc.strftime("%Y-%m-%d") if kind == "day" else utc.strftime("%Y-%m")
+
+
+def period_end(key: str) -> datetime | None:
+    """When the period of a ledger key ends (UTC): the next day or month; None for `total`
+    (it never ends) and for a key that is not a period of `period_key`'s shape."""
+    try:
+        if len(key) == 10:
+            return datetime.strptime(key, "%Y-%m-%d").replace(tzinfo=UTC) + timedelta(days=1)
+        if len(key) == 7:
+            start = datetime.strptime(key, "%Y-%m").replace(tzinfo=UTC)
+            return start.replace(year=start.year + 1, month=1) if start.month == 12 else start.replace(month=start.month + 1)
+    except ValueError:
+        return None
+    return None
+
+
+def ended_before(key: str, when: float) -> bool:
+    """Whether the period of `key` ended before `when` (epoch seconds)."""
+    end = period_end(key)
+    return end is not None and end.timestamp() < when

@@ -7,6 +7,7 @@ server's (configure appendonly for it); this module adds no caching.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Sequence
@@ -16,13 +17,18 @@ from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.harness.state import RunState
 from gateway.store import redis_lua
 from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
     EXPIRED_RETENTION_S,
+    PRUNE_BATCH,
     Booking,
     Claim,
     Event,
@@ -40,8 +46,10 @@ from gateway.store.base import (
     to_micros,
 )
 from gateway.store.errors import AlreadyBooked, RunExists, RunNotFound, StaleRun, StoreError
+from gateway.store.periods import ended_before as period_ended
 
 DEFAULT_PREFIX: Final = "gw:"
+DEFAULT_TIMEOUT_S: Final = 2.0
 _RETENTION_MS: Final = str(int(EXPIRED_RETENTION_S * 1000))
 
 
@@ -58,27 +66,44 @@ def redact(url: str) -> str:
 
 
 class _Translate:
-    """Turns client errors (connection refused, timeouts) into StoreError naming the server."""
+    """Turns client errors (connection refused, timeouts) into StoreError naming the server.
 
-    def __init__(self, url: str) -> None:
+    A lost connection also drops the pool's idle connections: they were opened to the same
+    server and are as dead as this one, so after a restart of Redis the next calls connect
+    afresh instead of each failing once on a stale socket.
+    """
+
+    def __init__(self, url: str, store: RedisStore) -> None:
         self.url = redact(url)
+        self.store = store
 
-    def __enter__(self) -> None:
+    async def __aenter__(self) -> None:
         return None
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
         if isinstance(exc, RedisError):
+            client = self.store._client
+            if isinstance(exc, (RedisConnectionError, RedisTimeoutError)) and client is not None:
+                with contextlib.suppress(RedisError, OSError):
+                    await client.connection_pool.disconnect(inuse_connections=False)
             raise StoreError(f"redis store {self.url}: {exc}") from exc
 
 
 class RedisStore:
     """The store in a Redis server; every replica pointing at the same url and prefix shares it."""
 
-    def __init__(self, url: str, prefix: str = DEFAULT_PREFIX) -> None:
+    def __init__(self, url: str, prefix: str = DEFAULT_PREFIX, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.url = url
         self.prefix = prefix
-        self._errors = _Translate(url)
-        self._client: aioredis.Redis | None = aioredis.Redis.from_url(url)
+        self.timeout_s = timeout_s
+        self._errors = _Translate(url, self)
+        # Every command has a deadline: a frozen server (SIGSTOP, a stalled network) is a
+        # StoreError after timeout_s, never a call that waits forever. No retries: the
+        # client's default retries multiply the deadline, and a command that timed out may
+        # have run (a booking sent twice would be booked twice).
+        self._client: aioredis.Redis | None = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
         client = self._client
         self._create = client.register_script(redis_lua.CREATE_RUN)
         self._save = client.register_script(redis_lua.SAVE_RUN)
@@ -93,6 +118,7 @@ class RedisStore:
         self._spend = client.register_script(redis_lua.TEAM_SPEND)
         self._acquire = client.register_script(redis_lua.ACQUIRE_LEASE)
         self._unlease = client.register_script(redis_lua.RELEASE_LEASE)
+        self._prune = client.register_script(redis_lua.PRUNE_RUNS)
 
     def _redis(self) -> aioredis.Redis:
         if self._client is None:
@@ -104,7 +130,7 @@ class RedisStore:
 
     async def create_run(self, state: RunState) -> None:
         self._redis()
-        with self._errors:
+        async with self._errors:
             created = await self._create(
                 args=[self.prefix, state.run_id, state.team, state.status, repr(state.created_at),
                       str(state.revision), state.dumps(), str(state.turns), str(to_micros(state.cost_usd, "cost_usd"))]
@@ -113,7 +139,7 @@ class RedisStore:
             raise RunExists(state.run_id)
 
     async def load_run(self, run_id: str) -> RunState | None:
-        with self._errors:
+        async with self._errors:
             body = await self._redis().hget(self._key("run", run_id), "body")
         return None if body is None else parse_run(run_id, body)
 
@@ -122,7 +148,7 @@ class RedisStore:
         revision = state.revision + 1
         body = orjson.dumps(stamped_body(state, revision, now))
         self._redis()
-        with self._errors:
+        async with self._errors:
             result: list[Any] = await self._save(
                 args=[self.prefix, state.run_id, str(state.revision), str(revision), state.status, state.team, body,
                       str(state.turns), str(to_micros(state.cost_usd, "cost_usd"))]
@@ -154,7 +180,7 @@ class RedisStore:
             args += [flag, booking.reservation_id or "", str(actual), booking.team, booking.period, _RETENTION_MS]
         args += [orjson.dumps(e) for e in events]
         self._redis()
-        with self._errors:
+        async with self._errors:
             result: list[Any] = await self._commit(args=args)
         self._check_saved(state, result, None if booking is None else booking.reservation_id)
         state.revision = revision
@@ -164,7 +190,7 @@ class RedisStore:
     async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100) -> list[RunState]:
         check_list_args(status, limit)
         self._redis()
-        with self._errors:
+        async with self._errors:
             flat: list[bytes] = await self._list(args=[self.prefix, team or "", status or "", str(limit)])
         return [parse_run(flat[i].decode(), flat[i + 1]) for i in range(0, len(flat), 2)]
 
@@ -172,12 +198,12 @@ class RedisStore:
         if not events:
             return
         encoded = [orjson.dumps(e) for e in events]
-        with self._errors:
+        async with self._errors:
             await self._redis().rpush(self._key("events", run_id), *encoded)
 
     async def events(self, run_id: str, after: int = 0) -> list[tuple[int, Event]]:
         start = max(after, 0)
-        with self._errors:
+        async with self._errors:
             raw = await self._redis().lrange(self._key("events", run_id), start, -1)
         return [(start + i + 1, orjson.loads(item)) for i, item in enumerate(raw)]
 
@@ -194,7 +220,7 @@ class RedisStore:
         ttl_ms = round(check_ttl(claim.ttl_s, "ttl_s", allow_zero=True) * 1000)
         rid = new_reservation_id()
         self._redis()
-        with self._errors:
+        async with self._errors:
             result: list[Any] = await self._admit(args=[
                 self.prefix, claim.team, claim.period, str(amount), _opt(budget), str(ttl_ms), rid, _RETENTION_MS,
                 claim.run_id or "", _opt(claim.max_turns), _opt(claim.max_in_flight), _opt(run_budget), claim.owner,
@@ -205,7 +231,7 @@ class RedisStore:
 
     async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
         self._redis()
-        with self._errors:
+        async with self._errors:
             result: list[Any] = await self._figures(args=[self.prefix, team, period, run_id or "", _RETENTION_MS])
         return _figures(result)
 
@@ -214,52 +240,75 @@ class RedisStore:
             return
         ttl_ms = max(1, math.ceil(check_ttl(ttl_s, "ttl_s", allow_zero=False) * 1000))
         self._redis()
-        with self._errors:
+        async with self._errors:
             await self._renew(args=[self.prefix, str(ttl_ms), *reservation_ids])
 
     async def release_owner(self, owner: str) -> int:
         self._redis()
-        with self._errors:
+        async with self._errors:
             return int(await self._release_owner(args=[self.prefix, owner]))
 
     async def settle(self, reservation_id: str, actual_usd: float) -> None:
         actual = to_micros(actual_usd, "actual_usd")
         self._redis()
-        with self._errors:
+        async with self._errors:
             await self._settle(args=[self.prefix, reservation_id, str(actual)])
 
     async def release(self, reservation_id: str) -> None:
         self._redis()
-        with self._errors:
+        async with self._errors:
             await self._release(args=[self.prefix, reservation_id])
 
     async def team_spend(self, team: str, period: str) -> tuple[float, float]:
         self._redis()
-        with self._errors:
+        async with self._errors:
             spent, reserved = await self._spend(args=[self.prefix, team, period, _RETENTION_MS])
         return from_micros(int(spent)), from_micros(int(reserved))
 
     async def charge(self, team: str, period: str, amount_usd: float) -> None:
         amount = to_micros(amount_usd, "amount_usd")
-        with self._errors:
+        async with self._errors:
             await self._redis().hincrby(self._key("ledger", team), f"spent:{period}", amount)
 
     async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
         ttl_ms = max(1, math.ceil(check_ttl(ttl_s, "ttl_s", allow_zero=False) * 1000))
         self._redis()
-        with self._errors:
+        async with self._errors:
             ok = await self._acquire(keys=[self._key("lease", run_id)], args=[owner, str(ttl_ms)])
         return int(ok) == 1
 
     async def release_lease(self, run_id: str, owner: str) -> None:
         self._redis()
-        with self._errors:
+        async with self._errors:
             await self._unlease(keys=[self._key("lease", run_id)], args=[owner])
+
+    async def prune_runs(self, updated_before: float, *, events_only: bool = False) -> int:
+        self._redis()
+        total, offset = 0, 0
+        while True:
+            async with self._errors:
+                pruned, kept, scanned = await self._prune(args=[
+                    self.prefix, repr(updated_before), str(offset), str(PRUNE_BATCH), "1" if events_only else "0"])
+            total += int(pruned)
+            offset += int(kept)
+            if int(scanned) < PRUNE_BATCH:
+                return total
+
+    async def prune_ledgers(self, ended_before: float) -> int:
+        client = self._redis()
+        pruned = 0
+        async with self._errors:
+            async for key in client.scan_iter(match=self._key("ledger", "*"), count=500):
+                fields = [f.decode() if isinstance(f, bytes) else f for f in await client.hkeys(key)]
+                old = [f for f in fields if f.startswith("spent:") and period_ended(f[len("spent:"):], ended_before)]
+                if old:
+                    pruned += int(await client.hdel(key, *old))
+        return pruned
 
     async def close(self) -> None:
         client, self._client = self._client, None
         if client is not None:
-            with self._errors:
+            async with self._errors:
                 await client.aclose()
 
 

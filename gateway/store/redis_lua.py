@@ -269,3 +269,39 @@ RELEASE_LEASE: Final = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+
+# Retention, one batch: runs created before `cutoff` (seconds) from `offset` on in the
+# creation index; of those not `running` and saved before `cutoff`, deletes the events (and,
+# unless events_only, the run and its index entries; an index entry whose run is gone is
+# dropped too). Returns {pruned, kept, scanned}: the next batch starts at offset + kept.
+PRUNE_RUNS: Final = """
+local p, cutoff, offset, batch, events_only = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+local ids = redis.call('ZRANGEBYSCORE', p .. 'runs', '-inf', '(' .. cutoff, 'LIMIT', offset, batch)
+local pruned, kept = 0, 0
+for _, id in ipairs(ids) do
+  local key = p .. 'run:' .. id
+  local r = redis.call('HMGET', key, 'status', 'team', 'body')
+  if not r[3] then
+    redis.call('ZREM', p .. 'runs', id)
+  elseif r[1] == 'running' then
+    kept = kept + 1
+  else
+    -- the body's last "updated_at" (stamped_body writes it after the transcript), read
+    -- without decoding a transcript that can be megabytes long while Redis waits
+    local updated = tonumber(string.match(r[3], '.*"updated_at":([-+.%deE]+)')) or 0
+    if updated >= cutoff then
+      kept = kept + 1
+    elseif events_only == '1' then
+      pruned = pruned + redis.call('DEL', p .. 'events:' .. id)
+      kept = kept + 1
+    else
+      redis.call('DEL', key, p .. 'events:' .. id, p .. 'lease:' .. id)
+      redis.call('ZREM', p .. 'runs', id)
+      redis.call('ZREM', p .. 'runs:team:' .. r[2], id)
+      redis.call('ZREM', p .. 'runs:status:' .. r[1], id)
+      pruned = pruned + 1
+    end
+  end
+end
+return {pruned, kept, #ids}
+"""

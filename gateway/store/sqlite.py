@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 import sqlite3
 import time
 from collections.abc import Sequence
@@ -23,10 +24,11 @@ from typing import Any, Final, TypeVar
 
 import orjson
 
-from gateway.harness.state import RunState
+from gateway.harness.state import STATUSES, RunState
 from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
     EXPIRED_RETENTION_S,
+    PRUNE_BATCH,
     Booking,
     Claim,
     Event,
@@ -44,6 +46,7 @@ from gateway.store.base import (
     to_micros,
 )
 from gateway.store.errors import AlreadyBooked, RunExists, RunNotFound, StaleRun, StoreError
+from gateway.store.periods import ended_before as period_ended
 from gateway.store.sqlite_batch import Step, WriteBatch
 from gateway.store.sqlite_schema import (
     BUSY_TIMEOUT_S,
@@ -62,6 +65,8 @@ T = TypeVar("T")
 
 JOURNAL_SIZE_LIMIT: Final = 64 * 1024 * 1024
 """A WAL that grew past this is truncated back to it when it restarts."""
+FINISHED: Final = tuple(s for s in STATUSES if s != "running")
+"""The statuses retention may prune: a `running` run is between calls or being driven."""
 RECLAIM_EVERY_S: Final = 1.0
 """How often a team's expired reservations are marked (and forgotten past the retention) by
 `reserve`, at the latest; sooner when one this store made expires. The budget check itself
@@ -422,6 +427,38 @@ class SqliteStore:
             ).rowcount == 1
 
         return await self._write(step, atomic=False)
+
+    async def prune_runs(self, updated_before: float, *, events_only: bool = False) -> int:
+        # created_at <= updated_at, so the (status, created_at) index narrows the scan.
+        having = " AND EXISTS (SELECT 1 FROM events WHERE run_id = runs.id)" if events_only else ""
+        select = f"SELECT id FROM runs WHERE status = ? AND created_at < ? AND updated_at < ?{having} LIMIT ?"
+
+        def step(db: sqlite3.Connection, status: str) -> int:
+            ids = [(row[0],) for row in db.execute(select, (status, updated_before, updated_before, PRUNE_BATCH))]
+            db.executemany("DELETE FROM events WHERE run_id = ?", ids)
+            if not events_only:
+                db.executemany("DELETE FROM runs WHERE id = ?", ids)
+                db.executemany("DELETE FROM leases WHERE run_id = ?", ids)
+            return len(ids)
+
+        total = 0
+        for status in FINISHED:
+            while True:
+                n = await self._write(partial(step, status=status), atomic=True)
+                total += n
+                if n < PRUNE_BATCH:
+                    break
+                await asyncio.sleep(0)  # let the calls in flight write between two batches
+        return total
+
+    async def prune_ledgers(self, ended_before: float) -> int:
+        def step(db: sqlite3.Connection) -> int:
+            rows = db.execute("SELECT team, period FROM ledger").fetchall()
+            old = [(team, period) for team, period in rows if period_ended(period, ended_before)]
+            db.executemany("DELETE FROM ledger WHERE team = ? AND period = ?", old)
+            return len(old)
+
+        return await self._write(step, atomic=True)
 
     async def release_lease(self, run_id: str, owner: str) -> None:
         await self._write(lambda db: self._delete(db, "DELETE FROM leases WHERE run_id = ? AND owner = ?", run_id, owner),

@@ -283,4 +283,4 @@ def test_trace_command_prints_a_real_run(stack: Stack, traffic: Traffic) -> None
     assert lines[-1].startswith("total: 3 turns, 2 tool runs (0 failed), tokens in 815 out 70, cost $0.002470")
     # every line of the trace also went to the trace file
     trace_file = stack.config.parent / "trace.jsonl"
-    assert f'"runId":"{run_id}"' in trace_file.read_text()
+    assert f'"runId":"demo/{run_id}"' in trace_file.read_text()  # stored ids name the team

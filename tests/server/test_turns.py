@@ -39,7 +39,7 @@ async def test_a_turn_whose_run_vanished_still_books_its_spend(make_gateway: Mak
     )
     box.append(gw.config.store.options["path"])
     status, _, body = await gw.chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, run_id="doomed")
-    assert status == 500, body
+    assert status == 404 and body["error"]["code"] == "run_not_found", body
     assert await gw.store.team_spend("t", "total") == (PRICE.cost(USAGE), 0.0)  # settled, nothing left held
     assert await gw.store.events("t/doomed") == []  # no trace line of a turn that was not saved
 

@@ -46,6 +46,9 @@ async def test_each_kind_opens_a_working_store(tmp_path: Path, redis_url: str) -
         ({"kind": "redis", "url": "http://127.0.0.1:6379"}, r"store.url: expected a redis://"),
         ({"kind": "redis", "url": "redis://127.0.0.1:6379", "prefix": 7}, r"store.prefix: expected a string"),
         ({"kind": "redis", "url": "redis://127.0.0.1:port"}, r"store.url: "),
+        ({"kind": "redis", "url": "redis://127.0.0.1:6379", "timeout_s": 0}, r"store.timeout_s: expected a number"),
+        ({"kind": "redis", "url": "redis://127.0.0.1:6379", "timeout_s": "2"}, r"store.timeout_s: .* got '2'"),
+        ({"kind": "sqlite", "path": "x.db", "timeout_s": 2}, r"store: unknown field\(s\) timeout_s for kind sqlite"),
     ],
 )
 def test_bad_config_names_the_field(config: Any, message: str) -> None:
@@ -62,3 +65,22 @@ async def test_an_unreachable_redis_is_named_without_its_password() -> None:
         assert "s3cret" not in str(caught.value)
     finally:
         await store.close()
+
+
+async def test_a_frozen_redis_fails_within_the_store_timeout() -> None:
+    """A server that accepts the connection and never answers: StoreError, not a wait forever."""
+    import asyncio
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # reads the command, answers nothing
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    store = open_store({"kind": "redis", "url": f"redis://127.0.0.1:{port}/0", "timeout_s": 0.2})
+    try:
+        async with asyncio.timeout(5):  # the hang this guards against; the store gives up after 0.2 s
+            with pytest.raises(StoreError, match="Timeout"):
+                await store.load_run("run_a")
+    finally:
+        await store.close()
+        server.close()
