@@ -256,6 +256,23 @@ class RedisStore:
         with self._errors:
             await self._unlease(keys=[self._key("lease", run_id)], args=[owner])
 
+    async def put_response(self, response_id: str, team: str, body: bytes) -> None:
+        with self._errors:
+            await self._redis().hset(self._key("response", response_id), mapping={"team": team, "body": body})
+
+    async def get_response(self, response_id: str) -> tuple[str, bytes] | None:
+        with self._errors:
+            got = await self._redis().hmget(self._key("response", response_id), ["team", "body"])
+        team, body = got[0], got[1]
+        if team is None or body is None:
+            return None
+        return (team.decode() if isinstance(team, bytes) else str(team),
+                body if isinstance(body, bytes) else str(body).encode())
+
+    async def delete_response(self, response_id: str) -> bool:
+        with self._errors:
+            return int(await self._redis().delete(self._key("response", response_id))) == 1
+
     async def close(self) -> None:
         client, self._client = self._client, None
         if client is not None:
