@@ -1,0 +1,189 @@
+"""`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`: the Responses API.
+
+A Responses call is translated into a chat-completions call (`responses_wire`) and then
+governed by the very code that governs chat completions: the same authentication, run
+keying (`resolve_call`), admission (`admit`: turn cap, run and team budgets, strict
+clamps), booking (`book_turn`), streaming (`stream_through`, with an outlet that emits
+the typed Responses events), metrics and trace. Only the wire differs.
+
+Responses are stored per team (`Store.put_response`) with the conversation they end and
+the run they belong to. `previous_response_id` continues that conversation, and when the
+client sends no `X-Run-Id` it also continues that run: the chain of responses is the run,
+so its turn cap and budget hold for clients that know nothing of runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from gateway.harness.state import Message, assistant_message
+from gateway.server import context as ctx
+from gateway.server.chat_request import ChatRequest
+from gateway.server.errors import ApiError, NotFound
+from gateway.server.passthrough import _check_open, admit, read_body
+from gateway.server.passthrough_stream import ChatOutlet, EventKind, Reassembly, stream_through
+from gateway.server.replies import usage_of
+from gateway.server.responses_wire import (
+    ResponseEvents,
+    ResponsesRequest,
+    new_response_id,
+    output_items,
+    parse_responses_request,
+    response_object,
+    status_of,
+)
+from gateway.server.runs import Call, resolve_call, run_id_from
+from gateway.server.turns import Booked, book_turn
+from gateway.store.errors import StoreError
+
+log = logging.getLogger(__name__)
+
+
+def setup(app: web.Application) -> None:
+    """Add the Responses routes to the app."""
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{id}", get_response)
+    app.router.add_delete("/v1/responses/{id}", delete_response)
+
+
+async def _stored(request: web.Request, response_id: str, param: str | None = None) -> dict[str, Any]:
+    """The caller's team's stored response (404 for a missing one and another team's alike)."""
+    app = request.app
+    team = app[ctx.KEYRING].authenticate(request)
+    got = await app[ctx.STORE].get_response(response_id)
+    if got is None or got[0] != team.name:
+        raise NotFound(f"response '{response_id}' not found", code="response_not_found", param=param)
+    record: dict[str, Any] = orjson.loads(got[1])
+    return record
+
+
+async def get_response(request: web.Request) -> web.Response:
+    """A stored response, as it was answered."""
+    record = await _stored(request, request.match_info["id"])
+    return web.Response(body=orjson.dumps(record["response"]), content_type="application/json")
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    """Forget a stored response (it can no longer be continued)."""
+    response_id = request.match_info["id"]
+    await _stored(request, response_id)
+    await request.app[ctx.STORE].delete_response(response_id)
+    return web.Response(body=orjson.dumps({"id": response_id, "object": "response.deleted", "deleted": True}),
+                        content_type="application/json")
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    """The route handler: every refusal happens before anything is forwarded or stored."""
+    app = request.app
+    team = app[ctx.KEYRING].authenticate(request)
+    req = parse_responses_request(await read_body(request, app[ctx.CONFIG].server.max_body_bytes))
+    route = app[ctx.CONFIG].route(req.model)
+    if route is None:
+        raise NotFound(f"model '{req.model}' is not routed by this gateway (see GET /v1/models)",
+                       code="model_not_found", param="model")
+    headers: CIMultiDict[str] = CIMultiDict(request.headers)
+    earlier: list[Message] = []
+    if req.previous_response_id is not None:
+        previous = await _stored(request, req.previous_response_id, "previous_response_id")
+        earlier = list(previous["messages"])
+        if run_id_from(request.headers) is None:  # the chain of responses is the run
+            headers["X-Run-Id"] = str(previous["run_id"])
+    messages = req.conversation(earlier)
+    body = req.chat_body(messages, stream=req.stream)
+    chat = ChatRequest(orjson.dumps(body), body, req.model, messages, req.chat_tools(), req.stream, False,
+                       req.max_output_tokens, "max_tokens")
+    call = await resolve_call(app[ctx.STORE], app[ctx.POLICIES], team, headers, chat, route)
+    request[ctx.RUN] = call.run
+    if call.policy.server_side:
+        raise ApiError(f"policy '{call.policy.name}' runs tools server-side, which the Responses API of this gateway "
+                       "does not serve yet; use POST /v1/chat/completions", status=501, type="server_error",
+                       code="responses_server_side_unavailable", param="X-Policy")
+    return await _pass_through(request, call, Exchange(req, earlier))
+
+
+class Exchange:
+    """One response being made: the request, its id, and the conversation it continues."""
+
+    def __init__(self, req: ResponsesRequest, earlier: list[Message]) -> None:
+        self.req = req
+        self.earlier = earlier
+        self.id = new_response_id()
+        self.created_at = float(int(time.time()))
+
+    def response(self, message: Message, finish: str, booked: Booked) -> dict[str, Any]:
+        status, incomplete = status_of(finish)
+        return response_object(self.id, self.req, created_at=self.created_at, status=status,
+                               output=output_items(message), usage=booked.usage, incomplete=incomplete)
+
+    async def keep(self, request: web.Request, call: Call, response: dict[str, Any], message: Message) -> None:
+        """Store the response with its conversation (instructions are not carried over)."""
+        if not self.req.store:
+            return
+        record = {"response": response, "run_id": call.run.run_id,
+                  "messages": [*self.earlier, *self.req.input, message]}
+        try:
+            await request.app[ctx.STORE].put_response(self.id, call.team.name, orjson.dumps(record))
+        except StoreError as exc:  # the turn is paid and booked: answer it, it just cannot be continued
+            log.warning("cannot store response %s of run %s: %s", self.id, call.run.run_id, exc)
+
+
+class ResponsesOutlet(ChatOutlet):
+    """A streamed response: the upstream's chunks as typed Responses events."""
+
+    def __init__(self, request: web.Request, call: Call, exchange: Exchange) -> None:
+        super().__init__(include_usage=False)
+        self.request = request
+        self.call = call
+        self.exchange = exchange
+        self.events = ResponseEvents(exchange.id, exchange.req, exchange.created_at)
+
+    def start(self) -> bytes:
+        return self.events.start()
+
+    def event(self, kind: EventKind, raw: bytes, got: Reassembly) -> bytes:
+        if kind == "chunk" and got.last is not None:
+            return self.events.chunk(got.last)
+        return b""
+
+    async def end(self, booked: Booked | None, got: Reassembly, finish: str, run: dict[str, Any]) -> bytes:
+        data, final = self.events.finish(finish, booked.usage if booked is not None else got.usage)
+        await self.exchange.keep(self.request, self.call, final, got.message())
+        return data
+
+    def failed(self, error: dict[str, Any]) -> bytes:
+        return self.events.failed(error.get("error") or {})
+
+
+async def _pass_through(request: web.Request, call: Call, exchange: Exchange) -> web.StreamResponse:
+    """The chat pass-through's admission and booking, with the Responses wire on both ends."""
+    _check_open(call)
+    metrics = request.app[ctx.METRICS]
+    async with await admit(request, call) as adm:
+        metrics.run_active(1)
+        try:
+            upstream = request.app[ctx.UPSTREAMS][call.route.upstream]
+            body = call.chat.upstream_body(max_tokens=adm.max_tokens, force_usage=True)
+            headers = upstream.headers(request.headers)
+            if call.chat.stream:
+                return await stream_through(request, call, adm, upstream, body, headers,
+                                            ResponsesOutlet(request, call, exchange))
+            reply = await upstream.complete(body, headers)
+            request[ctx.UPSTREAM_SECONDS] = reply.seconds
+            metrics.on_upstream(upstream.name, call.chat.model, reply.seconds)
+            choice = reply.data["choices"][0]
+            message = assistant_message(choice["message"])
+            finish = str(choice.get("finish_reason") or "stop")
+            booked = await book_turn(request, call, adm, reported=usage_of(reply.data.get("usage")), message=message,
+                                     finish=finish)
+            response = exchange.response(message, finish, booked)
+            await exchange.keep(request, call, response, message)
+            return web.Response(body=orjson.dumps({**response, "run": booked.run.summary()}),
+                                content_type="application/json", headers=booked.headers())
+        finally:
+            metrics.run_active(-1)

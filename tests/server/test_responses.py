@@ -1,0 +1,235 @@
+"""The Responses API with the real OpenAI SDK against a real `python -m gateway serve` process.
+
+The client runs the plan task (list, read, answer) as a Responses conversation chained by
+previous_response_id, executing the file tools locally, and sends no X-Run-Id: the chain
+of responses is the run, so its turns, cost and caps are the run's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import yaml
+
+from gateway.harness.usage import Price, Usage
+from gateway.providers.scenarios import PLAN_ANSWER
+from gateway.store import open_store
+from gateway.tools.chapter import FILE_TOOLS, PLAN_TASK, SYSTEM_PROMPT
+from gateway.tools.files import Sandbox, fresh_sandbox
+from tests.server.conftest import KEY, OTHER_KEY, config_data, run_tools_locally, write_config
+from tests.support.procs import Proc, free_port, start_gateway
+
+TOOLS: list[Any] = [{"type": "function", **t.openai()["function"]} for t in FILE_TOOLS]
+PRICE = Price(2.0, 12.0)
+
+
+def serve(folder: Path, data: dict[str, Any]) -> Proc:
+    port = free_port()
+    data["server"] = {"host": "127.0.0.1", "port": port}
+    data["teams"][0]["policies"].append("two")
+    path = write_config(folder, data)
+    (folder / "policies" / "two.yaml").write_text(yaml.safe_dump(
+        {"name": "two", "description": "two turns", "limits": {"max_turns": 2, "max_budget_usd": 1.0}}))
+    return start_gateway(["serve", "--config", str(path)], "/healthz", port, folder / "gateway.log")
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    proc = serve(tmp_path_factory.mktemp("responses") / "gw", config_data(other={"budget_usd": 0.00001}))
+    yield proc
+    proc.stop()
+
+
+def sdk(proc: Proc, key: str = KEY, **headers: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=proc.url + "/v1", api_key=key, max_retries=0, default_headers=headers)
+
+
+async def load_run(proc: Proc, run_id: str) -> Any:
+    store = open_store({"kind": "sqlite", "path": str(Path(proc.log).parent / "gateway.db")})
+    try:
+        return await store.load_run(run_id)
+    finally:
+        await store.close()
+
+
+def as_chat_message(response: Any) -> dict[str, Any]:
+    calls = [{"id": i.call_id, "type": "function", "function": {"name": i.name, "arguments": i.arguments}}
+             for i in response.output if i.type == "function_call"]
+    return {"role": "assistant", "content": response.output_text or None, "tool_calls": calls}
+
+
+async def outputs(sandbox: Sandbox, response: Any) -> list[dict[str, Any]]:
+    results = await run_tools_locally(sandbox, as_chat_message(response))
+    return [{"type": "function_call_output", "call_id": r["tool_call_id"], "output": r["content"]} for r in results]
+
+
+async def plan_chain(client: openai.AsyncOpenAI, sandbox: Sandbox, *, stream: bool) -> list[Any]:
+    """The plan task as chained responses; returns each response (as the SDK parsed it)."""
+    got: list[Any] = []
+    items: Any = PLAN_TASK
+    previous = None
+    for _ in range(5):
+        kwargs: dict[str, Any] = {"model": "scripted-plan", "instructions": SYSTEM_PROMPT, "input": items,
+                                  "tools": TOOLS}
+        if previous is not None:
+            kwargs["previous_response_id"] = previous
+        if stream:
+            async with client.responses.stream(**kwargs) as events:
+                kinds = [event.type async for event in events]
+                response = await events.get_final_response()
+            assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+        else:
+            response = await client.responses.create(**kwargs)
+        got.append(response)
+        previous = response.id
+        items = await outputs(sandbox, response)
+        if not items:
+            break
+    return got
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_plan_task_as_a_chain_of_responses_is_one_run_priced_like_chat(gateway: Proc, tmp_path: Path,
+                                                                                 stream: bool) -> None:
+    sandbox = Sandbox(fresh_sandbox(tmp_path / "sandbox"))
+    chain = await plan_chain(sdk(gateway), sandbox, stream=stream)
+    assert [r.output[0].type for r in chain] == ["function_call", "function_call", "message"]
+    assert chain[0].output[0].name == "list_files" and chain[0].output[0].call_id == "c1"
+    assert json.loads(chain[1].output[0].arguments) == {"path": "errors.log"}
+    assert chain[-1].output_text == PLAN_ANSWER and chain[-1].status == "completed"
+    assert all(r.id.startswith("resp_") and r.object == "response" for r in chain)
+    if stream:
+        runs = {await stored_run_id(gateway, r.id) for r in chain}
+    else:
+        runs = {r.model_extra["run"]["id"] for r in chain}  # type: ignore[index]
+    (run_id,) = runs
+    usages = [Usage(r.usage.input_tokens, r.usage.output_tokens) for r in chain]
+    assert all(r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens for r in chain)
+    # the same conversation over chat completions, as a client would send it
+    chat = sdk(gateway, **{"X-Run-Id": f"chat-twin-{stream}"})
+    messages: list[Any] = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": PLAN_TASK}]
+    chat_tools: Any = [t.openai() for t in FILE_TOOLS]
+    twin = Sandbox(fresh_sandbox(tmp_path / "twin"))
+    chat_usages = []
+    for _ in range(5):
+        completion = await chat.chat.completions.create(model="scripted-plan", messages=messages, tools=chat_tools)
+        assert completion.usage is not None
+        chat_usages.append(Usage(completion.usage.prompt_tokens, completion.usage.completion_tokens))
+        message = completion.choices[0].message.model_dump(exclude_none=True)
+        messages.append(message)
+        if not message.get("tool_calls"):
+            break
+        messages.extend(await run_tools_locally(twin, message))
+    assert usages == chat_usages
+    twin_run = await load_run(gateway, f"chat-twin-{stream}")
+    run = await load_run(gateway, run_id)
+    assert run.turns == 3 and run.per_turn == usages and run.status == "completed"
+    assert run.cost_usd == pytest.approx(twin_run.cost_usd, abs=1e-12)
+    assert run.cost_usd == pytest.approx(sum(PRICE.cost(u) for u in usages), abs=1e-12)
+
+
+async def stored_run_id(proc: Proc, response_id: str) -> str:
+    """The run a stored response belongs to (a stream's final event carries no `run` object)."""
+    store = open_store({"kind": "sqlite", "path": str(Path(proc.log).parent / "gateway.db")})
+    try:
+        got = await store.get_response(response_id)
+    finally:
+        await store.close()
+    assert got is not None
+    return str(json.loads(got[1])["run_id"])
+
+
+async def test_a_streamed_create_sends_typed_events_in_sequence_without_done(gateway: Proc) -> None:
+    stream = await sdk(gateway).responses.create(model="scripted-plan", input=PLAN_TASK, tools=TOOLS, stream=True)
+    events = [event async for event in stream]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert [k for i, k in enumerate(kinds) if i == 0 or kinds[i - 1] != k] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    final = events[-1].response
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == final.output[0].arguments
+    assert final.output[0].name == "list_files" and final.usage is not None and final.usage.output_tokens > 0
+
+
+async def test_the_chain_is_the_run_so_its_turn_cap_holds_without_x_run_id(gateway: Proc, tmp_path: Path) -> None:
+    client = sdk(gateway)
+    first = await client.responses.create(model="scripted-runaway", input="go", tools=TOOLS,
+                                          extra_headers={"X-Policy": "two"})
+    second = await client.responses.create(model="scripted-runaway", previous_response_id=first.id, tools=TOOLS,
+                                           input=[{"type": "function_call_output", "call_id": "c1", "output": "a"}])
+    assert second.model_extra is not None and second.model_extra["run"]["turns"] == 2
+    with pytest.raises(openai.RateLimitError) as refused:
+        await client.responses.create(model="scripted-runaway", previous_response_id=second.id, tools=TOOLS,
+                                      input=[{"type": "function_call_output", "call_id": "c2", "output": "b"}])
+    assert refused.value.response.headers["x-should-retry"] == "false"
+    assert refused.value.code == "max_turns_exceeded"
+    run = await load_run(gateway, first.model_extra["run"]["id"])  # type: ignore[index]
+    assert run.turns == 2 and run.status == "max_turns_exceeded"
+
+
+async def test_a_team_budget_refusal_forwards_and_stores_nothing(gateway: Proc) -> None:
+    with pytest.raises(openai.RateLimitError) as refused:
+        await sdk(gateway, OTHER_KEY).responses.create(model="scripted-plan", input="hi")
+    assert refused.value.code == "team_budget_exceeded"
+    assert refused.value.response.headers["x-should-retry"] == "false"
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools[0].type"),
+    ({"background": True}, "background"),
+    ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"previous_response_id": "resp_missing"}, "previous_response_id"),
+])
+async def test_bad_input_is_a_400_naming_the_field_and_nothing_is_booked(gateway: Proc, extra: dict[str, Any],
+                                                                         param: str) -> None:
+    kwargs: dict[str, Any] = {"model": "scripted-plan", "input": "hi", **extra}
+    with pytest.raises((openai.BadRequestError, openai.NotFoundError)) as bad:
+        await sdk(gateway, **{"X-Run-Id": "bad-input"}).responses.create(**kwargs)
+    assert bad.value.param == param, bad.value.message
+    text = json.dumps(bad.value.body)
+    assert param in text and "Error" not in text and "Traceback" not in text
+    assert await load_run(gateway, "bad-input") is None
+
+
+async def test_get_and_delete_a_stored_response_and_another_team_gets_404(gateway: Proc) -> None:
+    client, other = sdk(gateway), sdk(gateway, OTHER_KEY)
+    created = await client.responses.create(model="scripted-plan", input=PLAN_TASK, tools=TOOLS,
+                                            metadata={"case": "get"})
+    fetched = await client.responses.retrieve(created.id)
+    assert fetched.id == created.id and fetched.output[0].call_id == "c1" and fetched.metadata == {"case": "get"}
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.retrieve(created.id)
+    with pytest.raises(openai.NotFoundError) as continued:
+        await other.responses.create(model="scripted-plan", input="x", previous_response_id=created.id)
+    assert continued.value.param == "previous_response_id"
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.delete(created.id)
+    await client.responses.delete(created.id)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(created.id)
+    unstored = await client.responses.create(model="scripted-plan", input=PLAN_TASK, tools=TOOLS, store=False)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(unstored.id)
+
+
+async def test_models_retrieve_names_a_routed_model_and_404s_another(gateway: Proc) -> None:
+    client = sdk(gateway)
+    model = await client.models.retrieve("scripted-plan")
+    assert model.id == "scripted-plan" and model.owned_by == "scripted"
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.models.retrieve("gpt-nope")
+    assert missing.value.code == "model_not_found"
