@@ -89,11 +89,17 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                        code="model_not_found", param="model")
     headers: CIMultiDict[str] = CIMultiDict(request.headers)
     earlier: list[Message] = []
+    chained: str | None = None  # the run this response continues, when no X-Run-Id says
     if req.previous_response_id is not None:
         previous = await _stored(request, req.previous_response_id, "previous_response_id")
         earlier = list(previous["messages"])
-        if run_id_from(request.headers) is None:  # the chain of responses is the run
-            headers["X-Run-Id"] = str(previous["run_id"])
+        chained = str(previous["run_id"])
+    elif req.echoed:  # the client replays a history this gateway answered: it goes on with that run
+        got = await app[ctx.STORE].get_response(req.echoed[-1])
+        if got is not None and got[0] == team.name:
+            chained = str(orjson.loads(got[1])["run_id"])
+    if chained is not None and run_id_from(request.headers) is None:  # the chain of responses is the run
+        headers["X-Run-Id"] = chained
     messages = req.conversation(earlier)
     body = req.chat_body(messages, stream=req.stream)
     chat = ChatRequest(orjson.dumps(body), body, req.model, messages, req.chat_tools(), req.stream, False,
@@ -119,7 +125,7 @@ class Exchange:
     def response(self, message: Message, finish: str, booked: Booked) -> dict[str, Any]:
         status, incomplete = status_of(finish)
         return response_object(self.id, self.req, created_at=self.created_at, status=status,
-                               output=output_items(message), usage=booked.usage, incomplete=incomplete)
+                               output=output_items(self.id, message), usage=booked.usage, incomplete=incomplete)
 
     async def keep(self, request: web.Request, call: Call, response: dict[str, Any], message: Message) -> None:
         """Store the response with its conversation (instructions are not carried over)."""

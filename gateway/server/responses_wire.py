@@ -41,6 +41,25 @@ def new_item_id(kind: str) -> str:
     return f"{kind}_" + uuid.uuid4().hex
 
 
+def item_id(response_id: str, kind: str, index: int) -> str:
+    """The id of a response's output item: it names the response, so that a client that sends
+    the item back (the Agents SDK replays its history) says which conversation it continues."""
+    return f"{kind}_{response_id.removeprefix('resp_')}_{index}"
+
+
+def response_of_item(value: Any) -> str | None:
+    """The response an output item id of this gateway names, or None."""
+    if not isinstance(value, str):
+        return None
+    kind, _, rest = value.partition("_")
+    hexpart, _, index = rest.rpartition("_")
+    if kind not in ("msg", "fc") or len(hexpart) != 32 or not index.isdigit():
+        return None
+    if any(c not in "0123456789abcdef" for c in hexpart):
+        return None
+    return "resp_" + hexpart
+
+
 @dataclass
 class ResponsesRequest:
     """A checked Responses request: its fields, and its input as chat messages."""
@@ -57,6 +76,7 @@ class ResponsesRequest:
     store: bool
     previous_response_id: str | None
     metadata: dict[str, str] | None
+    echoed: list[str] = field(default_factory=list)  # responses whose output items the input sends back
     response_format: dict[str, Any] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
 
@@ -129,8 +149,11 @@ def parse_responses_request(raw: bytes) -> ResponsesRequest:
         raise InvalidField("previous_response_id", "previous_response_id must be a non-empty string", "invalid_type")
     tools = _tools(body.get("tools"))
     names = {t["name"] for t in tools}
+    items = body.get("input")
+    echoed = [r for r in (response_of_item(i.get("id")) for i in items if isinstance(i, dict)) if r is not None] \
+        if isinstance(items, list) else []
     return ResponsesRequest(
-        body=body, model=model, input=_input(body.get("input")), instructions=instructions or None, tools=tools,
+        body=body, model=model, input=_input(items), echoed=echoed, instructions=instructions or None, tools=tools,
         tool_choice=_tool_choice(body.get("tool_choice"), names), parallel_tool_calls=_bool(body, "parallel_tool_calls",
                                                                                             True),
         max_output_tokens=_positive_int(body, "max_output_tokens"), stream=_bool(body, "stream", False),
@@ -360,19 +383,18 @@ def usage_json(usage: Usage | None) -> dict[str, Any] | None:
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
 
 
-def output_items(message: Mapping[str, Any], ids: Sequence[str] = ()) -> list[dict[str, Any]]:
+def output_items(response_id: str, message: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The output items of an assistant message: its text as a `message`, each tool call as a
-    `function_call` (`ids`: the item ids to use, in that order, when already given out)."""
-    given = list(ids)
+    `function_call`."""
     items: list[dict[str, Any]] = []
     text = message.get("content")
     if isinstance(text, str) and text:
-        items.append({"id": given.pop(0) if given else new_item_id("msg"), "type": "message", "role": "assistant",
+        items.append({"id": item_id(response_id, "msg", 0), "type": "message", "role": "assistant",
                       "status": "completed",
                       "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
     for call in message.get("tool_calls") or ():
         function = call.get("function") or {}
-        items.append({"id": given.pop(0) if given else new_item_id("fc"), "type": "function_call",
+        items.append({"id": item_id(response_id, "fc", len(items)), "type": "function_call",
                       "status": "completed", "call_id": call.get("id") or new_item_id("call"),
                       "name": function.get("name", ""), "arguments": function.get("arguments") or ""})
     return items
@@ -463,7 +485,8 @@ class ResponseEvents:
         if index is None or self.items[index]["type"] != "message":
             out += self._close()
             index = len(self.items)
-            item: dict[str, Any] = {"id": new_item_id("msg"), "type": "message", "role": "assistant",
+            item: dict[str, Any] = {"id": item_id(self.response_id, "msg", index), "type": "message",
+                                    "role": "assistant",
                                     "status": "in_progress", "content": []}
             self.items.append(item)
             self.open = index
@@ -485,7 +508,7 @@ class ResponseEvents:
         if index is None:
             out += self._close()
             index = len(self.items)
-            item = {"id": new_item_id("fc"), "type": "function_call", "status": "in_progress",
+            item = {"id": item_id(self.response_id, "fc", index), "type": "function_call", "status": "in_progress",
                     "call_id": part.get("id") or new_item_id("call"), "name": function.get("name") or "",
                     "arguments": ""}
             self.items.append(item)

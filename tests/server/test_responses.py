@@ -233,3 +233,35 @@ async def test_models_retrieve_names_a_routed_model_and_404s_another(gateway: Pr
     with pytest.raises(openai.NotFoundError) as missing:
         await client.models.retrieve("gpt-nope")
     assert missing.value.code == "model_not_found"
+
+
+async def test_a_client_that_replays_its_history_continues_the_run_its_items_came_from(gateway: Proc,
+                                                                                      tmp_path: Path) -> None:
+    """The Agents SDK's default: no previous_response_id, the whole history sent each turn
+    (the output items as it got them, ids included)."""
+    sandbox = Sandbox(fresh_sandbox(tmp_path / "sandbox"))
+    client = sdk(gateway)
+    history: list[Any] = [{"role": "user", "content": PLAN_TASK}]
+    runs = []
+    for _ in range(5):
+        response = await client.responses.create(model="scripted-plan", instructions=SYSTEM_PROMPT, input=history,
+                                                 tools=TOOLS)
+        runs.append(response.model_extra["run"]["id"])  # type: ignore[index]
+        history += [item.model_dump(exclude_unset=True) for item in response.output]
+        results = await outputs(sandbox, response)
+        if not results:
+            break
+        history += results
+    assert response.output_text == PLAN_ANSWER
+    assert len(runs) == 3 and len(set(runs)) == 1
+    run = await load_run(gateway, runs[0])
+    assert run.turns == 3 and run.status == "completed"
+    with pytest.raises(openai.RateLimitError) as refused:  # the same history under a cap of two turns
+        history = [{"role": "user", "content": "go"}]
+        for _ in range(3):
+            response = await client.responses.create(model="scripted-runaway", input=history, tools=TOOLS,
+                                                     extra_headers={"X-Policy": "two"})
+            history += [item.model_dump(exclude_unset=True) for item in response.output]
+            history += [{"type": "function_call_output", "call_id": response.output[0].call_id,  # type: ignore[union-attr]
+                         "output": "a.txt"}]
+    assert refused.value.code == "max_turns_exceeded" and len(history) == 5
