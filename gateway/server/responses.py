@@ -14,6 +14,7 @@ so its turn cap and budget hold for clients that know nothing of runs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -24,8 +25,12 @@ from multidict import CIMultiDict
 
 from gateway.harness.state import Message, assistant_message
 from gateway.server import context as ctx
+from gateway.server import continuations
+from gateway.server.answers import Answer
 from gateway.server.chat_request import ChatRequest
-from gateway.server.errors import ApiError, NotFound
+from gateway.server.driver import FromClient, StartKind
+from gateway.server.errors import InvalidField, NotFound
+from gateway.server.headers import run_headers
 from gateway.server.passthrough import _check_open, admit, read_body
 from gateway.server.passthrough_stream import ChatOutlet, EventKind, Reassembly, stream_through
 from gateway.server.replies import usage_of
@@ -39,6 +44,7 @@ from gateway.server.responses_wire import (
     status_of,
 )
 from gateway.server.runs import Call, resolve_call, run_id_from
+from gateway.server.sse import ClientGone, SSEStream
 from gateway.server.turns import Booked, book_turn
 from gateway.store.errors import StoreError
 
@@ -107,9 +113,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     call = await resolve_call(app[ctx.STORE], app[ctx.POLICIES], team, headers, chat, route)
     request[ctx.RUN] = call.run
     if call.policy.server_side:
-        raise ApiError(f"policy '{call.policy.name}' runs tools server-side, which the Responses API of this gateway "
-                       "does not serve yet; use POST /v1/chat/completions", status=501, type="server_error",
-                       code="responses_server_side_unavailable", param="X-Policy")
+        return await _server_side(request, call, Exchange(req, earlier))
     return await _pass_through(request, call, Exchange(req, earlier))
 
 
@@ -164,6 +168,50 @@ class ResponsesOutlet(ChatOutlet):
 
     def failed(self, error: dict[str, Any]) -> bytes:
         return self.events.failed(error.get("error") or {})
+
+
+async def _server_side(request: web.Request, call: Call, exchange: Exchange) -> web.StreamResponse:
+    """The policy runs tools: the server-side harness drives the run, exactly as for a chat
+    call, and its one answer (the final text, the client's own tool calls, or the honest
+    sentence of an exit) becomes one response. A stream sends that response's events."""
+    try:
+        from gateway.server import harness_route
+    except ImportError:
+        harness_route = None  # type: ignore[assignment]
+    if harness_route is None or harness_route.DRIVER not in request.app:
+        return await request.app[ctx.HARNESS](request, call)  # answers why it cannot
+    server_tools = {t.name for t in call.policy.tools}
+    for i, tool in enumerate(exchange.req.tools):
+        if tool["name"] in server_tools:
+            raise InvalidField(f"tools[{i}].name", f"tools[{i}] is named '{tool['name']}', like a tool of policy "
+                               f"'{call.policy.name}' (which the gateway runs itself); rename it")
+    kind: StartKind = "run_started" if call.created else "run_resumed"
+    prepare = continuations.start() if call.created else continuations.continue_chat(call.chat.messages,
+                                                                                        call.chat.model)
+    client = FromClient(call.chat.tools or [], harness_route.sampling_of(call.chat.body), call.chat.max_tokens)
+    drive = await harness_route.drive_watched(request, call.run.run_id, prepare, kind, client, [])
+    state = drive.state
+    call.run = state
+    request[ctx.RUN] = state
+    answer = Answer.of(state, drive.outcome.answer, drive.outcome.kind == "client_tools")
+    headers = run_headers(state, await request.app[ctx.GOVERNOR].team_remaining(call.team))
+    if not call.chat.stream:
+        booked = Booked(state, None, drive.usage)
+        response = exchange.response(answer.message, answer.finish_reason, booked)
+        await exchange.keep(request, call, response, answer.message)
+        return web.Response(body=orjson.dumps({**response, "run": state.summary()}), content_type="application/json",
+                            headers=headers)
+    events = ResponseEvents(exchange.id, exchange.req, exchange.created_at)
+    calls = [{"index": i, **c} for i, c in enumerate(answer.message.get("tool_calls") or [])]
+    body = events.start() + events.chunk({"choices": [{"index": 0, "delta": {"content": answer.message.get("content"),
+                                                                               "tool_calls": calls}}]})
+    end, final = events.finish(answer.finish_reason, drive.usage)
+    await exchange.keep(request, call, final, answer.message)
+    stream = await SSEStream.open(request, headers)
+    with contextlib.suppress(ClientGone):
+        await stream.response.write(body + end)
+        await stream.close()
+    return stream.response
 
 
 async def _pass_through(request: web.Request, call: Call, exchange: Exchange) -> web.StreamResponse:
