@@ -265,3 +265,24 @@ async def test_a_client_that_replays_its_history_continues_the_run_its_items_cam
             history += [{"type": "function_call_output", "call_id": response.output[0].call_id,  # type: ignore[union-attr]
                          "output": "a.txt"}]
     assert refused.value.code == "max_turns_exceeded" and len(history) == 5
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_max_output_tokens_cuts_the_answer_and_the_response_says_incomplete(gateway: Proc,
+                                                                                  stream: bool) -> None:
+    done: list[Any] = [{"role": "user", "content": PLAN_TASK}]
+    for n in (1, 2):  # two tool rounds already done: the script answers in prose now
+        done += [{"type": "function_call", "call_id": f"c{n}", "name": "list_files", "arguments": "{}"},
+                 {"type": "function_call_output", "call_id": f"c{n}", "output": "errors.log"}]
+    client = sdk(gateway)
+    kwargs: dict[str, Any] = {"model": "scripted-plan", "input": done, "tools": TOOLS, "max_output_tokens": 3}
+    if stream:
+        events = [e async for e in await client.responses.create(stream=True, **kwargs)]
+        assert events[-1].type == "response.incomplete"
+        response = events[-1].response
+    else:
+        response = await client.responses.create(**kwargs)
+    assert response.status == "incomplete" and response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage is not None and 0 < response.usage.output_tokens <= 3
+    assert response.output_text and PLAN_ANSWER.startswith(response.output_text)
