@@ -121,9 +121,18 @@ class Upstream:
 
     async def complete(self, body: bytes, headers: Mapping[str, str]) -> UpstreamReply:
         """POST a non-streamed chat completion and return it, checked."""
+        return await self._post(self.url, body, headers, _has_message, "a chat completion (no choices[0].message)")
+
+    async def embed(self, body: bytes, headers: Mapping[str, str]) -> UpstreamReply:
+        """POST an embeddings request (to <base>/embeddings) and return the answer, checked."""
+        url = self.url.removesuffix("/chat/completions") + "/embeddings"
+        return await self._post(url, body, headers, _has_data, "an embeddings list (no data array)")
+
+    async def _post(self, url: str, body: bytes, headers: Mapping[str, str], valid: Callable[[dict[str, Any]], bool],
+                    shape: str) -> UpstreamReply:
         started = time.perf_counter()
         try:
-            async with self.session.post(self.url, data=body, headers=headers, timeout=self._plain_timeout) as resp:
+            async with self.session.post(url, data=body, headers=headers, timeout=self._plain_timeout) as resp:
                 raw = await resp.read()
                 status = resp.status
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
@@ -138,8 +147,8 @@ class Upstream:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError:
             raise self._malformed(f"body is not JSON: {raw[:120]!r}") from None
-        if not isinstance(data, dict) or not _has_message(data):
-            raise self._malformed("body is not a chat completion (no choices[0].message)")
+        if not isinstance(data, dict) or not valid(data):
+            raise self._malformed(f"body is not {shape}")
         return UpstreamReply(raw, data, time.perf_counter() - started)
 
     @asynccontextmanager
@@ -182,6 +191,10 @@ class Upstream:
                                  self.name, status)
         return UpstreamError(status if 400 <= status < 500 else 502, "upstream_rejected",
                              f"upstream '{self.name}' rejected the request ({status}): {message}", self.name, status)
+
+
+def _has_data(data: dict[str, Any]) -> bool:
+    return isinstance(data.get("data"), list)
 
 
 def _has_message(data: dict[str, Any]) -> bool:

@@ -46,7 +46,8 @@ SPOOL_REPLAY_S = 1.0
 
 log = logging.getLogger(__name__)
 
-OPTIONAL_MODULES = ("gateway.server.harness_route", "gateway.server.admin", "gateway.server.responses")
+OPTIONAL_MODULES = ("gateway.server.harness_route", "gateway.server.admin", "gateway.server.responses",
+                    "gateway.server.embeddings")
 """Modules with a `setup(app)` that add to the gateway (server-side runs and the runs API, the admin API)."""
 
 
