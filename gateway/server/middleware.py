@@ -53,6 +53,17 @@ def _error_response(request: web.Request, exc: ApiError) -> web.Response:
     return exc.response(extra)
 
 
+def served_routes(app: web.Application) -> str:
+    """What this gateway serves, as `METHOD /path` items (for the 404 of any other path)."""
+    seen: dict[str, list[str]] = {}
+    for route in app.router.routes():
+        path = route.resource.canonical if route.resource is not None else ""
+        if route.method in ("HEAD", "*") or _scripted_mount(path) or not path:
+            continue
+        seen.setdefault(path, []).append(route.method)
+    return ", ".join(f"{'|'.join(methods)} {path}" for path, methods in seen.items())
+
+
 @web.middleware
 async def gateway_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     started = time.perf_counter()
@@ -67,7 +78,10 @@ async def gateway_middleware(request: web.Request, handler: Handler) -> web.Stre
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        response = _error_response(request, from_http_exception(exc))
+        error = from_http_exception(exc)
+        if exc.status == 404:
+            error.message = f"no route for {request.method} {request.path}; this gateway serves {served_routes(request.app)}"
+        response = _error_response(request, error)
     except Exception:
         log.exception("unexpected error on %s %s", request.method, request.path)
         response = _error_response(request, InternalError("the gateway failed on this request; see its log"))

@@ -286,3 +286,11 @@ async def test_max_output_tokens_cuts_the_answer_and_the_response_says_incomplet
     assert response.incomplete_details.reason == "max_output_tokens"
     assert response.usage is not None and 0 < response.usage.output_tokens <= 3
     assert response.output_text and PLAN_ANSWER.startswith(response.output_text)
+
+
+async def test_another_openai_path_is_a_404_naming_what_the_gateway_serves(gateway: Proc) -> None:
+    with pytest.raises(openai.NotFoundError) as missing:
+        await sdk(gateway).files.list()
+    text = json.dumps(missing.value.body)
+    assert "GET /v1/files" in text and "POST /v1/responses" in text and "POST /v1/chat/completions" in text
+    assert "GET|DELETE /v1/responses/{id}" in text and missing.value.code == "route_not_found"
