@@ -294,3 +294,21 @@ async def test_another_openai_path_is_a_404_naming_what_the_gateway_serves(gatew
     text = json.dumps(missing.value.body)
     assert "GET /v1/files" in text and "POST /v1/responses" in text and "POST /v1/chat/completions" in text
     assert "GET|DELETE /v1/responses/{id}" in text and missing.value.code == "route_not_found"
+
+
+async def test_a_stream_the_upstream_cuts_ends_with_response_failed_and_the_part_received_is_booked(
+        gateway: Proc) -> None:
+    done: list[Any] = [{"role": "user", "content": PLAN_TASK}]
+    for n in (1, 2):
+        done += [{"type": "function_call", "call_id": f"c{n}", "name": "list_files", "arguments": "{}"},
+                 {"type": "function_call_output", "call_id": f"c{n}", "output": "errors.log"}]
+    client = sdk(gateway, **{"X-Run-Id": "cut-stream", "X-Scripted-Fail": "cut"})
+    stream = await client.responses.create(model="scripted-plan", input=done, tools=TOOLS, stream=True)
+    events = [e async for e in stream]
+    assert events[0].type == "response.created" and events[-1].type == "response.failed"
+    assert events[-1].response.error is not None and events[-1].response.error.code == "upstream_cut"
+    assert "response.output_text.delta" in {e.type for e in events}
+    run = await load_run(gateway, "cut-stream")
+    assert run.turns == 1 and run.cost_usd > 0
+    with pytest.raises(openai.NotFoundError):  # a failed response is not stored: nothing to continue
+        await sdk(gateway).responses.retrieve(events[-1].response.id)
