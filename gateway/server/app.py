@@ -198,7 +198,8 @@ async def get_model(request: web.Request) -> web.Response:
             break
     else:
         route = app[ctx.CONFIG].route(name)
-        if route is None:
+        # a glob on the scripted upstream routes only its scenarios (all listed above)
+        if route is None or app[ctx.CONFIG].upstreams[route.upstream].kind == "scripted":
             raise NotFound(f"model '{name}' is not routed by this gateway (see GET /v1/models)",
                            code="model_not_found", param="model")
         upstream = route.upstream

@@ -312,3 +312,8 @@ async def test_a_stream_the_upstream_cuts_ends_with_response_failed_and_the_part
     assert run.turns == 1 and run.cost_usd > 0
     with pytest.raises(openai.NotFoundError):  # a failed response is not stored: nothing to continue
         await sdk(gateway).responses.retrieve(events[-1].response.id)
+
+
+async def test_models_retrieve_of_a_name_the_scripted_glob_matches_but_does_not_play_is_404(gateway: Proc) -> None:
+    with pytest.raises(openai.NotFoundError):
+        await sdk(gateway).models.retrieve("scripted-nothing")
