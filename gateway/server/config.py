@@ -11,6 +11,10 @@ Settings beyond DESIGN.md's shape:
   the reservations of its calls in flight, lasts without renewal (renewed every third of
   it). A run whose replica died can be resumed by another replica, and its reservations
   stop counting against the team, once this much time has passed since the last renewal.
+- `server.refusal_status` (default 429; 400, 402 or 403): the HTTP status of a cap or budget
+  refusal. Some clients (Vercel's `ai` SDK, litellm's `num_retries`) retry a 429 whatever
+  `x-should-retry` says; another status stops them at the first refusal. `error.type` and
+  `error.code` name the refusal either way.
 - `defaults.max_calls_in_flight_per_run` (default 64): calls of one pass-through run the
   gateway forwards at once, across replicas; one more is refused before anything is
   forwarded (409 `run_busy`, retryable).
@@ -64,6 +68,10 @@ class ServerConfig:
     port: int = 8080
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    refusal_status: int = 429
+
+
+REFUSAL_STATUSES = (429, 400, 402, 403)
 
 
 @dataclass(frozen=True)
@@ -207,12 +215,17 @@ def parse_config(data: Any, file: Path) -> Config:
 def _server(at: Field) -> ServerConfig:
     if at.missing:
         return ServerConfig()
-    at.keys_only({"host", "port", "max_body_bytes", "lease_ttl_s"})
+    at.keys_only({"host", "port", "max_body_bytes", "lease_ttl_s", "refusal_status"})
+    refusal = at.get("refusal_status")
+    status = refusal.optional_int(429)
+    if status not in REFUSAL_STATUSES:
+        refusal.fail(f"must be one of {', '.join(map(str, REFUSAL_STATUSES))}, got {status}")
     return ServerConfig(
         host=at.get("host").optional_str("127.0.0.1"),
         port=at.get("port").optional_int(8080, low=0, high=65535),
         max_body_bytes=at.get("max_body_bytes").optional_int(DEFAULT_MAX_BODY_BYTES, low=1),
         lease_ttl_s=at.get("lease_ttl_s").optional_number(DEFAULT_LEASE_TTL_S, positive=True),
+        refusal_status=status,
     )
 
 

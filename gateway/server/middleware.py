@@ -23,7 +23,7 @@ from aiohttp.typedefs import Handler
 
 from gateway.server import context as ctx
 from gateway.server.config import SCRIPTED_PREFIX
-from gateway.server.errors import ApiError, InternalError, from_http_exception
+from gateway.server.errors import ApiError, InternalError, LimitExceeded, from_http_exception
 from gateway.server.headers import run_headers
 from gateway.server.metrics import end_exemplar_run, exemplar_run
 
@@ -46,6 +46,8 @@ def _scripted_mount(path: str) -> bool:
 
 
 def _error_response(request: web.Request, exc: ApiError) -> web.Response:
+    if isinstance(exc, LimitExceeded):  # the operator's choice (server.refusal_status), for clients that retry 429s
+        exc.status = request.config_dict[ctx.CONFIG].server.refusal_status
     run = request.get(ctx.RUN)
     extra = None
     if run is not None and "X-Run-Id" not in exc.headers:

@@ -30,7 +30,7 @@ PRICE = Price(2.0, 12.0)
 
 def serve(folder: Path, data: dict[str, Any]) -> Proc:
     port = free_port()
-    data["server"] = {"host": "127.0.0.1", "port": port}
+    data["server"] = {**data.get("server", {}), "host": "127.0.0.1", "port": port}
     data["teams"][0]["policies"].append("two")
     path = write_config(folder, data)
     (folder / "policies" / "two.yaml").write_text(yaml.safe_dump(
@@ -317,3 +317,31 @@ async def test_a_stream_the_upstream_cuts_ends_with_response_failed_and_the_part
 async def test_models_retrieve_of_a_name_the_scripted_glob_matches_but_does_not_play_is_404(gateway: Proc) -> None:
     with pytest.raises(openai.NotFoundError):
         await sdk(gateway).models.retrieve("scripted-nothing")
+
+
+def requests_counted(proc: Proc, route: str, code: int) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(proc.url + "/metrics", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("gateway_requests_total{") and f'code="{code}"' in line and f'route="{route}"' in line)
+
+
+async def test_an_operator_chosen_refusal_status_stops_a_retrying_client_at_the_first_refusal(tmp_path: Path) -> None:
+    proc = serve(tmp_path / "gw", config_data(server={"refusal_status": 402}))
+    try:
+        # the SDK's default retries: a 402 is not retried whatever the headers say
+        client = openai.AsyncOpenAI(base_url=proc.url + "/v1", api_key=KEY)
+        first = await client.responses.create(model="scripted-runaway", input="go", tools=TOOLS,
+                                              extra_headers={"X-Policy": "two"})
+        second = await client.responses.create(model="scripted-runaway", previous_response_id=first.id, tools=TOOLS,
+                                               input=[{"type": "function_call_output", "call_id": "c1", "output": "a"}])
+        with pytest.raises(openai.APIStatusError) as refused:
+            await client.responses.create(model="scripted-runaway", previous_response_id=second.id, tools=TOOLS,
+                                          input=[{"type": "function_call_output", "call_id": "c2", "output": "b"}])
+        assert refused.value.status_code == 402
+        body = refused.value.body
+        assert isinstance(body, dict) and body["type"] == body["code"] == "max_turns_exceeded"
+        assert requests_counted(proc, "/v1/responses", 402) == 1
+    finally:
+        proc.stop()
