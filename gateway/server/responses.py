@@ -37,10 +37,13 @@ from gateway.server.replies import usage_of
 from gateway.server.responses_wire import (
     ResponseEvents,
     ResponsesRequest,
+    item_references,
+    load_body,
     new_response_id,
     output_items,
-    parse_responses_request,
+    parse_responses_body,
     response_object,
+    response_of_item,
     status_of,
 )
 from gateway.server.runs import Call, resolve_call, run_id_from
@@ -88,7 +91,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     """The route handler: every refusal happens before anything is forwarded or stored."""
     app = request.app
     team = app[ctx.KEYRING].authenticate(request)
-    req = parse_responses_request(await read_body(request, app[ctx.CONFIG].server.max_body_bytes))
+    body = load_body(await read_body(request, app[ctx.CONFIG].server.max_body_bytes))
+    await _resolve_references(request, team.name, body)
+    req = parse_responses_body(body)
     route = app[ctx.CONFIG].route(req.model)
     if route is None:
         raise NotFound(f"model '{req.model}' is not routed by this gateway (see GET /v1/models)",
@@ -115,6 +120,23 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if call.policy.server_side:
         return await _server_side(request, call, Exchange(req, earlier))
     return await _pass_through(request, call, Exchange(req, earlier))
+
+
+async def _resolve_references(request: web.Request, team: str, body: dict[str, Any]) -> None:
+    """Replace each `item_reference` of the input by the stored output item it names (Vercel's
+    `ai` SDK sends its earlier assistant items so); an unknown id is a 400 naming the item."""
+    stored: dict[str, dict[str, Any] | None] = {}
+    for index, item_id in item_references(body):
+        response_id = response_of_item(item_id)
+        if response_id is not None and response_id not in stored:
+            got = await request.app[ctx.STORE].get_response(response_id)
+            stored[response_id] = orjson.loads(got[1])["response"] if got is not None and got[0] == team else None
+        response = stored.get(response_id) if response_id is not None else None
+        found = next((o for o in (response or {}).get("output", ()) if o.get("id") == item_id), None)
+        if found is None:
+            raise InvalidField(f"input[{index}].id", f"input[{index}] references item '{item_id}', which is not an "
+                               "output item of a response stored for this team", "invalid_value")
+        body["input"][index] = dict(found)
 
 
 class Exchange:

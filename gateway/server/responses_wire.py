@@ -47,6 +47,24 @@ def item_id(response_id: str, kind: str, index: int) -> str:
     return f"{kind}_{response_id.removeprefix('resp_')}_{index}"
 
 
+def wrap_call_id(response_id: str, original: str) -> str:
+    """The call id a client sees: it names the response (clients that replay history without
+    item ids, like Vercel's `ai` SDK, still say which run they continue); the upstream's own
+    id follows, and is what the upstream gets back."""
+    return f"call_{response_id.removeprefix('resp_')}_{original}"
+
+
+def unwrap_call_id(value: Any) -> tuple[str | None, str]:
+    """(the response a wrapped call id names, the upstream's id); (None, value) otherwise."""
+    if not isinstance(value, str):
+        return None, str(value)
+    head, hexpart, rest = value[:5], value[5:37], value[37:]
+    if head != "call_" or len(rest) < 2 or rest[0] != "_" or any(c not in "0123456789abcdef" for c in hexpart) \
+            or len(hexpart) != 32:
+        return None, value
+    return "resp_" + hexpart, rest[1:]
+
+
 def response_of_item(value: Any) -> str | None:
     """The response an output item id of this gateway names, or None."""
     if not isinstance(value, str):
@@ -122,6 +140,11 @@ class ResponsesRequest:
 
 def parse_responses_request(raw: bytes) -> ResponsesRequest:
     """Parse and check a body; raises InvalidJSON or InvalidField (naming the field)."""
+    return parse_responses_body(load_body(raw))
+
+
+def load_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or InvalidJSON."""
     if not raw.strip():
         raise InvalidJSON("the body is empty (expected a JSON object with model and input)")
     try:
@@ -130,6 +153,20 @@ def parse_responses_request(raw: bytes) -> ResponsesRequest:
         raise InvalidJSON(str(exc)) from None
     if not isinstance(body, dict):
         raise InvalidJSON(f"expected a JSON object, got {_kind(body)}")
+    return body
+
+
+def item_references(body: Mapping[str, Any]) -> list[tuple[int, str]]:
+    """(index, id) of each `item_reference` in the input, to resolve before parsing."""
+    items = body.get("input")
+    if not isinstance(items, list):
+        return []
+    return [(i, item["id"]) for i, item in enumerate(items)
+            if isinstance(item, dict) and item.get("type") == "item_reference" and isinstance(item.get("id"), str)]
+
+
+def parse_responses_body(body: dict[str, Any]) -> ResponsesRequest:
+    """Check a body (item references already resolved); raises InvalidField (naming the field)."""
     for name in body:
         if name not in SUPPORTED:
             raise InvalidField(name, f"{name} is not supported by this gateway's Responses API", "unsupported_field")
@@ -150,7 +187,7 @@ def parse_responses_request(raw: bytes) -> ResponsesRequest:
     tools = _tools(body.get("tools"))
     names = {t["name"] for t in tools}
     items = body.get("input")
-    echoed = [r for r in (response_of_item(i.get("id")) for i in items if isinstance(i, dict)) if r is not None] \
+    echoed = [r for r in (_echoed(i) for i in items if isinstance(i, dict)) if r is not None] \
         if isinstance(items, list) else []
     return ResponsesRequest(
         body=body, model=model, input=_input(items), echoed=echoed, instructions=instructions or None, tools=tools,
@@ -160,6 +197,11 @@ def parse_responses_request(raw: bytes) -> ResponsesRequest:
         store=_bool(body, "store", True), previous_response_id=previous, metadata=_metadata(body.get("metadata")),
         response_format=_text(body.get("text")), sampling=_sampling(body),
     )
+
+
+def _echoed(item: Mapping[str, Any]) -> str | None:
+    """The response an input item came from, when this gateway gave it out."""
+    return response_of_item(item.get("id")) or unwrap_call_id(item.get("call_id"))[0]
 
 
 def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
@@ -300,7 +342,7 @@ def _input(value: Any) -> list[Message]:
         if kind == "message":
             out.append(_message(item, where))
         elif kind == "function_call":
-            call = {"id": _str(item, "call_id", where), "type": "function",
+            call = {"id": unwrap_call_id(_str(item, "call_id", where))[1], "type": "function",
                     "function": {"name": _str(item, "name", where), "arguments": _str(item, "arguments", where)}}
             last = out[-1] if out else None
             if last is not None and last.get("role") == "assistant":
@@ -314,7 +356,8 @@ def _input(value: Any) -> list[Message]:
             if not isinstance(output, str):
                 raise InvalidField(f"{where}.output", f"{where}.output must be a string, got {_kind(output)}",
                                    "invalid_type")
-            out.append({"role": "tool", "tool_call_id": _str(item, "call_id", where), "content": output})
+            out.append({"role": "tool", "tool_call_id": unwrap_call_id(_str(item, "call_id", where))[1],
+                        "content": output})
         else:
             raise InvalidField(f"{where}.type", f"{where}.type {kind!r} is not supported (message, function_call, "
                                "function_call_output)", "unsupported_value")
@@ -395,7 +438,7 @@ def output_items(response_id: str, message: Mapping[str, Any]) -> list[dict[str,
     for call in message.get("tool_calls") or ():
         function = call.get("function") or {}
         items.append({"id": item_id(response_id, "fc", len(items)), "type": "function_call",
-                      "status": "completed", "call_id": call.get("id") or new_item_id("call"),
+                      "status": "completed", "call_id": wrap_call_id(response_id, call.get("id") or new_item_id("c")),
                       "name": function.get("name", ""), "arguments": function.get("arguments") or ""})
     return items
 
@@ -509,7 +552,8 @@ class ResponseEvents:
             out += self._close()
             index = len(self.items)
             item = {"id": item_id(self.response_id, "fc", index), "type": "function_call", "status": "in_progress",
-                    "call_id": part.get("id") or new_item_id("call"), "name": function.get("name") or "",
+                    "call_id": wrap_call_id(self.response_id, part.get("id") or new_item_id("c")),
+                    "name": function.get("name") or "",
                     "arguments": ""}
             self.items.append(item)
             self.by_call[key] = index

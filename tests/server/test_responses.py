@@ -99,7 +99,7 @@ async def test_the_plan_task_as_a_chain_of_responses_is_one_run_priced_like_chat
     sandbox = Sandbox(fresh_sandbox(tmp_path / "sandbox"))
     chain = await plan_chain(sdk(gateway), sandbox, stream=stream)
     assert [r.output[0].type for r in chain] == ["function_call", "function_call", "message"]
-    assert chain[0].output[0].name == "list_files" and chain[0].output[0].call_id == "c1"
+    assert chain[0].output[0].name == "list_files" and chain[0].output[0].call_id == f"call_{chain[0].id[5:]}_c1"
     assert json.loads(chain[1].output[0].arguments) == {"path": "errors.log"}
     assert chain[-1].output_text == PLAN_ANSWER and chain[-1].status == "completed"
     assert all(r.id.startswith("resp_") and r.object == "response" for r in chain)
@@ -210,7 +210,7 @@ async def test_get_and_delete_a_stored_response_and_another_team_gets_404(gatewa
     created = await client.responses.create(model="scripted-plan", input=PLAN_TASK, tools=TOOLS,
                                             metadata={"case": "get"})
     fetched = await client.responses.retrieve(created.id)
-    assert fetched.id == created.id and fetched.output[0].call_id == "c1" and fetched.metadata == {"case": "get"}
+    assert fetched.id == created.id and fetched.output[0].call_id == created.output[0].call_id and fetched.metadata == {"case": "get"}
     with pytest.raises(openai.NotFoundError):
         await other.responses.retrieve(created.id)
     with pytest.raises(openai.NotFoundError) as continued:
@@ -345,3 +345,37 @@ async def test_an_operator_chosen_refusal_status_stops_a_retrying_client_at_the_
         assert requests_counted(proc, "/v1/responses", 402) == 1
     finally:
         proc.stop()
+
+
+async def test_a_history_replayed_the_ai_sdk_way_continues_the_run(gateway: Proc) -> None:
+    """Vercel's `ai` SDK replays function calls without item ids (their call ids name the
+    response) and earlier assistant text as `item_reference`s to stored items."""
+    client = sdk(gateway)
+    first = await client.responses.create(model="scripted-plan", input=PLAN_TASK, tools=TOOLS)
+    call = first.output[0]
+    assert call.type == "function_call"
+    history: list[Any] = [{"role": "user", "content": PLAN_TASK},
+                          {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                           "arguments": call.arguments},
+                          {"type": "function_call_output", "call_id": call.call_id, "output": "errors.log"}]
+    second = await client.responses.create(model="scripted-plan", input=history, tools=TOOLS)
+    assert second.model_extra is not None and first.model_extra is not None
+    assert second.model_extra["run"]["id"] == first.model_extra["run"]["id"]
+    assert second.model_extra["run"]["turns"] == 2
+    answer = await client.responses.create(model="scripted-plan", tools=TOOLS, input=[
+        *history, {"type": "function_call", "call_id": second.output[0].call_id,  # type: ignore[union-attr]
+                   "name": "read_file", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": second.output[0].call_id, "output": "timeout"}])  # type: ignore[union-attr]
+    assert answer.output_text == PLAN_ANSWER
+    follow_up = [{"role": "user", "content": "And then?"}]
+    referenced = await client.responses.create(model="scripted-plan", tools=TOOLS, input=[
+        *history, {"type": "item_reference", "id": answer.output[0].id}, *follow_up])
+    assert referenced.model_extra is not None and referenced.model_extra["run"]["turns"] == 4
+    with pytest.raises(openai.BadRequestError) as unknown:
+        await client.responses.create(model="scripted-plan", input=[
+            {"type": "item_reference", "id": "msg_" + "0" * 32 + "_0"}, *follow_up])
+    assert unknown.value.param == "input[0].id"
+    with pytest.raises(openai.BadRequestError) as foreign:  # another team's item is unknown to this team
+        await sdk(gateway, OTHER_KEY).responses.create(model="scripted-plan", input=[
+            {"type": "item_reference", "id": answer.output[0].id}, *follow_up])
+    assert foreign.value.param == "input[0].id"

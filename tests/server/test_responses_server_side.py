@@ -49,14 +49,14 @@ async def test_a_client_tool_comes_back_as_a_function_call_and_the_chain_continu
     run_id = raw.headers["X-Run-Id"]
     assert raw.headers["X-Run-Turns"] == "2"
     call = first.output[-1]
-    assert call.type == "function_call" and call.name == "read_file" and call.call_id == "c2"
+    assert call.type == "function_call" and call.name == "read_file" and call.call_id == f"call_{first.id[5:]}_c2"
     async with aiohttp.ClientSession() as session:
         trace = await events(session, served.url, run_id)
         assert [e["toolName"] for e in trace if e["type"] == "tool_start"] == ["list_files"]  # ran server-side
         plain = served.openai()  # no X-Run-Id, no X-Policy: the chain says which run
         raw = await plain.responses.with_raw_response.create(
             model="scripted-plan", previous_response_id=first.id, tools=[READ_FILE],
-            input=[{"type": "function_call_output", "call_id": "c2", "output": "worker 7 timed out (client)"}])
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "worker 7 timed out (client)"}])
         final = raw.parse()
         assert raw.headers["X-Run-Id"] == run_id and raw.headers["X-Run-Turns"] == "3"
         assert final.output_text == PLAN_ANSWER
