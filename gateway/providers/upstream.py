@@ -123,6 +123,11 @@ class Upstream:
         """POST a non-streamed chat completion and return it, checked."""
         return await self._post(self.url, body, headers, _has_message, "a chat completion (no choices[0].message)")
 
+    async def respond(self, body: bytes, headers: Mapping[str, str]) -> UpstreamReply:
+        """POST a non-streamed Responses-API request (to <base>/responses), checked."""
+        url = self.url.removesuffix("/chat/completions") + "/responses"
+        return await self._post(url, body, headers, _has_output, "a response (no output array)")
+
     async def embed(self, body: bytes, headers: Mapping[str, str]) -> UpstreamReply:
         """POST an embeddings request (to <base>/embeddings) and return the answer, checked."""
         url = self.url.removesuffix("/chat/completions") + "/embeddings"
@@ -152,10 +157,13 @@ class Upstream:
         return UpstreamReply(raw, data, time.perf_counter() - started)
 
     @asynccontextmanager
-    async def stream(self, body: bytes, headers: Mapping[str, str]) -> AsyncIterator[UpstreamStream]:
-        """POST a streamed chat completion; errors before the first byte raise here."""
+    async def stream(self, body: bytes, headers: Mapping[str, str],
+                     path: str = "/chat/completions") -> AsyncIterator[UpstreamStream]:
+        """POST a streamed chat completion (or, with `path` /responses, a streamed response);
+        errors before the first byte raise here."""
+        url = self.url if path == "/chat/completions" else self.url.removesuffix("/chat/completions") + path
         try:
-            resp = await self.session.post(self.url, data=body, headers=headers, timeout=self._stream_timeout)
+            resp = await self.session.post(url, data=body, headers=headers, timeout=self._stream_timeout)
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
             raise self.timeout("no response headers") from None
         except aiohttp.ClientConnectionError as exc:
@@ -191,6 +199,10 @@ class Upstream:
                                  self.name, status)
         return UpstreamError(status if 400 <= status < 500 else 502, "upstream_rejected",
                              f"upstream '{self.name}' rejected the request ({status}): {message}", self.name, status)
+
+
+def _has_output(data: dict[str, Any]) -> bool:
+    return isinstance(data.get("output"), list)
 
 
 def _has_data(data: dict[str, Any]) -> bool:

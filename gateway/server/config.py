@@ -15,6 +15,10 @@ Settings beyond DESIGN.md's shape:
   refusal. Some clients (Vercel's `ai` SDK, litellm's `num_retries`) retry a 429 whatever
   `x-should-retry` says; another status stops them at the first refusal. `error.type` and
   `error.code` name the refusal either way.
+- `upstreams[].api` (default `chat`): `responses` for an upstream that speaks the Responses
+  API natively: `POST /v1/responses` calls are sent to its `/responses` (the whole
+  conversation, `store: false`) instead of being translated to chat completions; chat
+  completions calls still go to its `/chat/completions`.
 - `defaults.max_calls_in_flight_per_run` (default 64): calls of one pass-through run the
   gateway forwards at once, across replicas; one more is refused before anything is
   forwarded (409 `run_busy`, retryable).
@@ -49,6 +53,7 @@ __all__ = [
 ]
 
 UpstreamKind = Literal["scripted", "openai"]
+UpstreamApi = Literal["chat", "responses"]
 BudgetPeriod = Literal["day", "month", "total"]
 BudgetMode = Literal["turn", "strict"]
 
@@ -94,6 +99,7 @@ class UpstreamConfig:
     base_url: str | None = None
     api_key_env: str | None = None
     timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
+    api: UpstreamApi = "chat"
 
     def api_key(self) -> str | None:
         """Read at call time, so a missing variable fails the call, not the start."""
@@ -257,7 +263,7 @@ def _default_runs_dir(store: StoreConfig, base: Path) -> Path:
 def _upstreams(section: Field) -> dict[str, UpstreamConfig]:
     out: dict[str, UpstreamConfig] = {}
     for at in section.required().list_of():
-        at.keys_only({"name", "kind", "base_url", "api_key_env", "timeout_s"})
+        at.keys_only({"name", "kind", "base_url", "api_key_env", "timeout_s", "api"})
         name = at.get("name").required().nonempty_str()
         if name in out:
             at.get("name").fail(f"upstream '{name}' is defined twice")
@@ -272,6 +278,7 @@ def _upstreams(section: Field) -> dict[str, UpstreamConfig]:
             name=name, kind=kind, base_url=base_url.rstrip("/") if base_url else None,
             api_key_env=at.get("api_key_env").optional_str_or_none(),
             timeout_s=at.get("timeout_s").optional_number(DEFAULT_UPSTREAM_TIMEOUT_S, positive=True),
+            api=at.get("api").choice(("chat", "responses"), "chat"),
         )
     if not out:
         section.fail("at least one upstream is required")

@@ -50,7 +50,7 @@ class Reassembly:
         self.last: dict[str, Any] | None = None  # the chunk fed last (an outlet may translate it)
 
     def feed(self, event: bytes) -> EventKind:
-        data = _data(event)
+        data = event_data(event)
         if data is None:
             return "other"
         if data == b"[DONE]":
@@ -104,7 +104,7 @@ class Reassembly:
         return out
 
 
-def _data(event: bytes) -> bytes | None:
+def event_data(event: bytes) -> bytes | None:
     """The data of one SSE event (data lines joined), or None if it has none."""
     lines = [line[5:].lstrip(b" ").rstrip(b"\r") for line in event.split(b"\n") if line.startswith(b"data:")]
     if not lines:
@@ -138,18 +138,21 @@ class ChatOutlet:
 
 
 async def stream_through(request: web.Request, call: Call, adm: Admission, upstream: Upstream, body: bytes,
-                         headers: Mapping[str, str], outlet: ChatOutlet | None = None) -> web.StreamResponse:
-    """Forward a streamed call; see the module docstring for what happens on failures."""
+                         headers: Mapping[str, str], outlet: ChatOutlet | None = None,
+                         got: Reassembly | None = None, path: str = "/chat/completions") -> web.StreamResponse:
+    """Forward a streamed call; see the module docstring for what happens on failures.
+    `got` reads the upstream's events (a subclass reads another wire), `path` is where they
+    are asked for."""
     out = outlet or ChatOutlet(call.chat.include_usage)
     app = request.app
     metrics = app[ctx.METRICS]
     started = time.perf_counter()
-    got = Reassembly()
+    got = got or Reassembly()
     response: web.StreamResponse | None = None
     failure: UpstreamError | None = None
     client_gone = False
     try:
-        async with upstream.stream(body, headers) as stream:
+        async with upstream.stream(body, headers, path) as stream:
             start_headers = run_headers(call.run)
             start_headers["X-Run-Status"] = "running"
             response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **start_headers})

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -24,27 +25,33 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from gateway.harness.state import Message, assistant_message
+from gateway.providers.upstream import Upstream
 from gateway.server import context as ctx
 from gateway.server import continuations
 from gateway.server.answers import Answer
+from gateway.server.budget import Admission
 from gateway.server.chat_request import ChatRequest
 from gateway.server.driver import FromClient, StartKind
 from gateway.server.errors import InvalidField, NotFound
 from gateway.server.headers import run_headers
 from gateway.server.passthrough import _check_open, admit, read_body
-from gateway.server.passthrough_stream import ChatOutlet, EventKind, Reassembly, stream_through
+from gateway.server.passthrough_stream import ChatOutlet, EventKind, Reassembly, event_data, stream_through
 from gateway.server.replies import usage_of
 from gateway.server.responses_wire import (
     ResponseEvents,
     ResponsesRequest,
+    finish_of,
+    input_items,
     item_references,
     load_body,
+    message_of_output,
     new_response_id,
     output_items,
     parse_responses_body,
     response_object,
     response_of_item,
     status_of,
+    usage_of_response,
 )
 from gateway.server.runs import Call, resolve_call, run_id_from
 from gateway.server.sse import ClientGone, SSEStream
@@ -192,6 +199,89 @@ class ResponsesOutlet(ChatOutlet):
         return self.events.failed(error.get("error") or {})
 
 
+class NativeReassembly(Reassembly):
+    """A native upstream's typed events read into the reply the run books (as chat chunks are)."""
+
+    def feed(self, event: bytes) -> EventKind:
+        data = event_data(event)
+        if data is None:
+            return "other"
+        try:
+            parsed = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return "malformed"
+        if not isinstance(parsed, dict):
+            return "malformed"
+        self.last = parsed
+        kind = parsed.get("type")
+        if kind == "response.output_text.delta":
+            self.content.append(str(parsed.get("delta") or ""))
+        elif kind == "response.output_item.added" and (parsed.get("item") or {}).get("type") == "function_call":
+            item = parsed["item"]
+            self.calls[int(parsed.get("output_index", 0))] = {
+                "id": item.get("call_id") or "", "type": "function",
+                "function": {"name": item.get("name") or "", "arguments": ""}}
+        elif kind == "response.function_call_arguments.delta":
+            call = self.calls.get(int(parsed.get("output_index", 0)))
+            if call is not None:
+                call["function"]["arguments"] += str(parsed.get("delta") or "")
+        elif kind in ("response.completed", "response.incomplete"):
+            response = parsed.get("response") or {}
+            self.usage = usage_of_response(response.get("usage")) or self.usage
+            self.finish = finish_of(response, bool(self.calls))
+            return "done"
+        elif kind in ("response.failed", "error"):
+            return "error"
+        else:
+            return "other"
+        self.chunks += 1
+        return "chunk"
+
+
+class NativeOutlet(ResponsesOutlet):
+    """A native upstream's stream, re-issued as this gateway's response (its ids, its events)."""
+
+    def event(self, kind: EventKind, raw: bytes, got: Reassembly) -> bytes:
+        event = got.last or {}
+        if kind != "chunk":
+            return b""
+        index = int(event.get("output_index", 0))
+        if event.get("type") == "response.output_text.delta":
+            delta: dict[str, Any] = {"content": str(event.get("delta") or "")}
+        elif event.get("type") == "response.output_item.added":
+            item = event.get("item") or {}
+            delta = {"tool_calls": [{"index": index, "id": item.get("call_id"),
+                                     "function": {"name": item.get("name") or ""}}]}
+        else:
+            delta = {"tool_calls": [{"index": index, "function": {"arguments": str(event.get("delta") or "")}}]}
+        return self.events.chunk({"choices": [{"index": 0, "delta": delta}]})
+
+
+async def _native(request: web.Request, call: Call, exchange: Exchange, adm: Admission, upstream: Upstream,
+                  headers: Mapping[str, str]) -> web.StreamResponse:
+    """An upstream that speaks Responses: it gets the whole conversation (it stores nothing:
+    the chain is kept here) and its answer is booked and re-issued under this gateway's ids."""
+    req = exchange.req
+    body = {k: v for k, v in req.body.items() if k not in ("previous_response_id", "input", "store")}
+    body.update(input=input_items([*exchange.earlier, *req.input]), store=False)
+    if adm.max_tokens is not None:
+        body["max_output_tokens"] = adm.max_tokens
+    raw = orjson.dumps(body)
+    if req.stream:
+        return await stream_through(request, call, adm, upstream, raw, headers, NativeOutlet(request, call, exchange),
+                                    NativeReassembly(), "/responses")
+    reply = await upstream.respond(raw, headers)
+    request[ctx.UPSTREAM_SECONDS] = reply.seconds
+    request.app[ctx.METRICS].on_upstream(upstream.name, call.chat.model, reply.seconds)
+    message, finish = message_of_output(reply.data)
+    booked = await book_turn(request, call, adm, reported=usage_of_response(reply.data.get("usage")),
+                             message=message, finish=finish)
+    response = exchange.response(message, finish, booked)
+    await exchange.keep(request, call, response, message)
+    return web.Response(body=orjson.dumps({**response, "run": booked.run.summary()}), content_type="application/json",
+                        headers=booked.headers())
+
+
 async def _server_side(request: web.Request, call: Call, exchange: Exchange) -> web.StreamResponse:
     """The policy runs tools: the server-side harness drives the run, exactly as for a chat
     call, and its one answer (the final text, the client's own tool calls, or the honest
@@ -244,8 +334,10 @@ async def _pass_through(request: web.Request, call: Call, exchange: Exchange) ->
         metrics.run_active(1)
         try:
             upstream = request.app[ctx.UPSTREAMS][call.route.upstream]
-            body = call.chat.upstream_body(max_tokens=adm.max_tokens, force_usage=True)
             headers = upstream.headers(request.headers)
+            if upstream.config.api == "responses":
+                return await _native(request, call, exchange, adm, upstream, headers)
+            body = call.chat.upstream_body(max_tokens=adm.max_tokens, force_usage=True)
             if call.chat.stream:
                 return await stream_through(request, call, adm, upstream, body, headers,
                                             ResponsesOutlet(request, call, exchange))

@@ -605,3 +605,80 @@ class ResponseEvents:
                                 error={"code": str(error.get("code") or "server_error"),
                                        "message": str(error.get("message") or "")})
         return self._event("response.failed", response=final)
+
+
+# --- an upstream that speaks the Responses API itself ----------------------------------------
+
+
+def input_items(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages as Responses input items (the conversation for a native upstream)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        role, content = m.get("role"), m.get("content")
+        if role == "tool":
+            out.append({"type": "function_call_output", "call_id": m.get("tool_call_id"),
+                        "output": content if isinstance(content, str) else _plain(content)})
+        elif role == "assistant":
+            if content:
+                out.append({"type": "message", "role": "assistant",
+                            "content": [{"type": "output_text", "text": _plain(content)}]})
+            for call in m.get("tool_calls") or ():
+                function = call.get("function") or {}
+                out.append({"type": "function_call", "call_id": call.get("id"), "name": function.get("name"),
+                            "arguments": function.get("arguments") or ""})
+        elif isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") == "image_url":
+                    image = part.get("image_url") or {}
+                    parts.append({"type": "input_image", "image_url": image.get("url"),
+                                  **({"detail": image["detail"]} if image.get("detail") else {})})
+                else:
+                    parts.append({"type": "input_text", "text": part.get("text", "")})
+            out.append({"role": role, "content": parts})
+        else:
+            out.append({"role": role, "content": content if isinstance(content, str) else ""})
+    return out
+
+
+def _plain(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text") or "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def message_of_output(data: Mapping[str, Any]) -> tuple[Message, str]:
+    """A native upstream's response as the assistant message the run books, and its finish."""
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for item in data.get("output") or ():
+        if not isinstance(item, dict):
+            continue
+        if item.get("type") == "message":
+            texts += [str(p.get("text") or "") for p in item.get("content") or () if isinstance(p, dict)]
+        elif item.get("type") == "function_call":
+            calls.append({"id": item.get("call_id") or "", "type": "function",
+                          "function": {"name": item.get("name") or "", "arguments": item.get("arguments") or ""}})
+    message: Message = {"role": "assistant", "content": "".join(texts) or None}
+    if calls:
+        message["tool_calls"] = calls
+    return message, finish_of(data, bool(calls))
+
+
+def finish_of(data: Mapping[str, Any], calls: bool) -> str:
+    details = data.get("incomplete_details")
+    if data.get("status") == "incomplete" and isinstance(details, dict):
+        return "length" if details.get("reason") == "max_output_tokens" else "content_filter"
+    return "tool_calls" if calls else "stop"
+
+
+def usage_of_response(data: Any) -> Usage | None:
+    """A native upstream's own usage, if it reported a usable one."""
+    if not isinstance(data, dict):
+        return None
+    given, made = data.get("input_tokens"), data.get("output_tokens")
+    if isinstance(given, int) and isinstance(made, int) and given >= 0 and made >= 0:
+        return Usage(given, made)
+    return None
