@@ -73,9 +73,9 @@ async def _stored(request: web.Request, response_id: str, param: str | None = No
     app = request.app
     team = app[ctx.KEYRING].authenticate(request)
     got = await app[ctx.STORE].get_response(response_id)
-    if got is None or got[0] != team.name:
+    record: dict[str, Any] | None = orjson.loads(got[1]) if got is not None and got[0] == team.name else None
+    if record is None or "response" not in record:  # missing, another team's, or created with store: false
         raise NotFound(f"response '{response_id}' not found", code="response_not_found", param=param)
-    record: dict[str, Any] = orjson.loads(got[1])
     return record
 
 
@@ -137,7 +137,7 @@ async def _resolve_references(request: web.Request, team: str, body: dict[str, A
         response_id = response_of_item(item_id)
         if response_id is not None and response_id not in stored:
             got = await request.app[ctx.STORE].get_response(response_id)
-            stored[response_id] = orjson.loads(got[1])["response"] if got is not None and got[0] == team else None
+            stored[response_id] = orjson.loads(got[1]).get("response") if got is not None and got[0] == team else None
         response = stored.get(response_id) if response_id is not None else None
         found = next((o for o in (response or {}).get("output", ()) if o.get("id") == item_id), None)
         if found is None:
@@ -161,11 +161,12 @@ class Exchange:
                                output=output_items(self.id, message), usage=booked.usage, incomplete=incomplete)
 
     async def keep(self, request: web.Request, call: Call, response: dict[str, Any], message: Message) -> None:
-        """Store the response with its conversation (instructions are not carried over)."""
-        if not self.req.store:
-            return
-        record = {"response": response, "run_id": call.run.run_id,
-                  "messages": [*self.earlier, *self.req.input, message]}
+        """Store the response with its conversation (instructions are not carried over). With
+        `store: false` only its run is kept (no content), so that a client replaying its
+        history still continues the run; it cannot be fetched or continued by id."""
+        record: dict[str, Any] = {"run_id": call.run.run_id}
+        if self.req.store:
+            record.update(response=response, messages=[*self.earlier, *self.req.input, message])
         try:
             await request.app[ctx.STORE].put_response(self.id, call.team.name, orjson.dumps(record))
         except StoreError as exc:  # the turn is paid and booked: answer it, it just cannot be continued

@@ -379,3 +379,17 @@ async def test_a_history_replayed_the_ai_sdk_way_continues_the_run(gateway: Proc
         await sdk(gateway, OTHER_KEY).responses.create(model="scripted-plan", input=[
             {"type": "item_reference", "id": answer.output[0].id}, *follow_up])
     assert foreign.value.param == "input[0].id"
+
+
+async def test_a_replayed_history_with_store_false_still_continues_the_run(gateway: Proc) -> None:
+    client = sdk(gateway)
+    first = await client.responses.create(model="scripted-plan", input=PLAN_TASK, tools=TOOLS, store=False)
+    call = first.output[0]
+    assert call.type == "function_call"
+    second = await client.responses.create(model="scripted-plan", tools=TOOLS, store=False, input=[
+        {"role": "user", "content": PLAN_TASK}, call.model_dump(exclude_unset=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "errors.log"}])
+    assert second.model_extra is not None and first.model_extra is not None
+    assert second.model_extra["run"]["id"] == first.model_extra["run"]["id"]
+    with pytest.raises(openai.NotFoundError):  # nothing of it is kept to fetch or continue
+        await client.responses.create(model="scripted-plan", input="more", previous_response_id=first.id)
