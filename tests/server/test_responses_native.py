@@ -23,6 +23,7 @@ from tests.server.test_responses import TOOLS, load_run, sdk, serve, stored_run_
 from tests.support.procs import Proc
 
 PRICE = Price(2.0, 12.0)
+SEEN = web.AppKey("seen", list)
 
 
 def answer_for(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Usage]:
@@ -38,7 +39,7 @@ def answer_for(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Usage]:
 
 async def native(request: web.Request) -> web.StreamResponse:
     body = await request.json()
-    request.app["seen"].append(body)
+    request.app[SEEN].append(body)
     output, usage = answer_for(body)
     final = {"id": "resp_upstream", "object": "response", "created_at": 0, "status": "completed",
              "model": body["model"], "output": output,
@@ -71,7 +72,7 @@ async def native(request: web.Request) -> web.StreamResponse:
 @pytest.fixture
 async def upstream(aiohttp_server: Any) -> AsyncIterator[Any]:
     app = web.Application()
-    app["seen"] = []
+    app[SEEN] = []
     app.router.add_post("/v1/responses", native)
     yield await aiohttp_server(app)
 
@@ -104,7 +105,7 @@ async def test_a_native_upstream_gets_the_whole_conversation_and_its_usage_is_bo
     second = await create(previous_response_id=first.id,
                           input=[{"type": "function_call_output", "call_id": call.call_id, "output": "a.txt"}])
     assert second.output_text == "done: a.txt" and second.id != "resp_upstream"
-    seen = upstream.app["seen"]
+    seen = upstream.app[SEEN]
     assert [b.get("store") for b in seen] == [False, False] and all("previous_response_id" not in b for b in seen)
     assert seen[0]["instructions"] == "Be brief." and "instructions" not in seen[1]  # not carried over
     assert seen[1]["input"] == [{"role": "user", "content": "list them"},
@@ -120,7 +121,7 @@ async def test_a_native_upstream_gets_the_whole_conversation_and_its_usage_is_bo
 async def test_a_native_upstream_gets_the_strict_clamp_as_max_output_tokens(upstream: Any, gateway: Proc) -> None:
     client = sdk(gateway, **{"X-Policy": "strict"})
     await client.responses.create(model="native-1", input="list them", max_output_tokens=100_000)
-    clamp = upstream.app["seen"][-1]["max_output_tokens"]
+    clamp = upstream.app[SEEN][-1]["max_output_tokens"]
     assert 0 < clamp < 100_000
     with pytest.raises(openai.BadRequestError):
         await client.responses.create(model="native-1", input="x", tools=[{"type": "web_search"}])  # type: ignore[list-item]
