@@ -60,6 +60,10 @@ from gateway.store.errors import StoreError
 
 log = logging.getLogger(__name__)
 
+ECHO_LOOKUPS = 4
+"""Responses named by a replayed history that are looked up for its run, newest first (a
+deleted one falls back to the one before; the bound keeps a long junk history cheap)."""
+
 
 def setup(app: web.Application) -> None:
     """Add the Responses routes to the app."""
@@ -112,15 +116,17 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         previous = await _stored(request, req.previous_response_id, "previous_response_id")
         earlier = list(previous["messages"])
         chained = str(previous["run_id"])
-    elif req.echoed:  # the client replays a history this gateway answered: it goes on with that run
-        got = await app[ctx.STORE].get_response(req.echoed[-1])
-        if got is not None and got[0] == team.name:
-            chained = str(orjson.loads(got[1])["run_id"])
+    else:  # a client that replays a history this gateway answered goes on with its latest run
+        for echoed in list(dict.fromkeys(reversed(req.echoed)))[:ECHO_LOOKUPS]:
+            got = await app[ctx.STORE].get_response(echoed)
+            if got is not None and got[0] == team.name:
+                chained = str(orjson.loads(got[1])["run_id"])
+                break
     if chained is not None and run_id_from(request.headers) is None:  # the chain of responses is the run
         headers["X-Run-Id"] = chained
     messages = req.conversation(earlier)
-    body = req.chat_body(messages, stream=req.stream)
-    chat = ChatRequest(orjson.dumps(body), body, req.model, messages, req.chat_tools(), req.stream, False,
+    chat_body = req.chat_body(messages, stream=req.stream)
+    chat = ChatRequest(orjson.dumps(chat_body), chat_body, req.model, messages, req.chat_tools(), req.stream, False,
                        req.max_output_tokens, "max_tokens")
     call = await resolve_call(app[ctx.STORE], app[ctx.POLICIES], team, headers, chat, route)
     request[ctx.RUN] = call.run
