@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -362,6 +363,35 @@ async def get_model(request: web.Request) -> web.Response:
     return web.json_response({"id": name, "object": "model", "created": 0, "owned_by": "scripted"})
 
 
+EMBEDDING_DIMENSIONS = 8
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    """POST /embeddings: a deterministic vector per input text (from its sha256), with usage
+    counted by o200k_base, so that a test knows what the call must cost."""
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError:
+        return _error(400, "body is not JSON", "invalid_request_error", "invalid_json")
+    texts = body.get("input") if isinstance(body, dict) else None
+    if isinstance(texts, str) or (isinstance(texts, list) and texts and all(isinstance(t, int) for t in texts)):
+        texts = [texts]
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, (str, list)) for t in texts):
+        return _error(400, "input must be a string, an array of strings or an array of token arrays",
+                      "invalid_request_error", "invalid_value", "input")
+    counter = request.app[COUNTER_KEY]
+    data = []
+    tokens = 0
+    for i, text in enumerate(texts):
+        digest = hashlib.sha256(orjson.dumps(text)).digest()
+        data.append({"object": "embedding", "index": i,
+                     "embedding": [b / 255 - 0.5 for b in digest[:EMBEDDING_DIMENSIONS]]})
+        tokens += counter.count_text(text) if isinstance(text, str) else len(text)
+    return web.json_response({"object": "list", "data": data, "model": body.get("model"),
+                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+                             dumps=lambda o: orjson.dumps(o).decode())
+
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -379,7 +409,7 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
 
 def scripted_app(*, latency_ms: float = 0.0, chunk_delay_ms: float = 0.0,
                  guard: Middleware | None = None) -> web.Application:
-    """The provider as an aiohttp app with routes `/chat/completions` and `/models`.
+    """The provider as an aiohttp app with routes `/chat/completions`, `/models` and `/embeddings`.
 
     `guard` runs before every route (the gateway's mount checks keys with it); without
     one the app is open, as `gateway scripted` serves it: a test upstream started on purpose.
@@ -397,6 +427,7 @@ def scripted_app(*, latency_ms: float = 0.0, chunk_delay_ms: float = 0.0,
     app.router.add_post("/chat/completions", chat_completions)
     app.router.add_get("/models", list_models)
     app.router.add_get("/models/{model}", get_model)
+    app.router.add_post("/embeddings", embeddings)
     return app
 
 

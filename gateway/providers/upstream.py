@@ -142,9 +142,23 @@ class Upstream:
 
     async def complete(self, body: bytes, headers: Mapping[str, str]) -> UpstreamReply:
         """POST a non-streamed chat completion and return it, checked."""
+        return await self._post(self.url, body, headers, _has_message, "a chat completion (no choices[0].message)")
+
+    async def respond(self, body: bytes, headers: Mapping[str, str]) -> UpstreamReply:
+        """POST a non-streamed Responses-API request (to <base>/responses), checked."""
+        url = self.url.removesuffix("/chat/completions") + "/responses"
+        return await self._post(url, body, headers, _has_output, "a response (no output array)")
+
+    async def embed(self, body: bytes, headers: Mapping[str, str]) -> UpstreamReply:
+        """POST an embeddings request (to <base>/embeddings) and return the answer, checked."""
+        url = self.url.removesuffix("/chat/completions") + "/embeddings"
+        return await self._post(url, body, headers, _has_data, "an embeddings list (no data array)")
+
+    async def _post(self, url: str, body: bytes, headers: Mapping[str, str], valid: Callable[[dict[str, Any]], bool],
+                    shape: str) -> UpstreamReply:
         started = time.perf_counter()
         try:
-            async with self.session.post(self.url, data=body, headers=headers, timeout=self._plain_timeout) as resp:
+            async with self.session.post(url, data=body, headers=headers, timeout=self._plain_timeout) as resp:
                 raw = await resp.read()
                 status = resp.status
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
@@ -160,15 +174,18 @@ class Upstream:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError:
             raise self._malformed(f"body is not JSON: {raw[:120]!r}") from None
-        if not isinstance(data, dict) or not _has_message(data):
-            raise self._malformed("body is not a chat completion (no choices[0].message)")
+        if not isinstance(data, dict) or not valid(data):
+            raise self._malformed(f"body is not {shape}")
         return UpstreamReply(raw, data, time.perf_counter() - started)
 
     @asynccontextmanager
-    async def stream(self, body: bytes, headers: Mapping[str, str]) -> AsyncIterator[UpstreamStream]:
-        """POST a streamed chat completion; errors before the first byte raise here."""
+    async def stream(self, body: bytes, headers: Mapping[str, str],
+                     path: str = "/chat/completions") -> AsyncIterator[UpstreamStream]:
+        """POST a streamed chat completion (or, with `path` /responses, a streamed response);
+        errors before the first byte raise here."""
+        url = self.url if path == "/chat/completions" else self.url.removesuffix("/chat/completions") + path
         try:
-            resp = await self.session.post(self.url, data=body, headers=headers, timeout=self._stream_timeout)
+            resp = await self.session.post(url, data=body, headers=headers, timeout=self._stream_timeout)
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
             raise self.timeout("no response headers") from None
         except aiohttp.ClientConnectionError as exc:
@@ -214,6 +231,14 @@ class Upstream:
                                  self.name, status)
         return UpstreamError(status if 400 <= status < 500 else 502, "upstream_rejected",
                              f"upstream '{self.name}' rejected the request ({status}): {message}", self.name, status)
+
+
+def _has_output(data: dict[str, Any]) -> bool:
+    return isinstance(data.get("output"), list)
+
+
+def _has_data(data: dict[str, Any]) -> bool:
+    return isinstance(data.get("data"), list)
 
 
 def _has_message(data: dict[str, Any]) -> bool:

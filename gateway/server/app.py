@@ -1,12 +1,12 @@
 """`build_app(config)`: the gateway as an aiohttp application.
 
-Routes: POST /v1/chat/completions, GET /v1/models, GET /metrics (`metrics_route`: maybe
+Routes: POST /v1/chat/completions, GET /v1/models and /v1/models/{model}, GET /metrics (`metrics_route`: maybe
 with a token, maybe on its own address), GET /healthz, the scripted provider at
 /scripted/v1 (only when a `kind: scripted` upstream without `base_url` uses this mount,
 and only for callers with a gateway key: a team's, or the random one this process makes
 at start for its own upstream calls), plus what the optional modules add:
 `gateway.server.harness_route.setup(app)` (server-side runs: sets `app[HARNESS]`, adds
-the runs API). Resources that live on the event
+the runs API; `gateway.server.responses`: the Responses API). Resources that live on the event
 loop (HTTP session, governor, upstreams) come with `cleanup_ctx`; the store is opened
 when the app is built (so a bad `store:` section fails before listening) and closed by it.
 """
@@ -41,7 +41,7 @@ from gateway.server import retention
 from gateway.server.auth import KeyRing
 from gateway.server.budget import Governor
 from gateway.server.config import SCRIPTED_PREFIX, Config, ConfigError
-from gateway.server.errors import ApiError, StoreUnavailable
+from gateway.server.errors import ApiError, NotFound, StoreUnavailable
 from gateway.server.metrics import Metrics
 from gateway.server.middleware import gateway_middleware
 from gateway.server.passthrough import chat_completions
@@ -55,7 +55,8 @@ SPOOL_REPLAY_S = 1.0
 
 log = logging.getLogger(__name__)
 
-OPTIONAL_MODULES = ("gateway.server.harness_route", "gateway.server.admin")
+OPTIONAL_MODULES = ("gateway.server.harness_route", "gateway.server.admin", "gateway.server.responses",
+                    "gateway.server.embeddings")
 """Modules with a `setup(app)` that add to the gateway (server-side runs and the runs API, the admin API)."""
 
 
@@ -192,6 +193,7 @@ def build_app(config: Config, *, self_url: str | None = None) -> web.Application
     app.cleanup_ctx.append(retention.background)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
     metrics_route.setup(app)
     app.router.add_get("/healthz", healthz)
     if any(ctx.uses_mount(u) for u in config.upstreams.values()):
@@ -210,6 +212,25 @@ async def list_models(request: web.Request) -> web.Response:
     data = [{"id": name, "object": "model", "created": 0, "owned_by": upstream}
             for name, upstream in routed_models(app[ctx.CONFIG])]
     return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
+
+
+async def get_model(request: web.Request) -> web.Response:
+    """One routed model (the SDKs' `models.retrieve`); 404 in the OpenAI shape otherwise."""
+    app = request.app
+    app[ctx.KEYRING].authenticate(request)
+    name = request.match_info["model"]
+    for model, upstream in routed_models(app[ctx.CONFIG]):
+        if model == name:
+            break
+    else:
+        route = app[ctx.CONFIG].route(name)
+        # a glob on the scripted upstream routes only its scenarios (all listed above)
+        if route is None or app[ctx.CONFIG].upstreams[route.upstream].kind == "scripted":
+            raise NotFound(f"model '{name}' is not routed by this gateway (see GET /v1/models)",
+                           code="model_not_found", param="model")
+        upstream = route.upstream
+    data = {"id": name, "object": "model", "created": 0, "owned_by": upstream}
+    return web.Response(body=orjson.dumps(data), content_type="application/json")
 
 
 async def healthz(request: web.Request) -> web.Response:

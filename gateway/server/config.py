@@ -11,6 +11,14 @@ Settings beyond DESIGN.md's shape:
   the reservations of its calls in flight, lasts without renewal (renewed every third of
   it). A run whose replica died can be resumed by another replica, and its reservations
   stop counting against the team, once this much time has passed since the last renewal.
+- `server.refusal_status` (default 429; 400, 402 or 403): the HTTP status of a cap or budget
+  refusal. Some clients (Vercel's `ai` SDK, litellm's `num_retries`) retry a 429 whatever
+  `x-should-retry` says; another status stops them at the first refusal. `error.type` and
+  `error.code` name the refusal either way.
+- `upstreams[].api` (default `chat`): `responses` for an upstream that speaks the Responses
+  API natively: `POST /v1/responses` calls are sent to its `/responses` (the whole
+  conversation, `store: false`) instead of being translated to chat completions; chat
+  completions calls still go to its `/chat/completions`.
 - `defaults.max_calls_in_flight_per_run` (default 64): calls of one pass-through run the
   gateway forwards at once, across replicas; one more is refused before anything is
   forwarded (409 `run_busy`, retryable).
@@ -55,6 +63,7 @@ __all__ = [
 ]
 
 UpstreamKind = Literal["scripted", "openai"]
+UpstreamApi = Literal["chat", "responses"]
 BudgetPeriod = Literal["day", "month", "total"]
 BudgetMode = Literal["turn", "strict"]
 
@@ -76,6 +85,10 @@ class ServerConfig:
     port: int = 8080
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    refusal_status: int = 429
+
+
+REFUSAL_STATUSES = (429, 400, 402, 403)
 
 
 @dataclass(frozen=True)
@@ -99,6 +112,7 @@ class UpstreamConfig:
     base_url: str | None = None
     api_key_env: str | None = None
     timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
+    api: UpstreamApi = "chat"
 
     def api_key(self) -> str | None:
         """Read at call time, so a missing variable fails the call, not the start."""
@@ -259,12 +273,17 @@ def parse_config(data: Any, file: Path) -> Config:
 def _server(at: Field) -> ServerConfig:
     if at.missing:
         return ServerConfig()
-    at.keys_only({"host", "port", "max_body_bytes", "lease_ttl_s"})
+    at.keys_only({"host", "port", "max_body_bytes", "lease_ttl_s", "refusal_status"})
+    refusal = at.get("refusal_status")
+    status = refusal.optional_int(429)
+    if status not in REFUSAL_STATUSES:
+        refusal.fail(f"must be one of {', '.join(map(str, REFUSAL_STATUSES))}, got {status}")
     return ServerConfig(
         host=at.get("host").optional_str("127.0.0.1"),
         port=at.get("port").optional_int(8080, low=0, high=65535),
         max_body_bytes=at.get("max_body_bytes").optional_int(DEFAULT_MAX_BODY_BYTES, low=1),
         lease_ttl_s=at.get("lease_ttl_s").optional_number(DEFAULT_LEASE_TTL_S, positive=True),
+        refusal_status=status,
     )
 
 
@@ -300,7 +319,7 @@ def _default_runs_dir(store: StoreConfig, base: Path) -> Path:
 def _upstreams(section: Field) -> dict[str, UpstreamConfig]:
     out: dict[str, UpstreamConfig] = {}
     for at in section.required().list_of():
-        at.keys_only({"name", "kind", "base_url", "api_key_env", "timeout_s"})
+        at.keys_only({"name", "kind", "base_url", "api_key_env", "timeout_s", "api"})
         name = at.get("name").required().nonempty_str()
         if name in out:
             at.get("name").fail(f"upstream '{name}' is defined twice")
@@ -315,6 +334,7 @@ def _upstreams(section: Field) -> dict[str, UpstreamConfig]:
             name=name, kind=kind, base_url=base_url.rstrip("/") if base_url else None,
             api_key_env=at.get("api_key_env").optional_str_or_none(),
             timeout_s=at.get("timeout_s").optional_number(DEFAULT_UPSTREAM_TIMEOUT_S, positive=True),
+            api=at.get("api").choice(("chat", "responses"), "chat"),
         )
     if not out:
         section.fail("at least one upstream is required")

@@ -139,7 +139,7 @@ async def answer(request: web.Request, run_id: str, *, prepare: Prepare, start: 
     """Drive the run and answer: one chat.completion, or an SSE stream when `stream`."""
     if stream:
         return await _stream(request, run_id, prepare, start, client, include_usage)
-    drive = await _drive_watched(request, run_id, prepare, start, client, [])
+    drive = await drive_watched(request, run_id, prepare, start, client, [])
     state = drive.state
     request[ctx.RUN] = state
     body = completion_body(state, Answer.of(state, drive.outcome.answer, drive.outcome.kind == "client_tools"),
@@ -171,8 +171,9 @@ async def _watch_client(request: web.Request, active: ActiveRuns, run_id: str) -
         await asyncio.sleep(CLIENT_POLL_S)
 
 
-async def _drive_watched(request: web.Request, run_id: str, prepare: Prepare, start: StartKind,
+async def drive_watched(request: web.Request, run_id: str, prepare: Prepare, start: StartKind,
                          client: FromClient, listeners: list[Any]) -> Drive:
+    """Drive the run for this request; a client that goes away presses the run's Stop."""
     driver = request.app[DRIVER]
     task = asyncio.ensure_future(driver.drive(run_id, prepare=prepare, client=client,
                                               listeners=listeners, start=start))
@@ -201,7 +202,7 @@ async def _stream(request: web.Request, run_id: str, prepare: Prepare, start: St
     (busy, bad input) is still an ordinary JSON error.
     """
     queue: asyncio.Queue[Event] = asyncio.Queue()
-    task = asyncio.ensure_future(_drive_watched(request, run_id, prepare, start, client, [queue.put_nowait]))
+    task = asyncio.ensure_future(drive_watched(request, run_id, prepare, start, client, [queue.put_nowait]))
     sse: SSEStream | None = None
     gone = False
     try:

@@ -168,6 +168,13 @@ class Metrics:
         completion.inc(usage.completion_tokens, exemplar)
         cost.inc(cost_usd, exemplar)
 
+    def on_spend(self, team: str, model: str, usage: Usage, cost_usd: float) -> None:
+        """Tokens and dollars spent by a call that is not a turn (embeddings)."""
+        label = self.model_label(model)
+        exemplar = _exemplar()
+        self._child(self.tokens, team, label, "prompt").inc(usage.prompt_tokens, exemplar)
+        self._child(self.cost, team, label).inc(cost_usd, exemplar)
+
     def on_tool(self, policy: str, tool: str, outcome: ToolOutcome, seconds: float | None = None) -> None:
         """One server-side tool call; `seconds` only for calls that ran."""
         exemplar = _exemplar()

@@ -24,7 +24,7 @@ from aiohttp.typedefs import Handler
 
 from gateway.server import context as ctx
 from gateway.server.config import SCRIPTED_PREFIX
-from gateway.server.errors import ApiError, InternalError, from_http_exception, from_store_error
+from gateway.server.errors import ApiError, InternalError, LimitExceeded, from_http_exception, from_store_error
 from gateway.server.headers import run_headers
 from gateway.server.metrics import end_exemplar_run, exemplar_run
 from gateway.store.errors import StoreError
@@ -48,11 +48,24 @@ def _scripted_mount(path: str) -> bool:
 
 
 def _error_response(request: web.Request, exc: ApiError) -> web.Response:
+    if isinstance(exc, LimitExceeded):  # the operator's choice (server.refusal_status), for clients that retry 429s
+        exc.status = request.config_dict[ctx.CONFIG].server.refusal_status
     run = request.get(ctx.RUN)
     extra = None
     if run is not None and "X-Run-Id" not in exc.headers:
         extra = run_headers(run)
     return exc.response(extra)
+
+
+def served_routes(app: web.Application) -> str:
+    """What this gateway serves, as `METHOD /path` items (for the 404 of any other path)."""
+    seen: dict[str, list[str]] = {}
+    for route in app.router.routes():
+        path = route.resource.canonical if route.resource is not None else ""
+        if route.method in ("HEAD", "*") or _scripted_mount(path) or not path:
+            continue
+        seen.setdefault(path, []).append(route.method)
+    return ", ".join(f"{'|'.join(methods)} {path}" for path, methods in seen.items())
 
 
 @web.middleware
@@ -69,7 +82,10 @@ async def gateway_middleware(request: web.Request, handler: Handler) -> web.Stre
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        response = _error_response(request, from_http_exception(exc))
+        error = from_http_exception(exc)
+        if exc.status == 404:
+            error.message = f"no route for {request.method} {request.path}; this gateway serves {served_routes(request.app)}"
+        response = _error_response(request, error)
     except StoreError as exc:
         log.warning("store failed on %s %s: %s", request.method, request.path, exc)
         response = _error_response(request, from_store_error(exc))

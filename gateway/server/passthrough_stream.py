@@ -10,8 +10,12 @@ with o200k_base. The turn is booked before `data: [DONE]`, preceded by an SSE co
 A stream the upstream cuts (or that stalls past the timeout) is charged for what was
 received and ends with an OpenAI-shaped `data: {"error": ...}` event, without [DONE]; a
 client that goes away is charged the same way. Nothing received: nothing is charged.
-A turn the store cannot save once the stream is open ends with the 503 `store_unavailable`
-error event instead of [DONE].
+A turn the store cannot take once the stream is open is spooled (booked when the store is
+back) and the stream ends as usual; a refusal about the run itself (deleted, changed
+elsewhere) ends it with that error event instead of [DONE].
+
+What the client is sent is the `Outlet`'s business: `ChatOutlet` passes the upstream's
+bytes on; the Responses API's outlet translates them (the governance is the same).
 """
 
 from __future__ import annotations
@@ -51,9 +55,10 @@ class Reassembly:
         self.finish: str | None = None
         self.usage: Usage | None = None
         self.chunks = 0
+        self.last: dict[str, Any] | None = None  # the chunk fed last (an outlet may translate it)
 
     def feed(self, event: bytes) -> EventKind:
-        data = _data(event)
+        data = event_data(event)
         if data is None:
             return "other"
         if data == b"[DONE]":
@@ -64,6 +69,7 @@ class Reassembly:
             return "malformed"
         if not isinstance(chunk, dict):
             return "malformed"
+        self.last = chunk
         if "error" in chunk and "choices" not in chunk:
             return "error"
         usage = chunk.get("usage")
@@ -114,7 +120,7 @@ class Reassembly:
         return out
 
 
-def _data(event: bytes) -> bytes | None:
+def event_data(event: bytes) -> bytes | None:
     """The data of one SSE event (data lines joined), or None if it has none."""
     lines = [line[5:].lstrip(b" ").rstrip(b"\r") for line in event.split(b"\n") if line.startswith(b"data:")]
     if not lines:
@@ -122,22 +128,54 @@ def _data(event: bytes) -> bytes | None:
     return lines[0] if len(lines) == 1 else b"\n".join(lines)
 
 
+class ChatOutlet:
+    """What a streamed chat-completions client is sent: the upstream's events as they came."""
+
+    def __init__(self, include_usage: bool) -> None:
+        self.include_usage = include_usage
+
+    def start(self) -> bytes:
+        """Written as soon as the upstream answered, before its first event."""
+        return b""
+
+    def event(self, kind: EventKind, raw: bytes, got: Reassembly) -> bytes:
+        """What to write for one upstream event (`got` has just been fed it)."""
+        if kind == "usage_only" and not self.include_usage:
+            return b""
+        return raw
+
+    async def end(self, booked: Booked | None, got: Reassembly, finish: str, run: dict[str, Any]) -> bytes:
+        """Written once the turn is booked."""
+        return b": run " + orjson.dumps(run) + b"\n\ndata: [DONE]\n\n"
+
+    def failed(self, error: dict[str, Any]) -> bytes:
+        """Written when the upstream failed mid-stream (the received part is booked)."""
+        return b"data: " + orjson.dumps(error) + b"\n\n"
+
+
 async def stream_through(request: web.Request, call: Call, adm: Admission, upstream: Upstream, body: bytes,
-                         headers: Mapping[str, str]) -> web.StreamResponse:
-    """Forward a streamed call; see the module docstring for what happens on failures."""
+                         headers: Mapping[str, str], outlet: ChatOutlet | None = None,
+                         got: Reassembly | None = None, path: str = "/chat/completions") -> web.StreamResponse:
+    """Forward a streamed call; see the module docstring for what happens on failures.
+    `got` reads the upstream's events (a subclass reads another wire), `path` is where they
+    are asked for."""
+    out = outlet or ChatOutlet(call.chat.include_usage)
     app = request.app
     metrics = app[ctx.METRICS]
     started = time.perf_counter()
-    got = Reassembly()
+    got = got or Reassembly()
     response: web.StreamResponse | None = None
     failure: UpstreamError | None = None
     client_gone = False
     try:
-        async with upstream.stream(body, headers) as stream:
+        async with upstream.stream(body, headers, path) as stream:
             start_headers = run_headers(call.run)
             start_headers["X-Run-Status"] = "running"
             response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **start_headers})
             await response.prepare(request)
+            head = out.start()
+            if head:
+                await response.write(head)
             first = True
             async for event in stream.events():
                 if first:
@@ -150,10 +188,10 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, upstr
                     failure = UpstreamError(502, "upstream_malformed", f"upstream '{upstream.name}' sent a "
                                             f"chunk that is not JSON: {event[:80]!r}", upstream.name, 200)
                     break
-                if kind == "usage_only" and not call.chat.include_usage:
-                    continue
+                data = out.event(kind, event, got)
                 try:
-                    await response.write(event)
+                    if data:
+                        await response.write(data)
                 except (ConnectionError, RuntimeError):
                     client_gone = True
                     break
@@ -189,10 +227,10 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, upstr
         elif failure is not None:
             if failure.extra.get("upstream", {}).get("status") is None:
                 failure.extra["upstream"] = {"name": upstream.name, "status": 200}
-            await response.write(b"data: " + orjson.dumps(failure.body()) + b"\n\n")
+            await response.write(out.failed(failure.body()))
         else:
             summary = booked.run.summary() if booked is not None else call.run.summary()
-            await response.write(b": run " + orjson.dumps(summary) + b"\n\ndata: [DONE]\n\n")
+            await response.write(await out.end(booked, got, finish, summary))
         await response.write_eof()
     except (ConnectionError, RuntimeError):
         pass

@@ -43,6 +43,7 @@ class Booked:
 
     run: RunState
     team_remaining_usd: float | None
+    usage: Usage | None = None  # what the turn was booked at
 
     def headers(self) -> dict[str, str]:
         return run_headers(self.run, self.team_remaining_usd)
@@ -173,14 +174,14 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
         run = await _spool(app, call.run, record, exc)
         call.run = run
         request[ctx.RUN] = run
-        return Booked(run, None)
+        return Booked(run, None, usage)
     call.run = run
     request[ctx.RUN] = run
     if record.completed:
         metrics.on_run_stopped(call.team.name, call.policy.name, "completed", "completed", run.turns, run.cost_usd)
     team = call.team
     left = governor.remaining(team, ledger) if ledger is not None else await governor.team_remaining(team)
-    return Booked(run, left)
+    return Booked(run, left, usage)
 
 
 async def commit_turn_record(app: web.Application, run: RunState, record: TurnRecord) -> tuple[RunState, Ledger | None]:

@@ -212,6 +212,18 @@ class Store(Protocol):
         `total` period, never end. Returns how many (team, period) figures were deleted."""
         ...
 
+    async def put_response(self, response_id: str, team: str, body: bytes) -> None:
+        """Keep a stored Responses-API response (`body`, opaque JSON) under its id for `team`."""
+        ...
+
+    async def get_response(self, response_id: str) -> tuple[str, bytes] | None:
+        """(team, body) of a stored response, or None."""
+        ...
+
+    async def delete_response(self, response_id: str) -> bool:
+        """Forget a stored response; True if it was there."""
+        ...
+
     async def close(self) -> None:
         """Release connections and files. Idempotent."""
         ...

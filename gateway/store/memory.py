@@ -72,6 +72,7 @@ class MemoryStore:
         self._spent: dict[tuple[str, str], int] = {}
         self._reservations: dict[str, _Reservation] = {}
         self._leases: dict[str, tuple[str, float]] = {}
+        self._responses: dict[str, tuple[str, bytes]] = {}
         self._closed = False
 
     def _check_open(self) -> None:
@@ -270,6 +271,18 @@ class MemoryStore:
         held = self._leases.get(run_id)
         if held is not None and held[0] == owner:
             del self._leases[run_id]
+
+    async def put_response(self, response_id: str, team: str, body: bytes) -> None:
+        self._check_open()
+        self._responses[response_id] = (team, bytes(body))
+
+    async def get_response(self, response_id: str) -> tuple[str, bytes] | None:
+        self._check_open()
+        return self._responses.get(response_id)
+
+    async def delete_response(self, response_id: str) -> bool:
+        self._check_open()
+        return self._responses.pop(response_id, None) is not None
 
     async def close(self) -> None:
         self._closed = True

@@ -305,6 +305,23 @@ class RedisStore:
                     pruned += int(await client.hdel(key, *old))
         return pruned
 
+    async def put_response(self, response_id: str, team: str, body: bytes) -> None:
+        async with self._errors:
+            await self._redis().hset(self._key("response", response_id), mapping={"team": team, "body": body})
+
+    async def get_response(self, response_id: str) -> tuple[str, bytes] | None:
+        async with self._errors:
+            got = await self._redis().hmget(self._key("response", response_id), ["team", "body"])
+        team, body = got[0], got[1]
+        if team is None or body is None:
+            return None
+        return (team.decode() if isinstance(team, bytes) else str(team),
+                body if isinstance(body, bytes) else str(body).encode())
+
+    async def delete_response(self, response_id: str) -> bool:
+        async with self._errors:
+            return int(await self._redis().delete(self._key("response", response_id))) == 1
+
     async def close(self) -> None:
         client, self._client = self._client, None
         if client is not None:

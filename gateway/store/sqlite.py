@@ -468,6 +468,25 @@ class SqliteStore:
     def _delete(db: sqlite3.Connection, sql: str, *params: str) -> None:
         db.execute(sql, params)
 
+    async def put_response(self, response_id: str, team: str, body: bytes) -> None:
+        row = (response_id, team, time.time(), body)
+
+        def step(db: sqlite3.Connection) -> None:
+            db.execute("INSERT OR REPLACE INTO responses (id, team, created_at, body) VALUES (?, ?, ?, ?)", row)
+
+        await self._write(step, atomic=False)
+
+    async def get_response(self, response_id: str) -> tuple[str, bytes] | None:
+        with self._errors:
+            row = self._db().execute("SELECT team, body FROM responses WHERE id = ?", (response_id,)).fetchone()
+        return None if row is None else (str(row[0]), bytes(row[1]))
+
+    async def delete_response(self, response_id: str) -> bool:
+        def step(db: sqlite3.Connection) -> bool:
+            return db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount == 1
+
+        return await self._write(step, atomic=False)
+
     async def close(self) -> None:
         self._wal.close()  # first: the last connection to close checkpoints and removes the WAL
         conn, self._conn = self._conn, None

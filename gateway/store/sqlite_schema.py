@@ -57,6 +57,8 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     # A reservation is also the turn slot of its run's call, held by one process (its owner).
     "ALTER TABLE reservations ADD COLUMN run_id TEXT",
     "ALTER TABLE reservations ADD COLUMN owner TEXT NOT NULL DEFAULT ''",
+    # Responses-API responses kept for previous_response_id and GET /v1/responses/{id}.
+    "CREATE TABLE responses (id TEXT PRIMARY KEY, team TEXT NOT NULL, created_at REAL NOT NULL, body BLOB NOT NULL)",
 )
 
 BUSY_TIMEOUT_S: Final = 10.0

@@ -79,7 +79,8 @@ def junk_request(i: int, rng: random.Random, used: set[str]) -> JunkRequest:
         return ("GET" if sub in ("", "/events") else "POST"), f"/v1/runs/{t}{sub}", auth, (None if sub in ("", "/events") else {})
     if kind == SCRIPTED_KIND:  # a random path on the scripted upstream's mount (an upstream: not counted)
         return "POST", f"/scripted/v1/{t}", auth, body
-    return "GET", f"/v1/models/{t}?q={token(rng, 4)}", auth, None  # random path with a query string
+    # random path with a query string (/v1/models/{id} is a route: a catch-all glob serves any name)
+    return "GET", f"/v1/models/{t}/{token(rng, 4)}?q={token(rng, 4)}", auth, None
 
 
 def warmup_indexes() -> list[int]:

@@ -77,6 +77,7 @@ ERRORS = [
     (lambda d: d.pop("teams"), "teams", "is required"),
     (lambda d: d["server"].update(port=70000), "server.port", "<= 65535"),
     (lambda d: d["server"].update(max_body_bytes="4MB"), "server.max_body_bytes", "must be an integer"),
+    (lambda d: d["server"].update(refusal_status=500), "server.refusal_status", "one of 429, 400, 402, 403"),
     (lambda d: d["defaults"].update(output_allowance_tokens=0), "defaults.output_allowance_tokens", ">= 1"),
     (lambda d: d.update(stores={}), "stores", "unknown field"),
 ]

@@ -315,3 +315,16 @@ async def test_a_closed_store_says_so(stores: Stores) -> None:
     await store.close()
     with pytest.raises(StoreError, match="closed"):
         await store.load_run("run_a")
+
+
+# --- responses (Responses API) ------------------------------------------------------------
+
+
+async def test_a_stored_response_is_seen_by_another_view_and_deleted_once(store: Store, stores: Stores) -> None:
+    await store.put_response("resp_1", "demo", b'{"id": "resp_1"}')
+    other = stores.open()
+    assert await other.get_response("resp_1") == ("demo", b'{"id": "resp_1"}')
+    assert await store.get_response("resp_missing") is None
+    assert await other.delete_response("resp_1") is True
+    assert await store.get_response("resp_1") is None
+    assert await store.delete_response("resp_1") is False

@@ -1,0 +1,161 @@
+"""`POST /v1/embeddings`: forwarded to the model's upstream and paid from the budgets.
+
+The call is admitted by the governor like a server-side model call (`admit_call`: a hold on
+the team's budget for the input tokens at `price_in`, strict clamps when strict) and, with
+an `X-Run-Id`, against the run's budget; it is not a turn (turn caps count model turns).
+The actual cost (the upstream's `usage.prompt_tokens`, or the gateway's count) is booked on
+the team's ledger and, with a run, on the run (its cost and usage, an `embeddings` trace
+line) in one store step. The upstream's body goes back as it came (plus the `run` object).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.harness.state import Message, RunState
+from gateway.harness.usage import Price, Usage
+from gateway.server import context as ctx
+from gateway.server.budget import Admission, Ask
+from gateway.server.chat_request import ChatRequest
+from gateway.server.validation import kind as _kind
+from gateway.server.config import TeamConfig
+from gateway.server.errors import InvalidField, InvalidJSON, LimitExceeded, NotFound
+from gateway.server.headers import run_headers
+from gateway.server.passthrough import read_body
+from gateway.server.replies import with_run
+from gateway.server.runs import Call, commit_run, resolve_call, run_id_from
+from gateway.server.turns import append_trace_file, event, refuse
+from gateway.store.base import Event
+
+FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
+
+
+def setup(app: web.Application) -> None:
+    """Add the route to the app."""
+    app.router.add_post("/v1/embeddings", create_embeddings)
+
+
+def parse_embeddings(raw: bytes) -> tuple[dict[str, Any], str, list[Message], int | None]:
+    """(body, model, the inputs as messages for the reservation's count, their exact token
+    count when given as token arrays); refuses with a 400 naming the field."""
+    try:
+        body = orjson.loads(raw) if raw.strip() else None
+    except orjson.JSONDecodeError as exc:
+        raise InvalidJSON(str(exc)) from None
+    if not isinstance(body, dict):
+        raise InvalidJSON(f"expected a JSON object with model and input, got {_kind(body)}")
+    for name in body:
+        if name not in FIELDS:
+            raise InvalidField(name, f"{name} is not supported by this gateway's embeddings", "unsupported_field")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidField("model", f"model must be a non-empty string, got {_kind(model)}",
+                           "missing_field" if model is None else "invalid_type")
+    value = body.get("input")
+    items = [value] if isinstance(value, str) or (isinstance(value, list) and value
+                                                  and all(isinstance(t, int) for t in value)) else value
+    if not isinstance(items, list) or not items:
+        raise InvalidField("input", "input must be a string, an array of strings or an array of token arrays",
+                           "missing_field" if value is None else "invalid_type")
+    messages: list[Message] = []
+    tokens: int | None = 0
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            messages.append({"role": "user", "content": item})
+            tokens = None
+        elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            # " a" is one o200k_base token: the reservation counts a token array at its length
+            messages.append({"role": "user", "content": " a" * len(item)})
+            tokens = None if tokens is None else tokens + len(item)
+        else:
+            where = "input" if items is not value else f"input[{i}]"
+            raise InvalidField(where, f"{where} must be a string or an array of integer tokens", "invalid_type")
+    return body, model, messages, tokens
+
+
+async def create_embeddings(request: web.Request) -> web.Response:
+    """Authenticate, key to the run (if X-Run-Id), admit, forward, book."""
+    app = request.app
+    team = app[ctx.KEYRING].authenticate(request)
+    raw = await read_body(request, app[ctx.CONFIG].server.max_body_bytes)
+    body, model, messages, token_count = parse_embeddings(raw)
+    route = app[ctx.CONFIG].route(model)
+    if route is None:
+        raise NotFound(f"model '{model}' is not routed by this gateway (see GET /v1/models)", code="model_not_found",
+                       param="model")
+    price = Price(route.price.input_per_million, 0.0)
+    call: Call | None = None
+    if run_id_from(request.headers) is not None:
+        chat = ChatRequest(raw, body, model, messages, None, False, False, None, "max_tokens")
+        call = await resolve_call(app[ctx.STORE], app[ctx.POLICIES], team, request.headers, chat, route)
+        request[ctx.RUN] = call.run
+    governor = app[ctx.GOVERNOR]
+    ask = Ask(price, messages, None, 1)
+    try:
+        adm = await _admit(app, call, team, ask)
+    except LimitExceeded as exc:
+        raise (await refuse(request, call, exc) if call is not None else exc) from None
+    async with adm:
+        upstream = app[ctx.UPSTREAMS][route.upstream]
+        reply = await upstream.embed(raw, upstream.headers(request.headers))
+        request[ctx.UPSTREAM_SECONDS] = reply.seconds
+        app[ctx.METRICS].on_upstream(upstream.name, model, reply.seconds)
+        usage = reply.data.get("usage")
+        prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        if not isinstance(prompt, int) or prompt < 0:
+            prompt = token_count if token_count is not None else app[ctx.COUNTER].count_request(messages)
+        spent = Usage(prompt, 0)
+        cost = price.cost(spent)
+        app[ctx.METRICS].on_spend(team.name, model, spent, cost)
+        if call is None:
+            await governor.settle(adm, cost)
+            return web.Response(body=reply.raw, content_type="application/json")
+        run = await _book_on_run(app, call.run, adm, spent, cost, model)
+        request[ctx.RUN] = run
+        headers = run_headers(run, await governor.team_remaining(team))
+        return web.Response(body=with_run(reply.raw, run.summary()), content_type="application/json", headers=headers)
+
+
+async def _admit(app: web.Application, call: Call | None, team: TeamConfig, ask: Ask) -> Admission:
+    governor = app[ctx.GOVERNOR]
+    if call is None:
+        return await governor.admit_call("", team, team.budget_mode == "strict", ask, None)
+    run = call.run
+    limits = run.limits
+    strict = limits.budget_mode == "strict" or team.budget_mode == "strict"
+    left = None if limits.max_budget_usd is None else limits.max_budget_usd - run.cost_usd
+    if left is not None and left <= 0:
+        raise LimitExceeded("budget_exceeded", f"run {run.public_id} spent ${run.cost_usd:.6f} of its "
+                                               f"${limits.max_budget_usd:.6f} budget; nothing was forwarded")
+    return await governor.admit_call(run.run_id, team, strict, ask, left)
+
+
+async def _book_on_run(app: web.Application, run: RunState, adm: Admission, spent: Usage, cost: float,
+                       model: str) -> RunState:
+    """The cost on the run and the team's ledger, and the trace line, in one store step."""
+    def change(state: RunState) -> None:
+        state.usage = state.usage + spent
+        state.cost_usd += cost
+
+    def trace(state: RunState) -> list[Event]:
+        return [event(state.run_id, "embeddings", model=model, prompt_tokens=spent.prompt_tokens,
+                      costUsd=round(state.cost_usd, 9))]
+
+    governor = app[ctx.GOVERNOR]
+    booking = governor.booking(adm, cost)
+    apply: Callable[[RunState], None] = change
+    try:
+        async with governor.run_lock(run.run_id):
+            state, events, _ = await commit_run(app[ctx.STORE], run.copy(), apply, trace, booking)
+    except BaseException:
+        if booking is not None:  # the run could not take it: the team's ledger still must (settle is idempotent)
+            with contextlib.suppress(Exception):
+                await governor.book(booking)
+        raise
+    append_trace_file(app[ctx.CONFIG].trace_file, events)
+    return state

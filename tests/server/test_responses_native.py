@@ -1,0 +1,127 @@
+"""A Responses call routed to an upstream that speaks the Responses API itself (`api:
+responses`), through a real gateway process with the real OpenAI SDK. The upstream here is
+a small real HTTP server that answers like one: a function call first, then text; it
+records what it gets. The gateway sends it the whole conversation with `store: false`
+(the chain is kept by the gateway), books its usage exactly, and re-issues its answer
+under the gateway's own ids, streamed or not."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import orjson
+import pytest
+from aiohttp import web
+
+from gateway.harness.usage import Price, Usage
+from tests.server.conftest import config_data
+from tests.server.test_responses import TOOLS, load_run, sdk, serve, stored_run_id
+from tests.support.procs import Proc
+
+PRICE = Price(2.0, 12.0)
+SEEN = web.AppKey("seen", list)
+
+
+def answer_for(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Usage]:
+    last = body["input"][-1]
+    if last.get("type") == "function_call_output":
+        output = [{"id": "msg_up", "type": "message", "role": "assistant", "status": "completed",
+                   "content": [{"type": "output_text", "text": f"done: {last['output']}", "annotations": []}]}]
+    else:
+        output = [{"id": "fc_up", "type": "function_call", "status": "completed", "call_id": "n1",
+                   "name": "list_files", "arguments": "{}"}]
+    return output, Usage(100 + 10 * len(body["input"]), 7)
+
+
+async def native(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    request.app[SEEN].append(body)
+    output, usage = answer_for(body)
+    final = {"id": "resp_upstream", "object": "response", "created_at": 0, "status": "completed",
+             "model": body["model"], "output": output,
+             "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
+                       "total_tokens": usage.total_tokens}}
+    if not body.get("stream"):
+        return web.json_response(final)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    item = output[0]
+    events: list[dict[str, Any]] = [{"type": "response.created", "response": {**final, "output": []}}]
+    if item["type"] == "message":
+        text = item["content"][0]["text"]
+        events += [{"type": "response.output_item.added", "output_index": 0,
+                    "item": {**item, "content": [], "status": "in_progress"}}]
+        events += [{"type": "response.output_text.delta", "output_index": 0, "content_index": 0, "delta": d}
+                   for d in (text[:3], text[3:])]
+    else:
+        events += [{"type": "response.output_item.added", "output_index": 0, "item": {**item, "arguments": ""}},
+                   {"type": "response.function_call_arguments.delta", "output_index": 0, "delta": "{}"}]
+    events += [{"type": "response.output_item.done", "output_index": 0, "item": item},
+               {"type": "response.completed", "response": final}]
+    for n, event in enumerate(events):
+        await response.write(b"event: " + event["type"].encode() + b"\ndata: "
+                             + orjson.dumps({**event, "sequence_number": n}) + b"\n\n")
+    await response.write_eof()
+    return response
+
+
+@pytest.fixture
+async def upstream(aiohttp_server: Any) -> AsyncIterator[Any]:
+    app = web.Application()
+    app[SEEN] = []
+    app.router.add_post("/v1/responses", native)
+    yield await aiohttp_server(app)
+
+
+@pytest.fixture
+async def gateway(upstream: Any, tmp_path: Path) -> AsyncIterator[Proc]:
+    data = config_data(upstreams=[{"name": "native", "base_url": str(upstream.make_url("/v1")), "api": "responses"}],
+                       models=[{"match": "*", "upstream": "native", "price_in": 2.0, "price_out": 12.0}])
+    proc = await asyncio.to_thread(serve, tmp_path / "gw", data)
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_native_upstream_gets_the_whole_conversation_and_its_usage_is_booked(
+        upstream: Any, gateway: Proc, stream: bool) -> None:
+    client = sdk(gateway)
+
+    async def create(**kwargs: Any) -> Any:
+        if not stream:
+            return await client.responses.create(model="native-1", tools=TOOLS, **kwargs)
+        async with client.responses.stream(model="native-1", tools=TOOLS, **kwargs) as events:
+            async for _ in events:
+                pass
+            return await events.get_final_response()
+
+    first = await create(input="list them", instructions="Be brief.")
+    call = first.output[0]
+    assert call.type == "function_call" and call.name == "list_files" and call.call_id == f"call_{first.id[5:]}_n1"
+    second = await create(previous_response_id=first.id,
+                          input=[{"type": "function_call_output", "call_id": call.call_id, "output": "a.txt"}])
+    assert second.output_text == "done: a.txt" and second.id != "resp_upstream"
+    seen = upstream.app[SEEN]
+    assert [b.get("store") for b in seen] == [False, False] and all("previous_response_id" not in b for b in seen)
+    assert seen[0]["instructions"] == "Be brief." and "instructions" not in seen[1]  # not carried over
+    assert seen[1]["input"] == [{"role": "user", "content": "list them"},
+                                {"type": "function_call", "call_id": "n1", "name": "list_files", "arguments": "{}"},
+                                {"type": "function_call_output", "call_id": "n1", "output": "a.txt"}]
+    usages = [Usage(r.usage.input_tokens, r.usage.output_tokens) for r in (first, second)]
+    assert usages == [Usage(110, 7), Usage(130, 7)]
+    run = await load_run(gateway, await stored_run_id(gateway, second.id))
+    assert run.turns == 2 and run.per_turn == usages
+    assert run.cost_usd == pytest.approx(sum(PRICE.cost(u) for u in usages), abs=1e-12)
+
+
+async def test_a_native_upstream_gets_the_strict_clamp_as_max_output_tokens(upstream: Any, gateway: Proc) -> None:
+    client = sdk(gateway, **{"X-Policy": "strict"})
+    await client.responses.create(model="native-1", input="list them", max_output_tokens=100_000)
+    clamp = upstream.app[SEEN][-1]["max_output_tokens"]
+    assert 0 < clamp < 100_000
+    with pytest.raises(openai.BadRequestError):
+        await client.responses.create(model="native-1", input="x", tools=[{"type": "web_search"}])  # type: ignore[list-item]
