@@ -103,19 +103,31 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         proc.wait()
 
 
+def write_policies(parent: Path) -> Path:
+    """The shipped policies plus `wide` and `brief`, once per folder (replicas share them)."""
+    policies = parent / "policies"
+    if policies.exists():
+        return policies
+    staging = parent / f"policies-{uuid.uuid4().hex[:8]}"
+    staging.mkdir(parents=True)
+    for path in (ROOT / "policies").glob("*.yaml"):
+        (staging / path.name).write_text(path.read_text())
+    (staging / "wide.yaml").write_text(yaml.safe_dump(
+        {"name": "wide", "description": "pass-through with room for many turns",
+         "limits": {"max_turns": 100, "max_budget_usd": None}}))
+    (staging / "brief.yaml").write_text(yaml.safe_dump(
+        {"name": "brief", "description": "pass-through runs that last half a second",
+         "limits": {"max_turns": 100, "max_duration_s": 0.5}}))
+    try:
+        staging.rename(policies)  # atomic: a replica started at the same time sees all or nothing
+    except OSError:  # the other replica's thread got there first: the same files
+        shutil.rmtree(staging)
+    return policies
+
+
 def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, Any], budget_usd: float = 10.0) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    policies = folder.parent / "policies"
-    if not policies.exists():
-        policies.mkdir()
-        for path in (ROOT / "policies").glob("*.yaml"):
-            (policies / path.name).write_text(path.read_text())
-        (policies / "wide.yaml").write_text(yaml.safe_dump(
-            {"name": "wide", "description": "pass-through with room for many turns",
-             "limits": {"max_turns": 100, "max_budget_usd": None}}))
-        (policies / "brief.yaml").write_text(yaml.safe_dump(
-            {"name": "brief", "description": "pass-through runs that last half a second",
-             "limits": {"max_turns": 100, "max_duration_s": 0.5}}))
+    policies = write_policies(folder.parent)
     config = {
         "server": {"host": "127.0.0.1", "port": port, "lease_ttl_s": 5},
         "store": store,
