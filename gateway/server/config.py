@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +69,7 @@ BudgetPeriod = Literal["day", "month", "total"]
 BudgetMode = Literal["turn", "strict"]
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+TEAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 DEFAULT_OUTPUT_ALLOWANCE = 4096
 DEFAULT_CALLS_IN_FLIGHT_PER_RUN = 64
 DEFAULT_UPSTREAM_TIMEOUT_S = 60.0
@@ -363,6 +365,9 @@ def _teams(section: Field) -> tuple[TeamConfig, ...]:
     for at in section.required().list_of():
         at.keys_only({"name", "keys", "key_env", "budget_usd", "budget_period", "budget_mode", "policies", "admin"})
         name = at.get("name").required().nonempty_str()
+        if not TEAM_NAME.fullmatch(name):
+            at.get("name").fail(f"team name {name!r} must be 1-64 letters, digits, '_', '-' or '.', starting with a "
+                                "letter or digit (it scopes the team's run ids, stored as TEAM/ID)")
         if any(t.name == name for t in teams):
             at.get("name").fail(f"team '{name}' is defined twice")
         keys = [k.nonempty_str() for k in at.get("keys").list_of()] if not at.get("keys").missing else []

@@ -59,6 +59,16 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     "ALTER TABLE reservations ADD COLUMN owner TEXT NOT NULL DEFAULT ''",
     # Responses-API responses kept for previous_response_id and GET /v1/responses/{id}.
     "CREATE TABLE responses (id TEXT PRIMARY KEY, team TEXT NOT NULL, created_at REAL NOT NULL, body BLOB NOT NULL)",
+    # Run ids are per team (stored as TEAM/ID): runs stored before keep their trace and are
+    # found again under the id their clients know.
+    """UPDATE events SET run_id = (SELECT runs.team || '/' || runs.id FROM runs WHERE runs.id = events.run_id)
+        WHERE instr(run_id, '/') = 0 AND EXISTS (SELECT 1 FROM runs WHERE runs.id = events.run_id AND runs.team != '')""",
+    "DELETE FROM leases",
+    """UPDATE runs SET body = json_set(CAST(body AS TEXT), '$.run_id', team || '/' || id, '$.parent_run_id',
+        CASE WHEN json_extract(CAST(body AS TEXT), '$.parent_run_id') IS NULL THEN NULL
+             ELSE team || '/' || json_extract(CAST(body AS TEXT), '$.parent_run_id') END),
+        id = team || '/' || id
+        WHERE instr(id, '/') = 0 AND team != ''""",
 )
 
 BUSY_TIMEOUT_S: Final = 10.0

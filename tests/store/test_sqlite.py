@@ -164,9 +164,9 @@ async def test_an_older_file_gets_only_the_missing_migrations(tmp_path: Path) ->
         )
     store = SqliteStore(db)
     try:
-        old = await store.load_run("run_old")
+        old = await store.load_run("demo/run_old")  # run ids became per team
         assert old is not None and old.messages == [{"role": "user", "content": "kept"}]
-        await store.append_events("run_old", [{"type": "run_resumed"}])
+        await store.append_events("demo/run_old", [{"type": "run_resumed"}])
         assert await store.reserve("demo", "total", 1.0, 1.0) is not None
     finally:
         await store.close()
@@ -288,3 +288,30 @@ async def test_an_expired_reservation_never_counts_even_before_it_is_marked(tmp_
     finally:
         await store.close()
         await other.close()
+
+
+async def test_runs_stored_before_run_ids_were_per_team_are_found_under_their_team(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    before = MIGRATIONS.index("CREATE TABLE responses (id TEXT PRIMARY KEY, team TEXT NOT NULL, created_at REAL NOT NULL,"
+                              " body BLOB NOT NULL)") + 1
+    old = RunState.new("scripted-plan", [{"role": "user", "content": "hi"}], run_id="r1", team="demo", policy="files")
+    old.turns = 2
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    for sql in MIGRATIONS[:before]:
+        conn.execute(sql)
+    conn.execute(f"PRAGMA user_version = {before}")
+    conn.execute("INSERT INTO runs (id, team, status, policy, created_at, updated_at, revision, body, turns)"
+                 " VALUES ('r1', 'demo', 'running', 'files', 1.0, 1.0, 0, ?, 2)", (old.dumps(),))
+    conn.execute("INSERT INTO events (run_id, seq, body) VALUES ('r1', 1, '{\"type\":\"turn\"}')")
+    conn.close()
+    store = SqliteStore(path)
+    try:
+        assert await store.load_run("r1") is None
+        run = await store.load_run("demo/r1")
+        assert run is not None and (run.run_id, run.public_id, run.turns, run.parent_run_id) == ("demo/r1", "r1", 2, None)
+        assert [e for _, e in await store.events("demo/r1")] == [{"type": "turn"}]
+        run.turns = 3
+        await store.save_run(run)  # and it is saved under its new id
+    finally:
+        await store.close()
