@@ -332,3 +332,24 @@ async def test_a_pass_through_run_past_its_wall_clock_cap_is_refused(
     assert status == 429 and reply["error"]["type"] == "max_duration_exceeded", reply
     assert got["X-Run-Status"] == "max_duration_exceeded" and got["x-should-retry"] == "false"
     assert upstream.calls["brief"] == 1
+
+
+async def test_run_ids_are_per_team(single: Proc, upstream: Upstream, session: aiohttp.ClientSession,
+                                    tmp_path: Path) -> None:
+    """Two teams give the same X-Run-Id: two runs, each its team's, neither blocking the other."""
+    for key in (KEY, THRIFTY, KEY):
+        status, headers, reply = await chat(session, single, key, {"model": "shared", "messages": TASK},
+                                            {"X-Run-Id": "same-id"})
+        assert status == 200 and headers["X-Run-Id"] == "same-id" and reply["run"]["id"] == "same-id", reply
+    turns = {}
+    for key, team in ((KEY, "adm"), (THRIFTY, "thrifty")):
+        async with session.get(f"{single.url}/v1/runs/same-id", headers={"Authorization": f"Bearer {key}"}) as r:
+            shown = orjson.loads(await r.read())
+        assert r.status == 200 and shown["id"] == "same-id" and shown["team"] == team, shown
+        turns[team] = shown["turns"]
+    assert turns == {"adm": 2, "thrifty": 1}
+    store = SqliteStore(tmp_path / "one" / "gateway.db")
+    try:
+        assert {r.run_id for r in await store.list_runs()} == {"adm/same-id", "thrifty/same-id"}
+    finally:
+        await store.close()
