@@ -48,10 +48,10 @@ def decide(state: RunState, call_id: str, decision: Decision) -> None:
     """Record a verdict on the call the run is waiting for; the run becomes `running`."""
     interruption = state.interruption
     if state.status != "interrupted" or interruption is None or interruption.type != "approval":
-        raise ApprovalError(f"run {state.run_id} is not waiting for an approval (status {state.status})")
+        raise ApprovalError(f"run {state.public_id} is not waiting for an approval (status {state.status})")
     waiting = {c.get("id") for c in pending(state)}
     if call_id not in waiting:
-        raise ApprovalError(f"call {call_id!r} is not pending in run {state.run_id}")
+        raise ApprovalError(f"call {call_id!r} is not pending in run {state.public_id}")
     if call_id in state.decisions:
         raise ApprovalError(f"call {call_id!r} was already decided")
     state.decisions[call_id] = decision
@@ -62,10 +62,10 @@ def decide(state: RunState, call_id: str, decision: Decision) -> None:
 def resume(state: RunState, limits: Limits | None = None) -> None:
     """Make a stopped-but-resumable run `running` again, optionally with raised limits."""
     if not state.resumable:
-        raise ApprovalError(f"run {state.run_id} ended with status {state.status} and cannot be resumed")
+        raise ApprovalError(f"run {state.public_id} ended with status {state.status} and cannot be resumed")
     interruption = state.interruption
     if interruption is not None and interruption.type == "approval" and interruption.call_id not in state.decisions:
-        raise ApprovalError(f"run {state.run_id} waits for a decision on call {interruption.call_id}")
+        raise ApprovalError(f"run {state.public_id} waits for a decision on call {interruption.call_id}")
     if limits is not None:
         state.limits = limits
     state.status, state.reason, state.interruption, state.error = "running", None, None, None

@@ -1,11 +1,11 @@
 """`config.yaml`: loaded, validated and frozen before the gateway starts.
 
-The shape is DESIGN.md's (field names are the contract). Every error is a `ConfigError`
+The shape is docs/config.md's (field names are the contract). Every error is a `ConfigError`
 naming the file, the field path (`teams[0].budget_usd`) and what is wrong; `gateway
 serve` prints it and exits 2 without starting. Relative paths are taken from the
 config file's folder, so the gateway works from any working directory.
 
-Settings beyond DESIGN.md's shape:
+Settings beyond the first contract's shape (all in docs/config.md):
 
 - `server.lease_ttl_s` (default 15): how long a replica's hold on a run it drives, and on
   the reservations of its calls in flight, lasts without renewal (renewed every third of
@@ -37,9 +37,9 @@ Settings beyond DESIGN.md's shape:
 - `retention` (see `RetentionConfig`): finished runs, their events, closed ledgers and the
   trace file deleted or rotated as they age.
 - `teams[i].admin` (default false): keys of an admin team may call the admin API
-  (`POST /v1/admin/reload`). Admin is an explicit grant: being named as an approver by
-  a policy does not make a team an admin, so editing a policy file can never widen who
-  may reload policies.
+  (`POST /v1/admin/reload`) and resume or cancel any team's runs (docs/runs.md). Admin
+  is an explicit grant: being named as an approver by a policy does not make a team an
+  admin, so editing a policy file can never widen who may reload policies or steer runs.
 """
 
 from __future__ import annotations

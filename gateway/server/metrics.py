@@ -69,7 +69,7 @@ def _code(value: str) -> str:
 
 
 class Metrics:
-    """Every metric of DESIGN.md "Metrics", plus a few histograms per run."""
+    """Every metric of docs/metrics.md."""
 
     def __init__(self, known_models: Iterable[str] = (), upstreams: Iterable[str] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)

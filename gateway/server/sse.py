@@ -13,6 +13,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway.harness.state import public_run_id
+
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -29,7 +31,7 @@ def progress_comment(event: Mapping[str, Any]) -> str | None:
     kind = event.get("type")
     tool = str(event.get("toolName", ""))
     if kind in ("run_started", "run_resumed"):
-        return f"{kind} {event.get('runId')}"
+        return f"{kind} {public_run_id(str(event.get('runId')))}"
     if kind == "turn":
         return f"turn {event.get('turn')}"
     if kind == "tool_start":
