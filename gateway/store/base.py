@@ -224,6 +224,11 @@ class Store(Protocol):
         """Forget a stored response; True if it was there."""
         ...
 
+    async def prune_responses(self, created_before: float) -> int:
+        """Retention: forget stored responses made before `created_before` (epoch seconds);
+        returns how many."""
+        ...
+
     async def close(self) -> None:
         """Release connections and files. Idempotent."""
         ...

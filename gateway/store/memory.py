@@ -73,6 +73,7 @@ class MemoryStore:
         self._reservations: dict[str, _Reservation] = {}
         self._leases: dict[str, tuple[str, float]] = {}
         self._responses: dict[str, tuple[str, bytes]] = {}
+        self._response_times: dict[str, float] = {}
         self._closed = False
 
     def _check_open(self) -> None:
@@ -275,6 +276,7 @@ class MemoryStore:
     async def put_response(self, response_id: str, team: str, body: bytes) -> None:
         self._check_open()
         self._responses[response_id] = (team, bytes(body))
+        self._response_times[response_id] = time.time()
 
     async def get_response(self, response_id: str) -> tuple[str, bytes] | None:
         self._check_open()
@@ -282,7 +284,16 @@ class MemoryStore:
 
     async def delete_response(self, response_id: str) -> bool:
         self._check_open()
+        self._response_times.pop(response_id, None)
         return self._responses.pop(response_id, None) is not None
+
+    async def prune_responses(self, created_before: float) -> int:
+        self._check_open()
+        old = [rid for rid, at in self._response_times.items() if at < created_before]
+        for rid in old:
+            self._responses.pop(rid, None)
+            del self._response_times[rid]
+        return len(old)
 
     async def close(self) -> None:
         self._closed = True

@@ -307,7 +307,10 @@ class RedisStore:
 
     async def put_response(self, response_id: str, team: str, body: bytes) -> None:
         async with self._errors:
-            await self._redis().hset(self._key("response", response_id), mapping={"team": team, "body": body})
+            async with self._redis().pipeline(transaction=True) as pipe:
+                pipe.hset(self._key("response", response_id), mapping={"team": team, "body": body})
+                pipe.zadd(f"{self.prefix}responses", {response_id: time.time()})  # for retention
+                await pipe.execute()
 
     async def get_response(self, response_id: str) -> tuple[str, bytes] | None:
         async with self._errors:
@@ -320,7 +323,25 @@ class RedisStore:
 
     async def delete_response(self, response_id: str) -> bool:
         async with self._errors:
-            return int(await self._redis().delete(self._key("response", response_id))) == 1
+            async with self._redis().pipeline(transaction=True) as pipe:
+                pipe.delete(self._key("response", response_id))
+                pipe.zrem(f"{self.prefix}responses", response_id)
+                deleted, _ = await pipe.execute()
+        return int(deleted) == 1
+
+    async def prune_responses(self, created_before: float) -> int:
+        client = self._redis()
+        index = f"{self.prefix}responses"
+        pruned = 0
+        async with self._errors:
+            while ids := await client.zrangebyscore(index, "-inf", f"({created_before!r}", start=0, num=PRUNE_BATCH):
+                names = [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
+                async with client.pipeline(transaction=True) as pipe:
+                    pipe.delete(*(self._key("response", n) for n in names))
+                    pipe.zrem(index, *names)
+                    await pipe.execute()
+                pruned += len(names)
+        return pruned
 
     async def close(self) -> None:
         client, self._client = self._client, None

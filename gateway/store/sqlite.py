@@ -487,6 +487,12 @@ class SqliteStore:
 
         return await self._write(step, atomic=False)
 
+    async def prune_responses(self, created_before: float) -> int:
+        def step(db: sqlite3.Connection) -> int:
+            return int(db.execute("DELETE FROM responses WHERE created_at < ?", (created_before,)).rowcount)
+
+        return await self._write(step, atomic=False)
+
     async def close(self) -> None:
         self._wal.close()  # first: the last connection to close checkpoints and removes the WAL
         conn, self._conn = self._conn, None

@@ -69,6 +69,8 @@ MIGRATIONS: Final[tuple[str, ...]] = (
              ELSE team || '/' || json_extract(CAST(body AS TEXT), '$.parent_run_id') END),
         id = team || '/' || id
         WHERE instr(id, '/') = 0 AND team != ''""",
+    # Retention forgets stored responses by age.
+    "CREATE INDEX responses_created ON responses (created_at)",
 )
 
 BUSY_TIMEOUT_S: Final = 10.0

@@ -3,6 +3,7 @@ never, ledgers only for periods that ended."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from datetime import UTC, datetime
 
@@ -85,3 +86,15 @@ def test_period_end() -> None:
     assert period_end("total") is None and period_end("garbage!!") is None
     assert ended_before("2026-11", datetime(2026, 12, 1, 0, 0, 1, tzinfo=UTC).timestamp())
     assert not ended_before("2026-12", datetime(2026, 12, 31, tzinfo=UTC).timestamp())
+
+
+async def test_stored_responses_are_forgotten_by_age(store: Store) -> None:
+    await store.put_response("resp_old", "demo", b'{"a": 1}')
+    cutoff = time.time() + 0.005
+    await asyncio.sleep(0.02)  # time passes between the two writes: the cutoff falls between them
+    await store.put_response("resp_new", "demo", b'{"b": 2}')
+    assert await store.prune_responses(cutoff) == 1
+    assert await store.get_response("resp_old") is None
+    assert await store.get_response("resp_new") == ("demo", b'{"b": 2}')
+    assert await store.prune_responses(cutoff) == 0
+    assert await store.delete_response("resp_new") and await store.prune_responses(time.time() + 1) == 0
