@@ -157,10 +157,16 @@ def start(folder: Path, upstream_url: str, store: dict[str, Any], budget_usd: fl
 def pair(tmp_path: Path, redis_url: str, upstream: Upstream) -> Iterator[tuple[Proc, Proc, RedisStore]]:
     store = {"kind": "redis", "url": redis_url, "prefix": f"adm-{uuid.uuid4().hex[:8]}:"}
     with ThreadPoolExecutor(2) as pool:
-        a, b = pool.map(lambda name: start(tmp_path / name, upstream.url, store), ["a", "b"])
-    yield a, b, RedisStore(redis_url, str(store["prefix"]))
-    a.stop()
-    b.stop()
+        futures = [pool.submit(start, tmp_path / name, upstream.url, store) for name in ("a", "b")]
+    started = [f.result() for f in futures if f.exception() is None]
+    try:
+        if len(started) < 2:  # one failed to start: stop the other, then fail with the reason
+            for f in futures:
+                f.result()
+        yield started[0], started[1], RedisStore(redis_url, str(store["prefix"]))
+    finally:
+        for proc in started:
+            proc.stop()
 
 
 @pytest.fixture
