@@ -99,7 +99,7 @@ class Admission:
             await asyncio.shield(self.governor.release(self))
 
 
-class RunBusy(Conflict):
+class RunCrowded(Conflict):
     """Too many calls of one run in flight: refused before anything is forwarded; retryable."""
 
     def __init__(self, message: str) -> None:
@@ -146,7 +146,7 @@ class Governor:
 
     async def admit_turn(self, run: RunState, team: TeamConfig, ask: Ask) -> Admission:
         """Admit one pass-through call of `run`: its turn slot and budget holds, or a refusal
-        (LimitExceeded, RunBusy) before anything is forwarded."""
+        (LimitExceeded, RunCrowded) before anything is forwarded."""
         limits = run.limits
         strict = limits.budget_mode == "strict" or team.budget_mode == "strict"
         if limits.max_duration_s is not None:
@@ -240,7 +240,7 @@ class Governor:
             return LimitExceeded("max_turns_exceeded", f"run {run_id} reached its cap of turns ({figures.run_turns} "
                                                        f"done{extra}); nothing was forwarded")
         if why == "busy":
-            return RunBusy(f"run {run_id} has {figures.run_in_flight} calls in flight, the most one run may have "
+            return RunCrowded(f"run {run_id} has {figures.run_in_flight} calls in flight, the most one run may have "
                            f"(defaults.max_calls_in_flight_per_run); nothing was forwarded, retry when one is done")
         if why == "run_missing":
             return Conflict(f"run {run_id} is no longer stored; nothing was forwarded", code="run_not_found")
