@@ -137,8 +137,14 @@ def start_pair(shared: Path, redis_url: str) -> Pair:
         return start_gateway(["serve", "--config", str(config)], "/healthz", port, shared / name / "gateway.log")
 
     with ThreadPoolExecutor(2) as pool:  # both start at once: the test waits for the slower one only
-        a, b = pool.map(start, ["a", "b"])
-    return Pair(a, b, shared, redis_url, prefix)
+        futures = [pool.submit(start, name) for name in ("a", "b")]
+    started = [f.result() for f in futures if f.exception() is None]
+    if len(started) < 2:  # one failed to start: stop the other, then fail with the reason
+        for proc in started:
+            proc.stop()
+        for f in futures:
+            f.result()
+    return Pair(started[0], started[1], shared, redis_url, prefix)
 
 
 @pytest.fixture(scope="module")
