@@ -36,7 +36,7 @@ from gateway.providers.scenarios import model_names
 from gateway.providers.scripted import scripted_app
 from gateway.providers.upstream import new_session
 from gateway.server import context as ctx
-from gateway.server import metrics_route
+from gateway.server import metrics_route, openapi
 from gateway.server import retention
 from gateway.server.auth import KeyRing
 from gateway.server.budget import Governor
@@ -196,6 +196,7 @@ def build_app(config: Config, *, self_url: str | None = None) -> web.Application
     app.router.add_get("/v1/models/{model}", get_model)
     metrics_route.setup(app)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/openapi.json", openapi.openapi_json)
     if any(ctx.uses_mount(u) for u in config.upstreams.values()):
         app[ctx.SCRIPTED_KEY] = secrets.token_urlsafe(32)
         app.add_subapp(SCRIPTED_PREFIX, scripted_app(guard=_scripted_guard(app[ctx.KEYRING], app[ctx.SCRIPTED_KEY])))

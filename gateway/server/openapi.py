@@ -1,0 +1,215 @@
+"""`GET /openapi.json`: an OpenAPI 3.1 document of the routes this gateway serves.
+
+The document is built from the app's own router (every route the app has, the scripted
+mount and the optional modules included) joined with `OPERATIONS`, what each route does;
+a route without an entry there is a bug that `tests/server/test_openapi.py` catches, so the
+document cannot drift from the routes. Bodies are described as far as clients need (the
+chat and Responses bodies are validated more finely at the edge: docs/http-api.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import orjson
+from aiohttp import web
+
+from gateway import __version__
+
+Schema = dict[str, Any]
+
+ERROR: Final[Schema] = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {
+        "type": "object", "required": ["message", "type", "code", "param"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "code": {"type": ["string", "null"]}, "param": {"type": ["string", "null"]}}}},
+}
+RUN: Final[Schema] = {
+    "type": "object", "required": ["id", "status", "turns", "cost_usd"],
+    "properties": {"id": {"type": "string"}, "status": {"type": "string"}, "reason": {"type": ["string", "null"]},
+                   "turns": {"type": "integer"}, "cost_usd": {"type": "number"}, "usage": {"type": "object"},
+                   "interruption": {"type": ["object", "null"]}},
+}
+OBJECT: Final[Schema] = {"type": "object"}
+CHAT_BODY: Final[Schema] = {
+    "type": "object", "required": ["model", "messages"],
+    "properties": {
+        "model": {"type": "string", "minLength": 1},
+        "messages": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role"]}},
+        "stream": {"type": "boolean"}, "tools": {"type": "array", "items": {"type": "object"}},
+        "n": {"type": "integer", "minimum": 1, "maximum": 128},
+        "max_tokens": {"type": "integer", "minimum": 1, "maximum": 1_000_000},
+        "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": 1_000_000},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+    },
+}
+RESPONSES_BODY: Final[Schema] = {
+    "type": "object", "required": ["model"],
+    "properties": {"model": {"type": "string", "minLength": 1},
+                   "input": {"type": ["string", "array"]}, "instructions": {"type": ["string", "null"]},
+                   "previous_response_id": {"type": ["string", "null"]}, "stream": {"type": "boolean"},
+                   "max_output_tokens": {"type": "integer", "minimum": 1}, "store": {"type": "boolean"}},
+}
+APPROVAL_BODY: Final[Schema] = {
+    "type": "object", "required": ["call_id", "decision"],
+    "properties": {"call_id": {"type": "string", "maxLength": 256},
+                   "decision": {"enum": ["approve", "reject"]}, "reason": {"type": "string", "maxLength": 2000}},
+}
+RESUME_BODY: Final[Schema] = {
+    "type": "object",
+    "properties": {"max_turns": {"type": "integer", "minimum": 1, "maximum": 1_000_000},
+                   "max_budget_usd": {"type": "number", "exclusiveMinimum": 0, "maximum": 1_000_000},
+                   "max_tool_calls": {"type": "integer", "minimum": 1, "maximum": 1_000_000},
+                   "max_duration_s": {"type": "number", "exclusiveMinimum": 0}, "stream": {"type": "boolean"}},
+}
+CANCEL_BODY: Final[Schema] = {"type": "object", "properties": {"reason": {"type": "string", "maxLength": 2000}}}
+RUN_ID_HEADERS: Final[list[Schema]] = [
+    {"name": "X-Run-Id", "in": "header", "required": False,
+     "schema": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.:\\-]{0,127}$"},
+     "description": "The run this call belongs to (per team); absent: a new run."},
+    {"name": "X-Policy", "in": "header", "required": False, "schema": {"type": "string"},
+     "description": "The policy of a new run (one the team may use); absent: the team's default."},
+]
+ID_PARAM: Final[Schema] = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+TEAM_PARAM: Final[Schema] = {"name": "team", "in": "query", "required": False, "schema": {"type": "string"},
+                             "description": "Whose run of that id, when several teams the caller sees have one."}
+
+
+@dataclass(frozen=True)
+class Operation:
+    """What one route does, for the document."""
+
+    summary: str
+    tag: str
+    body: Schema | None = None
+    auth: bool = True
+    ok: str = "application/json"
+    parameters: list[Schema] = field(default_factory=list)
+    errors: tuple[int, ...] = (400, 401, 404)
+
+
+OPERATIONS: Final[dict[tuple[str, str], Operation]] = {
+    ("POST", "/v1/chat/completions"): Operation(
+        "A governed chat completion: pass-through, or a server-side run when the run's policy has tools",
+        "chat", CHAT_BODY, parameters=RUN_ID_HEADERS, errors=(400, 401, 403, 404, 409, 413, 429, 502, 503, 504)),
+    ("POST", "/v1/responses"): Operation(
+        "A governed Responses-API call (translated onto chat-completions upstreams)", "responses", RESPONSES_BODY,
+        parameters=RUN_ID_HEADERS, errors=(400, 401, 403, 404, 409, 413, 429, 502, 503, 504)),
+    ("GET", "/v1/responses/{id}"): Operation("A stored response of the caller's team", "responses",
+                                             parameters=[ID_PARAM]),
+    ("DELETE", "/v1/responses/{id}"): Operation("Forget a stored response", "responses", parameters=[ID_PARAM]),
+    ("POST", "/v1/embeddings"): Operation("Embeddings, forwarded and paid from the run's and team's budgets",
+                                          "embeddings", OBJECT, parameters=RUN_ID_HEADERS,
+                                          errors=(400, 401, 404, 429, 502, 503)),
+    ("GET", "/v1/models"): Operation("The models this gateway routes", "models"),
+    ("GET", "/v1/models/{model}"): Operation(
+        "One routed model", "models",
+        parameters=[{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]),
+    ("GET", "/v1/runs"): Operation(
+        "Runs the caller may see, newest first", "runs",
+        parameters=[{"name": n, "in": "query", "required": False, "schema": {"type": "string"}}
+                    for n in ("status", "team", "limit")]),
+    ("GET", "/v1/runs/{id}"): Operation("A run with its transcript", "runs", parameters=[ID_PARAM, TEAM_PARAM],
+                                        errors=(400, 401, 404, 409)),
+    ("GET", "/v1/runs/{id}/events"): Operation(
+        "The run's trace (JSONL; `follow=1`: SSE until the run stops)", "runs", ok="application/x-ndjson",
+        parameters=[ID_PARAM, TEAM_PARAM, {"name": "after", "in": "query", "required": False,
+                                           "schema": {"type": "integer", "minimum": 0}},
+                    {"name": "follow", "in": "query", "required": False, "schema": {"type": "string"}}],
+        errors=(400, 401, 404, 409)),
+    ("POST", "/v1/runs/{id}/approvals"): Operation("Approve or reject the call a run waits for (approvers)",
+                                                   "runs", APPROVAL_BODY, parameters=[ID_PARAM, TEAM_PARAM],
+                                                   errors=(400, 401, 403, 404, 409)),
+    ("POST", "/v1/runs/{id}/resume"): Operation("Continue a run, optionally with raised limits (owner, admins)",
+                                                "runs", RESUME_BODY, parameters=[ID_PARAM, TEAM_PARAM],
+                                                errors=(400, 401, 403, 404, 409, 429, 502, 503)),
+    ("POST", "/v1/runs/{id}/cancel"): Operation("Stop a run, its running tool included (owner, admins)", "runs",
+                                                CANCEL_BODY, parameters=[ID_PARAM, TEAM_PARAM],
+                                                errors=(400, 401, 403, 404, 409)),
+    ("POST", "/v1/admin/reload"): Operation("Reload the policy files (admin teams)", "admin",
+                                            errors=(401, 403, 409)),
+    ("GET", "/metrics"): Operation("Prometheus metrics (OpenMetrics with run-id exemplars when asked)", "operations",
+                                   auth=False, ok="text/plain", errors=(401,)),
+    ("GET", "/healthz"): Operation("200 when the store answers, 503 otherwise", "operations", auth=False,
+                                   errors=(503,)),
+    ("GET", "/openapi.json"): Operation("This document", "operations", auth=False, errors=()),
+    ("POST", "/scripted/v1/chat/completions"): Operation(
+        "The built-in scripted upstream (tests and demos; a team key or the gateway's own)", "scripted upstream",
+        CHAT_BODY),
+    ("GET", "/scripted/v1/models"): Operation("The scripted upstream's models", "scripted upstream"),
+    ("GET", "/scripted/v1/models/{model}"): Operation(
+        "One scripted model", "scripted upstream",
+        parameters=[{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]),
+    ("POST", "/scripted/v1/embeddings"): Operation("The scripted upstream's embeddings", "scripted upstream",
+                                                   OBJECT),
+}
+"""Every route the gateway may serve (routes a config leaves out, e.g. the scripted mount,
+are simply absent from its document)."""
+
+DESCRIPTIONS: Final[dict[int, str]] = {
+    400: "The request is malformed; `param` names the field", 401: "Missing or unknown key",
+    403: "The team may not do this", 404: "No such run, model, route or response (for this team)",
+    409: "The run cannot take this call now (`x-should-retry` says whether a retry can succeed)",
+    413: "Body too large", 429: "A limit refused the call before anything was forwarded",
+    502: "The upstream failed or answered malformed", 503: "The store is unavailable (retryable)",
+    504: "The upstream timed out",
+}
+
+
+def routes(app: web.Application) -> list[tuple[str, str]]:
+    """(method, path template) of every route `app` serves (HEAD twins of GETs left out)."""
+    out: list[tuple[str, str]] = []
+    for route in app.router.routes():
+        resource = route.resource
+        if resource is None or route.method == "HEAD":
+            continue
+        key = (route.method, resource.canonical)
+        if key not in out:
+            out.append(key)
+    return out
+
+
+def document(app: web.Application) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of `app`'s routes (KeyError: a route nobody described)."""
+    paths: dict[str, dict[str, Any]] = {}
+    for method, path in routes(app):
+        op = OPERATIONS[(method, path)]
+        entry: dict[str, Any] = {
+            "summary": op.summary, "tags": [op.tag], "operationId": _operation_id(method, path),
+            "responses": {"200": {"description": "OK", "content": {op.ok: {"schema": OBJECT}}},
+                          **{str(code): {"description": DESCRIPTIONS[code],
+                                         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+                             for code in op.errors}},
+        }
+        if op.parameters:
+            entry["parameters"] = op.parameters
+        if op.body is not None:
+            entry["requestBody"] = {"required": method == "POST" and op.body is not CANCEL_BODY
+                                    and op.body is not RESUME_BODY,
+                                    "content": {"application/json": {"schema": op.body}}}
+        if not op.auth:
+            entry["security"] = []
+        paths.setdefault(path, {})[method.lower()] = entry
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "gateway", "version": __version__,
+                 "description": "An OpenAI-compatible gateway that governs agent runs (docs/http-api.md)."},
+        "servers": [{"url": "/"}],
+        "security": [{"bearer": []}],
+        "paths": paths,
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+                       "schemas": {"Error": ERROR, "Run": RUN}},
+    }
+
+
+def _operation_id(method: str, path: str) -> str:
+    words = [w.strip("{}") for w in path.strip("/").replace("-", "_").split("/") if w]
+    return method.lower() + "_" + "_".join(words).replace(".", "_")
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    """GET /openapi.json (no key needed: it names routes, not data)."""
+    return web.Response(body=orjson.dumps(document(request.app)), content_type="application/json")
