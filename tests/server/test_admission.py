@@ -54,12 +54,13 @@ class Upstream:
 
     url: str = ""
     calls: Counter[str] = field(default_factory=Counter)
+    delay_s: dict[str, float] = field(default_factory=dict)
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.json()
         model, n = body["model"], int(body.get("n") or 1)
         self.calls[model] += 1
-        await asyncio.sleep(0.05)  # the upstream's own latency: calls overlap in flight
+        await asyncio.sleep(self.delay_s.get(model, 0.05))  # the upstream's own latency: calls overlap in flight
         prompt = get_counter().count_request(body["messages"], body.get("tools"))
         if model == "liar":
             usage = {"prompt_tokens": 10**9, "completion_tokens": 10**9, "total_tokens": 2 * 10**9}
@@ -359,3 +360,31 @@ async def test_run_ids_are_per_team(single: Proc, upstream: Upstream, session: a
         assert {r.run_id for r in await store.list_runs()} == {"adm/same-id", "thrifty/same-id"}
     finally:
         await store.close()
+
+
+async def test_a_call_longer_than_the_lease_keeps_its_reservation(tmp_path: Path, upstream: Upstream,
+                                                                  session: aiohttp.ClientSession) -> None:
+    """Holds live `server.lease_ttl_s` (1 s here) and are renewed while their call is in flight:
+    a 3-second call keeps the team's budget held the whole time, so a second call that would
+    overspend is refused until the first one is booked."""
+    proc = start(tmp_path / "slow", upstream.url, {"kind": "sqlite", "path": "./gateway.db"}, budget_usd=0.05)
+    config = yaml.safe_load((tmp_path / "slow" / "config.yaml").read_text())
+    config["server"]["lease_ttl_s"] = 1
+    (tmp_path / "slow" / "config.yaml").write_text(yaml.safe_dump(config))
+    proc.stop()
+    proc = start_gateway(["serve", "--config", str(tmp_path / "slow" / "config.yaml")], "/healthz",
+                         int(config["server"]["port"]), tmp_path / "slow" / "gateway-2.log")
+    try:
+        upstream.delay_s["slow"] = 3.0
+        body = {"model": "slow", "messages": TASK, "max_tokens": 3000}  # holds ~$0.036 of the $0.05
+        first = asyncio.ensure_future(chat(session, proc, KEY, body))
+        while upstream.calls["slow"] == 0:
+            await asyncio.sleep(0.01)  # until the first call is in flight at the upstream
+        await asyncio.sleep(2.0)  # twice the hold's ttl: only renewals keep it
+        status, _, reply = await chat(session, proc, KEY, {"model": "ok", "messages": TASK, "max_tokens": 3000})
+        assert status == 429 and reply["error"]["type"] == "team_budget_exceeded", reply
+        assert (await first)[0] == 200
+        status, _, reply = await chat(session, proc, KEY, {"model": "ok", "messages": TASK, "max_tokens": 3000})
+        assert status == 200, reply  # the first call is booked at its real (small) cost: room again
+    finally:
+        proc.stop()
