@@ -229,8 +229,9 @@ def from_http_exception(exc: web.HTTPException) -> ApiError:
     if exc.status == 404:
         return NotFound(f"no route for this path: {exc.reason}", code="route_not_found")
     if exc.status == 405:
-        allowed = getattr(exc, "allowed_methods", None) or ()
-        return MethodNotAllowed(f"method not allowed; allowed: {', '.join(sorted(allowed))}", code="method_not_allowed")
+        allowed = sorted(getattr(exc, "allowed_methods", None) or ())
+        return MethodNotAllowed(f"method not allowed; allowed: {', '.join(allowed)}", code="method_not_allowed",
+                                headers={"Allow": ", ".join(allowed)})  # RFC 9110 asks a 405 for it
     if exc.status == 413:
         return ApiError(exc.text or "request body is too large", status=413, type="invalid_request_error",
                         code="body_too_large")

@@ -33,6 +33,9 @@ RUN: Final[Schema] = {
                    "interruption": {"type": ["object", "null"]}},
 }
 OBJECT: Final[Schema] = {"type": "object"}
+SSE: Final = "text/event-stream"
+JSON_OR_SSE: Final = ("application/json", SSE)
+"""What a call that may stream answers: JSON, or (`stream: true`) server-sent events."""
 CHAT_BODY: Final[Schema] = {
     "type": "object", "required": ["model", "messages"],
     "properties": {
@@ -86,7 +89,7 @@ class Operation:
     tag: str
     body: Schema | None = None
     auth: bool = True
-    ok: str = "application/json"
+    ok: tuple[str, ...] = ("application/json",)
     parameters: list[Schema] = field(default_factory=list)
     errors: tuple[int, ...] = (400, 401, 404)
 
@@ -94,10 +97,10 @@ class Operation:
 OPERATIONS: Final[dict[tuple[str, str], Operation]] = {
     ("POST", "/v1/chat/completions"): Operation(
         "A governed chat completion: pass-through, or a server-side run when the run's policy has tools",
-        "chat", CHAT_BODY, parameters=RUN_ID_HEADERS, errors=(400, 401, 403, 404, 409, 413, 429, 502, 503, 504)),
+        "chat", CHAT_BODY, ok=JSON_OR_SSE, parameters=RUN_ID_HEADERS, errors=(400, 401, 403, 404, 409, 413, 429, 502, 503, 504)),
     ("POST", "/v1/responses"): Operation(
         "A governed Responses-API call (translated onto chat-completions upstreams)", "responses", RESPONSES_BODY,
-        parameters=RUN_ID_HEADERS, errors=(400, 401, 403, 404, 409, 413, 429, 502, 503, 504)),
+        ok=JSON_OR_SSE, parameters=RUN_ID_HEADERS, errors=(400, 401, 403, 404, 409, 413, 429, 502, 503, 504)),
     ("GET", "/v1/responses/{id}"): Operation("A stored response of the caller's team", "responses",
                                              parameters=[ID_PARAM]),
     ("DELETE", "/v1/responses/{id}"): Operation("Forget a stored response", "responses", parameters=[ID_PARAM]),
@@ -115,7 +118,7 @@ OPERATIONS: Final[dict[tuple[str, str], Operation]] = {
     ("GET", "/v1/runs/{id}"): Operation("A run with its transcript", "runs", parameters=[ID_PARAM, TEAM_PARAM],
                                         errors=(400, 401, 404, 409)),
     ("GET", "/v1/runs/{id}/events"): Operation(
-        "The run's trace (JSONL; `follow=1`: SSE until the run stops)", "runs", ok="application/x-ndjson",
+        "The run's trace (JSONL; `follow=1`: SSE until the run stops)", "runs", ok=("application/x-ndjson", SSE),
         parameters=[ID_PARAM, TEAM_PARAM, {"name": "after", "in": "query", "required": False,
                                            "schema": {"type": "integer", "minimum": 0}},
                     {"name": "follow", "in": "query", "required": False, "schema": {"type": "string"}}],
@@ -124,7 +127,7 @@ OPERATIONS: Final[dict[tuple[str, str], Operation]] = {
                                                    "runs", APPROVAL_BODY, parameters=[ID_PARAM, TEAM_PARAM],
                                                    errors=(400, 401, 403, 404, 409)),
     ("POST", "/v1/runs/{id}/resume"): Operation("Continue a run, optionally with raised limits (owner, admins)",
-                                                "runs", RESUME_BODY, parameters=[ID_PARAM, TEAM_PARAM],
+                                                "runs", RESUME_BODY, ok=JSON_OR_SSE, parameters=[ID_PARAM, TEAM_PARAM],
                                                 errors=(400, 401, 403, 404, 409, 429, 502, 503)),
     ("POST", "/v1/runs/{id}/cancel"): Operation("Stop a run, its running tool included (owner, admins)", "runs",
                                                 CANCEL_BODY, parameters=[ID_PARAM, TEAM_PARAM],
@@ -132,13 +135,13 @@ OPERATIONS: Final[dict[tuple[str, str], Operation]] = {
     ("POST", "/v1/admin/reload"): Operation("Reload the policy files (admin teams)", "admin",
                                             errors=(401, 403, 409)),
     ("GET", "/metrics"): Operation("Prometheus metrics (OpenMetrics with run-id exemplars when asked)", "operations",
-                                   auth=False, ok="text/plain", errors=(401,)),
+                                   auth=False, ok=("text/plain", "application/openmetrics-text"), errors=(401,)),
     ("GET", "/healthz"): Operation("200 when the store answers, 503 otherwise", "operations", auth=False,
                                    errors=(503,)),
     ("GET", "/openapi.json"): Operation("This document", "operations", auth=False, errors=()),
     ("POST", "/scripted/v1/chat/completions"): Operation(
         "The built-in scripted upstream (tests and demos; a team key or the gateway's own)", "scripted upstream",
-        CHAT_BODY),
+        CHAT_BODY, ok=JSON_OR_SSE),
     ("GET", "/scripted/v1/models"): Operation("The scripted upstream's models", "scripted upstream"),
     ("GET", "/scripted/v1/models/{model}"): Operation(
         "One scripted model", "scripted upstream",
@@ -179,7 +182,7 @@ def document(app: web.Application) -> dict[str, Any]:
         op = OPERATIONS[(method, path)]
         entry: dict[str, Any] = {
             "summary": op.summary, "tags": [op.tag], "operationId": _operation_id(method, path),
-            "responses": {"200": {"description": "OK", "content": {op.ok: {"schema": OBJECT}}},
+            "responses": {"200": {"description": "OK", "content": {kind: {"schema": OBJECT} for kind in op.ok}},
                           **{str(code): {"description": DESCRIPTIONS[code],
                                          "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
                              for code in op.errors}},
