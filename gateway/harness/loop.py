@@ -31,7 +31,7 @@ from gateway.harness.state import Interruption, Message, RunState, own_calls, pe
 from gateway.harness.stops import execution_stop, first_stop, signature
 from gateway.harness.tools import ToolContext
 from gateway.harness.trace import Tracer
-from gateway.harness.usage import Usage
+from gateway.harness.usage import Usage, clamped_kinds
 
 OutcomeKind = Literal["stopped", "client_tools"]
 REUSED_PREFIX = "[same call as before; its earlier result is reused] "
@@ -116,6 +116,9 @@ async def _loop(state: RunState, model: Model, options: RunOptions, scope: Cance
         state.turns += 1
         state.per_turn.append(reply.usage)
         _charge(state, options, reply.usage, options.price.cost(reply.usage))
+        if reply.reported is not None:
+            trace("usage_clamped", upstream=reply.upstream, reported=reply.reported.to_json(),
+                  booked=reply.usage.to_json(), kinds=clamped_kinds(reply.reported, reply.usage))
         trace("turn", turn=state.turns, prompt_tokens=reply.usage.prompt_tokens,
               completion_tokens=reply.usage.completion_tokens, total_tokens=reply.usage.total_tokens,
               costUsd=round(state.cost_usd, 9), finish=reply.finish_reason)

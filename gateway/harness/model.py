@@ -34,6 +34,10 @@ class ModelReply:
     message: Message
     usage: Usage
     finish_reason: str = "stop"
+    # When the upstream's own usage was not believed: what it reported (the loop traces
+    # `usage_clamped` with it; `usage` is what is booked).
+    reported: Usage | None = None
+    upstream: str = ""
 
 
 class Model(Protocol):

@@ -55,3 +55,9 @@ class Price:
 
 
 CHAPTER_PRICE = Price()
+
+
+def clamped_kinds(reported: Usage, booked: Usage) -> list[str]:
+    """Which counts (`prompt`, `completion`) were booked other than the upstream reported them."""
+    return [kind for kind, a, b in (("prompt", reported.prompt_tokens, booked.prompt_tokens),
+                                    ("completion", reported.completion_tokens, booked.completion_tokens)) if a != b]

@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 
 from gateway.harness.state import Message
-from gateway.harness.usage import Usage
+from gateway.harness.usage import Usage, clamped_kinds
 from gateway.tokens import TokenCounter
 
 
@@ -58,14 +58,7 @@ class CheckedUsage:
 
     @property
     def clamped(self) -> tuple[str, ...]:
-        if self.reported is None:
-            return ()
-        kinds = []
-        if self.reported.prompt_tokens != self.usage.prompt_tokens:
-            kinds.append("prompt")
-        if self.reported.completion_tokens != self.usage.completion_tokens:
-            kinds.append("completion")
-        return tuple(kinds)
+        return () if self.reported is None else tuple(clamped_kinds(self.reported, self.usage))
 
 
 def checked_usage(reported: Usage | None, *, counter: TokenCounter, messages: Sequence[Mapping[str, Any]],

@@ -138,7 +138,7 @@ def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, An
         "models": [{"match": "*", "upstream": "counting", "price_in": 2.0, "price_out": 12.0}],
         "teams": [
             {"name": "adm", "keys": [KEY], "budget_usd": budget_usd, "budget_period": "total",
-             "policies": ["passthrough", "wide", "brief"]},
+             "policies": ["passthrough", "wide", "brief", "files"]},
             {"name": "thrifty", "keys": [THRIFTY], "budget_usd": 0.01, "budget_period": "total",
              "budget_mode": "strict", "policies": ["passthrough"]},
         ],
@@ -388,3 +388,17 @@ async def test_a_call_longer_than_the_lease_keeps_its_reservation(tmp_path: Path
         assert status == 200, reply  # the first call is booked at its real (small) cost: room again
     finally:
         proc.stop()
+
+
+
+async def test_a_server_side_turn_with_absurd_usage_is_booked_at_the_gateways_count(
+        single: Proc, upstream: Upstream, session: aiohttp.ClientSession) -> None:
+    status, headers, reply = await chat(session, single, KEY, {"model": "liar", "messages": TASK},
+                                        {"X-Run-Id": "liar-ss", "X-Policy": "files"})
+    assert status == 200 and reply["run"]["status"] == "completed", reply
+    assert float(headers["X-Run-Cost-Usd"]) < 0.01  # not the $14,000 the upstream claimed
+    async with session.get(f"{single.url}/v1/runs/liar-ss/events", headers={"Authorization": f"Bearer {KEY}"}) as r:
+        events = [orjson.loads(line) for line in (await r.read()).splitlines()]
+    clamped = [e for e in events if e["type"] == "usage_clamped"]
+    assert len(clamped) == 1 and clamped[0]["kinds"] == ["prompt", "completion"]
+    assert clamped[0]["upstream"] == "counting" and clamped[0]["reported"]["completion_tokens"] == 10**9
