@@ -20,7 +20,6 @@ import orjson
 
 from gateway.policy.approval import RuleApproval, compile_approval, duration_text, rule_matches
 from gateway.policy.decl import AgentExecutor, HttpExecutor, Policy, PythonExecutor, Rule, ToolDecl
-from gateway.policy.errors import PolicyError
 from gateway.policy.registry import load_set, policy_files
 
 DEFAULT_DIR = Path("policies")

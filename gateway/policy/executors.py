@@ -24,7 +24,6 @@ import orjson
 
 from gateway.harness.model import Model
 from gateway.harness.options import Checkpoint, EventSink, RunOptions, StopCondition, ToolErrorPolicy
-from gateway.harness.state import Limits
 from gateway.harness.stops import RepeatedCall as RepeatedCallStop
 from gateway.harness.subrun import run_subrun
 from gateway.harness.tools import (

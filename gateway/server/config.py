@@ -253,7 +253,7 @@ def parse_config(data: Any, file: Path) -> Config:
     server = _server(root.get("server"))
     metrics = _metrics(root.get("metrics"))
     if metrics.listen == (server.host, server.port):
-        root.get("metrics").get("listen").fail(f"is the gateway's own address (server.host:server.port); give "
+        root.get("metrics").get("listen").fail("is the gateway's own address (server.host:server.port); give "
                                                "/metrics another port, or leave listen out to serve it there")
     return Config(
         path=file,

@@ -42,7 +42,7 @@ import aiohttp
 from gateway.harness.execute import CancelScope
 from gateway.harness.loop import Outcome, run
 from gateway.harness.model import Model
-from gateway.harness.state import Interruption, RunState, public_run_id
+from gateway.harness.state import RunState, public_run_id
 from gateway.harness.usage import Price, Usage
 from gateway.policy.decl import Policy
 from gateway.policy.executors import CompileError, ToolEnv, compile_options

@@ -9,8 +9,12 @@ booked on the run before the client sees the end of the answer.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 from aiohttp import web
 
+from gateway.providers.upstream import Upstream
 from gateway.server import context as ctx
 from gateway.server.budget import Admission, Ask
 from gateway.server.chat_request import parse_chat_request
@@ -72,26 +76,33 @@ async def admit(request: web.Request, call: Call) -> Admission:
         raise await refuse(request, call, exc) from None
 
 
-async def pass_through(request: web.Request, call: Call) -> web.StreamResponse:
-    """Governed pass-through of one call (streamed or not); whatever the exit, the
-    admission's holds are booked or released (`Admission` is a context manager)."""
+@contextlib.asynccontextmanager
+async def governed(request: web.Request, call: Call) -> AsyncIterator[tuple[Admission, Upstream]]:
+    """The frame of every pass-through call (chat or Responses): the run must take calls, the
+    call is admitted (its holds booked or released on every exit, `Admission` being a
+    context manager) and counted active; yields the admission and the upstream to forward to."""
     _check_open(call)
     metrics = request.app[ctx.METRICS]
     async with await admit(request, call) as adm:
         metrics.run_active(1)
         try:
-            upstream = request.app[ctx.UPSTREAMS][call.route.upstream]
-            body = call.chat.upstream_body(max_tokens=adm.max_tokens, force_usage=True)
-            headers = upstream.headers(request.headers)
-            if call.chat.stream:
-                return await stream_through(request, call, adm, upstream, body, headers)
-            reply = await upstream.complete(body, headers)
-            parsed = upstream.parse(reply)  # 502 upstream_malformed, released like any upstream failure
-            request[ctx.UPSTREAM_SECONDS] = reply.seconds
-            metrics.on_upstream(upstream.name, call.chat.model, reply.seconds)
-            booked = await book_turn(request, call, adm, reported=parsed.usage, message=parsed.message,
-                                     finish=parsed.finish_reason)
-            return web.Response(body=with_run(reply.raw, booked.run.summary()), content_type="application/json",
-                                headers=booked.headers())
+            yield adm, request.app[ctx.UPSTREAMS][call.route.upstream]
         finally:
             metrics.run_active(-1)
+
+
+async def pass_through(request: web.Request, call: Call) -> web.StreamResponse:
+    """Governed pass-through of one chat call (streamed or not)."""
+    async with governed(request, call) as (adm, upstream):
+        body = call.chat.upstream_body(max_tokens=adm.max_tokens, force_usage=True)
+        headers = upstream.headers(request.headers)
+        if call.chat.stream:
+            return await stream_through(request, call, adm, upstream, body, headers)
+        reply = await upstream.complete(body, headers)
+        parsed = upstream.parse(reply)  # 502 upstream_malformed, released like any upstream failure
+        request[ctx.UPSTREAM_SECONDS] = reply.seconds
+        request.app[ctx.METRICS].on_upstream(upstream.name, call.chat.model, reply.seconds)
+        booked = await book_turn(request, call, adm, reported=parsed.usage, message=parsed.message,
+                                 finish=parsed.finish_reason)
+        return web.Response(body=with_run(reply.raw, booked.run.summary()), content_type="application/json",
+                            headers=booked.headers())

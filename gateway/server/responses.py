@@ -24,7 +24,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway.harness.state import Message, assistant_message, public_run_id
+from gateway.harness.state import Message, public_run_id
 from gateway.providers.upstream import Upstream
 from gateway.server import context as ctx
 from gateway.server import continuations
@@ -34,9 +34,8 @@ from gateway.server.chat_request import ChatRequest
 from gateway.server.driver import FromClient, StartKind
 from gateway.server.errors import InvalidField, NotFound
 from gateway.server.headers import run_headers
-from gateway.server.passthrough import _check_open, admit, read_body
+from gateway.server.passthrough import governed, read_body
 from gateway.server.passthrough_stream import ChatOutlet, EventKind, Reassembly, event_data, stream_through
-from gateway.server.replies import usage_of
 from gateway.server.responses_wire import (
     ResponseEvents,
     ResponsesRequest,
@@ -335,30 +334,21 @@ async def _server_side(request: web.Request, call: Call, exchange: Exchange) -> 
 
 async def _pass_through(request: web.Request, call: Call, exchange: Exchange) -> web.StreamResponse:
     """The chat pass-through's admission and booking, with the Responses wire on both ends."""
-    _check_open(call)
-    metrics = request.app[ctx.METRICS]
-    async with await admit(request, call) as adm:
-        metrics.run_active(1)
-        try:
-            upstream = request.app[ctx.UPSTREAMS][call.route.upstream]
-            headers = upstream.headers(request.headers)
-            if upstream.config.api == "responses":
-                return await _native(request, call, exchange, adm, upstream, headers)
-            body = call.chat.upstream_body(max_tokens=adm.max_tokens, force_usage=True)
-            if call.chat.stream:
-                return await stream_through(request, call, adm, upstream, body, headers,
-                                            ResponsesOutlet(request, call, exchange))
-            reply = await upstream.complete(body, headers)
-            request[ctx.UPSTREAM_SECONDS] = reply.seconds
-            metrics.on_upstream(upstream.name, call.chat.model, reply.seconds)
-            choice = reply.data["choices"][0]
-            message = assistant_message(choice["message"])
-            finish = str(choice.get("finish_reason") or "stop")
-            booked = await book_turn(request, call, adm, reported=usage_of(reply.data.get("usage")), message=message,
-                                     finish=finish)
-            response = exchange.response(message, finish, booked)
-            await exchange.keep(request, call, response, message)
-            return web.Response(body=orjson.dumps({**response, "run": booked.run.summary()}),
-                                content_type="application/json", headers=booked.headers())
-        finally:
-            metrics.run_active(-1)
+    async with governed(request, call) as (adm, upstream):
+        headers = upstream.headers(request.headers)
+        if upstream.config.api == "responses":
+            return await _native(request, call, exchange, adm, upstream, headers)
+        body = call.chat.upstream_body(max_tokens=adm.max_tokens, force_usage=True)
+        if call.chat.stream:
+            return await stream_through(request, call, adm, upstream, body, headers,
+                                        ResponsesOutlet(request, call, exchange))
+        reply = await upstream.complete(body, headers)
+        parsed = upstream.parse(reply)  # 502 upstream_malformed, released like any upstream failure
+        request[ctx.UPSTREAM_SECONDS] = reply.seconds
+        request.app[ctx.METRICS].on_upstream(upstream.name, call.chat.model, reply.seconds)
+        booked = await book_turn(request, call, adm, reported=parsed.usage, message=parsed.message,
+                                 finish=parsed.finish_reason)
+        response = exchange.response(parsed.message, parsed.finish_reason, booked)
+        await exchange.keep(request, call, response, parsed.message)
+        return web.Response(body=orjson.dumps({**response, "run": booked.run.summary()}),
+                            content_type="application/json", headers=booked.headers())

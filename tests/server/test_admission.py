@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import subprocess
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -34,11 +33,10 @@ from aiohttp import web
 
 from gateway.harness.state import scoped_run_id
 from gateway.harness.usage import Price, Usage
-from gateway.store.periods import period_key
 from gateway.store.redis import RedisStore
 from gateway.store.sqlite import SqliteStore
 from gateway.tokens import get_counter
-from tests.store.conftest import _start_redis
+from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
 from tests.support.procs import ROOT, Proc, free_port, start_gateway
 
 KEY, THRIFTY = "sk-adm", "sk-thrifty"
@@ -88,20 +86,6 @@ async def upstream() -> AsyncIterator[Upstream]:
     state.url = f"http://127.0.0.1:{port}/v1"
     yield state
     await runner.cleanup()
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail("redis-server is not installed (apt-get install -y redis-server)")
-    proc: subprocess.Popen[bytes]
-    proc, port = _start_redis(exe, tmp_path_factory.mktemp("redis"))
-    try:
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def write_policies(parent: Path) -> Path:

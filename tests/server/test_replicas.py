@@ -16,8 +16,6 @@ Plus the config side of these settings: `server.lease_ttl_s` and `runs_dir`.
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 import time
 import uuid
 from collections import Counter
@@ -40,7 +38,7 @@ from gateway.store.redis import RedisStore
 from gateway.tokens import get_counter
 from tests.server.conftest import config_data
 from tests.server.served import DEMO, OPS, TASK, chat_body, events, get_run, poll, request, wait_event
-from tests.store.conftest import _start_redis
+from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
 from tests.support.procs import ROOT, Proc, free_port, start_gateway
 
 THRIFTY = "sk-thrifty"
@@ -48,20 +46,6 @@ LEASE_TTL_S = 1.0
 PRICE = Price(2.0, 12.0)
 STORM_BODY: dict[str, Any] = {"model": "scripted-runaway", "messages": TASK}
 STORM_HEADERS = {"X-Policy": "passthrough", "X-Scripted-Latency-Ms": "20"}
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail("redis-server is not installed; the replica tests need it (apt-get install -y redis-server)")
-    proc: subprocess.Popen[bytes]
-    proc, port = _start_redis(exe, tmp_path_factory.mktemp("redis"))
-    try:
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 @dataclass

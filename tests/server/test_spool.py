@@ -19,12 +19,9 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import aiohttp
-import orjson
 import pytest
-import redis
 from aiohttp import web
 
 from gateway.harness.state import scoped_run_id
@@ -32,6 +29,7 @@ from gateway.harness.usage import Price, Usage
 from gateway.store.redis import RedisStore
 from gateway.tokens import get_counter
 from tests.server.test_admission import KEY, TASK, chat, start
+from tests.store.conftest import _start_redis
 from tests.support.procs import free_port
 
 PRICE = Price(2.0, 12.0)
@@ -63,25 +61,11 @@ class HeldUpstream:
 
 
 def start_redis(workdir: Path, port: int) -> subprocess.Popen[bytes]:
+    """A durable redis-server on `port` (its data survives a restart in `workdir`)."""
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.fail("redis-server is not installed (apt-get install -y redis-server)")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
-                             "--appendfsync", "always", "--dir", str(workdir)],
-                            stdout=(workdir / f"redis-{time.monotonic_ns()}.log").open("wb"), stderr=subprocess.STDOUT)
-    client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
-    deadline = time.monotonic() + 15
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if client.ping():
-                    return proc
-            except redis.ConnectionError:
-                time.sleep(0.02)  # readiness poll
-    finally:
-        client.close()
-    proc.kill()
-    raise RuntimeError("redis-server did not start")
+    return _start_redis(exe, workdir, port=port, durable=True)[0]
 
 
 @pytest.fixture

@@ -28,24 +28,28 @@ Backend = Literal["memory", "sqlite", "redis"]
 BACKENDS: tuple[Backend, ...] = ("memory", "sqlite", "redis")
 
 
-def _start_redis(exe: str, workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
-    """Start redis-server on a free port and poll PING until it answers."""
-    for _attempt in range(3):  # the free port can be taken between probing and binding
-        port = free_port()
-        log = workdir / f"redis-{port}.log"
+def _start_redis(exe: str, workdir: Path, *, port: int | None = None,
+                 durable: bool = False) -> tuple[subprocess.Popen[bytes], int]:
+    """Start redis-server (on `port`, else a free one) and poll PING until it answers.
+    `durable`: an append-only file synced on every write, so a restart in `workdir` keeps
+    the data."""
+    persistence = ["--appendonly", "yes", "--appendfsync", "always"] if durable else ["--appendonly", "no"]
+    for _attempt in range(1 if port is not None else 3):  # a free port can be taken before it is bound
+        port_ = port if port is not None else free_port()
+        log = workdir / f"redis-{port_}-{time.monotonic_ns()}.log"
         with log.open("wb") as out:
             proc = subprocess.Popen(
-                [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                [exe, "--port", str(port_), "--bind", "127.0.0.1", "--save", "", *persistence,
                  "--dir", str(workdir)],
                 stdout=out, stderr=subprocess.STDOUT,
             )
-        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
+        client = redis.Redis(host="127.0.0.1", port=port_, socket_connect_timeout=0.5, socket_timeout=0.5)
         deadline = time.monotonic() + 15
         try:
             while proc.poll() is None and time.monotonic() < deadline:
                 try:
                     if client.ping():
-                        return proc, port
+                        return proc, port_
                 except redis.ConnectionError:
                     time.sleep(0.02)  # poll interval, not a synchronisation stand-in
         finally:
@@ -53,7 +57,7 @@ def _start_redis(exe: str, workdir: Path) -> tuple[subprocess.Popen[bytes], int]
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-            raise RuntimeError(f"redis-server on port {port} did not answer PING within 15 s:\n{log.read_text()}")
+            raise RuntimeError(f"redis-server on port {port_} did not answer PING within 15 s:\n{log.read_text()}")
         if "Address already in use" not in log.read_text(errors="replace"):
             raise RuntimeError(f"redis-server exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
     raise RuntimeError("redis-server could not bind a free port in 3 attempts")
