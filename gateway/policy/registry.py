@@ -130,6 +130,13 @@ class PolicyRegistry:
         """A policy as it was when loaded with that version (for runs started under it)."""
         return self._versions.get((name, version))
 
+    def for_run(self, name: str, version: str) -> Policy | None:
+        """The policy that governs a run: the version it started under while this gateway has
+        it loaded; else (restarted after the file changed) the current version of the same
+        policy; None when no policy of that name is loaded any more. The one rule, for every
+        caller (a chat call on the run, the runs API, the driver, recovery)."""
+        return self._versions.get((name, version)) or self._current.get(name)
+
     def version_of(self, name: str) -> str | None:
         policy = self._current.get(name)
         return policy.version if policy else None

@@ -124,14 +124,11 @@ class RunDriver:
         self.active = ActiveRuns()
 
     def policy_of(self, state: RunState) -> Policy:
-        """The policy version the run started under (the current one if it is the same file)."""
-        policy = self.policies.get_version(state.policy, state.policy_version)
+        """The run's policy (`PolicyRegistry.for_run`); PolicyGone when none is loaded."""
+        policy = self.policies.for_run(state.policy, state.policy_version)
         if policy is None:
-            current = self.policies.get(state.policy)
-            if current is not None and not state.policy_version:
-                return current
-            raise PolicyGone(f"run {state.public_id} started under policy '{state.policy}' version "
-                             f"{state.policy_version or '?'}, which this gateway has not loaded",
+            raise PolicyGone(f"run {state.public_id} is governed by policy '{state.policy}', which this gateway "
+                             f"no longer has (loaded: {', '.join(self.policies.names()) or 'none'})",
                              code="policy_not_found")
         return policy
 

@@ -109,7 +109,7 @@ def _existing_run_policy(policies: PolicyRegistry, team: TeamConfig, run: RunSta
     if wanted is not None and wanted != run.policy:
         raise PolicyMismatch(f"run {run.public_id} is governed by policy '{run.policy}'; X-Policy '{wanted}' cannot "
                              "change it (omit X-Policy, or start a new run)")
-    policy = policies.get_version(run.policy, run.policy_version) or policies.get(run.policy)
+    policy = policies.for_run(run.policy, run.policy_version)
     if policy is None:
         raise Conflict(f"run {run.public_id} is governed by policy '{run.policy}', which is no longer loaded",
                        code="policy_not_found")

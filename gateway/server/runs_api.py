@@ -62,7 +62,7 @@ def setup(app: web.Application) -> None:
 
 def _policy(app: web.Application, run: RunState) -> Policy | None:
     policies = app[ctx.POLICIES]
-    return policies.get_version(run.policy, run.policy_version) or policies.get(run.policy)
+    return policies.for_run(run.policy, run.policy_version)
 
 
 def _visible(app: web.Application, run: RunState, team: TeamConfig) -> bool:
