@@ -14,8 +14,8 @@ import orjson
 
 from gateway.harness.state import Message
 from gateway.server.chat_schema import ROLES, check_body, check_messages
-from gateway.server.errors import InvalidField, InvalidJSON
-from gateway.server.validation import check_depth, kind
+from gateway.server.errors import InvalidField
+from gateway.server.validation import check_depth, json_object, kind
 
 __all__ = ["ROLES", "ChatRequest", "parse_chat_request"]
 
@@ -51,14 +51,7 @@ class ChatRequest:
 def parse_chat_request(raw: bytes) -> ChatRequest:
     """Parse and check a body against the request's schema (gateway.server.chat_schema);
     raises InvalidJSON or InvalidField before anything else looks at it."""
-    if not raw.strip():
-        raise InvalidJSON("the body is empty (expected a JSON object with model and messages)")
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidJSON(str(exc)) from None
-    if not isinstance(body, dict):
-        raise InvalidJSON(f"expected a JSON object, got {kind(body)}")
+    body = json_object(raw, "a JSON object with model and messages")
     check_depth(body, raw=raw)
     model = body.get("model")
     if model is None:

@@ -10,11 +10,12 @@ booked on the run before the client sees the end of the answer.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 from aiohttp import web
 
-from gateway.providers.upstream import Upstream
+from gateway.providers.reply import ParsedReply
+from gateway.providers.upstream import Upstream, UpstreamReply
 from gateway.server import context as ctx
 from gateway.server.budget import Admission, Ask
 from gateway.server.chat_request import parse_chat_request
@@ -22,7 +23,7 @@ from gateway.server.errors import BadRequest, Conflict, LimitExceeded, NotFound,
 from gateway.server.passthrough_stream import stream_through
 from gateway.server.replies import with_run
 from gateway.server.runs import Call, resolve_call
-from gateway.server.turns import book_turn, refuse
+from gateway.server.turns import Booked, book_turn, refuse
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -98,11 +99,19 @@ async def pass_through(request: web.Request, call: Call) -> web.StreamResponse:
         headers = upstream.headers(request.headers)
         if call.chat.stream:
             return await stream_through(request, call, adm, upstream, body, headers)
-        reply = await upstream.complete(body, headers)
-        parsed = upstream.parse(reply)  # 502 upstream_malformed, released like any upstream failure
-        request[ctx.UPSTREAM_SECONDS] = reply.seconds
-        request.app[ctx.METRICS].on_upstream(upstream.name, call.chat.model, reply.seconds)
-        booked = await book_turn(request, call, adm, reported=parsed.usage, message=parsed.message,
-                                 finish=parsed.finish_reason)
+        reply, parsed, booked = await complete_and_book(request, call, adm, upstream, body, headers)
         return web.Response(body=with_run(reply.raw, booked.run.summary()), content_type="application/json",
                             headers=booked.headers())
+
+
+async def complete_and_book(request: web.Request, call: Call, adm: Admission, upstream: Upstream, body: bytes,
+                            headers: Mapping[str, str]) -> tuple[UpstreamReply, ParsedReply, Booked]:
+    """A non-streamed pass-through turn: forward, parse (502 `upstream_malformed`, released
+    like any upstream failure), time it and book it."""
+    reply = await upstream.complete(body, headers)
+    parsed = upstream.parse(reply)
+    request[ctx.UPSTREAM_SECONDS] = reply.seconds
+    request.app[ctx.METRICS].on_upstream(upstream.name, call.chat.model, reply.seconds)
+    booked = await book_turn(request, call, adm, reported=parsed.usage, message=parsed.message,
+                             finish=parsed.finish_reason)
+    return reply, parsed, booked

@@ -34,7 +34,7 @@ from gateway.server.chat_request import ChatRequest
 from gateway.server.driver import FromClient, StartKind
 from gateway.server.errors import InvalidField, NotFound
 from gateway.server.headers import run_headers
-from gateway.server.passthrough import governed, read_body
+from gateway.server.passthrough import complete_and_book, governed, read_body
 from gateway.server.passthrough_stream import ChatOutlet, EventKind, Reassembly, event_data, stream_through
 from gateway.server.responses_wire import (
     ResponseEvents,
@@ -342,12 +342,7 @@ async def _pass_through(request: web.Request, call: Call, exchange: Exchange) ->
         if call.chat.stream:
             return await stream_through(request, call, adm, upstream, body, headers,
                                         ResponsesOutlet(request, call, exchange))
-        reply = await upstream.complete(body, headers)
-        parsed = upstream.parse(reply)  # 502 upstream_malformed, released like any upstream failure
-        request[ctx.UPSTREAM_SECONDS] = reply.seconds
-        request.app[ctx.METRICS].on_upstream(upstream.name, call.chat.model, reply.seconds)
-        booked = await book_turn(request, call, adm, reported=parsed.usage, message=parsed.message,
-                                 finish=parsed.finish_reason)
+        _, parsed, booked = await complete_and_book(request, call, adm, upstream, body, headers)
         response = exchange.response(parsed.message, parsed.finish_reason, booked)
         await exchange.keep(request, call, response, parsed.message)
         return web.Response(body=orjson.dumps({**response, "run": booked.run.summary()}),

@@ -20,8 +20,9 @@ import orjson
 
 from gateway.harness.state import Message
 from gateway.harness.usage import Usage
+from gateway.server.validation import json_object
 from gateway.server.validation import kind as _kind
-from gateway.server.errors import InvalidField, InvalidJSON
+from gateway.server.errors import InvalidField
 
 SUPPORTED = frozenset({
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
@@ -145,15 +146,7 @@ def parse_responses_request(raw: bytes) -> ResponsesRequest:
 
 def load_body(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object, or InvalidJSON."""
-    if not raw.strip():
-        raise InvalidJSON("the body is empty (expected a JSON object with model and input)")
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidJSON(str(exc)) from None
-    if not isinstance(body, dict):
-        raise InvalidJSON(f"expected a JSON object, got {_kind(body)}")
-    return body
+    return json_object(raw, "a JSON object with model and input")
 
 
 def item_references(body: Mapping[str, Any]) -> list[tuple[int, str]]:

@@ -31,7 +31,7 @@ from gateway.server import context as ctx
 from gateway.server.cancels import RunBusy, cancel_event
 from gateway.server.config import TeamConfig
 from gateway.server.continuations import resume_with
-from gateway.server.errors import Conflict, Forbidden, InvalidJSON, NotFound
+from gateway.server.errors import Conflict, Forbidden, NotFound
 from gateway.server.driver import Prepare
 from gateway.server.harness_route import DRIVER, answer
 from gateway.server.headers import run_headers
@@ -41,7 +41,7 @@ from gateway.server.runs import update_run
 from gateway.server.runs_input import approval_input, cancel_reason, events_after, follow, list_query, resume_input
 from gateway.server.sse import ClientGone, SSEStream
 from gateway.server.tracelog import TraceWriter
-from gateway.server.validation import check_depth
+from gateway.server.validation import check_depth, json_object
 
 FOLLOW_POLL_S: Final = 0.05
 STATUS_CHECK_S: Final = 1.0
@@ -120,13 +120,8 @@ def _public_event(run: RunState, event: dict[str, Any]) -> dict[str, Any]:
 async def _body(request: web.Request) -> dict[str, Any]:
     raw = await read_body(request, request.app[ctx.CONFIG].server.max_body_bytes)
     if not raw.strip():
-        return {}
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidJSON(str(exc)) from None
-    if not isinstance(body, dict):
-        raise InvalidJSON("expected a JSON object")
+        return {}  # these bodies are all optional
+    body = json_object(raw, "a JSON object")
     check_depth(body)
     return body
 

@@ -12,7 +12,9 @@ import math
 from collections.abc import Mapping
 from typing import Any, Final
 
-from gateway.server.errors import InvalidField
+import orjson
+
+from gateway.server.errors import InvalidField, InvalidJSON
 
 MAX_DEPTH: Final = 64
 """Containers (objects, arrays) nested in a body, counting the body itself: deeper bodies
@@ -141,3 +143,17 @@ def query_int(raw: str, name: str, low: int, high: int) -> int:
     if not low <= value <= high:
         raise InvalidField(name, f"{name} must be an integer from {low} to {high}, got {shown}", "invalid_value")
     return value
+
+
+def json_object(raw: bytes, expected: str) -> dict[str, Any]:
+    """A request body as a JSON object, else InvalidJSON saying what was `expected`
+    (e.g. "a JSON object with model and messages")."""
+    if not raw.strip():
+        raise InvalidJSON(f"the body is empty (expected {expected})")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidJSON(str(exc)) from None
+    if not isinstance(body, dict):
+        raise InvalidJSON(f"expected a JSON object, got {kind(body)}")
+    return body
