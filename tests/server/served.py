@@ -3,7 +3,7 @@
 The config lives in a temp folder: the shipped policies plus two test policies
 (`hybrid`: only list_files runs server-side, so a client-supplied read_file comes back to
 the client; `files_expiring`: approvals expire after 50 ms; `limited`: 3 tool calls, no
-dedupe; `timed`: 1 s of wall-clock), a SQLite store, teams demo
+dedupe; `timed`: 2 s of wall-clock), a SQLite store, teams demo
 (sk-demo, runs the policies), ops (sk-ops, the approver), other (sk-other) and poor
 (sk-poor, a team budget of $0.001: too little for one turn's reservation).
 """
@@ -29,7 +29,7 @@ PLAN_ANSWER = "errors.log mentions a timeout: worker 7 timed out after 30000 ms.
 TASK = [{"role": "user", "content": "Which file mentions a timeout?"}]
 EXPIRES_AFTER_S = 0.05
 LIMITED_TOOL_CALLS = 3
-TIMED_DURATION_S = 1.0
+TIMED_DURATION_S = 2.0  # under the 3 s scan_archive, over a model turn on a busy machine
 """Less than the 3 s scan_archive takes, far more than a scripted turn."""
 
 

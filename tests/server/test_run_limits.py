@@ -133,7 +133,7 @@ async def test_tool_call_cap_stops_exactly_and_resume_raises_it(served: Served,
 
 async def test_wall_clock_cap_stops_before_the_next_step_and_resume_extends_it(
         served: Served, session: aiohttp.ClientSession) -> None:
-    # scan_archive takes 3 s, more than the 1 s cap: the deadline cuts it short, and it stays pending.
+    # scan_archive takes 3 s, more than the 2 s cap: the deadline cuts it short, and it stays pending.
     status, _, body = await chat(session, served, chat_body("scripted-slow"), "timed", "timed-1")
     assert status == 200 and body["run"]["status"] == "max_duration_exceeded", body
     assert answer(body) == f"The run stopped: it reached its cap of {TIMED_DURATION_S:g} seconds of wall-clock time."
