@@ -228,11 +228,7 @@ def _tool_calls(calls: Any, path: str) -> None:
             raise InvalidField(f"{where}.id", f"{where}.id is required (the id its tool message answers)",
                                "missing_field")
         optional_str(call, "id", f"{where}.id", non_empty=True)
-        if call.get("type") != "function":
-            got = call.get("type")
-            raise InvalidField(f"{where}.type", f"{where}.type must be \"function\", got "
-                                                f"{repr(got) if isinstance(got, str) else kind(got)}",
-                               "missing_field" if got is None else "invalid_value")
+        _function_type(call, where)
         function = call.get("function")
         if function is None:
             raise InvalidField(f"{where}.function", f"{where}.function is required ({{name, arguments}})",
@@ -283,11 +279,7 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
             raise wrong_type(where, "a tool object ({type: \"function\", function: {...}})", tool)
-        if tool.get("type") != "function":
-            got = tool.get("type")
-            raise InvalidField(f"{where}.type", f"{where}.type must be \"function\", got "
-                                                f"{repr(got) if isinstance(got, str) else kind(got)}",
-                               "missing_field" if got is None else "invalid_value")
+        _function_type(tool, where)
         function = tool.get("function")
         if function is None:
             raise InvalidField(f"{where}.function", f"{where}.function is required", "missing_field")
@@ -423,3 +415,12 @@ def _checks() -> dict[str, Callable[[Mapping[str, Any], str], object]]:
 
 CHECKS: Final = _checks()
 """Every known field but model and messages -> its check, called as check(body, field)."""
+
+
+def _function_type(item: Mapping[str, Any], where: str) -> None:
+    """A tool or tool call's `type`: only "function" is served."""
+    got = item.get("type")
+    if got != "function":
+        raise InvalidField(f"{where}.type", f"{where}.type must be \"function\", got "
+                                            f"{repr(got) if isinstance(got, str) else kind(got)}",
+                           "missing_field" if got is None else "invalid_value")
