@@ -16,10 +16,11 @@ HTTP upstream served by this test (so it can count what reaches it, bill every c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,19 +74,27 @@ class Upstream:
                                   "choices": choices, "usage": usage})
 
 
+@contextlib.asynccontextmanager
+async def serving(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> AsyncIterator[str]:
+    """A real HTTP upstream on loopback answering chat completions with `handler`; yields
+    its base URL (`.../v1`)."""
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        await runner.cleanup()
+
+
 @pytest.fixture
 async def upstream() -> AsyncIterator[Upstream]:
     state = Upstream()
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", state.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    site = web.TCPSite(runner, "127.0.0.1", port)
-    await site.start()
-    state.url = f"http://127.0.0.1:{port}/v1"
-    yield state
-    await runner.cleanup()
+    async with serving(state.handle) as state.url:
+        yield state
 
 
 def write_policies(parent: Path) -> Path:
@@ -265,53 +274,47 @@ class Hanging(Upstream):
 async def test_a_crash_under_load_blocks_the_team_no_longer_than_the_lease(
         tmp_path: Path, session: aiohttp.ClientSession, same_address: bool) -> None:
     hanging = Hanging(wanted=32)
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", hanging.handle)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    up_port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", up_port).start()
-    url = f"http://127.0.0.1:{up_port}/v1"
-    store = {"kind": "sqlite", "path": "./gateway.db"}
-    first = start(tmp_path / "one", url, store, budget_usd=1.0)
-    try:
-        # 32 calls of team adm ($1 budget) in flight, each holding its prompt + 2,600 tokens:
-        # the whole budget is held when the process dies.
-        flying = [asyncio.ensure_future(chat(session, first, KEY, {"model": "hang", "messages": TASK,
-                                                                   "max_tokens": 2600}))
-                  for _ in range(32)]
-        await asyncio.wait_for(hanging.arrived.wait(), 30)
-        held = await SqliteStore(tmp_path / "one" / "gateway.db").team_spend("adm", "total")
-        assert held[1] > 0.99  # 32 x (prompt + 2,600 tokens): nothing is left for another call
-        first.kill()
-        for task in flying:
-            task.cancel()
-        await asyncio.gather(*flying, return_exceptions=True)
-        if same_address:
-            port = int(first.url.rsplit(":", 1)[1])
-            config = tmp_path / "one" / "config.yaml"
-            second = start_gateway(["serve", "--config", str(config)], "/healthz", port, tmp_path / "one" / "2.log")
-        else:
-            second = start(tmp_path / "two", url, {"kind": "sqlite", "path": str(tmp_path / "one" / "gateway.db")},
-                           budget_usd=1.0)
+    async with serving(hanging.handle) as url:
+        store = {"kind": "sqlite", "path": "./gateway.db"}
+        first = start(tmp_path / "one", url, store, budget_usd=1.0)
         try:
-            loop = asyncio.get_running_loop()
-            crashed_at = loop.time()
-            store_view = SqliteStore(tmp_path / "one" / "gateway.db")
-            if same_address:  # its own holds were released at start, before it answered /healthz
-                assert (await store_view.team_spend("adm", "total"))[1] == 0
-            while (await store_view.team_spend("adm", "total"))[1] > 0:
-                # the acceptance bound: server.lease_ttl_s (5) + 5 s
-                assert loop.time() - crashed_at < 5 + 5, "the dead process's holds outlived its lease"
-                await asyncio.sleep(0.1)  # polling the ledger, as an operator's dashboard would
-            status, _, reply = await chat(session, second, KEY, {"model": "ok", "messages": TASK})
-            assert status == 200, reply
-            await store_view.close()
+            # 32 calls of team adm ($1 budget) in flight, each holding its prompt + 2,600 tokens:
+            # the whole budget is held when the process dies.
+            flying = [asyncio.ensure_future(chat(session, first, KEY, {"model": "hang", "messages": TASK,
+                                                                       "max_tokens": 2600}))
+                      for _ in range(32)]
+            await asyncio.wait_for(hanging.arrived.wait(), 30)
+            held = await SqliteStore(tmp_path / "one" / "gateway.db").team_spend("adm", "total")
+            assert held[1] > 0.99  # 32 x (prompt + 2,600 tokens): nothing is left for another call
+            first.kill()
+            for task in flying:
+                task.cancel()
+            await asyncio.gather(*flying, return_exceptions=True)
+            if same_address:
+                port = int(first.url.rsplit(":", 1)[1])
+                config = tmp_path / "one" / "config.yaml"
+                second = start_gateway(["serve", "--config", str(config)], "/healthz", port,
+                                       tmp_path / "one" / "2.log")
+            else:
+                second = start(tmp_path / "two", url,
+                               {"kind": "sqlite", "path": str(tmp_path / "one" / "gateway.db")}, budget_usd=1.0)
+            try:
+                loop = asyncio.get_running_loop()
+                crashed_at = loop.time()
+                store_view = SqliteStore(tmp_path / "one" / "gateway.db")
+                if same_address:  # its own holds were released at start, before it answered /healthz
+                    assert (await store_view.team_spend("adm", "total"))[1] == 0
+                while (await store_view.team_spend("adm", "total"))[1] > 0:
+                    # the acceptance bound: server.lease_ttl_s (5) + 5 s
+                    assert loop.time() - crashed_at < 5 + 5, "the dead process's holds outlived its lease"
+                    await asyncio.sleep(0.1)  # polling the ledger, as an operator's dashboard would
+                status, _, reply = await chat(session, second, KEY, {"model": "ok", "messages": TASK})
+                assert status == 200, reply
+                await store_view.close()
+            finally:
+                second.stop()
         finally:
-            second.stop()
-    finally:
-        first.stop()
-        await runner.cleanup()
+            first.stop()
 
 
 async def test_a_pass_through_run_past_its_wall_clock_cap_is_refused(

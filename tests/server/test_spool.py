@@ -28,7 +28,7 @@ from gateway.harness.state import scoped_run_id
 from gateway.harness.usage import Price, Usage
 from gateway.store.redis import RedisStore
 from gateway.tokens import get_counter
-from tests.server.test_admission import KEY, TASK, chat, start
+from tests.server.test_admission import KEY, TASK, chat, serving, start
 from tests.store.conftest import _start_redis
 from tests.support.procs import free_port
 
@@ -71,16 +71,9 @@ def start_redis(workdir: Path, port: int) -> subprocess.Popen[bytes]:
 @pytest.fixture
 async def held() -> AsyncIterator[HeldUpstream]:
     state = HeldUpstream()
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", state.handle)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    state.url = f"http://127.0.0.1:{port}/v1"
-    yield state
-    state.release.set()
-    await runner.cleanup()
+    async with serving(state.handle) as state.url:
+        yield state
+        state.release.set()
 
 
 async def test_turns_paid_during_a_store_outage_are_booked_once_when_it_returns(
