@@ -31,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", default="config.yaml", help="config file (default ./config.yaml)")
     serve.add_argument("--host", help="override server.host")
     serve.add_argument("--port", type=int, help="override server.port")
+    serve.add_argument("--workers", default="1",
+                       help="processes serving the port (default 1; 'auto' = the CPU cores); see docs/config.md")
+    serve.add_argument("--loop", choices=["auto", "uvloop", "asyncio"], default="auto",
+                       help="event loop: uvloop when installed (extra 'fast'), else asyncio (default auto)")
+    serve.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)  # set by the supervisor
+    serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
 
     scripted = sub.add_parser("scripted", help="serve the scripted provider alone")
     scripted.add_argument("--host", default="127.0.0.1")

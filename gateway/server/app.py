@@ -117,8 +117,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     store = app[ctx.STORE]
     session = new_session()
     app[ctx.SESSION] = session
-    governor = Governor(store, app[ctx.COUNTER], config.defaults, owner=process_owner(app.get(ctx.SELF_URL)),
-                        ttl_s=config.server.lease_ttl_s)
+    owner = process_owner(app.get(ctx.SELF_URL), app.get(ctx.WORKER))
+    governor = Governor(store, app[ctx.COUNTER], config.defaults, owner=owner, ttl_s=config.server.lease_ttl_s)
     app[ctx.GOVERNOR] = governor
     upstreams = ctx.Upstreams(config, session, app.get(ctx.SCRIPTED_KEY))
     upstreams.self_url = app.get(ctx.SELF_URL)
@@ -154,11 +154,14 @@ async def _replay_spool_forever(app: web.Application) -> None:
         await asyncio.sleep(SPOOL_REPLAY_S)
 
 
-def process_owner(self_url: str | None) -> str:
+def process_owner(self_url: str | None, worker: int | None = None) -> str:
     """Who holds this process's leases and reservations: the same name after a restart at
-    the same address (so it takes back its own at once); never shared by two live processes."""
+    the same address (and worker index, `--workers`), so it takes back its own at once;
+    never shared by two live processes."""
     host = socket.gethostname()
-    return f"{host}/{self_url}" if self_url else f"{host}/pid{os.getpid()}-{os.urandom(4).hex()}"
+    if not self_url:
+        return f"{host}/pid{os.getpid()}-{os.urandom(4).hex()}"
+    return f"{host}/{self_url}" if worker is None else f"{host}/{self_url}/worker{worker}"
 
 
 def _scripted_guard(keyring: KeyRing, own_key: str) -> Middleware:
@@ -175,9 +178,10 @@ def _scripted_guard(keyring: KeyRing, own_key: str) -> Middleware:
     return guard
 
 
-def build_app(config: Config, *, self_url: str | None = None) -> web.Application:
+def build_app(config: Config, *, self_url: str | None = None, worker: int | None = None) -> web.Application:
     """The gateway app. `self_url` (e.g. http://127.0.0.1:8080) addresses the scripted
-    mount; without it the address is learnt from the first request."""
+    mount; without it the address is learnt from the first request. `worker`: this
+    process's index among `gateway serve --workers N`'s (None: the only process)."""
     app = web.Application(middlewares=[gateway_middleware], client_max_size=config.server.max_body_bytes)
     app[ctx.CONFIG] = config
     app[ctx.POLICIES] = load_policies(config)
@@ -189,6 +193,8 @@ def build_app(config: Config, *, self_url: str | None = None) -> web.Application
     app[ctx.SPOOL] = Spool(config.spool_file)
     if self_url is not None:
         app[ctx.SELF_URL] = self_url.rstrip("/")
+    if worker is not None:
+        app[ctx.WORKER] = worker
     app.cleanup_ctx.append(_resources)
     app.cleanup_ctx.append(retention.background)
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -75,6 +75,8 @@ GOVERNOR: Final = web.AppKey("governor", Governor)
 UPSTREAMS: Final = web.AppKey("upstreams", Upstreams)
 HARNESS: Final = web.AppKey[HarnessHandler]("harness")
 SELF_URL: Final = web.AppKey("self_url", str)
+WORKER: Final = web.AppKey("worker", int)
+"""This process's index among `gateway serve --workers N`'s; absent when it serves alone."""
 SPOOL: Final = web.AppKey("spool", Spool)
 SCRIPTED_KEY: Final = web.AppKey("scripted_key", str)
 """A random secret made at start: the key of the gateway's own calls to its scripted mount."""

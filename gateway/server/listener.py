@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
+from typing import Literal
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong, PayloadEncodingError
@@ -28,6 +30,7 @@ from gateway.server.errors import ApiError, InternalError
 
 log = logging.getLogger(__name__)
 
+LoopKind = Literal["auto", "uvloop", "asyncio"]
 HEADERS_TOO_LARGE = 431
 TOO_MANY_HEADERS = "Too many headers received"
 
@@ -81,24 +84,44 @@ class GatewayRunner(web.AppRunner):
         return server
 
 
-async def _serve(app: web.Application, host: str, port: int) -> None:
+async def _serve(app: web.Application, host: str, port: int, reuse_port: bool,
+                 ready: Callable[[], None] | None) -> None:
     runner = GatewayRunner(app, handle_signals=True, access_log=None)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
+        if ready is not None:
+            ready()
         while True:
             await asyncio.sleep(3600)
     finally:
         await runner.cleanup()
 
 
-def run(app: web.Application, host: str, port: int) -> None:
-    """Serve `app` until SIGINT or SIGTERM, then shut it down like `web.run_app`."""
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    main = loop.create_task(_serve(app, host, port))
+def new_loop(kind: LoopKind = "auto") -> asyncio.AbstractEventLoop:
+    """uvloop's event loop when asked for or (`auto`) when installed (extra `fast`), else asyncio's."""
+    if kind != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if kind == "uvloop":
+                raise SystemExit("gateway: --loop uvloop needs uvloop installed (pip install 'gateway[fast]')") from None
+        else:
+            new: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+            return new
+    return asyncio.new_event_loop()
+
+
+def run(app: web.Application, host: str, port: int, *, reuse_port: bool = False,
+        ready: Callable[[], None] | None = None, loop: LoopKind = "auto") -> None:
+    """Serve `app` until SIGINT or SIGTERM, then shut it down like `web.run_app`. With
+    `reuse_port`, other processes may listen on the same port (workers); `ready` is called
+    once the socket listens."""
+    loop_ = new_loop(loop)
+    asyncio.set_event_loop(loop_)
+    main = loop_.create_task(_serve(app, host, port, reuse_port, ready))
     try:
-        loop.run_until_complete(main)
+        loop_.run_until_complete(main)
     except (web.GracefulExit, KeyboardInterrupt):
         pass
     finally:
@@ -106,12 +129,12 @@ def run(app: web.Application, host: str, port: int) -> None:
             if not main.done():
                 main.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    loop.run_until_complete(main)
-            pending = asyncio.all_tasks(loop)
+                    loop_.run_until_complete(main)
+            pending = asyncio.all_tasks(loop_)
             for task in pending:
                 task.cancel()
-            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop_.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop_.run_until_complete(loop_.shutdown_asyncgens())
         finally:
             asyncio.set_event_loop(None)
-            loop.close()
+            loop_.close()

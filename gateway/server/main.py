@@ -21,6 +21,7 @@ from gateway.server.admin import reload_policies
 from gateway.server.app import build_app
 from gateway.server.config import ConfigError, load_config
 from gateway.server.listener import run
+from gateway.server.workers import parse_workers, signal_ready, supervise
 
 
 GC_YOUNG_THRESHOLD = 20_000
@@ -62,19 +63,36 @@ async def _reload_on_sighup(app: web.Application) -> AsyncIterator[None]:
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    """Run the gateway; flags --config, --host, --port (override server.host/port)."""
+    """Run the gateway; flags --config, --host, --port (override server.host/port),
+    --workers (processes sharing the port, `gateway.server.workers`), --loop."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    worker: int | None = getattr(args, "worker_index", None)
+    try:
+        workers = parse_workers(str(getattr(args, "workers", "1")))
+    except ValueError as exc:
+        print(f"gateway: {exc}", file=sys.stderr)
+        return 2
     try:
         config = load_config(args.config)
         host = args.host or config.server.host
         port = args.port if args.port is not None else config.server.port
-        app = build_app(config, self_url=_self_url(host, port) if port else None)
+        if worker is None and workers > 1:
+            if config.store.kind == "memory":
+                raise ConfigError(str(config.path), "store.kind",
+                                  f"--workers {workers} needs a store the workers share (sqlite or redis); the "
+                                  "memory store lives in one process")
+            argv = ["--config", str(args.config), "--loop", getattr(args, "loop", "auto")]
+            return supervise(argv, workers, host, port)
+        app = build_app(config, self_url=_self_url(host, port) if port else None, worker=worker)
     except ConfigError as exc:
         print(f"gateway: config error: {exc}", file=sys.stderr)
         return 2
     app.cleanup_ctx.append(_reload_on_sighup)
     app.on_startup.append(_settle_heap)  # runs after the cleanup contexts have set up
-    print(f"gateway: serving on {_self_url(host, port)} (config {config.path}, store {config.store.kind})",
-          file=sys.stderr, flush=True)
-    run(app, host, port)  # web.run_app, with parser errors (oversized headers) in the OpenAI shape
+    if worker is None:
+        print(f"gateway: serving on {_self_url(host, port)} (config {config.path}, store {config.store.kind})",
+              file=sys.stderr, flush=True)
+    # web.run_app, with parser errors (oversized headers) in the OpenAI shape
+    run(app, host, port, reuse_port=worker is not None, ready=signal_ready(getattr(args, "ready_fd", None)),
+        loop=getattr(args, "loop", "auto"))
     return 0

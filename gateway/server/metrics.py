@@ -11,6 +11,7 @@ text format otherwise).
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar, Token
@@ -18,6 +19,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from gateway.harness.usage import Usage
 
@@ -73,6 +75,9 @@ class Metrics:
 
     def __init__(self, known_models: Iterable[str] = (), upstreams: Iterable[str] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # `gateway serve --workers N` sets it: every worker writes its figures to files in
+        # that folder, and a scrape of any worker reads all of them (no exemplars then).
+        self.multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
         self.known_models = frozenset(known_models)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._turn_children: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}
@@ -109,12 +114,14 @@ class Metrics:
                                   registry=r,
                                   buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
         self.team_spend = Gauge("gateway_team_spend_usd", "Team spend in the current budget period (ledger).",
-                                ["team"], registry=r)
+                                ["team"], registry=r, multiprocess_mode="mostrecent")
         self.team_remaining = Gauge("gateway_team_budget_remaining_usd",
-                                    "Team budget left in the period (budget - spent - reserved).", ["team"], registry=r)
+                                    "Team budget left in the period (budget - spent - reserved).", ["team"], registry=r,
+                                    multiprocess_mode="mostrecent")
         self.approvals_pending = Gauge("gateway_approvals_pending", "Calls waiting for a person's decision.",
-                                       ["team"], registry=r)
-        self.runs_active = Gauge("gateway_runs_active", "Runs with a call in progress in this process.", registry=r)
+                                       ["team"], registry=r, multiprocess_mode="mostrecent")
+        self.runs_active = Gauge("gateway_runs_active", "Runs with a call in progress (summed over the live workers).",
+                                 registry=r, multiprocess_mode="livesum")
         self.turns_per_run = Histogram("gateway_turns_per_run", "Turns of a run when it stops.", ["team", "policy"],
                                        registry=r, buckets=(1, 2, 3, 5, 8, 13, 20, 30, 50, 100, 200))
         self.cost_per_run = Histogram("gateway_cost_per_run_usd", "Cost of a run when it stops.", ["team", "policy"],
@@ -205,13 +212,21 @@ class Metrics:
         if remaining is not None:
             self.team_remaining.labels(team).set(remaining)
 
+    def _scraped(self) -> CollectorRegistry:
+        """What a scrape reads: this registry, or every worker's files in multiprocess mode."""
+        if self.multiprocess_dir is None:
+            return self.registry
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, self.multiprocess_dir)  # type: ignore[no-untyped-call]
+        return merged
+
     def render(self) -> bytes:
         """The classic text format (no exemplars)."""
-        return bytes(generate_latest(self.registry))
+        return bytes(generate_latest(self._scraped()))
 
     def exposition(self, accept: str | None) -> tuple[bytes, str]:
         """(body, Content-Type) for a scrape sending `accept`: OpenMetrics, with the run-id
         exemplars, when it asks for OpenMetrics 1.0 (as Prometheus does); the classic text
         format otherwise."""
         encoder, content_type = choose_encoder(accept or "")
-        return bytes(encoder(self.registry)), content_type
+        return bytes(encoder(self._scraped())), content_type

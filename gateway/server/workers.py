@@ -1,0 +1,273 @@
+"""`gateway serve --workers N`: N gateway processes serving one port, under one supervisor.
+
+The supervisor (the process the user started) checks the config, reserves the port (a
+socket bound with SO_REUSEPORT that never listens, so `--port 0` works too), and starts
+N workers: `python -m gateway serve` with the same config and the resolved host and port,
+plus `--worker-index I`. Each worker is a full gateway over the shared store, listening
+on its own SO_REUSEPORT socket of that port, so the kernel spreads new connections over
+the workers. What each worker holds in the store (reservations, leases) is named after
+its index (`app.process_owner`), so a restarted worker takes back its own holds at once.
+
+Metrics are aggregated with prometheus-client's multiprocess mode: the supervisor gives
+every worker one shared folder (PROMETHEUS_MULTIPROC_DIR), each worker writes its figures
+there, and whichever worker a scrape lands on answers for all of them (docs/metrics.md).
+
+Lifecycle (docs/config.md, "Workers"):
+- SIGTERM or SIGINT to the supervisor: SIGTERM to every worker, which drains and stops as
+  a single gateway does; a worker still alive after `STOP_GRACE_S` is killed.
+- SIGHUP to the supervisor: forwarded to every worker (each reloads its policies).
+- A worker that dies after it was serving is started again (same index, so it releases
+  what its previous life held); one that fails before it serves (a bad store, a port
+  taken) stops the whole server with its exit code, since a restart would fail alike.
+- The supervisor dying (even SIGKILL) kills its workers (PR_SET_PDEATHSIG on Linux), so
+  nothing keeps serving the port behind a dead parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 20.0
+"""How long a worker may take to drain after SIGTERM before it is killed."""
+RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
+"""Pauses before restarting a worker that died, growing while it keeps dying."""
+READY = b"r"
+"""What a worker writes to its readiness pipe once it listens."""
+PR_SET_PDEATHSIG = 1
+
+
+def parse_workers(value: str) -> int:
+    """`--workers`: a count >= 1, or `auto` (the CPU cores this process may use)."""
+    if value == "auto":
+        return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"--workers must be a whole number >= 1 or 'auto', got {value!r}") from None
+    if not 1 <= n <= 256:
+        raise ValueError(f"--workers must be between 1 and 256 (or 'auto'), got {n}")
+    return n
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port) with SO_REUSEPORT that never listens: it holds the
+    port (resolving port 0) while the workers bind their own listening sockets to it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def die_with_parent() -> None:
+    """In a worker, before exec: the kernel kills it when the supervisor dies (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def signal_ready(fd: int | None) -> Callable[[], None] | None:
+    """In a worker: the callback that tells the supervisor it listens (once)."""
+    if fd is None:
+        return None
+
+    def ready() -> None:
+        with contextlib.suppress(OSError):
+            os.write(fd, READY)
+            os.close(fd)
+
+    return ready
+
+
+@dataclass
+class _Worker:
+    index: int
+    popen: subprocess.Popen[bytes] | None = None
+    ready_fd: int | None = None
+    serving: bool = False
+    deaths: int = 0
+    restart_at: float | None = None
+    started_at: float = field(default_factory=time.monotonic)
+
+
+class Supervisor:
+    """Starts, watches and stops the workers of one `gateway serve --workers N`."""
+
+    def __init__(self, argv: list[str], count: int, host: str, port: int) -> None:
+        self.argv = argv  # `gateway serve` arguments every worker gets (config, host, port)
+        self.count = count
+        self.host = host
+        self.port = port
+        self.workers = [_Worker(i) for i in range(count)]
+        self.metrics_dir = tempfile.mkdtemp(prefix="gateway-metrics-")
+        self.selector = selectors.DefaultSelector()
+        self.stopping = False
+        self.exit_code = 0
+
+    def _spawn(self, w: _Worker) -> None:
+        read_fd, write_fd = os.pipe()
+        env = dict(os.environ)
+        env["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir
+        args = [sys.executable, "-m", "gateway", "serve", *self.argv, "--worker-index", str(w.index),
+                "--ready-fd", str(write_fd)]
+        try:
+            w.popen = subprocess.Popen(args, env=env, pass_fds=(write_fd,), preexec_fn=die_with_parent)
+        finally:
+            os.close(write_fd)
+        w.ready_fd, w.serving, w.restart_at, w.started_at = read_fd, False, None, time.monotonic()
+        self.selector.register(read_fd, selectors.EVENT_READ, w)
+
+    def _forget_pipe(self, w: _Worker) -> None:
+        if w.ready_fd is not None:
+            self.selector.unregister(w.ready_fd)
+            os.close(w.ready_fd)
+            w.ready_fd = None
+
+    def _on_ready(self, w: _Worker) -> None:
+        assert w.ready_fd is not None
+        data = b""
+        with contextlib.suppress(OSError):
+            data = os.read(w.ready_fd, 1)
+        self._forget_pipe(w)
+        if data == READY:
+            w.serving = True
+            if all(x.serving for x in self.workers):
+                print(f"gateway: {self.count} workers serving on port {self.port}", file=sys.stderr, flush=True)
+
+    def _reap(self, w: _Worker) -> None:
+        """A worker exited: restart it, or stop everything if it never served."""
+        assert w.popen is not None
+        code = w.popen.returncode
+        self._forget_pipe(w)
+        self._mark_dead(w.popen.pid)
+        w.popen = None
+        if self.stopping:
+            return
+        if not w.serving:
+            log.error("worker %d exited with %s before it served; stopping the gateway", w.index, code)
+            self.exit_code = code if isinstance(code, int) and code > 0 else 1
+            self.stop()
+            return
+        w.deaths = w.deaths + 1 if time.monotonic() - w.started_at < 60 else 1
+        pause = RESTART_BACKOFF_S[min(w.deaths, len(RESTART_BACKOFF_S)) - 1]
+        log.error("worker %d exited with %s; restarting it in %.1f s", w.index, code, pause)
+        print(f"gateway: worker {w.index} exited with {code}; restarting it", file=sys.stderr, flush=True)
+        w.restart_at = time.monotonic() + pause
+
+    def _mark_dead(self, pid: int) -> None:
+        with contextlib.suppress(Exception):
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(pid, self.metrics_dir)  # type: ignore[no-untyped-call]
+
+    def stop(self) -> None:
+        """SIGTERM to every worker (once); `run` then waits for them."""
+        if self.stopping:
+            return
+        self.stopping = True
+        for w in self.workers:
+            if w.popen is not None and w.popen.poll() is None:
+                w.popen.send_signal(signal.SIGTERM)
+
+    def forward(self, signum: int) -> None:
+        for w in self.workers:
+            if w.popen is not None and w.popen.poll() is None:
+                w.popen.send_signal(signum)
+
+    def run(self) -> int:
+        """Serve until SIGTERM/SIGINT (or a worker that cannot start); returns the exit code."""
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        os.set_blocking(wake_r, False)
+        self.selector.register(wake_r, selectors.EVENT_READ, None)
+        old_wakeup = signal.set_wakeup_fd(wake_w)
+        pending: list[int] = []
+        handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD)
+        previous = {s: signal.signal(s, lambda signum, _frame: pending.append(signum)) for s in handled}
+        try:
+            for w in self.workers:
+                self._spawn(w)
+            self._loop(wake_r, pending)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            signal.set_wakeup_fd(old_wakeup)
+            self.stop()
+            self._wait_all()
+            self.selector.close()
+            os.close(wake_r)
+            os.close(wake_w)
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        return self.exit_code
+
+    def _loop(self, wake_r: int, pending: list[int]) -> None:
+        while True:
+            now = time.monotonic()
+            due = [w.restart_at for w in self.workers if w.restart_at is not None]
+            timeout = max(0.0, min(due) - now) if due else None
+            for key, _ in self.selector.select(timeout):
+                if key.data is None:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(wake_r, 512)
+                else:
+                    self._on_ready(key.data)
+            while pending:
+                signum = pending.pop(0)
+                if signum in (signal.SIGTERM, signal.SIGINT):
+                    self.stop()
+                elif signum == signal.SIGHUP:
+                    self.forward(signal.SIGHUP)
+            for w in self.workers:
+                if w.popen is not None and w.popen.poll() is not None:
+                    self._reap(w)
+            if self.stopping:
+                return
+            now = time.monotonic()
+            for w in self.workers:
+                if w.popen is None and w.restart_at is not None and w.restart_at <= now:
+                    self._spawn(w)
+
+    def _wait_all(self) -> None:
+        deadline = time.monotonic() + STOP_GRACE_S
+        for w in self.workers:
+            if w.popen is None:
+                continue
+            try:
+                w.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.error("worker %d did not stop within %.0f s; killing it", w.index, STOP_GRACE_S)
+                w.popen.kill()
+                w.popen.wait()
+            self._forget_pipe(w)
+
+
+def supervise(argv: list[str], count: int, host: str, port: int) -> int:
+    """Reserve the port, run `count` workers until stopped; the exit code."""
+    try:
+        holder = reserve_port(host, port)
+    except OSError as exc:
+        print(f"gateway: cannot bind {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    with holder:
+        bound = int(holder.getsockname()[1])
+        return Supervisor([*argv, "--host", host, "--port", str(bound)], count, host, bound).run()
