@@ -1,33 +1,53 @@
-"""What the gateway costs on the hot path, next to a bare 30-line aiohttp proxy.
+"""What the gateway costs on the hot path, at every shape of traffic, next to a 30-line proxy.
 
-One run starts three real processes on loopback: the scripted upstream (`gateway
-scripted`), a minimal pass-through proxy (below, `MINIMAL_PROXY`) and the gateway
-(`gateway serve`, SQLite store, a team with a budget so every call is reserved and
-settled). It then measures non-streamed chat calls straight to the upstream, through the
-proxy and through the gateway at concurrency 1 and 32 (p50/p99 latency, requests/s),
-the time to the first streamed chunk through the gateway vs direct, and the gateway's
-resident memory. Figures are printed as a table plus the ratios the targets name:
+One run starts real processes on loopback: the scripted upstream (`gateway scripted`), a
+minimal aiohttp pass-through proxy (`MINIMAL_PROXY`, the floor), a redis-server, and
+gateways (`gateway serve`) on SQLite and on Redis, each with a team budget so that every
+call is reserved and settled. It then measures a matrix of cells:
 
-    gateway overhead (p50 - direct p50) <= 2x the minimal proxy's
-    gateway req/s at c=32               >= 0.5x the minimal proxy's
-    gateway RSS                         <  100 MB
+    {same run (10 turns per X-Run-Id), new run per call, no X-Run-Id}
+      x {SQLite, Redis} x {c=1, c=32} x {non-streamed latency and req/s, streamed TTFB}
 
-Run: `.venv/bin/python benchmarks/proxy_overhead.py [--requests 2000] [--no-team-budget]`.
-All three servers and the load generator share the machine, so absolute numbers say
-more about the machine than about the gateway; the ratios are the point.
+Each cell measures, back to back: the upstream directly, the floor proxy, the gateway.
+Added latency = p50 - direct p50; a cell's figure is the gateway's added latency as a
+ratio to the floor's, its req/s as a ratio to the floor's (c=32), its stream's time to
+first byte minus the floor's (c=1), and the gateway's own time per call (the mean of
+`gateway_overhead_seconds` over the cell). The whole matrix is repeated (`--repeat`,
+default 3); the median and the spread (min-max) of every figure are printed, so noise
+is visible. With `--workers 2` the matrix also measures, at c=32, a 2-worker gateway's
+req/s as a ratio to the 1-worker gateway's, in the same repetition. `--compare-loops`
+adds asyncio vs uvloop cells.
+
+Targets (issue 16): added latency <= 1.5x the floor's at c=1 for same-run and new-run
+calls on SQLite, <= 2x on Redis; req/s at c=32 >= 0.7x the floor's; stream TTFB <= the
+floor's + 0.5 ms; --workers 2 at c=32 >= 1.6x one worker's req/s.
+
+`--profile DIR` instead runs every cell once with py-spy (extra `profile`) sampling the
+gateway and prints the top functions by own time (raw stacks kept in DIR).
+
+Run: `.venv/bin/python benchmarks/proxy_overhead.py [--quick] [--requests 1000] [--repeat 3]
+[--workers 2] [--only sqlite] [--loop asyncio]`. All processes and the load generator share
+the machine, so absolute numbers say more about the machine than about the gateway; the
+ratios are the point, and on a shared machine even they swing: read the spread.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
+import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gateway.tools.chapter import FILE_TOOLS, PLAN_TASK, SYSTEM_PROMPT  # noqa: E402
+from tests.store.conftest import _start_redis  # noqa: E402
 from tests.support.procs import Proc, free_port, start_gateway, wait_http  # noqa: E402
 
 MINIMAL_PROXY = '''
@@ -80,17 +101,11 @@ BODY = orjson.dumps({
     "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": PLAN_TASK}],
     "tools": [t.openai() for t in FILE_TOOLS],
 })
+STREAM_BODY = orjson.dumps({**orjson.loads(BODY), "stream": True})
 KEY = "sk-bench"
 TURNS_PER_RUN = 10
-
-
-@dataclass
-class Figures:
-    target: str
-    concurrency: int
-    p50_ms: float
-    p99_ms: float
-    rps: float
+MODES = ("same run", "new run", "no run id")
+STORES = ("sqlite", "redis")
 
 
 def start_proxy(port: int, upstream: str, log: Path) -> Proc:
@@ -102,14 +117,18 @@ def start_proxy(port: int, upstream: str, log: Path) -> Proc:
     return Proc(popen, url, log)
 
 
-def gateway_config(folder: Path, port: int, upstream: str, team_budget: bool, store_dir: Path | None = None) -> Path:
+def gateway_config(folder: Path, port: int, upstream: str, team_budget: bool, store_dir: Path | None = None,
+                   store: dict[str, Any] | None = None) -> Path:
+    """A config with one team (`KEY`) whose calls are governed pass-through; `store`
+    overrides the SQLite file in `store_dir` (or `folder`)."""
+    folder.mkdir(parents=True, exist_ok=True)
     policies = folder / "policies"
-    policies.mkdir(parents=True)
+    policies.mkdir(parents=True, exist_ok=True)
     (policies / "passthrough.yaml").write_text(
         "name: passthrough\nlimits: {max_turns: 100, max_budget_usd: 10.0, budget_mode: turn}\n")
     config = {
         "server": {"host": "127.0.0.1", "port": port},
-        "store": {"kind": "sqlite", "path": str((store_dir or folder) / "gateway.db")},
+        "store": store or {"kind": "sqlite", "path": str((store_dir or folder) / "gateway.db")},
         "policies_dir": "./policies",
         "upstreams": [{"name": "bench", "base_url": upstream}],
         "models": [{"match": "*", "upstream": "bench", "price_in": 2.0, "price_out": 12.0}],
@@ -121,61 +140,113 @@ def gateway_config(folder: Path, port: int, upstream: str, team_budget: bool, st
     return path
 
 
-async def load(url: str, concurrency: int, requests: int, gateway: bool) -> tuple[list[float], float]:
-    """`requests` non-streamed calls from `concurrency` workers; (latencies in s, wall time)."""
+# --- load: a bare keep-alive HTTP/1.1 client, so the load generator costs little CPU -------
+
+
+class RawConnection:
+    """One keep-alive connection that posts a fixed body and reads a Content-Length answer."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, url: str) -> RawConnection:
+        host, port = url.removeprefix("http://").split(":")
+        return cls(*await asyncio.open_connection(host, int(port)))
+
+    async def post(self, head: bytes, body: bytes) -> int:
+        self.writer.write(head + body)
+        raw = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(raw[9:12])
+        match = re.search(rb"(?i)\r\ncontent-length: *(\d+)", raw)
+        if match is None:
+            raise RuntimeError(f"an answer without Content-Length: {raw[:200]!r}")
+        await self.reader.readexactly(int(match.group(1)))
+        return status
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def request_head(path: str, body: bytes, run_id: str | None) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json",
+             f"Authorization: Bearer {KEY}", f"Content-Length: {len(body)}"]
+    if run_id is not None:
+        lines.append(f"X-Run-Id: {run_id}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+_tags = itertools.count()
+
+
+def run_ids(mode: str | None, worker: int) -> Iterator[str | None]:
+    """The X-Run-Id of each call of one load worker in `mode` (None: direct or floor)."""
+    tag = f"{os.getpid()}-{next(_tags)}-{worker}"
+    for n in itertools.count():
+        if mode == "same run":  # a client's agent loop: ten turns per run, then a new run
+            yield f"b{tag}-{n // TURNS_PER_RUN}"
+        elif mode == "new run":
+            yield f"b{tag}-{n}"
+        else:
+            yield None
+
+
+@dataclass
+class Load:
+    p50_ms: float
+    p99_ms: float
+    rps: float
+
+
+async def load(url: str, concurrency: int, requests: int, mode: str | None) -> Load:
+    """`requests` non-streamed calls from `concurrency` connections."""
     latencies: list[float] = []
     remaining = requests
-    connector = aiohttp.TCPConnector(limit=concurrency)
+    conns = [await RawConnection.open(url) for _ in range(concurrency)]
 
-    async with aiohttp.ClientSession(connector=connector) as session:
-        async def worker(wid: int) -> None:
-            nonlocal remaining
-            n = 0
-            while remaining > 0:
-                remaining -= 1
-                headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
-                if gateway:  # a client's agent loop: ten turns per run, then a new run
-                    headers["X-Run-Id"] = f"bench-{os.getpid()}-{concurrency}-{wid}-{n // TURNS_PER_RUN}"
-                started = time.perf_counter()
-                async with session.post(url + "/v1/chat/completions", data=BODY, headers=headers) as resp:
-                    await resp.read()
-                    if resp.status != 200:
-                        raise RuntimeError(f"{url} answered {resp.status}: {await resp.text()}")
-                latencies.append(time.perf_counter() - started)
-                n += 1
+    async def worker(wid: int) -> None:
+        nonlocal remaining
+        ids = run_ids(mode, wid)
+        conn = conns[wid]
+        while remaining > 0:
+            remaining -= 1
+            head = request_head("/v1/chat/completions", BODY, next(ids))
+            started = time.perf_counter()
+            status = await conn.post(head, BODY)
+            latencies.append(time.perf_counter() - started)
+            if status != 200:
+                raise RuntimeError(f"{url} answered {status} ({mode})")
 
+    try:
         started = time.perf_counter()
         await asyncio.gather(*[worker(i) for i in range(concurrency)])
-        return latencies, time.perf_counter() - started
+        wall = time.perf_counter() - started
+    finally:
+        for conn in conns:
+            conn.close()
+    ordered = sorted(latencies)
+    return Load(statistics.median(ordered) * 1000, ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1000,
+                len(latencies) / wall)
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-async def measure(target: str, url: str, concurrency: int, requests: int, gateway: bool) -> Figures:
-    await load(url, concurrency, max(100, requests // 10), gateway)  # warm up connections and caches
-    latencies, wall = await load(url, concurrency, requests, gateway)
-    return Figures(target, concurrency, statistics.median(latencies) * 1000, percentile(latencies, 0.99) * 1000,
-                   len(latencies) / wall)
-
-
-async def ttfb(url: str, n: int, gateway: bool) -> float:
+async def ttfb(url: str, n: int, mode: str | None) -> float:
     """Median time to the first streamed chunk (the upstream waits 20 ms between chunks)."""
-    body = orjson.dumps({**orjson.loads(BODY), "stream": True})
     times = []
+    ids = run_ids(mode, 0)
     async with aiohttp.ClientSession() as session:
-        for i in range(n):
+        for _ in range(n):
             headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}",
                        "X-Scripted-Chunk-Delay-Ms": "20"}
-            if gateway:
-                headers["X-Run-Id"] = f"ttfb-{os.getpid()}-{i}"
+            run_id = next(ids)
+            if run_id is not None:
+                headers["X-Run-Id"] = run_id
             started = time.perf_counter()
-            async with session.post(url + "/v1/chat/completions", data=body, headers=headers) as resp:
+            async with session.post(url + "/v1/chat/completions", data=STREAM_BODY, headers=headers) as resp:
                 await resp.content.readuntil(b"\n\n")
                 times.append(time.perf_counter() - started)
                 await resp.read()
+                if resp.status != 200:
+                    raise RuntimeError(f"{url} answered {resp.status} to a stream ({mode})")
     return statistics.median(times) * 1000
 
 
@@ -185,84 +256,274 @@ async def own_time(url: str) -> tuple[float, float]:
         text = await resp.text()
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
               if line.startswith("gateway_overhead_seconds_")}
-    return values["gateway_overhead_seconds_sum"] * 1000, values["gateway_overhead_seconds_count"]
+    return values.get("gateway_overhead_seconds_sum", 0.0) * 1000, values.get("gateway_overhead_seconds_count", 0.0)
 
 
 def mean_between(before: tuple[float, float], after: tuple[float, float]) -> float:
     return (after[0] - before[0]) / max(1.0, after[1] - before[1])
 
 
-def rss_mb(pid: int) -> tuple[float, float]:
-    """(current, peak) resident set size of a process, in MB."""
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+# --- the matrix -------------------------------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    name: str
+    figures: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, key: str, value: float) -> None:
+        self.figures.setdefault(key, []).append(value)
+
+
+@dataclass
+class Bench:
+    args: argparse.Namespace
+    upstream: Proc
+    proxy: Proc
+    gateways: dict[str, Proc]
+    cells: dict[str, Cell] = field(default_factory=dict)
+
+    def cell(self, name: str) -> Cell:
+        return self.cells.setdefault(name, Cell(name))
+
+    async def latency_cell(self, store: str, mode: str, c: int, profile: Path | None) -> None:
+        n = self.args.requests if c == 1 else self.args.requests * 2
+        gw = self.gateways[store]
+        warm = max(50, n // 10)
+        direct = await load(self.upstream.url, c, n, None)
+        await load(self.proxy.url, c, warm, None)
+        floor = await load(self.proxy.url, c, n, None)
+        await load(gw.url, c, warm, mode)
+        before = await own_time(gw.url)
+        with sampling(gw, profile, f"{store}-{mode}-c{c}"):
+            through = await load(gw.url, c, n, mode)
+        own = mean_between(before, await own_time(gw.url))
+        cell = self.cell(f"{store:<7} {mode:<10} c={c:<3}")
+        floor_added, gw_added = floor.p50_ms - direct.p50_ms, through.p50_ms - direct.p50_ms
+        cell.add("added ms", gw_added)
+        cell.add("floor added ms", floor_added)
+        cell.add("x floor", gw_added / floor_added if floor_added > 0 else float("inf"))
+        cell.add("req/s x floor", through.rps / floor.rps)
+        cell.add("own ms", own)
+
+    async def ttfb_cell(self, store: str, mode: str, profile: Path | None) -> None:
+        n = self.args.streams
+        floor = await ttfb(self.proxy.url, n, None)
+        with sampling(self.gateways[store], profile, f"{store}-{mode}-stream"):
+            through = await ttfb(self.gateways[store].url, n, mode)
+        cell = self.cell(f"{store:<7} {mode:<10} TTFB ")
+        cell.add("floor + ms", through - floor)
+
+    async def workers_cell(self, store: str) -> None:
+        n = self.args.requests * 2
+        one, many = self.gateways[store], self.gateways[f"{store}-w{self.args.workers}"]
+        await load(many.url, 32, max(50, n // 10), "same run")
+        a = await load(one.url, 32, n, "same run")
+        b = await load(many.url, 32, n, "same run")
+        self.cell(f"{store:<7} same run   c=32 workers={self.args.workers}").add("req/s x 1 worker", b.rps / a.rps)
+
+    async def loop_cell(self, c: int) -> None:
+        n = self.args.requests if c == 1 else self.args.requests * 2
+        direct = await load(self.upstream.url, c, n, None)
+        figures = {}
+        for kind in ("asyncio", "uvloop"):
+            gw = self.gateways[f"sqlite-{kind}"]
+            await load(gw.url, c, max(50, n // 10), "same run")
+            figures[kind] = await load(gw.url, c, n, "same run")
+        cell = self.cell(f"sqlite  same run   c={c:<3} uvloop vs asyncio")
+        cell.add("added ms asyncio", figures["asyncio"].p50_ms - direct.p50_ms)
+        cell.add("added ms uvloop", figures["uvloop"].p50_ms - direct.p50_ms)
+        cell.add("req/s uvloop/asyncio", figures["uvloop"].rps / figures["asyncio"].rps)
+
+    async def repetition(self, profile: Path | None = None) -> None:
+        for store in self.args.only:
+            for c in (1, 32):
+                for mode in MODES:
+                    await self.latency_cell(store, mode, c, profile)
+            for mode in MODES:
+                await self.ttfb_cell(store, mode, profile)
+            if self.args.workers > 1 and profile is None:
+                await self.workers_cell(store)
+        if self.args.compare_loops and profile is None:
+            for c in (1, 32):
+                await self.loop_cell(c)
+
+
+class sampling:
+    """py-spy sampling the gateway's process(es) while a cell runs (when profiling)."""
+
+    def __init__(self, gw: Proc, folder: Path | None, name: str) -> None:
+        self.gw, self.folder, self.name = gw, folder, name.replace(" ", "_")
+        self.spies: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> None:
+        if self.folder is None:
+            return
+        for pid in gateway_pids(self.gw):
+            out = self.folder / f"{self.name}-{pid}.txt"
+            self.spies.append(subprocess.Popen(
+                [shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid),
+                 "--rate", "250", "--format", "raw", "--nonblocking", "-o", str(out)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(1.0)  # py-spy attaches asynchronously; there is no readiness signal to wait for
+
+    def __exit__(self, *exc: object) -> None:
+        for spy in self.spies:
+            spy.send_signal(signal.SIGINT)
+        for spy in self.spies:
+            spy.wait(timeout=30)
+
+
+def gateway_pids(gw: Proc) -> list[int]:
+    """The gateway's serving processes: itself, or its workers."""
+    children = Path(f"/proc/{gw.popen.pid}/task/{gw.popen.pid}/children")
+    kids = [int(p) for p in children.read_text().split()] if children.exists() else []
+    return kids or [gw.popen.pid]
+
+
+def top_entries(folder: Path, name: str, n: int = 15) -> list[tuple[str, float]]:
+    """The functions with the most own samples (leaf frames) in a cell's raw stacks, as %."""
+    own: Counter[str] = Counter()
+    total = 0
+    for path in folder.glob(f"{name.replace(' ', '_')}-*.txt"):
+        for line in path.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            frames = stack.split(";")
+            if not frames or not count.isdigit():
+                continue
+            leaf = frames[-1]
+            if leaf.startswith(("select (selectors", "_run_once (asyncio", "run_forever", "epoll")):
+                continue  # idle in the event loop
+            own[leaf] += int(count)
+            total += int(count)
+    return [(fn, 100.0 * k / max(1, total)) for fn, k in own.most_common(n)]
+
+
+def summary(values: list[float]) -> str:
+    med = statistics.median(values)
+    return f"{med:7.2f} [{min(values):.2f}-{max(values):.2f}]" if len(values) > 1 else f"{med:7.2f}"
+
+
+def verdicts(cells: dict[str, Cell], workers: int) -> list[tuple[str, bool, str]]:
+    out = []
+    for name, cell in cells.items():
+        f = {k: statistics.median(v) for k, v in cell.figures.items()}
+        store, mode = name.split()[0], " ".join(name.split()[1:3])
+        if "c=1 " in name and "x floor" in f and mode in ("same run", "new run"):
+            limit = 1.5 if store == "sqlite" else 2.0
+            out.append((f"{name} added latency <= {limit}x floor", f["x floor"] <= limit, f"{f['x floor']:.2f}"))
+        if "c=32" in name and "req/s x floor" in f:
+            out.append((f"{name} req/s >= 0.7x floor", f["req/s x floor"] >= 0.7, f"{f['req/s x floor']:.2f}"))
+        if "floor + ms" in f:
+            out.append((f"{name} <= floor + 0.5 ms", f["floor + ms"] <= 0.5, f"+{f['floor + ms']:.2f} ms"))
+        if "req/s x 1 worker" in f:
+            out.append((f"{name} >= 1.6x one worker", f["req/s x 1 worker"] >= 1.6, f"{f['req/s x 1 worker']:.2f}"))
+    return out
 
 
 async def main_async(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="gw-bench-") as tmp:
         folder = Path(tmp)
-        up_port, proxy_port, gw_port = free_port(), free_port(), free_port()
-        upstream = start_gateway(["scripted", "--port", str(up_port)], "/healthz", up_port, folder / "upstream.log")
-        procs = [upstream]
+        up_port, proxy_port = free_port(), free_port()
+        procs: list[Proc] = []
+        redis_proc: subprocess.Popen[bytes] | None = None
         try:
+            procs.append(upstream := start_gateway(["scripted", "--port", str(up_port)], "/healthz", up_port,
+                                                   folder / "upstream.log"))
             up_url = upstream.url + "/v1"
             procs.append(proxy := start_proxy(proxy_port, up_url, folder / "proxy.log"))
             store_dir = Path(tempfile.mkdtemp(prefix="gw-bench-store-", dir=args.store_dir)) if args.store_dir else None
-            config = gateway_config(folder, gw_port, up_url, not args.no_team_budget, store_dir)
-            procs.append(gateway := start_gateway(["serve", "--config", str(config)], "/healthz", gw_port,
-                                                  folder / "gateway.log"))
-            rows: list[Figures] = []
-            own_at: dict[int, float] = {}
-            for c in (1, 32):
-                rows.append(await measure("direct", upstream.url, c, args.requests, False))
-                rows.append(await measure("minimal proxy", proxy.url, c, args.requests, False))
-                before = await own_time(gateway.url)
-                rows.append(await measure("gateway", gateway.url, c, args.requests, True))
-                own_at[c] = mean_between(before, await own_time(gateway.url))
-            ttfb_direct = await ttfb(upstream.url, args.streams, False)
-            ttfb_gateway = await ttfb(gateway.url, args.streams, True)
-            rss, peak = rss_mb(gateway.popen.pid)
-            own = mean_between((0.0, 0.0), await own_time(gateway.url))
+            stores: dict[str, dict[str, Any] | None] = {}
+            if "sqlite" in args.only:
+                stores["sqlite"] = None
+            if "redis" in args.only:
+                exe = shutil.which("redis-server")
+                if exe is None:
+                    raise SystemExit("redis-server is not installed (scripts/install-test-deps.sh)")
+                redis_proc, redis_port = _start_redis(exe, folder)
+                stores["redis"] = {"kind": "redis", "url": f"redis://127.0.0.1:{redis_port}/0", "prefix": "bench:"}
+            variants: list[tuple[str, str, list[str]]] = []
+            for store in stores:
+                variants.append((store, store, ["--loop", args.loop]))
+                if args.workers > 1:
+                    variants.append((f"{store}-w{args.workers}", store, ["--loop", args.loop,
+                                                                          "--workers", str(args.workers)]))
+            if args.compare_loops:
+                variants += [("sqlite-asyncio", "sqlite", ["--loop", "asyncio"]),
+                             ("sqlite-uvloop", "sqlite", ["--loop", "uvloop"])]
+            gateways: dict[str, Proc] = {}
+            for name, store, extra in variants:
+                port = free_port()
+                sub = folder / name
+                spec = stores.get(store)
+                if spec is not None:
+                    spec = {**spec, "prefix": f"bench-{name}:"}
+                config = gateway_config(sub, port, up_url, not args.no_team_budget, store_dir and store_dir / name,
+                                        spec)
+                if store_dir is not None:
+                    (store_dir / name).mkdir(exist_ok=True)
+                procs.append(gw := start_gateway(["serve", "--config", str(config), *extra], "/healthz", port,
+                                                 sub / "gateway.log"))
+                gateways[name] = gw
+            bench = Bench(args, upstream, proxy, gateways)
+            if args.profile:
+                out = Path(args.profile)
+                out.mkdir(parents=True, exist_ok=True)
+                await bench.repetition(profile=out)
+                print_profiles(out, args)
+                return 0
+            for i in range(args.repeat):
+                await bench.repetition()
+                print(f"repetition {i + 1}/{args.repeat} done", file=sys.stderr, flush=True)
         finally:
             for p in reversed(procs):
                 p.stop()
-    print(f"non-streamed chat completions, {args.requests} per cell "
-          f"(team budget {'off' if args.no_team_budget else 'on: every call reserved and settled'}; "
-          f"SQLite in {args.store_dir or 'the temp folder'}; {os.cpu_count()} CPUs shared by all processes)")
-    print(f"{'target':<15}{'c':>4}{'p50 ms':>10}{'p99 ms':>10}{'req/s':>10}")
-    for r in rows:
-        print(f"{r.target:<15}{r.concurrency:>4}{r.p50_ms:>10.2f}{r.p99_ms:>10.2f}{r.rps:>10.0f}")
-    ok = True
-    for c in (1, 32):
-        direct, proxy_r, gw_r = (r for r in rows if r.concurrency == c)
-        proxy_over = proxy_r.p50_ms - direct.p50_ms
-        gw_over = gw_r.p50_ms - direct.p50_ms
-        ratio = gw_over / proxy_over if proxy_over > 0 else float("inf")
-        rps_ratio = gw_r.rps / proxy_r.rps
-        print(f"c={c:<3} overhead p50: gateway {gw_over:.2f} ms, minimal proxy {proxy_over:.2f} ms "
-              f"-> ratio {ratio:.2f} (target <= 2); req/s gateway/proxy {rps_ratio:.2f}"
-              + (" (target >= 0.5)" if c == 32 else ""))
-        ok &= ratio <= 2.0 and (c != 32 or rps_ratio >= 0.5)
-    print(f"stream TTFB (median of {args.streams}): gateway {ttfb_gateway:.2f} ms, direct {ttfb_direct:.2f} ms "
-          f"-> +{ttfb_gateway - ttfb_direct:.2f} ms")
-    print(f"gateway's own time per call (gateway_overhead_seconds mean): {own_at[1]:.3f} ms at c=1, "
-          f"{own_at[32]:.3f} ms at c=32 (there it includes waiting for the loop: calls queue behind each "
-          f"other's work), {own:.3f} ms over all calls")
-    print(f"gateway RSS after the load: {rss:.1f} MB (target < 100); peak {peak:.1f} MB (while the o200k_base "
-          "rank file is parsed at start)")
-    ok &= rss < 100
-    print("targets:", "met" if ok else "NOT met")
-    return 0 if ok else 1
+            if redis_proc is not None:
+                redis_proc.kill()
+                redis_proc.wait()
+    print_matrix(bench, args)
+    return 0
+
+
+def print_profiles(folder: Path, args: argparse.Namespace) -> None:
+    for store in args.only:
+        for name in [f"{store}-{m}-c{c}" for c in (1, 32) for m in MODES] + [f"{store}-{m}-stream" for m in MODES]:
+            print(f"\n## {name}: top own time (% of the gateway's busy samples)")
+            for fn, pct in top_entries(folder, name):
+                print(f"{pct:6.1f}%  {fn}")
+
+
+def print_matrix(bench: Bench, args: argparse.Namespace) -> None:
+    print(f"non-streamed chat completions, {args.requests} per cell at c=1 ({2 * args.requests} at c=32), "
+          f"{args.streams} streams per TTFB cell, {args.repeat} repetitions (median [min-max]); team budget "
+          f"{'off' if args.no_team_budget else 'on'}; --loop {args.loop}; {os.cpu_count()} CPUs shared by every "
+          "process here (and whatever else runs on the machine)")
+    for name, cell in bench.cells.items():
+        parts = [f"{k} {summary(v)}" for k, v in cell.figures.items()]
+        print(f"{name:<24} " + " | ".join(parts))
+    print("\ntargets:")
+    for what, ok, value in verdicts(bench.cells, args.workers):
+        print(f"  {'met    ' if ok else 'NOT met'} {what}: {value}")
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=2000, help="measured calls per (target, concurrency)")
-    parser.add_argument("--streams", type=int, default=50, help="streams for the TTFB figure")
-    parser.add_argument("--no-team-budget", action="store_true", help="a team without a budget (no reservations)")
-    parser.add_argument("--store-dir", help="folder for the gateway's SQLite file (e.g. /dev/shm to take the disk "
-                        "out of the figures); default: the run's temp folder")
-    return asyncio.run(main_async(parser.parse_args()))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--requests", type=int, default=1000, help="measured calls per cell at c=1 (twice at c=32)")
+    parser.add_argument("--streams", type=int, default=40, help="streams per TTFB cell")
+    parser.add_argument("--repeat", type=int, default=3, help="repetitions of the whole matrix")
+    parser.add_argument("--quick", action="store_true", help="for iteration: 300 calls, 15 streams, one repetition")
+    parser.add_argument("--only", action="append", choices=STORES, help="stores to measure (default both)")
+    parser.add_argument("--workers", type=int, default=1, help="also measure a gateway with this many workers")
+    parser.add_argument("--loop", choices=["auto", "uvloop", "asyncio"], default="auto", help="the gateways' loop")
+    parser.add_argument("--compare-loops", action="store_true", help="also measure asyncio vs uvloop")
+    parser.add_argument("--profile", help="folder: sample each cell once with py-spy and print the top functions")
+    parser.add_argument("--no-team-budget", action="store_true", help="a team without a budget")
+    parser.add_argument("--store-dir", help="folder for the SQLite files (e.g. /dev/shm); default: the temp folder")
+    args = parser.parse_args()
+    if args.quick:
+        args.requests, args.streams, args.repeat = 300, 15, 1
+    args.only = args.only or list(STORES)
+    return asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":
