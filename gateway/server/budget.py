@@ -144,9 +144,10 @@ class Governor:
 
     # --- admission -------------------------------------------------------------------------
 
-    async def admit_turn(self, run: RunState, team: TeamConfig, ask: Ask) -> Admission:
+    async def admit_turn(self, run: RunState, team: TeamConfig, ask: Ask, *, create: bool = False) -> Admission:
         """Admit one pass-through call of `run`: its turn slot and budget holds, or a refusal
-        (LimitExceeded, RunCrowded) before anything is forwarded."""
+        (LimitExceeded, RunCrowded) before anything is forwarded. With `create`, `run` is new
+        and is stored by the first store step of the admission (RunExists if it was taken)."""
         limits = run.limits
         strict = limits.budget_mode == "strict" or team.budget_mode == "strict"
         if limits.max_duration_s is not None:
@@ -162,10 +163,13 @@ class Governor:
         adm = Admission(self, run.run_id, team, strict, n=ask.n, period=self.period(team))
         run_budget = limits.max_budget_usd if strict else None
 
-        def claim(amount: float) -> Claim:
+        pending = [run] if create else []
+
+        def claim(amount: float) -> Claim:  # only the first claim stores the new run
             return Claim(team.name, adm.period or "", amount, team.budget_usd, run_id=run.run_id,
                          max_turns=limits.max_turns, max_in_flight=self.defaults.max_calls_in_flight_per_run,
-                         run_budget_usd=run_budget, owner=self.owner, ttl_s=self.ttl_s)
+                         run_budget_usd=run_budget, owner=self.owner, ttl_s=self.ttl_s,
+                         create=pending.pop() if pending else None)
 
         await self._admit(adm, ask, claim, run_budget)
         return adm

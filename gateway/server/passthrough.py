@@ -22,7 +22,8 @@ from gateway.server.chat_request import parse_chat_request
 from gateway.server.errors import BadRequest, Conflict, LimitExceeded, NotFound, PayloadTooLarge
 from gateway.server.passthrough_stream import stream_through
 from gateway.server.replies import with_run
-from gateway.server.runs import Call, resolve_call
+from gateway.server.runs import Call, join_created, resolve_call
+from gateway.store.errors import RunExists
 from gateway.server.turns import Booked, book_turn, refuse
 
 
@@ -35,7 +36,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if route is None:
         raise NotFound(f"model '{chat.model}' is not routed by this gateway (see GET /v1/models)",
                        code="model_not_found", param="model")
-    call = await resolve_call(app[ctx.STORE], app[ctx.POLICIES], team, request.headers, chat, route)
+    call = await resolve_call(app[ctx.STORE], app[ctx.POLICIES], team, request.headers, chat, route,
+                              defer_create=True)
     request[ctx.RUN] = call.run
     if call.policy.server_side:
         return await app[ctx.HARNESS](request, call)
@@ -71,10 +73,23 @@ async def admit(request: web.Request, call: Call) -> Admission:
     refusal's status) or 409 `run_busy` before anything is forwarded."""
     chat = call.chat
     ask = Ask(call.route.price, chat.messages, chat.tools, chat.max_tokens, chat.n)
+    app = request.app
     try:
-        return await request.app[ctx.GOVERNOR].admit_turn(call.run, call.team, ask)
+        try:
+            adm = await app[ctx.GOVERNOR].admit_turn(call.run, call.team, ask, create=not call.stored)
+        except RunExists:  # a concurrent first call of this run id stored it first
+            await join_created(app[ctx.STORE], app[ctx.POLICIES], call)
+            request[ctx.RUN] = call.run
+            _check_open(call)
+            adm = await app[ctx.GOVERNOR].admit_turn(call.run, call.team, ask)
     except LimitExceeded as exc:
+        if not call.stored:  # refused before the store step that would have stored the new run
+            with contextlib.suppress(RunExists):
+                await app[ctx.STORE].create_run(call.run)
+        call.stored = True
         raise await refuse(request, call, exc) from None
+    call.stored = True
+    return adm
 
 
 @contextlib.asynccontextmanager

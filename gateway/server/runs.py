@@ -49,6 +49,8 @@ class Call:
     created: bool
     chat: ChatRequest
     route: ModelRoute
+    stored: bool = True
+    """False for a new pass-through run whose first admission stores it (`Claim.create`)."""
 
 
 def run_id_from(headers: Mapping[str, str]) -> str | None:
@@ -63,8 +65,10 @@ def run_id_from(headers: Mapping[str, str]) -> str | None:
 
 
 async def resolve_call(store: Store, policies: PolicyRegistry, team: TeamConfig, headers: Mapping[str, str],
-                       chat: ChatRequest, route: ModelRoute) -> Call:
-    """Load or create the call's run; 404 for another team's run, 403/400 for policy problems."""
+                       chat: ChatRequest, route: ModelRoute, *, defer_create: bool = False) -> Call:
+    """Load or create the call's run; 404 for another team's run, 403/400 for policy problems.
+    With `defer_create`, a new run of a pass-through policy is not stored here but by its
+    first admission, in the same store step (`Call.stored` False; see `join_created`)."""
     given = run_id_from(headers)
     run_id = scoped_run_id(team.name, given) if given is not None else None  # ids are per team
     wanted = headers.get("X-Policy") or None
@@ -74,6 +78,8 @@ async def resolve_call(store: Store, policies: PolicyRegistry, team: TeamConfig,
         run = RunState.new(chat.model, list(chat.messages), run_id=run_id or scoped_run_id(team.name, new_run_id()),
                            team=team.name,
                            policy=policy.name, policy_version=policy.version, limits=policy.limits)
+        if defer_create and not policy.server_side:
+            return Call(team, policy, run, True, chat, route, stored=False)
         try:
             await store.create_run(run)
             return Call(team, policy, run, True, chat, route)
@@ -89,6 +95,16 @@ async def resolve_call(store: Store, policies: PolicyRegistry, team: TeamConfig,
             exc.headers.update(run_headers(run))
         raise
     return Call(team, policy, run, False, chat, route)
+
+
+async def join_created(store: Store, policies: PolicyRegistry, call: Call) -> None:
+    """A concurrent first call stored `call`'s new run first (RunExists): go on with the
+    stored run, as a call to an existing run (its policy checked as `resolve_call` does)."""
+    loaded = await store.load_run(call.run.run_id)
+    if loaded is None:
+        raise RunExists(call.run.run_id)
+    call.policy = _existing_run_policy(policies, call.team, loaded, None)
+    call.run, call.created, call.stored = loaded, False, True
 
 
 def _new_run_policy(policies: PolicyRegistry, team: TeamConfig, wanted: str | None) -> Policy:

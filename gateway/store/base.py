@@ -59,6 +59,11 @@ class Claim:
     one stay within it. All checked and held in one atomic step, across every replica.
     `owner` names the process that holds it (`release_owner`); past `ttl_s` without
     `renew` the hold no longer counts (its process is presumed dead).
+
+    With `create` (a new run whose id is `run_id`), the run is first stored as `create_run`
+    would store it, in the same store step: one write instead of two for a run's first call.
+    RunExists when the id is taken (then nothing is written or held); the run stays stored
+    when the claim itself is refused, as if `create_run` had come first.
     """
 
     team: str
@@ -71,6 +76,7 @@ class Claim:
     run_budget_usd: float | None = None
     owner: str = ""
     ttl_s: float = DEFAULT_RESERVATION_TTL_S
+    create: RunState | None = None
 
 
 Refusal = Literal["max_turns", "busy", "run_budget", "team_budget", "run_missing"]
@@ -155,7 +161,8 @@ class Store(Protocol):
         ...
 
     async def admit(self, claim: Claim) -> Grant:
-        """Check and hold a `Claim` in one atomic step (see `Claim`); refusals hold nothing."""
+        """Check and hold a `Claim` in one atomic step (see `Claim`); refusals hold nothing.
+        RunExists (nothing written) when `claim.create` names a run that is stored already."""
         ...
 
     async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:

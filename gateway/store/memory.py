@@ -179,6 +179,8 @@ class MemoryStore:
         optional_micros(claim.run_budget_usd, "run_budget_usd")
         amount = to_micros(claim.amount_usd, "amount_usd")
         ttl = check_ttl(claim.ttl_s, "ttl_s", allow_zero=True)
+        if claim.create is not None:
+            await self.create_run(claim.create)
         now = time.time()
         self._reclaim(claim.team, now)
         figures, run = self._figures(claim.team, claim.period, claim.run_id, now)

@@ -131,10 +131,7 @@ class RedisStore:
     async def create_run(self, state: RunState) -> None:
         self._redis()
         async with self._errors:
-            created = await self._create(
-                args=[self.prefix, state.run_id, state.team, state.status, repr(state.created_at),
-                      str(state.revision), state.dumps(), str(state.turns), str(to_micros(state.cost_usd, "cost_usd"))]
-            )
+            created = await self._create(args=[self.prefix, *_run_fields(state)])
         if int(created) != 1:
             raise RunExists(state.run_id)
 
@@ -224,9 +221,12 @@ class RedisStore:
             result: list[Any] = await self._admit(args=[
                 self.prefix, claim.team, claim.period, str(amount), _opt(budget), str(ttl_ms), rid, _RETENTION_MS,
                 claim.run_id or "", _opt(claim.max_turns), _opt(claim.max_in_flight), _opt(run_budget), claim.owner,
+                *([] if claim.create is None else _run_fields(claim.create)),
             ])
         if int(result[0]) == 1:
             return Grant(rid)
+        if int(result[0]) == 2 and claim.create is not None:
+            raise RunExists(claim.create.run_id)
         return Grant(None, cast(Refusal, _text(result[1])), _figures(result[2:]))
 
     async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
@@ -363,3 +363,9 @@ def _figures(raw: list[Any]) -> Figures:
     spent, reserved, turns, cost, in_flight, held = (_text(v) for v in raw)
     return Figures(from_micros(int(spent)), from_micros(int(reserved)), int(turns or 0), int(in_flight),
                    from_micros(int(cost)), from_micros(int(held)))
+
+
+def _run_fields(state: RunState) -> list[str | bytes]:
+    """A new run as the scripts store it (CREATE_RUN's arguments after the prefix)."""
+    return [state.run_id, state.team, state.status, repr(state.created_at), str(state.revision), state.dumps(),
+            str(state.turns), str(to_micros(state.cost_usd, "cost_usd"))]

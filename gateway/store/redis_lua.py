@@ -60,16 +60,24 @@ local function reclaim(p, team, now, retention)
 end
 """
 
-CREATE_RUN: Final = """
-local p, id, team, status, created, rev, body = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
-local key = p .. 'run:' .. id
-if redis.call('EXISTS', key) == 1 then return 0 end
-redis.call('HSET', key, 'revision', rev, 'status', status, 'team', team, 'body', body, 'turns', ARGV[8],
-           'cost', ARGV[9])
-redis.call('ZADD', p .. 'runs', created, id)
-redis.call('ZADD', p .. 'runs:team:' .. team, created, id)
-redis.call('ZADD', p .. 'runs:status:' .. status, created, id)
-return 1
+_CREATE: Final = """
+-- Stores a new run from 8 arguments starting at ARGV[i]: id, team, status, created, revision,
+-- body, turns, cost. Returns 0 (nothing written) if the id is taken, else 1.
+local function create(p, i)
+  local id, team, status, created = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local key = p .. 'run:' .. id
+  if redis.call('EXISTS', key) == 1 then return 0 end
+  redis.call('HSET', key, 'revision', ARGV[i + 4], 'status', status, 'team', team, 'body', ARGV[i + 5],
+             'turns', ARGV[i + 6], 'cost', ARGV[i + 7])
+  redis.call('ZADD', p .. 'runs', created, id)
+  redis.call('ZADD', p .. 'runs:team:' .. team, created, id)
+  redis.call('ZADD', p .. 'runs:status:' .. status, created, id)
+  return 1
+end
+"""
+
+CREATE_RUN: Final = _CREATE + """
+return create(ARGV[1], 2)
 """
 
 _SAVE: Final = """
@@ -124,11 +132,14 @@ return out
 """
 
 # A Claim: checked (run exists, turn cap, calls in flight, run budget, team budget; '' = no
-# such condition) and held at once. Returns {1} or {0, refusal, figures...}.
-ADMIT: Final = _HELPERS + """
+# such condition) and held at once. Returns {1} or {0, refusal, figures...}, or {2} when the
+# run to create first exists already.
+ADMIT: Final = _HELPERS + _CREATE + """
 local p, team, period, amount, budget, ttl, rid, retention, run, max_turns, max_in_flight, run_budget, owner =
   ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11],
   ARGV[12], ARGV[13]
+-- A run's first call: the run (ARGV[14..21], as CREATE_RUN's) is stored first, in this step.
+if #ARGV >= 21 and create(p, 14) == 0 then return {2} end
 local now = now_ms()
 reclaim(p, team, now, retention)
 local f = figures(p, team, period, run, now)

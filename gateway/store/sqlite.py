@@ -152,6 +152,11 @@ class SqliteStore:
         return Immediate(self._db())
 
     async def create_run(self, state: RunState) -> None:
+        await self._write(self._inserter(state), atomic=False)  # one INSERT
+
+    @staticmethod
+    def _inserter(state: RunState) -> Step[None]:
+        """The step that stores a new run (RunExists, nothing written, if the id is taken)."""
         row = (state.run_id, state.team, state.status, state.policy, state.created_at, state.updated_at,
                state.revision, state.dumps(), state.turns, to_micros(state.cost_usd, "cost_usd"))
 
@@ -162,7 +167,7 @@ class SqliteStore:
             except sqlite3.IntegrityError as exc:
                 raise RunExists(state.run_id) from exc
 
-        await self._write(step, atomic=False)  # one INSERT
+        return step
 
     async def load_run(self, run_id: str) -> RunState | None:
         with self._errors:
@@ -291,8 +296,11 @@ class SqliteStore:
         }
         ttl = check_ttl(claim.ttl_s, "ttl_s", allow_zero=True)
         granted: list[tuple[str, float]] = []
+        create = None if claim.create is None else self._inserter(claim.create)
 
         def step(db: sqlite3.Connection) -> Grant:
+            if create is not None:  # first, so that a taken id refuses before anything is written
+                create(db)
             now = time.time()
             due = self._reclaim_due.get(claim.team, 0.0)
             if now >= due:
@@ -310,8 +318,9 @@ class SqliteStore:
             return Grant(rid)
 
         try:
-            # One INSERT checks and holds at once; marking expired ones needs no atomicity.
-            grant = await self._write(step, atomic=False, skip_if_cancelled=True)
+            # One INSERT checks and holds at once; marking expired ones needs no atomicity. With
+            # a new run, its INSERT and the reservation's share one transaction (one commit).
+            grant = await self._write(step, atomic=create is not None, skip_if_cancelled=True)
         except asyncio.CancelledError:
             if granted:  # a batch made it for a caller who left meanwhile: give it back
                 self._give_back(granted[0][0])

@@ -9,7 +9,7 @@ import pytest
 
 from gateway.harness.state import RunState
 from gateway.store.base import Booking, Claim, Store
-from gateway.store.errors import AlreadyBooked
+from gateway.store.errors import AlreadyBooked, RunExists
 from tests.store.conftest import Stores
 
 
@@ -83,6 +83,27 @@ async def test_a_slot_for_a_run_that_is_not_stored_is_refused(store: Store) -> N
     assert (await store.admit(slot("run_missing", max_turns=3))).refused == "run_missing"
     no_run = await store.admit(Claim("demo", "total", 0.01))  # a hold without a run (a sub-run's call)
     assert no_run.reservation_id is not None
+
+
+async def test_a_first_call_creates_its_run_in_the_same_step(stores: Stores) -> None:
+    views = [stores.open(), stores.open()]
+    run = RunState.new("scripted-plan", [{"role": "user", "content": "hi"}], run_id="run_new", team="demo",
+                       policy="passthrough")
+    grant = await views[0].admit(slot("run_new", max_turns=2, amount_usd=0.01, budget_usd=1.0, create=run))
+    assert grant.reservation_id is not None
+    stored = await views[1].load_run("run_new")
+    assert stored is not None and stored.revision == run.revision and stored.team == "demo"
+    assert (await views[1].figures("demo", "total", "run_new")).run_in_flight == 1
+    # Two first calls of one id (two replicas): one creates, the other is told, holding nothing.
+    with pytest.raises(RunExists):
+        await views[1].admit(slot("run_new", max_turns=2, amount_usd=0.01, budget_usd=1.0, create=run))
+    assert await views[1].team_spend("demo", "total") == (0.0, 0.01)
+    # A refused claim leaves the run it created stored (as create_run then admit would).
+    other = RunState.new("scripted-plan", [], run_id="run_poor", team="demo", policy="passthrough")
+    refused = await views[1].admit(slot("run_poor", amount_usd=5.0, budget_usd=1.0, create=other))
+    assert refused.refused == "team_budget"
+    assert await views[0].load_run("run_poor") is not None
+    assert (await views[0].figures("demo", "total", "run_poor")).run_in_flight == 0
 
 
 async def test_expired_slots_do_not_count_and_renewed_ones_do(store: Store) -> None:

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -68,11 +70,31 @@ def wait_http(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: fl
             time.sleep(0.02)  # polling interval of a readiness probe, not a synchronisation sleep
 
 
+TEST_WORKERS = "GATEWAY_TEST_WORKERS"
+"""Set (e.g. to 2), every `gateway serve` a test starts runs that many workers (`--workers`),
+unless its store is the in-memory one, which cannot be shared: the server tests then run
+against a multi-worker gateway."""
+
+
+def with_test_workers(args: Sequence[str], cwd: Path) -> list[str]:
+    """`args` plus `--workers N` when GATEWAY_TEST_WORKERS asks for it and the config allows."""
+    workers = os.environ.get(TEST_WORKERS)
+    if not workers or not args or args[0] != "serve" or "--workers" in args:
+        return list(args)
+    config = Path(args[list(args).index("--config") + 1] if "--config" in args else "config.yaml")
+    try:
+        kind = (yaml.safe_load((cwd / config).read_text()) or {}).get("store", {}).get("kind", "sqlite")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return list(args)
+    return list(args) if kind == "memory" else [*args, "--workers", workers]
+
+
 def start_gateway(args: Sequence[str], ready_path: str, port: int, log: Path, cwd: Path | None = None,
                   env: dict[str, str] | None = None, timeout: float = 30.0) -> Proc:
     """Start `python -m gateway <args>` and wait for `http://127.0.0.1:<port><ready_path>`."""
     full_env = dict(os.environ)
     full_env.update(env or {})
+    args = with_test_workers(args, cwd or ROOT)
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     out = log.open("wb")
     popen = subprocess.Popen([sys.executable, "-m", "gateway", *args], cwd=cwd or ROOT, env=full_env,
