@@ -94,7 +94,10 @@ def start_gateway(args: Sequence[str], ready_path: str, port: int, log: Path, cw
     """Start `python -m gateway <args>` and wait for `http://127.0.0.1:<port><ready_path>`."""
     full_env = dict(os.environ)
     full_env.update(env or {})
+    given = list(args)
     args = with_test_workers(args, cwd or ROOT)
+    if args != given:  # N interpreters start at once on a shared machine
+        timeout *= 2
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     out = log.open("wb")
     popen = subprocess.Popen([sys.executable, "-m", "gateway", *args], cwd=cwd or ROOT, env=full_env,

@@ -1,0 +1,129 @@
+"""`gateway serve --workers N`: real supervisor and worker processes on one port.
+
+- the memory store is refused with a clear error before anything listens;
+- a turn cap is exact when the calls of one run land on two workers of one SQLite gateway;
+- /metrics answers for every worker, whichever one a scrape lands on (multiprocess mode),
+  and keeps a worker's counts after that worker was SIGKILLed and restarted;
+- SIGTERM to the supervisor stops every worker; SIGKILL of the supervisor kills them too.
+
+(The whole server suite also runs against 2-worker gateways: GATEWAY_TEST_WORKERS=2.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+
+from gateway.harness.state import scoped_run_id
+from gateway.store.sqlite import SqliteStore
+from tests.server.test_admission import KEY, TASK, Upstream, chat, write_config
+from tests.server.test_admission import upstream  # noqa: F401  (a real counting upstream)
+from tests.support.procs import ROOT, Proc, free_port, start_gateway
+
+
+def workers_of(proc: Proc) -> list[int]:
+    path = Path(f"/proc/{proc.popen.pid}/task/{proc.popen.pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def wait_until(check: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {timeout} s")
+        time.sleep(0.05)  # polling a process table, not a synchronisation stand-in
+
+
+@pytest.fixture
+def two(tmp_path: Path, upstream: Upstream) -> Iterator[Proc]:
+    port = free_port()
+    config = write_config(tmp_path / "gw", port, upstream.url, {"kind": "sqlite", "path": "./gateway.db"})
+    proc = start_gateway(["serve", "--config", str(config), "--workers", "2"], "/healthz", port,
+                         tmp_path / "gw" / "gateway.log", timeout=120)
+    wait_until(lambda: len(workers_of(proc)) == 2 and "2 workers serving" in proc.output())
+    yield proc
+    proc.stop()
+
+
+async def counted(url: str, name: str) -> float:
+    """`name`'s value in a scrape on a fresh connection (so scrapes land on either worker)."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+        async with s.get(url + "/metrics") as resp:
+            text = await resp.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_the_memory_store_is_refused_with_more_than_one_worker(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "gw", free_port(), "http://127.0.0.1:9/v1", {"kind": "memory"})
+    done = subprocess.run([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--workers", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "store.kind" in done.stderr and "--workers 2" in done.stderr and "memory" in done.stderr
+
+
+async def test_a_turn_cap_is_exact_across_workers(two: Proc, upstream: Upstream, tmp_path: Path) -> None:
+    run_id = f"cap-{uuid.uuid4().hex[:8]}"
+    body = {"model": "cap", "messages": TASK}
+    # a connection per call: the kernel spreads them over both workers
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+        results = await asyncio.gather(*(chat(session, two, KEY, body, {"X-Run-Id": run_id}) for _ in range(48)))
+    assert upstream.calls["cap"] == 20
+    assert Counter(status for status, _, _ in results) == {200: 20, 429: 28}
+    store = SqliteStore(tmp_path / "gw" / "gateway.db")
+    try:
+        run = await store.load_run(scoped_run_id("adm", run_id))
+        assert run is not None and run.turns == 20
+    finally:
+        await store.close()
+
+
+async def test_metrics_count_every_worker_and_survive_a_restarted_one(two: Proc, upstream: Upstream) -> None:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+        for i in range(30):
+            status, _, _ = await chat(session, two, KEY, {"model": "m", "messages": TASK}, {"X-Run-Id": f"m{i}"})
+            assert status == 200
+    for _ in range(6):  # whichever worker answers the scrape, it counts both
+        assert await counted(two.url, "gateway_turns_total") == 30
+    victim = workers_of(two)[0]
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: victim not in workers_of(two) and len(workers_of(two)) == 2)
+    wait_until(lambda: two.output().count("2 workers serving") >= 2)
+    for _ in range(6):
+        assert await counted(two.url, "gateway_turns_total") == 30  # the dead worker's counts kept
+    async with aiohttp.ClientSession() as session, session.post(
+            two.url + "/v1/chat/completions", data=orjson.dumps({"model": "m", "messages": TASK}),
+            headers={"Authorization": f"Bearer {KEY}"}) as resp:
+        assert resp.status == 200
+
+
+def test_sigterm_stops_every_worker(two: Proc) -> None:
+    kids = workers_of(two)
+    two.popen.send_signal(signal.SIGTERM)
+    assert two.popen.wait(timeout=60) == 0
+    wait_until(lambda: not any(alive(pid) for pid in kids))
+
+
+def test_a_killed_supervisor_takes_its_workers_with_it(two: Proc) -> None:
+    kids = workers_of(two)
+    assert len(kids) == 2
+    two.kill()
+    wait_until(lambda: not any(alive(pid) for pid in kids))
