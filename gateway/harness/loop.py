@@ -113,7 +113,7 @@ async def _loop(state: RunState, model: Model, options: RunOptions, scope: Cance
             return await _stop(state, _cancelled(scope), options, trace)
         message: Message = own_calls(state, reply.message)
         state.messages.append(message)
-        cost = options.price.cost(reply.usage)
+        cost = reply.cost_usd if reply.cost_usd is not None else options.price.cost(reply.usage)
         state.count_turn(reply.usage, cost)
         if options.on_spend is not None:
             options.on_spend(reply.usage, cost)
