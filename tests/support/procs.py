@@ -103,5 +103,9 @@ def start_gateway(args: Sequence[str], ready_path: str, port: int, log: Path, cw
     popen = subprocess.Popen([sys.executable, "-m", "gateway", *args], cwd=cwd or ROOT, env=full_env,
                              stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    wait_http(url + ready_path, popen, timeout, log)
+    try:
+        wait_http(url + ready_path, popen, timeout, log)
+    except BaseException:  # not ready in time: never leave it serving behind the test's back
+        Proc(popen, url, log).stop()
+        raise
     return Proc(popen, url, log)
