@@ -15,7 +15,8 @@ there, and whichever worker a scrape lands on answers for all of them (docs/metr
 Lifecycle (docs/config.md, "Workers"):
 - SIGTERM or SIGINT to the supervisor: SIGTERM to every worker, which drains and stops as
   a single gateway does; a worker still alive after `STOP_GRACE_S` is killed.
-- SIGHUP to the supervisor: forwarded to every worker (each reloads its policies).
+- SIGHUP to the supervisor: forwarded to every worker (each reloads its policies); a
+  POST /v1/admin/reload that one worker served sends it one (`reload_every_worker`).
 - A worker that dies after it was serving is started again (same index, so it releases
   what its previous life held); one that fails before it serves (a bad store, a port
   taken) stops the whole server with its exit code, since a restart would fail alike.
@@ -97,6 +98,13 @@ def signal_ready(fd: int | None) -> Callable[[], None] | None:
             os.close(fd)
 
     return ready
+
+
+def reload_every_worker() -> None:
+    """In a worker that reloaded its policies (POST /v1/admin/reload): SIGHUP to the
+    supervisor, which forwards it to every worker, so all of them serve the new set."""
+    with contextlib.suppress(OSError):
+        os.kill(os.getppid(), signal.SIGHUP)
 
 
 @dataclass

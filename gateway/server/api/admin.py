@@ -14,7 +14,9 @@ New runs get the new versions; a run keeps the version it started under, resumes
 included. SIGHUP does the same reload (`gateway.server.main`); both log the result.
 
 A reload is per process: replicas each hold their own copy of the policy set, so reload
-every replica (this route on each, or a SIGHUP to each).
+every replica (this route on each, or a SIGHUP to each). The workers of one
+`gateway serve --workers N` reload together: the one that served this route has the
+supervisor forward a SIGHUP to all of them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from gateway.policy.decl import Policy
 from gateway.policy.errors import PolicyError
 from gateway.policy.registry import PolicyRegistry, ReloadResult
 from gateway.server import context as ctx
+from gateway.server.workers import reload_every_worker
 from gateway.server.http.errors import BadRequest, Forbidden
 
 log = logging.getLogger("gateway")
@@ -106,4 +109,6 @@ async def post_reload(request: web.Request) -> web.Response:
                            code="invalid_policy")
         error.extra.update(body)
         raise error
+    if ctx.WORKER in app:  # one of `--workers N`: the others reload too
+        reload_every_worker()
     return web.Response(body=orjson.dumps(body), content_type="application/json")
