@@ -392,8 +392,9 @@ def top_entries(folder: Path, name: str, n: int = 15) -> list[tuple[str, float]]
             if not frames or not count.isdigit():
                 continue
             leaf = frames[-1]
-            if leaf.startswith(("select (selectors", "_run_once (asyncio", "run_forever", "epoll")):
-                continue  # idle in the event loop
+            if leaf.startswith(("select (selectors", "_run_once (asyncio", "run_forever", "epoll",
+                                "run (gateway/server/http/listener", "wait (threading")):
+                continue  # idle: the event loop waiting, a thread waiting
             own[leaf] += int(count)
             total += int(count)
     return [(fn, 100.0 * k / max(1, total)) for fn, k in own.most_common(n)]
@@ -475,6 +476,7 @@ async def main_async(args: argparse.Namespace) -> int:
             for i in range(args.repeat):
                 await bench.repetition()
                 print(f"repetition {i + 1}/{args.repeat} done", file=sys.stderr, flush=True)
+            rss = {name: [rss_mb(pid) for pid in gateway_pids(gw)] for name, gw in gateways.items()}
         finally:
             for p in reversed(procs):
                 p.stop()
@@ -482,7 +484,33 @@ async def main_async(args: argparse.Namespace) -> int:
                 redis_proc.kill()
                 redis_proc.wait()
     print_matrix(bench, args)
+    print("\nresident memory after the load (current / peak MB, per serving process):")
+    for name, figures in rss.items():
+        print(f"  {name:<16} " + ", ".join(f"{now:.0f} / {peak:.0f}" for now, peak in figures))
     return 0
+
+
+def rss_mb(pid: int) -> tuple[float, float]:
+    """(current, peak) resident set size of a process, in MB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+def gateway_share(folder: Path, name: str, n: int = 12) -> list[tuple[str, float]]:
+    """The gateway's own functions by inclusive time (% of busy samples whose stack holds them)."""
+    seen: Counter[str] = Counter()
+    total = 0
+    for path in folder.glob(f"{name.replace(' ', '_')}-*.txt"):
+        for line in path.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            frames = stack.split(";")
+            if not count.isdigit() or frames[-1].startswith(("select (selectors", "run (gateway/server/http/listener")):
+                continue
+            total += int(count)
+            for fn in {f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0] + ")" for f in frames
+                       if "(gateway/" in f and "listener.py" not in f and "middleware.py" not in f}:
+                seen[fn] += int(count)
+    return [(fn, 100.0 * k / max(1, total)) for fn, k in seen.most_common(n)]
 
 
 def print_profiles(folder: Path, args: argparse.Namespace) -> None:
@@ -490,6 +518,9 @@ def print_profiles(folder: Path, args: argparse.Namespace) -> None:
         for name in [f"{store}-{m}-c{c}" for c in (1, 32) for m in MODES] + [f"{store}-{m}-stream" for m in MODES]:
             print(f"\n## {name}: top own time (% of the gateway's busy samples)")
             for fn, pct in top_entries(folder, name):
+                print(f"{pct:6.1f}%  {fn}")
+            print(f"-- {name}: the gateway's functions by inclusive time")
+            for fn, pct in gateway_share(folder, name):
                 print(f"{pct:6.1f}%  {fn}")
 
 
