@@ -381,22 +381,31 @@ def gateway_pids(gw: Proc) -> list[int]:
     return kids or [gw.popen.pid]
 
 
-def top_entries(folder: Path, name: str, n: int = 15) -> list[tuple[str, float]]:
-    """The functions with the most own samples (leaf frames) in a cell's raw stacks, as %."""
-    own: Counter[str] = Counter()
-    total = 0
+IDLE = ("select (selectors", "_run_once (asyncio", "run_forever", "epoll", "run (gateway/server/http/listener",
+        "wait (threading")
+"""Leaf frames of a process (or thread) that is waiting, not working."""
+
+
+OUTERMOST = ("gateway/cli.py)", "gateway/__main__.py)", "gateway/server/main.py)", "gateway/server/http/listener.py)")
+"""Frames every sample of the server holds (its start-up and loop), left out of the ranking."""
+
+
+def busy_stacks(folder: Path, name: str) -> Iterator[tuple[list[str], int]]:
+    """(frames, samples) of a cell's raw py-spy stacks, idle ones left out."""
     for path in folder.glob(f"{name.replace(' ', '_')}-*.txt"):
         for line in path.read_text().splitlines():
             stack, _, count = line.rpartition(" ")
             frames = stack.split(";")
-            if not frames or not count.isdigit():
-                continue
-            leaf = frames[-1]
-            if leaf.startswith(("select (selectors", "_run_once (asyncio", "run_forever", "epoll",
-                                "run (gateway/server/http/listener", "wait (threading")):
-                continue  # idle: the event loop waiting, a thread waiting
-            own[leaf] += int(count)
-            total += int(count)
+            if count.isdigit() and frames and not frames[-1].startswith(IDLE):
+                yield frames, int(count)
+
+
+def top_entries(folder: Path, name: str, n: int = 15) -> list[tuple[str, float]]:
+    """The functions with the most own samples (leaf frames) in a cell's raw stacks, as %."""
+    own: Counter[str] = Counter()
+    for frames, count in busy_stacks(folder, name):
+        own[frames[-1]] += count
+    total = sum(own.values())
     return [(fn, 100.0 * k / max(1, total)) for fn, k in own.most_common(n)]
 
 
@@ -500,16 +509,12 @@ def gateway_share(folder: Path, name: str, n: int = 12) -> list[tuple[str, float
     """The gateway's own functions by inclusive time (% of busy samples whose stack holds them)."""
     seen: Counter[str] = Counter()
     total = 0
-    for path in folder.glob(f"{name.replace(' ', '_')}-*.txt"):
-        for line in path.read_text().splitlines():
-            stack, _, count = line.rpartition(" ")
-            frames = stack.split(";")
-            if not count.isdigit() or frames[-1].startswith(("select (selectors", "run (gateway/server/http/listener")):
-                continue
-            total += int(count)
-            for fn in {f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0] + ")" for f in frames
-                       if "(gateway/" in f and "listener.py" not in f and "middleware.py" not in f}:
-                seen[fn] += int(count)
+    for frames, count in busy_stacks(folder, name):
+        total += count
+        names = {f.rsplit(":", 1)[0] + ")" for f in frames if "(gateway/" in f}
+        for fn in names:
+            if not fn.endswith(OUTERMOST):
+                seen[fn] += count
     return [(fn, 100.0 * k / max(1, total)) for fn, k in seen.most_common(n)]
 
 
