@@ -473,7 +473,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 if store_dir is not None:
                     (store_dir / name).mkdir(exist_ok=True)
                 procs.append(gw := start_gateway(["serve", "--config", str(config), *extra], "/healthz", port,
-                                                 sub / "gateway.log"))
+                                                 sub / "gateway.log", timeout=180))
                 gateways[name] = gw
             bench = Bench(args, upstream, proxy, gateways)
             if args.profile:
