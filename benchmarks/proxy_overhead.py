@@ -382,7 +382,7 @@ def gateway_pids(gw: Proc) -> list[int]:
 
 
 IDLE = ("select (selectors", "_run_once (asyncio", "run_forever", "epoll", "run (gateway/server/http/listener",
-        "wait (threading")
+        "Condition.wait (threading")
 """Leaf frames of a process (or thread) that is waiting, not working."""
 
 
