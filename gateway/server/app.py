@@ -175,10 +175,13 @@ def _scripted_guard(keyring: KeyRing, own_key: str) -> Middleware:
     return guard
 
 
-def build_app(config: Config, *, self_url: str | None = None, worker: int | None = None) -> web.Application:
+def build_app(config: Config, *, self_url: str | None = None, worker: int | None = None,
+              scripted_key: str | None = None) -> web.Application:
     """The gateway app. `self_url` (e.g. http://127.0.0.1:8080) addresses the scripted
     mount; without it the address is learnt from the first request. `worker`: this
-    process's index among `gateway serve --workers N`'s (None: the only process)."""
+    process's index among `gateway serve --workers N`'s (None: the only process), which
+    share one `scripted_key` (a call to the mount may land on any of them); else a random
+    key of this process's own."""
     app = web.Application(middlewares=[gateway_middleware], client_max_size=config.server.max_body_bytes)
     app[ctx.CONFIG] = config
     app[ctx.POLICIES] = load_policies(config)
@@ -199,7 +202,7 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
         app.router.add_route(method, path, handler)
     metrics_route.setup(app)
     if any(ctx.uses_mount(u) for u in config.upstreams.values()):
-        app[ctx.SCRIPTED_KEY] = secrets.token_urlsafe(32)
+        app[ctx.SCRIPTED_KEY] = scripted_key or secrets.token_urlsafe(32)
         app.add_subapp(SCRIPTED_PREFIX, scripted_app(guard=_scripted_guard(app[ctx.KEYRING], app[ctx.SCRIPTED_KEY])))
     return app
 

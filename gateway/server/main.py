@@ -21,7 +21,7 @@ from gateway.config.settings import ConfigError, load_config
 from gateway.server.api.admin import reload_policies
 from gateway.server.app import build_app
 from gateway.server.http.listener import run
-from gateway.server.workers import parse_workers, signal_ready, supervise
+from gateway.server.workers import parse_workers, shared_key, signal_ready, supervise
 
 GC_YOUNG_THRESHOLD = 20_000
 """Allocations between two young-generation collections (CPython's default is 700): a call
@@ -82,7 +82,8 @@ def serve_command(args: argparse.Namespace) -> int:
                                   "memory store lives in one process")
             argv = ["--config", str(args.config), "--loop", getattr(args, "loop", "auto")]
             return supervise(argv, workers, host, port)
-        app = build_app(config, self_url=_self_url(host, port) if port else None, worker=worker)
+        app = build_app(config, self_url=_self_url(host, port) if port else None, worker=worker,
+                        scripted_key=shared_key() if worker is not None else None)
     except ConfigError as exc:
         print(f"gateway: config error: {exc}", file=sys.stderr)
         return 2

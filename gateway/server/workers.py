@@ -5,7 +5,8 @@ socket bound with SO_REUSEPORT that never listens, so `--port 0` works too), and
 N workers: `python -m gateway serve` with the same config and the resolved host and port,
 plus `--worker-index I`. Each worker is a full gateway over the shared store, listening
 on its own SO_REUSEPORT socket of that port, so the kernel spreads new connections over
-the workers. What each worker holds in the store (reservations, leases) is named after
+the workers. The workers share one key for the built-in scripted mount (a call a worker
+makes to it may land on another worker). What each worker holds in the store (reservations, leases) is named after
 its index (`app.process_owner`), so a restarted worker takes back its own holds at once.
 
 Metrics are aggregated with prometheus-client's multiprocess mode: the supervisor gives
@@ -30,6 +31,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import secrets
 import selectors
 import shutil
 import signal
@@ -50,6 +52,8 @@ RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
 READY = b"r"
 """What a worker writes to its readiness pipe once it listens."""
 PR_SET_PDEATHSIG = 1
+SHARED_KEY_ENV = "GATEWAY_WORKERS_KEY"
+"""The key the workers share for the built-in scripted mount (random per supervisor)."""
 
 
 def parse_workers(value: str) -> int:
@@ -78,6 +82,11 @@ def reserve_port(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def shared_key() -> str | None:
+    """In a worker: the scripted mount's key its supervisor gave every worker."""
+    return os.environ.get(SHARED_KEY_ENV) or None
 
 
 def die_with_parent() -> None:
@@ -128,6 +137,7 @@ class Supervisor:
         self.port = port
         self.workers = [_Worker(i) for i in range(count)]
         self.metrics_dir = tempfile.mkdtemp(prefix="gateway-metrics-")
+        self.key = secrets.token_urlsafe(32)
         self.selector = selectors.DefaultSelector()
         self.stopping = False
         self.exit_code = 0
@@ -136,6 +146,7 @@ class Supervisor:
         read_fd, write_fd = os.pipe()
         env = dict(os.environ)
         env["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir
+        env[SHARED_KEY_ENV] = self.key
         args = [sys.executable, "-m", "gateway", "serve", *self.argv, "--worker-index", str(w.index),
                 "--ready-fd", str(write_fd)]
         try:

@@ -30,6 +30,8 @@ from gateway.harness.state import scoped_run_id
 from gateway.store.sqlite import SqliteStore
 from tests.server.test_admission import KEY, TASK, Upstream, chat, write_config
 from tests.server.test_admission import upstream  # noqa: F401  (a real counting upstream)
+from tests.server.served import DEMO
+from tests.server.served import write_config as served_config
 from tests.support.procs import ROOT, Proc, free_port, start_gateway
 
 
@@ -113,6 +115,29 @@ async def test_metrics_count_every_worker_and_survive_a_restarted_one(two: Proc,
             two.url + "/v1/chat/completions", data=orjson.dumps({"model": "m", "messages": TASK}),
             headers={"Authorization": f"Bearer {KEY}"}) as resp:
         assert resp.status == 200
+
+
+async def test_the_built_in_scripted_upstream_answers_whichever_worker_a_call_reaches(tmp_path: Path) -> None:
+    # Each worker calls the scripted mount at the shared port: the kernel may hand the call
+    # to the other worker, which must take the same key.
+    port = free_port()
+    proc = start_gateway(["serve", "--config", str(served_config(tmp_path, port)), "--workers", "2"], "/healthz",
+                         port, tmp_path / "gateway.log", timeout=120)
+    try:
+        wait_until(lambda: "2 workers serving" in proc.output())
+        body = orjson.dumps({"model": "scripted-plan", "messages": TASK})
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+
+            async def call() -> int:
+                async with session.post(proc.url + "/v1/chat/completions", data=body,
+                                        headers={"Authorization": f"Bearer {DEMO}", "X-Policy": "passthrough"}) as r:
+                    await r.read()
+                    return r.status
+
+            statuses = await asyncio.gather(*(call() for _ in range(24)))
+        assert Counter(statuses) == {200: 24}
+    finally:
+        proc.stop()
 
 
 def test_sigterm_stops_every_worker(two: Proc) -> None:
