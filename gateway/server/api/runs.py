@@ -301,9 +301,28 @@ async def post_cancel(request: web.Request) -> web.Response:
         await driver.active.wait_stopped(run.run_id, CANCEL_WAIT_S)
         run = await _reload(app, run)
         return _json({"run": run_json(run), "cancel": "done"}, run=run)
-    # Another replica drives it: it reads its run's trace and stops.
+    # Another replica (or worker) drives it: it reads its run's trace and stops; the answer
+    # says "done" once the stored run shows it, "requested" if that takes longer.
     await store.append_events(run.run_id, [cancel_event(run.run_id, reason, team.name)])
+    stopped = await _stopped_elsewhere(app, run, CANCEL_WAIT_S)
+    if stopped is not None:
+        request[ctx.RUN] = stopped
+        return _json({"run": run_json(stopped), "cancel": "done"}, run=stopped)
     return _json({"run": run_json(run), "cancel": "requested"}, status=202, run=run)
+
+
+async def _stopped_elsewhere(app: web.Application, run: RunState, timeout_s: float) -> RunState | None:
+    """The run once another process stopped it (saved, no longer running), else None after
+    `timeout_s` (polled from the store: the driving process tells nobody directly)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        await asyncio.sleep(FOLLOW_POLL_S)
+        fresh = await app[ctx.STORE].load_run(run.run_id)
+        if fresh is None:
+            return None
+        if fresh.revision != run.revision and fresh.status != "running":
+            return fresh
+    return None
 
 
 async def _reload(app: web.Application, run: RunState) -> RunState:
