@@ -3,7 +3,8 @@
 `handle_server_side(request, call)` is `app[HARNESS]`: the pass-through route resolved the
 team, the run (new or loaded) and the policy; here the run is driven by the `RunDriver`
 and answered with one chat.completion (or, streamed, SSE progress comments then the
-answer as chunks). A client that goes away mid-run presses the run's Stop: it is saved
+answer as chunks; a streamed call whose run pauses on an approval of an
+`on_decision: resume` policy stays open until the run stops for good). A client that goes away mid-run presses the run's Stop: it is saved
 as interrupted ("client disconnected") and can be resumed.
 
 `setup(app)` is called by `build_app`: it builds the driver at startup (after the store
@@ -22,13 +23,16 @@ from typing import Any, Final
 import orjson
 from aiohttp import web
 
+from gateway.harness.loop import Outcome
 from gateway.harness.state import RunState, public_run_id
-from gateway.harness.usage import CHAPTER_PRICE, Price
+from gateway.harness.usage import CHAPTER_PRICE, Price, Usage
+from gateway.policy.decl import Policy
 from gateway.server import context as ctx
 from gateway.server import continuations
 from gateway.server.answers import Answer, completion_body, completion_chunks, completion_id
 from gateway.server.cancels import CLIENT_DISCONNECTED, ActiveRuns, RunBusy
-from gateway.server.driver import Drive, FromClient, Prepare, RunDriver, StartKind
+from gateway.server.auto_resume import BACKGROUND, follow_until_stopped, resumes_on_decision, waits_for_decision
+from gateway.server.driver import Drive, FromClient, Prepare, RunDriver, StartKind, last_answer
 from gateway.server.errors import ApiError, Conflict, InvalidField, from_store_error
 from gateway.server.headers import run_headers
 from gateway.server.model import UpstreamModel
@@ -74,6 +78,7 @@ async def _driver_ctx(app: web.Application) -> AsyncIterator[None]:
                        store_deadline_s=config.store.timeout_s)
     app[DRIVER] = driver
     sweeper = Sweeper(driver, trace_file=config.trace_file, period_s=config.server.lease_ttl_s / 2)
+    app[BACKGROUND] = sweeper.drives  # runs resumed after a decision (auto_resume) or by recovery
     try:
         for team in config.teams:
             await driver.refresh_approvals(team.name)
@@ -248,9 +253,42 @@ async def _stream(request: web.Request, run_id: str, prepare: Prepare, start: St
             sse = await SSEStream.open(request, run_headers(state, await _team_left(request.app, state)))
         except ClientGone:
             return _client_closed()
+    if drive.driven and waits_for_decision(state) and resumes_on_decision(request.app[DRIVER].policy_of(state)):
+        try:  # paused for a decision that resumes the run: stay open, answer when it stops
+            drive = await _follow_paused(request, sse, drive)
+        except ClientGone:
+            return sse.response
+        state = request[ctx.RUN] = drive.state
     answer_ = Answer.of(state, drive.outcome.answer, drive.outcome.kind == "client_tools")
     with contextlib.suppress(ClientGone):
         for chunk in completion_chunks(state, answer_, drive.usage if include_usage else None, cid=completion_id()):
             await sse.data(chunk)
         await sse.done()
     return sse.response
+
+
+async def _follow_paused(request: web.Request, sse: SSEStream, paused: Drive) -> Drive:
+    """Follow a run that paused on an approval of an `on_decision: resume` policy until it
+    stops for good, wherever it is driven; the Drive to answer with (its usage: this call's
+    drive plus what the run spent after the pause)."""
+    driver = request.app[DRIVER]
+    store = driver.store
+    state = paused.state
+    seen = await store.events(state.run_id)
+
+    async def emit(seq: int, event: Event) -> None:
+        comment = progress_comment(event)
+        if comment is not None:
+            await sse.comment(comment)
+
+    async def keepalive() -> None:
+        await sse.comment(f"waiting for a decision on run {state.public_id}")
+
+    def policy_of(run: RunState) -> Policy | None:
+        return driver.policies.for_run(run.policy, run.policy_version)
+
+    final = await follow_until_stopped(store, policy_of, state, seen[-1][0] if seen else 0, emit, keepalive)
+    usage = paused.usage + Usage(final.usage.prompt_tokens - state.usage.prompt_tokens,
+                                 final.usage.completion_tokens - state.usage.completion_tokens)
+    answer_ = last_answer(final)
+    return Drive(Outcome(final, "stopped", answer_), usage)

@@ -5,6 +5,7 @@
 | GET  /v1/runs/{id}               | the run with its transcript                              |
 | GET  /v1/runs/{id}/events        | its trace as JSONL (`?follow=1`: SSE until it stops)     |
 | POST /v1/runs/{id}/approvals     | approve or reject the call it waits for (approvers only) |
+|                                  | (policy `on_decision: resume`: the run then goes on)     |
 | POST /v1/runs/{id}/resume        | continue it; answers like chat completions               |
 | POST /v1/runs/{id}/cancel        | stop it within milliseconds, tools included              |
 
@@ -15,7 +16,6 @@ the same 404 as for a run that does not exist.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any, Final
 
@@ -28,6 +28,7 @@ from gateway.harness.trace import Tracer
 from gateway.policy.approval import expired, expiry_decision
 from gateway.policy.decl import Policy
 from gateway.server import context as ctx
+from gateway.server.auto_resume import BACKGROUND, RESUMED_BY, after_decision, follow_until_stopped
 from gateway.server.cancels import RunBusy, cancel_event
 from gateway.server.config import TeamConfig
 from gateway.server.continuations import resume_with
@@ -43,8 +44,6 @@ from gateway.server.sse import ClientGone, SSEStream
 from gateway.server.tracelog import TraceWriter
 from gateway.server.validation import check_depth, json_object
 
-FOLLOW_POLL_S: Final = 0.05
-STATUS_CHECK_S: Final = 1.0
 CANCEL_WAIT_S: Final = 5.0
 LIST_SCAN: Final = 1000
 """Runs read per listing before the visibility filter (approvers see other teams' runs)."""
@@ -173,24 +172,14 @@ async def run_events(request: web.Request) -> web.StreamResponse:
         lines = b"".join(orjson.dumps(_public_event(run, e)) + b"\n" for _, e in await store.events(run.run_id, after))
         return web.Response(body=lines, content_type="application/x-ndjson")
     sse = await SSEStream.open(request)
-    last_check = 0.0
+
+    async def emit(seq: int, event: dict[str, Any]) -> None:
+        await sse.data(_public_event(run, event), id=seq)
+
     try:
-        while True:
-            batch = await store.events(run.run_id, after)
-            for seq, event in batch:
-                await sse.data(_public_event(run, event), id=seq)
-                after = seq
-            stopped = any(e.get("type") == "run_stopped" and e.get("runId") == run.run_id for _, e in batch)
-            if stopped or time.monotonic() - last_check > STATUS_CHECK_S:
-                last_check = time.monotonic()
-                current = await store.load_run(run.run_id)
-                if current is None or current.status != "running":
-                    # the trace is written before the run is saved: nothing of this stop is missing
-                    for seq, event in await store.events(run.run_id, after):
-                        await sse.data(_public_event(run, event), id=seq)
-                    await sse.data((current or run).summary(), event="end")
-                    break
-            await asyncio.sleep(FOLLOW_POLL_S)  # polling the shared store: works across replicas
+        current = await follow_until_stopped(store, lambda r: _policy(request.app, r), run, after, emit,
+                                             lambda: sse.comment("waiting"))
+        await sse.data(current.summary(), event="end")
     except ClientGone:
         return sse.response
     await sse.close()
@@ -229,6 +218,7 @@ async def post_approval(request: web.Request) -> web.Response:
         by=decision.by, expired=late)
     await writer.flush()
     await app[DRIVER].refresh_approvals(run.team)
+    after_decision(app[BACKGROUND], run, policy, resume_with(None, None, RESUMED_BY))
     return _json({"run": run_json(run), "decision": {"call_id": call_id, **decision.to_json(), "expired": late}},
                  run=run)
 
