@@ -56,8 +56,9 @@ SPOOL_REPLAY_S = 1.0
 log = logging.getLogger(__name__)
 
 OPTIONAL_MODULES = ("gateway.server.harness_route", "gateway.server.admin", "gateway.server.responses",
-                    "gateway.server.embeddings")
-"""Modules with a `setup(app)` that add to the gateway (server-side runs and the runs API, the admin API)."""
+                    "gateway.server.embeddings", "gateway.server.console")
+"""Modules with a `setup(app)` that add to the gateway (server-side runs and the runs API, the admin API,
+the web console, which builds on the runs API)."""
 
 
 def routed_models(config: Config) -> list[tuple[str, str]]:
