@@ -28,9 +28,9 @@ from typing import Final
 
 from aiohttp import web
 
-from gateway.server import runs_api
+from gateway.server.api import runs as runs_api
 from gateway.server.console import inbox, session, views
-from gateway.server.errors import NotFound
+from gateway.server.http.errors import NotFound
 
 PREFIX: Final = session.PATH
 STATIC_DIR: Final = Path(__file__).parent / "static"

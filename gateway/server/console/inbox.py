@@ -25,12 +25,12 @@ from gateway.harness.state import Message, RunState
 from gateway.policy.approval import compile_approval
 from gateway.policy.decl import Policy, Rule
 from gateway.server import context as ctx
-from gateway.server.auto_resume import waits_for_decision
-from gateway.server.config import TeamConfig
+from gateway.server.runs.auto_resume import waits_for_decision
+from gateway.config.settings import TeamConfig
 from gateway.server.console.session import json_answer, signed_in
-from gateway.server.run_access import may_decide, may_see
-from gateway.server.runs_api import LIST_SCAN, asked_at, run_policy
-from gateway.server.sse import ClientGone, SSEStream
+from gateway.server.api.access import may_decide, may_see
+from gateway.server.api.runs import LIST_SCAN, asked_at, run_policy
+from gateway.server.http.sse import ClientGone, SSEStream
 
 POLL_S: Final = 1.0
 """How often an open inbox re-reads the store (every replica writes there)."""

@@ -29,10 +29,10 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from gateway.server import context as ctx
-from gateway.server.config import TeamConfig
-from gateway.server.errors import BadRequest, Forbidden, InvalidField, Unauthorized
-from gateway.server.passthrough import read_body
-from gateway.server.validation import json_object
+from gateway.config.settings import TeamConfig
+from gateway.server.http.errors import BadRequest, Forbidden, InvalidField, Unauthorized
+from gateway.server.http.validation import read_body
+from gateway.server.http.validation import json_object
 
 COOKIE: Final = "gateway_console"
 CSRF_HEADER: Final = "X-CSRF-Token"

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from gateway.server import context as ctx
 from gateway.server.console.session import json_answer, signed_in
-from gateway.server.runs_api import public_event, run_for
+from gateway.server.api.runs import public_event, run_for
 from gateway.trace_view import timeline
 
 
