@@ -106,8 +106,14 @@ async def test_an_approver_decides_in_the_console_and_runs_go_on_by_themselves(
     await expect(timeline).to_contain_text("decision=approve")
     await expect(timeline).to_contain_text("run_resumed")
     await expect(timeline).to_contain_text("stopped: completed (completed)")
+    await expect(page.locator("#no-steer")).to_contain_text("belong to team demo")  # an approver does not steer
+    owner = await sign_in(browser, served.url, DEMO)
+    await owner.goto(f"{served.url}/console/#/run/demo/console-approve")
+    await expect(owner.locator("#timeline")).to_contain_text("stopped: completed (completed)")
+    await expect(owner.locator("#resume")).to_be_enabled()
     if shots is not None:
-        await page.screenshot(path=str(shots / "console-run.png"), full_page=True)
+        await owner.screenshot(path=str(shots / "console-run.png"), full_page=True)
+    await owner.close()
 
     # reject another with a reason: the model reads it and says so
     await page.goto(f"{served.url}/console/#/inbox")
@@ -152,6 +158,13 @@ async def test_the_owner_sees_its_runs_but_no_inbox_it_may_not_decide(
     await expect(page.locator("#pending-empty")).to_be_visible()
     await page.goto(f"{served.url}/console/#/runs?status=interrupted&policy=files_auto")
     await expect(page.locator("#runs tbody")).to_contain_text("owner-view")
+    await page.goto(f"{served.url}/console/#/run/demo/owner-view")
+    await expect(page.locator("#run-facts")).to_contain_text("interrupted")
+    await page.click("#cancel")
+    await expect(page.locator("h1 .status")).to_have_text("interrupted")
+    await expect(page.locator("#timeline")).to_contain_text("stopped: interrupted (cancelled)")
+    await expect(page.locator("#cancel")).to_be_disabled()
+    assert (await get_run(session, served.url, "owner-view"))["reason"] == "cancelled"
     await page.goto(f"{served.url}/console/#/spend")
     await expect(page.locator("#spend tbody tr")).to_have_count(1)  # its own team only: not an admin
     await expect(page.locator("#spend tbody tr")).to_contain_text("demo")

@@ -317,7 +317,7 @@
 
     const actions = el("div", { className: "actions card" });
     const cancel = el("button", { type: "button", id: "cancel", text: "Cancel run" });
-    cancel.disabled = !(run.status === "running" || run.status === "interrupted");
+    cancel.disabled = !(run.status === "running" || (run.interruption && run.interruption.type === "approval"));
     cancel.addEventListener("click", async () => {
       cancel.disabled = true;
       try { await call(runPath(ref, "/cancel"), { method: "POST", body: { reason: "cancelled from the console" } }); toast("Cancelled run " + id); }
@@ -339,6 +339,9 @@
       route();
     });
     actions.append(cancel, maxTurns, maxBudget, maxCalls, resume);
+    const maySteer = run.team === state.session.team || state.session.admin; // the server checks it again
+    const steer = maySteer ? actions : el("p", { className: "meta", id: "no-steer",
+      text: "Cancelling and resuming belong to team " + run.team + " and to admin teams." });
 
     const turns = el("tbody");
     for (const t of trace.turns) {
@@ -346,16 +349,16 @@
         el("td", { className: "num", text: t.completion_tokens }), el("td", { className: "num", text: usd(t.cost_usd) }),
         el("td", { className: "num", text: usd(t.total_usd) })));
     }
-    clear(main()).append(
+    clear(main()).append(...[
       el("h1", {}, "Run ", el("code", { text: id }), " ", el("span", { className: "status " + run.status, text: run.status })),
-      grid, error, waiting, actions,
+      grid, error, waiting, steer,
       el("h2", { text: "Transcript" }),
       el("div", { className: "transcript", id: "transcript" }, (run.transcript || []).map(messageNode)),
       el("h2", { text: "Cost per turn" }),
       el("table", { id: "turns" }, el("thead", {}, el("tr", {},
         ["turn", "tokens in", "tokens out", "cost", "run total"].map((h, i) => el("th", { className: i ? "num" : "", text: h })))), turns),
       el("h2", { text: "Trace" }),
-      el("pre", { id: "timeline", text: trace.lines.join("\n") }));
+      el("pre", { id: "timeline", text: trace.lines.join("\n") })].filter(Boolean));
     followRun(ref, run, trace.last_seq);
   }
 
