@@ -127,6 +127,11 @@ async def test_a_team_sees_through_the_console_what_the_api_lets_it_see(
             assert status == (200 if sees else 404)
             if sees:
                 assert body["lines"][0].startswith(f"run {run_id}: ") and body["turns"][1]["turn"] == 2
+            async with client.get(f"{served.url}/console/api/runs/{run_id}/events?team=demo&follow=1") as resp:
+                assert resp.status == (200 if sees else 404)
+                if sees:  # the API's SSE follower, through the console's session
+                    text = await resp.text()
+                    assert "event: end" in text and '"type":"approval_required"' in text
             status, body = await status_of(client, "GET", f"{served.url}/console/api/inbox")
             keys = [i["run_id"] for i in body["data"]]
             assert (run_id in keys) == decides, (key, keys)
