@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import openai
 import orjson
+import pytest
 import yaml
 
 from tests.support.procs import ROOT, Proc, free_port, start_gateway
@@ -134,6 +135,18 @@ class Served:
         if not journal.exists():
             return []
         return [orjson.loads(line)["path"] for line in journal.read_bytes().splitlines() if line.strip()]
+
+
+def served_fixture(name: str) -> Any:
+    """A module-scoped pytest fixture: one gateway process (`Served`) for the module's tests."""
+
+    @pytest.fixture(scope="module")
+    def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+        gateway = Served.start(tmp_path_factory.mktemp(name) / "gw")
+        yield gateway
+        gateway.proc.stop()
+
+    return served
 
 
 def auth(key: str = DEMO, **headers: str) -> dict[str, str]:

@@ -8,24 +8,20 @@ on the approval answers when it is done, and the default policy still waits.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
 
-from tests.server.served import OPS, Served, auth, chat_body, events, get_run, poll, request, wait_event
+from tests.server.served import OPS, Served, auth, chat_body, events, get_run, request, served_fixture, wait_event
 
 APPROVED_ANSWER = "Deleted access.log to free space."
 REJECTED_ANSWER = "I did not delete anything: you declined the deletion."
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    gateway = Served.start(tmp_path_factory.mktemp("auto_resume") / "gw")
-    yield gateway
-    gateway.proc.stop()
+served = served_fixture("auto_resume")
 
 
 async def decide(session: aiohttp.ClientSession, url: str, run_id: str, decision: str, reason: str = "") -> None:

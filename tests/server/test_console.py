@@ -10,7 +10,7 @@ answer. Hostile tool arguments render as text; a cross-site POST is refused. Set
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import yaml
 from aiohttp import web
 from playwright.async_api import Browser, Page, expect
 
-from tests.server.served import DEMO, OPS, Served, chat_body, get_run, poll, request, write_config
+from tests.server.served import DEMO, OPS, Served, chat_body, get_run, poll, request, served_fixture, write_config
 from tests.server.test_admission import serving
 from tests.support.browser import chromium
 from tests.support.procs import free_port, start_gateway
@@ -30,11 +30,7 @@ HOSTILE_PATH = '<script>window.__xss = 1</script>"><img src=x onerror="window.__
 UI_TIMEOUT_MS = 20_000  # a loaded 2-core machine: seconds of margin
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    gateway = Served.start(tmp_path_factory.mktemp("console") / "gw")
-    yield gateway
-    gateway.proc.stop()
+served = served_fixture("console")
 
 
 @pytest.fixture

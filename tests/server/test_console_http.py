@@ -4,23 +4,18 @@ console exactly what the runs API lets it see."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
 
-from tests.server.served import DEMO, OPS, OTHER, Served, chat_body, request
+from tests.server.served import DEMO, OPS, OTHER, Served, chat_body, request, served_fixture
 
 ORIGIN_OK = "http://127.0.0.1"
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    gateway = Served.start(tmp_path_factory.mktemp("console_http") / "gw")
-    yield gateway
-    gateway.proc.stop()
+served = served_fixture("console_http")
 
 
 async def sign_in(served: Served, key: str) -> tuple[aiohttp.ClientSession, str]:
