@@ -120,9 +120,12 @@ def asking_rule(policy: Policy, tool: str, args: Any) -> str:
     return describe_rule(policy.approval.rules[index], index)
 
 
-async def pending_items(app: web.Application, team: TeamConfig) -> list[InboxItem]:
-    """The team's inbox, oldest request first."""
+async def pending_items(app: web.Application, team: TeamConfig,
+                        asked: dict[str, float | None] | None = None) -> list[InboxItem]:
+    """The team's inbox, oldest request first. `asked` keeps when each item was asked (read
+    from its run's trace once, not on every poll of an open inbox)."""
     store = app[ctx.STORE]
+    asked = {} if asked is None else asked
     items: list[InboxItem] = []
     for run in await store.list_runs(status="interrupted", limit=LIST_SCAN):
         waiting = run.interruption
@@ -131,15 +134,18 @@ async def pending_items(app: web.Application, team: TeamConfig) -> list[InboxIte
         policy = run_policy(app, run)
         if policy is None or not may_see(team, run, policy) or not may_decide(team, run, policy):
             continue
-        asked = await asked_at(app, run, waiting.call_id)
+        key = item_key(run, waiting.call_id)
+        if key not in asked:
+            asked[key] = await asked_at(app, run, waiting.call_id)
+        when = asked[key]
         expires = policy.approval.expires_after_s
         user, assistant = _context(run.messages, waiting.call_id)
         items.append({
-            "key": item_key(run, waiting.call_id), "run_id": run.public_id, "team": run.team,
+            "key": key, "run_id": run.public_id, "team": run.team,
             "policy": run.policy, "policy_version": run.policy_version, "model": run.model, "turns": run.turns,
             "cost_usd": round(run.cost_usd, 9), "call_id": waiting.call_id, "tool": waiting.tool_name or "",
             "args": waiting.args, "rule": asking_rule(policy, waiting.tool_name or "", waiting.args),
-            "asked_at": asked, "expires_at": asked + expires if asked is not None and expires is not None else None,
+            "asked_at": when, "expires_at": when + expires if when is not None and expires is not None else None,
             "last_user": user, "assistant": assistant, "decision": "pending",
             "run_resumes_on_decision": policy.approval.on_decision == "resume",
         })
@@ -168,10 +174,13 @@ async def inbox_events(request: web.Request) -> web.StreamResponse:
     _, team = signed_in(request)
     sse = await SSEStream.open(request)
     shown: dict[str, InboxItem] | None = None
+    asked: dict[str, float | None] = {}
     quiet_since = time.monotonic()
     try:
         while True:
-            current = {i["key"]: i for i in await pending_items(app, team)}
+            current = {i["key"]: i for i in await pending_items(app, team, asked)}
+            for gone in asked.keys() - current.keys():
+                del asked[gone]
             if shown is None:
                 await sse.data({"data": list(current.values())}, event="snapshot")
                 quiet_since = time.monotonic()
