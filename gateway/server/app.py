@@ -44,6 +44,7 @@ from gateway.server.config import SCRIPTED_PREFIX, Config, ConfigError
 from gateway.server.errors import ApiError, NotFound, StoreUnavailable
 from gateway.server.metrics import Metrics
 from gateway.server.middleware import gateway_middleware
+from gateway.server.notify import delivery as notify_delivery
 from gateway.server.passthrough import chat_completions
 from gateway.server.runs import Call
 from gateway.store import Store, StoreConfigError, StoreError, open_store
@@ -190,6 +191,7 @@ def build_app(config: Config, *, self_url: str | None = None) -> web.Application
     if self_url is not None:
         app[ctx.SELF_URL] = self_url.rstrip("/")
     app.cleanup_ctx.append(_resources)
+    app.cleanup_ctx.append(notify_delivery.background)
     app.cleanup_ctx.append(retention.background)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)

@@ -121,6 +121,14 @@ class Metrics:
                                       registry=r, buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                                                            0.1, 0.5, 1, 5))
 
+        self.webhook_deliveries = Counter(
+            "gateway_webhook_deliveries_total",
+            "Webhook delivery attempts by webhook name, event and outcome (delivered | retried | failed: given up).",
+            ["webhook", "event", "outcome"], registry=r)
+        self.webhook_outbox = Gauge("gateway_webhook_outbox_depth",
+                                    "Notices in the store's outbox not yet delivered nor given up (every replica's).",
+                                    registry=r)
+
     def _child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, cached: the lookup runs on every call of the hot path."""
         key = (id(metric), labels)
@@ -204,6 +212,14 @@ class Metrics:
         self.team_spend.labels(team).set(spent)
         if remaining is not None:
             self.team_remaining.labels(team).set(remaining)
+
+    def on_webhook(self, webhook: str, event: str, outcome: str) -> None:
+        """One delivery attempt of a notice: delivered, retried (it failed, and will be tried
+        again) or failed (it failed for the last time)."""
+        self._child(self.webhook_deliveries, webhook, _code(event), _code(outcome)).inc()
+
+    def set_outbox_depth(self, depth: int) -> None:
+        self.webhook_outbox.set(depth)
 
     def render(self) -> bytes:
         """The classic text format (no exemplars)."""
