@@ -32,8 +32,8 @@ import aiohttp
 from aiohttp import web
 
 from gateway.server import context as ctx
-from gateway.server.config import Config
-from gateway.server.config_webhooks import WebhookConfig
+from gateway.config.settings import Config
+from gateway.config.webhooks import WebhookConfig
 from gateway.server.metrics import Metrics
 from gateway.server.notify import message
 from gateway.store.base import Store

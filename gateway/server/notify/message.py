@@ -20,7 +20,7 @@ from urllib.parse import quote
 import orjson
 
 from gateway.harness.state import public_run_id
-from gateway.server.config_webhooks import NoticeEvent, WebhookConfig
+from gateway.config.webhooks import NoticeEvent, WebhookConfig
 from gateway.store.outbox import Notice
 
 SIGNATURE_HEADER: Final = "X-Gateway-Signature"
