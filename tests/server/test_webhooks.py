@@ -5,7 +5,9 @@ the event and its delivery."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -19,8 +21,10 @@ import yaml
 from aiohttp import web
 
 from gateway.server.notify.message import SIGNATURE_HEADER, verify
+from gateway.store.redis import RedisStore
 from gateway.store.sqlite import SqliteStore
 from tests.server.served import DEMO, OPS, Served, chat_body, poll, request, write_config
+from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
 from tests.support.procs import free_port, start_gateway
 
 SECRET = "whsec-test-0123456789"
@@ -34,11 +38,14 @@ class Receiver:
 
     fail_first: int = 0
     down: bool = False
+    delay_s: float = 0.0
     attempts: list[dict[str, Any]] = field(default_factory=list)
     url: str = ""
 
     async def handle(self, request: web.Request) -> web.Response:
         raw = await request.read()
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)  # a receiver that takes its time
         body = orjson.loads(raw)
         signed = verify(SECRET.encode(), request.headers.get(SIGNATURE_HEADER, ""), raw, time.time())
         tries = sum(1 for a in self.attempts if a["body"]["id"] == body["id"]) + 1
@@ -67,13 +74,15 @@ async def receiver() -> AsyncIterator[Receiver]:
     await runner.cleanup()
 
 
-def start(folder: Path, receiver: Receiver) -> Served:
+def start(folder: Path, receiver: Receiver, store: dict[str, Any] | None = None) -> Served:
     """The test gateway of served.py with a webhook for every event of team demo, whose
     budget ($10) counts in total."""
     folder.mkdir(parents=True, exist_ok=True)
     port = free_port()
     path = write_config(folder, port)
     config = yaml.safe_load(path.read_text())
+    if store is not None:
+        config["store"] = store
     config["server"]["public_url"] = PUBLIC
     config["teams"][0]["budget_period"] = "total"
     config["webhooks"] = [{"url": receiver.url, "secret_env": "GW_TEST_HOOK_SECRET", "teams": ["demo"],
@@ -193,6 +202,30 @@ async def test_a_notice_outlives_a_sigkill_between_the_event_and_its_delivery(
         await poll(lambda: _async(once_each(receiver) == final), timeout=60)
     finally:
         served.proc.stop()
+
+
+async def test_two_replicas_on_one_redis_send_each_notice_once(tmp_path: Path, receiver: Receiver, redis_url: str,
+                                                               session: aiohttp.ClientSession) -> None:
+    receiver.delay_s = 0.2  # deliveries overlap: both replicas claim while the other sends
+    prefix = f"hooks-{uuid.uuid4().hex[:8]}:"
+    a = start(tmp_path / "gw", receiver, store={"kind": "redis", "url": redis_url, "prefix": prefix})
+    b_port = free_port()
+    b = start_gateway(["serve", "--config", str(a.folder / "config.yaml"), "--port", str(b_port)], "/healthz", b_port,
+                      a.folder / "replica-b.log", env={"GW_TEST_HOOK_SECRET": SECRET})
+    try:
+        runs = [await destructive_run(session, a), await destructive_run(session, Served(a.folder, b_port, b))]
+        store = RedisStore(redis_url, prefix)
+        try:
+            await store.charge("demo", "total", 10.0)  # both thresholds at once, seen by both replicas' scans
+        finally:
+            await store.close()
+        expected = {"approval_required": 2, "run_stopped": 2, "budget_threshold": 2}
+        await poll(lambda: _async(once_each(receiver) == expected), timeout=60)
+        assert sorted(x["run_id"] for x in receiver.delivered("approval_required")) == sorted(runs)
+        assert len(receiver.attempts) == 6  # nothing sent twice, not even an attempt
+    finally:
+        b.stop()
+        a.proc.stop()
 
 
 async def _async(value: bool) -> bool:
