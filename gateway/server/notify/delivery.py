@@ -49,6 +49,7 @@ DEPTH_EVERY_S: Final = 5.0
 CLAIM_BATCH: Final = 16
 LEASE_MARGIN_S: Final = 10.0
 USER_AGENT: Final = "gateway-webhooks/1"
+ENQUEUED_MEMO: Final = 4096
 
 
 class Notifier:
@@ -117,6 +118,8 @@ class Notifier:
             fresh = [n for n in fresh if n.id not in self._enqueued]
             if fresh:
                 await self.store.enqueue_notices(fresh)
+                if len(self._enqueued) > ENQUEUED_MEMO:  # a memo only: the store refuses a known id anyway
+                    self._enqueued.clear()
                 self._enqueued.update(n.id for n in fresh)
 
     async def deliver(self, claim: Claimed) -> bool:
