@@ -3,6 +3,7 @@ and the `webhooks:` config's errors."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import orjson
 import pytest
 
 from gateway.config.fields import ConfigError
-from gateway.config.settings import parse_config
+from gateway.config.settings import RetentionConfig, parse_config
 from gateway.config.webhooks import WebhookConfig
 from gateway.server.notify.message import (
     budget_notice,
@@ -24,6 +25,9 @@ from gateway.server.notify.message import (
     slack_text,
     verify,
 )
+from gateway.server.runs.retention import DAY_S, apply
+from gateway.store.memory import MemoryStore
+from gateway.store.outbox import Notice
 
 SECRET = b"s3cret"
 
@@ -135,3 +139,15 @@ def test_two_webhooks_on_one_host_need_names_and_public_url_is_checked(tmp_path:
     with pytest.raises(ConfigError) as err:
         _config(tmp_path, [], public_url="gateway.example.com")
     assert err.value.path == "server.public_url"
+
+
+async def test_retention_prunes_sent_notices_after_outbox_days() -> None:
+    store = MemoryStore()
+    await store.enqueue_notices([Notice("n1", b"{}")])
+    [claim] = await store.claim_notices("a", 1, 30.0)
+    await store.notice_sent(claim.id)
+    keep = RetentionConfig(outbox_days=None)
+    assert (await apply(store, keep, now=time.time() + 30 * DAY_S)).notices == 0
+    assert (await apply(store, RetentionConfig(outbox_days=7), now=time.time() + 6 * DAY_S)).notices == 0
+    pruned = await apply(store, RetentionConfig(outbox_days=7), now=time.time() + 8 * DAY_S)
+    assert pruned.notices == 1 and "1 sent or abandoned notice(s)" in str(pruned)
