@@ -2,7 +2,8 @@
 
     webhooks:
       - url: https://hooks.example.com/gateway      # http:// or https://
-        secret_env: GATEWAY_WEBHOOK_SECRET          # read at start; a missing variable stops the start
+        secret_env: GATEWAY_WEBHOOK_SECRET          # read at start; a missing variable stops `gateway serve`
+                                                    # (not `gateway prune` or `trace`, which send nothing)
         events: [approval_required, approval_decided, run_stopped, budget_threshold]
         teams: [demo]                               # optional: only these teams' runs and budgets
         reasons: [max_budget, team_budget]          # optional: only run_stopped with these reasons
@@ -19,13 +20,13 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal, get_args
 from urllib.parse import urlsplit
 
 from gateway.harness.options import StopReason
-from gateway.config.fields import Field
+from gateway.config.fields import ConfigError, Field
 
 NoticeEvent = Literal["approval_required", "approval_decided", "run_stopped", "budget_threshold"]
 NOTICE_EVENTS: Final[tuple[NoticeEvent, ...]] = get_args(NoticeEvent)
@@ -47,7 +48,8 @@ class WebhookConfig:
     name: str
     url: str
     secret_env: str
-    secret: bytes = field(repr=False)
+    secret: bytes | None = field(repr=False)
+    """None: the variable was not set when the config was read (`require_secrets` refuses to serve)."""
     events: frozenset[NoticeEvent]
     teams: frozenset[str] | None = None
     reasons: frozenset[str] | None = None
@@ -89,10 +91,7 @@ def parse_webhooks(section: Field, teams: Collection[str]) -> tuple[WebhookConfi
             name_at.fail(f"webhook '{name}' is defined twice (give each a distinct name)")
         env_at = at.get("secret_env")
         env = env_at.required().nonempty_str()
-        secret = os.environ.get(env)
-        if not secret:
-            env_at.fail(f"environment variable {env} is not set (it should hold the secret this webhook's "
-                        "messages are signed with)")
+        secret = os.environ.get(env) or None
         events_at = at.get("events").required()
         events = [_EVENT_OF[_one_of(e, NOTICE_EVENTS, "event")] for e in events_at.list_of()]
         if not events:
@@ -108,12 +107,21 @@ def parse_webhooks(section: Field, teams: Collection[str]) -> tuple[WebhookConfi
                 reasons_at.fail("filters run_stopped notices, but events does not list run_stopped")
             reasons = frozenset(_one_of(r, RUN_STOP_REASONS, "run_stopped reason") for r in reasons_at.list_of())
         out.append(WebhookConfig(
-            name=name, url=url, secret_env=env, secret=secret.encode(), events=frozenset(events), teams=chosen,
+            name=name, url=url, secret_env=env, secret=None if secret is None else secret.encode(), events=frozenset(events), teams=chosen,
             reasons=reasons, format=at.get("format").choice(("json", "slack"), "json"),
             timeout_s=at.get("timeout_s").optional_number(DEFAULT_TIMEOUT_S, positive=True),
             max_attempts=at.get("max_attempts").optional_int(DEFAULT_MAX_ATTEMPTS, low=1, high=100),
         ))
     return tuple(out)
+
+
+def require_secrets(file: str, webhooks: Sequence[WebhookConfig]) -> None:
+    """What serving needs and reading the config does not: every webhook's secret, or a
+    ConfigError naming the variable that is not set."""
+    for i, hook in enumerate(webhooks):
+        if hook.secret is None:
+            raise ConfigError(file, f"webhooks[{i}].secret_env", f"environment variable {hook.secret_env} is not "
+                              "set (it should hold the secret this webhook's messages are signed with)")
 
 
 def _one_of(at: Field, options: tuple[str, ...], what: str) -> str:

@@ -65,6 +65,8 @@ def _exemplar() -> dict[str, str] | None:
         return None
     return {EXEMPLAR_LABEL: run_id}
 
+WEBHOOK_OUTCOMES = ("delivered", "retried", "failed")
+
 ToolOutcome = str
 """ok | error | denied | rejected | deduped | cancelled | timeout (any short code)."""
 
@@ -77,7 +79,9 @@ def _code(value: str) -> str:
 class Metrics:
     """Every metric of docs/metrics.md."""
 
-    def __init__(self, known_models: Iterable[str] = (), upstreams: Iterable[str] = ()) -> None:
+    def __init__(self, known_models: Iterable[str] = (), upstreams: Iterable[str] = (),
+                 webhooks: Iterable[tuple[str, Iterable[str]]] = ()) -> None:
+        """`webhooks`: (name, events) of each configured webhook, whose delivery counters start at 0."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.known_models = frozenset(known_models)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
@@ -131,6 +135,10 @@ class Metrics:
             "gateway_webhook_deliveries_total",
             "Webhook delivery attempts by webhook name, event and outcome (delivered | retried | failed: given up).",
             ["webhook", "event", "outcome"], registry=r)
+        for name, events in webhooks:  # at 0 from the start, as usage_clamped: a dashboard shows "none"
+            for event in events:
+                for outcome in WEBHOOK_OUTCOMES:
+                    self.webhook_deliveries.labels(name, event, outcome)
         self.webhook_outbox = Gauge("gateway_webhook_outbox_depth",
                                     "Notices in the store's outbox not yet delivered nor given up (every replica's).",
                                     registry=r)

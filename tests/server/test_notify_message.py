@@ -25,9 +25,11 @@ from gateway.server.notify.message import (
     slack_text,
     verify,
 )
+from gateway.server.app import build_app
 from gateway.server.runs.retention import DAY_S, apply
 from gateway.store.memory import MemoryStore
 from gateway.store.outbox import Notice
+from tests.support.procs import ROOT
 
 SECRET = b"s3cret"
 
@@ -109,8 +111,6 @@ def _config(tmp_path: Path, webhooks: Any, **server: Any) -> None:
     ({"url": "https://x.example", "events": ["run_finished"], "secret_env": "GW_HOOK"}, "webhooks[0].events[0]",
      "unknown event 'run_finished'"),
     ({"url": "https://x.example", "events": [], "secret_env": "GW_HOOK"}, "webhooks[0].events", "at least one"),
-    ({"url": "https://x.example", "events": ["run_stopped"], "secret_env": "GW_NOT_SET"}, "webhooks[0].secret_env",
-     "GW_NOT_SET is not set"),
     ({"url": "https://x.example", "events": ["run_stopped"], "secret_env": "GW_HOOK", "teams": ["nobody"]},
      "webhooks[0].teams[0]", "unknown team 'nobody'"),
     ({"url": "https://x.example", "events": ["approval_required"], "secret_env": "GW_HOOK",
@@ -127,6 +127,20 @@ def test_webhook_config_errors_name_the_field(tmp_path: Path, monkeypatch: pytes
     with pytest.raises(ConfigError) as err:
         _config(tmp_path, [webhook])
     assert err.value.path == field and words in err.value.problem
+
+
+def test_serving_needs_every_secret_and_reading_the_config_does_not(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GW_NOT_SET", raising=False)
+    data = {"server": {"port": 0}, "store": {"kind": "memory"}, "policies_dir": str(ROOT / "policies"),
+            "upstreams": [{"name": "s", "kind": "scripted"}], "models": [{"match": "*", "upstream": "s"}],
+            "teams": [{"name": "demo", "keys": ["k"], "policies": ["passthrough"]}],
+            "webhooks": [{"url": "https://x.example", "events": ["run_stopped"], "secret_env": "GW_NOT_SET"}]}
+    config = parse_config(data, tmp_path / "config.yaml")  # gateway prune and trace send nothing
+    with pytest.raises(ConfigError) as err:
+        build_app(config)
+    assert err.value.path == "webhooks[0].secret_env"
+    assert "GW_NOT_SET is not set" in err.value.problem
 
 
 def test_two_webhooks_on_one_host_need_names_and_public_url_is_checked(tmp_path: Path,

@@ -161,6 +161,8 @@ class Notifier:
     async def _post(self, hook: WebhookConfig, body: bytes) -> str | None:
         """POST `body` signed now; None when the receiver took it (2xx), else why not. The
         words never carry the URL (it may hold a secret) nor the receiver's answer."""
+        if hook.secret is None:  # build_app refuses to serve without it; never send unsigned
+            return f"no secret (${hook.secret_env} is not set)"
         headers = {"Content-Type": "application/json", "User-Agent": USER_AGENT,
                    message.SIGNATURE_HEADER: message.sign(hook.secret, body, int(time.time()))}
         try:
