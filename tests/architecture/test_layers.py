@@ -26,11 +26,13 @@ SERVER_ORDER: dict[str, tuple[str, ...]] = {
     "gateway.server.runs": ("gateway.server.chat", "gateway.server.responses", "gateway.server.embeddings",
                             "gateway.server.api", "gateway.server.console", "gateway.server.app", "gateway.server.main"),
     "gateway.server.chat": ("gateway.server.responses", "gateway.server.embeddings", "gateway.server.api",
-                            "gateway.server.app", "gateway.server.main"),
+                            "gateway.server.console", "gateway.server.app", "gateway.server.main"),
     "gateway.server.responses": ("gateway.server.api", "gateway.server.console", "gateway.server.app", "gateway.server.main"),
     "gateway.server.embeddings": ("gateway.server.api", "gateway.server.console", "gateway.server.app", "gateway.server.main"),
     "gateway.server.api": ("gateway.server.console", "gateway.server.app", "gateway.server.main"),
     "gateway.server.console": ("gateway.server.app", "gateway.server.main"),
+    "gateway.server.notify": ("gateway.server.chat", "gateway.server.responses", "gateway.server.embeddings",
+                              "gateway.server.api", "gateway.server.console", "gateway.server.app", "gateway.server.main"),
 }
 
 

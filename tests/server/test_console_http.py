@@ -10,6 +10,7 @@ import aiohttp
 import orjson
 import pytest
 
+from gateway.server.notify.message import console_link
 from tests.server.served import DEMO, OPS, OTHER, Served, chat_body, request, served_fixture
 
 ORIGIN_OK = "http://127.0.0.1"
@@ -68,6 +69,11 @@ async def test_pages_carry_a_strict_policy_and_no_data(served: Served, session: 
     assert "innerHTML" not in script and "insertAdjacentHTML" not in script and "eval(" not in script
     async with session.get(f"{served.url}/console/static/..%2Fsession.py") as resp:
         assert resp.status == 404
+    for link, page in ((console_link(served.url, "demo", "demo/a b"), "/console/#/run/demo/a%20b"),
+                       (console_link(served.url, "demo", None), "/console/#/spend")):
+        assert link is not None
+        async with session.get(link, allow_redirects=False) as resp:  # the links webhook notices carry
+            assert resp.status == 302 and resp.headers["Location"] == page
     async with session.get(f"{served.url}/openapi.json") as resp:
         paths = (await resp.json())["paths"]
     assert not [p for p in paths if p.startswith("/console")]  # the page's routes, not the API's

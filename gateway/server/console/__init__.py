@@ -8,6 +8,7 @@ It calls these routes, all under `/console` (the session cookie's path):
 | route                                      | is                                              |
 | GET  /console/                             | the page (`static/index.html`)                  |
 | GET  /console/static/{name}                | its script and style sheet                      |
+| GET  /console/runs/{team}/{id}, /spend     | redirects to those pages (links in webhooks)    |
 | POST, GET, DELETE /console/session         | sign in, who is signed in, sign out (`session`) |
 | GET  /console/api/inbox                    | pending calls the team may decide (`inbox`)     |
 | GET  /console/api/inbox/events             | the inbox as it changes (SSE)                   |
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Final
+from urllib.parse import quote
 
 from aiohttp import web
 
@@ -57,6 +59,8 @@ def setup(app: web.Application) -> None:
     r.add_get(PREFIX, _to_page)
     r.add_get(PREFIX + "/", page)
     r.add_get(PREFIX + "/static/{name}", static)
+    r.add_get(PREFIX + "/runs/{team}/{id}", to_run_page)  # the links webhook notices carry (notify.message)
+    r.add_get(PREFIX + "/spend", to_spend_page)
     r.add_post(PREFIX + "/session", session.sign_in)
     r.add_get(PREFIX + "/session", session.whoami)
     r.add_delete(PREFIX + "/session", session.sign_out)
@@ -85,6 +89,17 @@ async def _secure(request: web.Request, response: web.StreamResponse) -> None:
 
 async def _to_page(request: web.Request) -> web.Response:
     raise web.HTTPPermanentRedirect(PREFIX + "/")
+
+
+async def to_run_page(request: web.Request) -> web.Response:
+    """GET /console/runs/{team}/{id}: a run's page (the page routes by the URL's fragment)."""
+    team, run_id = (quote(request.match_info[k], safe="") for k in ("team", "id"))
+    raise web.HTTPFound(f"{PREFIX}/#/run/{team}/{run_id}")
+
+
+async def to_spend_page(request: web.Request) -> web.Response:
+    """GET /console/spend: the spend page."""
+    raise web.HTTPFound(f"{PREFIX}/#/spend")
 
 
 async def page(request: web.Request) -> web.Response:
