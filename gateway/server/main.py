@@ -90,8 +90,8 @@ def serve_command(args: argparse.Namespace) -> int:
     app.cleanup_ctx.append(_reload_on_sighup)
     app.on_startup.append(_settle_heap)  # runs after the cleanup contexts have set up
     if worker is None:
-        print(f"gateway: serving on {_self_url(host, port)} (config {config.path}, store {config.store.kind})",
-              file=sys.stderr, flush=True)
+        print(f"gateway: serving on {_self_url(host, port)} (config {config.path}, store {config.store.kind}); "
+              f"console at {_self_url(host, port)}/console/", file=sys.stderr, flush=True)
     # web.run_app, with parser errors (oversized headers) in the OpenAI shape
     run(app, host, port, reuse_port=worker is not None, ready=signal_ready(getattr(args, "ready_fd", None)),
         loop=getattr(args, "loop", "auto"))
