@@ -115,7 +115,10 @@ async def _loop(state: RunState, model: Model, options: RunOptions, scope: Cance
         state.messages.append(message)
         state.turns += 1
         state.per_turn.append(reply.usage)
-        _charge(state, options, reply.usage, options.price.cost(reply.usage))
+        _charge(state, options, reply.usage,
+                options.price.cost(reply.usage) if reply.cost_usd is None else reply.cost_usd)
+        for attempt in reply.attempts:
+            trace("upstream_attempt", **attempt)
         if reply.reported is not None:
             trace("usage_clamped", upstream=reply.upstream, reported=reply.reported.to_json(),
                   booked=reply.usage.to_json(), kinds=clamped_kinds(reply.reported, reply.usage))

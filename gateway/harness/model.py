@@ -38,6 +38,10 @@ class ModelReply:
     # `usage_clamped` with it; `usage` is what is booked).
     reported: Usage | None = None
     upstream: str = ""
+    # What the turn cost at the price of the deployment that answered (None: the run's price).
+    cost_usd: float | None = None
+    # The trace fields of each upstream attempt the turn took (`upstream_attempt` lines).
+    attempts: tuple[dict[str, Any], ...] = ()
 
 
 class Model(Protocol):

@@ -55,6 +55,7 @@ from typing import Any, Literal
 import yaml
 
 from gateway.harness.usage import Price
+from gateway.providers.routing import Breaker, Deployment, Group, RoutePlan
 from gateway.server.config_fields import ConfigError, Field
 
 __all__ = [
@@ -73,6 +74,10 @@ TEAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 DEFAULT_OUTPUT_ALLOWANCE = 4096
 DEFAULT_CALLS_IN_FLIGHT_PER_RUN = 64
 DEFAULT_UPSTREAM_TIMEOUT_S = 60.0
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+DEFAULT_RETRIES = 2
+"""`retries` of a route that names `deployments` or `fallbacks` (the single-`upstream` form: 0)."""
+MAX_RETRIES = 10
 DEFAULT_LEASE_TTL_S = 15.0
 DEFAULT_STORE_TIMEOUT_S = 2.0
 """The deadline of one store command (`store.timeout_s`, Redis): a frozen store is a 503 this soon."""
@@ -115,6 +120,8 @@ class UpstreamConfig:
     api_key_env: str | None = None
     timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
     api: UpstreamApi = "chat"
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    first_byte_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
 
     def api_key(self) -> str | None:
         """Read at call time, so a missing variable fails the call, not the start."""
@@ -123,11 +130,17 @@ class UpstreamConfig:
 
 @dataclass(frozen=True)
 class ModelRoute:
-    """`models[i]`: the first route whose glob matches the model name decides."""
+    """`models[i]`: the first route whose glob matches the model name decides.
+
+    `upstream` is its first deployment's; `price` is what a call's budget hold is taken at:
+    the most any deployment of the route or of its fallbacks may charge (`RoutePlan.hold_price`),
+    so a hold covers whichever answers. The turn is booked at the price of the one that did.
+    """
 
     match: str
     upstream: str
     price: Price
+    plan: RoutePlan
 
     @property
     def is_glob(self) -> bool:
@@ -321,7 +334,8 @@ def _default_runs_dir(store: StoreConfig, base: Path) -> Path:
 def _upstreams(section: Field) -> dict[str, UpstreamConfig]:
     out: dict[str, UpstreamConfig] = {}
     for at in section.required().list_of():
-        at.keys_only({"name", "kind", "base_url", "api_key_env", "timeout_s", "api"})
+        at.keys_only({"name", "kind", "base_url", "api_key_env", "timeout_s", "api", "connect_timeout_s",
+                      "first_byte_timeout_s"})
         name = at.get("name").required().nonempty_str()
         if name in out:
             at.get("name").fail(f"upstream '{name}' is defined twice")
@@ -332,11 +346,15 @@ def _upstreams(section: Field) -> dict[str, UpstreamConfig]:
                 at.get("base_url").fail("is required for an upstream of kind openai (e.g. http://127.0.0.1:8081/v1)")
             elif not base_url.startswith(("http://", "https://")):
                 at.get("base_url").fail(f"must start with http:// or https://, got {base_url!r}")
+        timeout = at.get("timeout_s").optional_number(DEFAULT_UPSTREAM_TIMEOUT_S, positive=True)
         out[name] = UpstreamConfig(
             name=name, kind=kind, base_url=base_url.rstrip("/") if base_url else None,
             api_key_env=at.get("api_key_env").optional_str_or_none(),
-            timeout_s=at.get("timeout_s").optional_number(DEFAULT_UPSTREAM_TIMEOUT_S, positive=True),
+            timeout_s=timeout,
             api=at.get("api").choice(("chat", "responses"), "chat"),
+            connect_timeout_s=min(timeout, at.get("connect_timeout_s").optional_number(DEFAULT_CONNECT_TIMEOUT_S,
+                                                                                       positive=True)),
+            first_byte_timeout_s=min(timeout, at.get("first_byte_timeout_s").optional_number(timeout, positive=True)),
         )
     if not out:
         section.fail("at least one upstream is required")
@@ -344,19 +362,73 @@ def _upstreams(section: Field) -> dict[str, UpstreamConfig]:
 
 
 def _models(section: Field, upstreams: Mapping[str, UpstreamConfig]) -> tuple[ModelRoute, ...]:
-    routes = []
+    """Two passes: every route's own deployments first, then the fallbacks, which name other
+    models routed by this same table (their own fallbacks are not followed: one level)."""
+    own: list[tuple[Field, str, tuple[Deployment, ...]]] = []
     for at in section.required().list_of():
-        at.keys_only({"match", "upstream", "price_in", "price_out"})
+        at.keys_only({"match", "upstream", "price_in", "price_out", "deployments", "fallbacks", "retries",
+                      "deadline_s", "cooldown_s", "cooldown_after"})
         match = at.get("match").required().nonempty_str()
-        upstream = at.get("upstream").required().nonempty_str()
-        if upstream not in upstreams:
-            at.get("upstream").fail(f"no upstream named '{upstream}' (known: {', '.join(upstreams)})")
-        price = Price(at.get("price_in").optional_number(2.00, nonnegative=True),
-                      at.get("price_out").optional_number(12.00, nonnegative=True))
-        routes.append(ModelRoute(match, upstream, price))
-    if not routes:
+        own.append((at, match, _deployments(at, upstreams)))
+    if not own:
         section.fail("at least one model route is required (e.g. {match: \"*\", upstream: local})")
+
+    def routed(name: str) -> tuple[Deployment, ...] | None:
+        return next((d for _, m, d in own if fnmatch.fnmatchcase(name, m)), None)
+
+    routes = []
+    for at, match, deployments in own:
+        groups = [Group(None, deployments)]
+        fallbacks_at = at.get("fallbacks")
+        for f in fallbacks_at.list_of() if not fallbacks_at.missing else []:
+            name = f.nonempty_str()
+            target = routed(name)
+            if target is None:
+                f.fail(f"fallback model '{name}' is not routed by any models[] entry")
+            groups.append(Group(name, target))
+        apis = {upstreams[d.upstream].api for g in groups for d in g.deployments}
+        if len(apis) > 1:
+            at.fail("its deployments and fallbacks mix upstreams with api: chat and api: responses; a route's "
+                    "upstreams must speak one API (the request body is built once for it)")
+        several = not at.get("deployments").missing or len(groups) > 1
+        breaker = Breaker(at.get("cooldown_after").optional_int(Breaker.cooldown_after, low=1, high=1000),
+                          at.get("cooldown_s").optional_number(Breaker.cooldown_s, positive=True))
+        plan = RoutePlan(tuple(groups),
+                         at.get("retries").optional_int(DEFAULT_RETRIES if several else 0, low=0, high=MAX_RETRIES),
+                         at.get("deadline_s").optional_number_or_none(positive=True), breaker)
+        routes.append(ModelRoute(match, deployments[0].upstream, plan.hold_price(), plan))
     return tuple(routes)
+
+
+def _deployments(at: Field, upstreams: Mapping[str, UpstreamConfig]) -> tuple[Deployment, ...]:
+    """`upstream` + prices (the single form), or `deployments: [{upstream, model?, weight, price_in?,
+    price_out?}]` (a deployment without prices takes the route's, or the default)."""
+    def upstream_of(f: Field) -> str:
+        name = f.required().nonempty_str()
+        if name not in upstreams:
+            f.fail(f"no upstream named '{name}' (known: {', '.join(upstreams)})")
+        return name
+
+    price = Price(at.get("price_in").optional_number(2.00, nonnegative=True),
+                  at.get("price_out").optional_number(12.00, nonnegative=True))
+    listed = at.get("deployments")
+    if listed.missing:
+        return (Deployment(upstream_of(at.get("upstream")), None, 1, price),)
+    if not at.get("upstream").missing:
+        at.get("upstream").fail("give either upstream or deployments, not both")
+    out = []
+    for d in listed.list_of():
+        d.keys_only({"upstream", "model", "weight", "price_in", "price_out"})
+        out.append(Deployment(
+            upstream_of(d.get("upstream")), d.get("model").optional_str_or_none(),
+            d.get("weight").optional_int(1, low=1, high=1_000_000),
+            Price(d.get("price_in").optional_number(price.input_per_million, nonnegative=True),
+                  d.get("price_out").optional_number(price.output_per_million, nonnegative=True))))
+    if not out:
+        listed.fail("at least one deployment is required")
+    if len({(d.upstream, d.model) for d in out}) < len(out):
+        listed.fail("names the same upstream and model twice")
+    return tuple(out)
 
 
 def _teams(section: Field) -> tuple[TeamConfig, ...]:

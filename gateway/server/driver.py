@@ -50,7 +50,7 @@ from gateway.policy.registry import PolicyRegistry
 from gateway.policy.sandbox import prepare_sandbox, sandbox_config
 from gateway.server.cancels import ActiveRuns, RunBusy, watch_remote_cancel
 from gateway.server.config import DEFAULT_LEASE_TTL_S, DEFAULT_STORE_TIMEOUT_S
-from gateway.server.errors import ApiError, Conflict, LimitExceeded, NotFound, limit_stop
+from gateway.server.errors import ApiError, Conflict, LimitExceeded, NotFound, UpstreamError, limit_stop
 from gateway.server.metrics import Metrics
 from gateway.server.tracelog import Listener, TraceWriter
 from gateway.store.base import Event, Store
@@ -274,6 +274,8 @@ class RunDriver:
                 state.error = exc.message
         elif isinstance(exc, ApiError):
             state.status, state.reason, state.error = "failed", "upstream_error", exc.message
+            for fields in exc.attempts if isinstance(exc, UpstreamError) else ():
+                writer({"runId": state.run_id, "type": "upstream_attempt", **fields, "ts": round(time.time(), 6)})
         else:
             log.exception("run %s failed inside the gateway", state.run_id)
             # the log has the exception; the run (and so every client answer) has a sentence

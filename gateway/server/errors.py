@@ -183,11 +183,14 @@ class LimitExceeded(ApiError):
 class UpstreamError(ApiError):
     """The upstream failed: 504 on a timeout, 502 otherwise (its own status in `upstream_status`)."""
 
-    def __init__(self, status: int, code: str, message: str, upstream: str, upstream_status: int | None = None) -> None:
+    def __init__(self, status: int, code: str, message: str, upstream: str, upstream_status: int | None = None,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(message, code=code, status=status,
                          type="upstream_timeout" if status == 504 else "upstream_error")
         self.upstream = upstream
         self.upstream_status = upstream_status
+        self.retry_after_s = retry_after_s  # what the upstream asked for (its retry-after), for the router
+        self.attempts: list[dict[str, Any]] = []  # a server-side turn's failed attempts, for the run's trace
         self.extra["upstream"] = {"name": upstream, "status": upstream_status}
 
 

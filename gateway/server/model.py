@@ -16,11 +16,12 @@ from aiohttp import web
 
 from gateway.harness.model import ModelReply, ModelRequest
 from gateway.harness.state import RunState
-from gateway.providers.upstream import Upstream
+from gateway.providers.upstream import UpstreamError
 from gateway.server import context as ctx
 from gateway.server.budget import Ask, Governor
 from gateway.server.config import Config, ModelRoute, TeamConfig
 from gateway.server.errors import ApiError, NotFound
+from gateway.server.forwarding import complete_chat
 from gateway.server.metrics import Metrics
 from gateway.server.replies import checked_usage
 from gateway.tokens import TokenCounter
@@ -58,8 +59,8 @@ class UpstreamModel:
             raise NotFound(f"model '{model}' is not routed by this gateway", code="model_not_found", param="model")
         return route
 
-    def body(self, request: ModelRequest, max_tokens: int | None) -> bytes:
-        body: dict[str, Any] = {**request.extra, "model": request.model, "messages": request.messages}
+    def body(self, request: ModelRequest, max_tokens: int | None, model: str | None = None) -> bytes:
+        body: dict[str, Any] = {**request.extra, "model": model or request.model, "messages": request.messages}
         if request.tools:
             body["tools"] = request.tools
         if max_tokens is not None:
@@ -68,23 +69,34 @@ class UpstreamModel:
         return orjson.dumps(body)
 
     async def complete(self, request: ModelRequest) -> ModelReply:
+        """One turn over the route's deployments and fallbacks (held at the dearest of them,
+        booked at the price of the one that answered). An `UpstreamError` carries the trace
+        fields of the failed attempts (`attempts`), which the driver writes."""
         route = self.route(request.model)
-        upstream: Upstream = self.upstreams[route.upstream]
+        metrics = self.metrics
+        routed = self.upstreams.call(route, request.model, lambda a: metrics.on_attempt(a.upstream, a.outcome))
         ask = Ask(route.price, request.messages, request.tools or None, request.max_tokens)
         async with await self.governor.admit_call(request.run_id, self.team, self.strict, ask,
                                                   request.budget_remaining_usd) as adm:
-            body = self.body(request, adm.max_tokens or request.max_tokens)
-            reply = await upstream.complete(body, upstream.headers())
-            parsed = upstream.parse(reply)  # a malformed reply is an UpstreamError: nothing to pay for
+            max_tokens = adm.max_tokens or request.max_tokens
+            try:  # a malformed reply is an UpstreamError: nothing to pay for
+                reply, parsed, upstream = await complete_chat(routed, lambda m: self.body(request, max_tokens, m),
+                                                              None)
+            except UpstreamError as exc:
+                exc.attempts = [a.fields() for a in routed.attempts]
+                raise
             message = parsed.message
             checked = checked_usage(parsed.usage, counter=self.counter, messages=request.messages,
-                                    tools=request.tools or None, message=message, body_bytes=len(body),
+                                    tools=request.tools or None, message=message,
+                                    body_bytes=len(self.body(request, max_tokens, request.model)),
                                     allowed_completion=adm.allowed_completion, n=1, counted_prompt=adm.prompt_tokens)
             if checked.reported is not None:
                 self.metrics.on_usage_clamped(upstream.name, checked.clamped)
             usage = checked.usage
-            cost = route.price.cost(usage)
+            assert routed.answer is not None
+            cost = routed.answer.price.cost(usage)
             await self.governor.settle(adm, cost)
         self.metrics.on_upstream(upstream.name, request.model, reply.seconds)
         self.metrics.on_turn(self.team.name, self.policy, request.model, usage, cost)
-        return ModelReply(message, usage, parsed.finish_reason, reported=checked.reported, upstream=upstream.name)
+        return ModelReply(message, usage, parsed.finish_reason, reported=checked.reported, upstream=upstream.name,
+                          cost_usd=cost, attempts=tuple(a.fields() for a in routed.attempts))
