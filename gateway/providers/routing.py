@@ -55,6 +55,14 @@ class Deployment:
     model: str | None
     weight: int
     price: Price
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Looked up on every call (its health): hash once, not the fields every time.
+        object.__setattr__(self, "_hash", hash((self.upstream, self.model, self.weight, self.price)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 @dataclass(frozen=True)
@@ -160,17 +168,17 @@ class Router:
 
     def _best(self, deployments: Sequence[Deployment], tried: Sequence[Deployment], fresh: bool,
               now: float) -> Deployment | None:
-        candidates = [d for d in deployments if (d not in tried) == fresh and self.health(d).available(now)]
+        candidates = [(d, h) for d in deployments
+                      if (d not in tried) == fresh and (h := self.health(d)).available(now)]
         if len(candidates) <= 1:
-            return candidates[0] if candidates else None
-        load = {d: self.health(d).in_flight / d.weight for d in candidates}
-        least = min(load.values())
-        tied = [d for d in candidates if load[d] == least]
-        total = sum(d.weight for d in tied)
-        for d in tied:
-            self.health(d).current += d.weight
-        best = max(tied, key=lambda d: self.health(d).current)
-        self.health(best).current -= total
+            return candidates[0][0] if candidates else None
+        least = min(h.in_flight / d.weight for d, h in candidates)
+        tied = [(d, h) for d, h in candidates if h.in_flight / d.weight == least]
+        total = sum(d.weight for d, _ in tied)
+        for d, h in tied:
+            h.current += d.weight
+        best, health = max(tied, key=lambda pair: pair[1].current)
+        health.current -= total
         return best
 
     def _taken(self, plan: RoutePlan, model: str, index: int, deployment: Deployment, now: float) -> Pick:
