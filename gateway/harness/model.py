@@ -38,7 +38,8 @@ class ModelReply:
     # `usage_clamped` with it; `usage` is what is booked).
     reported: Usage | None = None
     upstream: str = ""
-    # What the turn cost at the price of the deployment that answered (None: the run's price).
+    # What the turn cost, when the model priced it itself (the gateway's governed model
+    # prices with the route that answered); None: the loop prices it with `options.price`.
     cost_usd: float | None = None
     # The trace fields of each upstream attempt the turn took (`upstream_attempt` lines).
     attempts: tuple[dict[str, Any], ...] = ()

@@ -30,8 +30,17 @@ EventKind = Literal[
     "run_stopped",
     "subrun_started",
     "cancel_requested",
+    "embeddings",
 ]
 EVENT_KINDS: tuple[EventKind, ...] = get_args(EventKind)
+
+
+def event(run_id: str, kind: EventKind, **fields: Any) -> dict[str, Any]:
+    """The one builder of a trace line: `runId`, `type`, the fields, then `ts` (seconds)."""
+    out: dict[str, Any] = {"runId": run_id, "type": kind}
+    out.update(fields)
+    out["ts"] = round(time.time(), 6)
+    return out
 
 
 class Tracer:
@@ -44,10 +53,7 @@ class Tracer:
         self.sink = sink
 
     def __call__(self, kind: EventKind, **fields: Any) -> None:
-        event: dict[str, Any] = {"runId": self.run_id, "type": kind}
-        event.update(fields)
-        event["ts"] = round(time.time(), 6)
-        self.sink(event)
+        self.sink(event(self.run_id, kind, **fields))
 
 
 class EventList:

@@ -28,7 +28,8 @@ from typing import Any, TypeVar
 
 from gateway.harness.usage import Price
 from gateway.providers.routing import RETRYABLE, Deployment, Outcome, Pick, RoutePlan, Router
-from gateway.providers.upstream import Upstream, UpstreamError, UpstreamStream
+from gateway.providers.errors import UpstreamError
+from gateway.providers.upstream import Upstream, UpstreamStream
 
 __all__ = ["Answer", "Attempt", "Opened", "RoutedCall", "outcome_of"]
 
@@ -148,7 +149,7 @@ class RoutedCall:
             self.router.abandoned(pick)
             if last is not None:
                 raise last
-            raise UpstreamError(502, "upstream_unavailable", f"every deployment of model '{self.model}' is cooling "
+            raise UpstreamError("upstream_unavailable", f"every deployment of model '{self.model}' is cooling "
                                 f"down after failures (the first is back in {wait:.1f}s)",
                                 pick.deployment.upstream, None, retry_after_s=wait)
         if wait > 0:
@@ -235,7 +236,7 @@ class RoutedCall:
                     rest = opened.events()
                     first = await anext(rest, None)
                 if first is None:
-                    raise UpstreamError(502, "upstream_cut", f"upstream '{upstream.name}' ended the stream before "
+                    raise UpstreamError("upstream_cut", f"upstream '{upstream.name}' ended the stream before "
                                         "its first event", upstream.name, 200)
                 break
             except UpstreamError as exc:
