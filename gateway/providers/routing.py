@@ -19,7 +19,8 @@ A deployment is available when its breaker is closed, or open but past its coold
 probe in flight (half-open: that call is the probe), and past any `retry-after` it gave.
 `cooldown_after` consecutive failures open the breaker for `cooldown_s`; a failed probe
 opens it again for twice as long (up to `MAX_COOLDOWN_S`); a success closes it.
-Breaker state is per process: each replica learns on its own.
+Breaker state is per process: each replica learns on its own. A plan with one deployment
+and no fallbacks has nothing to route around and is never cooled down.
 """
 
 from __future__ import annotations
@@ -155,8 +156,11 @@ class Router:
     def pick(self, plan: RoutePlan, model: str, tried: Sequence[Deployment], now: float) -> Pick:
         """The next attempt's deployment (see the module docstring for the order)."""
         groups = plan.groups
-        if len(groups) == 1 and len(groups[0].deployments) == 1:  # the common case, kept cheap
-            return self._taken(plan, model, 0, groups[0].deployments[0], now)
+        if len(groups) == 1 and len(groups[0].deployments) == 1:
+            # Nothing to route around: never cooled (a breaker would only refuse calls
+            # without trying), but a retry-after it gave is still waited for.
+            only = groups[0].deployments[0]
+            return Pick(only, only.model or model, 0, max(0.0, self.health(only).not_before - now), False)
         for fresh in (True, False):
             for index, group in enumerate(groups):
                 choice = self._best(group.deployments, tried, fresh, now)

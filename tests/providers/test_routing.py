@@ -97,3 +97,15 @@ def test_when_every_deployment_is_cooling_the_first_back_is_picked_with_its_wait
 
 def test_the_hold_price_covers_every_deployment_and_fallback() -> None:
     assert PLAN.hold_price() == Price(5.0, 20.0)
+
+
+def test_a_lone_deployment_is_never_cooled_but_its_retry_after_is_waited_for() -> None:
+    lone = RoutePlan((Group(None, (A,)),), retries=2, breaker=Breaker(1, 10.0))
+    router = Router()
+    router.started(A)
+    router.finished(A, "server_error", lone.breaker, 0.0)
+    pick = router.pick(lone, "m", (A,), 1.0)
+    assert (pick.deployment, pick.wait_s, pick.probe) == (A, 0.0, False)
+    router.started(A)
+    router.finished(A, "rate_limited", lone.breaker, 1.0, retry_after_s=3.0)
+    assert router.pick(lone, "m", (A,), 2.0).wait_s == 2.0

@@ -35,6 +35,8 @@ COOLDOWN_S = 0.5
 BAD_FAILURES = 2
 """Calls `bad` fails before it heals: the first trips its breaker, the second is a failed probe."""
 TASK = [{"role": "user", "content": "Say ok."}]
+DEADLINE_S = 2.5
+"""The `timed` route's deadline: 11 attempts of a 1 s first-byte timeout would take 11 s."""
 
 
 def scripted(folder: Path, name: str, *flags: str) -> Proc:
@@ -64,6 +66,9 @@ def write_config(folder: Path, port: int, good: str, bad: str, *, bad_weight: in
             # Only the failing deployment, then a fallback model routed above.
             {"match": "lonely", "retries": 2, "deployments": [{"upstream": "bad", "model": "scripted-plan"}],
              "fallbacks": ["scripted-plan"], "price_in": 9.0, "price_out": 9.0},
+            # Only the failing deployment, many retries, and a total deadline that ends them first.
+            {"match": "timed", "retries": 10, "deadline_s": DEADLINE_S,
+             "deployments": [{"upstream": "bad", "model": "scripted-plan"}]},
         ],
         "teams": [{"name": "fo", "keys": [KEY], "budget_usd": 10.0, "budget_period": "total",
                    "policies": ["passthrough", "files"]}],
@@ -246,5 +251,25 @@ async def test_fallback_model_answers_when_every_deployment_failed_in_both_modes
         assert len(turns) >= 2 and len([a for a in attempts if a["outcome"] == "ok"]) == len(turns)
         assert all(a["upstream"] == "good" for a in attempts if a["outcome"] == "ok")
         assert await metric(session, url, "bad", "server_error") >= 1
+    finally:
+        route.stop()
+
+
+async def test_the_routes_deadline_ends_its_retries(tmp_path: Path, session: aiohttp.ClientSession) -> None:
+    route = start_route(tmp_path, "--fail", "hang")
+    try:
+        url = route.gateway.url
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        status, answer = await post(session, f"{url}/v1/chat/completions", {"model": "timed", "messages": TASK},
+                                    **{"X-Run-Id": "deadline"})
+        elapsed = loop.time() - started
+        assert status == 504 and answer["error"]["code"] == "upstream_timeout", answer
+        attempts = attempts_of(await trace(session, url, "deadline"))
+        assert 2 <= len(attempts) < 11 and {a["outcome"] for a in attempts} == {"timeout"}, attempts
+        assert elapsed < 11 * 1.0  # well under what the retries alone would take (seconds of margin)
+        async with session.get(f"{url}/v1/runs/deadline", headers=auth()) as resp:
+            run = await resp.json()
+        assert run["turns"] == 0 and run["cost_usd"] == 0  # nothing answered: nothing charged
     finally:
         route.stop()
