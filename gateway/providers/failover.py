@@ -187,15 +187,21 @@ class RoutedCall:
         health.in_flight = max(0, health.in_flight - 1)
         health.probing = False
 
+    async def _begin(self, last: UpstreamError | None,
+                     stream: bool) -> tuple[Pick, Upstream, float | None, UpstreamError, float]:
+        """The next attempt, started: its pick, upstream, time limit, the error if it passes,
+        and when it started."""
+        pick = await self._next(last)
+        upstream = self.upstream_for(pick.deployment.upstream)
+        limit, late = self._timeout_for(upstream, stream)
+        self.router.started(pick.deployment)
+        return pick, upstream, limit, late, self.clock()
+
     async def complete(self, send: Callable[[Upstream, str], Awaitable[R]]) -> tuple[R, Answer]:
         """`send(upstream, model)` until one answers; the answer and who gave it."""
         last: UpstreamError | None = None
         while True:
-            pick = await self._next(last)
-            upstream = self.upstream_for(pick.deployment.upstream)
-            limit, late = self._timeout_for(upstream, stream=False)
-            started = self.clock()
-            self.router.started(pick.deployment)
+            pick, upstream, limit, late, started = await self._begin(last, stream=False)
             try:
                 async with asyncio.timeout(limit):
                     result = await send(upstream, pick.model)
@@ -223,11 +229,7 @@ class RoutedCall:
         it, a cut, is the attempt's outcome)."""
         last: UpstreamError | None = None
         while True:
-            pick = await self._next(last)
-            upstream = self.upstream_for(pick.deployment.upstream)
-            limit, late = self._timeout_for(upstream, stream=True)
-            started = self.clock()
-            self.router.started(pick.deployment)
+            pick, upstream, limit, late, started = await self._begin(last, stream=True)
             stack = AsyncExitStack()
             first: bytes | None = None
             try:

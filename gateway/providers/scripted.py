@@ -138,32 +138,23 @@ def _error(status: int, message: str, type_: str, code: str | None = None, param
                         content_type="application/json", headers=headers)
 
 
+def _header_number(request: web.Request, name: str, most: float, unit: str) -> float | None:
+    """A header's number from 0 to `most` (None when absent); a 400 naming it otherwise."""
+    raw = request.headers.get(name)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= most:  # also refuses NaN and infinities
+        raise BadRequest(400, f"header {name} must be a number of {unit} from 0 to {most:.0f}, got {raw!r}", name)
+    return value
+
+
 def _ms_header(request: web.Request, name: str, default: float) -> float:
-    raw = request.headers.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= MAX_DELAY_MS:  # also refuses NaN and infinities
-        raise BadRequest(400, f"header {name} must be a number of milliseconds from 0 to {MAX_DELAY_MS:.0f}, "
-                              f"got {raw!r}", name)
-    return value
-
-
-def _seconds_header(request: web.Request, name: str, default: float | None) -> float | None:
-    raw = request.headers.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= MAX_DELAY_MS / 1000:
-        raise BadRequest(400, f"header {name} must be a number of seconds from 0 to {MAX_DELAY_MS / 1000:.0f}, "
-                              f"got {raw!r}", name)
-    return value
+    value = _header_number(request, name, MAX_DELAY_MS, "milliseconds")
+    return default if value is None else value
 
 
 def _parse(body: bytes) -> Ask:
@@ -391,7 +382,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if raw_fail is not None and raw_fail not in FAIL_MODES:
             raise BadRequest(400, f"header {FAIL_HEADER} must be one of {', '.join(FAIL_MODES)}, got {raw_fail!r}", None)
         fail = next((m for m in FAIL_MODES if m == raw_fail), None)
-        retry_after = _seconds_header(request, RETRY_AFTER_HEADER, config.retry_after_s)
+        retry_after = _header_number(request, RETRY_AFTER_HEADER, MAX_DELAY_MS / 1000, "seconds")
+        retry_after = config.retry_after_s if retry_after is None else retry_after
         ask = _parse(await request.read())
     except BadRequest as exc:
         type_ = "invalid_request_error"
