@@ -155,6 +155,7 @@ async def load(url: str, concurrency: int, requests: int, gateway: bool) -> tupl
     latencies: list[float] = []
     remaining = requests
     connector = aiohttp.TCPConnector(limit=concurrency)
+    load_id = os.urandom(3).hex()  # every load its own runs: repeated loads never meet a run's turn cap
 
     async with aiohttp.ClientSession(connector=connector) as session:
         async def worker(wid: int) -> None:
@@ -164,7 +165,7 @@ async def load(url: str, concurrency: int, requests: int, gateway: bool) -> tupl
                 remaining -= 1
                 headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
                 if gateway:  # a client's agent loop: ten turns per run, then a new run
-                    headers["X-Run-Id"] = f"bench-{os.getpid()}-{concurrency}-{wid}-{n // TURNS_PER_RUN}"
+                    headers["X-Run-Id"] = f"bench-{load_id}-{concurrency}-{wid}-{n // TURNS_PER_RUN}"
                 started = time.perf_counter()
                 async with session.post(url + "/v1/chat/completions", data=BODY, headers=headers) as resp:
                     await resp.read()

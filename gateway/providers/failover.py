@@ -160,16 +160,16 @@ class RoutedCall:
                 raise
         return pick
 
-    def _timeout_for(self, upstream: Upstream, stream: bool) -> tuple[float | None, UpstreamError]:
-        """How long this attempt may take before the first byte (streams) or in all, and the
-        error if it does not."""
+    def _timeout_for(self, upstream: Upstream, stream: bool) -> tuple[float | None, str, float | None]:
+        """How long this attempt may take before the first byte (streams) or in all, and what
+        to call it if it does not (`Upstream.timeout`'s words and seconds)."""
         left = self._left()
         first = upstream.config.first_byte_timeout_s if stream else None
         if left is not None and (first is None or left < first):
-            return max(0.0, left), upstream.timeout("the route's deadline", self.plan.deadline_s)
+            return max(0.0, left), "the route's deadline", self.plan.deadline_s
         if first is not None:
-            return first, upstream.timeout("no first event", first)
-        return None, upstream.timeout("the route's deadline", self.plan.deadline_s)
+            return first, "no first event", first
+        return None, "the route's deadline", self.plan.deadline_s
 
     def _record(self, pick: Pick, outcome: Outcome, started: float, exc: UpstreamError | None = None) -> None:
         now = self.clock()
@@ -188,14 +188,14 @@ class RoutedCall:
         health.probing = False
 
     async def _begin(self, last: UpstreamError | None,
-                     stream: bool) -> tuple[Pick, Upstream, float | None, UpstreamError, float]:
-        """The next attempt, started: its pick, upstream, time limit, the error if it passes,
-        and when it started."""
+                     stream: bool) -> tuple[Pick, Upstream, float | None, tuple[str, float | None], float]:
+        """The next attempt, started: its pick, upstream, time limit, the words of its timeout
+        if it passes, and when it started."""
         pick = await self._next(last)
         upstream = self.upstream_for(pick.deployment.upstream)
-        limit, late = self._timeout_for(upstream, stream)
+        limit, what, seconds = self._timeout_for(upstream, stream)
         self.router.started(pick.deployment)
-        return pick, upstream, limit, late, self.clock()
+        return pick, upstream, limit, (what, seconds), self.clock()
 
     async def complete(self, send: Callable[[Upstream, str], Awaitable[R]]) -> tuple[R, Answer]:
         """`send(upstream, model)` until one answers; the answer and who gave it."""
@@ -208,7 +208,7 @@ class RoutedCall:
             except UpstreamError as exc:
                 last = exc
             except TimeoutError:
-                last = late
+                last = upstream.timeout(*late)
             except BaseException:
                 self._released(pick)
                 raise
@@ -244,7 +244,7 @@ class RoutedCall:
             except UpstreamError as exc:
                 last = exc
             except TimeoutError:
-                last = late
+                last = upstream.timeout(*late)
             except BaseException:
                 await stack.aclose()
                 self._released(pick)
