@@ -22,7 +22,7 @@ from gateway.harness.state import Limits, Message, RunState
 from gateway.harness.tools import Tool, ToolContext, ToolOutput
 from gateway.harness.trace import EventList
 from gateway.providers.http_model import HTTPChatModel
-from gateway.tools.chapter import PLAN_TASK, SYSTEM_PROMPT
+from gateway.tools.catalog import PLAN_TASK, SYSTEM_PROMPT
 from gateway.tools.files import Sandbox, file_tools, fresh_sandbox
 
 

@@ -1,8 +1,7 @@
 """The trace: one JSON object per event, every one carrying the run id.
 
-The vocabulary is the chapter's (`turn`, `tool_start`, `tool_progress`, `tool_result`,
-`approval_required`, `run_stopped`) plus what the gateway needs, in the same style.
-Field names are part of the contract (camelCase where the chapter used it).
+Every kind is listed in `EventKind` and documented in docs/trace-events.md. Field names
+are part of the contract (camelCase where the first version used it: `runId`, `costUsd`).
 """
 
 from __future__ import annotations
