@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import orjson
