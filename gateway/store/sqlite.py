@@ -29,12 +29,16 @@ from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
     EXPIRED_RETENTION_S,
     PRUNE_BATCH,
+    RATE_SLACK_S,
     Booking,
     Claim,
     Event,
     Figures,
     Grant,
     Ledger,
+    RateLimit,
+    RateState,
+    TokenCharge,
     check_list_args,
     check_ttl,
     from_micros,
@@ -42,6 +46,7 @@ from gateway.store.base import (
     new_reservation_id,
     optional_micros,
     parse_run,
+    scope_tag,
     stamped_body,
     to_micros,
 )
@@ -75,8 +80,8 @@ never counts an expired reservation, marked or not."""
 
 _LIVE: Final = "state = 'held' AND expires_at > :now"
 _ADMIT: Final = (
-    "INSERT INTO reservations (id, team, period, amount_micros, expires_at, run_id, owner)"
-    " SELECT :id, :team, :period, :amount, :expires, :run, :owner"
+    "INSERT INTO reservations (id, team, period, amount_micros, expires_at, run_id, owner, scopes)"
+    " SELECT :id, :team, :period, :amount, :expires, :run, :owner, :scopes"
     " WHERE (:run IS NULL OR EXISTS (SELECT 1 FROM runs WHERE id = :run))"
     " AND (:max_turns IS NULL OR (SELECT turns FROM runs WHERE id = :run)"
     f"      + (SELECT COUNT(*) FROM reservations WHERE run_id = :run AND {_LIVE}) < :max_turns)"
@@ -90,6 +95,24 @@ _ADMIT: Final = (
     f"         WHERE team = :team AND period = :period AND {_LIVE}) + :amount <= :budget)"
 )
 """Checks every condition of a `Claim` and holds it, in one statement (atomic on its own)."""
+_RATE_CHECK: Final = (
+    " AND (:rs{i} IS NULL OR MAX(COALESCE((SELECT requests_tat FROM rate_clocks WHERE scope = :s{i}), 0), :now)"
+    f"      + :rs{{i}} - :now <= :w{{i}} + {RATE_SLACK_S!r})"
+    " AND (:ts{i} IS NULL OR MAX(COALESCE((SELECT tokens_tat FROM rate_clocks WHERE scope = :s{i}), 0), :now)"
+    f"      + :tokens * :ts{{i}} - :now <= :w{{i}} + {RATE_SLACK_S!r})"
+    " AND (:mif{i} IS NULL"
+    f"      OR (SELECT COUNT(*) FROM reservations WHERE instr(scopes, :tag{{i}}) > 0 AND {_LIVE}) < :mif{{i}})"
+)
+"""The conditions of a claim's i-th rate scope (base.fits, in SQL), appended to _ADMIT."""
+_SPEND_RATE: Final = (
+    "INSERT INTO rate_clocks (scope, requests_tat, tokens_tat)"
+    " VALUES (:s, COALESCE(:now + :rs, 0), COALESCE(:now + :tokens * :ts, 0))"
+    " ON CONFLICT (scope) DO UPDATE SET requests_tat = COALESCE(MAX(requests_tat, :now) + :rs, requests_tat),"
+    " tokens_tat = COALESCE(MAX(tokens_tat, :now) + :tokens * :ts, tokens_tat)"
+    " RETURNING requests_tat, tokens_tat"
+)
+"""Pushes a granted claim's scope clocks forward (in the admission's transaction)."""
+_CHARGE_TOKENS: Final = "UPDATE rate_clocks SET tokens_tat = MAX(tokens_tat, ?) + ? * ? WHERE scope = ?"
 _FIGURES: Final = (
     "SELECT (SELECT COALESCE(SUM(spent_micros), 0) FROM ledger WHERE team = :team AND period = :period),"
     f" (SELECT COALESCE(SUM(amount_micros), 0) FROM reservations WHERE team = :team AND period = :period AND {_LIVE}),"
@@ -108,6 +131,7 @@ class SqliteStore:
         self._conn: sqlite3.Connection | None = connect(self.path)
         self._reclaim_due: dict[str, float] = {}
         self._held: dict[str, float] = {}  # reservations this store made and nobody settled yet -> expiry
+        self._admit_sql: dict[int, str] = {0: _ADMIT}  # by the number of rate scopes
         self._batch = WriteBatch(self._db, self._translate, (StaleRun, RunNotFound, RunExists, AlreadyBooked))
         try:
             with self._errors:
@@ -221,7 +245,7 @@ class SqliteStore:
             if booking is None:
                 return None
             if booking.reservation_id is not None:
-                self._settle(db, booking.reservation_id, actual)
+                self._settle(db, booking.reservation_id, actual, booking.tokens)
             elif actual:
                 self._book(db, booking.team, booking.period, actual)
             return self._spend(db, booking.team, booking.period)
@@ -288,7 +312,14 @@ class SqliteStore:
             "budget": optional_micros(claim.budget_usd, "budget_usd"), "run": claim.run_id,
             "max_turns": claim.max_turns, "max_in_flight": claim.max_in_flight,
             "run_budget": optional_micros(claim.run_budget_usd, "run_budget_usd"), "owner": claim.owner,
+            "tokens": claim.tokens, "scopes": "".join(scope_tag(r.scope) for r in claim.rates
+                                                      if r.max_in_flight is not None) or None,
         }
+        for i, r in enumerate(claim.rates):
+            params.update({f"s{i}": r.scope, f"w{i}": r.window_s, f"rs{i}": r.requests_s, f"ts{i}": r.tokens_s,
+                           f"mif{i}": r.max_in_flight, f"tag{i}": scope_tag(r.scope)})
+        sql = self._admit_sql.get(len(claim.rates)) or self._rate_sql(len(claim.rates))
+        clocked = any(r.requests is not None or r.tokens is not None for r in claim.rates)
         ttl = check_ttl(claim.ttl_s, "ttl_s", allow_zero=True)
         granted: list[tuple[str, float]] = []
 
@@ -299,19 +330,23 @@ class SqliteStore:
                 self._reclaim(db, claim.team, now)
                 due = now + RECLAIM_EVERY_S
             rid = new_reservation_id()
-            inserted = db.execute(_ADMIT, {**params, "id": rid, "now": now, "expires": now + ttl}).rowcount == 1
+            inserted = db.execute(sql, {**params, "id": rid, "now": now, "expires": now + ttl}).rowcount == 1
             self._reclaim_due[claim.team] = min(due, now + ttl) if inserted else due
             if not inserted:
                 # Why, from figures read right after; another process may have moved them
                 # since (then "busy": a retry may pass).
                 figures, run_exists = self._figures(db, claim.team, claim.period, claim.run_id, now)
-                return Grant(None, judge(claim, figures, run_exists) or "busy", figures)
+                rates = tuple(self._rate_state(db, r, now) for r in claim.rates)
+                return Grant(None, judge(claim, figures, run_exists, rates) or "busy", figures, rates)
             granted.append((rid, now + ttl))
-            return Grant(rid)
+            if not clocked:
+                return Grant(rid, rates=tuple(RateState(r.scope, now) for r in claim.rates))
+            return Grant(rid, rates=tuple(self._spend_rate(db, r, claim.tokens, now) for r in claim.rates))
 
         try:
-            # One INSERT checks and holds at once; marking expired ones needs no atomicity.
-            grant = await self._write(step, atomic=False, skip_if_cancelled=True)
+            # One INSERT checks and holds at once (with rate clocks, their UPDATEs join it in
+            # one transaction); marking expired ones needs no atomicity.
+            grant = await self._write(step, atomic=clocked, skip_if_cancelled=True)
         except asyncio.CancelledError:
             if granted:  # a batch made it for a caller who left meanwhile: give it back
                 self._give_back(granted[0][0])
@@ -319,6 +354,29 @@ class SqliteStore:
         if grant.reservation_id is not None:
             self._held[grant.reservation_id] = granted[0][1]
         return grant
+
+    def _rate_sql(self, n: int) -> str:
+        sql = _ADMIT + "".join(_RATE_CHECK.format(i=i) for i in range(n))
+        self._admit_sql[n] = sql
+        return sql
+
+    @staticmethod
+    def _rate_state(db: sqlite3.Connection, limit: RateLimit, now: float) -> RateState:
+        row = db.execute("SELECT requests_tat, tokens_tat FROM rate_clocks WHERE scope = ?", (limit.scope,)).fetchone()
+        in_flight = 0
+        if limit.max_in_flight is not None:
+            in_flight = int(db.execute(f"SELECT COUNT(*) FROM reservations WHERE instr(scopes, :tag) > 0 AND {_LIVE}",
+                                       {"tag": scope_tag(limit.scope), "now": now}).fetchone()[0])
+        requests_tat, tokens_tat = row or (0.0, 0.0)
+        return RateState(limit.scope, now, requests_tat, tokens_tat, in_flight)
+
+    @staticmethod
+    def _spend_rate(db: sqlite3.Connection, limit: RateLimit, tokens: int, now: float) -> RateState:
+        if limit.requests is None and limit.tokens is None:
+            return RateState(limit.scope, now)
+        requests_tat, tokens_tat = db.execute(_SPEND_RATE, {
+            "s": limit.scope, "now": now, "rs": limit.requests_s, "ts": limit.tokens_s, "tokens": tokens}).fetchone()
+        return RateState(limit.scope, now, requests_tat, tokens_tat)
 
     async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
         with self._errors:
@@ -372,16 +430,20 @@ class SqliteStore:
         except StoreError:  # it expires on its own
             log.exception("cannot give back reservation %s", reservation_id)
 
-    async def settle(self, reservation_id: str, actual_usd: float) -> None:
+    async def settle(self, reservation_id: str, actual_usd: float, tokens: Sequence[TokenCharge] = ()) -> None:
         actual = to_micros(actual_usd, "actual_usd")
         self._held.pop(reservation_id, None)
-        await self._write(lambda db: self._settle(db, reservation_id, actual), atomic=True)
+        await self._write(lambda db: self._settle(db, reservation_id, actual, tokens), atomic=True)
 
     @classmethod
-    def _settle(cls, db: sqlite3.Connection, reservation_id: str, actual: int) -> None:
+    def _settle(cls, db: sqlite3.Connection, reservation_id: str, actual: int,
+                tokens: Sequence[TokenCharge] = ()) -> None:
         rows = db.execute("DELETE FROM reservations WHERE id = ? RETURNING team, period", (reservation_id,)).fetchall()
         if rows:  # else already settled or released: nothing more to book
             cls._book(db, rows[0][0], rows[0][1], actual)
+            if tokens:
+                now = time.time()
+                db.executemany(_CHARGE_TOKENS, [(now, c.tokens, c.tokens_s, c.scope) for c in tokens])
 
     @staticmethod
     def _book(db: sqlite3.Connection, team: str, period: str, micros: int) -> None:

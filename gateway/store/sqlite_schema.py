@@ -71,6 +71,11 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         WHERE instr(id, '/') = 0 AND team != ''""",
     # Retention forgets stored responses by age.
     "CREATE INDEX responses_created ON responses (created_at)",
+    # Rate limits: each scope's GCRA clocks (requests, tokens), and the scopes whose calls in
+    # flight a reservation counts in ('|team:a|key:b|'; NULL: none).
+    """CREATE TABLE rate_clocks (scope TEXT PRIMARY KEY, requests_tat REAL NOT NULL DEFAULT 0,
+        tokens_tat REAL NOT NULL DEFAULT 0) WITHOUT ROWID""",
+    "ALTER TABLE reservations ADD COLUMN scopes TEXT",
 )
 
 BUSY_TIMEOUT_S: Final = 10.0
