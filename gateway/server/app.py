@@ -35,6 +35,7 @@ from gateway.policy.registry import PolicyRegistry
 from gateway.providers.scenarios import model_names
 from gateway.providers.scripted import scripted_app
 from gateway.providers.upstream import new_session
+from gateway.server import rate_limits
 from gateway.server import context as ctx
 from gateway.server import metrics_route, openapi
 from gateway.server import retention
@@ -191,6 +192,8 @@ def build_app(config: Config, *, self_url: str | None = None) -> web.Application
         app[ctx.SELF_URL] = self_url.rstrip("/")
     app.cleanup_ctx.append(_resources)
     app.cleanup_ctx.append(retention.background)
+    if any(t.rate_limits is not None or t.key_limits for t in config.teams):
+        app.on_response_prepare.append(rate_limits.show)  # answers carry their x-ratelimit-* headers
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)

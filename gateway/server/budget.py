@@ -41,9 +41,10 @@ from typing import Any
 
 from gateway.harness.state import RunState, public_run_id
 from gateway.harness.usage import Price, Usage
+from gateway.server import rate_limits
 from gateway.server.config import Defaults, TeamConfig
 from gateway.server.errors import Conflict, LimitExceeded
-from gateway.store.base import DEFAULT_RESERVATION_TTL_S, Booking, Claim, Figures, Grant, Store
+from gateway.store.base import DEFAULT_RESERVATION_TTL_S, Booking, Claim, Figures, Grant, RateLimit, Store
 from gateway.store.errors import StoreError
 from gateway.store.periods import period_key
 from gateway.tokens import TokenCounter
@@ -89,6 +90,11 @@ class Admission:
     prompt_tokens: int | None = None
     allowed_completion: int | None = None
     closed: bool = field(default=False)
+    rates: tuple[RateLimit, ...] = ()
+    counted_tokens: int = 0
+    """What the rate limits counted for the call before it ran (its prompt); booked against real usage."""
+    rate_headers: dict[str, str] = field(default_factory=dict)
+    """x-ratelimit-* as the admission left them (empty without rate limits)."""
 
     async def __aenter__(self) -> Admission:
         return self
@@ -159,13 +165,15 @@ class Governor:
             raise LimitExceeded("budget_exceeded",
                                 f"run {run.run_id} spent ${run.cost_usd:.6f} of its ${limits.max_budget_usd:.6f} "
                                 "budget; nothing was forwarded")
-        adm = Admission(self, run.run_id, team, strict, n=ask.n, period=self.period(team))
+        adm = Admission(self, run.run_id, team, strict, n=ask.n, period=self.period(team),
+                        rates=rate_limits.claims(team))
         run_budget = limits.max_budget_usd if strict else None
 
         def claim(amount: float) -> Claim:
             return Claim(team.name, adm.period or "", amount, team.budget_usd, run_id=run.run_id,
                          max_turns=limits.max_turns, max_in_flight=self.defaults.max_calls_in_flight_per_run,
-                         run_budget_usd=run_budget, owner=self.owner, ttl_s=self.ttl_s)
+                         run_budget_usd=run_budget, owner=self.owner, ttl_s=self.ttl_s, rates=adm.rates,
+                         tokens=adm.counted_tokens)
 
         await self._admit(adm, ask, claim, run_budget)
         return adm
@@ -173,10 +181,11 @@ class Governor:
     async def admit_call(self, run_id: str, team: TeamConfig, strict: bool, ask: Ask,
                          run_remaining_usd: float | None) -> Admission:
         """Admit one model call of a server-side run (its loop checks the run's own caps)."""
-        adm = Admission(self, run_id, team, strict, n=ask.n, period=self.period(team))
+        adm = Admission(self, run_id, team, strict, n=ask.n, period=self.period(team), rates=rate_limits.claims(team))
 
         def claim(amount: float) -> Claim:
-            return Claim(team.name, adm.period or "", amount, team.budget_usd, owner=self.owner, ttl_s=self.ttl_s)
+            return Claim(team.name, adm.period or "", amount, team.budget_usd, owner=self.owner, ttl_s=self.ttl_s,
+                         rates=adm.rates, tokens=adm.counted_tokens)
 
         run_left = run_remaining_usd if strict else None
         await self._admit(adm, ask, claim, None, run_left)
@@ -185,9 +194,16 @@ class Governor:
     async def _admit(self, adm: Admission, ask: Ask, claim: Callable[[float], Claim], run_budget: float | None,
                      run_left: float | None = None) -> None:
         team = adm.team
-        counts = adm.strict or team.budget_usd is not None
+        limited = rate_limits.counts_tokens(adm.rates)
+        counts = adm.strict or team.budget_usd is not None or limited
         prompt = self.counter.count_request(ask.messages, ask.tools) if counts else 0
         adm.prompt_tokens = prompt if counts else None
+        if limited:
+            adm.counted_tokens = prompt
+            too_large = rate_limits.too_large(adm.rates, prompt)
+            if too_large is not None:
+                adm.closed = True
+                raise too_large
         allowance = ask.max_tokens or self.defaults.output_allowance_tokens
         if not adm.strict:
             amount = ask.price.cost(Usage(prompt, allowance * ask.n)) if team.budget_usd is not None else 0.0
@@ -225,9 +241,14 @@ class Governor:
 
     def _close_on_refusal(self, adm: Admission, grant: Grant, ask: Ask, prompt: int, out: int) -> None:
         if grant.reservation_id is None:
+            if grant.refused == "rate_limit":
+                adm.closed = True
+                raise rate_limits.refused(adm.rates, grant.rates, adm.counted_tokens)
             raise self._refusal(adm, grant.refused or "busy", grant.figures, ask, prompt, out)
         adm.reservation = grant.reservation_id
         self._live.add(grant.reservation_id)
+        if adm.rates:
+            adm.rate_headers = rate_limits.headers(adm.rates, grant.rates)
 
     def _refusal(self, adm: Admission, why: str, figures: Figures, ask: Ask, prompt: int, out: int,
                  run_left: float | None = None) -> Exception:
@@ -269,29 +290,32 @@ class Governor:
             self._live.discard(adm.reservation)
         return True
 
-    async def settle(self, adm: Admission, actual_usd: float) -> None:
-        """Book the call's actual cost (the team's ledger holds it even without a budget)."""
+    async def settle(self, adm: Admission, actual_usd: float, tokens: int | None = None) -> None:
+        """Book the call's actual cost (the team's ledger holds it even without a budget) and
+        reconcile its rate limits with the `tokens` it really used (prompt + completion)."""
         if not self._close(adm):
             return
         if adm.reservation is not None:
-            await self.store.settle(adm.reservation, actual_usd)
+            await self.store.settle(adm.reservation, actual_usd,
+                                    rate_limits.charges(adm.rates, adm.counted_tokens, tokens))
         elif actual_usd > 0:
             await self.store.charge(adm.team.name, adm.period or self.period(adm.team), actual_usd)
 
-    def booking(self, adm: Admission, actual_usd: float) -> Booking | None:
+    def booking(self, adm: Admission, actual_usd: float, tokens: int | None = None) -> Booking | None:
         """Close the call and say what `Store.commit_turn` must book for it (what `settle`
-        would book); None when there is nothing to book (closed already, or free and
-        unreserved)."""
+        would book, `tokens` reconciled as there); None when there is nothing to book
+        (closed already, or free and unreserved)."""
         if not self._close(adm):
             return None
         if adm.reservation is None and actual_usd <= 0:
             return None
-        return Booking(adm.team.name, adm.period or self.period(adm.team), actual_usd, adm.reservation)
+        return Booking(adm.team.name, adm.period or self.period(adm.team), actual_usd, adm.reservation,
+                       tokens=rate_limits.charges(adm.rates, adm.counted_tokens, tokens))
 
     async def book(self, booking: Booking) -> None:
         """Book on its own what a failed `commit_turn` did not (settle is idempotent)."""
         if booking.reservation_id is not None:
-            await self.store.settle(booking.reservation_id, booking.actual_usd)
+            await self.store.settle(booking.reservation_id, booking.actual_usd, booking.tokens)
         elif booking.actual_usd > 0:
             await self.store.charge(booking.team, booking.period, booking.actual_usd)
 

@@ -42,7 +42,7 @@ import aiohttp
 from gateway.harness.execute import CancelScope
 from gateway.harness.loop import Outcome, run
 from gateway.harness.model import Model
-from gateway.harness.state import RunState, public_run_id
+from gateway.harness.state import Interruption, RunState, public_run_id
 from gateway.harness.usage import Price, Usage
 from gateway.policy.decl import Policy
 from gateway.policy.executors import CompileError, ToolEnv, compile_options
@@ -50,7 +50,7 @@ from gateway.policy.registry import PolicyRegistry
 from gateway.policy.sandbox import prepare_sandbox, sandbox_config
 from gateway.server.cancels import ActiveRuns, RunBusy, watch_remote_cancel
 from gateway.server.config import DEFAULT_LEASE_TTL_S, DEFAULT_STORE_TIMEOUT_S
-from gateway.server.errors import ApiError, Conflict, LimitExceeded, NotFound, limit_stop
+from gateway.server.errors import ApiError, Conflict, LimitExceeded, NotFound, RateLimited, limit_stop
 from gateway.server.metrics import Metrics
 from gateway.server.tracelog import Listener, TraceWriter
 from gateway.store.base import Event, Store
@@ -272,6 +272,10 @@ class RunDriver:
             state.status, state.reason, state.interruption = limit_stop(exc.kind)
             if exc.kind == "team_budget_exceeded":
                 state.error = exc.message
+        elif isinstance(exc, RateLimited):  # waited defaults.rate_limit_wait_s already: resume it later
+            state.status, state.reason = "interrupted", "rate_limited"
+            state.interruption = Interruption("rate_limited", reason=exc.message)
+            state.error = exc.message
         elif isinstance(exc, ApiError):
             state.status, state.reason, state.error = "failed", "upstream_error", exc.message
         else:

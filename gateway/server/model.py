@@ -4,7 +4,9 @@ Server-side runs ask it for each turn. Every call is admitted by the governor fi
 reservation; in strict mode `max_tokens` clamped to what the run's remaining budget,
 `ModelRequest.budget_remaining_usd`, and the team's can pay for), then settled with the
 actual cost, or released if the upstream fails. Raises `LimitExceeded` (429 kinds) when
-the budget refuses the call and `UpstreamError` when the upstream fails.
+the budget refuses the call and `UpstreamError` when the upstream fails. A rate-limit
+refusal is waited out, `defaults.rate_limit_wait_s` in all per turn; past that it is
+raised (`RateLimited`) and the run stops, interrupted and resumable (driver).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from gateway.harness.model import ModelReply, ModelRequest
 from gateway.harness.state import RunState
 from gateway.providers.upstream import Upstream
 from gateway.server import context as ctx
+from gateway.server import rate_limits
 from gateway.server.budget import Ask, Governor
 from gateway.server.config import Config, ModelRoute, TeamConfig
 from gateway.server.errors import ApiError, NotFound
@@ -71,8 +74,10 @@ class UpstreamModel:
         route = self.route(request.model)
         upstream: Upstream = self.upstreams[route.upstream]
         ask = Ask(route.price, request.messages, request.tools or None, request.max_tokens)
-        async with await self.governor.admit_call(request.run_id, self.team, self.strict, ask,
-                                                  request.budget_remaining_usd) as adm:
+        admission = await rate_limits.waiting(
+            lambda: self.governor.admit_call(request.run_id, self.team, self.strict, ask, request.budget_remaining_usd),
+            self.config.defaults.rate_limit_wait_s)
+        async with admission as adm:
             body = self.body(request, adm.max_tokens or request.max_tokens)
             reply = await upstream.complete(body, upstream.headers())
             parsed = upstream.parse(reply)  # a malformed reply is an UpstreamError: nothing to pay for
@@ -84,7 +89,7 @@ class UpstreamModel:
                 self.metrics.on_usage_clamped(upstream.name, checked.clamped)
             usage = checked.usage
             cost = route.price.cost(usage)
-            await self.governor.settle(adm, cost)
+            await self.governor.settle(adm, cost, usage.total_tokens)
         self.metrics.on_upstream(upstream.name, request.model, reply.seconds)
         self.metrics.on_turn(self.team.name, self.policy, request.model, usage, cost)
         return ModelReply(message, usage, parsed.finish_reason, reported=checked.reported, upstream=upstream.name)

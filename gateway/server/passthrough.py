@@ -21,6 +21,7 @@ from gateway.server.budget import Admission, Ask
 from gateway.server.chat_request import parse_chat_request
 from gateway.server.errors import BadRequest, Conflict, LimitExceeded, NotFound, PayloadTooLarge
 from gateway.server.passthrough_stream import stream_through
+from gateway.server.rate_limits import SHOWN
 from gateway.server.replies import with_run
 from gateway.server.runs import Call, resolve_call
 from gateway.server.turns import Booked, book_turn, refuse
@@ -85,6 +86,7 @@ async def governed(request: web.Request, call: Call) -> AsyncIterator[tuple[Admi
     _check_open(call)
     metrics = request.app[ctx.METRICS]
     async with await admit(request, call) as adm:
+        request[SHOWN] = adm.rate_headers
         metrics.run_active(1)
         try:
             yield adm, request.app[ctx.UPSTREAMS][call.route.upstream]

@@ -30,7 +30,7 @@ from gateway.server.errors import Conflict, LimitExceeded, limit_stop
 from gateway.server.headers import run_headers
 from gateway.server.replies import CheckedUsage, checked_usage
 from gateway.server.runs import Call, add_turn, commit_run, stop_run
-from gateway.store.base import Booking, Event, Ledger
+from gateway.store.base import Booking, Event, Ledger, TokenCharge
 from gateway.store.errors import AlreadyBooked, RunNotFound, StaleRun, StoreError
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,8 @@ class TurnRecord:
                 "transcript": self.transcript, "completed": self.completed, "finish": self.finish,
                 "upstream": self.upstream, "reported": None if self.reported is None else self.reported.to_json(),
                 "booking": None if b is None else {"team": b.team, "period": b.period, "actual_usd": b.actual_usd,
-                                                   "reservation_id": b.reservation_id}}
+                                                   "reservation_id": b.reservation_id,
+                                                   "tokens": [[c.scope, c.tokens, c.tokens_s] for c in b.tokens]}}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TurnRecord:
@@ -139,7 +140,9 @@ class TurnRecord:
                    list(data["transcript"]), bool(data["completed"]), str(data["finish"]), str(data["upstream"]),
                    None if data.get("reported") is None else Usage.from_json(data["reported"]),
                    None if b is None else Booking(str(b["team"]), str(b["period"]), float(b["actual_usd"]),
-                                                  b.get("reservation_id"), if_held=True))
+                                                  b.get("reservation_id"), if_held=True, tokens=tuple(
+                                                      TokenCharge(str(s), int(n), float(per))
+                                                      for s, n, per in b.get("tokens") or ())))
 
 
 async def book_turn(request: web.Request, call: Call, adm: Admission, *, reported: Usage | None, message: Message,
@@ -161,7 +164,7 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
     cost = call.route.price.cost(usage)
     record = TurnRecord(call.run.run_id, chat.model, usage, cost, [*chat.messages, message],
                         finish == "stop" and not message.get("tool_calls"), finish, call.route.upstream,
-                        checked.reported, governor.booking(adm, cost))
+                        checked.reported, governor.booking(adm, cost, usage.total_tokens))
     metrics = app[ctx.METRICS]
     metrics.on_turn(call.team.name, call.policy.name, chat.model, usage, cost)
     if checked.reported is not None:
