@@ -18,10 +18,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from aiohttp.typedefs import Handler
 
+from gateway.config.settings import Config, load_config
 from gateway.providers.scripted import scripted_app
 from gateway.server import context as ctx
 from gateway.server.app import build_app
-from gateway.server.config import Config, load_config
 from gateway.store.base import Store
 
 KEY = "sk-test"

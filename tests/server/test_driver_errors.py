@@ -8,8 +8,8 @@ from gateway.harness.model import ModelReply, ModelRequest
 from gateway.harness.state import RunState
 from gateway.harness.usage import CHAPTER_PRICE
 from gateway.policy.registry import PolicyRegistry
-from gateway.server.answers import exit_sentence
-from gateway.server.driver import INTERNAL_ERROR, RunDriver
+from gateway.server.chat.answers import exit_sentence
+from gateway.server.runs.driver import INTERNAL_ERROR, RunDriver
 from gateway.store.memory import MemoryStore
 
 
