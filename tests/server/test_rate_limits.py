@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
 import openai
 import pytest
 import yaml
@@ -158,10 +157,10 @@ async def test_tokens_per_minute_hold_within_one_across_two_replicas(
 async def test_the_openai_sdk_backs_off_and_completes_every_call(single: Proc, upstream: Upstream) -> None:
     statuses: list[int] = []
 
-    async def seen(response: httpx.Response) -> None:
+    async def seen(response: Any) -> None:
         statuses.append(response.status_code)
 
-    http = httpx.AsyncClient(event_hooks={"response": [seen]})
+    http = openai.DefaultAsyncHttpxClient(event_hooks={"response": [seen]})
     client = openai.AsyncOpenAI(base_url=single.url + "/v1", api_key=QUICK, max_retries=30, http_client=http)
     try:
         replies = await asyncio.gather(*(client.chat.completions.create(model="sdk", messages=TASK)  # type: ignore[arg-type]

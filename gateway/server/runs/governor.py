@@ -134,6 +134,17 @@ class Governor:
         self._periods: dict[tuple[object, ...], str] = {}
         self._live: set[str] = set()  # reservations of calls in flight here (renewed)
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        self._rates: dict[tuple[str, str | None], tuple[RateLimit, ...]] = {}  # by team and key scope
+
+    def rates(self, team: TeamConfig) -> tuple[RateLimit, ...]:
+        """The rate limits a call of `team` claims (its key's and the team's), built once."""
+        if team.rate_limits is None and team.caller is None:
+            return ()
+        key = (team.name, None if team.caller is None else team.caller.scope)
+        found = self._rates.get(key)
+        if found is None:
+            found = self._rates[key] = rate_limits.claims(team)
+        return found
 
     def period(self, team: TeamConfig) -> str:
         """The team's ledger key now (rolls over with the clock)."""
@@ -173,8 +184,7 @@ class Governor:
             raise LimitExceeded("budget_exceeded",
                                 f"run {run.run_id} spent ${run.cost_usd:.6f} of its ${limits.max_budget_usd:.6f} "
                                 "budget; nothing was forwarded")
-        adm = Admission(self, run.run_id, team, strict, n=ask.n, period=self.period(team),
-                        rates=rate_limits.claims(team))
+        adm = Admission(self, run.run_id, team, strict, n=ask.n, period=self.period(team), rates=self.rates(team))
         run_budget = limits.max_budget_usd if strict else None
 
         def claim(amount: float) -> Claim:
@@ -189,7 +199,7 @@ class Governor:
     async def admit_call(self, run_id: str, team: TeamConfig, strict: bool, ask: Ask,
                          run_remaining_usd: float | None) -> Admission:
         """Admit one model call of a server-side run (its loop checks the run's own caps)."""
-        adm = Admission(self, run_id, team, strict, n=ask.n, period=self.period(team), rates=rate_limits.claims(team))
+        adm = Admission(self, run_id, team, strict, n=ask.n, period=self.period(team), rates=self.rates(team))
 
         def claim(amount: float) -> Claim:
             return Claim(team.name, adm.period or "", amount, team.budget_usd, owner=self.owner, ttl_s=self.ttl_s,
