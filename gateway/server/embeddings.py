@@ -104,7 +104,7 @@ async def create_embeddings(request: web.Request) -> web.Response:
     except LimitExceeded as exc:
         raise (await refuse(request, call, exc) if call is not None else exc) from None
     async with adm:
-        request[SHOWN] = adm.rate_headers
+        request[SHOWN] = (adm.rates, adm.rate_states)
         upstream = app[ctx.UPSTREAMS][route.upstream]
         reply = await upstream.embed(raw, upstream.headers(request.headers))
         request[ctx.UPSTREAM_SECONDS] = reply.seconds

@@ -56,7 +56,7 @@ async def governed(request: web.Request, call: Call) -> AsyncIterator[tuple[Admi
     _check_open(call)
     metrics = request.app[ctx.METRICS]
     async with await admit(request, call) as adm:
-        request[SHOWN] = adm.rate_headers
+        request[SHOWN] = (adm.rates, adm.rate_states)
         metrics.run_active(1)
         try:
             yield adm, request.app[ctx.UPSTREAMS][call.route.upstream]

@@ -51,6 +51,7 @@ from gateway.store.base import (
     Figures,
     Grant,
     RateLimit,
+    RateState,
     Store,
 )
 from gateway.store.errors import StoreError
@@ -101,8 +102,8 @@ class Admission:
     rates: tuple[RateLimit, ...] = ()
     counted_tokens: int = 0
     """What the rate limits counted for the call before it ran (its prompt); booked against real usage."""
-    rate_headers: dict[str, str] = field(default_factory=dict)
-    """x-ratelimit-* as the admission left them (empty without rate limits)."""
+    rate_states: tuple[RateState, ...] = ()
+    """The rate clocks as the admission left them (`rate_limits.headers` shows them)."""
 
     async def __aenter__(self) -> Admission:
         return self
@@ -266,7 +267,7 @@ class Governor:
         adm.reservation = grant.reservation_id
         self._live.add(grant.reservation_id)
         if adm.rates:
-            adm.rate_headers = rate_limits.headers(adm.rates, grant.rates)
+            adm.rate_states = grant.rates
 
     def _refusal(self, adm: Admission, why: str, figures: Figures, ask: Ask, prompt: int, out: int,
                  run_left: float | None = None) -> Exception:

@@ -24,15 +24,15 @@ T = TypeVar("T")
 IN_FLIGHT_RETRY_S = 1.0
 """What a refusal for calls in flight asks the client to wait (no clock says when one ends)."""
 
-SHOWN: Final = web.RequestKey("rate_limit_headers", dict[str, str])
-"""The x-ratelimit-* headers of the call's admission, added to its answer (`show`)."""
+SHOWN: Final = web.RequestKey("rate_limit_clocks", tuple[tuple[RateLimit, ...], tuple[RateState, ...]])
+"""The rate limits of the call's admission and its clocks, shown on its answer (`show`)."""
 
 
 async def show(request: web.Request, response: web.StreamResponse) -> None:
     """`on_response_prepare`: a governed call's answer carries its rate-limit headers."""
     shown = request.get(SHOWN)
-    if shown:
-        for name, value in shown.items():
+    if shown and shown[0]:
+        for name, value in headers(*shown).items():
             response.headers.setdefault(name, value)
 
 
