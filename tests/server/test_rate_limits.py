@@ -8,6 +8,8 @@ real HTTP upstream that counts what reaches it:
 - the openai SDK backs off on those headers by itself and completes every call;
 - `max_in_flight` caps concurrent calls and frees a slot when a call ends;
 - a key's own limits apply on top of its team's;
+- every mode is admitted against them (chat streamed or not, Responses, embeddings);
+- a slot held by a replica that was SIGKILLed is free again within the lease;
 - a server-side turn waits for its rate limit (up to `defaults.rate_limit_wait_s`), then
   the run stops, interrupted with reason `rate_limited`.
 """
@@ -28,11 +30,12 @@ import pytest
 import yaml
 
 from gateway.tokens import get_counter
-from tests.server.test_admission import TASK, Upstream, chat, serving, write_policies
+from tests.server.test_admission import TASK, Hanging, Upstream, chat, serving, write_policies
 from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
 from tests.support.procs import Proc, free_port, start_gateway
 
 LIMITED, QUICK, NARROW, KEYED, WAITS, STOPS = "sk-lim", "sk-quick", "sk-narrow", "sk-keyed", "sk-waits", "sk-stops"
+ONCE = "sk-once"
 COMPLETION = 10
 """Completion tokens the counting upstream bills per call."""
 
@@ -44,8 +47,9 @@ def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, An
         "server": {"host": "127.0.0.1", "port": port, "lease_ttl_s": 5},
         "store": store,
         "policies_dir": str(write_policies(folder.parent)),
-        "upstreams": [{"name": "counting", "base_url": upstream_url}],
-        "models": [{"match": "*", "upstream": "counting", "price_in": 2.0, "price_out": 12.0}],
+        "upstreams": [{"name": "counting", "base_url": upstream_url}, {"name": "scripted", "kind": "scripted"}],
+        "models": [{"match": "scripted-*", "upstream": "scripted"},
+                   {"match": "*", "upstream": "counting", "price_in": 2.0, "price_out": 12.0}],
         "defaults": {"rate_limit_wait_s": 10},
         "teams": [
             {"name": "limited", "keys": [LIMITED], **team,
@@ -55,6 +59,7 @@ def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, An
             {"name": "narrow", "keys": [NARROW], **team, "rate_limits": {"max_in_flight": 2}},
             {"name": "waits", "keys": [WAITS], **team, "rate_limits": {"requests_per_second": 1}},
             {"name": "stops", "keys": [STOPS], **team, "rate_limits": {"requests_per_minute": 1}},
+            {"name": "once", "keys": [ONCE], **team, "rate_limits": {"requests_per_minute": 1}},
         ],
     }
     path = folder / "config.yaml"
@@ -214,3 +219,45 @@ async def test_a_server_side_run_stops_when_the_wait_would_pass_its_bound(single
     run = reply["run"]
     assert (run["status"], run["reason"]) == ("interrupted", "rate_limited"), reply
     assert upstream.calls["stop"] == 1
+
+
+async def test_every_mode_counts_against_the_limits(single: Proc, upstream: Upstream,
+                                                    session: aiohttp.ClientSession) -> None:
+    auth = {"Authorization": f"Bearer {ONCE}"}
+    async with session.post(f"{single.url}/v1/chat/completions", headers=auth,
+                            json={"model": "scripted-plan", "messages": TASK, "stream": True}) as resp:
+        assert resp.status == 200 and resp.headers["x-ratelimit-remaining-requests"] == "0"
+        assert b"data: [DONE]" in await resp.read()
+    for path, body in (("/v1/chat/completions", {"model": "modes", "messages": TASK, "stream": True}),
+                       ("/v1/responses", {"model": "modes", "input": "Say ok."}),
+                       ("/v1/embeddings", {"model": "modes", "input": "ok"})):
+        async with session.post(single.url + path, headers=auth, json=body) as resp:
+            reply = await resp.json()
+            assert resp.status == 429 and reply["error"]["code"] == "rate_limit_exceeded", (path, reply)
+    assert upstream.calls["modes"] == 0
+
+
+async def test_a_slot_held_by_a_killed_replica_is_free_within_its_lease(
+        tmp_path: Path, session: aiohttp.ClientSession) -> None:
+    hanging = Hanging(wanted=2)
+    async with serving(hanging.handle) as url:
+        store = {"kind": "sqlite", "path": str(tmp_path / "gateway.db")}
+        first, second = start(tmp_path / "a", url, store), start(tmp_path / "b", url, store)
+        try:
+            flying = [asyncio.ensure_future(chat(session, first, NARROW, {"model": "hang", "messages": TASK}))
+                      for _ in range(2)]
+            await asyncio.wait_for(hanging.arrived.wait(), 30)
+            status, _, reply = await chat(session, second, NARROW, {"model": "ok", "messages": TASK})
+            assert status == 429 and reply["error"]["type"] == "in_flight"  # both slots are held by `first`
+            first.kill()
+            for task in flying:
+                task.cancel()
+            await asyncio.gather(*flying, return_exceptions=True)
+            loop = asyncio.get_running_loop()
+            killed_at = loop.time()
+            while (await chat(session, second, NARROW, {"model": "ok", "messages": TASK}))[0] != 200:
+                assert loop.time() - killed_at < 5 + 5, "the dead replica's slots outlived its lease (5 s)"
+                await asyncio.sleep(0.2)  # polling, as a client retrying would
+        finally:
+            first.stop()
+            second.stop()
