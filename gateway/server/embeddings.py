@@ -19,6 +19,7 @@ from aiohttp import web
 
 from gateway.config.settings import TeamConfig
 from gateway.harness.state import Message, RunState
+from gateway.harness.trace import event
 from gateway.harness.usage import Price, Usage
 from gateway.server import context as ctx
 from gateway.server.http.chat_request import ChatRequest
@@ -31,7 +32,7 @@ from gateway.server.http.errors import (
 from gateway.server.http.headers import run_headers
 from gateway.server.http.validation import kind as _kind
 from gateway.server.http.validation import read_body
-from gateway.server.runs.booking import append_trace_file, event, refuse
+from gateway.server.runs.booking import append_trace_file, refuse
 from gateway.server.runs.governor import Admission, Ask
 from gateway.server.runs.keying import Call, commit_run, resolve_call, run_id_from
 from gateway.server.runs.rate_limits import SHOWN

@@ -226,7 +226,7 @@ PLAN_USER = {"role": "user", "content": "Which file mentions a timeout?"}
 
 
 def plan_start() -> list[dict[str, Any]]:
-    from gateway.tools.chapter import PLAN_TASK, SYSTEM_PROMPT
+    from gateway.tools.catalog import PLAN_TASK, SYSTEM_PROMPT
 
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": PLAN_TASK}]
 

@@ -12,7 +12,7 @@ from gateway.server import context as ctx
 from gateway.server.http.errors import LimitExceeded
 from gateway.server.runs.governed_model import UpstreamModel
 from gateway.tokens import get_counter
-from gateway.tools.chapter import FILE_TOOLS
+from gateway.tools.catalog import FILE_TOOLS
 from tests.server.conftest import PLAN_USER, Gateway, MakeGateway
 from tests.support.procs import free_port
 

@@ -61,8 +61,8 @@ class Answer:
     def of(cls, state: RunState, answer: str | None, client_calls: bool) -> Answer:
         """`client_calls`: the loop stopped to hand the pending calls to the client."""
         if client_calls:
-            last = next((m for m in reversed(state.messages) if m.get("role") == "assistant"), {})
-            return cls({"role": "assistant", "content": last.get("content"), "tool_calls": pending(state)},
+            last = next((m for m in reversed(state.messages) if m.get("role") == "assistant"), None)
+            return cls({"role": "assistant", "content": last.get("content") if last is not None else None, "tool_calls": pending(state)},
                        "tool_calls")
         if state.status == "completed":
             return cls({"role": "assistant", "content": answer or ""}, "stop")

@@ -22,8 +22,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any, Final
+from typing import Any, Final, cast
 
+from gateway.harness.state import Message
 from gateway.server.http.errors import InvalidField
 from gateway.server.http.validation import (
     INT64_MAX,
@@ -83,7 +84,7 @@ def check_body(body: Mapping[str, Any]) -> None:
             check(body, name)
 
 
-def check_messages(messages: Any) -> list[dict[str, Any]]:
+def check_messages(messages: Any) -> list[Message]:
     """The messages array, every message checked for its role."""
     if messages is None:
         raise InvalidField("messages", "missing required field: messages", "missing_field")
@@ -94,7 +95,7 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         if not _plain(message):
             _message(message, f"messages[{i}]")
-    return messages
+    return cast(list[Message], messages)  # every one checked above
 
 
 def _plain(m: Any) -> bool:

@@ -13,7 +13,6 @@ is booked, exactly once, when the store is back (`replay_spool`, run in the back
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.harness.state import Message, RunState
+from gateway.harness.trace import event
 from gateway.harness.usage import Usage
 from gateway.server import context as ctx
 from gateway.server.http.errors import Conflict, LimitExceeded, limit_stop
@@ -47,14 +47,6 @@ class Booked:
 
     def headers(self) -> dict[str, str]:
         return run_headers(self.run, self.team_remaining_usd)
-
-
-def event(run_id: str, kind: str, **fields: Any) -> dict[str, Any]:
-    """A trace line in the harness's style: runId, type, fields, ts."""
-    out: dict[str, Any] = {"runId": run_id, "type": kind}
-    out.update(fields)
-    out["ts"] = round(time.time(), 6)
-    return out
 
 
 def append_trace_file(path: Path | None, events: list[Event]) -> None:

@@ -105,7 +105,7 @@ def _tool_results(state: RunState, tail: list[Message]) -> list[Message]:
             raise InvalidField("messages", f"a tool message answers tool_call_id {cid!r}, but run {state.public_id} "
                                            f"waits for no such call (waiting: {', '.join(waiting) or 'none'})")
         name = (call.get("function") or {}).get("name", "")
-        out.append({"role": "tool", "tool_call_id": cid, "name": name, "content": _text(m.get("content"))})
+        out.append({"role": "tool", "tool_call_id": str(cid), "name": name, "content": _text(m.get("content"))})
     return out
 
 

@@ -44,6 +44,7 @@ from gateway.harness.execute import CancelScope
 from gateway.harness.loop import Outcome, run
 from gateway.harness.model import Model
 from gateway.harness.state import Interruption, RunState, public_run_id
+from gateway.harness.trace import event as trace_event
 from gateway.harness.usage import Price, Usage
 from gateway.policy.decl import Policy
 from gateway.policy.executors import CompileError, ToolEnv, compile_options
@@ -290,12 +291,9 @@ class RunDriver:
             log.exception("run %s failed inside the gateway", state.run_id)
             # the log has the exception; the run (and so every client answer) has a sentence
             state.status, state.reason, state.error = "failed", "internal_error", INTERNAL_ERROR
-        event: Event = {"runId": state.run_id, "type": "run_stopped", "status": state.status, "reason": state.reason,
-                        "turns": state.turns, "costUsd": round(state.cost_usd, 9)}
-        if state.error:
-            event["detail"] = state.error
-        event["ts"] = round(time.time(), 6)
-        writer(event)
+        detail = {"detail": state.error} if state.error else {}
+        writer(trace_event(state.run_id, "run_stopped", status=state.status, reason=state.reason, turns=state.turns,
+                           costUsd=round(state.cost_usd, 9), **detail))
         state.updated_at = time.time()
         await checkpoint(state)
         return Outcome(state, "stopped")

@@ -92,4 +92,5 @@ class UpstreamModel:
             await self.governor.settle(adm, cost, usage.total_tokens)
         self.metrics.on_upstream(upstream.name, request.model, reply.seconds)
         self.metrics.on_turn(self.team.name, self.policy, request.model, usage, cost)
-        return ModelReply(message, usage, parsed.finish_reason, reported=checked.reported, upstream=upstream.name)
+        return ModelReply(message, usage, parsed.finish_reason, reported=checked.reported, upstream=upstream.name,
+                          cost_usd=cost)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from gateway.config.settings import ModelRoute, TeamConfig
 from gateway.harness.state import (
     Interruption,
+    Message,
     RunState,
     Status,
     new_run_id,
@@ -157,16 +158,13 @@ async def commit_run(store: Store, run: RunState, change: Callable[[RunState], N
                    headers={"x-should-retry": "true", "retry-after": "1"})
 
 
-def add_turn(*, model: str, usage: Usage, cost_usd: float, transcript: list[dict[str, object]] | None,
+def add_turn(*, model: str, usage: Usage, cost_usd: float, transcript: list[Message] | None,
              completed: bool) -> Callable[[RunState], None]:
     """The change one pass-through turn makes to its run."""
 
     def change(run: RunState) -> None:
         run.model = model
-        run.turns += 1
-        run.usage = run.usage + usage
-        run.per_turn.append(usage)
-        run.cost_usd += cost_usd
+        run.count_turn(usage, cost_usd)
         if transcript is not None:
             run.messages = transcript
         # A final answer completes the run; a further call (the client's loop went on) reopens it.

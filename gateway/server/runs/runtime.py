@@ -12,7 +12,7 @@ from typing import Final
 from aiohttp import web
 
 from gateway.harness.state import RunState
-from gateway.harness.usage import CHAPTER_PRICE, Price
+from gateway.harness.usage import DEFAULT_PRICE, Price
 from gateway.server import context as ctx
 from gateway.server.runs.cancels import ActiveRuns
 from gateway.server.runs.driver import RunDriver
@@ -36,7 +36,7 @@ async def driver_ctx(app: web.Application) -> AsyncIterator[None]:
 
     def price_for(model: str) -> Price:
         route = config.route(model)
-        return route.price if route is not None else CHAPTER_PRICE
+        return route.price if route is not None else DEFAULT_PRICE
 
     owner = app[ctx.GOVERNOR].owner  # the same name for its leases as for its reservations
     driver = RunDriver(app[ctx.STORE], app[ctx.POLICIES], model_for=model_for, price_for=price_for,

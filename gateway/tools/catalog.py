@@ -1,4 +1,4 @@
-"""The chapter's catalog as the model sees it, and the prompts its experiments use.
+"""The file tools' catalog as the model sees it (names, descriptions, parameters), and the demo's prompts.
 
 The specs live apart from the implementations (gateway.tools.files) so that token
 counts, policies and the demo all describe the tools the same way.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from gateway.harness.tools import ToolSpec
 
-# Calibrated with gateway.tokens so the `plan` run's first prompt is the chapter's 204
+# Calibrated with gateway.tokens so the `plan` run's first prompt is 204
 # tokens (system + task + the four FILE_TOOLS); edit the wording, re-check the figures.
 SYSTEM_PROMPT = "You look after a folder of log files. Use the tools to look before you answer, in one sentence."
 
