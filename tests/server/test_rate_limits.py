@@ -19,8 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,17 @@ import pytest
 import yaml
 
 from gateway.tokens import get_counter
-from tests.server.test_admission import TASK, Hanging, Upstream, chat, serving, write_policies
+from tests.server.test_admission import (  # noqa: F401  (session, upstream: the fixtures of the admission tests)
+    TASK,
+    Hanging,
+    Upstream,
+    chat,
+    serving,
+    session,
+    two_replicas,
+    upstream,
+    write_policies,
+)
 from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
 from tests.support.procs import Proc, free_port, start_gateway
 
@@ -74,26 +83,10 @@ def start(folder: Path, upstream_url: str, store: dict[str, Any]) -> Proc:
 
 
 @pytest.fixture
-async def upstream() -> AsyncIterator[Upstream]:
-    state = Upstream()
-    async with serving(state.handle) as state.url:
-        yield state
-
-
-@pytest.fixture
 def pair(tmp_path: Path, redis_url: str, upstream: Upstream) -> Iterator[tuple[Proc, Proc]]:
     store = {"kind": "redis", "url": redis_url, "prefix": f"rl-{uuid.uuid4().hex[:8]}:"}
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(start, tmp_path / name, upstream.url, store) for name in ("a", "b")]
-    started = [f.result() for f in futures if f.exception() is None]
-    try:
-        if len(started) < 2:
-            for f in futures:
-                f.result()
-        yield started[0], started[1]
-    finally:
-        for proc in started:
-            proc.stop()
+    with two_replicas(start, tmp_path, upstream.url, store) as procs:
+        yield procs
 
 
 @pytest.fixture
@@ -101,12 +94,6 @@ def single(tmp_path: Path, upstream: Upstream) -> Iterator[Proc]:
     proc = start(tmp_path / "one", upstream.url, {"kind": "sqlite", "path": "./gateway.db"})
     yield proc
     proc.stop()
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def storm(session: aiohttp.ClientSession, pair: tuple[Proc, Proc], body: dict[str, Any],
