@@ -134,7 +134,10 @@ class Claim:
     (with `run_budget_usd`) the run's booked cost plus the amounts its slots hold plus this
     one stay within it. All checked and held in one atomic step, across every replica.
     `owner` names the process that holds it (`release_owner`); past `ttl_s` without
-    `renew` the hold no longer counts (its process is presumed dead).
+    `renew` the hold no longer counts (its process is presumed dead). With `rates`, one
+    request and `tokens` tokens must fit each scope's limits, checked and spent in the same
+    step (the SQLite store keeps the clocks of at most two scopes per claim: a key's and
+    its team's).
     """
 
     team: str

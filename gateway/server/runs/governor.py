@@ -23,8 +23,14 @@ in flight, and only when a reply outgrows its allowance); `strict` clamps the up
 `max_tokens` (per choice) to what the run's and the team's remaining budgets can pay for,
 so spend never passes either budget, and refuses when that is zero.
 
-Tokens are counted only where they change a decision: teams with a budget and strict
-runs. A pass-through call of a team without a budget counts nothing here.
+Rate limits of the caller's key and team (`rate_limits`) are claimed in the same store
+step: one request and the counted prompt against each scope's buckets, and a slot of its
+calls in flight (the reservation itself, so it is released, renewed and expired with it);
+the booking reconciles the tokens with the real usage. A refusal is `RateLimited` (429,
+retryable), never a stop of the run.
+
+Tokens are counted only where they change a decision: teams with a budget or a token
+limit, and strict runs. A pass-through call of a team without either counts nothing here.
 """
 
 from __future__ import annotations
