@@ -33,7 +33,7 @@ from gateway.harness.usage import Price, Usage  # noqa: E402
 from gateway.server.runs.governor import Ask, Governor  # noqa: E402
 from gateway.store.sqlite import SqliteStore  # noqa: E402
 from gateway.tokens import get_counter  # noqa: E402
-from gateway.tools.chapter import PLAN_TASK, SYSTEM_PROMPT  # noqa: E402
+from gateway.tools.catalog import PLAN_TASK, SYSTEM_PROMPT  # noqa: E402
 
 PRICE = Price(2.0, 12.0)
 MESSAGES = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": PLAN_TASK}]
