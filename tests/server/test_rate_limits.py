@@ -44,7 +44,7 @@ from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-s
 from tests.support.procs import Proc, free_port, start_gateway
 
 LIMITED, QUICK, NARROW, KEYED, WAITS, STOPS = "sk-lim", "sk-quick", "sk-narrow", "sk-keyed", "sk-waits", "sk-stops"
-ONCE = "sk-once"
+ONCE, PLAIN = "sk-once", "sk-plain"
 COMPLETION = 10
 """Completion tokens the counting upstream bills per call."""
 
@@ -63,8 +63,9 @@ def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, An
         "teams": [
             {"name": "limited", "keys": [LIMITED], **team,
              "rate_limits": {"requests_per_minute": 60, "tokens_per_minute": 10_000}},
-            {"name": "quick", "keys": [QUICK, {"key": KEYED, "rate_limits": {"requests_per_minute": 2}}], **team,
-             "rate_limits": {"requests_per_second": 3}},
+            {"name": "quick", "keys": [QUICK], **team, "rate_limits": {"requests_per_second": 3}},
+            {"name": "keyed", "keys": [PLAIN, {"key": KEYED, "rate_limits": {"requests_per_minute": 2}}], **team,
+             "rate_limits": {"requests_per_minute": 3}},
             {"name": "narrow", "keys": [NARROW], **team, "rate_limits": {"max_in_flight": 2}},
             {"name": "waits", "keys": [WAITS], **team, "rate_limits": {"requests_per_second": 1}},
             {"name": "stops", "keys": [STOPS], **team, "rate_limits": {"requests_per_minute": 1}},
@@ -183,8 +184,8 @@ async def test_a_key_is_held_to_its_own_limits_and_its_teams(single: Proc, upstr
     assert [status for status, _, _ in first] == [200, 200, 429]
     assert first[2][2]["error"]["message"].startswith("rate limit reached: this API key")
     assert first[1][1]["x-ratelimit-limit-requests"] == "2"  # the tighter scope is shown
-    # The team's other key still has the team's 3 per second, less the two the key spent.
-    team = [await chat(session, single, QUICK, body) for _ in range(2)]
+    # The team's other key still has the team's 3 a minute, less the two the key spent.
+    team = [await chat(session, single, PLAIN, body) for _ in range(2)]
     assert [status for status, _, _ in team] == [200, 429]
 
 
