@@ -82,6 +82,9 @@ BODY = orjson.dumps({
     "tools": [t.openai() for t in FILE_TOOLS],
 })
 KEY = "sk-bench"
+LIMITED_KEY = "sk-bench-limited"
+"""A second team, the same but with rate limits (all three, never reached): limits on vs off."""
+RATE_LIMITS = {"requests_per_minute": 1_000_000_000, "tokens_per_minute": 1_000_000_000, "max_in_flight": 100_000}
 TURNS_PER_RUN = 10
 
 
@@ -119,8 +122,9 @@ def gateway_config(folder: Path, port: int, upstream: str, team_budget: bool, st
         "models": [{"match": "*", "upstream": "bench", "price_in": 2.0, "price_out": 12.0}] if not deployments else [
             {"match": "*", "retries": 2, "fallbacks": ["scripted-plan"], "price_in": 2.0, "price_out": 12.0,
              "deployments": [{"upstream": "bench", "weight": 3}, {"upstream": "bench2", "weight": 1}]}],
-        "teams": [{"name": "bench", "keys": [KEY], "budget_usd": 1_000_000.0 if team_budget else None,
-                   "budget_period": "total", "policies": ["passthrough"]}],
+        "teams": [{"name": name, "keys": [key], "budget_usd": 1_000_000.0 if team_budget else None,
+                   "budget_period": "total", "policies": ["passthrough"], **extra}
+                  for name, key, extra in (("bench", KEY, {}), ("limited", LIMITED_KEY, {"rate_limits": RATE_LIMITS}))],
     }
     path = folder / ("config-routed.yaml" if deployments else "config.yaml")
     path.write_text(yaml.safe_dump(config))
@@ -177,6 +181,25 @@ async def load(url: str, concurrency: int, requests: int, gateway: bool) -> tupl
         started = time.perf_counter()
         await asyncio.gather(*[worker(i) for i in range(concurrency)])
         return latencies, time.perf_counter() - started
+
+
+async def limits_cost(url: str, requests: int) -> tuple[float, float]:
+    """p50 ms at c=1 of the team without rate limits and of the one with them, calls
+    alternating between the two so that both see the same machine at the same moments."""
+    times: dict[str, list[float]] = {KEY: [], LIMITED_KEY: []}
+    async with aiohttp.ClientSession() as session:
+        for i in range(requests + requests // 10):
+            key = (KEY, LIMITED_KEY)[i % 2]
+            headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}",
+                       "X-Run-Id": f"limits-{os.getpid()}-{i // (2 * TURNS_PER_RUN)}"}
+            started = time.perf_counter()
+            async with session.post(url + "/v1/chat/completions", data=BODY, headers=headers) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    raise RuntimeError(f"{url} answered {resp.status}: {await resp.text()}")
+            if i >= requests // 10:  # the first tenth warms up
+                times[key].append(time.perf_counter() - started)
+    return statistics.median(times[KEY]) * 1000, statistics.median(times[LIMITED_KEY]) * 1000
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -259,6 +282,7 @@ async def main_async(args: argparse.Namespace) -> int:
             for _ in range(3):
                 single_c1.append((await measure("gateway", gateway.url, 1, args.requests // 2, True)).p50_ms)
                 routed_c1.append((await measure("gateway routed", routed.url, 1, args.requests // 2, True)).p50_ms)
+            limits_off, limits_on = await limits_cost(gateway.url, args.requests)
             ttfb_direct = await ttfb(upstream.url, args.streams, False)
             ttfb_gateway = await ttfb(gateway.url, args.streams, True)
             rss, peak = rss_mb(gateway.popen.pid)
@@ -283,6 +307,9 @@ async def main_async(args: argparse.Namespace) -> int:
               f"-> ratio {ratio:.2f} (target <= 2); req/s gateway/proxy {rps_ratio:.2f}"
               + (" (target >= 0.5)" if c == 32 else ""))
         ok &= ratio <= 2.0 and (c != 32 or rps_ratio >= 0.5)
+    print(f"rate limits at c=1 (calls alternating between a team without and one with rate_limits): p50 "
+          f"{limits_off:.3f} ms off, {limits_on:.3f} ms on -> {limits_on - limits_off:+.3f} ms (target <= 0.05)")
+    ok &= limits_on - limits_off <= 0.05
     print(f"stream TTFB (median of {args.streams}): gateway {ttfb_gateway:.2f} ms, direct {ttfb_direct:.2f} ms "
           f"-> +{ttfb_gateway - ttfb_direct:.2f} ms")
     print(f"gateway's own time per call (gateway_overhead_seconds mean): {own_at[1]:.3f} ms at c=1, "

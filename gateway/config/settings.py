@@ -56,6 +56,7 @@ import yaml
 
 from gateway.config.fields import ConfigError, Field
 from gateway.harness.usage import Price
+from gateway.config.rates import KeyLimits, RateLimits, key_scope, parse_rate_limits
 from gateway.config.webhooks import WebhookConfig, parse_public_url, parse_webhooks
 from gateway.providers.routing import Breaker, Deployment, Group, RoutePlan
 
@@ -80,6 +81,7 @@ DEFAULT_RETRIES = 2
 """`retries` of a route that names `deployments` or `fallbacks` (the single-`upstream` form: 0)."""
 MAX_RETRIES = 10
 DEFAULT_LEASE_TTL_S = 15.0
+DEFAULT_RATE_LIMIT_WAIT_S = 30.0
 DEFAULT_STORE_TIMEOUT_S = 2.0
 """The deadline of one store command (`store.timeout_s`, Redis): a frozen store is a 503 this soon."""
 SCRIPTED_PREFIX = "/scripted/v1"
@@ -159,6 +161,12 @@ class TeamConfig:
     budget_period: BudgetPeriod = "month"
     budget_mode: BudgetMode = "turn"
     admin: bool = False
+    rate_limits: RateLimits | None = None
+    """The team's own rate limits (config_rates), shared by all its keys."""
+    key_limits: tuple[KeyLimits, ...] = ()
+    """Keys with limits of their own (on top of the team's)."""
+    caller: KeyLimits | None = None
+    """Set by the keyring on the team a call authenticates as: the limits of its key."""
 
     @property
     def default_policy(self) -> str:
@@ -193,6 +201,8 @@ class RetentionConfig:
 class Defaults:
     output_allowance_tokens: int = DEFAULT_OUTPUT_ALLOWANCE
     max_calls_in_flight_per_run: int = DEFAULT_CALLS_IN_FLIGHT_PER_RUN
+    rate_limit_wait_s: float = DEFAULT_RATE_LIMIT_WAIT_S
+    """How long, in all, a server-side model turn waits for its rate limits before the run stops."""
 
 
 @dataclass(frozen=True)
@@ -445,14 +455,24 @@ def _teams(section: Field) -> tuple[TeamConfig, ...]:
     teams: list[TeamConfig] = []
     seen_keys: dict[str, str] = {}
     for at in section.required().list_of():
-        at.keys_only({"name", "keys", "key_env", "budget_usd", "budget_period", "budget_mode", "policies", "admin"})
+        at.keys_only({"name", "keys", "key_env", "budget_usd", "budget_period", "budget_mode", "policies", "admin",
+                      "rate_limits"})
         name = at.get("name").required().nonempty_str()
         if not TEAM_NAME.fullmatch(name):
             at.get("name").fail(f"team name {name!r} must be 1-64 letters, digits, '_', '-' or '.', starting with a "
                                 "letter or digit (it scopes the team's run ids, stored as TEAM/ID)")
         if any(t.name == name for t in teams):
             at.get("name").fail(f"team '{name}' is defined twice")
-        keys = [k.nonempty_str() for k in at.get("keys").list_of()] if not at.get("keys").missing else []
+        keys: list[str] = []
+        key_limits: list[KeyLimits] = []
+        for k in at.get("keys").list_of():
+            if not isinstance(k.value, dict):
+                keys.append(k.nonempty_str())
+                continue
+            key, limits = _key_with_limits(k)
+            keys.append(key)
+            if limits is not None:
+                key_limits.append(KeyLimits(key, key_scope(key), limits))
         key_env = at.get("key_env").optional_str_or_none()
         if key_env:
             value = os.environ.get(key_env)
@@ -475,19 +495,36 @@ def _teams(section: Field) -> tuple[TeamConfig, ...]:
             budget_period=at.get("budget_period").choice(("day", "month", "total"), "month"),
             budget_mode=at.get("budget_mode").choice(("turn", "strict"), "turn"),
             admin=at.get("admin").optional_bool(False),
+            rate_limits=parse_rate_limits(at.get("rate_limits")), key_limits=tuple(key_limits),
         ))
     if not teams:
         section.fail("at least one team is required")
     return tuple(teams)
 
 
+def _key_with_limits(at: Field) -> tuple[str, RateLimits | None]:
+    """`{key: "sk-..." | key_env: NAME, rate_limits: {...}}`: a key with limits of its own."""
+    at.keys_only({"key", "key_env", "rate_limits"})
+    key = at.get("key").optional_str_or_none()
+    env = at.get("key_env").optional_str_or_none()
+    if (key is None) == (env is None):
+        at.fail("a key with rate_limits names exactly one of key (the key) or key_env (a variable holding it)")
+    if env is not None:
+        key = os.environ.get(env)
+        if not key:
+            at.get("key_env").fail(f"environment variable {env} is not set (it should hold the key)")
+    assert key is not None
+    return key, parse_rate_limits(at.get("rate_limits"))
+
+
 def _defaults(at: Field) -> Defaults:
     if at.missing:
         return Defaults()
-    at.keys_only({"output_allowance_tokens", "max_calls_in_flight_per_run"})
+    at.keys_only({"output_allowance_tokens", "max_calls_in_flight_per_run", "rate_limit_wait_s"})
     return Defaults(
         at.get("output_allowance_tokens").optional_int(DEFAULT_OUTPUT_ALLOWANCE, low=1, high=10_000_000),
         at.get("max_calls_in_flight_per_run").optional_int(DEFAULT_CALLS_IN_FLIGHT_PER_RUN, low=1, high=100_000),
+        at.get("rate_limit_wait_s").optional_number(DEFAULT_RATE_LIMIT_WAIT_S, nonnegative=True),
     )
 
 

@@ -31,7 +31,7 @@ from gateway.server.runs.governor import Admission
 from gateway.server.runs.keying import Call, add_turn, commit_run, stop_run
 from gateway.server.runs.replies import CheckedUsage, checked_usage
 from gateway.store import tracefile
-from gateway.store.base import Booking, Event, Ledger
+from gateway.store.base import Booking, Event, Ledger, TokenCharge
 from gateway.store.errors import AlreadyBooked, RunNotFound, StaleRun, StoreError
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,8 @@ class TurnRecord:
                 "upstream": self.upstream, "reported": None if self.reported is None else self.reported.to_json(),
                 "attempts": list(self.attempts),
                 "booking": None if b is None else {"team": b.team, "period": b.period, "actual_usd": b.actual_usd,
-                                                   "reservation_id": b.reservation_id}}
+                                                   "reservation_id": b.reservation_id,
+                                                   "tokens": [[c.scope, c.tokens, c.tokens_s] for c in b.tokens]}}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TurnRecord:
@@ -134,7 +135,9 @@ class TurnRecord:
                    list(data["transcript"]), bool(data["completed"]), str(data["finish"]), str(data["upstream"]),
                    None if data.get("reported") is None else Usage.from_json(data["reported"]),
                    None if b is None else Booking(str(b["team"]), str(b["period"]), float(b["actual_usd"]),
-                                                  b.get("reservation_id"), if_held=True),
+                                                  b.get("reservation_id"), if_held=True, tokens=tuple(
+                                                      TokenCharge(str(s), int(n), float(per))
+                                                      for s, n, per in b.get("tokens") or ())),
                    tuple(data.get("attempts") or ()))
 
 
@@ -166,7 +169,7 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
         attempts, routed.traced = tuple(a.fields() for a in routed.attempts), True
     record = TurnRecord(call.run.run_id, chat.model, usage, cost, [*chat.messages, message],
                         finish == "stop" and not message.get("tool_calls"), finish, upstream,
-                        checked.reported, governor.booking(adm, cost), attempts)
+                        checked.reported, governor.booking(adm, cost, usage.total_tokens), attempts)
     metrics = app[ctx.METRICS]
     metrics.on_turn(call.team.name, call.policy.name, chat.model, usage, cost)
     if checked.reported is not None:

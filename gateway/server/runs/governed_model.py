@@ -4,7 +4,9 @@ Server-side runs ask it for each turn. Every call is admitted by the governor fi
 reservation; in strict mode `max_tokens` clamped to what the run's remaining budget,
 `ModelRequest.budget_remaining_usd`, and the team's can pay for), then settled with the
 actual cost, or released if the upstream fails. Raises `LimitExceeded` (429 kinds) when
-the budget refuses the call and `UpstreamError` when the upstream fails.
+the budget refuses the call and `UpstreamError` when the upstream fails. A rate-limit
+refusal is waited out, `defaults.rate_limit_wait_s` in all per turn; past that it is
+raised (`RateLimited`) and the run stops, interrupted and resumable (driver).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from gateway.harness.state import RunState
 from gateway.providers.errors import UpstreamError
 from gateway.server import context as ctx
 from gateway.server.http.errors import ApiError, NotFound
-from gateway.server.runs.forwarding import complete_chat
 from gateway.server.metrics import Metrics
+from gateway.server.runs import rate_limits
+from gateway.server.runs.forwarding import complete_chat
 from gateway.server.runs.governor import Ask, Governor
 from gateway.server.runs.replies import checked_usage
 from gateway.tokens import TokenCounter
@@ -76,8 +79,10 @@ class UpstreamModel:
         metrics = self.metrics
         routed = self.upstreams.call(route, request.model, lambda a: metrics.on_attempt(a.upstream, a.outcome))
         ask = Ask(route.price, request.messages, request.tools or None, request.max_tokens)
-        async with await self.governor.admit_call(request.run_id, self.team, self.strict, ask,
-                                                  request.budget_remaining_usd) as adm:
+        admission = await rate_limits.waiting(
+            lambda: self.governor.admit_call(request.run_id, self.team, self.strict, ask, request.budget_remaining_usd),
+            self.config.defaults.rate_limit_wait_s)
+        async with admission as adm:
             max_tokens = adm.max_tokens or request.max_tokens
             try:  # a malformed reply is an UpstreamError: nothing to pay for
                 reply, parsed, upstream = await complete_chat(routed, lambda m: self.body(request, max_tokens, m),
@@ -95,7 +100,7 @@ class UpstreamModel:
             usage = checked.usage
             assert routed.answer is not None
             cost = routed.answer.price.cost(usage)
-            await self.governor.settle(adm, cost)
+            await self.governor.settle(adm, cost, usage.total_tokens)
         self.metrics.on_upstream(upstream.name, request.model, reply.seconds)
         self.metrics.on_turn(self.team.name, self.policy, request.model, usage, cost)
         return ModelReply(message, usage, parsed.finish_reason, reported=checked.reported, upstream=upstream.name,
