@@ -48,7 +48,7 @@ from gateway.server.http.middleware import gateway_middleware
 from gateway.server.metrics import Metrics
 from gateway.server.notify import delivery as notify_delivery
 from gateway.server.responses import endpoint as responses
-from gateway.server.runs import retention, runtime
+from gateway.server.runs import rate_limits, retention, runtime
 from gateway.server.runs.booking import replay_spool
 from gateway.server.runs.governor import Governor
 from gateway.store import Store, StoreConfigError, StoreError, open_store
@@ -203,6 +203,8 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
     app.cleanup_ctx.append(runtime.driver_ctx)
     app.cleanup_ctx.append(retention.background)
     app.on_shutdown.append(runtime.stop_runs)
+    if any(t.rate_limits is not None or t.key_limits for t in config.teams):
+        app.on_response_prepare.append(rate_limits.show)  # answers carry their x-ratelimit-* headers
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
     metrics_route.setup(app)
