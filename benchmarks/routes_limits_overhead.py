@@ -28,13 +28,11 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import orjson
@@ -43,49 +41,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gateway.tools.catalog import FILE_TOOLS, PLAN_TASK, SYSTEM_PROMPT  # noqa: E402
-from tests.support.procs import Proc, free_port, start_gateway, wait_http  # noqa: E402
+from benchmarks.proxy_overhead import BODY, KEY, TURNS_PER_RUN, mean_between, own_time, start_proxy  # noqa: E402
+from tests.support.procs import Proc, free_port, start_gateway  # noqa: E402
 
-MINIMAL_PROXY = '''
-import sys
-import aiohttp
-from aiohttp import web
-
-UPSTREAM = sys.argv[2] + "/chat/completions"
-SESSION = web.AppKey("session", aiohttp.ClientSession)
-
-
-async def session_ctx(app):
-    app[SESSION] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-    yield
-    await app[SESSION].close()
-
-
-async def chat(request):
-    body = await request.read()
-    async with request.app[SESSION].post(UPSTREAM, data=body, headers={"Content-Type": "application/json"}) as up:
-        if up.content_type != "text/event-stream":
-            return web.Response(body=await up.read(), status=up.status, content_type=up.content_type)
-        resp = web.StreamResponse(status=up.status, headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        async for chunk in up.content.iter_any():
-            await resp.write(chunk)
-        await resp.write_eof()
-        return resp
-
-
-app = web.Application()
-app.cleanup_ctx.append(session_ctx)
-app.router.add_post("/v1/chat/completions", chat)
-web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None)
-'''
-
-BODY = orjson.dumps({
-    "model": "scripted-plan",
-    "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": PLAN_TASK}],
-    "tools": [t.openai() for t in FILE_TOOLS],
-})
-KEY = "sk-bench"
 LIMITED_KEY = "sk-bench-limited"
 """A second team, the same but with rate limits (all three, never reached): limits on vs off."""
 RATE_LIMITS = {"requests_per_minute": 1_000_000_000, "tokens_per_minute": 1_000_000_000, "max_in_flight": 100_000}
@@ -99,15 +57,6 @@ class Figures:
     p50_ms: float
     p99_ms: float
     rps: float
-
-
-def start_proxy(port: int, upstream: str, log: Path) -> Proc:
-    out = log.open("wb")
-    popen = subprocess.Popen([sys.executable, "-c", MINIMAL_PROXY, str(port), upstream], stdout=out,
-                             stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/v1/chat/completions", popen, 30, log)
-    return Proc(popen, url, log)
 
 
 def gateway_config(folder: Path, port: int, upstream: str, team_budget: bool, store_dir: Path | None = None,
@@ -234,19 +183,6 @@ async def ttfb(url: str, n: int, gateway: bool) -> float:
                 times.append(time.perf_counter() - started)
                 await resp.read()
     return statistics.median(times) * 1000
-
-
-async def own_time(url: str) -> tuple[float, float]:
-    """(sum in ms, count) of gateway_overhead_seconds (handler time minus upstream time) so far."""
-    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
-        text = await resp.text()
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-              if line.startswith("gateway_overhead_seconds_")}
-    return values["gateway_overhead_seconds_sum"] * 1000, values["gateway_overhead_seconds_count"]
-
-
-def mean_between(before: tuple[float, float], after: tuple[float, float]) -> float:
-    return (after[0] - before[0]) / max(1.0, after[1] - before[1])
 
 
 def rss_mb(pid: int) -> tuple[float, float]:
