@@ -16,6 +16,8 @@ from typing import Literal
 from gateway.harness.options import ApprovalAction, Dedupe
 from gateway.harness.state import Limits
 from gateway.harness.tools import ToolSpec
+from gateway.mcp.config import McpServerConfig
+from gateway.mcp.hub import McpHub
 
 DEFAULT_PERMANENT: tuple[str, ...] = ("PermissionError", "gateway.harness.tools:PermanentToolError")
 
@@ -50,7 +52,19 @@ class AgentExecutor:
     kind: Literal["agent"] = "agent"
 
 
-ExecutorConfig = PythonExecutor | HttpExecutor | AgentExecutor
+@dataclass(frozen=True)
+class McpExecutor:
+    """A tool discovered on an MCP server (the policy's `mcp:` entry `server`), called as
+    `tool` (its name on the server) through `hub`, the process's session to that server.
+    The hub is a handle, not data: it takes no part in comparisons."""
+
+    server: McpServerConfig
+    tool: str
+    hub: McpHub = field(compare=False, repr=False)
+    kind: Literal["mcp"] = "mcp"
+
+
+ExecutorConfig = PythonExecutor | HttpExecutor | AgentExecutor | McpExecutor
 
 
 @dataclass(frozen=True)
@@ -93,13 +107,14 @@ class Rule:
     `tool` is a glob on the tool name, `args` maps argument names to globs matched
     against `arg_text(value)` (strings as normalised paths; all must match; a missing
     argument never matches),
-    `read_only` (when set) must equal the tool's flag.
+    `read_only` and `destructive` (when set) must equal the tool's flags.
     """
 
     action: ApprovalAction
     tool: str = "*"
     args: Mapping[str, str] = field(default_factory=dict)
     read_only: bool | None = None
+    destructive: bool | None = None
     reason: str = ""
 
 
@@ -147,6 +162,8 @@ class Policy:
     """What the gateway does with a server-side run whose driving process died (its lease
     expired while the run was `running`): `interrupt` it (status interrupted, reason
     crashed: its owner sees it and may resume it) or `resume` it at once."""
+    mcp: tuple[McpServerConfig, ...] = ()
+    """The MCP servers whose discovered tools are part of `tools` (in the order listed)."""
 
     @property
     def server_side(self) -> bool:

@@ -30,6 +30,7 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from gateway.mcp.hub import McpHub
 from gateway.policy.errors import PolicySetError
 from gateway.policy.registry import PolicyRegistry
 from gateway.providers.scenarios import model_names
@@ -56,7 +57,7 @@ SPOOL_REPLAY_S = 1.0
 log = logging.getLogger(__name__)
 
 OPTIONAL_MODULES = ("gateway.server.harness_route", "gateway.server.admin", "gateway.server.responses",
-                    "gateway.server.embeddings")
+                    "gateway.server.embeddings", "gateway.server.mcp_servers")
 """Modules with a `setup(app)` that add to the gateway (server-side runs and the runs API, the admin API)."""
 
 
@@ -82,9 +83,10 @@ def routed_models(config: Config) -> list[tuple[str, str]]:
     return out
 
 
-def load_policies(config: Config) -> PolicyRegistry:
-    """Load `policies_dir` and check every team's policies exist; ConfigError otherwise."""
-    registry = PolicyRegistry(config.policies_dir)
+def load_policies(config: Config, mcp: McpHub | None = None) -> PolicyRegistry:
+    """Load `policies_dir` (MCP tools discovered through `mcp`) and check every team's
+    policies exist; ConfigError otherwise."""
+    registry = PolicyRegistry(config.policies_dir, mcp)
     try:
         registry.load()
     except PolicySetError as exc:
@@ -180,7 +182,12 @@ def build_app(config: Config, *, self_url: str | None = None) -> web.Application
     mount; without it the address is learnt from the first request."""
     app = web.Application(middlewares=[gateway_middleware], client_max_size=config.server.max_body_bytes)
     app[ctx.CONFIG] = config
-    app[ctx.POLICIES] = load_policies(config)
+    app[ctx.MCP] = McpHub()
+    try:
+        app[ctx.POLICIES] = load_policies(config, app[ctx.MCP])
+    except ConfigError:
+        app[ctx.MCP].close()  # the servers discovery started
+        raise
     app[ctx.COUNTER] = get_counter()
     app[ctx.KEYRING] = KeyRing(config.teams)
     app[ctx.METRICS] = Metrics((name for name, _ in routed_models(config)), config.upstreams)

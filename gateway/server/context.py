@@ -14,6 +14,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.harness.state import RunState
+from gateway.mcp.hub import McpHub
 from gateway.policy.registry import PolicyRegistry
 from gateway.providers.upstream import Upstream
 from gateway.server.auth import KeyRing
@@ -76,6 +77,8 @@ UPSTREAMS: Final = web.AppKey("upstreams", Upstreams)
 HARNESS: Final = web.AppKey[HarnessHandler]("harness")
 SELF_URL: Final = web.AppKey("self_url", str)
 SPOOL: Final = web.AppKey("spool", Spool)
+MCP: Final = web.AppKey("mcp", McpHub)
+"""The process's MCP sessions: one per server, shared by every policy version that names it."""
 SCRIPTED_KEY: Final = web.AppKey("scripted_key", str)
 """A random secret made at start: the key of the gateway's own calls to its scripted mount."""
 

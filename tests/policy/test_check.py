@@ -24,7 +24,7 @@ def test_the_shipped_policies_pass_with_each_tool_and_its_outcome() -> None:
     out = done.stdout
     assert "policies/files.yaml: policy files (version " in out
     assert "policies/passthrough.yaml: policy passthrough" in out and "pass-through" in out
-    assert "tool delete_file: read_only=no needs_approval=yes; executor python gateway.tools.files:delete_file" in out
+    assert "tool delete_file: read_only=no destructive=yes needs_approval=yes; executor python gateway.tools.files:delete_file" in out
     assert ('delete_file({"path":"notes.txt"}) -> DENY (rule 1: notes.txt is the team\'s runbook; '
             'it is never deleted.)') in out
     assert 'delete_file({"path":"example.log"}) -> ASK (rule 2)' in out
