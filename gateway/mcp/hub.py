@@ -283,6 +283,12 @@ class McpHub:
     def _submit(self, work: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(work, self._ensure_loop())
 
+    def start_soon(self, config: McpServerConfig) -> None:
+        """Start the server's session in the background (a later `discover` finds it ready):
+        a policy load starts all its servers at once instead of one after the other."""
+        future = self._submit(self._connection(config).client())
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # the error is in its health
+
     def discover(self, config: McpServerConfig, timeout_s: float = DISCOVER_TIMEOUT_S) -> list[McpToolInfo]:
         """The server's tools (`tools/list`, every page), starting its session if need be.
 

@@ -26,7 +26,8 @@ from gateway.harness.tools import ToolSpec
 from gateway.mcp.config import McpServerConfig, McpToolInfo
 from gateway.mcp.hub import McpHub, McpUnavailable
 from gateway.policy.decl import McpExecutor, ToolDecl
-from gateway.policy.source import At
+from gateway.policy.errors import PolicyError
+from gateway.policy.source import At, Fields, Source
 
 SERVER_FIELDS = ("name", "command", "url", "env", "cwd", "headers_env", "include", "exclude", "prefix", "rename",
                  "timeout_s", "max_result_chars")
@@ -124,6 +125,20 @@ def parse_servers(at: At | None, base_dir: Path) -> list[tuple[McpServerConfig, 
     return servers
 
 
+def start_servers(files: Sequence[Path], hub: McpHub) -> None:
+    """Start the MCP servers the files name, all at once, before their policies are loaded
+    one by one (each load then finds its servers started). A file that does not parse is
+    skipped here; its load reports why."""
+    for file in files:
+        try:
+            root = Source(str(file), file.read_text("utf-8")).root()
+            if isinstance(root.value, dict):
+                for config, _ in parse_servers(Fields(root).get("mcp"), file.parent):
+                    hub.start_soon(config)
+        except (PolicyError, OSError, UnicodeDecodeError):
+            continue
+
+
 def parse_override(at: At) -> ToolOverride:
     f = at.fields(OVERRIDE_FIELDS, required=("name",))
     fields: dict[str, Any] = {}
@@ -204,7 +219,10 @@ def apply_overrides(decls: list[ToolDecl], overrides: Sequence[ToolOverride]) ->
             known = ", ".join(d.name for d in decls) or "none"
             o.at.fail(f"tool '{o.name}' has no executor, so it must name a tool discovered on an MCP server "
                       f"(discovered: {known})")
-        out[i] = replace(out[i], spec=replace(out[i].spec, **o.fields))
+        fields = dict(o.fields)
+        if fields.get("read_only") is True:  # a tool that changes nothing destroys nothing
+            fields.setdefault("destructive", False)
+        out[i] = replace(out[i], spec=replace(out[i].spec, **fields))
     return out
 
 

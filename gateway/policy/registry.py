@@ -18,6 +18,7 @@ from types import MappingProxyType
 from gateway.mcp.hub import McpHub
 from gateway.policy.decl import AgentExecutor, Policy
 from gateway.policy.errors import PolicyError, PolicySetError
+from gateway.policy.mcp_source import start_servers
 from gateway.policy.schema import load_policy
 from gateway.policy.source import Source
 
@@ -58,6 +59,8 @@ def load_set(files: list[Path], known: Mapping[str, Policy] | None = None,
     """
     policies: dict[str, Policy] = {}
     errors: list[PolicyError] = []
+    if mcp is not None:
+        start_servers(files, mcp)
     for file in files:
         try:
             policy = load_policy(file, mcp)
