@@ -68,7 +68,7 @@ def _policies(folder: Path, log: Path, http_url: str) -> list[str]:
                   "tools": [{"name": "t_slow", "read_only": True}, {"name": "t_fail", "destructive": False},
                             {"name": "t_crash", "destructive": False}]},
         "tests_http": {"mcp": [{"name": "tests_http", "url": http_url, "include": ["hang", "lookup", "wipe"]}],
-                       "approval": APPROVAL},
+                       "approval": APPROVAL, "tools": [{"name": "hang", "destructive": False}]},
         "clock": {"mcp": [{"name": "time", "command": [str(BIN / "mcp-server-time")]}]},
     }
     for name, body in written.items():
@@ -232,12 +232,14 @@ async def test_cancel_reaches_the_mcp_server_over_http_within_100ms(gateway: Gat
 
 async def test_a_crashed_server_fails_the_call_in_flight_and_is_restarted(gateway: Gateway, mcp_log: Path,
                                                                          session: aiohttp.ClientSession) -> None:
-    run_id, _ = await run_plan(gateway, "tests", ("t_whoami", {}), ("t_crash", {"tag": "boom"}), ("t_whoami", {}))
-    first, crashed, second = await tool_results(session, gateway, run_id)
+    run_id, _ = await run_plan(gateway, "tests", ("t_whoami", {}), ("t_crash", {"tag": "boom"}),
+                               ("t_lookup", {"key": "after the crash"}))
+    first, crashed, after = await tool_results(session, gateway, run_id)
     assert crashed.startswith("Error: the MCP server 'tests' stopped while running crash")
-    assert first.isdigit() and second.isdigit() and first != second  # a new process answered
+    assert after == "value of after the crash"
     crash = next(e for e in server_log(mcp_log) if e["event"] == "crash" and e["tag"] == "boom")
-    assert crash["pid"] == int(first)
+    lookup = next(e for e in server_log(mcp_log) if e["event"] == "lookup" and e["key"] == "after the crash")
+    assert crash["pid"] == int(first) != lookup["pid"]  # a new process answered
     status, _, text = await request(session, "GET", f"{gateway.url}/metrics")
     assert status == 200
     assert 'gateway_mcp_server_up{server="tests"} 1.0' in text
