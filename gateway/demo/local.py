@@ -33,7 +33,7 @@ import orjson
 import yaml
 
 from gateway.demo.report import tool_runs
-from gateway.tools.chapter import SYSTEM_PROMPT
+from gateway.tools.catalog import SYSTEM_PROMPT
 from gateway.tools.files import SAMPLE
 
 TaskKind = Literal["timeout", "count", "notes", "read_all", "largest", "rotating"]

@@ -113,9 +113,10 @@ async def _loop(state: RunState, model: Model, options: RunOptions, scope: Cance
             return await _stop(state, _cancelled(scope), options, trace)
         message: Message = own_calls(state, reply.message)
         state.messages.append(message)
-        state.turns += 1
-        state.per_turn.append(reply.usage)
-        _charge(state, options, reply.usage, options.price.cost(reply.usage))
+        cost = reply.cost_usd if reply.cost_usd is not None else options.price.cost(reply.usage)
+        state.count_turn(reply.usage, cost)
+        if options.on_spend is not None:
+            options.on_spend(reply.usage, cost)
         if reply.reported is not None:
             trace("usage_clamped", upstream=reply.upstream, reported=reply.reported.to_json(),
                   booked=reply.usage.to_json(), kinds=clamped_kinds(reply.reported, reply.usage))

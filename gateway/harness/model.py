@@ -38,6 +38,9 @@ class ModelReply:
     # `usage_clamped` with it; `usage` is what is booked).
     reported: Usage | None = None
     upstream: str = ""
+    # What the turn cost, when the model priced it itself (the gateway's governed model
+    # prices with the route that answered); None: the loop prices it with `options.price`.
+    cost_usd: float | None = None
 
 
 class Model(Protocol):

@@ -24,7 +24,13 @@ import jsonschema
 import orjson
 
 from gateway.harness.model import Model
-from gateway.harness.options import Checkpoint, EventSink, RunOptions, StopCondition, ToolErrorPolicy
+from gateway.harness.options import (
+    Checkpoint,
+    EventSink,
+    RunOptions,
+    StopCondition,
+    ToolErrorPolicy,
+)
 from gateway.harness.stops import RepeatedCall as RepeatedCallStop
 from gateway.harness.subrun import run_subrun
 from gateway.harness.tools import (
@@ -38,8 +44,8 @@ from gateway.harness.tools import (
     ToolSpec,
 )
 from gateway.harness.usage import Price
-from gateway.policy.approval import compile_approval
 from gateway.mcp.hub import McpUnavailable
+from gateway.policy.approval import compile_approval
 from gateway.policy.decl import (
     AgentExecutor,
     HttpExecutor,

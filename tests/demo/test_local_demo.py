@@ -10,6 +10,7 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from gateway.config.settings import parse_config
 from gateway.demo.local import (
     CHAPTER_REFERENCE,
     TASKS,
@@ -23,7 +24,6 @@ from gateway.demo.local import (
     judge,
     total_line,
 )
-from gateway.server.config import parse_config
 from tests.support.procs import free_port
 
 SAMPLE = Truth.of()
