@@ -220,7 +220,10 @@ class _Connection:
                 self._died(exc.message)
             raise McpUnavailable(f"the MCP server '{self.config.name}' did not list its tools: {exc.message}") from None
 
-    async def call(self, tool: str, args: Mapping[str, Any], on_progress: Callable[[str], None]) -> CallResult:
+    async def call(self, named: McpServerConfig, tool: str, args: Mapping[str, Any],
+                   on_progress: Callable[[str], None]) -> CallResult:
+        """`tools/call`; `named` is the caller's entry for this server (its name and result cap:
+        policies sharing the session may name and cap it differently)."""
         client = await self.client()
 
         async def report(progress: float, total: float | None, message: str | None) -> None:
@@ -232,16 +235,16 @@ class _Connection:
             if exc.code != CONNECTION_CLOSED:  # the server refused the call: the model may fix it
                 return CallResult(f"the MCP server refused the call: {exc.message}", is_error=True)
             self._died(exc.message)
-            raise McpUnavailable(f"the MCP server '{self.config.name}' stopped while running {tool}; "
+            raise McpUnavailable(f"the MCP server '{named.name}' stopped while running {tool}; "
                                  f"the call's outcome is unknown. The server is restarted for the next call.") from None
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
         except Exception as exc:  # the transport failed (a refused connection, a broken pipe)
             self._died(_reason(exc))
-            raise McpUnavailable(f"the MCP server '{self.config.name}' could not run {tool}: {_reason(exc)}") from None
+            raise McpUnavailable(f"the MCP server '{named.name}' could not run {tool}: {_reason(exc)}") from None
         self._in_a_row = 0
-        text = flatten(result.content, result.structured_content, self.config.max_result_chars)
-        return CallResult(text, is_error=bool(result.is_error))
+        return CallResult(flatten(result.content, result.structured_content, named.max_result_chars),
+                          is_error=bool(result.is_error))
 
     async def stop(self) -> None:
         self.state = "stopped"
@@ -314,7 +317,7 @@ class McpHub:
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody listens
                 caller.call_soon_threadsafe(progress, label)
 
-        future = self._submit(self._connection(config).call(tool, args, on_progress))
+        future = self._submit(self._connection(config).call(config, tool, args, on_progress))
         return await asyncio.wrap_future(future)
 
     def health(self) -> list[ServerHealth]:

@@ -97,7 +97,7 @@ def parse_policy(raw: bytes, path: str | Path, mcp: McpHub | None = None) -> Pol
     name = name_at.string() if name_at else path.stem
     if not _NAME.match(name):
         (name_at or root).fail(f"policy name '{name}' may only hold letters, digits, '_', '-' and '.'")
-    declared, overrides = _tools(f.get("tools"))
+    declared, overrides = _tools(f.get("tools"), f.has("mcp"))
     servers = parse_servers(f.get("mcp"), path.parent)
     fields: dict[str, Any] = dict(
         name=name,
@@ -144,14 +144,15 @@ def _limits(at: At | None) -> Limits:
     )
 
 
-def _tools(at: At | None) -> tuple[tuple[ToolDecl, ...], list[ToolOverride]]:
-    """Declared tools, and entries without an executor (overrides of discovered MCP tools)."""
+def _tools(at: At | None, mcp: bool) -> tuple[tuple[ToolDecl, ...], list[ToolOverride]]:
+    """Declared tools, and (in a policy with `mcp:` servers) entries without an executor:
+    overrides of discovered tools."""
     if at is None:
         return (), []
     tools: list[ToolDecl] = []
     overrides: list[ToolOverride] = []
     for item in at.items():
-        if isinstance(item.value, dict) and "executor" not in item.value:
+        if mcp and isinstance(item.value, dict) and "executor" not in item.value:
             override = parse_override(item)
             if any(o.name == override.name for o in overrides):
                 item.child("name", override.name).fail(f"tool '{override.name}' is overridden twice")

@@ -4,7 +4,8 @@ stdio|http PORT`, its own record of what it did in the JSON-lines file `$MCP_TES
 Tools: `lookup` (read-only), `wipe` (destructive), `touch` (not read-only, says it is not
 destructive), `slow` (reports progress), `fail` (errors), `hang` (waits until cancelled,
 recording the cancel on the server's clock), `crash` (the process dies mid-call),
-`whoami` (the process id: a restart shows) and `big` (a result over any sane cap).
+`whoami` (the process id: a restart shows), `grow` (adds a tool: the next tools/list
+differs) and `big` (a result of any size).
 """
 
 from __future__ import annotations
@@ -92,6 +93,18 @@ def crash(tag: str) -> str:
 def whoami() -> str:
     """The server's process id."""
     return str(os.getpid())
+
+
+@server.tool(annotations=ToolAnnotations(readOnlyHint=True))
+def grow(name: str) -> str:
+    """Adds a read-only tool called `name` (the next tools/list shows it)."""
+
+    def added() -> str:
+        return f"{name} is here"
+
+    server.add_tool(added, name=name, description=f"Added at run time as {name}.",
+                    annotations=ToolAnnotations(readOnlyHint=True))
+    return f"added {name}"
 
 
 @server.tool(annotations=ToolAnnotations(readOnlyHint=True))

@@ -76,3 +76,20 @@ def test_shadowed_rules_are_reported(tmp_path: Path, write: WriteFile, policy_di
 def test_no_files_is_an_error(tmp_path: Path) -> None:
     done = gateway(cwd=tmp_path)
     assert done.returncode == 1 and "no policy files found" in done.stderr
+
+
+def test_the_shipped_mcp_example_lists_its_discovered_tools_with_their_outcomes() -> None:
+    bin_dir = str(Path(sys.executable).parent)  # where pip put mcp-server-git
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    done = subprocess.run([sys.executable, "-m", "gateway", "policy", "check", "policies/mcp/git.yaml"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "mcp server git (stdio mcp-server-git): up (started 1 time(s), 0 failure(s)); 10 tool(s) discovered" in out
+    assert ("tool git_status: read_only=yes destructive=no needs_approval=no timeout_s=30; "
+            "executor mcp git: git_status") in out
+    assert "git_status({}) -> ALLOW (the tool's needs_approval flag)" in out
+    assert "git_reset({}) -> ASK (rule 1)" in out  # destructiveHint: the one-line rule asks
+    assert "git_commit({}) -> ASK (the tool's needs_approval flag)" in out  # the override
+    assert "git_checkout" not in out  # excluded
+    assert out.rstrip().endswith("1 of 1 policy file(s) valid")
