@@ -10,6 +10,7 @@ MCP servers again; a version covers the tools discovered, so a run keeps its too
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,7 @@ class PolicyRegistry:
         """`mcp`: the process's MCP sessions; each (re)load discovers the servers' tools through it."""
         self.directory = Path(directory)
         self.mcp = mcp
+        self._reloading = threading.Lock()  # a reload may run in a worker thread (it can start MCP servers)
         self._current: Mapping[str, Policy] = MappingProxyType({})
         self._versions: dict[tuple[str, str], Policy] = {}
 
@@ -110,8 +112,13 @@ class PolicyRegistry:
         """Load the directory again; on any error keep the current set and report why.
 
         `check` sees the new set before it is swapped in and may refuse it with errors of
-        its own (e.g. a policy the config needs is gone), reported like a file's.
+        its own (e.g. a policy the config needs is gone), reported like a file's. Reloads
+        run one at a time, from any thread.
         """
+        with self._reloading:
+            return self._reload(check)
+
+    def _reload(self, check: Callable[[Mapping[str, Policy]], Sequence[PolicyError]] | None) -> ReloadResult:
         try:
             files = policy_files(self.directory)
         except OSError as exc:

@@ -37,7 +37,7 @@ from gateway.providers.scenarios import model_names
 from gateway.providers.scripted import scripted_app
 from gateway.providers.upstream import new_session
 from gateway.server import context as ctx
-from gateway.server import embeddings, openapi
+from gateway.server import embeddings, mcp_servers, openapi
 from gateway.server.api import admin
 from gateway.server.api import metrics as metrics_route
 from gateway.server.api import runs as runs_api
@@ -59,7 +59,7 @@ SPOOL_REPLAY_S = 1.0
 log = logging.getLogger(__name__)
 
 OPTIONAL_MODULES = ("gateway.server.chat.server_side", "gateway.server.api.admin", "gateway.server.responses.endpoint",
-                    "gateway.server.embeddings", "gateway.server.mcp_servers")
+                    "gateway.server.embeddings")
 """Modules with a `setup(app)` that add to the gateway (server-side runs and the runs API, the admin API)."""
 
 
@@ -199,6 +199,7 @@ def build_app(config: Config, *, self_url: str | None = None) -> web.Application
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
     metrics_route.setup(app)
+    mcp_servers.setup(app)
     if any(ctx.uses_mount(u) for u in config.upstreams.values()):
         app[ctx.SCRIPTED_KEY] = secrets.token_urlsafe(32)
         app.add_subapp(SCRIPTED_PREFIX, scripted_app(guard=_scripted_guard(app[ctx.KEYRING], app[ctx.SCRIPTED_KEY])))

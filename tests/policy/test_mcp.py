@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 import yaml
+from mcp_types import EmbeddedResource, ImageContent, ResourceLink, TextContent, TextResourceContents
 
 from gateway.harness.loop import run
 from gateway.harness.state import Limits
+from gateway.mcp.content import flatten
 from gateway.mcp.hub import McpHub
 from gateway.policy.decl import McpExecutor, Policy
 from gateway.policy.errors import PolicyError
@@ -152,3 +154,12 @@ def test_the_hub_reports_health_and_stops_its_servers(write: WriteFile, log: Pat
     assert health.where.startswith(sys.executable)
     own.close()
     assert own.health()[0].state == "stopped"
+
+
+def test_content_is_flattened_to_text_and_capped() -> None:
+    parts = [TextContent(type="text", text="first"), ImageContent(type="image", data="aGVsbG8h", mime_type="image/png"),
+             EmbeddedResource(type="resource", resource=TextResourceContents(uri="file:///a.txt", text="inside")),
+             ResourceLink(type="resource_link", uri="file:///b.bin", name="b")]
+    assert flatten(parts) == "first\n[image image/png, about 6 bytes]\ninside\n[resource link file:///b.bin]"
+    assert flatten([], {"ok": True}) == '{"ok":true}'
+    assert flatten([TextContent(type="text", text="abcdef")], cap=4) == "abcd\n[... 2 more characters cut by the gateway]"

@@ -116,7 +116,8 @@ def gateway(tmp_path: Path, upstream_url: str, mcp_log: Path, http_url: str) -> 
 
 @pytest.fixture
 async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
+    # no kept-alive connections: a gateway killed mid-test must not leave dead ones in a pool
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
         yield s
 
 
@@ -244,6 +245,17 @@ async def test_a_crashed_server_fails_the_call_in_flight_and_is_restarted(gatewa
     assert status == 200
     assert 'gateway_mcp_server_up{server="tests"} 1.0' in text
     assert 'gateway_mcp_server_failures_total{server="tests"} 1.0' in text
+
+    gateway.proc.stop()  # SIGTERM: the gateway stops its servers on the way out
+    await poll(lambda: _gone(lookup["pid"]), timeout=30)
+
+
+async def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 async def _logged(log: Path, event: str, tag: str) -> dict[str, Any] | None:
