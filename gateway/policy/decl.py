@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,9 @@ from gateway.harness.state import Limits
 from gateway.harness.tools import ToolSpec
 from gateway.mcp.config import McpServerConfig
 from gateway.mcp.hub import McpHub
+
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+"""What OpenAI accepts as a function name: every tool's name, declared or discovered."""
 
 DEFAULT_PERMANENT: tuple[str, ...] = ("PermissionError", "gateway.harness.tools:PermanentToolError")
 

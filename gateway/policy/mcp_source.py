@@ -25,7 +25,7 @@ import orjson
 from gateway.harness.tools import ToolSpec
 from gateway.mcp.config import McpServerConfig, McpToolInfo
 from gateway.mcp.hub import McpHub, McpUnavailable
-from gateway.policy.decl import McpExecutor, ToolDecl
+from gateway.policy.decl import TOOL_NAME, McpExecutor, ToolDecl
 from gateway.policy.errors import PolicyError
 from gateway.policy.source import At, Fields, Source
 
@@ -37,7 +37,6 @@ MAX_DESCRIPTION = 4096
 """A discovered description is cut here: it is the server's text, read by every model turn."""
 MAX_SCHEMA_BYTES = 65_536
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ def parse_servers(at: At | None, base_dir: Path) -> list[tuple[McpServerConfig, 
         if (r := f.get("rename")) is not None:
             rename = _pairs(r, "server tool name to the name the model sees")
             for key, new in rename:
-                if not _TOOL_NAME.match(new):
+                if not TOOL_NAME.match(new):
                     r.child(key, new).fail("a tool name holds 1 to 64 letters, digits, '_' or '-'")
         max_chars = None
         if (m := f.get("max_result_chars")) is not None:
@@ -194,7 +193,7 @@ def discover(servers: Sequence[tuple[McpServerConfig, At]], hub: McpHub | None,
                     f"(it offers: {', '.join(sorted(offered)) or 'none'})")
         for tool in taken_here:
             name = config.exposed_name(tool.name)
-            if not _TOOL_NAME.match(name):
+            if not TOOL_NAME.match(name):
                 at.fail(f"MCP tool '{tool.name}' would be called '{name}', not a valid tool name (1 to 64 letters, "
                         f"digits, '_' or '-'); rename or exclude it")
             if name in taken:

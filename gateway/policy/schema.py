@@ -19,8 +19,10 @@ import jsonschema
 from gateway.harness.options import ApprovalAction, Dedupe
 from gateway.harness.state import DEFAULT_MAX_TOOL_CALLS, Limits
 from gateway.harness.tools import ToolSpec
+from gateway.mcp.hub import McpHub
 from gateway.policy.decl import (
     DEFAULT_PERMANENT,
+    TOOL_NAME,
     AgentExecutor,
     ApprovalConfig,
     ExecutorConfig,
@@ -36,7 +38,6 @@ from gateway.policy.decl import (
     ToolErrorConfig,
     arg_text,
 )
-from gateway.mcp.hub import McpHub
 from gateway.policy.errors import PolicyError
 from gateway.policy.mcp_source import (
     ToolOverride,
@@ -68,7 +69,6 @@ TOP_FIELDS = ("name", "description", "limits", "tools", "tool_errors", "dedupe",
 TOOL_FIELDS = ("name", "description", "parameters", "read_only", "destructive", "needs_approval", "timeout_s",
                "executor")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # what OpenAI accepts as a function name
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -169,7 +169,7 @@ def _tool(at: At) -> ToolDecl:
     f = at.fields(TOOL_FIELDS, required=("name", "description", "executor"))
     name_at = f.req("name")
     name = name_at.string()
-    if not _TOOL_NAME.match(name):
+    if not TOOL_NAME.match(name):
         name_at.fail("a tool name holds 1 to 64 letters, digits, '_' or '-'")
     read_only = r.boolean() if (r := f.get("read_only")) is not None else False
     spec = ToolSpec(

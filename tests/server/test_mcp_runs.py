@@ -125,8 +125,9 @@ async def run_plan(gw: Gateway, policy: str, *calls: tuple[str, dict[str, Any]],
                    run_id: str | None = None) -> tuple[str, str]:
     """Drive a server-side run through the OpenAI client; (run id, the final answer)."""
     headers = {"X-Run-Id": run_id} if run_id else {}
-    raw = await gw.openai(policy).chat.completions.with_raw_response.create(
-        model="planner", messages=[{"role": "user", "content": plan_task(*calls)}], extra_headers=headers)
+    async with gw.openai(policy) as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="planner", messages=[{"role": "user", "content": plan_task(*calls)}], extra_headers=headers)
     return raw.headers["X-Run-Id"], raw.parse().choices[0].message.content or ""
 
 
