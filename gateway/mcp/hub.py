@@ -85,7 +85,7 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, MCPError):
         return exc.message
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return text[:300] or type(exc).__name__
+    return text[:300] or "no reason given"
 
 def _closed(client: Client) -> bool:
     """Whether the session's transport has already closed (its server died while idle).
@@ -103,6 +103,7 @@ def _progress_label(progress: float, total: float | None, message: str | None) -
     else:
         label = f"{progress:g}"
     return label.replace("\n", " ")[:MAX_PROGRESS_LABEL]
+
 
 class _Connection:
     """The session of one server, on the hub's loop."""
@@ -128,7 +129,7 @@ class _Connection:
         """The live session, started (again) if need be."""
         async with self._lock:
             if self._client is not None and _closed(self._client):
-                self._died("its connection closed")
+                self._died("its connection closed", self._client)
             if self._client is not None:
                 return self._client
             if self.state == "stopped":
@@ -181,6 +182,8 @@ class _Connection:
         finally:
             if self._stop is stop:
                 self._client = None
+                if self.state == "up":  # the session ended by itself (its transport failed while idle)
+                    self._failed("its session ended")
 
     def _failed(self, reason: str) -> None:
         self._client = None
@@ -189,8 +192,11 @@ class _Connection:
         self._in_a_row += 1
         self._retry_at = time.monotonic() + min(BACKOFF_FIRST_S * 2 ** (self._in_a_row - 1), BACKOFF_MAX_S)
 
-    def _died(self, reason: str) -> None:
-        """The server went away: tear the session down; the next use starts it again."""
+    def _died(self, reason: str, client: Client) -> None:
+        """The server of `client` went away: tear its session down; the next use starts it
+        again. A failure seen late, on a session already replaced, changes nothing."""
+        if client is not self._client:
+            return
         if self._stop is not None:
             self._stop.set()
         if self.state == "up":
@@ -217,7 +223,7 @@ class _Connection:
                     return tools
         except MCPError as exc:
             if exc.code == CONNECTION_CLOSED:
-                self._died(exc.message)
+                self._died(exc.message, client)
             raise McpUnavailable(f"the MCP server '{self.config.name}' did not list its tools: {exc.message}") from None
 
     async def call(self, named: McpServerConfig, tool: str, args: Mapping[str, Any],
@@ -234,13 +240,13 @@ class _Connection:
         except MCPError as exc:
             if exc.code != CONNECTION_CLOSED:  # the server refused the call: the model may fix it
                 return CallResult(f"the MCP server refused the call: {exc.message}", is_error=True)
-            self._died(exc.message)
+            self._died(exc.message, client)
             raise McpUnavailable(f"the MCP server '{named.name}' stopped while running {tool}; "
                                  f"the call's outcome is unknown. The server is restarted for the next call.") from None
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
         except Exception as exc:  # the transport failed (a refused connection, a broken pipe)
-            self._died(_reason(exc))
+            self._died(_reason(exc), client)
             raise McpUnavailable(f"the MCP server '{named.name}' could not run {tool}: {_reason(exc)}") from None
         self._in_a_row = 0
         return CallResult(flatten(result.content, result.structured_content, named.max_result_chars),
