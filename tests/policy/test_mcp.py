@@ -18,7 +18,8 @@ from mcp_types import EmbeddedResource, ImageContent, ResourceLink, TextContent,
 from gateway.harness.loop import run
 from gateway.harness.state import Limits
 from gateway.mcp.content import flatten
-from gateway.mcp.hub import McpHub
+from gateway.mcp.config import McpServerConfig
+from gateway.mcp.hub import McpHub, McpUnavailable
 from gateway.policy.decl import McpExecutor, Policy
 from gateway.policy.errors import PolicyError
 from gateway.policy.executors import ToolEnv, compile_options
@@ -163,3 +164,16 @@ def test_content_is_flattened_to_text_and_capped() -> None:
     assert flatten(parts) == "first\n[image image/png, about 6 bytes]\ninside\n[resource link file:///b.bin]"
     assert flatten([], {"ok": True}) == '{"ok":true}'
     assert flatten([TextContent(type="text", text="abcdef")], cap=4) == "abcd\n[... 2 more characters cut by the gateway]"
+
+
+def test_a_server_that_cannot_start_reads_as_down_and_is_tried_again() -> None:
+    own = McpHub()
+    broken = McpServerConfig(name="broken", command=(sys.executable, "-c", "pass"))  # exits before the handshake
+    try:
+        for attempt in (1, 2):  # the second attempt waits out the backoff, then tries again
+            with pytest.raises(McpUnavailable, match="the MCP server 'broken' could not be started"):
+                own.discover(broken)
+            [health] = own.health()
+            assert (health.state, health.starts, health.failures) == ("down", 0, attempt)
+    finally:
+        own.close()
