@@ -102,7 +102,7 @@ def _progress_label(progress: float, total: float | None, message: str | None) -
         label = f"{progress:g}/{total:g}"
     else:
         label = f"{progress:g}"
-    return label.replace("\n", " ")[:MAX_PROGRESS_LABEL]
+    return " ".join(label.split())[:MAX_PROGRESS_LABEL]  # one line: it may end up in an SSE comment
 
 
 class _Connection:
