@@ -30,6 +30,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from gateway.config.settings import SCRIPTED_PREFIX, Config, ConfigError
+from gateway.config.webhooks import require_secrets
 from gateway.mcp.hub import McpHub
 from gateway.policy.errors import PolicySetError
 from gateway.policy.registry import PolicyRegistry
@@ -46,6 +47,7 @@ from gateway.server.http.auth import KeyRing
 from gateway.server.http.errors import NotFound, StoreUnavailable
 from gateway.server.http.middleware import gateway_middleware
 from gateway.server.metrics import Metrics
+from gateway.server.notify import delivery as notify_delivery
 from gateway.server.responses import endpoint as responses
 from gateway.server.runs import retention, runtime
 from gateway.server.runs.booking import replay_spool
@@ -177,6 +179,7 @@ def _scripted_guard(keyring: KeyRing, own_key: str) -> Middleware:
 def build_app(config: Config, *, self_url: str | None = None) -> web.Application:
     """The gateway app. `self_url` (e.g. http://127.0.0.1:8080) addresses the scripted
     mount; without it the address is learnt from the first request."""
+    require_secrets(str(config.path), config.webhooks)  # before anything is opened
     app = web.Application(middlewares=[gateway_middleware], client_max_size=config.server.max_body_bytes)
     app[ctx.CONFIG] = config
     app[ctx.MCP] = McpHub()
@@ -187,12 +190,14 @@ def build_app(config: Config, *, self_url: str | None = None) -> web.Application
         raise
     app[ctx.COUNTER] = get_counter()
     app[ctx.KEYRING] = KeyRing(config.teams)
-    app[ctx.METRICS] = Metrics((name for name, _ in routed_models(config)), config.upstreams)
+    app[ctx.METRICS] = Metrics((name for name, _ in routed_models(config)), config.upstreams,
+                               ((w.name, sorted(w.events)) for w in config.webhooks))
     app[ctx.STORE] = _open_store(config)
     app[ctx.SPOOL] = Spool(config.spool_file)
     if self_url is not None:
         app[ctx.SELF_URL] = self_url.rstrip("/")
     app.cleanup_ctx.append(_resources)
+    app.cleanup_ctx.append(notify_delivery.background)  # before runs are driven: their notices need its rule
     app.cleanup_ctx.append(runtime.driver_ctx)
     app.cleanup_ctx.append(retention.background)
     app.on_shutdown.append(runtime.stop_runs)

@@ -30,6 +30,8 @@ SERVER_ORDER: dict[str, tuple[str, ...]] = {
     "gateway.server.responses": ("gateway.server.api", "gateway.server.app", "gateway.server.main"),
     "gateway.server.embeddings": ("gateway.server.api", "gateway.server.app", "gateway.server.main"),
     "gateway.server.api": ("gateway.server.app", "gateway.server.main"),
+    "gateway.server.notify": ("gateway.server.chat", "gateway.server.responses", "gateway.server.embeddings",
+                              "gateway.server.api", "gateway.server.app", "gateway.server.main"),
 }
 
 
