@@ -117,6 +117,8 @@ async def _loop(state: RunState, model: Model, options: RunOptions, scope: Cance
         state.count_turn(reply.usage, cost)
         if options.on_spend is not None:
             options.on_spend(reply.usage, cost)
+        for attempt in reply.attempts:
+            trace("upstream_attempt", **attempt)
         if reply.reported is not None:
             trace("usage_clamped", upstream=reply.upstream, reported=reply.reported.to_json(),
                   booked=reply.usage.to_json(), kinds=clamped_kinds(reply.reported, reply.usage))

@@ -1,7 +1,7 @@
 """`build_app(config)`: the gateway as an aiohttp application.
 
 Routes: POST /v1/chat/completions, GET /v1/models and /v1/models/{model}, GET /metrics (`metrics_route`: maybe
-with a token, maybe on its own address), GET /healthz, the scripted provider at
+with a token, maybe on its own address), GET /healthz, the web console under /console/ (`console.setup`), the scripted provider at
 /scripted/v1 (only when a `kind: scripted` upstream without `base_url` uses this mount,
 and only for callers with a gateway key: a team's, or the random one this process makes
 at start for its own upstream calls), plus what the optional modules add:
@@ -38,7 +38,7 @@ from gateway.providers.scenarios import model_names
 from gateway.providers.scripted import scripted_app
 from gateway.providers.upstream import new_session
 from gateway.server import context as ctx
-from gateway.server import embeddings, mcp_servers, openapi
+from gateway.server import console, embeddings, mcp_servers, openapi
 from gateway.server.api import admin
 from gateway.server.api import metrics as metrics_route
 from gateway.server.api import runs as runs_api
@@ -49,7 +49,7 @@ from gateway.server.http.middleware import gateway_middleware
 from gateway.server.metrics import Metrics
 from gateway.server.notify import delivery as notify_delivery
 from gateway.server.responses import endpoint as responses
-from gateway.server.runs import retention, runtime
+from gateway.server.runs import rate_limits, retention, runtime
 from gateway.server.runs.booking import replay_spool
 from gateway.server.runs.governor import Governor
 from gateway.store import Store, StoreConfigError, StoreError, open_store
@@ -201,9 +201,12 @@ def build_app(config: Config, *, self_url: str | None = None) -> web.Application
     app.cleanup_ctx.append(runtime.driver_ctx)
     app.cleanup_ctx.append(retention.background)
     app.on_shutdown.append(runtime.stop_runs)
+    if any(t.rate_limits is not None or t.key_limits for t in config.teams):
+        app.on_response_prepare.append(rate_limits.show)  # answers carry their x-ratelimit-* headers
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
     metrics_route.setup(app)
+    console.setup(app)
     mcp_servers.setup(app)
     if any(ctx.uses_mount(u) for u in config.upstreams.values()):
         app[ctx.SCRIPTED_KEY] = secrets.token_urlsafe(32)
