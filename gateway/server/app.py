@@ -60,11 +60,6 @@ SPOOL_REPLAY_S = 1.0
 
 log = logging.getLogger(__name__)
 
-OPTIONAL_MODULES = ("gateway.server.chat.server_side", "gateway.server.api.admin", "gateway.server.responses.endpoint",
-                    "gateway.server.embeddings")
-"""Modules with a `setup(app)` that add to the gateway (server-side runs and the runs API, the admin API)."""
-
-
 def routed_models(config: Config) -> list[tuple[str, str]]:
     """(model, upstream) for every model the config routes by name; a glob on the scripted
     upstream lists the scripted scenarios it matches (other globs cannot be listed)."""
