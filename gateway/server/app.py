@@ -31,13 +31,14 @@ from aiohttp.typedefs import Handler, Middleware
 
 from gateway.config.settings import SCRIPTED_PREFIX, Config, ConfigError
 from gateway.config.webhooks import require_secrets
+from gateway.mcp.hub import McpHub
 from gateway.policy.errors import PolicySetError
 from gateway.policy.registry import PolicyRegistry
 from gateway.providers.scenarios import model_names
 from gateway.providers.scripted import scripted_app
 from gateway.providers.upstream import new_session
 from gateway.server import context as ctx
-from gateway.server import console, embeddings, openapi
+from gateway.server import console, embeddings, mcp_servers, openapi
 from gateway.server.api import admin
 from gateway.server.api import metrics as metrics_route
 from gateway.server.api import runs as runs_api
@@ -58,11 +59,6 @@ from gateway.tokens import get_counter
 SPOOL_REPLAY_S = 1.0
 
 log = logging.getLogger(__name__)
-
-OPTIONAL_MODULES = ("gateway.server.chat.server_side", "gateway.server.api.admin", "gateway.server.responses.endpoint",
-                    "gateway.server.embeddings")
-"""Modules with a `setup(app)` that add to the gateway (server-side runs and the runs API, the admin API)."""
-
 
 def routed_models(config: Config) -> list[tuple[str, str]]:
     """(model, upstream) for every model the config routes by name; a glob on the scripted
@@ -86,9 +82,10 @@ def routed_models(config: Config) -> list[tuple[str, str]]:
     return out
 
 
-def load_policies(config: Config) -> PolicyRegistry:
-    """Load `policies_dir` and check every team's policies exist; ConfigError otherwise."""
-    registry = PolicyRegistry(config.policies_dir)
+def load_policies(config: Config, mcp: McpHub | None = None) -> PolicyRegistry:
+    """Load `policies_dir` (MCP tools discovered through `mcp`) and check every team's
+    policies exist; ConfigError otherwise."""
+    registry = PolicyRegistry(config.policies_dir, mcp)
     try:
         registry.load()
     except PolicySetError as exc:
@@ -187,7 +184,12 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
     require_secrets(str(config.path), config.webhooks)  # before anything is opened
     app = web.Application(middlewares=[gateway_middleware], client_max_size=config.server.max_body_bytes)
     app[ctx.CONFIG] = config
-    app[ctx.POLICIES] = load_policies(config)
+    app[ctx.MCP] = McpHub()
+    try:
+        app[ctx.POLICIES] = load_policies(config, app[ctx.MCP])
+    except ConfigError:
+        app[ctx.MCP].close()  # the servers discovery started
+        raise
     app[ctx.COUNTER] = get_counter()
     app[ctx.KEYRING] = KeyRing(config.teams)
     app[ctx.METRICS] = Metrics((name for name, _ in routed_models(config)), config.upstreams,
@@ -209,6 +211,7 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
         app.router.add_route(method, path, handler)
     metrics_route.setup(app)
     console.setup(app)
+    mcp_servers.setup(app)
     if any(ctx.uses_mount(u) for u in config.upstreams.values()):
         app[ctx.SCRIPTED_KEY] = scripted_key or secrets.token_urlsafe(32)
         app.add_subapp(SCRIPTED_PREFIX, scripted_app(guard=_scripted_guard(app[ctx.KEYRING], app[ctx.SCRIPTED_KEY])))

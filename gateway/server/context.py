@@ -14,6 +14,7 @@ from aiohttp import web
 
 from gateway.config.settings import SCRIPTED_PREFIX, Config, ModelRoute, UpstreamConfig
 from gateway.harness.state import RunState
+from gateway.mcp.hub import McpHub
 from gateway.policy.registry import PolicyRegistry
 from gateway.providers.failover import AttemptSink, RoutedCall
 from gateway.providers.routing import Router
@@ -83,6 +84,8 @@ SELF_URL: Final = web.AppKey("self_url", str)
 WORKER: Final = web.AppKey("worker", int)
 """This process's index among `gateway serve --workers N`'s; absent when it serves alone."""
 SPOOL: Final = web.AppKey("spool", Spool)
+MCP: Final = web.AppKey("mcp", McpHub)
+"""The process's MCP sessions: one per server, shared by every policy version that names it."""
 SCRIPTED_KEY: Final = web.AppKey("scripted_key", str)
 """A random secret made at start: the key of the gateway's own calls to its scripted mount."""
 
