@@ -14,8 +14,9 @@ applies the same change again, so concurrent calls of one run never lose a turn.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from gateway.config.settings import ModelRoute, TeamConfig
 from gateway.harness.state import (
@@ -44,6 +45,7 @@ from gateway.store.errors import RunExists, StaleRun
 
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$")
 UPDATE_ATTEMPTS = 32
+T = TypeVar("T")
 
 
 @dataclass
@@ -141,18 +143,13 @@ def _existing_run_policy(policies: PolicyRegistry, team: TeamConfig, run: RunSta
 
 async def update_run(store: Store, run: RunState, change: Callable[[RunState], None]) -> RunState:
     """Apply `change` and save; on a concurrent save, reload and apply it again."""
-    for _ in range(UPDATE_ATTEMPTS):
-        change(run)
-        try:
-            await store.save_run(run)
-            return run
-        except StaleRun:
-            fresh = await store.load_run(run.run_id)
-            if fresh is None:
-                raise
-            run = fresh
-    raise Conflict(f"run {run.public_id} is being changed by too many calls at once; retry", code="run_contended",
-                   headers={"x-should-retry": "true", "retry-after": "1"})
+
+    async def save(r: RunState) -> RunState:
+        change(r)
+        await store.save_run(r)
+        return r
+
+    return await _retrying(store, run, save, UPDATE_ATTEMPTS)
 
 
 async def commit_run(store: Store, run: RunState, change: Callable[[RunState], None],
@@ -160,11 +157,20 @@ async def commit_run(store: Store, run: RunState, change: Callable[[RunState], N
                      attempts: int = UPDATE_ATTEMPTS) -> tuple[RunState, list[Event], Ledger | None]:
     """Apply `change`, then save it with `trace(run)`'s lines and `booking` in one store step;
     on a concurrent save, reload and do it again. Returns the run, the lines and the ledger."""
+
+    async def commit(r: RunState) -> tuple[RunState, list[Event], Ledger | None]:
+        change(r)
+        events = trace(r)
+        return r, events, await store.commit_turn(r, events, booking)
+
+    return await _retrying(store, run, commit, attempts)
+
+
+async def _retrying(store: Store, run: RunState, attempt: Callable[[RunState], Awaitable[T]], attempts: int) -> T:
+    """`attempt(run)` until no concurrent save got in first (StaleRun: reload, try again), or 409."""
     for _ in range(attempts):
-        change(run)
-        events = trace(run)
         try:
-            return run, events, await store.commit_turn(run, events, booking)
+            return await attempt(run)
         except StaleRun:
             fresh = await store.load_run(run.run_id)
             if fresh is None:
