@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--only", action="append", default=[], help="run only these experiments")
     demo.add_argument("--local", action="store_true", help="the six local-model tasks instead")
     demo.add_argument("--local-url", default="http://127.0.0.1:8081/v1", help="local model server")
+    demo.add_argument("--no-repair", action="store_true",
+                      help="with --local: turn the local upstream's tool-call repair off (to compare)")
 
     local = sub.add_parser("local", help="serve a local Qwen model (needs the [local] extra)")
     local.add_argument("--model", choices=["0.5b", "1.5b"], default="0.5b")

@@ -116,6 +116,8 @@ async def _loop(state: RunState, model: Model, options: RunOptions, scope: Cance
         state.turns += 1
         state.per_turn.append(reply.usage)
         _charge(state, options, reply.usage, options.price.cost(reply.usage))
+        for repair in reply.repairs:
+            trace("tool_call_repaired", upstream=reply.upstream, turn=state.turns, **repair)
         if reply.reported is not None:
             trace("usage_clamped", upstream=reply.upstream, reported=reply.reported.to_json(),
                   booked=reply.usage.to_json(), kinds=clamped_kinds(reply.reported, reply.usage))

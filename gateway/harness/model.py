@@ -38,6 +38,9 @@ class ModelReply:
     # `usage_clamped` with it; `usage` is what is booked).
     reported: Usage | None = None
     upstream: str = ""
+    # What the gateway repaired in the upstream's tool calls (gateway.providers.repair), as
+    # `{kind, tool, detail}`: the loop traces a `tool_call_repaired` line for each.
+    repairs: tuple[dict[str, str], ...] = ()
 
 
 class Model(Protocol):

@@ -15,6 +15,7 @@ from gateway.harness.options import EventSink
 EventKind = Literal[
     "turn",
     "usage_clamped",
+    "tool_call_repaired",
     "tool_start",
     "tool_progress",
     "tool_result",

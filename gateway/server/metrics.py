@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import choose_encoder
 
 from gateway.harness.usage import Usage
+from gateway.providers.repair import REPAIR_KINDS, Repair
 
 OTHER = "other"
 _CODE = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
@@ -94,6 +95,12 @@ class Metrics:
         for upstream in upstreams:  # at 0 from the start: a dashboard shows "none" rather than "no data"
             for kind in ("prompt", "completion"):
                 self.usage_clamped.labels(upstream, kind)
+        self.tool_call_repairs = Counter("gateway_tool_call_repairs_total",
+                                         "Upstream tool calls the gateway repaired (upstream option tool_repair), "
+                                         "by upstream and kind of repair.", ["upstream", "kind"], registry=r)
+        for upstream in upstreams:
+            for repair in REPAIR_KINDS:
+                self.tool_call_repairs.labels(upstream, repair)
         self.tool_calls = Counter("gateway_tool_calls_total", "Server-side tool calls by outcome.",
                                   ["policy", "tool", "outcome"], registry=r)
         self.tool_duration = Histogram("gateway_tool_duration_seconds", "Server-side tool run time.",
@@ -145,6 +152,10 @@ class Metrics:
     def on_usage_clamped(self, upstream: str, kinds: tuple[str, ...]) -> None:
         for kind in kinds:
             self.usage_clamped.labels(upstream, kind).inc()
+
+    def on_tool_call_repairs(self, upstream: str, repairs: Iterable[Repair]) -> None:
+        for repair in repairs:
+            self.tool_call_repairs.labels(upstream, repair.kind).inc()
 
     def on_ttft(self, upstream: str, model: str, seconds: float) -> None:
         self._child(self.ttft, upstream, self.model_label(model)).observe(seconds, _exemplar())

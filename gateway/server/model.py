@@ -86,5 +86,7 @@ class UpstreamModel:
             cost = route.price.cost(usage)
             await self.governor.settle(adm, cost)
         self.metrics.on_upstream(upstream.name, request.model, reply.seconds)
+        self.metrics.on_tool_call_repairs(upstream.name, reply.repairs)
         self.metrics.on_turn(self.team.name, self.policy, request.model, usage, cost)
-        return ModelReply(message, usage, parsed.finish_reason, reported=checked.reported, upstream=upstream.name)
+        return ModelReply(message, usage, parsed.finish_reason, reported=checked.reported, upstream=upstream.name,
+                          repairs=tuple(r.to_json() for r in reply.repairs))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from aiohttp import web
 
 from gateway.harness.state import Message, RunState
 from gateway.harness.usage import Usage
+from gateway.providers.repair import Repair
 from gateway.server import context as ctx
 from gateway.server import tracefile
 from gateway.server.budget import Admission
@@ -102,6 +103,7 @@ class TurnRecord:
     upstream: str
     reported: Usage | None
     booking: Booking | None
+    repairs: tuple[dict[str, str], ...] = ()  # the upstream's tool calls the gateway repaired (Repair.to_json)
 
     def change(self) -> Callable[[RunState], None]:
         return add_turn(model=self.model, usage=self.usage, cost_usd=self.cost_usd, transcript=self.transcript,
@@ -112,7 +114,8 @@ class TurnRecord:
 
     def trace(self, run: RunState) -> list[Event]:
         usage = self.usage
-        lines = []
+        lines = [event(run.run_id, "tool_call_repaired", upstream=self.upstream, turn=run.turns, **repair)
+                 for repair in self.repairs]
         if self.reported is not None:
             lines.append(event(run.run_id, "usage_clamped", upstream=self.upstream, reported=self.reported.to_json(),
                                booked=usage.to_json(), kinds=list(self.clamped())))
@@ -129,6 +132,7 @@ class TurnRecord:
         return {"run_id": self.run_id, "model": self.model, "usage": self.usage.to_json(), "cost_usd": self.cost_usd,
                 "transcript": self.transcript, "completed": self.completed, "finish": self.finish,
                 "upstream": self.upstream, "reported": None if self.reported is None else self.reported.to_json(),
+                "repairs": list(self.repairs),
                 "booking": None if b is None else {"team": b.team, "period": b.period, "actual_usd": b.actual_usd,
                                                    "reservation_id": b.reservation_id}}
 
@@ -139,11 +143,12 @@ class TurnRecord:
                    list(data["transcript"]), bool(data["completed"]), str(data["finish"]), str(data["upstream"]),
                    None if data.get("reported") is None else Usage.from_json(data["reported"]),
                    None if b is None else Booking(str(b["team"]), str(b["period"]), float(b["actual_usd"]),
-                                                  b.get("reservation_id"), if_held=True))
+                                                  b.get("reservation_id"), if_held=True),
+                   tuple({str(k): str(v) for k, v in r.items()} for r in data.get("repairs") or ()))
 
 
 async def book_turn(request: web.Request, call: Call, adm: Admission, *, reported: Usage | None, message: Message,
-                    finish: str) -> Booked:
+                    finish: str, repairs: Sequence[Repair] = ()) -> Booked:
     """Settle, save and trace one turn in one store step; returns the updated run.
 
     The usage booked is the upstream's `reported` one unless it is absent or beyond belief
@@ -161,8 +166,9 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
     cost = call.route.price.cost(usage)
     record = TurnRecord(call.run.run_id, chat.model, usage, cost, [*chat.messages, message],
                         finish == "stop" and not message.get("tool_calls"), finish, call.route.upstream,
-                        checked.reported, governor.booking(adm, cost))
+                        checked.reported, governor.booking(adm, cost), tuple(r.to_json() for r in repairs))
     metrics = app[ctx.METRICS]
+    metrics.on_tool_call_repairs(call.route.upstream, repairs)
     metrics.on_turn(call.team.name, call.policy.name, chat.model, usage, cost)
     if checked.reported is not None:
         metrics.on_usage_clamped(call.route.upstream, checked.clamped)
