@@ -35,7 +35,7 @@ from gateway.harness.state import Limits, RunState
 from gateway.providers.http_model import HTTPChatModel
 from gateway.store import open_store
 from gateway.harness.tools import ToolContext
-from gateway.tools.chapter import FILE_TOOLS, PLAN_TASK, SYSTEM_PROMPT
+from gateway.tools.catalog import FILE_TOOLS, PLAN_TASK, SYSTEM_PROMPT
 from gateway.tools.files import Sandbox, file_tools, fresh_sandbox
 
 

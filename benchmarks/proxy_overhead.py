@@ -38,7 +38,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gateway.tools.chapter import FILE_TOOLS, PLAN_TASK, SYSTEM_PROMPT  # noqa: E402
+from gateway.tools.catalog import FILE_TOOLS, PLAN_TASK, SYSTEM_PROMPT  # noqa: E402
 from tests.support.procs import Proc, free_port, start_gateway, wait_http  # noqa: E402
 
 MINIMAL_PROXY = '''

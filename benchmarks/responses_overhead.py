@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.proxy_overhead import BODY, KEY, TURNS_PER_RUN, gateway_config  # noqa: E402
-from gateway.tools.chapter import FILE_TOOLS, PLAN_TASK, SYSTEM_PROMPT  # noqa: E402
+from gateway.tools.catalog import FILE_TOOLS, PLAN_TASK, SYSTEM_PROMPT  # noqa: E402
 from tests.support.procs import free_port, start_gateway  # noqa: E402
 
 RESPONSES_BODY = orjson.dumps({

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 from gateway.harness.tools import ToolContext  # noqa: E402
 from gateway.tokens import TokenCounter, get_counter  # noqa: E402
-from gateway.tools.chapter import FILE_TOOLS, PLAN_TASK, SYSTEM_PROMPT  # noqa: E402
+from gateway.tools.catalog import FILE_TOOLS, PLAN_TASK, SYSTEM_PROMPT  # noqa: E402
 from gateway.tools.files import Sandbox, fresh_sandbox  # noqa: E402
 
 TURNS = 100

@@ -19,7 +19,7 @@ COMMANDS: dict[str, str] = {
     "local": "gateway.local.main:local_command",
     "policy": "gateway.policy.check:policy_command",
     "trace": "gateway.trace_view:trace_command",
-    "prune": "gateway.server.retention:prune_command",
+    "prune": "gateway.server.runs.retention:prune_command",
 }
 
 

@@ -4,7 +4,7 @@ The rank file ships in the package (`gateway/data/o200k_base.tiktoken`) and is l
 through tiktoken with the sha256 tiktoken itself expects, so a corrupted or swapped
 file is refused instead of silently miscounting. Nothing here touches the network.
 
-How tokens are counted (OpenAI-like; the scripted provider, budgets and the chapter's
+How tokens are counted (OpenAI-like; the scripted provider, budgets and the demo's
 figures all use exactly this):
 
 Prompt tokens of a request (`count_request`):

@@ -21,10 +21,10 @@ from typing import Any, TextIO
 
 import orjson
 
+from gateway.config.settings import Config, ConfigError, load_config
 from gateway.harness.state import scoped_run_id
-from gateway.server.config import Config, ConfigError, load_config
-from gateway.server.tracefile import rotated
 from gateway.store import StoreError, open_store
+from gateway.store.tracefile import rotated
 
 Event = dict[str, Any]
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from gateway.harness.trace import EventList, Tracer
-from gateway.harness.usage import CHAPTER_PRICE, Usage
+from gateway.harness.usage import DEFAULT_PRICE, Usage
 from gateway.store import open_store
 from gateway.trace_view import timeline
 from tests.support.procs import ROOT
@@ -29,7 +29,7 @@ def plan_trace(run_id: str) -> list[dict[str, Any]]:
     turns = [(204, 25, "tool_calls"), (269, 22, "tool_calls"), (342, 23, "stop")]
     tools = [("list_files", "{}", 3), ('read_file', '{"path": "errors.log"}', 12)]
     for n, (prompt, completion, finish) in enumerate(turns, start=1):
-        cost += CHAPTER_PRICE.cost(Usage(prompt, completion))
+        cost += DEFAULT_PRICE.cost(Usage(prompt, completion))
         trace("turn", turn=n, prompt_tokens=prompt, completion_tokens=completion,
               total_tokens=prompt + completion, costUsd=round(cost, 9), finish=finish)
         if n <= len(tools):

@@ -12,7 +12,7 @@ from gateway.harness.options import ToolErrorPolicy, Verdict
 from gateway.harness.state import Decision, Limits
 from gateway.harness.subrun import run_subrun
 from gateway.harness.tools import Tool, ToolContext, ToolResult, ToolSpec
-from gateway.tools.chapter import RESEARCH, RESEARCH_SYSTEM
+from gateway.tools.catalog import RESEARCH, RESEARCH_SYSTEM
 from gateway.tools.files import deleted, file_tools
 
 Experiment = Callable[[Lab], Awaitable[list[Result]]]

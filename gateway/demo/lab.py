@@ -18,11 +18,11 @@ from gateway.harness.execute import CancelScope
 from gateway.harness.loop import Outcome, run
 from gateway.harness.model import Model, ModelReply, ModelRequest
 from gateway.harness.options import RunOptions
-from gateway.harness.state import Limits, RunState
+from gateway.harness.state import Limits, Message, RunState
 from gateway.harness.tools import Tool, ToolContext, ToolOutput
 from gateway.harness.trace import EventList
 from gateway.providers.http_model import HTTPChatModel
-from gateway.tools.chapter import PLAN_TASK, SYSTEM_PROMPT
+from gateway.tools.catalog import PLAN_TASK, SYSTEM_PROMPT
 from gateway.tools.files import Sandbox, file_tools, fresh_sandbox
 
 
@@ -97,7 +97,7 @@ class Lab:
         tools = timed_tools({**file_tools(box), **(extra_tools or {})}, tool_time)
         opts = RunOptions(tools=tools, on_event=events, **options)
         if state is None:
-            messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task}]
+            messages: list[Message] = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task}]
             state = RunState.new(model_name, messages, limits=limits)
         timed = TimedModel(model or self.model(latency_ms))
         scope = CancelScope()

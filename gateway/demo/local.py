@@ -40,7 +40,7 @@ import yaml
 
 from gateway.demo.report import tool_runs
 from gateway.local.gguf import GGUFError, model_name
-from gateway.tools.chapter import SYSTEM_PROMPT
+from gateway.tools.catalog import SYSTEM_PROMPT
 from gateway.tools.files import SAMPLE
 
 TaskKind = Literal["timeout", "count", "notes", "read_all", "largest", "rotating"]

@@ -28,7 +28,7 @@ from gateway.harness.state import Limits, RunState
 from gateway.providers.http_model import HTTPChatModel
 from gateway.store import open_store
 from gateway.store.base import Store
-from gateway.tools.chapter import PLAN_TASK, SYSTEM_PROMPT
+from gateway.tools.catalog import PLAN_TASK, SYSTEM_PROMPT
 from gateway.tools.files import Sandbox, file_tools
 
 

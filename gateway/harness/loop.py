@@ -113,9 +113,10 @@ async def _loop(state: RunState, model: Model, options: RunOptions, scope: Cance
             return await _stop(state, _cancelled(scope), options, trace)
         message: Message = own_calls(state, reply.message)
         state.messages.append(message)
-        state.turns += 1
-        state.per_turn.append(reply.usage)
-        _charge(state, options, reply.usage, options.price.cost(reply.usage))
+        cost = reply.cost_usd if reply.cost_usd is not None else options.price.cost(reply.usage)
+        state.count_turn(reply.usage, cost)
+        if options.on_spend is not None:
+            options.on_spend(reply.usage, cost)
         for repair in reply.repairs:
             trace("tool_call_repaired", upstream=reply.upstream, turn=state.turns, **repair)
         if reply.reported is not None:

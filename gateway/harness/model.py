@@ -38,8 +38,11 @@ class ModelReply:
     # `usage_clamped` with it; `usage` is what is booked).
     reported: Usage | None = None
     upstream: str = ""
+    # What the turn cost, when the model priced it itself (the gateway's governed model
+    # prices with the route that answered); None: the loop prices it with `options.price`.
+    cost_usd: float | None = None
     # What the gateway repaired in the upstream's tool calls (gateway.providers.repair), as
-    # `{kind, tool, detail}`: the loop traces a `tool_call_repaired` line for each.
+    # `{repair, tool, detail}`: the loop traces a `tool_call_repaired` line for each.
     repairs: tuple[dict[str, str], ...] = ()
 
 

@@ -13,7 +13,7 @@ from typing import Any, Literal, Protocol
 from gateway.harness.approvals import rejection_text
 from gateway.harness.state import Interruption, RunState, Status
 from gateway.harness.tools import PermanentToolError, Tool, ToolSpec
-from gateway.harness.usage import CHAPTER_PRICE, Price, Usage
+from gateway.harness.usage import DEFAULT_PRICE, Price, Usage
 
 Dedupe = Literal["read_only", "all", "off"]
 ApprovalAction = Literal["allow", "deny", "ask"]
@@ -105,7 +105,7 @@ class RunOptions:
 
     tools: Mapping[str, Tool] = field(default_factory=dict)
     client_tools: Sequence[dict[str, Any]] = ()
-    price: Price = CHAPTER_PRICE
+    price: Price = DEFAULT_PRICE
     tool_errors: ToolErrorPolicy = field(default_factory=ToolErrorPolicy)
     dedupe: Dedupe = "read_only"
     stop_when: Sequence[StopCondition] = ()

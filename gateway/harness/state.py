@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, cast, get_args
+from typing import Any, Literal, Required, TypedDict, cast, get_args
 
 import orjson
 
@@ -33,7 +33,16 @@ RESUMABLE: frozenset[Status] = frozenset({"running", "max_turns_exceeded", "budg
 InterruptionType = Literal["approval", "max_turns", "max_budget", "max_tool_calls", "max_duration", "cancelled",
                            "crashed"]
 
-Message = dict[str, Any]
+class Message(TypedDict, total=False):
+    """One chat message as the wire carries it (system, user, assistant or tool); checked at
+    the edge (`server/http/chat_schema.py`) before it becomes one of these."""
+
+    role: Required[str]
+    content: Any  # a string, content parts, or None
+    name: str
+    tool_calls: list[dict[str, Any]]  # {id, type, function: {name, arguments}}, read defensively
+    tool_call_id: str
+    refusal: str | None
 
 
 class StateError(ValueError):
@@ -154,6 +163,13 @@ class RunState:
     def rejected(self) -> dict[str, str]:
         return {cid: d.reason for cid, d in self.decisions.items() if d.decision == "reject"}
 
+    def count_turn(self, usage: Usage, cost_usd: float) -> None:
+        """Book one model turn on the run: its usage and its cost (the one place, for both modes)."""
+        self.turns += 1
+        self.per_turn.append(usage)
+        self.usage = self.usage + usage
+        self.cost_usd += cost_usd
+
     def summary(self) -> dict[str, Any]:
         """The `run` object of the HTTP contract."""
         return {
@@ -268,7 +284,7 @@ def upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
     the first drive is taken to be the run's creation.
     """
     out = dict(data)
-    messages = [m for m in data.get("messages") or [] if isinstance(m, dict)]
+    messages = [cast(Message, m) for m in data.get("messages") or [] if isinstance(m, dict)]
     first_model = _first_model_turn(messages, int(data.get("turns") or 0))
     ids: list[str] = []
     for i, m in enumerate(messages):
@@ -329,7 +345,7 @@ def new_run_id() -> str:
 
 def assistant_message(message: dict[str, Any]) -> Message:
     """A reply's message as the transcript keeps it (no null fields but content)."""
-    out = {k: v for k, v in message.items() if v is not None or k == "content"}
+    out = cast(Message, {k: v for k, v in message.items() if v is not None or k == "content"})
     out["role"] = "assistant"
     return out
 

@@ -1,8 +1,7 @@
 """The trace: one JSON object per event, every one carrying the run id.
 
-The vocabulary is the chapter's (`turn`, `tool_start`, `tool_progress`, `tool_result`,
-`approval_required`, `run_stopped`) plus what the gateway needs, in the same style.
-Field names are part of the contract (camelCase where the chapter used it).
+Every kind is listed in `EventKind` and documented in docs/trace-events.md. Field names
+are part of the contract (camelCase where the first version used it: `runId`, `costUsd`).
 """
 
 from __future__ import annotations
@@ -30,8 +29,17 @@ EventKind = Literal[
     "run_stopped",
     "subrun_started",
     "cancel_requested",
+    "embeddings",
 ]
 EVENT_KINDS: tuple[EventKind, ...] = get_args(EventKind)
+
+
+def event(run_id: str, kind: EventKind, **fields: Any) -> dict[str, Any]:
+    """The one builder of a trace line: `runId`, `type`, the fields, then `ts` (seconds)."""
+    out: dict[str, Any] = {"runId": run_id, "type": kind}
+    out.update(fields)
+    out["ts"] = round(time.time(), 6)
+    return out
 
 
 class Tracer:
@@ -44,10 +52,7 @@ class Tracer:
         self.sink = sink
 
     def __call__(self, kind: EventKind, **fields: Any) -> None:
-        event: dict[str, Any] = {"runId": self.run_id, "type": kind}
-        event.update(fields)
-        event["ts"] = round(time.time(), 6)
-        self.sink(event)
+        self.sink(event(self.run_id, kind, **fields))
 
 
 class EventList:

@@ -36,7 +36,7 @@ class Usage:
 
 @dataclass(frozen=True)
 class Price:
-    """USD per million tokens, in and out. The chapter's prices are the default."""
+    """USD per million tokens, in and out (the defaults: $2 in, $12 out, the demo's figures)."""
 
     input_per_million: float = 2.00
     output_per_million: float = 12.00
@@ -54,7 +54,7 @@ class Price:
         return max(0, int(left * 1_000_000 / self.output_per_million))
 
 
-CHAPTER_PRICE = Price()
+DEFAULT_PRICE = Price()
 
 
 def clamped_kinds(reported: Usage, booked: Usage) -> list[str]:

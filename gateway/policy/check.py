@@ -18,8 +18,20 @@ from typing import Any, TextIO
 
 import orjson
 
-from gateway.policy.approval import RuleApproval, compile_approval, duration_text, rule_matches
-from gateway.policy.decl import AgentExecutor, HttpExecutor, Policy, PythonExecutor, Rule, ToolDecl
+from gateway.policy.approval import (
+    RuleApproval,
+    compile_approval,
+    duration_text,
+    rule_matches,
+)
+from gateway.policy.decl import (
+    AgentExecutor,
+    HttpExecutor,
+    Policy,
+    PythonExecutor,
+    Rule,
+    ToolDecl,
+)
 from gateway.policy.registry import load_set, policy_files
 
 DEFAULT_DIR = Path("policies")

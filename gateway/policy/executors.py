@@ -23,7 +23,13 @@ import jsonschema
 import orjson
 
 from gateway.harness.model import Model
-from gateway.harness.options import Checkpoint, EventSink, RunOptions, StopCondition, ToolErrorPolicy
+from gateway.harness.options import (
+    Checkpoint,
+    EventSink,
+    RunOptions,
+    StopCondition,
+    ToolErrorPolicy,
+)
 from gateway.harness.stops import RepeatedCall as RepeatedCallStop
 from gateway.harness.subrun import run_subrun
 from gateway.harness.tools import (
@@ -38,7 +44,15 @@ from gateway.harness.tools import (
 )
 from gateway.harness.usage import Price
 from gateway.policy.approval import compile_approval
-from gateway.policy.decl import AgentExecutor, HttpExecutor, Policy, PythonExecutor, StopRule, ToolDecl, ToolErrorConfig
+from gateway.policy.decl import (
+    AgentExecutor,
+    HttpExecutor,
+    Policy,
+    PythonExecutor,
+    StopRule,
+    ToolDecl,
+    ToolErrorConfig,
+)
 from gateway.policy.registry import PolicyRegistry
 from gateway.policy.resolve import resolve_callable, resolve_exception
 

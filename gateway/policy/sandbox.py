@@ -44,7 +44,9 @@ def prepare_sandbox(config: SandboxConfig, runs_dir: Path, *, base_dir: Path | N
         if not folder.is_dir():
             raise FileNotFoundError(f"sandbox folder {folder} does not exist")
         return folder.resolve()
-    from gateway.tools.files import fresh_sandbox  # the file tools own how a sample is copied
+    from gateway.tools.files import (
+        fresh_sandbox,  # the file tools own how a sample is copied
+    )
 
     samples = sample_names()
     if config.sample not in samples:

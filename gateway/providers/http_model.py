@@ -1,7 +1,7 @@
 """A harness `Model` over HTTP: one chat-completions POST per turn to any compatible server.
 
 The demo and sub-runs use it directly against an upstream; the gateway's server-side runs
-wrap the upstream with budgets instead (gateway.server.model).
+wrap the upstream with budgets instead (gateway.server.runs.governed_model).
 """
 
 from __future__ import annotations

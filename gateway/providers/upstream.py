@@ -23,6 +23,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from gateway.config.settings import UpstreamConfig
+from gateway.providers.errors import UpstreamError
 from gateway.providers.repair import (
     Repair,
     is_tool_parse_failure,
@@ -31,8 +33,6 @@ from gateway.providers.repair import (
     without_tool_parsing,
 )
 from gateway.providers.reply import MalformedReply, ParsedReply, parse_completion
-from gateway.server.config import UpstreamConfig
-from gateway.server.errors import UpstreamError
 
 __all__ = ["Upstream", "UpstreamError", "UpstreamReply", "UpstreamStream", "new_session"]
 
@@ -82,7 +82,7 @@ class UpstreamStream:
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
             raise self.upstream.timeout("stream stalled") from None
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-            raise UpstreamError(502, "upstream_cut", f"upstream '{self.upstream.name}' cut the stream: "
+            raise UpstreamError("upstream_cut", f"upstream '{self.upstream.name}' cut the stream: "
                                 f"{connection_problem(exc)}", self.upstream.name, self.response.status) from None
         if parts:  # a last event without its blank line
             yield b"".join(parts) + b"\n"
@@ -123,7 +123,7 @@ class Upstream:
     def url(self) -> str:
         base = self.config.base_url or self._base_url()
         if base is None:
-            raise UpstreamError(502, "upstream_unreachable",
+            raise UpstreamError("upstream_unreachable",
                                 f"upstream '{self.name}' has no address yet (the gateway does not know its own URL)",
                                 self.name)
         return base + "/chat/completions"
@@ -133,7 +133,7 @@ class Upstream:
         if self.config.api_key_env:
             key = self.config.api_key()
             if not key:
-                raise UpstreamError(502, "upstream_misconfigured",
+                raise UpstreamError("upstream_misconfigured",
                                     f"upstream '{self.name}': environment variable {self.config.api_key_env} "
                                     "is not set", self.name)
             out["Authorization"] = f"Bearer {key}"
@@ -146,7 +146,7 @@ class Upstream:
         return out
 
     def timeout(self, what: str) -> UpstreamError:
-        return UpstreamError(504, "upstream_timeout",
+        return UpstreamError("upstream_timeout",
                              f"upstream '{self.name}' did not answer within {self.config.timeout_s:g}s ({what})",
                              self.name)
 
@@ -207,7 +207,7 @@ class Upstream:
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
             raise self.timeout("no complete answer") from None
         except aiohttp.ClientPayloadError as exc:
-            raise UpstreamError(502, "upstream_cut", f"upstream '{self.name}' cut its answer: {connection_problem(exc)}",
+            raise UpstreamError("upstream_cut", f"upstream '{self.name}' cut its answer: {connection_problem(exc)}",
                                 self.name) from None
         except aiohttp.ClientConnectionError as exc:
             raise self._unreachable(exc) from None
@@ -258,23 +258,23 @@ class Upstream:
         try:
             return parse_completion(reply.data)
         except MalformedReply as exc:
-            raise UpstreamError(502, "upstream_malformed", f"upstream '{self.name}' returned a malformed reply: "
+            raise UpstreamError("upstream_malformed", f"upstream '{self.name}' returned a malformed reply: "
                                 f"{exc}", self.name, 200) from None
 
     def _unreachable(self, exc: BaseException) -> UpstreamError:
-        return UpstreamError(502, "upstream_unreachable", f"upstream '{self.name}' is unreachable: "
+        return UpstreamError("upstream_unreachable", f"upstream '{self.name}' is unreachable: "
                                                           f"{connection_problem(exc)}", self.name)
 
     def _malformed(self, detail: str) -> UpstreamError:
-        return UpstreamError(502, "upstream_malformed", f"upstream '{self.name}' answered malformed: {detail}",
+        return UpstreamError("upstream_malformed", f"upstream '{self.name}' answered malformed: {detail}",
                              self.name, 200)
 
     def _status_error(self, status: int, raw: bytes) -> UpstreamError:
         message = _error_message(raw)
         if status in (401, 403, 429) or status >= 500:
-            return UpstreamError(502, "upstream_status", f"upstream '{self.name}' answered {status}: {message}",
+            return UpstreamError("upstream_status", f"upstream '{self.name}' answered {status}: {message}",
                                  self.name, status)
-        return UpstreamError(status if 400 <= status < 500 else 502, "upstream_rejected",
+        return UpstreamError("upstream_rejected",
                              f"upstream '{self.name}' rejected the request ({status}): {message}", self.name, status)
 
 

@@ -5,8 +5,8 @@ with a token, maybe on its own address), GET /healthz, the scripted provider at
 /scripted/v1 (only when a `kind: scripted` upstream without `base_url` uses this mount,
 and only for callers with a gateway key: a team's, or the random one this process makes
 at start for its own upstream calls), plus what the optional modules add:
-`gateway.server.harness_route.setup(app)` (server-side runs: sets `app[HARNESS]`, adds
-the runs API; `gateway.server.responses`: the Responses API). Resources that live on the event
+`gateway.server.chat.server_side.setup(app)` (server-side runs: sets `app[HARNESS]`, adds
+the runs API; `gateway.server.responses.endpoint`: the Responses API). Resources that live on the event
 loop (HTTP session, governor, upstreams) come with `cleanup_ctx`; the store is opened
 when the app is built (so a bad `store:` section fails before listening) and closed by it.
 """
@@ -18,36 +18,38 @@ import contextlib
 import fnmatch
 import hashlib
 import hmac
-import importlib
-import importlib.util
 import logging
 import os
-import socket
 import secrets
+import socket
 from collections.abc import AsyncIterator
+from typing import Final
 
 import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from gateway.config.settings import SCRIPTED_PREFIX, Config, ConfigError
 from gateway.policy.errors import PolicySetError
 from gateway.policy.registry import PolicyRegistry
 from gateway.providers.scenarios import model_names
 from gateway.providers.scripted import scripted_app
 from gateway.providers.upstream import new_session
 from gateway.server import context as ctx
-from gateway.server import metrics_route, openapi
-from gateway.server import retention
-from gateway.server.auth import KeyRing
-from gateway.server.budget import Governor
-from gateway.server.config import SCRIPTED_PREFIX, Config, ConfigError
-from gateway.server.errors import ApiError, NotFound, StoreUnavailable
+from gateway.server import embeddings, openapi
+from gateway.server.api import admin
+from gateway.server.api import metrics as metrics_route
+from gateway.server.api import runs as runs_api
+from gateway.server.chat import endpoint as chat
+from gateway.server.http.auth import KeyRing
+from gateway.server.http.errors import NotFound, StoreUnavailable
+from gateway.server.http.middleware import gateway_middleware
 from gateway.server.metrics import Metrics
-from gateway.server.middleware import gateway_middleware
-from gateway.server.passthrough import chat_completions
-from gateway.server.runs import Call
+from gateway.server.responses import endpoint as responses
+from gateway.server.runs import retention, runtime
+from gateway.server.runs.booking import replay_spool
+from gateway.server.runs.governor import Governor
 from gateway.store import Store, StoreConfigError, StoreError, open_store
-from gateway.server.turns import replay_spool
 from gateway.store.spool import Spool
 from gateway.tokens import get_counter
 
@@ -55,7 +57,7 @@ SPOOL_REPLAY_S = 1.0
 
 log = logging.getLogger(__name__)
 
-OPTIONAL_MODULES = ("gateway.server.harness_route", "gateway.server.admin", "gateway.server.responses",
+OPTIONAL_MODULES = ("gateway.server.chat.server_side", "gateway.server.api.admin", "gateway.server.responses.endpoint",
                     "gateway.server.embeddings")
 """Modules with a `setup(app)` that add to the gateway (server-side runs and the runs API, the admin API)."""
 
@@ -96,11 +98,6 @@ def load_policies(config: Config) -> PolicyRegistry:
                                   f"no policy named '{name}' in {config.policies_dir} "
                                   f"(loaded: {', '.join(registry.names()) or 'none'})")
     return registry
-
-
-async def _no_harness(request: web.Request, call: Call) -> web.StreamResponse:
-    raise ApiError(f"policy '{call.policy.name}' runs tools server-side, which this gateway build does not serve",
-                   status=501, type="server_error", code="harness_unavailable")
 
 
 def _open_store(config: Config) -> Store:
@@ -184,25 +181,20 @@ def build_app(config: Config, *, self_url: str | None = None) -> web.Application
     app[ctx.COUNTER] = get_counter()
     app[ctx.KEYRING] = KeyRing(config.teams)
     app[ctx.METRICS] = Metrics((name for name, _ in routed_models(config)), config.upstreams)
-    app[ctx.HARNESS] = _no_harness
     app[ctx.STORE] = _open_store(config)
     app[ctx.SPOOL] = Spool(config.spool_file)
     if self_url is not None:
         app[ctx.SELF_URL] = self_url.rstrip("/")
     app.cleanup_ctx.append(_resources)
+    app.cleanup_ctx.append(runtime.driver_ctx)
     app.cleanup_ctx.append(retention.background)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model}", get_model)
+    app.on_shutdown.append(runtime.stop_runs)
+    for method, path, handler in ROUTES:
+        app.router.add_route(method, path, handler)
     metrics_route.setup(app)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/openapi.json", openapi.openapi_json)
     if any(ctx.uses_mount(u) for u in config.upstreams.values()):
         app[ctx.SCRIPTED_KEY] = secrets.token_urlsafe(32)
         app.add_subapp(SCRIPTED_PREFIX, scripted_app(guard=_scripted_guard(app[ctx.KEYRING], app[ctx.SCRIPTED_KEY])))
-    for name in OPTIONAL_MODULES:
-        if importlib.util.find_spec(name) is not None:
-            importlib.import_module(name).setup(app)
     return app
 
 
@@ -242,3 +234,24 @@ async def healthz(request: web.Request) -> web.Response:
         log.warning("health check: the store failed: %s", exc)  # its words name hosts and files
         raise StoreUnavailable("the gateway's store is unavailable") from None
     return web.Response(body=orjson.dumps({"status": "ok"}), content_type="application/json")
+
+
+ROUTES: Final[tuple[tuple[str, str, Handler], ...]] = (
+    ("POST", "/v1/chat/completions", chat.chat_completions),
+    ("POST", "/v1/responses", responses.create_response),
+    ("GET", "/v1/responses/{id}", responses.get_response),
+    ("DELETE", "/v1/responses/{id}", responses.delete_response),
+    ("POST", "/v1/embeddings", embeddings.create_embeddings),
+    ("GET", "/v1/models", list_models),
+    ("GET", "/v1/models/{model}", get_model),
+    ("GET", "/v1/runs", runs_api.list_runs),
+    ("GET", "/v1/runs/{id}", runs_api.get_run),
+    ("GET", "/v1/runs/{id}/events", runs_api.run_events),
+    ("POST", "/v1/runs/{id}/approvals", runs_api.post_approval),
+    ("POST", "/v1/runs/{id}/resume", runs_api.post_resume),
+    ("POST", "/v1/runs/{id}/cancel", runs_api.post_cancel),
+    ("POST", admin.RELOAD_PATH, admin.post_reload),
+    ("GET", "/healthz", healthz),
+    ("GET", "/openapi.json", openapi.openapi_json),
+)
+"""Every route of the gateway app (GET /metrics and the scripted mount are added beside them, see above)."""

@@ -7,26 +7,24 @@ need the event loop (store, HTTP session, governor, upstreams) are set by the ap
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Final
 
 import aiohttp
 from aiohttp import web
 
+from gateway.config.settings import SCRIPTED_PREFIX, Config, UpstreamConfig
 from gateway.harness.state import RunState
 from gateway.policy.registry import PolicyRegistry
 from gateway.providers.upstream import Upstream
-from gateway.server.auth import KeyRing
-from gateway.server.budget import Governor
-from gateway.server.config import SCRIPTED_PREFIX, Config, UpstreamConfig
+from gateway.server.http.auth import KeyRing
 from gateway.server.metrics import Metrics
-from gateway.server.runs import Call
+from gateway.server.runs.driver import RunDriver
+from gateway.server.runs.governor import Governor
 from gateway.store.base import Store
 from gateway.store.spool import Spool
 from gateway.tokens import TokenCounter
 
-HarnessHandler = Callable[[web.Request, Call], Awaitable[web.StreamResponse]]
-"""What serves a call whose policy runs the loop server-side (gateway.server.harness_route)."""
+"""What serves a call whose policy runs the loop server-side (gateway.server.chat.server_side)."""
 
 
 def uses_mount(upstream: UpstreamConfig) -> bool:
@@ -73,7 +71,7 @@ STORE: Final = web.AppKey[Store]("store")
 SESSION: Final = web.AppKey("session", aiohttp.ClientSession)
 GOVERNOR: Final = web.AppKey("governor", Governor)
 UPSTREAMS: Final = web.AppKey("upstreams", Upstreams)
-HARNESS: Final = web.AppKey[HarnessHandler]("harness")
+DRIVER: Final = web.AppKey("driver", RunDriver)
 SELF_URL: Final = web.AppKey("self_url", str)
 SPOOL: Final = web.AppKey("spool", Spool)
 SCRIPTED_KEY: Final = web.AppKey("scripted_key", str)

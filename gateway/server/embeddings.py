@@ -17,27 +17,30 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway.config.settings import TeamConfig
 from gateway.harness.state import Message, RunState
+from gateway.harness.trace import event
 from gateway.harness.usage import Price, Usage
 from gateway.server import context as ctx
-from gateway.server.budget import Admission, Ask
-from gateway.server.chat_request import ChatRequest
-from gateway.server.validation import kind as _kind
-from gateway.server.config import TeamConfig
-from gateway.server.errors import InvalidField, InvalidJSON, LimitExceeded, NotFound
-from gateway.server.headers import run_headers
-from gateway.server.passthrough import read_body
-from gateway.server.replies import with_run
-from gateway.server.runs import Call, commit_run, resolve_call, run_id_from
-from gateway.server.turns import append_trace_file, event, refuse
+from gateway.server.http.chat_request import ChatRequest
+from gateway.server.http.errors import (
+    InvalidField,
+    InvalidJSON,
+    LimitExceeded,
+    NotFound,
+)
+from gateway.server.http.headers import run_headers
+from gateway.server.http.validation import kind as _kind
+from gateway.server.http.validation import read_body
+from gateway.server.runs.booking import append_trace_file, refuse
+from gateway.server.runs.governor import Admission, Ask
+from gateway.server.runs.keying import Call, commit_run, resolve_call, run_id_from
+from gateway.server.runs.replies import with_run
 from gateway.store.base import Event
 
 FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
 
 
-def setup(app: web.Application) -> None:
-    """Add the route to the app."""
-    app.router.add_post("/v1/embeddings", create_embeddings)
 
 
 def parse_embeddings(raw: bytes) -> tuple[dict[str, Any], str, list[Message], int | None]:

@@ -17,11 +17,10 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from gateway.server.admin import reload_policies
+from gateway.config.settings import ConfigError, load_config
+from gateway.server.api.admin import reload_policies
 from gateway.server.app import build_app
-from gateway.server.config import ConfigError, load_config
-from gateway.server.listener import run
-
+from gateway.server.http.listener import run
 
 GC_YOUNG_THRESHOLD = 20_000
 """Allocations between two young-generation collections (CPython's default is 700): a call

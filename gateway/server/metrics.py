@@ -16,7 +16,13 @@ from collections.abc import Callable, Iterable
 from contextvars import ContextVar, Token
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.exposition import choose_encoder
 
 from gateway.harness.usage import Usage

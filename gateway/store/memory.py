@@ -27,12 +27,18 @@ from gateway.store.base import (
     from_micros,
     judge,
     new_reservation_id,
+    optional_micros,
     parse_run,
     stamped_body,
-    optional_micros,
     to_micros,
 )
-from gateway.store.errors import AlreadyBooked, RunExists, RunNotFound, StaleRun, StoreError
+from gateway.store.errors import (
+    AlreadyBooked,
+    RunExists,
+    RunNotFound,
+    StaleRun,
+    StoreError,
+)
 from gateway.store.periods import ended_before as period_ended
 
 

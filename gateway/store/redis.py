@@ -45,7 +45,13 @@ from gateway.store.base import (
     stamped_body,
     to_micros,
 )
-from gateway.store.errors import AlreadyBooked, RunExists, RunNotFound, StaleRun, StoreError
+from gateway.store.errors import (
+    AlreadyBooked,
+    RunExists,
+    RunNotFound,
+    StaleRun,
+    StoreError,
+)
 from gateway.store.periods import ended_before as period_ended
 
 DEFAULT_PREFIX: Final = "gw:"

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from functools import partial
 import sqlite3
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -45,7 +45,13 @@ from gateway.store.base import (
     stamped_body,
     to_micros,
 )
-from gateway.store.errors import AlreadyBooked, RunExists, RunNotFound, StaleRun, StoreError
+from gateway.store.errors import (
+    AlreadyBooked,
+    RunExists,
+    RunNotFound,
+    StaleRun,
+    StoreError,
+)
 from gateway.store.periods import ended_before as period_ended
 from gateway.store.sqlite_batch import Step, WriteBatch
 from gateway.store.sqlite_schema import (

@@ -1,12 +1,12 @@
-"""The chapter's four file tools, bound to a sandbox folder that paths cannot escape.
+"""The four file tools (list, read, delete, scan), bound to a sandbox folder that paths cannot escape.
 
 `fresh_sandbox()` copies the packaged sample (errors.log, access.log, notes.txt) to a new
 folder, so runs never touch the repository. `Sandbox` holds the tools as methods;
-`file_tools()` binds them to the specs of gateway.tools.chapter. Policies that name an
+`file_tools()` binds them to the specs of gateway.tools.catalog. Policies that name an
 executor such as `gateway.tools.files:read_file` get the module-level functions, which find
 their folder with `sandbox_for(ctx)`.
 
-Rules the chapter's experiments rely on:
+Rules the demo's experiments rely on:
 - a path outside the folder (`../..`, absolute, a symlink pointing out) raises
   PermissionError, a *permanent* error: no retry can fix it;
 - a missing file raises FileNotFoundError whose text tells the model what to do next;
@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 
 from gateway.harness.tools import Tool, ToolContext, ToolError, ToolFunction, ToolSpec
-from gateway.tools.chapter import DELETE_FILE, LIST_FILES, READ_FILE, SCAN_ARCHIVE
+from gateway.tools.catalog import DELETE_FILE, LIST_FILES, READ_FILE, SCAN_ARCHIVE
 
 SAMPLES_DIR = Path(__file__).resolve().parents[1] / "data"
 SAMPLE = SAMPLES_DIR / "sandbox"
@@ -80,7 +80,7 @@ async def _cancelled_within(event: asyncio.Event, timeout: float) -> bool:
 class Sandbox:
     """A folder the file tools work in. Every path is resolved inside `root` or refused.
 
-    `scan_*` shape the simulated archive scan (the chapter's: 1,200 files in 3 s,
+    `scan_*` shape the simulated archive scan (by default: 1,200 files in 3 s,
     progress every 200); tests shrink `scan_seconds`.
     """
 
@@ -205,7 +205,7 @@ def deleted(sandbox: Sandbox) -> list[str]:
 
 
 def file_tools(sandbox: Sandbox) -> dict[str, Tool]:
-    """The chapter's catalog bound to `sandbox`, keyed by tool name."""
+    """The file tools bound to `sandbox`, keyed by tool name."""
     bound: list[tuple[ToolSpec, ToolFunction]] = [
         (LIST_FILES, sandbox.list_files),
         (READ_FILE, sandbox.read_file),

@@ -10,6 +10,7 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from gateway.config.settings import parse_config
 from gateway.demo.local import (
     CHAPTER_REFERENCE,
     DEMO_CALL_DEADLINE_S,
@@ -28,7 +29,6 @@ from gateway.demo.local import (
     served_model,
     total_line,
 )
-from gateway.server.config import parse_config
 from tests.local.test_gguf import write_gguf
 from tests.support.procs import free_port
 

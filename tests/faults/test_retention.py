@@ -89,7 +89,7 @@ async def test_the_background_pass_prunes_without_anyone_acting(tmp_path: Path, 
 def test_retention_settings_parse_with_defaults_nulls_and_named_errors(tmp_path: Path) -> None:
     import pytest
 
-    from gateway.server.config import ConfigError, RetentionConfig, parse_config
+    from gateway.config.settings import ConfigError, RetentionConfig, parse_config
     from tests.server.conftest import config_data
 
     file = tmp_path / "config.yaml"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import orjson
 
-from gateway.server import tracefile
+from gateway.store import tracefile
 
 
 def lines(path: Path) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from gateway.harness.loop import REUSED_PREFIX, run
@@ -149,3 +150,18 @@ async def test_dedupe_never_reuses_a_failed_result() -> None:
     model = ScriptModel(lambda t, _: call(f"c{t + 1}", "read_file", {"path": "a"}) if t < 2 else text("gave up"))
     out = await run(new_state(), model, RunOptions(tools=tools))
     assert len(rec.runs) == 2 and out.state.failed_calls == ["c1", "c2"]
+
+
+async def test_a_turn_priced_by_its_model_is_booked_at_that_price() -> None:
+    """The model that made the call prices it (the gateway's route that answered), not the
+    run's default price: one source for a turn's cost."""
+
+    class PricedModel(ScriptModel):
+        async def complete(self, request: Any) -> Any:
+            return dataclasses.replace(await super().complete(request), cost_usd=0.5)
+
+    rec = Recorder()
+    options = RunOptions(tools={"list_files": rec.tool("list_files"), "read_file": rec.tool("read_file")})
+    out = await run(new_state(), PricedModel(plan), options)
+    assert out.state.turns == 3 and out.state.cost_usd == 1.5
+    assert out.state.cost_usd != sum(options.price.cost(u) for u in out.state.per_turn)

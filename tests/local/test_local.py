@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from gateway.local.model import MODELS, installed_parts
-from gateway.tools.chapter import LIST_FILES, PLAN_TASK, READ_FILE, SYSTEM_PROMPT
+from gateway.tools.catalog import LIST_FILES, PLAN_TASK, READ_FILE, SYSTEM_PROMPT
 from tests.local.conftest import LocalModel, require_local_extra, start_local
 from tests.support.procs import ROOT, free_port
 

@@ -21,7 +21,7 @@ import orjson
 import pytest
 import yaml
 
-from gateway.tools.chapter import PLAN_TASK, SYSTEM_PROMPT
+from gateway.tools.catalog import PLAN_TASK, SYSTEM_PROMPT
 from tests.local.conftest import LocalModel
 from tests.support.procs import ROOT, Proc, free_port, start_gateway
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway.tools.chapter import PLAN_TASK, SYSTEM_PROMPT
+from gateway.tools.catalog import PLAN_TASK, SYSTEM_PROMPT
 from tests.support.procs import ROOT, free_port
 
 POLL_S = 0.02  # polling interval of the waits below, not a synchronisation sleep

@@ -11,7 +11,7 @@ from gateway.harness.execute import CancelScope
 from gateway.harness.loop import run
 from gateway.harness.model import ModelRequest
 from gateway.harness.state import Limits, Message, RunState
-from gateway.harness.usage import CHAPTER_PRICE, Usage
+from gateway.harness.usage import DEFAULT_PRICE, Usage
 from gateway.policy.executors import ToolEnv, compile_options
 from gateway.policy.registry import PolicyRegistry
 from tests.policy.conftest import Events, FnModel, WriteFile, answer, new_state, tool_call, tool_messages, turns
@@ -44,7 +44,7 @@ tools:
 """
 
 TURN = Usage(1000, 100)
-TURN_COST = CHAPTER_PRICE.cost(TURN)  # $0.0032
+TURN_COST = DEFAULT_PRICE.cost(TURN)  # $0.0032
 
 
 def is_child(req: ModelRequest) -> bool:

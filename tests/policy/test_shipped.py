@@ -20,7 +20,7 @@ from gateway.policy.sandbox import prepare_sandbox, sandbox_config
 from gateway.providers.http_model import HTTPChatModel
 from gateway.providers.scenarios import PLAN_ANSWER
 from gateway.providers.scripted import standalone_app
-from gateway.tools.chapter import FILE_TOOLS, PLAN_TASK, RESEARCH, RESEARCH_SYSTEM, SYSTEM_PROMPT
+from gateway.tools.catalog import FILE_TOOLS, PLAN_TASK, RESEARCH, RESEARCH_SYSTEM, SYSTEM_PROMPT
 from gateway.tools.files import Sandbox, deleted
 from tests.policy.conftest import Events, FnModel, answer, tool_call, tool_messages, turns
 

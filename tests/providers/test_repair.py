@@ -23,7 +23,7 @@ from gateway.providers.repair import (
     without_tool_parsing,
 )
 from gateway.providers.reply import parse_completion
-from gateway.tools.chapter import FILE_TOOLS
+from gateway.tools.catalog import FILE_TOOLS
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "local_replies"
 TOOLS = tool_schemas([t.openai() for t in FILE_TOOLS])

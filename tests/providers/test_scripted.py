@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestClient
 from gateway.harness.tools import ToolContext
 from gateway.providers.scripted import scripted_app
 from gateway.tokens import get_counter
-from gateway.tools.chapter import FILE_TOOLS, PLAN_TASK, SYSTEM_PROMPT
+from gateway.tools.catalog import FILE_TOOLS, PLAN_TASK, SYSTEM_PROMPT
 from gateway.tools.files import Sandbox, file_tools
 from tests.support.procs import free_port, start_gateway
 

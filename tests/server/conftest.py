@@ -18,10 +18,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from aiohttp.typedefs import Handler
 
+from gateway.config.settings import Config, load_config
 from gateway.providers.scripted import scripted_app
 from gateway.server import context as ctx
 from gateway.server.app import build_app
-from gateway.server.config import Config, load_config
 from gateway.store.base import Store
 
 KEY = "sk-test"
@@ -226,7 +226,7 @@ PLAN_USER = {"role": "user", "content": "Which file mentions a timeout?"}
 
 
 def plan_start() -> list[dict[str, Any]]:
-    from gateway.tools.chapter import PLAN_TASK, SYSTEM_PROMPT
+    from gateway.tools.catalog import PLAN_TASK, SYSTEM_PROMPT
 
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": PLAN_TASK}]
 

@@ -14,8 +14,16 @@ import orjson
 import pytest
 import yaml
 
-from gateway.server.config import ConfigError, parse_config
-from tests.server.conftest import KEY, OTHER_KEY, PLAN_USER, POLICIES, Gateway, MakeGateway, config_data
+from gateway.config.settings import ConfigError, parse_config
+from tests.server.conftest import (
+    KEY,
+    OTHER_KEY,
+    PLAN_USER,
+    POLICIES,
+    Gateway,
+    MakeGateway,
+    config_data,
+)
 
 RUNAWAY: dict[str, Any] = {"model": "scripted-runaway", "messages": [PLAN_USER]}
 
@@ -136,7 +144,7 @@ def test_admin_is_a_boolean_and_defaults_to_false(tmp_path: Path) -> None:
 
 def test_the_shipped_config_keeps_the_approver_team_out_of_admin() -> None:
     """Admins may steer any run: the approver of the shipped policies must not be one."""
-    from gateway.server.config import load_config
+    from gateway.config.settings import load_config
     from tests.support.procs import ROOT
 
     config = load_config(ROOT / "config.yaml")

@@ -16,7 +16,7 @@ from agents import Agent, ModelSettings, RunConfig, Runner, function_tool, set_t
 from agents.models.openai_provider import OpenAIProvider
 
 from gateway.providers.scenarios import PLAN_ANSWER
-from gateway.tools.chapter import PLAN_TASK, SYSTEM_PROMPT
+from gateway.tools.catalog import PLAN_TASK, SYSTEM_PROMPT
 from gateway.tools.files import fresh_sandbox
 from tests.server.conftest import KEY, config_data
 from tests.server.served import Served

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from gateway.config.settings import Defaults, TeamConfig
 from gateway.harness.state import Limits, RunState
 from gateway.harness.usage import Price, Usage
-from gateway.server.budget import MARGIN_USD, Admission, Ask, Governor
-from gateway.server.config import Defaults, TeamConfig
-from gateway.server.errors import LimitExceeded
+from gateway.server.http.errors import LimitExceeded
+from gateway.server.runs.governor import MARGIN_USD, Admission, Ask, Governor
 from gateway.store import Store, open_store
 from gateway.tokens import get_counter
 

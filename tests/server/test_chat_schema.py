@@ -13,8 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.server.chat_schema import _message, _plain, check_messages, check_tools
-from gateway.server.errors import InvalidField
+from gateway.server.http.chat_schema import (
+    _message,
+    _plain,
+    check_messages,
+    check_tools,
+)
+from gateway.server.http.errors import InvalidField
 from gateway.tokens import get_counter
 
 SETTINGS = settings(deadline=None, derandomize=True, database=None, max_examples=400)

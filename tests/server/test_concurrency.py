@@ -7,9 +7,15 @@ from typing import Any
 
 from gateway.harness.usage import Price, Usage
 from gateway.server import context as ctx
-from gateway.server.budget import MARGIN_USD
+from gateway.server.runs.governor import MARGIN_USD
 from gateway.tokens import get_counter
-from tests.server.conftest import PLAN_USER, CountingUpstream, Gateway, MakeGateway, counted_config
+from tests.server.conftest import (
+    PLAN_USER,
+    CountingUpstream,
+    Gateway,
+    MakeGateway,
+    counted_config,
+)
 
 PRICE = Price(2.0, 12.0)
 BODY: dict[str, Any] = {"model": "scripted-runaway", "messages": [PLAN_USER]}

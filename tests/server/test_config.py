@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
+from gateway.config.settings import ConfigError, load_config
 from gateway.server.app import build_app, load_policies
-from gateway.server.config import ConfigError, load_config
 from tests.server.conftest import config_data, write_config
 from tests.support.procs import ROOT
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 from gateway.harness.model import ModelReply, ModelRequest
 from gateway.harness.state import RunState
-from gateway.harness.usage import CHAPTER_PRICE
+from gateway.harness.usage import DEFAULT_PRICE
 from gateway.policy.registry import PolicyRegistry
-from gateway.server.answers import exit_sentence
-from gateway.server.driver import INTERNAL_ERROR, RunDriver
+from gateway.server.chat.answers import exit_sentence
+from gateway.server.runs.driver import INTERNAL_ERROR, RunDriver
 from gateway.store.memory import MemoryStore
 
 
@@ -34,7 +34,7 @@ async def test_an_unexpected_error_ends_the_run_with_a_sentence_and_no_class_nam
     state = RunState.new("m", [{"role": "user", "content": "x"}], run_id="r1", team="t", policy="p",
                          policy_version=policy.version)
     await store.create_run(state)
-    driver = RunDriver(store, registry, model_for=lambda s: BrokenModel(), price_for=lambda m: CHAPTER_PRICE,
+    driver = RunDriver(store, registry, model_for=lambda s: BrokenModel(), price_for=lambda m: DEFAULT_PRICE,
                        runs_dir=tmp_path / "runs")
     drive = await driver.drive("r1")
     saved = await store.load_run("r1")

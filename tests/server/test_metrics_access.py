@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 import yaml
 
-from gateway.server.config import ConfigError, load_config
+from gateway.config.settings import ConfigError, load_config
 from tests.server.conftest import config_data
 from tests.server.conftest import write_config as write_unit_config
 from tests.server.served import DEMO, chat_body, request, write_config

@@ -7,12 +7,12 @@ import pytest
 from gateway.harness.model import ModelRequest
 from gateway.harness.state import Limits, RunState
 from gateway.harness.usage import Price, Usage
-from gateway.providers.upstream import UpstreamError
+from gateway.providers.errors import UpstreamError
 from gateway.server import context as ctx
-from gateway.server.errors import LimitExceeded
-from gateway.server.model import UpstreamModel
+from gateway.server.http.errors import LimitExceeded
+from gateway.server.runs.governed_model import UpstreamModel
 from gateway.tokens import get_counter
-from gateway.tools.chapter import FILE_TOOLS
+from gateway.tools.catalog import FILE_TOOLS
 from tests.server.conftest import PLAN_USER, Gateway, MakeGateway
 from tests.support.procs import free_port
 
@@ -72,7 +72,7 @@ async def test_team_refusal_and_upstream_failure(make_gateway: MakeGateway) -> N
     with pytest.raises(UpstreamError) as failed:
         await model.complete(ModelRequest(model="offline-model", messages=[PLAN_USER], max_tokens=10,
                                           run_id=state.run_id))
-    assert failed.value.status == 502 and failed.value.upstream == "dead"
+    assert failed.value.code == "upstream_unreachable" and failed.value.upstream == "dead"
     assert await gw.store.team_spend("t", ledger_key(gw)) == (0.0, 0.0)  # released
     with pytest.raises(LimitExceeded) as refused:  # the default allowance (4096 tokens) does not fit $0.01
         await model.complete(ModelRequest(model="scripted-plan", messages=[PLAN_USER], run_id=state.run_id))

@@ -21,7 +21,7 @@ from gateway.harness.state import scoped_run_id
 from gateway.harness.usage import Price, Usage
 from gateway.providers.scenarios import PLAN_ANSWER
 from gateway.store import open_store
-from gateway.tools.chapter import FILE_TOOLS
+from gateway.tools.catalog import FILE_TOOLS
 from gateway.tools.files import Sandbox, fresh_sandbox
 from tests.server.conftest import KEY, CountingUpstream, config_data, counted_config, plan_start, run_tools_locally, \
     write_config

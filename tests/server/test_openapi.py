@@ -11,9 +11,9 @@ import aiohttp
 import pytest
 import yaml
 
+from gateway.config.settings import parse_config
 from gateway.server import context as ctx
 from gateway.server.app import build_app
-from gateway.server.config import parse_config
 from gateway.server.openapi import OPERATIONS, routes
 from tests.server.served import DEMO, Served
 

@@ -11,7 +11,7 @@ from gateway.harness.state import scoped_run_id
 from gateway.harness.usage import Price, Usage
 from gateway.providers.scenarios import PLAN_ANSWER
 from gateway.tokens import get_counter
-from gateway.tools.chapter import FILE_TOOLS
+from gateway.tools.catalog import FILE_TOOLS
 from gateway.tools.files import Sandbox, fresh_sandbox
 from tests.server.conftest import (
     KEY,

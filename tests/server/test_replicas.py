@@ -30,14 +30,24 @@ import orjson
 import pytest
 import yaml
 
+from gateway.config.settings import DEFAULT_LEASE_TTL_S, ConfigError, parse_config
 from gateway.harness.usage import Price, Usage
-from gateway.server.budget import MARGIN_USD
-from gateway.server.config import DEFAULT_LEASE_TTL_S, ConfigError, parse_config
+from gateway.server.runs.governor import MARGIN_USD
 from gateway.store.periods import period_key
 from gateway.store.redis import RedisStore
 from gateway.tokens import get_counter
 from tests.server.conftest import config_data
-from tests.server.served import DEMO, OPS, TASK, chat_body, events, get_run, poll, request, wait_event
+from tests.server.served import (
+    DEMO,
+    OPS,
+    TASK,
+    chat_body,
+    events,
+    get_run,
+    poll,
+    request,
+    wait_event,
+)
 from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
 from tests.support.procs import ROOT, Proc, free_port, start_gateway
 

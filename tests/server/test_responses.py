@@ -19,7 +19,7 @@ import yaml
 from gateway.harness.usage import Price, Usage
 from gateway.providers.scenarios import PLAN_ANSWER
 from gateway.store import open_store
-from gateway.tools.chapter import FILE_TOOLS, PLAN_TASK, SYSTEM_PROMPT
+from gateway.tools.catalog import FILE_TOOLS, PLAN_TASK, SYSTEM_PROMPT
 from gateway.tools.files import Sandbox, fresh_sandbox
 from tests.server.conftest import KEY, OTHER_KEY, config_data, run_tools_locally, write_config
 from tests.support.procs import Proc, free_port, start_gateway

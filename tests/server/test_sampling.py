@@ -6,9 +6,16 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from gateway.config.settings import load_config
 from gateway.server.app import build_app
-from gateway.server.config import load_config
-from tests.server.conftest import KEY, PLAN_USER, CountingUpstream, config_data, counted_config, write_config
+from tests.server.conftest import (
+    KEY,
+    PLAN_USER,
+    CountingUpstream,
+    config_data,
+    counted_config,
+    write_config,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from gateway.tools.chapter import FILE_TOOLS, SYSTEM_PROMPT
+from gateway.tools.catalog import FILE_TOOLS, SYSTEM_PROMPT
 from tests.server.test_admission import serving, write_policies
 from tests.support.procs import Proc, free_port, start_gateway
 

@@ -12,7 +12,7 @@ import pytest
 
 from gateway.harness.tools import ToolContext, ToolError
 from gateway.tools import files
-from gateway.tools.chapter import FILE_TOOLS
+from gateway.tools.catalog import FILE_TOOLS
 from gateway.tools.files import SAMPLE, Sandbox, deleted, file_tools, fresh_sandbox
 
 Ctx = Callable[..., ToolContext]

@@ -1,0 +1,473 @@
+"""`config.yaml`: loaded, validated and frozen before the gateway starts.
+
+The shape is docs/config.md's (field names are the contract). Every error is a `ConfigError`
+naming the file, the field path (`teams[0].budget_usd`) and what is wrong; `gateway
+serve` prints it and exits 2 without starting. Relative paths are taken from the
+config file's folder, so the gateway works from any working directory.
+
+Settings beyond the first contract's shape (all in docs/config.md):
+
+- `server.lease_ttl_s` (default 15): how long a replica's hold on a run it drives, and on
+  the reservations of its calls in flight, lasts without renewal (renewed every third of
+  it). A run whose replica died can be resumed by another replica, and its reservations
+  stop counting against the team, once this much time has passed since the last renewal.
+- `server.refusal_status` (default 429; 400, 402 or 403): the HTTP status of a cap or budget
+  refusal. Some clients (Vercel's `ai` SDK, litellm's `num_retries`) retry a 429 whatever
+  `x-should-retry` says; another status stops them at the first refusal. `error.type` and
+  `error.code` name the refusal either way.
+- `upstreams[].api` (default `chat`): `responses` for an upstream that speaks the Responses
+  API natively: `POST /v1/responses` calls are sent to its `/responses` (the whole
+  conversation, `store: false`) instead of being translated to chat completions; chat
+  completions calls still go to its `/chat/completions`.
+- `defaults.max_calls_in_flight_per_run` (default 64): calls of one pass-through run the
+  gateway forwards at once, across replicas; one more is refused before anything is
+  forwarded (409 `run_busy`, retryable).
+- `runs_dir` (default `runs/` next to the SQLite file, else next to this file): where
+  per-run sandbox folders live. Replicas that share a store must share this folder too,
+  so a run resumed on another replica finds its files.
+- `spool_file` (default `spool.jsonl` next to this file): where a turn that was paid
+  upstream while the store was unreachable is written (durably) until the store books it.
+- `metrics` (default: none, /metrics open on the main address as before):
+  `token_env: NAME` makes /metrics require `Authorization: Bearer <the value of $NAME>`
+  (the token itself is never written in the config); `listen: "HOST:PORT"` serves
+  /metrics on that address only, from a second listener of the same process, and the
+  main address no longer has it. Both may be set.
+- `store.timeout_s` (Redis, default 2): the deadline of one store command; a frozen or
+  unreachable store answers calls 503 `store_unavailable` within it.
+- `retention` (see `RetentionConfig`): finished runs, their events, closed ledgers and the
+  trace file deleted or rotated as they age.
+- `teams[i].admin` (default false): keys of an admin team may call the admin API
+  (`POST /v1/admin/reload`) and resume or cancel any team's runs (docs/runs.md). Admin
+  is an explicit grant: being named as an approver by a policy does not make a team an
+  admin, so editing a policy file can never widen who may reload policies or steer runs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from gateway.config.fields import ConfigError, Field
+from gateway.harness.usage import Price
+
+__all__ = [
+    "Config", "ConfigError", "Defaults", "MetricsConfig", "ModelRoute", "RetentionConfig", "ServerConfig", "StoreConfig",
+    "TeamConfig",
+    "UpstreamConfig", "load_config", "parse_config",
+]
+
+UpstreamKind = Literal["scripted", "openai", "local"]
+UpstreamApi = Literal["chat", "responses"]
+BudgetPeriod = Literal["day", "month", "total"]
+BudgetMode = Literal["turn", "strict"]
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+TEAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
+DEFAULT_OUTPUT_ALLOWANCE = 4096
+DEFAULT_CALLS_IN_FLIGHT_PER_RUN = 64
+DEFAULT_UPSTREAM_TIMEOUT_S = 60.0
+LOCAL_TIMEOUT_S = 180.0
+"""A `local` upstream's per-call deadline unless `timeout_s` says otherwise (a CPU model's
+capped answer fits well inside it, even on a loaded machine)."""
+LOCAL_MAX_TOKENS = 512
+"""A `local` upstream's `max_tokens` cap unless `max_tokens` says otherwise."""
+DEFAULT_LEASE_TTL_S = 15.0
+DEFAULT_STORE_TIMEOUT_S = 2.0
+"""The deadline of one store command (`store.timeout_s`, Redis): a frozen store is a 503 this soon."""
+SCRIPTED_PREFIX = "/scripted/v1"
+ROUTE_CACHE_SIZE = 1024
+"""Model names remembered by `Config.route` (it runs on every call; names come from clients)."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    refusal_status: int = 429
+
+
+REFUSAL_STATUSES = (429, 400, 402, 403)
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """`store:`; `path` is absolute (resolved from the config folder). `options` holds the
+    whole section as written (with `path` resolved) for store kinds with more settings."""
+
+    kind: str = "sqlite"
+    path: str | None = None
+    url: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+    timeout_s: float = DEFAULT_STORE_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class UpstreamConfig:
+    """One upstream. A `scripted` upstream is this gateway's own /scripted/v1 mount."""
+
+    name: str
+    kind: UpstreamKind = "openai"
+    base_url: str | None = None
+    api_key_env: str | None = None
+    timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
+    api: UpstreamApi = "chat"
+    # Tool-call repair (gateway.providers.repair) of non-streamed chat replies; on by default for kind local.
+    tool_repair: bool = False
+    # The most completion tokens any call may ask for (lower asks pass unchanged); None: no cap.
+    max_tokens: int | None = None
+
+    def api_key(self) -> str | None:
+        """Read at call time, so a missing variable fails the call, not the start."""
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    """`models[i]`: the first route whose glob matches the model name decides."""
+
+    match: str
+    upstream: str
+    price: Price
+
+    @property
+    def is_glob(self) -> bool:
+        return any(c in self.match for c in "*?[")
+
+
+@dataclass(frozen=True)
+class TeamConfig:
+    name: str
+    keys: tuple[str, ...]
+    policies: tuple[str, ...]
+    budget_usd: float | None = None
+    budget_period: BudgetPeriod = "month"
+    budget_mode: BudgetMode = "turn"
+    admin: bool = False
+
+    @property
+    def default_policy(self) -> str:
+        return self.policies[0]
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """`retention:` what the gateway deletes as it ages, in the background every `interval_s`
+    and on `gateway prune`. None keeps forever (no rotation for the trace file).
+
+    - `runs_days`: finished runs (any status but running) last saved this long ago are
+      deleted with their events; `events_days`: only their events (the run is kept).
+    - `ledger_days`: figures of budget periods that ended this long ago; the current
+      period and a `total` one are never pruned.
+    - `trace_file_max_mb` / `trace_file_keep`: the trace file is rotated past this size,
+      keeping this many old files (trace.jsonl.1 ...).
+    """
+
+    runs_days: float | None = 30.0
+    events_days: float | None = 30.0
+    ledger_days: float | None = None
+    trace_file_max_mb: float | None = 100.0
+    trace_file_keep: int = 5
+    interval_s: float = 3600.0
+
+
+@dataclass(frozen=True)
+class Defaults:
+    output_allowance_tokens: int = DEFAULT_OUTPUT_ALLOWANCE
+    max_calls_in_flight_per_run: int = DEFAULT_CALLS_IN_FLIGHT_PER_RUN
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """`metrics:`: who may read /metrics and where it is served (both off by default)."""
+
+    token_env: str | None = None
+    token: str | None = field(default=None, repr=False)
+    listen: tuple[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole validated configuration."""
+
+    path: Path
+    server: ServerConfig
+    store: StoreConfig
+    policies_dir: Path
+    runs_dir: Path
+    trace_file: Path | None
+    spool_file: Path
+    upstreams: Mapping[str, UpstreamConfig]
+    models: tuple[ModelRoute, ...]
+    teams: tuple[TeamConfig, ...]
+    defaults: Defaults = field(default_factory=Defaults)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+    _routes: dict[str, ModelRoute | None] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def route(self, model: str) -> ModelRoute | None:
+        """The first route matching `model`, or None (unknown model)."""
+        try:
+            return self._routes[model]
+        except KeyError:
+            pass
+        found = next((r for r in self.models if fnmatch.fnmatchcase(model, r.match)), None)
+        if len(self._routes) >= ROUTE_CACHE_SIZE:  # model names come from clients: keep the memo bounded
+            self._routes.clear()
+        self._routes[model] = found
+        return found
+
+    def team_for_key(self) -> dict[str, TeamConfig]:
+        return {key: team for team in self.teams for key in team.keys}
+
+    def team(self, name: str) -> TeamConfig | None:
+        return next((t for t in self.teams if t.name == name), None)
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a config file; raises ConfigError naming file and field."""
+    file = Path(path)
+    try:
+        text = file.read_text("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(str(file), "", "file not found") from None
+    except OSError as exc:
+        raise ConfigError(str(file), "", f"cannot read the file: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(str(file), "", f"not valid YAML{where}: {problem}") from None
+    return parse_config(data, file)
+
+
+def parse_config(data: Any, file: Path) -> Config:
+    """Validate an already-parsed YAML document as if it were read from `file`."""
+    base = file.resolve().parent
+    root = Field(str(file), "", data if data is not None else {})
+    root.keys_only({"server", "store", "policies_dir", "runs_dir", "trace_file", "spool_file", "upstreams", "models",
+                    "teams", "defaults", "metrics", "retention"})
+    upstreams = _upstreams(root.get("upstreams"))
+    store = _store(root.get("store"), base)
+    server = _server(root.get("server"))
+    metrics = _metrics(root.get("metrics"))
+    if metrics.listen == (server.host, server.port):
+        root.get("metrics").get("listen").fail("is the gateway's own address (server.host:server.port); give "
+                                               "/metrics another port, or leave listen out to serve it there")
+    return Config(
+        path=file,
+        server=server,
+        store=store,
+        policies_dir=base / root.get("policies_dir").optional_str("./policies"),
+        runs_dir=_optional_path(root.get("runs_dir"), base) or _default_runs_dir(store, base),
+        trace_file=_optional_path(root.get("trace_file"), base),
+        spool_file=_optional_path(root.get("spool_file"), base) or base / "spool.jsonl",
+        upstreams=upstreams,
+        models=_models(root.get("models"), upstreams),
+        teams=_teams(root.get("teams")),
+        defaults=_defaults(root.get("defaults")),
+        metrics=metrics,
+        retention=_retention(root.get("retention")),
+    )
+
+
+def _server(at: Field) -> ServerConfig:
+    if at.missing:
+        return ServerConfig()
+    at.keys_only({"host", "port", "max_body_bytes", "lease_ttl_s", "refusal_status"})
+    refusal = at.get("refusal_status")
+    status = refusal.optional_int(429)
+    if status not in REFUSAL_STATUSES:
+        refusal.fail(f"must be one of {', '.join(map(str, REFUSAL_STATUSES))}, got {status}")
+    return ServerConfig(
+        host=at.get("host").optional_str("127.0.0.1"),
+        port=at.get("port").optional_int(8080, low=0, high=65535),
+        max_body_bytes=at.get("max_body_bytes").optional_int(DEFAULT_MAX_BODY_BYTES, low=1),
+        lease_ttl_s=at.get("lease_ttl_s").optional_number(DEFAULT_LEASE_TTL_S, positive=True),
+        refusal_status=status,
+    )
+
+
+def _store(at: Field, base: Path) -> StoreConfig:
+    if at.missing:
+        return StoreConfig(kind="sqlite", path=str(base / "gateway.db"), options={"kind": "sqlite",
+                                                                                  "path": str(base / "gateway.db")})
+    mapping = at.mapping()
+    kind = at.get("kind").optional_str("sqlite")
+    path = at.get("path").optional_str_or_none()
+    resolved = str(base / path) if path is not None else None
+    options = dict(mapping)
+    options["kind"] = kind
+    if resolved is not None:
+        options["path"] = resolved
+    timeout = at.get("timeout_s").optional_number(DEFAULT_STORE_TIMEOUT_S, positive=True)
+    if kind == "redis":
+        options["timeout_s"] = timeout
+    return StoreConfig(kind=kind, path=resolved, url=at.get("url").optional_str_or_none(), options=options,
+                       timeout_s=timeout)
+
+
+def _optional_path(at: Field, base: Path) -> Path | None:
+    value = at.optional_str_or_none()
+    return base / value if value else None
+
+
+def _default_runs_dir(store: StoreConfig, base: Path) -> Path:
+    """`runs/` next to the SQLite file (a store without a file: next to the config)."""
+    return (Path(store.path).parent if store.path else base) / "runs"
+
+
+def _upstreams(section: Field) -> dict[str, UpstreamConfig]:
+    out: dict[str, UpstreamConfig] = {}
+    for at in section.required().list_of():
+        at.keys_only({"name", "kind", "base_url", "api_key_env", "timeout_s", "api", "tool_repair", "max_tokens"})
+        name = at.get("name").required().nonempty_str()
+        if name in out:
+            at.get("name").fail(f"upstream '{name}' is defined twice")
+        kind: UpstreamKind = at.get("kind").choice(("scripted", "openai", "local"), "openai")
+        local = kind == "local"
+        base_url = at.get("base_url").optional_str_or_none()
+        if kind != "scripted":
+            if base_url is None:
+                at.get("base_url").fail(f"is required for an upstream of kind {kind} (e.g. http://127.0.0.1:8081/v1)")
+            elif not base_url.startswith(("http://", "https://")):
+                at.get("base_url").fail(f"must start with http:// or https://, got {base_url!r}")
+        out[name] = UpstreamConfig(
+            name=name, kind=kind, base_url=base_url.rstrip("/") if base_url else None,
+            api_key_env=at.get("api_key_env").optional_str_or_none(),
+            timeout_s=at.get("timeout_s").optional_number(LOCAL_TIMEOUT_S if local else DEFAULT_UPSTREAM_TIMEOUT_S,
+                                                          positive=True),
+            api=at.get("api").choice(("chat", "responses"), "chat"),
+            tool_repair=at.get("tool_repair").optional_bool(local),
+            max_tokens=_max_tokens(at.get("max_tokens"), LOCAL_MAX_TOKENS if local else None),
+        )
+    if not out:
+        section.fail("at least one upstream is required")
+    return out
+
+
+def _max_tokens(at: Field, default: int | None) -> int | None:
+    """`max_tokens`: a whole number >= 1, or null for no cap."""
+    if at.missing:
+        return default
+    if at.value is None:
+        return None
+    return at.optional_int(1, low=1, high=1_000_000)
+
+
+def _models(section: Field, upstreams: Mapping[str, UpstreamConfig]) -> tuple[ModelRoute, ...]:
+    routes = []
+    for at in section.required().list_of():
+        at.keys_only({"match", "upstream", "price_in", "price_out"})
+        match = at.get("match").required().nonempty_str()
+        upstream = at.get("upstream").required().nonempty_str()
+        if upstream not in upstreams:
+            at.get("upstream").fail(f"no upstream named '{upstream}' (known: {', '.join(upstreams)})")
+        price = Price(at.get("price_in").optional_number(2.00, nonnegative=True),
+                      at.get("price_out").optional_number(12.00, nonnegative=True))
+        routes.append(ModelRoute(match, upstream, price))
+    if not routes:
+        section.fail("at least one model route is required (e.g. {match: \"*\", upstream: local})")
+    return tuple(routes)
+
+
+def _teams(section: Field) -> tuple[TeamConfig, ...]:
+    teams: list[TeamConfig] = []
+    seen_keys: dict[str, str] = {}
+    for at in section.required().list_of():
+        at.keys_only({"name", "keys", "key_env", "budget_usd", "budget_period", "budget_mode", "policies", "admin"})
+        name = at.get("name").required().nonempty_str()
+        if not TEAM_NAME.fullmatch(name):
+            at.get("name").fail(f"team name {name!r} must be 1-64 letters, digits, '_', '-' or '.', starting with a "
+                                "letter or digit (it scopes the team's run ids, stored as TEAM/ID)")
+        if any(t.name == name for t in teams):
+            at.get("name").fail(f"team '{name}' is defined twice")
+        keys = [k.nonempty_str() for k in at.get("keys").list_of()] if not at.get("keys").missing else []
+        key_env = at.get("key_env").optional_str_or_none()
+        if key_env:
+            value = os.environ.get(key_env)
+            if not value:
+                at.get("key_env").fail(f"environment variable {key_env} is not set (it should hold the team's key)")
+            keys.append(str(value))
+        if not keys:
+            at.get("keys").fail("a team needs at least one key (keys: [...] or key_env: VARIABLE)")
+        for i, key in enumerate(keys):
+            if key in seen_keys:
+                at.get("keys").fail(f"key #{i + 1} is also a key of team '{seen_keys[key]}'; a key names one team")
+            seen_keys[key] = name
+        policies_at = at.get("policies")
+        policies = [p.nonempty_str() for p in policies_at.required().list_of()]
+        if not policies:
+            policies_at.fail("a team needs at least one policy (the first is its default)")
+        budget = at.get("budget_usd").optional_number_or_none(nonnegative=True)
+        teams.append(TeamConfig(
+            name=name, keys=tuple(keys), policies=tuple(policies), budget_usd=budget,
+            budget_period=at.get("budget_period").choice(("day", "month", "total"), "month"),
+            budget_mode=at.get("budget_mode").choice(("turn", "strict"), "turn"),
+            admin=at.get("admin").optional_bool(False),
+        ))
+    if not teams:
+        section.fail("at least one team is required")
+    return tuple(teams)
+
+
+def _defaults(at: Field) -> Defaults:
+    if at.missing:
+        return Defaults()
+    at.keys_only({"output_allowance_tokens", "max_calls_in_flight_per_run"})
+    return Defaults(
+        at.get("output_allowance_tokens").optional_int(DEFAULT_OUTPUT_ALLOWANCE, low=1, high=10_000_000),
+        at.get("max_calls_in_flight_per_run").optional_int(DEFAULT_CALLS_IN_FLIGHT_PER_RUN, low=1, high=100_000),
+    )
+
+
+def _metrics(at: Field) -> MetricsConfig:
+    if at.missing or at.value is None:
+        return MetricsConfig()
+    at.keys_only({"token_env", "listen"})
+    token_env = at.get("token_env").optional_str_or_none()
+    token = None
+    if token_env is not None:
+        token = os.environ.get(token_env)
+        if not token:
+            at.get("token_env").fail(f"environment variable {token_env} is not set (it should hold the token "
+                                     "a scraper sends as 'Authorization: Bearer <token>')")
+    listen_at = at.get("listen")
+    raw = listen_at.optional_str_or_none()
+    listen = None
+    if raw is not None:
+        host, sep, port = raw.rpartition(":")
+        host = host.strip("[]")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            listen_at.fail(f"must be HOST:PORT with a port from 1 to 65535 (e.g. 127.0.0.1:9464), got {raw!r}")
+        listen = (host, int(port))
+    return MetricsConfig(token_env=token_env, token=token, listen=listen)
+
+
+def _days(at: Field, default: float | None) -> float | None:
+    return default if at.missing else at.optional_number_or_none(positive=True)
+
+
+def _retention(at: Field) -> RetentionConfig:
+    base = RetentionConfig()
+    if at.missing:
+        return base
+    at.keys_only({"runs_days", "events_days", "ledger_days", "trace_file_max_mb", "trace_file_keep", "interval_s"})
+    return RetentionConfig(
+        runs_days=_days(at.get("runs_days"), base.runs_days),
+        events_days=_days(at.get("events_days"), base.events_days),
+        ledger_days=_days(at.get("ledger_days"), base.ledger_days),
+        trace_file_max_mb=_days(at.get("trace_file_max_mb"), base.trace_file_max_mb),
+        trace_file_keep=at.get("trace_file_keep").optional_int(base.trace_file_keep, low=0),
+        interval_s=at.get("interval_s").optional_number(base.interval_s, positive=True),
+    )

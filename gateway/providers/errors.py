@@ -1,0 +1,27 @@
+"""How an upstream call fails, in the providers' own terms (the server maps these to HTTP).
+
+    UpstreamError        one failure of one upstream call; `code` says which:
+                         upstream_timeout | upstream_unreachable | upstream_cut |
+                         upstream_misconfigured | upstream_malformed | upstream_status
+                         (a 401/403/429/5xx answer) | upstream_rejected (another 4xx) |
+                         upstream_error (an error event inside a stream)
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+UpstreamCode = Literal["upstream_timeout", "upstream_unreachable", "upstream_cut", "upstream_misconfigured",
+                       "upstream_malformed", "upstream_status", "upstream_rejected", "upstream_error"]
+
+
+class UpstreamError(Exception):
+    """An upstream call failed. `upstream_status` is the upstream's own HTTP status when it
+    answered one (200 for a malformed body or a broken stream), None when it never answered."""
+
+    def __init__(self, code: UpstreamCode, message: str, upstream: str, upstream_status: int | None = None) -> None:
+        super().__init__(message)
+        self.code: UpstreamCode = code
+        self.message = message
+        self.upstream = upstream
+        self.upstream_status = upstream_status

@@ -1,0 +1,346 @@
+"""The runs API: list, read, trace, approve, resume and cancel runs.
+
+| route                            | does                                                     |
+| GET  /v1/runs?status=&team=      | runs visible to the caller                               |
+| GET  /v1/runs/{id}               | the run with its transcript                              |
+| GET  /v1/runs/{id}/events        | its trace as JSONL (`?follow=1`: SSE until it stops)     |
+| POST /v1/runs/{id}/approvals     | approve or reject the call it waits for (approvers only) |
+| POST /v1/runs/{id}/resume        | continue it; answers like chat completions               |
+| POST /v1/runs/{id}/cancel        | stop it within milliseconds, tools included              |
+
+Who may do what is `gateway.server.api.access`'s table: the owning team and admin teams
+see and steer (resume, cancel) a run, approvers see it and decide; any other caller gets
+the same 404 as for a run that does not exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Final
+
+import orjson
+from aiohttp import web
+
+from gateway.config.settings import TeamConfig
+from gateway.harness.approvals import ApprovalError, decide
+from gateway.harness.state import Decision, Interruption, RunState, scoped_run_id
+from gateway.harness.trace import Tracer
+from gateway.policy.approval import expired, expiry_decision
+from gateway.policy.decl import Policy
+from gateway.server import context as ctx
+from gateway.server.api.access import may_decide, may_see, require_steer
+from gateway.server.api.runs_input import (
+    approval_input,
+    cancel_reason,
+    events_after,
+    follow,
+    list_query,
+    resume_input,
+)
+from gateway.server.chat.server_side import answer
+from gateway.server.http.errors import Conflict, Forbidden, NotFound
+from gateway.server.http.headers import run_headers
+from gateway.server.http.sse import ClientGone, SSEStream
+from gateway.server.http.validation import check_depth, json_object, read_body
+from gateway.server.runs.cancels import RunBusy, cancel_event
+from gateway.server.runs.continuations import resume_with
+from gateway.server.runs.driver import Prepare
+from gateway.server.runs.keying import update_run
+from gateway.server.runs.tracelog import TraceWriter
+
+FOLLOW_POLL_S: Final = 0.05
+STATUS_CHECK_S: Final = 1.0
+CANCEL_WAIT_S: Final = 5.0
+LIST_SCAN: Final = 1000
+"""Runs read per listing before the visibility filter (approvers see other teams' runs)."""
+
+
+
+
+def _policy(app: web.Application, run: RunState) -> Policy | None:
+    policies = app[ctx.POLICIES]
+    return policies.for_run(run.policy, run.policy_version)
+
+
+def _visible(app: web.Application, run: RunState, team: TeamConfig) -> bool:
+    return may_see(team, run, _policy(app, run))
+
+
+async def _run_for(request: web.Request) -> tuple[TeamConfig, RunState]:
+    """The caller's team and the run of the path, or 404 if the caller may not see it.
+
+    Run ids are per team: `{id}` is the caller's own run of that id if it has one; else,
+    for approvers and admins, the one run of that id among the teams whose runs they may
+    see (`?team=NAME` picks the team when several have one, which is a 409 otherwise).
+    """
+    app = request.app
+    team = app[ctx.KEYRING].authenticate(request)
+    run_id = request.match_info["id"]
+    store = app[ctx.STORE]
+    config = app[ctx.CONFIG]
+    owner = request.query.get("team")
+    if owner is not None and config.team(owner) is None:
+        raise NotFound(f"run {run_id} not found (no team named {owner!r})", code="run_not_found", param="team")
+    run = None
+    if owner in (None, team.name):
+        run = await store.load_run(scoped_run_id(team.name, run_id))
+    if run is None and _reviews_others(app, team):
+        names = [owner] if owner not in (None, team.name) else [t.name for t in config.teams if t.name != team.name]
+        found = [r for r in [await store.load_run(scoped_run_id(n, run_id)) for n in names if n is not None]
+                 if r is not None and _visible(app, r, team)]
+        if len(found) > 1:
+            teams = ", ".join(sorted(r.team for r in found))
+            raise Conflict(f"teams {teams} each have a run {run_id}; say which with ?team=NAME",
+                           code="run_ambiguous", param="team")
+        run = found[0] if found else None
+    if run is None:
+        raise NotFound(f"run {run_id} not found", code="run_not_found")
+    request[ctx.RUN] = run
+    return team, run
+
+
+def _reviews_others(app: web.Application, team: TeamConfig) -> bool:
+    """Whether `team` may see other teams' runs at all (an admin, or a policy's approver)."""
+    policies = app[ctx.POLICIES]
+    return team.admin or any(team.name in p.approval.approvers
+                             for name in policies.names() if (p := policies.get(name)) is not None)
+
+
+def _public_event(run: RunState, event: dict[str, Any]) -> dict[str, Any]:
+    """A trace line as the API shows it: run ids as the client knows them."""
+    rid = event.get("runId")
+    if isinstance(rid, str) and rid.startswith(run.team + "/"):
+        return {**event, "runId": rid[len(run.team) + 1:]}
+    return event
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    raw = await read_body(request, request.app[ctx.CONFIG].server.max_body_bytes)
+    if not raw.strip():
+        return {}  # these bodies are all optional
+    body = json_object(raw, "a JSON object")
+    check_depth(body)
+    return body
+
+
+def run_json(run: RunState, *, transcript: bool = False) -> dict[str, Any]:
+    """The run as the API shows it; `transcript` adds its messages."""
+    out: dict[str, Any] = {
+        "object": "run", **run.summary(), "team": run.team, "policy": run.policy,
+        "policy_version": run.policy_version, "model": run.model, "limits": run.limits.to_json(),
+        "error": run.error, "decisions": {cid: d.to_json() for cid, d in run.decisions.items()},
+        "created_at": run.created_at, "updated_at": run.updated_at,
+    }
+    if transcript:
+        out["per_turn"] = [u.to_json() for u in run.per_turn]
+        out["transcript"] = run.messages
+    return out
+
+
+def _json(data: Any, status: int = 200, run: RunState | None = None) -> web.Response:
+    """A JSON answer; about one run, it carries the run's X-Run-* headers too."""
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json",
+                        headers=run_headers(run) if run is not None else None)
+
+
+async def list_runs(request: web.Request) -> web.Response:
+    """GET /v1/runs?status=&team=&limit=: newest first."""
+    app = request.app
+    caller = app[ctx.KEYRING].authenticate(request)
+    query = list_query(request.query, LIST_SCAN)
+    status, team, limit = query.status, query.team, query.limit
+    scan = limit if team == caller.name else LIST_SCAN
+    runs = await app[ctx.STORE].list_runs(team=team, status=status, limit=scan)
+    data = [run_json(r) for r in runs if _visible(app, r, caller)][:limit]
+    return _json({"object": "list", "data": data})
+
+
+async def get_run(request: web.Request) -> web.Response:
+    """GET /v1/runs/{id}: status, turns, cost, usage, interruption, transcript."""
+    _, run = await _run_for(request)
+    return _json(run_json(run, transcript=True), run=run)
+
+
+async def run_events(request: web.Request) -> web.StreamResponse:
+    """GET /v1/runs/{id}/events[?after=N][&follow=1]."""
+    _, run = await _run_for(request)
+    after = events_after(request.query, request.headers)
+    store = request.app[ctx.STORE]
+    if not follow(request.query):
+        lines = b"".join(orjson.dumps(_public_event(run, e)) + b"\n" for _, e in await store.events(run.run_id, after))
+        return web.Response(body=lines, content_type="application/x-ndjson")
+    sse = await SSEStream.open(request)
+    last_check = 0.0
+    try:
+        while True:
+            batch = await store.events(run.run_id, after)
+            for seq, event in batch:
+                await sse.data(_public_event(run, event), id=seq)
+                after = seq
+            stopped = any(e.get("type") == "run_stopped" and e.get("runId") == run.run_id for _, e in batch)
+            if stopped or time.monotonic() - last_check > STATUS_CHECK_S:
+                last_check = time.monotonic()
+                current = await store.load_run(run.run_id)
+                if current is None or current.status != "running":
+                    # the trace is written before the run is saved: nothing of this stop is missing
+                    for seq, event in await store.events(run.run_id, after):
+                        await sse.data(_public_event(run, event), id=seq)
+                    await sse.data((current or run).summary(), event="end")
+                    break
+            await asyncio.sleep(FOLLOW_POLL_S)  # polling the shared store: works across replicas
+    except ClientGone:
+        return sse.response
+    await sse.close()
+    return sse.response
+
+
+async def post_approval(request: web.Request) -> web.Response:
+    """POST /v1/runs/{id}/approvals {"call_id", "decision": "approve"|"reject", "reason"}."""
+    app = request.app
+    team, run = await _run_for(request)
+    policy = _policy(app, run)
+    if policy is None or not may_decide(team, run, policy):
+        approvers = ", ".join(policy.approval.approvers) if policy else "unknown"
+        raise Forbidden(f"team '{team.name}' may not decide calls of policy '{run.policy}' (approvers: {approvers})",
+                        code="not_an_approver")
+    given = approval_input(await _body(request))
+    call_id, verdict, reason = given.call_id, given.decision, given.reason
+    store = app[ctx.STORE]
+    asked_at = await _asked_at(app, run, call_id)
+    late = asked_at is not None and expired(asked_at, time.time(), policy.approval)
+    decision = expiry_decision(policy.approval) if late else Decision(verdict, reason, team.name)
+    waiting = run.interruption
+
+    def change(state: RunState) -> None:
+        try:
+            decide(state, call_id, decision)
+        except ApprovalError as exc:
+            raise Conflict(str(exc), code="not_waiting_for_call") from None
+
+    run = await update_run(store, run, change)
+    request[ctx.RUN] = run
+    writer = TraceWriter(store, run.run_id, trace_file=app[ctx.CONFIG].trace_file)
+    Tracer(run.run_id, writer)(
+        "approval_decided", callId=call_id, toolName=waiting.tool_name if waiting else None,
+        args=waiting.args if waiting else None, decision=decision.decision, reason=decision.reason,
+        by=decision.by, expired=late)
+    await writer.flush()
+    await app[ctx.DRIVER].refresh_approvals(run.team)
+    return _json({"run": run_json(run), "decision": {"call_id": call_id, **decision.to_json(), "expired": late}},
+                 run=run)
+
+
+async def _asked_at(app: web.Application, run: RunState, call_id: str) -> float | None:
+    """When the run asked a person about `call_id` (its trace), else when it last stopped."""
+    events = await app[ctx.STORE].events(run.run_id)
+    asked = [e.get("ts") for _, e in events if e.get("type") == "approval_required" and e.get("callId") == call_id]
+    if asked and isinstance(asked[-1], (int, float)):
+        return float(asked[-1])
+    return run.updated_at if run.interruption is not None and run.interruption.call_id == call_id else None
+
+
+async def post_resume(request: web.Request) -> web.StreamResponse:
+    """POST /v1/runs/{id}/resume {"max_turns"?, "max_budget_usd"?, "max_tool_calls"?, "max_duration_s"?,
+    "stream"?}."""
+    team, run = await _run_for(request)
+    require_steer(team, run, "resume")
+    given = resume_input(await _body(request))
+    prepare = resume_with(given.max_turns, given.max_budget_usd, team.name, max_tool_calls=given.max_tool_calls,
+                          max_duration_s=given.max_duration_s)
+    policy = _policy(request.app, run)
+    if policy is not None and not policy.server_side:
+        return await _reopen_passthrough(request, run, policy, prepare)
+    return await answer(request, run.run_id, prepare=prepare, start="run_resumed", stream=given.stream,
+                        include_usage=given.include_usage)
+
+
+async def _reopen_passthrough(request: web.Request, run: RunState, policy: Policy, prepare: Prepare) -> web.Response:
+    """A pass-through run is driven by its client: resuming it only reopens it for the next call."""
+    app = request.app
+    fields: dict[str, Any] = {}
+
+    def change(state: RunState) -> None:
+        fields.update(prepare(state, policy) or {})
+
+    run = await update_run(app[ctx.STORE], run, change)
+    request[ctx.RUN] = run
+    writer = TraceWriter(app[ctx.STORE], run.run_id, trace_file=app[ctx.CONFIG].trace_file)
+    Tracer(run.run_id, writer)("run_resumed", **fields, turns=run.turns, costUsd=round(run.cost_usd, 9))
+    await writer.flush()
+    return _json({"run": run_json(run)}, run=run)
+
+
+async def post_cancel(request: web.Request) -> web.Response:
+    """POST /v1/runs/{id}/cancel {"reason"}: Stop, here or on the replica driving the run."""
+    app = request.app
+    team, run = await _run_for(request)
+    require_steer(team, run, "cancel")
+    reason = cancel_reason(await _body(request)) or f"cancelled by team {team.name}"
+    driver = app[ctx.DRIVER]
+    if driver.active.cancel(run.run_id, reason, team.name):
+        await driver.active.wait_stopped(run.run_id, CANCEL_WAIT_S)
+        run = await _reload(app, run)
+        return _json({"run": run_json(run), "cancel": "done"}, run=run)
+    if run.status != "running" and _waiting_decision(run) is None:
+        raise Conflict(f"run {run.public_id} is not running (status {run.status}); nothing to cancel",
+                       code="run_not_running")
+    store = app[ctx.STORE]
+    try:
+        with driver.active.claim(run.run_id, lambda event: None):
+            if await store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s):
+                try:
+                    run = await _cancel_undriven(app, await _reload(app, run), reason, team.name)
+                finally:
+                    await store.release_lease(run.run_id, driver.owner)
+                request[ctx.RUN] = run
+                await driver.refresh_approvals(run.team)
+                return _json({"run": run_json(run), "cancel": "done"}, run=run)
+    except RunBusy:  # a drive started here meanwhile: stop it
+        driver.active.cancel(run.run_id, reason, team.name)
+        await driver.active.wait_stopped(run.run_id, CANCEL_WAIT_S)
+        run = await _reload(app, run)
+        return _json({"run": run_json(run), "cancel": "done"}, run=run)
+    # Another replica drives it: it reads its run's trace and stops.
+    await store.append_events(run.run_id, [cancel_event(run.run_id, reason, team.name)])
+    return _json({"run": run_json(run), "cancel": "requested"}, status=202, run=run)
+
+
+async def _reload(app: web.Application, run: RunState) -> RunState:
+    return await app[ctx.STORE].load_run(run.run_id) or run
+
+
+def _waiting_decision(run: RunState) -> Interruption | None:
+    """The approval an interrupted run waits for, if it waits for one still undecided."""
+    waiting = run.interruption
+    if run.status == "interrupted" and waiting is not None and waiting.type == "approval" \
+            and waiting.call_id not in run.decisions:
+        return waiting
+    return None
+
+
+async def _cancel_undriven(app: web.Application, run: RunState, reason: str, by: str) -> RunState:
+    """A run nobody drives: `running` (it waits for client tools, or its replica died) or
+    waiting for a decision. A pending approval is dropped: nobody can decide it any more,
+    and a later resume asks again (the call is still pending in the transcript)."""
+    store = app[ctx.STORE]
+    if run.status != "running" and _waiting_decision(run) is None:
+        raise Conflict(f"run {run.public_id} is not running (status {run.status}); nothing to cancel",
+                       code="run_not_running")
+    dropped = _waiting_decision(run)
+    # The trace first, then the run: a follower that sees the run stopped has its last lines.
+    writer = TraceWriter(store, run.run_id, trace_file=app[ctx.CONFIG].trace_file)
+    writer(cancel_event(run.run_id, reason, by))
+    if dropped is not None:
+        Tracer(run.run_id, writer)("approval_dropped", callId=dropped.call_id, toolName=dropped.tool_name,
+                                   args=dropped.args, reason=reason, by=by)
+    Tracer(run.run_id, writer)("run_stopped", status="interrupted", reason="cancelled", turns=run.turns,
+                               costUsd=round(run.cost_usd, 9), detail=reason)
+    await writer.flush()
+
+    def change(state: RunState) -> None:
+        state.status, state.reason = "interrupted", "cancelled"
+        state.interruption = Interruption("cancelled", reason=reason)
+
+    return await update_run(store, run, change)
+

@@ -1,0 +1,36 @@
+"""`POST /v1/chat/completions`: authenticate, key the call to its run, then one of two modes.
+
+- A policy with tools runs the loop in the gateway: `server_side.handle_server_side`.
+- A policy without tools is governed pass-through: `passthrough.pass_through` checks (and
+  reserves) the run's turn cap and budget and the team's budget before anything is
+  forwarded, and books the turn before the client sees the end of the answer.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from gateway.server import context as ctx
+from gateway.server.chat.passthrough import pass_through
+from gateway.server.chat.server_side import handle_server_side
+from gateway.server.http.chat_request import parse_chat_request
+from gateway.server.http.errors import NotFound
+from gateway.server.http.validation import read_body
+from gateway.server.runs.keying import resolve_call
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """The route handler: every refusal here happens before the store is touched."""
+    app = request.app
+    team = app[ctx.KEYRING].authenticate(request)
+    chat = parse_chat_request(await read_body(request, app[ctx.CONFIG].server.max_body_bytes))
+    route = app[ctx.CONFIG].route(chat.model)
+    if route is None:
+        raise NotFound(f"model '{chat.model}' is not routed by this gateway (see GET /v1/models)",
+                       code="model_not_found", param="model")
+    call = await resolve_call(app[ctx.STORE], app[ctx.POLICIES], team, request.headers, chat, route)
+    request[ctx.RUN] = call.run
+    if call.policy.server_side:
+        return await handle_server_side(request, call)
+    return await pass_through(request, call)
+

@@ -1,0 +1,87 @@
+"""Governed pass-through: a call of a policy without tools, forwarded to its upstream.
+
+The run's turn cap and budget and the team's budget are checked (and reserved) before
+anything is forwarded, the upstream's answer goes back as it came (plus the `run` object
+and the X-Run-* headers), and the turn is booked on the run before the client sees the
+end of the answer. Chat completions and the Responses API both come through `governed`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+
+from aiohttp import web
+
+from gateway.providers.reply import ParsedReply
+from gateway.providers.upstream import Upstream, UpstreamReply
+from gateway.server import context as ctx
+from gateway.server.chat.passthrough_stream import stream_through
+from gateway.server.http.errors import (
+    Conflict,
+    LimitExceeded,
+)
+from gateway.server.runs.booking import Booked, book_turn, refuse
+from gateway.server.runs.governor import Admission, Ask
+from gateway.server.runs.keying import Call
+from gateway.server.runs.replies import with_run
+
+
+def _check_open(call: Call) -> None:
+    run = call.run
+    if run.status == "failed":
+        raise Conflict(f"run {run.public_id} failed ({run.error or run.reason}); start a new run", code="run_failed")
+    if run.status == "interrupted" and run.interruption is not None and run.interruption.type == "cancelled":
+        raise Conflict(f"run {run.public_id} was cancelled ({run.interruption.reason or 'no reason'}); resume it "
+                       f"with POST /v1/runs/{run.public_id}/resume to go on", code="run_cancelled")
+
+
+async def admit(request: web.Request, call: Call) -> Admission:
+    """Admit the call (turn slot, budget holds), or refuse it with 429 (the run takes the
+    refusal's status) or 409 `run_busy` before anything is forwarded."""
+    chat = call.chat
+    ask = Ask(call.route.price, chat.messages, chat.tools, chat.max_tokens, chat.n)
+    try:
+        return await request.app[ctx.GOVERNOR].admit_turn(call.run, call.team, ask)
+    except LimitExceeded as exc:
+        raise await refuse(request, call, exc) from None
+
+
+@contextlib.asynccontextmanager
+async def governed(request: web.Request, call: Call) -> AsyncIterator[tuple[Admission, Upstream]]:
+    """The frame of every pass-through call (chat or Responses): the run must take calls, the
+    call is admitted (its holds booked or released on every exit, `Admission` being a
+    context manager) and counted active; yields the admission and the upstream to forward to."""
+    _check_open(call)
+    metrics = request.app[ctx.METRICS]
+    async with await admit(request, call) as adm:
+        metrics.run_active(1)
+        try:
+            yield adm, request.app[ctx.UPSTREAMS][call.route.upstream]
+        finally:
+            metrics.run_active(-1)
+
+
+async def pass_through(request: web.Request, call: Call) -> web.StreamResponse:
+    """Governed pass-through of one chat call (streamed or not)."""
+    async with governed(request, call) as (adm, upstream):
+        body = call.chat.upstream_body(max_tokens=adm.max_tokens, force_usage=True)
+        headers = upstream.headers(request.headers)
+        if call.chat.stream:
+            return await stream_through(request, call, adm, upstream, body, headers)
+        reply, parsed, booked = await complete_and_book(request, call, adm, upstream, body, headers)
+        return web.Response(body=with_run(reply.raw, booked.run.summary()), content_type="application/json",
+                            headers=booked.headers())
+
+
+async def complete_and_book(request: web.Request, call: Call, adm: Admission, upstream: Upstream, body: bytes,
+                            headers: Mapping[str, str]) -> tuple[UpstreamReply, ParsedReply, Booked]:
+    """A non-streamed pass-through turn: forward, parse (502 `upstream_malformed`, released
+    like any upstream failure), time it and book it."""
+    reply = await upstream.complete(body, headers)
+    parsed = upstream.parse(reply)
+    request[ctx.UPSTREAM_SECONDS] = reply.seconds
+    request.app[ctx.METRICS].on_upstream(upstream.name, call.chat.model, reply.seconds)
+    booked = await book_turn(request, call, adm, reported=parsed.usage, message=parsed.message,
+                             finish=parsed.finish_reason, repairs=reply.repairs)
+    return reply, parsed, booked

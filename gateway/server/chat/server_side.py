@@ -1,0 +1,202 @@
+"""Server-side runs over HTTP: a chat call (or a resume) drives the run and answers it.
+
+`handle_server_side(request, call)`: the chat endpoint resolved the
+team, the run (new or loaded) and the policy; here the run is driven by the `RunDriver`
+and answered with one chat.completion (or, streamed, SSE progress comments then the
+answer as chunks). A client that goes away mid-run presses the run's Stop: it is saved
+as interrupted ("client disconnected") and can be resumed.
+
+The driver itself lives for the app's lifetime (`gateway.server.runs.runtime`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+from typing import Any, Final
+
+import orjson
+from aiohttp import web
+
+from gateway.harness.state import RunState, public_run_id
+from gateway.providers.errors import UpstreamError
+from gateway.server import context as ctx
+from gateway.server.chat.answers import (
+    Answer,
+    completion_body,
+    completion_chunks,
+    completion_id,
+)
+from gateway.server.http.errors import (
+    ApiError,
+    Conflict,
+    InvalidField,
+    from_store_error,
+    upstream_failed,
+)
+from gateway.server.http.headers import run_headers
+from gateway.server.http.sse import ClientGone, SSEStream, progress_comment
+from gateway.server.runs import continuations
+from gateway.server.runs.cancels import CLIENT_DISCONNECTED, ActiveRuns, RunBusy
+from gateway.server.runs.driver import Drive, FromClient, Prepare, StartKind
+from gateway.server.runs.keying import Call
+from gateway.store.base import Event
+from gateway.store.errors import StoreError
+
+log = logging.getLogger(__name__)
+
+CLIENT_POLL_S: Final = 0.02
+"""How often a waiting handler checks that its client is still connected."""
+
+
+SAMPLING = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "user")
+"""Fields of a chat call that a server-side run passes on to every model call it makes."""
+
+
+def sampling_of(body: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: body[k] for k in SAMPLING if k in body}
+
+
+async def handle_server_side(request: web.Request, call: Call) -> web.StreamResponse:
+    """Drive the call's run and answer it like a chat completion."""
+    server_tools = {t.name for t in call.policy.tools}
+    client_tools = list(call.chat.tools or [])
+    for i, tool in enumerate(client_tools):
+        name = (tool.get("function") or {}).get("name")
+        if name in server_tools:
+            raise InvalidField(f"tools[{i}]", f"tools[{i}] is named '{name}', like a tool of policy "
+                                              f"'{call.policy.name}' (which the gateway runs itself); rename it")
+    if call.created:
+        continuations.refuse_unanswered_calls(call.chat.messages)
+    kind: StartKind = "run_started" if call.created else "run_resumed"
+    prepare = continuations.start() if call.created else continuations.continue_chat(call.chat.messages,
+                                                                                        call.chat.model)
+    client = FromClient(client_tools, sampling_of(call.chat.body), call.chat.max_tokens)
+    return await answer(request, call.run.run_id, prepare=prepare, start=kind, client=client,
+                        stream=call.chat.stream, include_usage=call.chat.include_usage)
+
+
+async def answer(request: web.Request, run_id: str, *, prepare: Prepare, start: StartKind,
+                 client: FromClient = FromClient(), stream: bool = False,
+                 include_usage: bool = False) -> web.StreamResponse:
+    """Drive the run and answer: one chat.completion, or an SSE stream when `stream`."""
+    if stream:
+        return await _stream(request, run_id, prepare, start, client, include_usage)
+    drive = await drive_watched(request, run_id, prepare, start, client, [])
+    state = drive.state
+    request[ctx.RUN] = state
+    body = completion_body(state, Answer.of(state, drive.outcome.answer, drive.outcome.kind == "client_tools"),
+                           drive.usage)
+    return web.Response(body=orjson.dumps(body), content_type="application/json",
+                        headers=run_headers(state, await _team_left(request.app, state)))
+
+
+async def _team_left(app: web.Application, state: RunState) -> float | None:
+    team = app[ctx.CONFIG].team(state.team)
+    return None if team is None else await app[ctx.GOVERNOR].team_remaining(team)
+
+
+def _client_closed() -> web.Response:
+    """What the log and metrics see for a client that left before its answer (nginx's 499)."""
+    return web.Response(status=499, reason="Client Closed Request")
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def _watch_client(request: web.Request, active: ActiveRuns, run_id: str) -> None:
+    """When the client goes away, press the run's Stop (as soon as the run is driven here)."""
+    while not _client_gone(request):
+        await asyncio.sleep(CLIENT_POLL_S)  # aiohttp signals a lost client to no awaitable
+    while not active.cancel(run_id, CLIENT_DISCONNECTED, "client"):
+        await asyncio.sleep(CLIENT_POLL_S)
+
+
+async def drive_watched(request: web.Request, run_id: str, prepare: Prepare, start: StartKind,
+                         client: FromClient, listeners: list[Any]) -> Drive:
+    """Drive the run for this request; a client that goes away presses the run's Stop."""
+    driver = request.app[ctx.DRIVER]
+    task = asyncio.ensure_future(driver.drive(run_id, prepare=prepare, client=client,
+                                              listeners=listeners, start=start))
+    watcher = asyncio.ensure_future(_watch_client(request, driver.active, run_id))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:  # the server cancelled the handler: the client is gone
+        driver.active.cancel(run_id, CLIENT_DISCONNECTED, "client")
+        with contextlib.suppress(Exception):
+            await task
+        raise
+    except RunBusy as exc:  # it stops soon: a retry can succeed
+        raise Conflict(str(exc), code="run_busy", headers={"x-should-retry": "true", "retry-after": "1"}) from None
+    except StoreError as exc:  # an ApiError here, so a stream already open ends with it too
+        log.warning("run %s: the store failed: %s", run_id, exc)
+        raise from_store_error(exc) from None
+    finally:
+        watcher.cancel()
+
+
+async def _stream(request: web.Request, run_id: str, prepare: Prepare, start: StartKind,
+                  client: FromClient, include_usage: bool) -> web.StreamResponse:
+    """SSE: progress comments while the run is driven, then the answer as chunks, then [DONE].
+
+    The stream opens on the run's first trace line, so a refusal before the run starts
+    (busy, bad input) is still an ordinary JSON error.
+    """
+    queue: asyncio.Queue[Event] = asyncio.Queue()
+    task = asyncio.ensure_future(drive_watched(request, run_id, prepare, start, client, [queue.put_nowait]))
+    sse: SSEStream | None = None
+    gone = False
+    try:
+        while not (task.done() and queue.empty()):
+            if queue.empty():
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait((task, getter), return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    continue
+                event = getter.result()
+            else:
+                event = queue.get_nowait()
+            comment = progress_comment(event)
+            if gone or comment is None:
+                continue
+            try:
+                if sse is None:
+                    sse = await SSEStream.open(request, {"X-Run-Id": public_run_id(run_id),
+                                                         "X-Run-Status": "running"})
+                await sse.comment(comment)
+            except ClientGone:
+                gone = True
+                request.app[ctx.DRIVER].active.cancel(run_id, CLIENT_DISCONNECTED, "client")
+        drive = task.result()
+    except (ApiError, UpstreamError) as exc:
+        if sse is None:
+            raise
+        error = upstream_failed(exc) if isinstance(exc, UpstreamError) else exc
+        if not gone:
+            with contextlib.suppress(ClientGone):
+                await sse.data(error.body())
+                await sse.done()
+        return sse.response
+    finally:
+        if not task.done():
+            task.cancel()
+    state = drive.state
+    request[ctx.RUN] = state
+    if gone:
+        return sse.response if sse is not None else _client_closed()
+    if sse is None:
+        try:
+            sse = await SSEStream.open(request, run_headers(state, await _team_left(request.app, state)))
+        except ClientGone:
+            return _client_closed()
+    answer_ = Answer.of(state, drive.outcome.answer, drive.outcome.kind == "client_tools")
+    with contextlib.suppress(ClientGone):
+        for chunk in completion_chunks(state, answer_, drive.usage if include_usage else None, cid=completion_id()):
+            await sse.data(chunk)
+        await sse.done()
+    return sse.response

@@ -1,0 +1,252 @@
+"""HTTP errors, each rendered in the OpenAI shape `{"error": {message, type, code, param}}`.
+
+Handlers raise; one middleware renders. The tree (HTTP status, `error.type`):
+
+    ApiError                         any status, any type (the base: renders itself)
+    ├── BadRequest                   400 invalid_request_error
+    │   ├── InvalidJSON              400  code invalid_json
+    │   ├── InvalidField             400  code invalid_type | missing_field | invalid_value, param = field
+    │   └── PolicyMismatch           400  code policy_mismatch (X-Policy differs from the run's)
+    ├── Unauthorized                 401 authentication_error, code invalid_api_key
+    ├── Forbidden                    403 permission_error, code policy_not_allowed
+    ├── NotFound                     404 not_found_error, code model_not_found | run_not_found | route_not_found
+    ├── MethodNotAllowed             405 invalid_request_error
+    ├── Conflict                     409 conflict_error (a run that cannot take calls now;
+    │                                    x-should-retry: false, but true on run_busy)
+    ├── PayloadTooLarge              413 invalid_request_error, code body_too_large
+    ├── LimitExceeded                429 max_turns_exceeded | budget_exceeded | team_budget_exceeded
+    │                                    | max_duration_exceeded
+    │                                    (+ header x-should-retry: false, + top-level `run`)
+    ├── UpstreamFailed               502 upstream_error | 504 upstream_timeout | the upstream's 4xx
+    │                                    (from providers.errors.UpstreamError, + `upstream`)
+    ├── StoreUnavailable             503 server_error, code store_unavailable
+    │                                    (+ headers retry-after, x-should-retry: true)
+    └── InternalError                500 server_error
+
+A `StoreError` that reaches the middleware is answered by `from_store_error`: a store
+that failed or timed out is 503 `store_unavailable` (retryable: nothing was forwarded
+upstream, since admission writes to the store first); a refusal of the store about one
+run is 409 `run_conflict` (saved meanwhile by someone else, or exists) or 404
+`run_not_found` (deleted meanwhile).
+
+Every error carries the run headers when a run is known (the middleware adds them).
+Requests aiohttp refuses before routing get the same shape from gateway.server.http.listener:
+431 `headers_too_large`, 400 `invalid_body` (an unreadable Content-Encoding) or
+`invalid_http_request`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import orjson
+from aiohttp import web
+
+from gateway.harness.state import Interruption, InterruptionType, Status, public_run_id
+from gateway.providers.errors import UpstreamError
+from gateway.store.errors import RunExists, RunNotFound, StaleRun, StoreError
+
+log = logging.getLogger(__name__)
+
+LimitKind = Literal["max_turns_exceeded", "budget_exceeded", "team_budget_exceeded", "max_duration_exceeded"]
+
+_LIMIT_STOPS: dict[str, tuple[Status, str, InterruptionType]] = {
+    "max_turns_exceeded": ("max_turns_exceeded", "max_turns", "max_turns"),
+    "budget_exceeded": ("budget_exceeded", "max_budget", "max_budget"),
+    "team_budget_exceeded": ("budget_exceeded", "team_budget", "max_budget"),
+    "max_duration_exceeded": ("max_duration_exceeded", "max_duration", "max_duration"),
+}
+
+
+def limit_stop(kind: LimitKind) -> tuple[Status, str, Interruption]:
+    """The status, reason and interruption a run takes when a limit refuses its call (the
+    one mapping, for pass-through refusals and server-side runs alike)."""
+    status, reason, interruption = _LIMIT_STOPS[kind]
+    return status, reason, Interruption(interruption)
+
+
+class ApiError(Exception):
+    """An error answered to the client; subclasses fix the status and type."""
+
+    status: int = 500
+    type: str = "server_error"
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
+                 status: int | None = None, type: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.param = param
+        if status is not None:
+            self.status = status
+        if type is not None:
+            self.type = type
+        self.headers: dict[str, str] = dict(headers or {})
+        self.extra: dict[str, Any] = {}
+
+    def body(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}
+        }
+        out.update(self.extra)
+        return out
+
+    def response(self, headers: Mapping[str, str] | None = None) -> web.Response:
+        merged = dict(self.headers)
+        if headers:
+            merged.update(headers)
+        return web.Response(status=self.status, body=orjson.dumps(self.body()),
+                            content_type="application/json", headers=merged)
+
+
+class BadRequest(ApiError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class InvalidJSON(BadRequest):
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"request body is not valid JSON: {detail}", code="invalid_json")
+
+
+class InvalidField(BadRequest):
+    """A field of the request is missing, of the wrong type or out of range; `param` names it."""
+
+    def __init__(self, param: str, message: str, code: str = "invalid_value") -> None:
+        super().__init__(message, code=code, param=param)
+
+
+class PolicyMismatch(BadRequest):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="policy_mismatch", param="X-Policy")
+
+
+class Unauthorized(ApiError):
+    status = 401
+    type = "authentication_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="invalid_api_key")
+
+
+class Forbidden(ApiError):
+    status = 403
+    type = "permission_error"
+
+
+class NotFound(ApiError):
+    status = 404
+    type = "not_found_error"
+
+
+class MethodNotAllowed(ApiError):
+    status = 405
+    type = "invalid_request_error"
+
+
+class Conflict(ApiError):
+    """The run cannot take this call now. SDKs retry a 409 unless told not to: the header
+    says whether a retry can succeed (false unless the raiser says otherwise)."""
+
+    status = 409
+    type = "conflict_error"
+
+    def __init__(self, message: str, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.headers.setdefault("x-should-retry", "false")
+
+
+class PayloadTooLarge(ApiError):
+    status = 413
+    type = "invalid_request_error"
+
+    def __init__(self, limit: int, size: int | None = None) -> None:
+        got = f" ({size} bytes)" if size is not None else ""
+        super().__init__(f"request body is too large{got}: the limit is {limit} bytes (server.max_body_bytes)",
+                         code="body_too_large")
+
+
+class LimitExceeded(ApiError):
+    """A governed call refused before anything was forwarded: do not retry as is."""
+
+    status = 429
+
+    def __init__(self, kind: LimitKind, message: str, run: Mapping[str, Any] | None = None) -> None:
+        super().__init__(message, code=kind, type=kind, headers={"x-should-retry": "false"})
+        self.kind: LimitKind = kind
+        if run is not None:
+            self.extra["run"] = dict(run)
+
+
+class UpstreamFailed(ApiError):
+    """An upstream failed (`providers.errors.UpstreamError`): 504 on a timeout, the upstream's
+    own 4xx when it rejected the request, 502 otherwise; its name and status in `upstream`."""
+
+    def __init__(self, exc: UpstreamError) -> None:
+        if exc.code == "upstream_timeout":
+            status = 504
+        elif exc.code == "upstream_rejected" and exc.upstream_status is not None and 400 <= exc.upstream_status < 500:
+            status = exc.upstream_status
+        else:
+            status = 502
+        super().__init__(exc.message, code=exc.code, status=status,
+                         type="upstream_timeout" if status == 504 else "upstream_error")
+        self.upstream = exc.upstream
+        self.upstream_status = exc.upstream_status
+        self.extra["upstream"] = {"name": exc.upstream, "status": exc.upstream_status}
+
+
+def upstream_failed(exc: UpstreamError) -> ApiError:
+    """The answer to an upstream's failure (the one mapping from upstream failures to HTTP)."""
+    return UpstreamFailed(exc)
+
+
+STORE_RETRY_AFTER_S = 1
+"""What a 503 `store_unavailable` asks the client to wait before retrying (`retry-after`)."""
+
+
+class StoreUnavailable(ApiError):
+    """The store failed or did not answer in time: retry shortly (nothing was done upstream)."""
+
+    status = 503
+    type = "server_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="store_unavailable",
+                         headers={"retry-after": str(STORE_RETRY_AFTER_S), "x-should-retry": "true"})
+
+
+def from_store_error(exc: StoreError) -> ApiError:
+    """The answer to a store failure: 409 for a refusal about one run, else 503 (retryable)."""
+    if isinstance(exc, RunNotFound):
+        return NotFound(f"run {public_run_id(exc.run_id)} no longer exists (it was deleted while this call used it)",
+                        code="run_not_found")
+    if isinstance(exc, (StaleRun, RunExists)):
+        return Conflict(f"run {public_run_id(exc.run_id)} changed while this call used it; retry the call",
+                        code="run_conflict")
+    # The store's own words name hosts and files: they go to the log, not to clients.
+    log.warning("the store failed: %s", exc)
+    return StoreUnavailable("the gateway's store is unavailable; retry in a moment")
+
+
+class InternalError(ApiError):
+    status = 500
+    type = "server_error"
+
+
+def from_http_exception(exc: web.HTTPException) -> ApiError:
+    """aiohttp's own errors (unknown route, wrong method, body too big) in our shape."""
+    if exc.status == 404:
+        return NotFound(f"no route for this path: {exc.reason}", code="route_not_found")
+    if exc.status == 405:
+        allowed = sorted(getattr(exc, "allowed_methods", None) or ())
+        return MethodNotAllowed(f"method not allowed; allowed: {', '.join(allowed)}", code="method_not_allowed",
+                                headers={"Allow": ", ".join(allowed)})  # RFC 9110 asks a 405 for it
+    if exc.status == 413:
+        return ApiError(exc.text or "request body is too large", status=413, type="invalid_request_error",
+                        code="body_too_large")
+    kind = "invalid_request_error" if 400 <= exc.status < 500 else "server_error"
+    return ApiError(exc.text or exc.reason, status=exc.status, type=kind, code=None)

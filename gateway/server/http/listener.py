@@ -1,0 +1,117 @@
+"""The HTTP listener: aiohttp's server, with the errors of its own HTTP parser in the OpenAI shape.
+
+aiohttp refuses a request it cannot parse (a header line over 8 KB, more than 128
+headers, a malformed request line) before any route or middleware runs, and answers it
+with a plain-text 400 that quotes the offending bytes. Here that answer is the gateway's
+error shape instead: 431 `headers_too_large` for oversized or too many headers, 400
+`invalid_body` for a Content-Encoding it cannot read, 400 `invalid_http_request` for
+anything else the parser refuses, and a bare 500 (no traceback) for a failure outside
+the middleware.
+
+aiohttp has no option for the class of its per-connection `RequestHandler`, so
+`GatewayRunner` gives the `Server` it builds a subclass whose connections use
+`JsonErrorHandler`; `run(app, host, port)` is `web.run_app` with that runner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage, LineTooLong, PayloadEncodingError
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+
+from gateway.server.http.errors import ApiError, InternalError
+
+log = logging.getLogger(__name__)
+
+HEADERS_TOO_LARGE = 431
+TOO_MANY_HEADERS = "Too many headers received"
+
+
+def parser_error(status: int, exc: BaseException | None) -> ApiError:
+    """The answer to a request aiohttp refused before routing it (or failed outside the middleware)."""
+    if isinstance(exc, LineTooLong) or (isinstance(exc, BadHttpMessage) and TOO_MANY_HEADERS in exc.message):
+        return ApiError("the request's head is too large: the request line and each header may hold at most "
+                        "8190 bytes, and a request at most 128 headers", status=HEADERS_TOO_LARGE,
+                        type="invalid_request_error", code="headers_too_large")
+    if isinstance(exc, PayloadEncodingError):
+        return ApiError("the request body could not be read: its Content-Encoding is not one this gateway reads "
+                        "(gzip, deflate) or does not match its bytes, or its Transfer-Encoding is broken",
+                        status=400, type="invalid_request_error", code="invalid_body")
+    if 400 <= status < 500:
+        return ApiError("the request is not valid HTTP/1.1 (its request line or headers could not be parsed)",
+                        status=status, type="invalid_request_error", code="invalid_http_request")
+    return InternalError("the gateway failed on this request; see its log")
+
+
+class JsonErrorHandler(RequestHandler):
+    """aiohttp's connection handler, answering parser errors in the OpenAI error shape."""
+
+    def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # part of an answer went out already: nothing to replace it with
+            raise ConnectionError("response already started, cannot send the error")
+        error = parser_error(status, exc)
+        if error.status >= 500:
+            log.error("error handling a request from %s", request.remote, exc_info=exc)
+        else:
+            log.info("refused a request from %s: %s", request.remote, error.message)
+        response = error.response()
+        response.force_close()
+        return response
+
+
+class _JsonErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return JsonErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class GatewayRunner(web.AppRunner):
+    """`web.AppRunner` whose connections answer parser errors with `JsonErrorHandler`."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        # Same class plus one method (no state of its own): the server aiohttp configured
+        # (request factory, handler, limits) is kept as it is.
+        server.__class__ = _JsonErrorServer
+        return server
+
+
+async def _serve(app: web.Application, host: str, port: int) -> None:
+    runner = GatewayRunner(app, handle_signals=True, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        while True:
+            await asyncio.sleep(3600)
+    finally:
+        await runner.cleanup()
+
+
+def run(app: web.Application, host: str, port: int) -> None:
+    """Serve `app` until SIGINT or SIGTERM, then shut it down like `web.run_app`."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    main = loop.create_task(_serve(app, host, port))
+    try:
+        loop.run_until_complete(main)
+    except (web.GracefulExit, KeyboardInterrupt):
+        pass
+    finally:
+        try:
+            if not main.done():
+                main.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    loop.run_until_complete(main)
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()

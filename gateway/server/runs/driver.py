@@ -1,0 +1,345 @@
+"""Driving a server-side run: one replica at a time, every change saved, Stop reachable.
+
+`RunDriver.drive(run_id, ...)` takes the run's lease (an expired lease of a dead replica
+can be taken over), reloads the run, compiles the tools of the policy *version* the run
+started under, and runs the harness loop with:
+
+- `checkpoint` = write the buffered trace, then `store.save_run` (optimistic revision):
+  every state change is durable before the next model call or tool run;
+- `on_event` = the run's `TraceWriter` (store, trace file, metrics, the caller's listeners);
+- a `CancelScope` registered in `ActiveRuns` (the cancel route and a client that went
+  away press it), and a watcher for cancel requests written by other replicas.
+
+Errors the loop lets through (upstream failure, the team budget refusing a call) end the
+run with a status and a reason, saved and traced like any other exit.
+
+The lease lasts `server.lease_ttl_s` and is renewed every third of it while the run is
+driven, so a replica that dies holds its runs at most that long; sandboxes live under
+`runs_dir`, which replicas share. A replica that cannot renew (another replica took the
+run after a stall, or the store was unreachable for a whole TTL) stops driving at its
+next renewal; until then the store's revision check refuses its saves.
+
+The lease keeper and the cancel watcher never hold a run's answer back: they stop on an
+event (a cancellation can be lost inside redis-py while a command is in flight), every
+store call they make has a deadline, and the driver waits for them at most
+`BACKGROUND_GRACE_S` once the run stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import aiohttp
+
+from gateway.config.settings import DEFAULT_LEASE_TTL_S, DEFAULT_STORE_TIMEOUT_S
+from gateway.harness.execute import CancelScope
+from gateway.harness.loop import Outcome, run
+from gateway.harness.model import Model
+from gateway.harness.state import RunState, public_run_id
+from gateway.harness.trace import event as trace_event
+from gateway.harness.usage import Price, Usage
+from gateway.policy.decl import Policy
+from gateway.policy.executors import CompileError, ToolEnv, compile_options
+from gateway.policy.registry import PolicyRegistry
+from gateway.policy.sandbox import prepare_sandbox, sandbox_config
+from gateway.providers.errors import UpstreamError
+from gateway.server.http.errors import (
+    ApiError,
+    Conflict,
+    LimitExceeded,
+    NotFound,
+    limit_stop,
+)
+from gateway.server.metrics import Metrics
+from gateway.server.runs.cancels import ActiveRuns, RunBusy, watch_remote_cancel
+from gateway.server.runs.tracelog import Listener, TraceWriter
+from gateway.store.base import Event, Store
+from gateway.store.errors import StoreError
+
+log = logging.getLogger(__name__)
+
+StartKind = Literal["run_started", "run_resumed"]
+INTERNAL_ERROR = "the gateway failed while driving the run; see its log"
+Prepare = Callable[[RunState, Policy], "dict[str, Any] | None"]
+"""Changes a call makes to the run before it is driven (append tool results, raise limits).
+
+Runs under the lease on the freshly loaded run; returns the fields of the start event
+(None: the call has nothing to drive, answer with the run as it is). Raises ApiError
+to refuse, before anything is saved.
+"""
+
+BACKGROUND_GRACE_S = 0.5
+"""How long a run's answer may wait for its background tasks (cancel watcher, lease keeper) to stop."""
+
+ModelFactory = Callable[[RunState], Model]
+"""The model a run's turns (and its sub-runs') go to: the team's governed upstream."""
+
+
+@dataclass(frozen=True)
+class Drive:
+    """What one drive did: how the loop returned, and the tokens this drive spent."""
+
+    outcome: Outcome
+    usage: Usage
+    driven: bool = True
+
+    @property
+    def state(self) -> RunState:
+        return self.outcome.state
+
+
+class PolicyGone(Conflict):
+    """The policy version the run started under is not loaded any more."""
+
+
+@dataclass(frozen=True)
+class FromClient:
+    """What a chat call brings to a server-side run: its own tools and its sampling settings."""
+
+    tools: Sequence[dict[str, Any]] = ()
+    sampling: Mapping[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = None
+
+
+class RunDriver:
+    """Drives server-side runs for one gateway process."""
+
+    def __init__(self, store: Store, policies: PolicyRegistry, *, model_for: ModelFactory,
+                 price_for: Callable[[str], Price], runs_dir: Path, session: aiohttp.ClientSession | None = None,
+                 trace_file: Path | None = None, metrics: Metrics | None = None, owner: str | None = None,
+                 lease_ttl_s: float = DEFAULT_LEASE_TTL_S, cancel_poll_s: float = 0.1,
+                 store_deadline_s: float = DEFAULT_STORE_TIMEOUT_S) -> None:
+        self.store = store
+        self.policies = policies
+        self.model_for = model_for
+        self.price_for = price_for
+        self.runs_dir = runs_dir
+        self.session = session
+        self.trace_file = trace_file
+        self.metrics = metrics
+        self.owner = owner or f"gw-{uuid.uuid4().hex[:12]}"
+        self.lease_ttl_s = lease_ttl_s
+        self.cancel_poll_s = cancel_poll_s
+        self.store_deadline_s = store_deadline_s
+        self.active = ActiveRuns()
+
+    def policy_of(self, state: RunState) -> Policy:
+        """The run's policy (`PolicyRegistry.for_run`); PolicyGone when none is loaded."""
+        policy = self.policies.for_run(state.policy, state.policy_version)
+        if policy is None:
+            raise PolicyGone(f"run {state.public_id} is governed by policy '{state.policy}', which this gateway "
+                             f"no longer has (loaded: {', '.join(self.policies.names()) or 'none'})",
+                             code="policy_not_found")
+        return policy
+
+    def sandbox_of(self, state: RunState, policy: Policy) -> Path | None:
+        """The run's folder: made on its first drive, found again on every later one
+        (by any process sharing `runs_dir`), so its files survive restarts."""
+        config = sandbox_config(policy, self.policies)
+        if config is None:
+            return None
+        if config.path is not None:
+            return prepare_sandbox(config, self.runs_dir, base_dir=policy.path.parent)
+        home = self.runs_dir / state.run_id
+        existing = sorted(p for p in home.iterdir() if p.is_dir()) if home.is_dir() else []
+        return existing[0] if existing else prepare_sandbox(config, home)
+
+    async def drive(self, run_id: str, *, prepare: Prepare | None = None, client: FromClient = FromClient(),
+                    listeners: Sequence[Listener] = (), start: StartKind = "run_resumed") -> Drive:
+        """Drive the run until it stops or hands calls to the client.
+
+        Raises RunBusy if it is driven elsewhere, NotFound if it does not exist, and what
+        `prepare` raises; anything else the loop raises ends the run (saved, traced).
+        """
+        writer = TraceWriter(self.store, run_id, trace_file=self.trace_file, listeners=listeners)
+        with self.active.claim(run_id, writer) as scope:
+            if not await self.store.acquire_lease(run_id, self.owner, self.lease_ttl_s):
+                raise RunBusy(run_id, "by another gateway replica")
+            if self.metrics is not None:
+                self.metrics.run_active(1)
+            try:
+                drive = await self._drive(run_id, scope, writer, prepare, client, start)
+                if _waits_for_approval(drive.state) and drive.driven:
+                    await self.refresh_approvals(drive.state.team)
+                return drive
+            finally:
+                if self.metrics is not None:
+                    self.metrics.run_active(-1)
+                try:
+                    await self.store.release_lease(run_id, self.owner)
+                except StoreError as exc:  # it expires by itself within lease_ttl_s; the answer stands
+                    log.warning("run %s: could not release its lease: %s", run_id, exc)
+
+    async def _drive(self, run_id: str, scope: CancelScope, writer: TraceWriter, prepare: Prepare | None,
+                     client: FromClient, start: StartKind) -> Drive:
+        # Cancel requests of other replicas are read from here on: any written before we held
+        # the lease found the run undriven and stopped it themselves.
+        seen = await self.store.events(run_id)
+        state = await self.store.load_run(run_id)
+        if state is None:
+            raise NotFound(f"run {public_run_id(run_id)} not found", code="run_not_found")
+        policy = self.policy_of(state)
+        fields = prepare(state, policy) if prepare is not None else {}
+        if fields is None:  # nothing to drive (it waits for a person): keep what the call added
+            await self.store.save_run(state)
+            return Drive(Outcome(state, "stopped", _last_answer(state)), Usage(), driven=False)
+        usage_before = state.usage
+        model = self.model_for(state)
+        if self.metrics is not None:
+            writer.listeners.append(_MetricsListener(self.metrics, state, policy))
+
+        async def checkpoint(s: RunState) -> None:
+            await writer.flush()
+            await self.store.save_run(s)
+
+        try:
+            env = ToolEnv(session=self.session, model=model, model_name=state.model, price_for=self.price_for,
+                          registry=self.policies, sandbox_root=self.sandbox_of(state, policy), on_event=writer)
+            options = compile_options(policy, env, client_tools=list(client.tools), sampling=dict(client.sampling),
+                                      max_tokens=client.max_tokens, checkpoint=checkpoint)
+        except (CompileError, OSError) as exc:
+            raise Conflict(f"run {public_run_id(run_id)} cannot be driven: {exc}", code="run_not_drivable") from None
+        writer({"runId": run_id, "type": start, **fields, "turns": state.turns, "costUsd": round(state.cost_usd, 9),
+                "ts": round(time.time(), 6)})
+        await checkpoint(state)
+        writer.start()
+        stop = asyncio.Event()
+        keeper = asyncio.ensure_future(self._keep_lease(run_id, scope, stop))
+        watcher = asyncio.ensure_future(watch_remote_cancel(
+            self.store, run_id, scope, seen[-1][0] if seen else 0, self.cancel_poll_s, stop, self.store_deadline_s))
+        try:
+            try:
+                outcome = await run(state, model, options, scope)
+            except (asyncio.CancelledError, KeyboardInterrupt):
+                raise
+            except Exception as exc:  # the loop let it through: end the run with a reason
+                if isinstance(exc, StoreError):  # StaleRun included: the saved run is not ours to overwrite
+                    raise
+                outcome = await self._end(state, exc, writer, checkpoint)
+        finally:
+            await self._stop_background(stop, keeper, watcher)
+            await writer.close()
+        return Drive(outcome, _minus(state.usage, usage_before))
+
+    async def _stop_background(self, stop: asyncio.Event, *tasks: asyncio.Future[None]) -> None:
+        """End the run's background tasks without ever letting them hold the answer back.
+
+        `stop` ends their loops at the next check even if a cancellation is lost inside the
+        store client; they get a short grace (so a lease renewal in flight lands before the
+        lease is released), then are left to finish on their own, their errors logged.
+        """
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        _, pending = await asyncio.wait(tasks, timeout=BACKGROUND_GRACE_S)
+        for task in tasks:
+            if task in pending:
+                log.warning("a background task of a run did not stop within %.1fs; not waiting for it",
+                            BACKGROUND_GRACE_S)
+                task.add_done_callback(_log_failure)
+            else:
+                _log_failure(task)
+
+    async def _keep_lease(self, run_id: str, scope: CancelScope, stop: asyncio.Event) -> None:
+        """Renew the lease while driving; stop driving if another replica took it, or if
+        the store could not renew it for a whole TTL (others may take the run by then)."""
+        held_until = time.monotonic() + self.lease_ttl_s
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.lease_ttl_s / 3):
+                    await stop.wait()
+            if stop.is_set():
+                return
+            asked = time.monotonic()  # the store's clock starts the new TTL no earlier than this
+            try:
+                async with asyncio.timeout(self.store_deadline_s):
+                    renewed = await self.store.acquire_lease(run_id, self.owner, self.lease_ttl_s)
+            except (StoreError, TimeoutError) as exc:
+                if time.monotonic() < held_until:
+                    log.warning("run %s: lease renewal failed, retrying: %s", run_id, exc)
+                    continue
+                scope.cancel(f"the gateway lost the run's lease (store unreachable: {exc})")
+                return
+            if not renewed:
+                scope.cancel("another gateway replica took over the run")
+                return
+            held_until = asked + self.lease_ttl_s
+
+    async def _end(self, state: RunState, exc: Exception, writer: TraceWriter,
+                   checkpoint: Callable[[RunState], Any]) -> Outcome:
+        """Save a run the loop could not finish: a refused call or a failed upstream."""
+        if isinstance(exc, LimitExceeded):
+            state.status, state.reason, state.interruption = limit_stop(exc.kind)
+            if exc.kind == "team_budget_exceeded":
+                state.error = exc.message
+        elif isinstance(exc, (ApiError, UpstreamError)):
+            state.status, state.reason, state.error = "failed", "upstream_error", exc.message
+        else:
+            log.exception("run %s failed inside the gateway", state.run_id)
+            # the log has the exception; the run (and so every client answer) has a sentence
+            state.status, state.reason, state.error = "failed", "internal_error", INTERNAL_ERROR
+        detail = {"detail": state.error} if state.error else {}
+        writer(trace_event(state.run_id, "run_stopped", status=state.status, reason=state.reason, turns=state.turns,
+                           costUsd=round(state.cost_usd, 9), **detail))
+        state.updated_at = time.time()
+        await checkpoint(state)
+        return Outcome(state, "stopped")
+
+    async def refresh_approvals(self, team: str) -> int:
+        """Recount the team's runs waiting for a person (the gauge survives restarts this way)."""
+        runs = await self.store.list_runs(team=team, status="interrupted", limit=10_000)
+        count = sum(1 for r in runs if r.interruption is not None and r.interruption.type == "approval")
+        if self.metrics is not None:
+            self.metrics.set_approvals_pending(team, count)
+        return count
+
+
+def _log_failure(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("a background task of a run failed", exc_info=task.exception())
+
+
+def _waits_for_approval(state: RunState) -> bool:
+    return state.interruption is not None and state.interruption.type == "approval"
+
+
+def _minus(a: Usage, b: Usage) -> Usage:
+    return Usage(a.prompt_tokens - b.prompt_tokens, a.completion_tokens - b.completion_tokens)
+
+
+def _last_answer(state: RunState) -> str | None:
+    if state.status != "completed":
+        return None
+    last = next((m for m in reversed(state.messages) if m.get("role") == "assistant"), None)
+    return str(last.get("content") or "") if last else None
+
+
+class _MetricsListener:
+    """Trace events of one run -> Prometheus (labels: team, policy, model; never the run id)."""
+
+    def __init__(self, metrics: Metrics, state: RunState, policy: Policy) -> None:
+        self.metrics = metrics
+        self.state = state
+        self.policy = policy.name
+
+    def __call__(self, event: Event) -> None:
+        kind = event.get("type")
+        m, s = self.metrics, self.state
+        if kind == "tool_result":
+            m.on_tool(self.policy, str(event.get("toolName")), "ok" if event.get("ok") else "error",
+                      float(event.get("ms") or 0) / 1000)
+        elif kind == "tool_deduped":
+            m.on_tool(self.policy, str(event.get("toolName")), "deduped")
+        elif kind == "tool_denied":
+            m.on_tool(self.policy, str(event.get("toolName")), "denied")
+        elif kind == "run_stopped" and event.get("runId") == s.run_id:
+            m.on_run_stopped(s.team, self.policy, str(event.get("status")), str(event.get("reason")),
+                             int(event.get("turns") or 0), float(event.get("costUsd") or 0.0))

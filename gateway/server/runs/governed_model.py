@@ -1,0 +1,92 @@
+"""`UpstreamModel`: the harness `Model` over the upstream client, governed like a pass-through call.
+
+Server-side runs ask it for each turn. Every call is admitted by the governor first (team
+reservation; in strict mode `max_tokens` clamped to what the run's remaining budget,
+`ModelRequest.budget_remaining_usd`, and the team's can pay for), then settled with the
+actual cost, or released if the upstream fails. Raises `LimitExceeded` (429 kinds) when
+the budget refuses the call and `UpstreamError` when the upstream fails.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.config.settings import Config, ModelRoute, TeamConfig
+from gateway.harness.model import ModelReply, ModelRequest
+from gateway.harness.state import RunState
+from gateway.providers.upstream import Upstream
+from gateway.server import context as ctx
+from gateway.server.http.errors import ApiError, NotFound
+from gateway.server.metrics import Metrics
+from gateway.server.runs.governor import Ask, Governor
+from gateway.server.runs.replies import checked_usage
+from gateway.tokens import TokenCounter
+
+
+class UpstreamModel:
+    """One run's model: the team, policy and mode are fixed; the model name comes per request."""
+
+    def __init__(self, *, config: Config, upstreams: ctx.Upstreams, governor: Governor, metrics: Metrics,
+                 counter: TokenCounter, team: TeamConfig, policy: str, strict: bool) -> None:
+        self.config = config
+        self.upstreams = upstreams
+        self.governor = governor
+        self.metrics = metrics
+        self.counter = counter
+        self.team = team
+        self.policy = policy
+        self.strict = strict
+
+    @classmethod
+    def for_run(cls, app: web.Application, state: RunState) -> UpstreamModel:
+        """The model of a run served by `app` (its team and budget mode from config and policy)."""
+        config = app[ctx.CONFIG]
+        team = config.team(state.team)
+        if team is None:
+            raise ApiError(f"run {state.public_id} belongs to team '{state.team}', which the config no longer has",
+                           status=409, type="conflict_error", code="team_not_found")
+        strict = team.budget_mode == "strict" or state.limits.budget_mode == "strict"
+        return cls(config=config, upstreams=app[ctx.UPSTREAMS], governor=app[ctx.GOVERNOR], metrics=app[ctx.METRICS],
+                   counter=app[ctx.COUNTER], team=team, policy=state.policy, strict=strict)
+
+    def route(self, model: str) -> ModelRoute:
+        route = self.config.route(model)
+        if route is None:
+            raise NotFound(f"model '{model}' is not routed by this gateway", code="model_not_found", param="model")
+        return route
+
+    def body(self, request: ModelRequest, max_tokens: int | None) -> bytes:
+        body: dict[str, Any] = {**request.extra, "model": request.model, "messages": request.messages}
+        if request.tools:
+            body["tools"] = request.tools
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
+        body.pop("stream", None)
+        return orjson.dumps(body)
+
+    async def complete(self, request: ModelRequest) -> ModelReply:
+        route = self.route(request.model)
+        upstream: Upstream = self.upstreams[route.upstream]
+        ask = Ask(route.price, request.messages, request.tools or None, request.max_tokens)
+        async with await self.governor.admit_call(request.run_id, self.team, self.strict, ask,
+                                                  request.budget_remaining_usd) as adm:
+            body = self.body(request, adm.max_tokens or request.max_tokens)
+            reply = await upstream.complete(body, upstream.headers())
+            parsed = upstream.parse(reply)  # a malformed reply is an UpstreamError: nothing to pay for
+            message = parsed.message
+            checked = checked_usage(parsed.usage, counter=self.counter, messages=request.messages,
+                                    tools=request.tools or None, message=message, body_bytes=len(body),
+                                    allowed_completion=adm.allowed_completion, n=1, counted_prompt=adm.prompt_tokens)
+            if checked.reported is not None:
+                self.metrics.on_usage_clamped(upstream.name, checked.clamped)
+            usage = checked.usage
+            cost = route.price.cost(usage)
+            await self.governor.settle(adm, cost)
+        self.metrics.on_upstream(upstream.name, request.model, reply.seconds)
+        self.metrics.on_tool_call_repairs(upstream.name, reply.repairs)
+        self.metrics.on_turn(self.team.name, self.policy, request.model, usage, cost)
+        return ModelReply(message, usage, parsed.finish_reason, reported=checked.reported, upstream=upstream.name,
+                          cost_usd=cost, repairs=tuple(r.to_json() for r in reply.repairs))

@@ -1,0 +1,357 @@
+"""The governor: admits a model call against the run's limits and the team's budget.
+
+Every call is admitted before it is forwarded and closed after it, exactly once:
+
+    admit_turn(...)  a pass-through call: the run's turn slot, its calls in flight, its
+                     budget (strict) and the team's budget, checked and held in ONE atomic
+                     store step (`Store.admit`), so caps are exact across replicas
+    admit_call(...)  a server-side run's model call: the team's budget only (the run is
+                     driven under a lease by one replica, whose loop checks the run's caps)
+    booking(...)     the actual cost, booked by `Store.commit_turn` with the run's save
+    settle(...)      the actual cost booked on its own (server-side calls)
+    release(...)     nothing booked (upstream error, cancel, nothing received)
+
+An `Admission` is an async context manager: leaving it without a booking releases what it
+holds, whatever the exit (error, cancellation, client gone). What it holds belongs to this
+process (`owner`) and lives `ttl_s` unless renewed: the governor renews every hold of its
+calls in flight every third of that, so a process that dies blocks nothing for longer, and
+a restarted one releases its old holds at once (`release_owner`).
+
+Reservations are sized for every choice (`n`): the prompt once plus `n` times the output
+allowance. Modes: `turn` checks before the call (an overshoot is at most one turn per call
+in flight, and only when a reply outgrows its allowance); `strict` clamps the upstream
+`max_tokens` (per choice) to what the run's and the team's remaining budgets can pay for,
+so spend never passes either budget, and refuses when that is zero.
+
+Tokens are counted only where they change a decision: teams with a budget and strict
+runs. A pass-through call of a team without a budget counts nothing here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Any
+
+from gateway.config.settings import Defaults, TeamConfig
+from gateway.harness.state import RunState, public_run_id
+from gateway.harness.usage import Price, Usage
+from gateway.server.http.errors import Conflict, LimitExceeded
+from gateway.store.base import (
+    DEFAULT_RESERVATION_TTL_S,
+    Booking,
+    Claim,
+    Figures,
+    Grant,
+    Store,
+)
+from gateway.store.errors import StoreError
+from gateway.store.periods import period_key
+from gateway.tokens import TokenCounter
+
+log = logging.getLogger(__name__)
+
+RESERVE_ATTEMPTS = 8
+"""Strict reservations re-read the ledger and retry when a concurrent call got there first."""
+MARGIN_USD = 2e-6
+"""Kept off a strict clamp so float dust never turns an affordable reservation into a refusal."""
+
+Clock = Callable[[], datetime]
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What a model call asks for: its price, prompt, output cap per choice and choices."""
+
+    price: Price
+    messages: Sequence[Mapping[str, Any]]
+    tools: Sequence[Mapping[str, Any]] | None = None
+    max_tokens: int | None = None
+    n: int = 1
+
+
+@dataclass
+class Admission:
+    """One admitted call. `max_tokens` is the clamp to send upstream (strict), else None;
+    `allowed_completion` bounds the completion tokens the upstream may bill (all choices)."""
+
+    governor: Governor
+    run_id: str
+    team: TeamConfig
+    strict: bool
+    n: int = 1
+    period: str | None = None
+    reservation: str | None = None
+    max_tokens: int | None = None
+    prompt_tokens: int | None = None
+    allowed_completion: int | None = None
+    closed: bool = field(default=False)
+
+    async def __aenter__(self) -> Admission:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if not self.closed:  # nothing was booked: give everything back, even when cancelled
+            await asyncio.shield(self.governor.release(self))
+
+
+class RunCrowded(Conflict):
+    """Too many calls of one run in flight: refused before anything is forwarded; retryable."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="run_busy", headers={"x-should-retry": "true", "retry-after": "1"})
+
+
+class Governor:
+    """Admission control shared by the pass-through route and server-side runs."""
+
+    def __init__(self, store: Store, counter: TokenCounter, defaults: Defaults, clock: Clock = _utc_now, *,
+                 owner: str = "", ttl_s: float = DEFAULT_RESERVATION_TTL_S) -> None:
+        self.store = store
+        self.counter = counter
+        self.defaults = defaults
+        self.clock = clock
+        self.owner = owner
+        self.ttl_s = ttl_s
+        self._periods: dict[tuple[object, ...], str] = {}
+        self._live: set[str] = set()  # reservations of calls in flight here (renewed)
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    def period(self, team: TeamConfig) -> str:
+        """The team's ledger key now (rolls over with the clock)."""
+        if self.clock is _utc_now:  # the real clock: the UTC day number is enough to look it up
+            key: tuple[object, ...] = (team.budget_period, int(time.time() // 86_400))
+            cached = self._periods.get(key)
+            if cached is not None:
+                return cached
+        now = self.clock()
+        if now.tzinfo is None:
+            return period_key(team.budget_period, now)  # refuses a naive clock, by name
+        utc = now.astimezone(UTC)
+        if self.clock is not _utc_now:
+            key = (team.budget_period, utc.year, utc.month, utc.day)
+            cached = self._periods.get(key)
+            if cached is not None:
+                return cached
+        if len(self._periods) > 64:  # period_key formats dates: once a day per kind is enough
+            self._periods.clear()
+        self._periods[key] = value = period_key(team.budget_period, utc)
+        return value
+
+    # --- admission -------------------------------------------------------------------------
+
+    async def admit_turn(self, run: RunState, team: TeamConfig, ask: Ask) -> Admission:
+        """Admit one pass-through call of `run`: its turn slot and budget holds, or a refusal
+        (LimitExceeded, RunCrowded) before anything is forwarded."""
+        limits = run.limits
+        strict = limits.budget_mode == "strict" or team.budget_mode == "strict"
+        if limits.max_duration_s is not None:
+            started = run.started_at or run.created_at
+            if time.time() - started >= limits.max_duration_s:
+                raise LimitExceeded("max_duration_exceeded",
+                                    f"run {run.run_id} started {time.time() - started:.1f} s ago, past its cap of "
+                                    f"{limits.max_duration_s:g} s; nothing was forwarded")
+        if not strict and limits.max_budget_usd is not None and run.cost_usd >= limits.max_budget_usd:
+            raise LimitExceeded("budget_exceeded",
+                                f"run {run.run_id} spent ${run.cost_usd:.6f} of its ${limits.max_budget_usd:.6f} "
+                                "budget; nothing was forwarded")
+        adm = Admission(self, run.run_id, team, strict, n=ask.n, period=self.period(team))
+        run_budget = limits.max_budget_usd if strict else None
+
+        def claim(amount: float) -> Claim:
+            return Claim(team.name, adm.period or "", amount, team.budget_usd, run_id=run.run_id,
+                         max_turns=limits.max_turns, max_in_flight=self.defaults.max_calls_in_flight_per_run,
+                         run_budget_usd=run_budget, owner=self.owner, ttl_s=self.ttl_s)
+
+        await self._admit(adm, ask, claim, run_budget)
+        return adm
+
+    async def admit_call(self, run_id: str, team: TeamConfig, strict: bool, ask: Ask,
+                         run_remaining_usd: float | None) -> Admission:
+        """Admit one model call of a server-side run (its loop checks the run's own caps)."""
+        adm = Admission(self, run_id, team, strict, n=ask.n, period=self.period(team))
+
+        def claim(amount: float) -> Claim:
+            return Claim(team.name, adm.period or "", amount, team.budget_usd, owner=self.owner, ttl_s=self.ttl_s)
+
+        run_left = run_remaining_usd if strict else None
+        await self._admit(adm, ask, claim, None, run_left)
+        return adm
+
+    async def _admit(self, adm: Admission, ask: Ask, claim: Callable[[float], Claim], run_budget: float | None,
+                     run_left: float | None = None) -> None:
+        team = adm.team
+        counts = adm.strict or team.budget_usd is not None
+        prompt = self.counter.count_request(ask.messages, ask.tools) if counts else 0
+        adm.prompt_tokens = prompt if counts else None
+        allowance = ask.max_tokens or self.defaults.output_allowance_tokens
+        if not adm.strict:
+            amount = ask.price.cost(Usage(prompt, allowance * ask.n)) if team.budget_usd is not None else 0.0
+            self._close_on_refusal(adm, await self.store.admit(claim(amount)), ask, prompt, allowance)
+            adm.allowed_completion = None if ask.max_tokens is None else ask.max_tokens * ask.n
+            return
+        figures = await self.store.figures(team.name, adm.period or "", adm.run_id if run_budget is not None else None)
+        for _ in range(RESERVE_ATTEMPTS):
+            out = self._strict_output(adm, ask, prompt, allowance, figures, run_budget, run_left)
+            adm.max_tokens = out
+            grant = await self.store.admit(claim(ask.price.cost(Usage(prompt, out * ask.n))))
+            if grant.reservation_id is not None or grant.refused not in ("run_budget", "team_budget"):
+                self._close_on_refusal(adm, grant, ask, prompt, out)
+                adm.allowed_completion = out * ask.n
+                return
+            figures = grant.figures  # a concurrent call got there first: clamp again
+        raise self._refusal(adm, "team_budget", figures, ask, prompt, 1)
+
+    def _strict_output(self, adm: Admission, ask: Ask, prompt: int, allowance: int, figures: Figures,
+                       run_budget: float | None, run_left: float | None) -> int:
+        """The output tokens per choice that every budget can still pay for (strict mode)."""
+        out = allowance
+        if run_budget is not None:
+            run_left = run_budget - figures.run_cost_usd - figures.run_held_usd
+        if run_left is not None:
+            out = min(out, ask.price.max_output_tokens(run_left - MARGIN_USD, prompt) // ask.n)
+            if out <= 0:
+                raise self._refusal(adm, "run_budget", figures, ask, prompt, 1, run_left)
+        if adm.team.budget_usd is not None:
+            team_left = adm.team.budget_usd - figures.spent_usd - figures.reserved_usd - MARGIN_USD
+            out = min(out, ask.price.max_output_tokens(team_left, prompt) // ask.n)
+            if out <= 0:
+                raise self._refusal(adm, "team_budget", figures, ask, prompt, 1)
+        return out
+
+    def _close_on_refusal(self, adm: Admission, grant: Grant, ask: Ask, prompt: int, out: int) -> None:
+        if grant.reservation_id is None:
+            raise self._refusal(adm, grant.refused or "busy", grant.figures, ask, prompt, out)
+        adm.reservation = grant.reservation_id
+        self._live.add(grant.reservation_id)
+
+    def _refusal(self, adm: Admission, why: str, figures: Figures, ask: Ask, prompt: int, out: int,
+                 run_left: float | None = None) -> Exception:
+        adm.closed = True
+        run_id, team = public_run_id(adm.run_id), adm.team
+        need = ask.price.cost(Usage(prompt, out * ask.n))
+        choices = f" x {ask.n} choices" if ask.n > 1 else ""
+        if why == "max_turns":
+            extra = f", {figures.run_in_flight} more in flight" if figures.run_in_flight else ""
+            return LimitExceeded("max_turns_exceeded", f"run {run_id} reached its cap of turns ({figures.run_turns} "
+                                                       f"done{extra}); nothing was forwarded")
+        if why == "busy":
+            return RunCrowded(f"run {run_id} has {figures.run_in_flight} calls in flight, the most one run may have "
+                           f"(defaults.max_calls_in_flight_per_run); nothing was forwarded, retry when one is done")
+        if why == "run_missing":
+            return Conflict(f"run {run_id} is no longer stored; nothing was forwarded", code="run_not_found")
+        if why == "run_budget":
+            left = run_left if run_left is not None else None
+            shown = f"${max(left, 0.0):.6f}" if left is not None else "not enough"
+            return LimitExceeded("budget_exceeded",
+                                 f"run {run_id} has {shown} of budget left (spent ${figures.run_cost_usd:.6f}, held by "
+                                 f"calls in flight ${figures.run_held_usd:.6f}), not enough for the prompt ({prompt} "
+                                 f"tokens) and one output token{choices} (strict mode); nothing was forwarded")
+        mode = "strict mode: at least one output token" if adm.strict else f"allowance {out} output tokens"
+        return LimitExceeded(
+            "team_budget_exceeded",
+            f"team '{team.name}' budget of ${team.budget_usd or 0.0:.6f} for period {adm.period} cannot pay for this "
+            f"call: spent ${figures.spent_usd:.6f}, reserved by calls in flight ${figures.reserved_usd:.6f}, this call "
+            f"needs up to ${need:.6f} (prompt {prompt} tokens + {mode}{choices}); nothing was forwarded",
+        )
+
+    # --- closing ---------------------------------------------------------------------------
+
+    def _close(self, adm: Admission) -> bool:
+        if adm.closed:
+            return False
+        adm.closed = True
+        if adm.reservation is not None:
+            self._live.discard(adm.reservation)
+        return True
+
+    async def settle(self, adm: Admission, actual_usd: float) -> None:
+        """Book the call's actual cost (the team's ledger holds it even without a budget)."""
+        if not self._close(adm):
+            return
+        if adm.reservation is not None:
+            await self.store.settle(adm.reservation, actual_usd)
+        elif actual_usd > 0:
+            await self.store.charge(adm.team.name, adm.period or self.period(adm.team), actual_usd)
+
+    def booking(self, adm: Admission, actual_usd: float) -> Booking | None:
+        """Close the call and say what `Store.commit_turn` must book for it (what `settle`
+        would book); None when there is nothing to book (closed already, or free and
+        unreserved)."""
+        if not self._close(adm):
+            return None
+        if adm.reservation is None and actual_usd <= 0:
+            return None
+        return Booking(adm.team.name, adm.period or self.period(adm.team), actual_usd, adm.reservation)
+
+    async def book(self, booking: Booking) -> None:
+        """Book on its own what a failed `commit_turn` did not (settle is idempotent)."""
+        if booking.reservation_id is not None:
+            await self.store.settle(booking.reservation_id, booking.actual_usd)
+        elif booking.actual_usd > 0:
+            await self.store.charge(booking.team, booking.period, booking.actual_usd)
+
+    async def release(self, adm: Admission) -> None:
+        """Nothing to pay: give the reservation (and the run's slot) back."""
+        if self._close(adm) and adm.reservation is not None:
+            await self.store.release(adm.reservation)
+
+    def remaining(self, team: TeamConfig, ledger: tuple[float, float] | None) -> float | None:
+        """Budget minus spent minus reserved from ledger figures the store just reported."""
+        if team.budget_usd is None or ledger is None:
+            return None
+        return team.budget_usd - ledger[0] - ledger[1]
+
+    async def team_remaining(self, team: TeamConfig) -> float | None:
+        """Budget minus spent minus reserved for the current period (None: no team budget)."""
+        if team.budget_usd is None:
+            return None
+        spent, reserved = await self.store.team_spend(team.name, self.period(team))
+        return team.budget_usd - spent - reserved
+
+    # --- this process's holds --------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def run_lock(self, run_id: str) -> AsyncIterator[None]:
+        """Serialises this process's bookings of one run, so that concurrent calls of a run
+        book one after the other instead of all racing on the run's revision."""
+        lock, users = self._locks.get(run_id) or (asyncio.Lock(), 0)
+        self._locks[run_id] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[run_id]
+            if users <= 1:
+                del self._locks[run_id]
+            else:
+                self._locks[run_id] = (lock, users - 1)
+
+    async def start(self) -> None:
+        """A restarted process gives back what its previous life still held."""
+        if self.owner:
+            released = await self.store.release_owner(self.owner)
+            if released:
+                log.info("released %d reservations left by this gateway's previous process", released)
+
+    async def keep_alive(self) -> None:
+        """Renew the holds of calls in flight every third of their ttl (runs until cancelled)."""
+        while True:
+            await asyncio.sleep(self.ttl_s / 3)
+            if not self._live:
+                continue
+            try:
+                await self.store.renew(list(self._live), self.ttl_s)
+            except StoreError as exc:
+                log.warning("cannot renew %d reservations: %s", len(self._live), exc)

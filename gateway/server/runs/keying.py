@@ -1,0 +1,187 @@
+"""Run keying and run updates for calls that arrive over HTTP.
+
+`resolve_call` turns (team, X-Run-Id, X-Policy, body) into a `Call`: the run is loaded,
+or created for the caller's team on its first call (an OpenAI client sends a fixed
+X-Run-Id default header, so its first call creates the run). Everything that can be
+refused is checked before anything is written: a bad request leaves the store unchanged.
+
+`update_run` applies a change with optimistic concurrency: on `StaleRun` it reloads and
+applies the same change again, so concurrent calls of one run never lose a turn.
+`commit_run` does the same for a change that comes with trace lines and a ledger booking
+(`Store.commit_turn`): a refused attempt wrote nothing, so the retry books exactly once.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from gateway.config.settings import ModelRoute, TeamConfig
+from gateway.harness.state import (
+    Interruption,
+    Message,
+    RunState,
+    Status,
+    new_run_id,
+    scoped_run_id,
+)
+from gateway.harness.usage import Usage
+from gateway.policy.decl import Policy
+from gateway.policy.registry import PolicyRegistry
+from gateway.server.http.chat_request import ChatRequest
+from gateway.server.http.errors import (
+    ApiError,
+    Conflict,
+    Forbidden,
+    InvalidField,
+    NotFound,
+    PolicyMismatch,
+)
+from gateway.server.http.headers import run_headers
+from gateway.store.base import Booking, Event, Ledger, Store
+from gateway.store.errors import RunExists, StaleRun
+
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$")
+UPDATE_ATTEMPTS = 32
+
+
+@dataclass
+class Call:
+    """One authenticated, validated chat-completions call and the run it belongs to."""
+
+    team: TeamConfig
+    policy: Policy
+    run: RunState
+    created: bool
+    chat: ChatRequest
+    route: ModelRoute
+
+
+def run_id_from(headers: Mapping[str, str]) -> str | None:
+    """X-Run-Id if given (checked), else None."""
+    value = headers.get("X-Run-Id")
+    if value is None or value == "":
+        return None
+    if not RUN_ID.match(value):
+        raise InvalidField("X-Run-Id", "X-Run-Id must be 1-128 characters of letters, digits, '_', '-', '.', ':' "
+                           "starting with a letter or digit", "invalid_value")
+    return value
+
+
+async def resolve_call(store: Store, policies: PolicyRegistry, team: TeamConfig, headers: Mapping[str, str],
+                       chat: ChatRequest, route: ModelRoute) -> Call:
+    """Load or create the call's run; 404 for another team's run, 403/400 for policy problems."""
+    given = run_id_from(headers)
+    run_id = scoped_run_id(team.name, given) if given is not None else None  # ids are per team
+    wanted = headers.get("X-Policy") or None
+    run = await store.load_run(run_id) if run_id is not None else None
+    if run is None:
+        policy = _new_run_policy(policies, team, wanted)
+        run = RunState.new(chat.model, list(chat.messages), run_id=run_id or scoped_run_id(team.name, new_run_id()),
+                           team=team.name,
+                           policy=policy.name, policy_version=policy.version, limits=policy.limits)
+        try:
+            await store.create_run(run)
+            return Call(team, policy, run, True, chat, route)
+        except RunExists:  # a concurrent first call created it: join that run
+            loaded = await store.load_run(run.run_id)
+            if loaded is None:
+                raise
+            run = loaded
+    try:
+        policy = _existing_run_policy(policies, team, run, wanted)
+    except ApiError as exc:
+        if run.team == team.name:  # the caller's own run: its figures go with the error
+            exc.headers.update(run_headers(run))
+        raise
+    return Call(team, policy, run, False, chat, route)
+
+
+def _new_run_policy(policies: PolicyRegistry, team: TeamConfig, wanted: str | None) -> Policy:
+    name = wanted or team.default_policy
+    if name not in team.policies:
+        raise Forbidden(f"policy '{name}' is not allowed for team '{team.name}' (allowed: {', '.join(team.policies)})",
+                        code="policy_not_allowed", param="X-Policy")
+    policy = policies.get(name)
+    if policy is None:
+        raise NotFound(f"policy '{name}' is not loaded by this gateway (loaded: {', '.join(policies.names())})",
+                       code="policy_not_found", param="X-Policy")
+    return policy
+
+
+def _existing_run_policy(policies: PolicyRegistry, team: TeamConfig, run: RunState, wanted: str | None) -> Policy:
+    if run.team != team.name:
+        raise NotFound(f"run {run.public_id} not found", code="run_not_found", param="X-Run-Id")
+    if wanted is not None and wanted != run.policy:
+        raise PolicyMismatch(f"run {run.public_id} is governed by policy '{run.policy}'; X-Policy '{wanted}' cannot "
+                             "change it (omit X-Policy, or start a new run)")
+    policy = policies.for_run(run.policy, run.policy_version)
+    if policy is None:
+        raise Conflict(f"run {run.public_id} is governed by policy '{run.policy}', which is no longer loaded",
+                       code="policy_not_found")
+    return policy
+
+
+async def update_run(store: Store, run: RunState, change: Callable[[RunState], None]) -> RunState:
+    """Apply `change` and save; on a concurrent save, reload and apply it again."""
+    for _ in range(UPDATE_ATTEMPTS):
+        change(run)
+        try:
+            await store.save_run(run)
+            return run
+        except StaleRun:
+            fresh = await store.load_run(run.run_id)
+            if fresh is None:
+                raise
+            run = fresh
+    raise Conflict(f"run {run.public_id} is being changed by too many calls at once; retry", code="run_contended",
+                   headers={"x-should-retry": "true", "retry-after": "1"})
+
+
+async def commit_run(store: Store, run: RunState, change: Callable[[RunState], None],
+                     trace: Callable[[RunState], list[Event]], booking: Booking | None,
+                     attempts: int = UPDATE_ATTEMPTS) -> tuple[RunState, list[Event], Ledger | None]:
+    """Apply `change`, then save it with `trace(run)`'s lines and `booking` in one store step;
+    on a concurrent save, reload and do it again. Returns the run, the lines and the ledger."""
+    for _ in range(attempts):
+        change(run)
+        events = trace(run)
+        try:
+            return run, events, await store.commit_turn(run, events, booking)
+        except StaleRun:
+            fresh = await store.load_run(run.run_id)
+            if fresh is None:
+                raise
+            run = fresh
+    raise Conflict(f"run {run.public_id} is being changed by too many calls at once; retry", code="run_contended",
+                   headers={"x-should-retry": "true", "retry-after": "1"})
+
+
+def add_turn(*, model: str, usage: Usage, cost_usd: float, transcript: list[Message] | None,
+             completed: bool) -> Callable[[RunState], None]:
+    """The change one pass-through turn makes to its run."""
+
+    def change(run: RunState) -> None:
+        run.model = model
+        run.count_turn(usage, cost_usd)
+        if transcript is not None:
+            run.messages = transcript
+        # A final answer completes the run; a further call (the client's loop went on) reopens it.
+        if completed:
+            run.status, run.reason, run.interruption = "completed", "completed", None
+        else:
+            run.status, run.reason, run.interruption = "running", None, None
+        run.error = None
+
+    return change
+
+
+def stop_run(status: Status, reason: str, interruption: Interruption | None,
+             error: str | None = None) -> Callable[[RunState], None]:
+    """The change a refused call makes: the run takes the refusal's status."""
+
+    def change(run: RunState) -> None:
+        run.status, run.reason, run.interruption, run.error = status, reason, interruption, error
+
+    return change

@@ -1,0 +1,215 @@
+"""Recovery: runs cut by a crash and approvals nobody decided, settled without anyone acting.
+
+A `Sweeper` runs once when the gateway starts and then every `period_s` (half of
+`server.lease_ttl_s`) on every replica:
+
+- a server-side run still `running` whose lease is free (its process died: the lease
+  expired, or it is this process's own from before a restart) and that was not saved for
+  a whole lease TTL is either resumed (policy `recovery: resume`) or stopped as
+  `interrupted` with reason `crashed` (the default), so its owner sees it and may resume
+  it. A run that waits for its client's tool results is between calls, like any
+  pass-through run: left alone.
+- a run waiting for a decision past its policy's `approval.expires_after_s` gets the
+  expiry's rejection (as when someone decides late), traced `approval_expired`, and the
+  team's `gateway_approvals_pending` is recounted.
+
+Each change is made while holding the run's lease (and its `ActiveRuns` claim), and
+saved with the run's revision: two replicas sweeping at once never change a run twice.
+A sweep reads at most `scan` runs of each status, newest first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from gateway.harness.approvals import ApprovalError, decide
+from gateway.harness.state import Interruption, RunState, pending
+from gateway.harness.trace import Tracer
+from gateway.policy.approval import EXPIRED_BY, expired, expiry_decision
+from gateway.policy.decl import Policy
+from gateway.providers.errors import UpstreamError
+from gateway.server.http.errors import ApiError
+from gateway.server.runs.cancels import RunBusy
+from gateway.server.runs.continuations import resume_with
+from gateway.server.runs.driver import PolicyGone, Prepare, RunDriver
+from gateway.server.runs.tracelog import TraceWriter
+from gateway.store.errors import StaleRun, StoreError
+
+log = logging.getLogger(__name__)
+
+CRASHED: Final = "crashed"
+"""The reason of a run stopped by recovery: the process driving it died."""
+STARTUP_SCAN: Final = 10_000
+PERIODIC_SCAN: Final = 500
+RECOVERED_BY: Final = "gateway-recovery"
+
+
+@dataclass
+class SweepReport:
+    """What one sweep did, by run id."""
+
+    interrupted: list[str] = field(default_factory=list)
+    resumed: list[str] = field(default_factory=list)
+    expired: list[str] = field(default_factory=list)
+
+
+class Sweeper:
+    """Finds crashed runs and expired approvals in the store and settles them."""
+
+    def __init__(self, driver: RunDriver, *, trace_file: Path | None, period_s: float) -> None:
+        self.driver = driver
+        self.store = driver.store
+        self.trace_file = trace_file
+        self.period_s = period_s
+        self._resuming: set[asyncio.Task[None]] = set()
+
+    async def sweep(self, scan: int = PERIODIC_SCAN) -> SweepReport:
+        """One pass over running and interrupted runs. Raises StoreError if the store fails."""
+        report = SweepReport()
+        for run in await self.store.list_runs(status="running", limit=scan):
+            await self._recover(run, report)
+        for run in await self.store.list_runs(status="interrupted", limit=scan):
+            await self._expire(run, report)
+        return report
+
+    async def run_forever(self, stop: asyncio.Event) -> None:
+        """Sweep every `period_s` until `stop` is set; a failing store is retried next period."""
+        failing = False
+        while not stop.is_set():
+            try:
+                report = await self.sweep()
+                failing = False
+                if report.interrupted or report.resumed or report.expired:
+                    log.warning("recovery: interrupted %s, resumed %s, expired approvals of %s",
+                                report.interrupted or "none", report.resumed or "none", report.expired or "none")
+            except (StoreError, TimeoutError) as exc:
+                if not failing:
+                    log.warning("recovery sweep failed, retrying every %.1fs: %s", self.period_s, exc)
+                failing = True
+            except Exception:  # a bug must not end recovery for the life of the process
+                log.exception("recovery sweep failed")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.period_s):
+                    await stop.wait()
+
+    async def close(self) -> None:
+        """Stop the resumes this sweeper started (they are saved as interrupted, resumable)."""
+        for task in list(self._resuming):
+            task.cancel()
+        if self._resuming:
+            await asyncio.wait(self._resuming, timeout=5.0)
+
+    def _policy(self, run: RunState) -> Policy | None:
+        try:
+            return self.driver.policy_of(run)
+        except PolicyGone:
+            return None
+
+    def _orphan_candidate(self, run: RunState, policy: Policy | None) -> bool:
+        if policy is None or not policy.server_side or run.run_id in self.driver.active:
+            return False
+        if time.time() - run.updated_at < self.driver.lease_ttl_s:
+            return False  # just created or saved: its driver may be about to take the lease
+        server = {t.name for t in policy.tools}
+        owes_client = any((c.get("function") or {}).get("name") not in server for c in pending(run))
+        return not owes_client
+
+    async def _recover(self, run: RunState, report: SweepReport) -> None:
+        policy = self._policy(run)
+        if not self._orphan_candidate(run, policy):
+            return
+        assert policy is not None
+        if policy.recovery == "resume":
+            await self._resume(run, report)
+            return
+        driver = self.driver
+        try:
+            with driver.active.claim(run.run_id, lambda event: None):
+                if not await self.store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s):
+                    return  # driven by a live replica
+                try:
+                    fresh = await self.store.load_run(run.run_id)
+                    if fresh is None or fresh.revision != run.revision or fresh.status != "running":
+                        return
+                    await self._interrupt(fresh)
+                    report.interrupted.append(run.run_id)
+                finally:
+                    await self.store.release_lease(run.run_id, driver.owner)
+        except (RunBusy, StaleRun):
+            return
+
+    async def _interrupt(self, run: RunState) -> None:
+        detail = ("the gateway process driving this run stopped (crashed or was killed) mid-run; "
+                  "resume it to go on from its last saved step")
+        writer = TraceWriter(self.store, run.run_id, trace_file=self.trace_file)
+        Tracer(run.run_id, writer)("run_stopped", status="interrupted", reason=CRASHED, turns=run.turns,
+                                   costUsd=round(run.cost_usd, 9), detail=detail)
+        await writer.flush()
+        run.status, run.reason, run.interruption = "interrupted", CRASHED, Interruption("crashed", reason=detail)
+        await self.store.save_run(run)
+
+    async def _resume(self, run: RunState, report: SweepReport) -> None:
+        # The lease decides who drives: `drive` takes it (or raises RunBusy) before loading the run.
+        prepare = resume_with(None, None, RECOVERED_BY)
+        task = asyncio.get_running_loop().create_task(self._drive(run.run_id, prepare))
+        self._resuming.add(task)
+        task.add_done_callback(self._resuming.discard)
+        report.resumed.append(run.run_id)
+
+    async def _drive(self, run_id: str, prepare: Prepare) -> None:
+        try:
+            await self.driver.drive(run_id, prepare=prepare, start="run_resumed")
+        except RunBusy:
+            pass
+        except (ApiError, UpstreamError, StoreError) as exc:
+            log.warning("recovery could not resume run %s: %s", run_id, exc)
+
+    async def _expire(self, run: RunState, report: SweepReport) -> None:
+        waiting = run.interruption
+        if waiting is None or waiting.type != "approval" or waiting.call_id is None:
+            return
+        if waiting.call_id in run.decisions:
+            return
+        policy = self._policy(run)
+        if policy is None or policy.approval.expires_after_s is None:
+            return
+        asked_at = await self._asked_at(run, waiting.call_id)
+        if not expired(asked_at, time.time(), policy.approval):
+            return
+        driver = self.driver
+        try:
+            with driver.active.claim(run.run_id, lambda event: None):
+                if not await self.store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s):
+                    return
+                try:
+                    fresh = await self.store.load_run(run.run_id)
+                    if fresh is None or fresh.revision != run.revision:
+                        return
+                    decision = expiry_decision(policy.approval)
+                    decide(fresh, waiting.call_id, decision)
+                    writer = TraceWriter(self.store, run.run_id, trace_file=self.trace_file)
+                    Tracer(run.run_id, writer)(
+                        "approval_expired", callId=waiting.call_id, toolName=waiting.tool_name, args=waiting.args,
+                        decision=decision.decision, reason=decision.reason, by=EXPIRED_BY, expired=True)
+                    await writer.flush()
+                    await self.store.save_run(fresh)
+                    report.expired.append(run.run_id)
+                finally:
+                    await self.store.release_lease(run.run_id, driver.owner)
+        except (RunBusy, StaleRun, ApprovalError):
+            return
+        await driver.refresh_approvals(run.team)
+
+    async def _asked_at(self, run: RunState, call_id: str) -> float:
+        """When the run asked about `call_id` (its trace), else when it was last saved."""
+        asked = [e.get("ts") for _, e in await self.store.events(run.run_id)
+                 if e.get("type") == "approval_required" and e.get("callId") == call_id]
+        if asked and isinstance(asked[-1], (int, float)):
+            return float(asked[-1])
+        return run.updated_at

@@ -1,0 +1,88 @@
+"""A run's trace on its way to the store: buffered, in order, flushed before every save.
+
+The loop emits trace lines synchronously (`options.on_event`); the store is async. The
+writer keeps the lines in order, hands each one at once to in-process listeners (metrics,
+the SSE progress of the request), and writes them to the store (and the optional trace
+file) in the background and, at the latest, before the run's next checkpoint, so the
+saved trace never lags the saved state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from gateway.store import tracefile
+from gateway.store.base import Event, Store
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[Event], None]
+
+
+class TraceWriter:
+    """The `on_event` sink of one driven run."""
+
+    def __init__(self, store: Store, run_id: str, *, trace_file: Path | None = None,
+                 listeners: Sequence[Listener] = ()) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.trace_file = trace_file
+        self.listeners = list(listeners)
+        self._buffer: list[Event] = []
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+
+    def __call__(self, event: Event) -> None:
+        self._buffer.append(event)
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:  # a broken listener (metrics, a gone client) must not stop the run
+                log.exception("trace listener failed on %s", event.get("type"))
+        self._wake.set()
+
+    def start(self) -> None:
+        """Write lines in the background as they come (progress reaches `follow` readers live)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._pump())
+
+    async def _pump(self) -> None:
+        while not self._closing:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self.flush()
+            except Exception:  # kept in the buffer: the next checkpoint's flush retries and raises
+                log.exception("cannot write the trace of run %s yet", self.run_id)
+
+    async def flush(self) -> None:
+        """Write every buffered line, in order; concurrent flushes queue behind each other."""
+        async with self._lock:
+            if not self._buffer:
+                return
+            batch, self._buffer = self._buffer, []
+            try:
+                await self.store.append_events(self.run_id, batch)
+            except BaseException:
+                self._buffer[:0] = batch
+                raise
+            if self.trace_file is not None:
+                _append_lines(self.trace_file, batch)
+
+    async def close(self) -> None:
+        """Stop the background writer and write what is left."""
+        task, self._task = self._task, None
+        self._closing = True
+        self._wake.set()
+        if task is not None:
+            await task  # lets a flush in progress finish: cancelling it could lose its batch
+        await self.flush()
+
+
+def _append_lines(path: Path, events: list[Event]) -> None:
+    tracefile.append(path, events)
