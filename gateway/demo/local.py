@@ -67,6 +67,7 @@ KEY: Final = "sk-demo"
 LOCAL_START_TIMEOUT_S: Final = 600.0  # the first start assembles the model (seconds to minutes)
 GATEWAY_START_TIMEOUT_S: Final = 30.0
 DEMO_MAX_TURNS: Final = 6
+DEMO_TOOL_ROUNDS: Final = 2
 DEMO_MAX_TOKENS: Final = 256  # a call or a one-sentence answer needs under 100 tokens
 # On two shared cores under load the model writes 0.3-3 tokens a second (measured 2026-12-01),
 # so the demo gives a call ten minutes; still a deadline, and the cap bounds the work.
@@ -305,12 +306,15 @@ async def served_model(session: aiohttp.ClientSession, base_url: str) -> str:
     return f"{name or 'no general.name'} ({Path(path).name})"
 
 
-def demo_policies(folder: Path, source: Path = POLICIES_DIR) -> Path:
-    """The shipped `files` policy with its turn cap lowered to DEMO_MAX_TURNS, in `folder`/policies."""
+def demo_policies(folder: Path, source: Path = POLICIES_DIR, tool_rounds: int | None = DEMO_TOOL_ROUNDS) -> Path:
+    """The shipped `files` policy with its turn cap lowered to DEMO_MAX_TURNS and, unless
+    `tool_rounds` is None, tools offered for that many turns only, in `folder`/policies."""
     policy = yaml.safe_load((source / "files.yaml").read_text())
     policy.setdefault("limits", {})["max_turns"] = DEMO_MAX_TURNS
+    if tool_rounds is not None:
+        policy["tool_rounds"] = tool_rounds
     out = folder / "policies"
-    out.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "files.yaml").write_text(yaml.safe_dump(policy, sort_keys=False))
     return out
 
@@ -331,14 +335,14 @@ def gateway_config(local_url: str, port: int, policies_dir: Path = POLICIES_DIR,
 
 
 async def start_gateway(session: aiohttp.ClientSession, folder: Path, local_url: str,
-                        repair: bool = True) -> tuple[str, Child]:
+                        repair: bool = True, tool_rounds: int | None = DEMO_TOOL_ROUNDS) -> tuple[str, Child]:
     """`gateway serve` on a free port with a temporary config in `folder`; its URL once /healthz is 200."""
     if not (POLICIES_DIR / "files.yaml").is_file():
         raise DemoError(f"the shipped policies are not at {POLICIES_DIR} (policies/files.yaml is needed)")
     port = _free_port()
     config = folder / "config.yaml"
-    config.write_text(yaml.safe_dump(gateway_config(local_url, port, demo_policies(folder), repair=repair),
-                                     sort_keys=False))
+    policies = demo_policies(folder, tool_rounds=tool_rounds)
+    config.write_text(yaml.safe_dump(gateway_config(local_url, port, policies, repair=repair), sort_keys=False))
     child = Child.start(["serve", "--config", str(config)], folder / "gateway.log")
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + GATEWAY_START_TIMEOUT_S
@@ -398,7 +402,8 @@ async def run_task(session: aiohttp.ClientSession, gateway: str, model: str, tas
     )
 
 
-async def run_demo(local_url: str, as_json: bool = False, repair: bool = True) -> list[TaskResult]:
+async def run_demo(local_url: str, as_json: bool = False, repair: bool = True,
+                   tool_rounds: int | None = DEMO_TOOL_ROUNDS) -> list[TaskResult]:
     """Start what is missing, run the six tasks through the gateway, print a line (or JSON) each."""
     truth = Truth.of()
     results: list[TaskResult] = []
@@ -407,12 +412,13 @@ async def run_demo(local_url: str, as_json: bool = False, repair: bool = True) -
         async with aiohttp.ClientSession() as session:
             model, local = await ensure_local(session, local_url, folder)
             try:
-                gateway, served = await start_gateway(session, folder, local_url, repair)
+                gateway, served = await start_gateway(session, folder, local_url, repair, tool_rounds)
                 weights = await served_model(session, local_url)
-                _say(f"model {model} at {local_url}, gateway {gateway} (policy files, at most {DEMO_MAX_TURNS} turns, "
-                     f"tool-call repair {'on' if repair else 'off'}); six tasks, one at a time")
+                setup = (f"tool-call repair {'on' if repair else 'off'}, at most {DEMO_MAX_TURNS} turns, tools offered "
+                         + (f"for {tool_rounds} turn(s)" if tool_rounds else "on every turn"))
+                _say(f"model {model} at {local_url}, gateway {gateway} (policy files; {setup}); six tasks, one at a time")
                 if not as_json:
-                    print(f"model served: {weights}; tool-call repair {'on' if repair else 'off'}", flush=True)
+                    print(f"model served: {weights}; {setup}", flush=True)
                 try:
                     for task in TASKS:
                         result = await run_task(session, gateway, model, task, truth)
@@ -432,8 +438,10 @@ async def run_demo(local_url: str, as_json: bool = False, repair: bool = True) -
 def local_demo(args: argparse.Namespace) -> int:
     """`gateway demo --local [--local-url URL] [--json]`: 0 once the six tasks ran, 1 if the demo could not run."""
     try:
+        rounds = getattr(args, "tool_rounds", None)
         asyncio.run(run_demo(args.local_url, as_json=bool(getattr(args, "json", False)),
-                             repair=not getattr(args, "no_repair", False)))
+                             repair=not getattr(args, "no_repair", False),
+                             tool_rounds=DEMO_TOOL_ROUNDS if rounds is None else (rounds or None)))
     except DemoError as exc:
         _say(str(exc))
         return 1

@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 TOP_FIELDS = ("name", "description", "limits", "tools", "tool_errors", "dedupe", "stop_when", "approval",
-              "sandbox", "system_prompt", "recovery")
+              "sandbox", "system_prompt", "recovery", "tool_rounds")
 TOOL_FIELDS = ("name", "description", "parameters", "read_only", "needs_approval", "timeout_s", "executor")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # what OpenAI accepts as a function name
@@ -100,6 +100,7 @@ def parse_policy(raw: bytes, path: str | Path) -> Policy:
         sandbox=_sandbox(f.get("sandbox")),
         system_prompt=s.string() if (s := f.get("system_prompt")) else None,
         recovery=cast(Recovery, r.choice(get_args(Recovery))) if (r := f.get("recovery")) else "interrupt",
+        tool_rounds=n.positive_int() if (n := f.get("tool_rounds")) else None,
     )
 
 

@@ -16,6 +16,7 @@ from gateway.demo.local import (
     DEMO_CALL_DEADLINE_S,
     DEMO_MAX_TOKENS,
     DEMO_MAX_TURNS,
+    DEMO_TOOL_ROUNDS,
     TASKS,
     DemoError,
     TaskResult,
@@ -139,7 +140,10 @@ def test_gateway_config_is_valid_for_the_real_loader(tmp_path: Path) -> None:
     local = config.upstreams["local"]
     assert (local.kind, local.tool_repair, local.max_tokens) == ("local", True, DEMO_MAX_TOKENS)
     assert local.timeout_s == DEMO_CALL_DEADLINE_S
-    assert yaml.safe_load((policies / "files.yaml").read_text())["limits"]["max_turns"] == DEMO_MAX_TURNS
+    demo_files = yaml.safe_load((policies / "files.yaml").read_text())
+    assert demo_files["limits"]["max_turns"] == DEMO_MAX_TURNS and demo_files["tool_rounds"] == DEMO_TOOL_ROUNDS
+    always = yaml.safe_load((demo_policies(tmp_path / "x", tool_rounds=None) / "files.yaml").read_text())
+    assert "tool_rounds" not in always
     off = gateway_config("http://127.0.0.1:8081/v1", 9999, policies, repair=False)
     assert parse_config(off, path).upstreams["local"].tool_repair is False
 

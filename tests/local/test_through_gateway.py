@@ -23,7 +23,7 @@ import yaml
 
 from gateway.tools.catalog import PLAN_TASK, SYSTEM_PROMPT
 from tests.local.conftest import LocalModel
-from tests.support.procs import ROOT, Proc, free_port, start_gateway
+from tests.support.procs import ROOT, Proc, free_port, serving_config
 
 pytestmark = pytest.mark.local
 
@@ -54,13 +54,8 @@ def gateway(local_model: LocalModel, tmp_path: Path) -> Iterator[Proc]:
         "models": [{"match": "*", "upstream": "local", "price_in": PRICE_IN, "price_out": PRICE_OUT}],
         "teams": [{"name": "demo", "keys": [KEY], "budget_usd": None, "policies": ["files"]}],
     }
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    proc = start_gateway(["serve", "--config", str(tmp_path / "config.yaml")], "/healthz", port,
-                         tmp_path / "gateway.log")
-    try:
+    with serving_config(tmp_path, config) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def get(proc: Proc, path: str) -> bytes:

@@ -17,12 +17,11 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-import yaml
 from aiohttp import web
 
 from gateway.tools.catalog import FILE_TOOLS, SYSTEM_PROMPT
 from tests.server.test_admission import serving, write_policies
-from tests.support.procs import Proc, free_port, start_gateway
+from tests.support.procs import Proc, free_port, serving_config
 
 KEY = "sk-repair"
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "local_replies"
@@ -79,13 +78,8 @@ def gateway(tmp_path: Path, llama: tuple[LlamaLike, str]) -> Iterator[Proc]:
                    {"match": "*", "upstream": "small", "price_in": 1.0, "price_out": 1.0}],
         "teams": [{"name": "t", "keys": [KEY], "budget_usd": None, "policies": ["passthrough", "files"]}],
     }
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    proc = start_gateway(["serve", "--config", str(tmp_path / "config.yaml")], "/healthz", port,
-                         tmp_path / "gateway.log")
-    try:
+    with serving_config(tmp_path, config) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 async def post(session: aiohttp.ClientSession, gw: Proc, body: dict[str, Any], **headers: str) -> tuple[int, Any]:
