@@ -25,7 +25,8 @@ from gateway.tools.catalog import PLAN_TASK, SYSTEM_PROMPT
 from tests.local.conftest import LocalModel
 from tests.support.procs import ROOT, Proc, free_port, serving_config
 
-pytestmark = pytest.mark.local
+# Two capped turns of a CPU model on a loaded 2-core machine (0.1-3 tokens a second measured): minutes.
+pytestmark = [pytest.mark.local, pytest.mark.timeout(900)]
 
 KEY = "sk-demo"
 PRICE_IN, PRICE_OUT = 1.50, 6.00  # USD per million tokens: nonzero so the cost is checkable
