@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "policy": "gateway.policy.check:policy_command",
     "trace": "gateway.trace_view:trace_command",
     "prune": "gateway.server.runs.retention:prune_command",
+    "approvals": "gateway.approvals_cli:approvals_command",
 }
 
 
@@ -66,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     prune = sub.add_parser("prune", help="delete what config.yaml's retention says is too old, now")
     prune.add_argument("--config", default="config.yaml")
+
+    from gateway import approvals_cli  # stdlib only: cheap to import
+
+    approvals_cli.add_parser(sub)
     return parser
 
 

@@ -2,6 +2,8 @@
 # Install the Debian packages the test suite starts as real processes:
 #   redis-server  (the redis store tests)
 #   prometheus    (the metrics proof: a real Prometheus scraping a real gateway; ships promtool)
+#   chromium      (the console tests: a real headless browser, driven by Playwright, which
+#                  cannot download its own browser builds here)
 # Idempotent: does nothing when every command is already present, and runs
 # `apt-get update` only when something has to be installed. Works as root, or through
 # sudo when not root.
@@ -18,9 +20,10 @@ need() {
 need redis-server redis-server
 need prometheus prometheus
 need promtool prometheus
+need chromium chromium
 
 if [ -z "$missing" ]; then
-    echo "install-test-deps: nothing to do (redis-server, prometheus, promtool present)"
+    echo "install-test-deps: nothing to do (redis-server, prometheus, promtool, chromium present)"
     exit 0
 fi
 
@@ -45,7 +48,7 @@ $as_root apt-get update -q
 # shellcheck disable=SC2086
 $as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $packages
 
-for cmd in redis-server prometheus promtool; do
+for cmd in redis-server prometheus promtool chromium; do
     if ! command -v "$cmd" >/dev/null 2>&1; then
         echo "install-test-deps: $cmd still missing after install" >&2
         exit 1

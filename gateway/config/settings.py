@@ -56,6 +56,7 @@ import yaml
 
 from gateway.config.fields import ConfigError, Field
 from gateway.harness.usage import Price
+from gateway.config.webhooks import WebhookConfig, parse_public_url, parse_webhooks
 
 __all__ = [
     "Config", "ConfigError", "Defaults", "MetricsConfig", "ModelRoute", "RetentionConfig", "ServerConfig", "StoreConfig",
@@ -93,6 +94,8 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
     refusal_status: int = 429
+    public_url: str | None = None
+    """Where people reach this gateway (links in notifications); None: the listening address."""
 
 
 REFUSAL_STATUSES = (429, 400, 402, 403)
@@ -169,6 +172,8 @@ class RetentionConfig:
       period and a `total` one are never pruned.
     - `trace_file_max_mb` / `trace_file_keep`: the trace file is rotated past this size,
       keeping this many old files (trace.jsonl.1 ...).
+    - `outbox_days`: webhook notices delivered or given up this long ago (a budget
+      threshold's notice is kept until its period ended, so it is never sent twice).
     """
 
     runs_days: float | None = 30.0
@@ -177,6 +182,7 @@ class RetentionConfig:
     trace_file_max_mb: float | None = 100.0
     trace_file_keep: int = 5
     interval_s: float = 3600.0
+    outbox_days: float | None = 7.0
 
 
 @dataclass(frozen=True)
@@ -211,6 +217,7 @@ class Config:
     defaults: Defaults = field(default_factory=Defaults)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
+    webhooks: tuple[WebhookConfig, ...] = ()
     _routes: dict[str, ModelRoute | None] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def route(self, model: str) -> ModelRoute | None:
@@ -256,7 +263,7 @@ def parse_config(data: Any, file: Path) -> Config:
     base = file.resolve().parent
     root = Field(str(file), "", data if data is not None else {})
     root.keys_only({"server", "store", "policies_dir", "runs_dir", "trace_file", "spool_file", "upstreams", "models",
-                    "teams", "defaults", "metrics", "retention"})
+                    "teams", "defaults", "metrics", "retention", "webhooks"})
     upstreams = _upstreams(root.get("upstreams"))
     store = _store(root.get("store"), base)
     server = _server(root.get("server"))
@@ -264,6 +271,7 @@ def parse_config(data: Any, file: Path) -> Config:
     if metrics.listen == (server.host, server.port):
         root.get("metrics").get("listen").fail("is the gateway's own address (server.host:server.port); give "
                                                "/metrics another port, or leave listen out to serve it there")
+    teams = _teams(root.get("teams"))
     return Config(
         path=file,
         server=server,
@@ -274,22 +282,24 @@ def parse_config(data: Any, file: Path) -> Config:
         spool_file=_optional_path(root.get("spool_file"), base) or base / "spool.jsonl",
         upstreams=upstreams,
         models=_models(root.get("models"), upstreams),
-        teams=_teams(root.get("teams")),
+        teams=teams,
         defaults=_defaults(root.get("defaults")),
         metrics=metrics,
         retention=_retention(root.get("retention")),
+        webhooks=parse_webhooks(root.get("webhooks"), [t.name for t in teams]),
     )
 
 
 def _server(at: Field) -> ServerConfig:
     if at.missing:
         return ServerConfig()
-    at.keys_only({"host", "port", "max_body_bytes", "lease_ttl_s", "refusal_status"})
+    at.keys_only({"host", "port", "max_body_bytes", "lease_ttl_s", "refusal_status", "public_url"})
     refusal = at.get("refusal_status")
     status = refusal.optional_int(429)
     if status not in REFUSAL_STATUSES:
         refusal.fail(f"must be one of {', '.join(map(str, REFUSAL_STATUSES))}, got {status}")
     return ServerConfig(
+        public_url=parse_public_url(at.get("public_url")),
         host=at.get("host").optional_str("127.0.0.1"),
         port=at.get("port").optional_int(8080, low=0, high=65535),
         max_body_bytes=at.get("max_body_bytes").optional_int(DEFAULT_MAX_BODY_BYTES, low=1),
@@ -462,7 +472,8 @@ def _retention(at: Field) -> RetentionConfig:
     base = RetentionConfig()
     if at.missing:
         return base
-    at.keys_only({"runs_days", "events_days", "ledger_days", "trace_file_max_mb", "trace_file_keep", "interval_s"})
+    at.keys_only({"runs_days", "events_days", "ledger_days", "trace_file_max_mb", "trace_file_keep", "interval_s",
+                  "outbox_days"})
     return RetentionConfig(
         runs_days=_days(at.get("runs_days"), base.runs_days),
         events_days=_days(at.get("events_days"), base.events_days),
@@ -470,4 +481,5 @@ def _retention(at: Field) -> RetentionConfig:
         trace_file_max_mb=_days(at.get("trace_file_max_mb"), base.trace_file_max_mb),
         trace_file_keep=at.get("trace_file_keep").optional_int(base.trace_file_keep, low=0),
         interval_s=at.get("interval_s").optional_number(base.interval_s, positive=True),
+        outbox_days=_days(at.get("outbox_days"), base.outbox_days),
     )

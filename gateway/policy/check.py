@@ -96,7 +96,8 @@ def describe(policy: Policy) -> str:
         ap = policy.approval
         expiry = f"expire after {duration_text(ap.expires_after_s)}" if ap.expires_after_s else "never expire"
         lines.append(f"  approvers: {', '.join(ap.approvers) or '(the team that owns the run)'}; "
-                     f"pending approvals {expiry}")
+                     f"pending approvals {expiry}; after a decision the run "
+                     f"{'resumes at once' if ap.on_decision == 'resume' else 'waits for a resume'}")
         if policy.sandbox is not None:
             where = f"a fresh copy of sample '{policy.sandbox.sample}'" if policy.sandbox.sample else policy.sandbox.path
             lines.append(f"  sandbox: {where}")

@@ -103,6 +103,9 @@ class Rule:
     reason: str = ""
 
 
+OnDecision = Literal["wait", "resume"]
+
+
 @dataclass(frozen=True)
 class ApprovalConfig:
     """`approval`: who may decide (team names), when a pending call expires, the rules."""
@@ -110,6 +113,9 @@ class ApprovalConfig:
     approvers: tuple[str, ...] = ()
     expires_after_s: float | None = None
     rules: tuple[Rule, ...] = ()
+    on_decision: OnDecision = "wait"
+    """What happens to a server-side run once its pending call is decided: `wait` for a
+    resume (POST /v1/runs/{id}/resume, or the client's next call), or `resume` it at once."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from gateway.policy.decl import (
     HttpExecutor,
     Policy,
     PythonExecutor,
+    OnDecision,
     Recovery,
     RepeatedCall,
     Rule,
@@ -249,14 +250,24 @@ def _stop_rule(at: At) -> StopRule:
 def _approval(at: At | None, tools: tuple[ToolDecl, ...]) -> ApprovalConfig:
     if at is None:
         return ApprovalConfig()
-    f = at.fields(("approvers", "expires_after_s", "rules"))
+    f = at.fields(("approvers", "expires_after_s", "rules", "on_decision"))
     approvers = tuple(a.string() for a in p.items()) if (p := f.get("approvers")) else ()
     rules = tuple(_rule(item, tools) for item in r.items()) if (r := f.get("rules")) else ()
     return ApprovalConfig(
         approvers=approvers,
         expires_after_s=e.positive_number() if (e := f.get("expires_after_s")) else None,
         rules=rules,
+        on_decision=_on_decision(f.get("on_decision"), tools),
     )
+
+
+def _on_decision(at: At | None, tools: tuple[ToolDecl, ...]) -> OnDecision:
+    if at is None:
+        return "wait"
+    value = cast(OnDecision, at.choice(get_args(OnDecision)))
+    if value == "resume" and not tools:
+        at.fail("'resume' needs a server-side policy (one with tools): a pass-through run is driven by its client")
+    return value
 
 
 def _rule(at: At, tools: tuple[ToolDecl, ...]) -> Rule:

@@ -1,7 +1,7 @@
 """`build_app(config)`: the gateway as an aiohttp application.
 
 Routes: POST /v1/chat/completions, GET /v1/models and /v1/models/{model}, GET /metrics (`metrics_route`: maybe
-with a token, maybe on its own address), GET /healthz, the scripted provider at
+with a token, maybe on its own address), GET /healthz, the web console under /console/ (`console.setup`), the scripted provider at
 /scripted/v1 (only when a `kind: scripted` upstream without `base_url` uses this mount,
 and only for callers with a gateway key: a team's, or the random one this process makes
 at start for its own upstream calls), plus what the optional modules add:
@@ -30,13 +30,14 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from gateway.config.settings import SCRIPTED_PREFIX, Config, ConfigError
+from gateway.config.webhooks import require_secrets
 from gateway.policy.errors import PolicySetError
 from gateway.policy.registry import PolicyRegistry
 from gateway.providers.scenarios import model_names
 from gateway.providers.scripted import scripted_app
 from gateway.providers.upstream import new_session
 from gateway.server import context as ctx
-from gateway.server import embeddings, openapi
+from gateway.server import console, embeddings, openapi
 from gateway.server.api import admin
 from gateway.server.api import metrics as metrics_route
 from gateway.server.api import runs as runs_api
@@ -45,6 +46,7 @@ from gateway.server.http.auth import KeyRing
 from gateway.server.http.errors import NotFound, StoreUnavailable
 from gateway.server.http.middleware import gateway_middleware
 from gateway.server.metrics import Metrics
+from gateway.server.notify import delivery as notify_delivery
 from gateway.server.responses import endpoint as responses
 from gateway.server.runs import retention, runtime
 from gateway.server.runs.booking import replay_spool
@@ -175,23 +177,27 @@ def _scripted_guard(keyring: KeyRing, own_key: str) -> Middleware:
 def build_app(config: Config, *, self_url: str | None = None) -> web.Application:
     """The gateway app. `self_url` (e.g. http://127.0.0.1:8080) addresses the scripted
     mount; without it the address is learnt from the first request."""
+    require_secrets(str(config.path), config.webhooks)  # before anything is opened
     app = web.Application(middlewares=[gateway_middleware], client_max_size=config.server.max_body_bytes)
     app[ctx.CONFIG] = config
     app[ctx.POLICIES] = load_policies(config)
     app[ctx.COUNTER] = get_counter()
     app[ctx.KEYRING] = KeyRing(config.teams)
-    app[ctx.METRICS] = Metrics((name for name, _ in routed_models(config)), config.upstreams)
+    app[ctx.METRICS] = Metrics((name for name, _ in routed_models(config)), config.upstreams,
+                               ((w.name, sorted(w.events)) for w in config.webhooks))
     app[ctx.STORE] = _open_store(config)
     app[ctx.SPOOL] = Spool(config.spool_file)
     if self_url is not None:
         app[ctx.SELF_URL] = self_url.rstrip("/")
     app.cleanup_ctx.append(_resources)
+    app.cleanup_ctx.append(notify_delivery.background)  # before runs are driven: their notices need its rule
     app.cleanup_ctx.append(runtime.driver_ctx)
     app.cleanup_ctx.append(retention.background)
     app.on_shutdown.append(runtime.stop_runs)
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
     metrics_route.setup(app)
+    console.setup(app)
     if any(ctx.uses_mount(u) for u in config.upstreams.values()):
         app[ctx.SCRIPTED_KEY] = secrets.token_urlsafe(32)
         app.add_subapp(SCRIPTED_PREFIX, scripted_app(guard=_scripted_guard(app[ctx.KEYRING], app[ctx.SCRIPTED_KEY])))

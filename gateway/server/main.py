@@ -73,7 +73,7 @@ def serve_command(args: argparse.Namespace) -> int:
         return 2
     app.cleanup_ctx.append(_reload_on_sighup)
     app.on_startup.append(_settle_heap)  # runs after the cleanup contexts have set up
-    print(f"gateway: serving on {_self_url(host, port)} (config {config.path}, store {config.store.kind})",
-          file=sys.stderr, flush=True)
+    print(f"gateway: serving on {_self_url(host, port)} (config {config.path}, store {config.store.kind}); "
+          f"console at {_self_url(host, port)}/console/", file=sys.stderr, flush=True)
     run(app, host, port)  # web.run_app, with parser errors (oversized headers) in the OpenAI shape
     return 0

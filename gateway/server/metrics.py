@@ -66,6 +66,8 @@ def _exemplar() -> dict[str, str] | None:
         return None
     return {EXEMPLAR_LABEL: run_id}
 
+WEBHOOK_OUTCOMES = ("delivered", "retried", "failed")
+
 ToolOutcome = str
 """ok | error | denied | rejected | deduped | cancelled | timeout (any short code)."""
 
@@ -78,7 +80,9 @@ def _code(value: str) -> str:
 class Metrics:
     """Every metric of docs/metrics.md."""
 
-    def __init__(self, known_models: Iterable[str] = (), upstreams: Iterable[str] = ()) -> None:
+    def __init__(self, known_models: Iterable[str] = (), upstreams: Iterable[str] = (),
+                 webhooks: Iterable[tuple[str, Iterable[str]]] = ()) -> None:
+        """`webhooks`: (name, events) of each configured webhook, whose delivery counters start at 0."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.known_models = frozenset(known_models)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
@@ -133,6 +137,18 @@ class Metrics:
         self.cost_per_run = Histogram("gateway_cost_per_run_usd", "Cost of a run when it stops.", ["team", "policy"],
                                       registry=r, buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                                                            0.1, 0.5, 1, 5))
+
+        self.webhook_deliveries = Counter(
+            "gateway_webhook_deliveries_total",
+            "Webhook delivery attempts by webhook name, event and outcome (delivered | retried | failed: given up).",
+            ["webhook", "event", "outcome"], registry=r)
+        for name, events in webhooks:  # at 0 from the start, as usage_clamped: a dashboard shows "none"
+            for event in events:
+                for outcome in WEBHOOK_OUTCOMES:
+                    self.webhook_deliveries.labels(name, event, outcome)
+        self.webhook_outbox = Gauge("gateway_webhook_outbox_depth",
+                                    "Notices in the store's outbox not yet delivered nor given up (every replica's).",
+                                    registry=r)
 
     def _child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, cached: the lookup runs on every call of the hot path."""
@@ -221,6 +237,14 @@ class Metrics:
         self.team_spend.labels(team).set(spent)
         if remaining is not None:
             self.team_remaining.labels(team).set(remaining)
+
+    def on_webhook(self, webhook: str, event: str, outcome: str) -> None:
+        """One delivery attempt of a notice: delivered, retried (it failed, and will be tried
+        again) or failed (it failed for the last time)."""
+        self._child(self.webhook_deliveries, webhook, _code(event), _code(outcome)).inc()
+
+    def set_outbox_depth(self, depth: int) -> None:
+        self.webhook_outbox.set(depth)
 
     def render(self) -> bytes:
         """The classic text format (no exemplars)."""

@@ -114,7 +114,7 @@ OPERATIONS: Final[dict[tuple[str, str], Operation]] = {
     ("GET", "/v1/runs"): Operation(
         "Runs the caller may see, newest first", "runs",
         parameters=[{"name": n, "in": "query", "required": False, "schema": {"type": "string"}}
-                    for n in ("status", "team", "limit")]),
+                    for n in ("status", "team", "policy", "limit")]),
     ("GET", "/v1/runs/{id}"): Operation("A run with its transcript", "runs", parameters=[ID_PARAM, TEAM_PARAM],
                                         errors=(400, 401, 404, 409)),
     ("GET", "/v1/runs/{id}/events"): Operation(
@@ -162,12 +162,20 @@ DESCRIPTIONS: Final[dict[int, str]] = {
 }
 
 
+CONSOLE_PREFIX: Final = "/console"
+"""The web console's page and routes: left out of the document on purpose (they serve the
+page, authenticated by its session cookie; clients use the /v1 routes they mirror)."""
+
+
 def routes(app: web.Application) -> list[tuple[str, str]]:
-    """(method, path template) of every route `app` serves (HEAD twins of GETs left out)."""
+    """(method, path template) of every API route `app` serves (HEAD twins of GETs and the
+    console's routes left out)."""
     out: list[tuple[str, str]] = []
     for route in app.router.routes():
         resource = route.resource
         if resource is None or route.method == "HEAD":
+            continue
+        if resource.canonical == CONSOLE_PREFIX or resource.canonical.startswith(CONSOLE_PREFIX + "/"):
             continue
         key = (route.method, resource.canonical)
         if key not in out:

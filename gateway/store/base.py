@@ -15,6 +15,7 @@ from typing import Any, Literal, Protocol
 
 from gateway.harness.state import STATUSES, RunState, StateError
 from gateway.store.errors import StoreError
+from gateway.store.outbox import Claimed, Notice, NoticeRule
 
 Event = dict[str, Any]
 Ledger = tuple[float, float]
@@ -101,6 +102,10 @@ class Grant:
 
 class Store(Protocol):
     """Durable state shared by every request (and every replica) of the gateway."""
+
+    notice_rule: NoticeRule | None
+    """Turns the trace lines `append_events` and `commit_turn` write into outbox notices,
+    written in the same step (None: no notices). Set once, before the store is used."""
 
     async def create_run(self, state: RunState) -> None:
         """Store a new run as given (revision included). Raises RunExists if the id is taken."""
@@ -227,6 +232,35 @@ class Store(Protocol):
     async def prune_responses(self, created_before: float) -> int:
         """Retention: forget stored responses made before `created_before` (epoch seconds);
         returns how many."""
+        ...
+
+    async def enqueue_notices(self, notices: Sequence[Notice]) -> int:
+        """Add notices to the outbox, due now; an id already there is left alone. Returns how
+        many were added. Durable once it returns."""
+        ...
+
+    async def claim_notices(self, owner: str, limit: int, lease_s: float) -> list[Claimed]:
+        """Up to `limit` due notices, oldest due first, held for `owner` for `lease_s`: no
+        other claim gets them until the lease ends (then they are due again, for anyone)."""
+        ...
+
+    async def notice_sent(self, notice_id: str) -> None:
+        """The notice was delivered: never due again (kept until `prune_outbox`)."""
+        ...
+
+    async def notice_failed(self, notice_id: str, owner: str, retry_in_s: float | None, error: str) -> None:
+        """A delivery attempt of `owner`'s claim failed: count it and make the notice due
+        again in `retry_in_s`, or (None) give up on it for good. Nothing if `owner` no longer
+        holds it (its lease ended and another claim took it)."""
+        ...
+
+    async def outbox_depth(self) -> int:
+        """Notices not yet delivered nor given up (due now or later, claimed or not)."""
+        ...
+
+    async def prune_outbox(self, done_before: float) -> int:
+        """Retention: forget notices delivered or given up before `done_before` (epoch
+        seconds), except those whose budget `period` has not ended by then. Returns how many."""
         ...
 
     async def close(self) -> None:

@@ -39,6 +39,7 @@ from gateway.store.errors import (
     StaleRun,
     StoreError,
 )
+from gateway.store.outbox import Claimed, Notice, NoticeRule, check_notices
 from gateway.store.periods import ended_before as period_ended
 
 
@@ -69,6 +70,18 @@ class _Reservation:
         return not self.expired and self.expires_at > now
 
 
+@dataclass
+class _Outgoing:
+    body: bytes
+    period: str | None
+    due: float
+    attempts: int = 0
+    owner: str = ""
+    done_at: float | None = None
+    state: str = "pending"
+    error: str = ""
+
+
 class MemoryStore:
     """Every method completes without awaiting, so each one is atomic on the event loop."""
 
@@ -80,6 +93,8 @@ class MemoryStore:
         self._leases: dict[str, tuple[str, float]] = {}
         self._responses: dict[str, tuple[str, bytes]] = {}
         self._response_times: dict[str, float] = {}
+        self._outbox: dict[str, _Outgoing] = {}
+        self.notice_rule: NoticeRule | None = None
         self._closed = False
 
     def _check_open(self) -> None:
@@ -115,11 +130,13 @@ class MemoryStore:
         now = time.time()
         body = orjson.dumps(stamped_body(state, state.revision + 1, now))
         encoded = [orjson.dumps(e) for e in events]
+        notices = self._notices(state.run_id, events)
         stored.team, stored.status, stored.revision, stored.body = state.team, state.status, state.revision + 1, body
         stored.turns, stored.cost = state.turns, to_micros(state.cost_usd, "cost_usd")
         stored.updated_at = now
         if encoded:
             self._events.setdefault(state.run_id, []).extend(encoded)
+        self._enqueue(notices)
         state.revision += 1
         state.updated_at = now
 
@@ -151,7 +168,69 @@ class MemoryStore:
     async def append_events(self, run_id: str, events: list[Event]) -> None:
         self._check_open()
         encoded = [orjson.dumps(e) for e in events]
+        notices = self._notices(run_id, events)
         self._events.setdefault(run_id, []).extend(encoded)
+        self._enqueue(notices)
+
+    def _notices(self, run_id: str, events: list[Event]) -> Sequence[Notice]:
+        notices = self.notice_rule(run_id, events) if self.notice_rule is not None and events else ()
+        check_notices(notices)
+        return notices
+
+    def _enqueue(self, notices: Sequence[Notice]) -> int:
+        now = time.time()
+        added = 0
+        for n in notices:
+            if n.id not in self._outbox:
+                self._outbox[n.id] = _Outgoing(n.body, n.period, now)
+                added += 1
+        return added
+
+    async def enqueue_notices(self, notices: Sequence[Notice]) -> int:
+        self._check_open()
+        check_notices(notices)
+        return self._enqueue(notices)
+
+    async def claim_notices(self, owner: str, limit: int, lease_s: float) -> list[Claimed]:
+        self._check_open()
+        lease = check_ttl(lease_s, "lease_s", allow_zero=False)
+        now = time.time()
+        due = sorted((o.due, nid) for nid, o in self._outbox.items() if o.state == "pending" and o.due <= now)
+        out = []
+        for _, nid in due[:max(limit, 0)]:
+            o = self._outbox[nid]
+            o.due, o.owner = now + lease, owner
+            out.append(Claimed(nid, o.body, o.attempts))
+        return out
+
+    async def notice_sent(self, notice_id: str) -> None:
+        self._check_open()
+        o = self._outbox.get(notice_id)
+        if o is not None and o.state == "pending":
+            o.state, o.done_at, o.attempts = "delivered", time.time(), o.attempts + 1
+
+    async def notice_failed(self, notice_id: str, owner: str, retry_in_s: float | None, error: str) -> None:
+        self._check_open()
+        o = self._outbox.get(notice_id)
+        if o is None or o.state != "pending" or o.owner != owner:
+            return
+        o.attempts, o.error, o.owner = o.attempts + 1, error, ""
+        if retry_in_s is None:
+            o.state, o.done_at = "failed", time.time()
+        else:
+            o.due = time.time() + check_ttl(retry_in_s, "retry_in_s", allow_zero=True)
+
+    async def outbox_depth(self) -> int:
+        self._check_open()
+        return sum(1 for o in self._outbox.values() if o.state == "pending")
+
+    async def prune_outbox(self, done_before: float) -> int:
+        self._check_open()
+        old = [nid for nid, o in self._outbox.items() if o.done_at is not None and o.done_at < done_before
+               and (o.period is None or period_ended(o.period, done_before))]
+        for nid in old:
+            del self._outbox[nid]
+        return len(old)
 
     async def events(self, run_id: str, after: int = 0) -> list[tuple[int, Event]]:
         self._check_open()

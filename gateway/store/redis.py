@@ -52,6 +52,7 @@ from gateway.store.errors import (
     StaleRun,
     StoreError,
 )
+from gateway.store.outbox import Claimed, Notice, NoticeRule, check_notices
 from gateway.store.periods import ended_before as period_ended
 
 DEFAULT_PREFIX: Final = "gw:"
@@ -125,6 +126,11 @@ class RedisStore:
         self._acquire = client.register_script(redis_lua.ACQUIRE_LEASE)
         self._unlease = client.register_script(redis_lua.RELEASE_LEASE)
         self._prune = client.register_script(redis_lua.PRUNE_RUNS)
+        self._enqueue = client.register_script(redis_lua.ENQUEUE)
+        self._append = client.register_script(redis_lua.APPEND_EVENTS)
+        self._claim = client.register_script(redis_lua.CLAIM_NOTICES)
+        self._outcome = client.register_script(redis_lua.NOTICE_OUTCOME)
+        self.notice_rule: NoticeRule | None = None
 
     def _redis(self) -> aioredis.Redis:
         if self._client is None:
@@ -184,7 +190,7 @@ class RedisStore:
         else:
             flag = "2" if booking.if_held and booking.reservation_id else "1"
             args += [flag, booking.reservation_id or "", str(actual), booking.team, booking.period, _RETENTION_MS]
-        args += [orjson.dumps(e) for e in events]
+        args += [str(len(events)), *(orjson.dumps(e) for e in events), *self._notice_args(state.run_id, events)]
         self._redis()
         async with self._errors:
             result: list[Any] = await self._commit(args=args)
@@ -204,8 +210,19 @@ class RedisStore:
         if not events:
             return
         encoded = [orjson.dumps(e) for e in events]
+        notices = self._notice_args(run_id, events)
+        if not notices:
+            async with self._errors:
+                await self._redis().rpush(self._key("events", run_id), *encoded)
+            return
+        self._redis()
         async with self._errors:
-            await self._redis().rpush(self._key("events", run_id), *encoded)
+            await self._append(args=[self.prefix, run_id, str(len(encoded)), *encoded, *notices])
+
+    def _notice_args(self, run_id: str, events: list[Event]) -> list[str | bytes]:
+        """The notices of `events` as the Lua scripts take them: id, body, period triples."""
+        notices = self.notice_rule(run_id, events) if self.notice_rule is not None and events else ()
+        return _notice_triples(notices)
 
     async def events(self, run_id: str, after: int = 0) -> list[tuple[int, Event]]:
         start = max(after, 0)
@@ -349,11 +366,65 @@ class RedisStore:
                 pruned += len(names)
         return pruned
 
+    async def enqueue_notices(self, notices: Sequence[Notice]) -> int:
+        if not notices:
+            return 0
+        args = _notice_triples(notices)
+        self._redis()
+        async with self._errors:
+            return int(await self._enqueue(args=[self.prefix, *args]))
+
+    async def claim_notices(self, owner: str, limit: int, lease_s: float) -> list[Claimed]:
+        lease_ms = max(1, math.ceil(check_ttl(lease_s, "lease_s", allow_zero=False) * 1000))
+        self._redis()
+        async with self._errors:
+            flat: list[Any] = await self._claim(args=[self.prefix, owner, str(max(limit, 0)), str(lease_ms)])
+        return [Claimed(_text(flat[i]), bytes(flat[i + 1]), int(flat[i + 2] or 0)) for i in range(0, len(flat), 3)]
+
+    async def notice_sent(self, notice_id: str) -> None:
+        self._redis()
+        async with self._errors:
+            await self._outcome(args=[self.prefix, notice_id, "", "sent", "0", ""])
+
+    async def notice_failed(self, notice_id: str, owner: str, retry_in_s: float | None, error: str) -> None:
+        retry = None if retry_in_s is None else check_ttl(retry_in_s, "retry_in_s", allow_zero=True)
+        outcome = "failed" if retry is None else "retry"
+        self._redis()
+        async with self._errors:
+            await self._outcome(args=[self.prefix, notice_id, owner, outcome, str(round((retry or 0) * 1000)), error])
+
+    async def outbox_depth(self) -> int:
+        async with self._errors:
+            return int(await self._redis().zcard(f"{self.prefix}outbox:due"))
+
+    async def prune_outbox(self, done_before: float) -> int:
+        client = self._redis()
+        index = f"{self.prefix}outbox:done"
+        pruned = 0
+        async with self._errors:
+            ids = await client.zrangebyscore(index, "-inf", f"({int(done_before * 1000)}")
+            for raw in ids:
+                notice_id = _text(raw)
+                period = await client.hget(self._key("outbox:msg", notice_id), "period")
+                if period and not period_ended(_text(period), done_before):
+                    continue  # a budget notice keeps its id until its period ended
+                async with client.pipeline(transaction=True) as pipe:
+                    pipe.delete(self._key("outbox:msg", notice_id))
+                    pipe.zrem(index, notice_id)
+                    await pipe.execute()
+                pruned += 1
+        return pruned
+
     async def close(self) -> None:
         client, self._client = self._client, None
         if client is not None:
             async with self._errors:
                 await client.aclose()
+
+
+def _notice_triples(notices: Sequence[Notice]) -> list[str | bytes]:
+    check_notices(notices)
+    return [part for n in notices for part in (n.id, n.body, n.period or "")]
 
 
 def _opt(value: int | None) -> str:

@@ -233,17 +233,92 @@ local ledger = p .. 'ledger:' .. team
 return {redis.call('HGET', ledger, 'spent:' .. period) or '0', redis.call('HGET', ledger, 'reserved:' .. period) or '0'}
 """
 
+_ENQUEUE: Final = """
+-- Adds outbox notices, (id, body, period) triples from ARGV[first] on, due now; an id the
+-- outbox has is left alone. Returns how many were added.
+local function enqueue(p, first, now)
+  local added = 0
+  for i = first, #ARGV - 2, 3 do
+    local key = p .. 'outbox:msg:' .. ARGV[i]
+    if redis.call('EXISTS', key) == 0 then
+      redis.call('HSET', key, 'body', ARGV[i + 1], 'period', ARGV[i + 2], 'state', 'pending', 'attempts', 0,
+                 'owner', '', 'error', '')
+      redis.call('ZADD', p .. 'outbox:due', string.format('%d', now), ARGV[i])
+      added = added + 1
+    end
+  end
+  return added
+end
+"""
+
+ENQUEUE: Final = _HELPERS + _ENQUEUE + """
+return enqueue(ARGV[1], 2, now_ms())
+"""
+
+# A run's trace lines (ARGV[3] of them from ARGV[4]) and the notices they cause, at once.
+APPEND_EVENTS: Final = _HELPERS + _ENQUEUE + """
+local p, id, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
+if n > 0 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, 4, 3 + n)) end
+return enqueue(p, 4 + n, now_ms())
+"""
+
+# Up to ARGV[3] due notices, held for ARGV[2] for ARGV[4] ms (their due time pushed past the
+# lease): id, body, attempts, id, body, attempts...
+CLAIM_NOTICES: Final = _HELPERS + """
+local p, owner, limit, lease = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local now = now_ms()
+local due = p .. 'outbox:due'
+local out = {}
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', due, '-inf', string.format('%d', now), 'LIMIT', 0, limit)) do
+  local key = p .. 'outbox:msg:' .. id
+  local r = redis.call('HMGET', key, 'body', 'attempts')
+  if r[1] then
+    redis.call('ZADD', due, string.format('%d', now + lease), id)
+    redis.call('HSET', key, 'owner', owner)
+    out[#out + 1] = id
+    out[#out + 1] = r[1]
+    out[#out + 1] = r[2]
+  else
+    redis.call('ZREM', due, id)
+  end
+end
+return out
+"""
+
+# The outcome of a delivery attempt of notice ARGV[2]: 'sent', 'retry' (due again in ARGV[5]
+# ms) or 'failed' (given up), only while it is pending and (ARGV[3] ~= '') held by ARGV[3].
+NOTICE_OUTCOME: Final = _HELPERS + """
+local p, id, owner, outcome = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local key = p .. 'outbox:msg:' .. id
+local r = redis.call('HMGET', key, 'state', 'owner')
+if r[1] ~= 'pending' or (owner ~= '' and r[2] ~= owner) then return 0 end
+local now = now_ms()
+redis.call('HINCRBY', key, 'attempts', 1)
+redis.call('HSET', key, 'owner', '', 'error', ARGV[6])
+if outcome == 'retry' then
+  redis.call('ZADD', p .. 'outbox:due', string.format('%d', now + tonumber(ARGV[5])), id)
+  return 1
+end
+if outcome == 'sent' then redis.call('HSET', key, 'state', 'delivered') else redis.call('HSET', key, 'state', 'failed') end
+redis.call('ZREM', p .. 'outbox:due', id)
+redis.call('ZADD', p .. 'outbox:done', string.format('%d', now), id)
+return 1
+"""
+
 # One turn: the run's save (refused as SAVE_RUN refuses, and then nothing is written), its
-# trace events, and its booking (settle a reservation, or charge the period); returns
+# trace events (ARGV[16] of them from ARGV[17]) with the outbox notices after them, and its
+# booking (settle a reservation, or charge the period); returns
 # {1, spent, reserved} of the booking's ledger after it ({1} without a booking). Booking
 # flag '2' (if_held): {3} and nothing written unless the reservation is still stored.
-COMMIT_TURN: Final = _HELPERS + _SAVE + _SETTLE + """
+COMMIT_TURN: Final = _HELPERS + _SAVE + _SETTLE + _ENQUEUE + """
 local p, id = ARGV[1], ARGV[2]
 if ARGV[10] == '2' and redis.call('EXISTS', p .. 'res:' .. ARGV[11]) == 0 then return {3} end
 local refused = save(p, id, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9])
 if refused then return refused end
 local book, rid, actual, team, period, retention = ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[14], ARGV[15]
-if #ARGV > 15 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, 16)) end
+local n = tonumber(ARGV[16])
+if n > 0 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, 17, 16 + n)) end
+enqueue(p, 17 + n, now_ms())
 if book == '0' then return {1} end
 if rid ~= '' then
   settle(p, rid, actual)

@@ -52,6 +52,7 @@ from gateway.store.errors import (
     StaleRun,
     StoreError,
 )
+from gateway.store.outbox import Claimed, Notice, NoticeRule, check_notices
 from gateway.store.periods import ended_before as period_ended
 from gateway.store.sqlite_batch import Step, WriteBatch
 from gateway.store.sqlite_schema import (
@@ -114,6 +115,7 @@ class SqliteStore:
         self._conn: sqlite3.Connection | None = connect(self.path)
         self._reclaim_due: dict[str, float] = {}
         self._held: dict[str, float] = {}  # reservations this store made and nobody settled yet -> expiry
+        self.notice_rule: NoticeRule | None = None
         self._batch = WriteBatch(self._db, self._translate, (StaleRun, RunNotFound, RunExists, AlreadyBooked))
         try:
             with self._errors:
@@ -215,6 +217,7 @@ class SqliteStore:
         revision = state.revision + 1
         body = orjson.dumps(stamped_body(state, revision, now))
         encoded = [orjson.dumps(e) for e in events]
+        notices = self._notices(state.run_id, events)
         mine = None if booking is None else booking.reservation_id
 
         def step(db: sqlite3.Connection) -> Ledger | None:  # a refusal undoes all of it
@@ -224,6 +227,8 @@ class SqliteStore:
             self._update_run(db, state, revision, now, body)
             if encoded:
                 self._insert_events(db, state.run_id, encoded)
+            if notices:
+                self._insert_notices(db, notices)
             if booking is None:
                 return None
             if booking.reservation_id is not None:
@@ -264,7 +269,85 @@ class SqliteStore:
         if not events:
             return
         encoded = [orjson.dumps(e) for e in events]
-        await self._write(lambda db: self._insert_events(db, run_id, encoded), atomic=len(encoded) > 1)
+        notices = self._notices(run_id, events)
+
+        def step(db: sqlite3.Connection) -> None:
+            self._insert_events(db, run_id, encoded)
+            if notices:
+                self._insert_notices(db, notices)
+
+        await self._write(step, atomic=len(encoded) > 1 or bool(notices))
+
+    def _notices(self, run_id: str, events: list[Event]) -> Sequence[Notice]:
+        notices = self.notice_rule(run_id, events) if self.notice_rule is not None and events else ()
+        check_notices(notices)
+        return notices
+
+    @staticmethod
+    def _insert_notices(db: sqlite3.Connection, notices: Sequence[Notice]) -> int:
+        now = time.time()
+        added = 0
+        for n in notices:
+            added += db.execute("INSERT OR IGNORE INTO outbox (id, body, period, created_at, due_at)"
+                                " VALUES (?, ?, ?, ?, ?)", (n.id, n.body, n.period, now, now)).rowcount
+        return added
+
+    async def enqueue_notices(self, notices: Sequence[Notice]) -> int:
+        check_notices(notices)
+        if not notices:
+            return 0
+        return await self._write(lambda db: self._insert_notices(db, notices), atomic=len(notices) > 1)
+
+    async def claim_notices(self, owner: str, limit: int, lease_s: float) -> list[Claimed]:
+        lease = check_ttl(lease_s, "lease_s", allow_zero=False)
+        with self._errors:  # a read first: an idle outbox never takes the write lock
+            if self._db().execute("SELECT 1 FROM outbox WHERE state = 'pending' AND due_at <= ? LIMIT 1",
+                                  (time.time(),)).fetchone() is None:
+                return []
+
+        def step(db: sqlite3.Connection) -> list[Claimed]:
+            now = time.time()
+            rows = db.execute(
+                "UPDATE outbox SET due_at = ?, owner = ? WHERE id IN (SELECT id FROM outbox"
+                " WHERE state = 'pending' AND due_at <= ? ORDER BY due_at LIMIT ?) RETURNING id, body, attempts",
+                (now + lease, owner, now, limit)).fetchall()
+            return [Claimed(str(i), bytes(b), int(a)) for i, b, a in rows]
+
+        return await self._write(step, atomic=False)  # one statement
+
+    async def notice_sent(self, notice_id: str) -> None:
+        def step(db: sqlite3.Connection) -> None:
+            db.execute("UPDATE outbox SET state = 'delivered', done_at = ?, attempts = attempts + 1, owner = ''"
+                       " WHERE id = ? AND state = 'pending'", (time.time(), notice_id))
+
+        await self._write(step, atomic=False)
+
+    async def notice_failed(self, notice_id: str, owner: str, retry_in_s: float | None, error: str) -> None:
+        retry = None if retry_in_s is None else check_ttl(retry_in_s, "retry_in_s", allow_zero=True)
+
+        def step(db: sqlite3.Connection) -> None:
+            now = time.time()
+            if retry is None:
+                db.execute("UPDATE outbox SET state = 'failed', done_at = ?, attempts = attempts + 1, owner = '',"
+                           " error = ? WHERE id = ? AND state = 'pending' AND owner = ?", (now, error, notice_id, owner))
+            else:
+                db.execute("UPDATE outbox SET due_at = ?, attempts = attempts + 1, owner = '', error = ?"
+                           " WHERE id = ? AND state = 'pending' AND owner = ?", (now + retry, error, notice_id, owner))
+
+        await self._write(step, atomic=False)
+
+    async def outbox_depth(self) -> int:
+        with self._errors:
+            return int(self._db().execute("SELECT COUNT(*) FROM outbox WHERE state = 'pending'").fetchone()[0])
+
+    async def prune_outbox(self, done_before: float) -> int:
+        def step(db: sqlite3.Connection) -> int:
+            rows = db.execute("SELECT id, period FROM outbox WHERE done_at < ?", (done_before,)).fetchall()
+            old = [(i,) for i, period in rows if period is None or period_ended(str(period), done_before)]
+            db.executemany("DELETE FROM outbox WHERE id = ?", old)
+            return len(old)
+
+        return await self._write(step, atomic=True)
 
     @staticmethod
     def _insert_events(db: sqlite3.Connection, run_id: str, encoded: list[bytes]) -> None:

@@ -71,6 +71,16 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         WHERE instr(id, '/') = 0 AND team != ''""",
     # Retention forgets stored responses by age.
     "CREATE INDEX responses_created ON responses (created_at)",
+    # The outbox of webhook notices: written with the trace lines that caused them, claimed
+    # by a delivery task with a lease (owner, due_at pushed past the lease), kept once done
+    # until retention forgets them.
+    """CREATE TABLE outbox (
+        id TEXT PRIMARY KEY, body BLOB NOT NULL, period TEXT, created_at REAL NOT NULL,
+        state TEXT NOT NULL DEFAULT 'pending' CHECK (state IN ('pending', 'delivered', 'failed')),
+        attempts INTEGER NOT NULL DEFAULT 0, due_at REAL NOT NULL, owner TEXT NOT NULL DEFAULT '',
+        error TEXT NOT NULL DEFAULT '', done_at REAL) WITHOUT ROWID""",
+    "CREATE INDEX outbox_due ON outbox (state, due_at)",
+    "CREATE INDEX outbox_done ON outbox (done_at) WHERE done_at IS NOT NULL",
 )
 
 BUSY_TIMEOUT_S: Final = 10.0

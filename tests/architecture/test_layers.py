@@ -21,15 +21,18 @@ UPPER = ("gateway.server", "gateway.cli", "gateway.demo", "gateway.trace_view")
 SERVER_ORDER: dict[str, tuple[str, ...]] = {
     # a package of the server -> the server packages and modules it must not import
     "gateway.server.http": ("gateway.server.runs", "gateway.server.chat", "gateway.server.responses",
-                            "gateway.server.embeddings", "gateway.server.api", "gateway.server.app",
+                            "gateway.server.embeddings", "gateway.server.api", "gateway.server.console", "gateway.server.app",
                             "gateway.server.main", "gateway.server.openapi"),
     "gateway.server.runs": ("gateway.server.chat", "gateway.server.responses", "gateway.server.embeddings",
-                            "gateway.server.api", "gateway.server.app", "gateway.server.main"),
+                            "gateway.server.api", "gateway.server.console", "gateway.server.app", "gateway.server.main"),
     "gateway.server.chat": ("gateway.server.responses", "gateway.server.embeddings", "gateway.server.api",
-                            "gateway.server.app", "gateway.server.main"),
-    "gateway.server.responses": ("gateway.server.api", "gateway.server.app", "gateway.server.main"),
-    "gateway.server.embeddings": ("gateway.server.api", "gateway.server.app", "gateway.server.main"),
-    "gateway.server.api": ("gateway.server.app", "gateway.server.main"),
+                            "gateway.server.console", "gateway.server.app", "gateway.server.main"),
+    "gateway.server.responses": ("gateway.server.api", "gateway.server.console", "gateway.server.app", "gateway.server.main"),
+    "gateway.server.embeddings": ("gateway.server.api", "gateway.server.console", "gateway.server.app", "gateway.server.main"),
+    "gateway.server.api": ("gateway.server.console", "gateway.server.app", "gateway.server.main"),
+    "gateway.server.console": ("gateway.server.app", "gateway.server.main"),
+    "gateway.server.notify": ("gateway.server.chat", "gateway.server.responses", "gateway.server.embeddings",
+                              "gateway.server.api", "gateway.server.console", "gateway.server.app", "gateway.server.main"),
 }
 
 

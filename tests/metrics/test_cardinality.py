@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from tests.metrics.exposition import scrape
-from tests.metrics.traffic import write_gateway_config
+from tests.metrics.traffic import GATEWAY_ENV, write_gateway_config
 from tests.support.procs import Proc, free_port, start_gateway
 
 pytestmark = pytest.mark.timeout(180)
@@ -38,7 +38,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     config = write_gateway_config(tmp, trace_file=False)
     port = free_port()
     proc = start_gateway(["serve", "--config", str(config), "--port", str(port)], "/healthz", port,
-                         tmp / "gateway.log")
+                         tmp / "gateway.log", env=GATEWAY_ENV)
     yield proc
     proc.stop()
 

@@ -18,6 +18,7 @@ import yaml
 from tests.metrics.dashboards import (
     DESIGN_METRICS,
     EXTRA_COUNTERS,
+    EXTRA_GAUGES,
     EXTRA_HISTOGRAMS,
     KNOWN_METRICS,
     METRIC_LABELS,
@@ -138,7 +139,7 @@ def test_readme_documents_every_metric_with_its_type_and_labels() -> None:
     documented = readme_metrics()
     assert set(documented) == KNOWN_METRICS, sorted(KNOWN_METRICS ^ set(documented))
     kinds = {**DESIGN_METRICS, **{name: "histogram" for name in EXTRA_HISTOGRAMS},
-             **{name: "counter" for name in EXTRA_COUNTERS}}
+             **{name: "counter" for name in EXTRA_COUNTERS}, **{name: "gauge" for name in EXTRA_GAUGES}}
     for name, (kind, labels) in documented.items():
         assert kind == kinds[name], (name, kind)
         assert labels == METRIC_LABELS[name], (name, sorted(labels))

@@ -34,6 +34,11 @@ EXTRA_POLICIES: dict[str, str] = {
 PASSTHROUGH_CAPPED = "name: passcap\ndescription: pass-through with a one-turn cap\nlimits: {max_turns: 1, max_budget_usd: 1.0}\n"
 
 
+WEBHOOK_SECRET_ENV = "GATEWAY_PROOF_WEBHOOK_SECRET"
+GATEWAY_ENV = {WEBHOOK_SECRET_ENV: "proof-secret"}
+"""What the gateway of `write_gateway_config` needs in its environment."""
+
+
 def write_gateway_config(tmp: Path, *, trace_file: bool = True) -> Path:
     """A config in `tmp`: the shipped policies plus the proof's, three teams, the scripted upstream."""
     policies = tmp / "policies"
@@ -68,6 +73,11 @@ def write_gateway_config(tmp: Path, *, trace_file: bool = True) -> Path:
         "     policies: [passthrough, files, research, capped, tiny, passcap]}",
         "  - {name: ops, keys: [sk-ops], budget_usd: null, policies: [passthrough]}",
         "  - {name: tight, keys: [sk-tight], budget_usd: 0.0001, budget_period: total, policies: [passthrough]}",
+    ]
+    lines += [  # a receiver that is down: every event is a delivery attempt that fails (and is retried)
+        "webhooks:",
+        f"  - {{url: 'http://127.0.0.1:{free_port()}/hook', secret_env: {WEBHOOK_SECRET_ENV}, name: proof-hook,",
+        "     timeout_s: 2, events: [approval_required, approval_decided, run_stopped, budget_threshold]}",
     ]
     if trace_file:
         lines.append("trace_file: ./trace.jsonl")

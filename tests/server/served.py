@@ -3,7 +3,7 @@
 The config lives in a temp folder: the shipped policies plus two test policies
 (`hybrid`: only list_files runs server-side, so a client-supplied read_file comes back to
 the client; `files_expiring`: approvals expire after 50 ms; `limited`: 3 tool calls, no
-dedupe; `timed`: 2 s of wall-clock), a SQLite store, teams demo
+dedupe; `timed`: 2 s of wall-clock; `files_auto`: resumes by itself after a decision), a SQLite store, teams demo
 (sk-demo, runs the policies), ops (sk-ops, the approver), other (sk-other) and poor
 (sk-poor, a team budget of $0.001: too little for one turn's reservation).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import openai
 import orjson
+import pytest
 import yaml
 
 from tests.support.procs import ROOT, Proc, free_port, start_gateway
@@ -58,6 +59,10 @@ def write_config(folder: Path, port: int) -> Path:
     timed["name"] = "timed"
     timed["limits"].update(max_duration_s=TIMED_DURATION_S)
     (policies / "timed.yaml").write_text(yaml.safe_dump(timed))
+    auto = _files_policy()  # resumes by itself once a call is decided
+    auto["name"] = "files_auto"
+    auto["approval"]["on_decision"] = "resume"
+    (policies / "files_auto.yaml").write_text(yaml.safe_dump(auto))
     config = {
         "server": {"host": "127.0.0.1", "port": port},
         "store": {"kind": "sqlite", "path": "./gateway.db"},
@@ -67,7 +72,8 @@ def write_config(folder: Path, port: int) -> Path:
         "models": [{"match": "scripted-*", "upstream": "scripted", "price_in": 2.0, "price_out": 12.0}],
         "teams": [
             {"name": "demo", "keys": [DEMO], "budget_usd": 10.0,
-             "policies": ["passthrough", "files", "research", "hybrid", "files_expiring", "limited", "timed"]},
+             "policies": ["passthrough", "files", "research", "hybrid", "files_expiring", "limited", "timed",
+                          "files_auto"]},
             {"name": "ops", "keys": [OPS], "budget_usd": None, "policies": ["passthrough"]},
             {"name": "other", "keys": [OTHER], "budget_usd": None, "policies": ["passthrough", "files"]},
             {"name": "poor", "keys": [POOR], "budget_usd": 0.001, "budget_period": "total", "policies": ["files"]},
@@ -129,6 +135,18 @@ class Served:
         if not journal.exists():
             return []
         return [orjson.loads(line)["path"] for line in journal.read_bytes().splitlines() if line.strip()]
+
+
+def served_fixture(name: str) -> Any:
+    """A module-scoped pytest fixture: one gateway process (`Served`) for the module's tests."""
+
+    @pytest.fixture(scope="module")
+    def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+        gateway = Served.start(tmp_path_factory.mktemp(name) / "gw")
+        yield gateway
+        gateway.proc.stop()
+
+    return served
 
 
 def auth(key: str = DEMO, **headers: str) -> dict[str, str]:

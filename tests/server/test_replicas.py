@@ -100,7 +100,7 @@ def write_replica_config(folder: Path, port: int, shared: Path, redis_url: str, 
         "upstreams": [{"name": "scripted", "kind": "scripted"}],
         "models": [{"match": "scripted-*", "upstream": "scripted", "price_in": 2.0, "price_out": 12.0}],
         "teams": [
-            {"name": "demo", "keys": [DEMO], "budget_usd": 10.0, "policies": ["passthrough", "files"]},
+            {"name": "demo", "keys": [DEMO], "budget_usd": 10.0, "policies": ["passthrough", "files", "files_auto"]},
             {"name": "ops", "keys": [OPS], "budget_usd": None, "policies": ["passthrough"]},
             {"name": "thrifty", "keys": [THRIFTY], "budget_usd": budget_usd, "budget_period": "total",
              "budget_mode": "strict", "policies": ["passthrough"]},
@@ -122,6 +122,10 @@ def start_pair(shared: Path, redis_url: str) -> Pair:
     (shared / "policies").mkdir(parents=True)
     for path in (ROOT / "policies").glob("*.yaml"):
         (shared / "policies" / path.name).write_text(path.read_text())
+    auto = yaml.safe_load((ROOT / "policies" / "files.yaml").read_text())  # resumes by itself after a decision
+    auto["name"] = "files_auto"
+    auto["approval"]["on_decision"] = "resume"
+    (shared / "policies" / "files_auto.yaml").write_text(yaml.safe_dump(auto))
     prefix = f"replicas-{uuid.uuid4().hex[:12]}:"
     budget = 8 * storm_turn_cost()
 

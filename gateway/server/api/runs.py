@@ -1,10 +1,11 @@
 """The runs API: list, read, trace, approve, resume and cancel runs.
 
 | route                            | does                                                     |
-| GET  /v1/runs?status=&team=      | runs visible to the caller                               |
+| GET  /v1/runs?status=&team=&policy= | runs visible to the caller                            |
 | GET  /v1/runs/{id}               | the run with its transcript                              |
 | GET  /v1/runs/{id}/events        | its trace as JSONL (`?follow=1`: SSE until it stops)     |
 | POST /v1/runs/{id}/approvals     | approve or reject the call it waits for (approvers only) |
+|                                  | (policy `on_decision: resume`: the run then goes on)     |
 | POST /v1/runs/{id}/resume        | continue it; answers like chat completions               |
 | POST /v1/runs/{id}/cancel        | stop it within milliseconds, tools included              |
 
@@ -15,7 +16,6 @@ the same 404 as for a run that does not exist.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any, Final
 
@@ -46,11 +46,10 @@ from gateway.server.http.validation import check_depth, json_object, read_body
 from gateway.server.runs.cancels import RunBusy, cancel_event
 from gateway.server.runs.continuations import resume_with
 from gateway.server.runs.driver import Prepare
+from gateway.server.runs.auto_resume import BACKGROUND, RESUMED_BY, after_decision, follow_until_stopped
 from gateway.server.runs.keying import update_run
 from gateway.server.runs.tracelog import TraceWriter
 
-FOLLOW_POLL_S: Final = 0.05
-STATUS_CHECK_S: Final = 1.0
 CANCEL_WAIT_S: Final = 5.0
 LIST_SCAN: Final = 1000
 """Runs read per listing before the visibility filter (approvers see other teams' runs)."""
@@ -58,16 +57,18 @@ LIST_SCAN: Final = 1000
 
 
 
-def _policy(app: web.Application, run: RunState) -> Policy | None:
+def run_policy(app: web.Application, run: RunState) -> Policy | None:
+    """The policy governing `run` (`PolicyRegistry.for_run`), None when none is loaded."""
     policies = app[ctx.POLICIES]
     return policies.for_run(run.policy, run.policy_version)
 
 
-def _visible(app: web.Application, run: RunState, team: TeamConfig) -> bool:
-    return may_see(team, run, _policy(app, run))
+def visible(app: web.Application, run: RunState, team: TeamConfig) -> bool:
+    """Whether `team` may see `run` at all (`run_access.may_see`)."""
+    return may_see(team, run, run_policy(app, run))
 
 
-async def _run_for(request: web.Request) -> tuple[TeamConfig, RunState]:
+async def run_for(request: web.Request) -> tuple[TeamConfig, RunState]:
     """The caller's team and the run of the path, or 404 if the caller may not see it.
 
     Run ids are per team: `{id}` is the caller's own run of that id if it has one; else,
@@ -88,7 +89,7 @@ async def _run_for(request: web.Request) -> tuple[TeamConfig, RunState]:
     if run is None and _reviews_others(app, team):
         names = [owner] if owner not in (None, team.name) else [t.name for t in config.teams if t.name != team.name]
         found = [r for r in [await store.load_run(scoped_run_id(n, run_id)) for n in names if n is not None]
-                 if r is not None and _visible(app, r, team)]
+                 if r is not None and visible(app, r, team)]
         if len(found) > 1:
             teams = ", ".join(sorted(r.team for r in found))
             raise Conflict(f"teams {teams} each have a run {run_id}; say which with ?team=NAME",
@@ -107,7 +108,7 @@ def _reviews_others(app: web.Application, team: TeamConfig) -> bool:
                              for name in policies.names() if (p := policies.get(name)) is not None)
 
 
-def _public_event(run: RunState, event: dict[str, Any]) -> dict[str, Any]:
+def public_event(run: RunState, event: dict[str, Any]) -> dict[str, Any]:
     """A trace line as the API shows it: run ids as the client knows them."""
     rid = event.get("runId")
     if isinstance(rid, str) and rid.startswith(run.team + "/"):
@@ -145,50 +146,41 @@ def _json(data: Any, status: int = 200, run: RunState | None = None) -> web.Resp
 
 
 async def list_runs(request: web.Request) -> web.Response:
-    """GET /v1/runs?status=&team=&limit=: newest first."""
+    """GET /v1/runs?status=&team=&policy=&limit=: newest first."""
     app = request.app
     caller = app[ctx.KEYRING].authenticate(request)
     query = list_query(request.query, LIST_SCAN)
     status, team, limit = query.status, query.team, query.limit
-    scan = limit if team == caller.name else LIST_SCAN
+    scan = limit if team == caller.name and query.policy is None else LIST_SCAN
     runs = await app[ctx.STORE].list_runs(team=team, status=status, limit=scan)
-    data = [run_json(r) for r in runs if _visible(app, r, caller)][:limit]
+    data = [run_json(r) for r in runs
+            if visible(app, r, caller) and (query.policy is None or r.policy == query.policy)][:limit]
     return _json({"object": "list", "data": data})
 
 
 async def get_run(request: web.Request) -> web.Response:
     """GET /v1/runs/{id}: status, turns, cost, usage, interruption, transcript."""
-    _, run = await _run_for(request)
+    _, run = await run_for(request)
     return _json(run_json(run, transcript=True), run=run)
 
 
 async def run_events(request: web.Request) -> web.StreamResponse:
     """GET /v1/runs/{id}/events[?after=N][&follow=1]."""
-    _, run = await _run_for(request)
+    _, run = await run_for(request)
     after = events_after(request.query, request.headers)
     store = request.app[ctx.STORE]
     if not follow(request.query):
-        lines = b"".join(orjson.dumps(_public_event(run, e)) + b"\n" for _, e in await store.events(run.run_id, after))
+        lines = b"".join(orjson.dumps(public_event(run, e)) + b"\n" for _, e in await store.events(run.run_id, after))
         return web.Response(body=lines, content_type="application/x-ndjson")
     sse = await SSEStream.open(request)
-    last_check = 0.0
+
+    async def emit(seq: int, event: dict[str, Any]) -> None:
+        await sse.data(public_event(run, event), id=seq)
+
     try:
-        while True:
-            batch = await store.events(run.run_id, after)
-            for seq, event in batch:
-                await sse.data(_public_event(run, event), id=seq)
-                after = seq
-            stopped = any(e.get("type") == "run_stopped" and e.get("runId") == run.run_id for _, e in batch)
-            if stopped or time.monotonic() - last_check > STATUS_CHECK_S:
-                last_check = time.monotonic()
-                current = await store.load_run(run.run_id)
-                if current is None or current.status != "running":
-                    # the trace is written before the run is saved: nothing of this stop is missing
-                    for seq, event in await store.events(run.run_id, after):
-                        await sse.data(_public_event(run, event), id=seq)
-                    await sse.data((current or run).summary(), event="end")
-                    break
-            await asyncio.sleep(FOLLOW_POLL_S)  # polling the shared store: works across replicas
+        current = await follow_until_stopped(store, lambda r: run_policy(request.app, r), run, after, emit,
+                                             lambda: sse.comment("waiting"))
+        await sse.data(current.summary(), event="end")
     except ClientGone:
         return sse.response
     await sse.close()
@@ -198,8 +190,8 @@ async def run_events(request: web.Request) -> web.StreamResponse:
 async def post_approval(request: web.Request) -> web.Response:
     """POST /v1/runs/{id}/approvals {"call_id", "decision": "approve"|"reject", "reason"}."""
     app = request.app
-    team, run = await _run_for(request)
-    policy = _policy(app, run)
+    team, run = await run_for(request)
+    policy = run_policy(app, run)
     if policy is None or not may_decide(team, run, policy):
         approvers = ", ".join(policy.approval.approvers) if policy else "unknown"
         raise Forbidden(f"team '{team.name}' may not decide calls of policy '{run.policy}' (approvers: {approvers})",
@@ -207,8 +199,8 @@ async def post_approval(request: web.Request) -> web.Response:
     given = approval_input(await _body(request))
     call_id, verdict, reason = given.call_id, given.decision, given.reason
     store = app[ctx.STORE]
-    asked_at = await _asked_at(app, run, call_id)
-    late = asked_at is not None and expired(asked_at, time.time(), policy.approval)
+    asked = await asked_at(app, run, call_id)
+    late = asked is not None and expired(asked, time.time(), policy.approval)
     decision = expiry_decision(policy.approval) if late else Decision(verdict, reason, team.name)
     waiting = run.interruption
 
@@ -227,11 +219,12 @@ async def post_approval(request: web.Request) -> web.Response:
         by=decision.by, expired=late)
     await writer.flush()
     await app[ctx.DRIVER].refresh_approvals(run.team)
+    after_decision(app[BACKGROUND], run, policy, resume_with(None, None, RESUMED_BY))
     return _json({"run": run_json(run), "decision": {"call_id": call_id, **decision.to_json(), "expired": late}},
                  run=run)
 
 
-async def _asked_at(app: web.Application, run: RunState, call_id: str) -> float | None:
+async def asked_at(app: web.Application, run: RunState, call_id: str) -> float | None:
     """When the run asked a person about `call_id` (its trace), else when it last stopped."""
     events = await app[ctx.STORE].events(run.run_id)
     asked = [e.get("ts") for _, e in events if e.get("type") == "approval_required" and e.get("callId") == call_id]
@@ -243,12 +236,12 @@ async def _asked_at(app: web.Application, run: RunState, call_id: str) -> float 
 async def post_resume(request: web.Request) -> web.StreamResponse:
     """POST /v1/runs/{id}/resume {"max_turns"?, "max_budget_usd"?, "max_tool_calls"?, "max_duration_s"?,
     "stream"?}."""
-    team, run = await _run_for(request)
+    team, run = await run_for(request)
     require_steer(team, run, "resume")
     given = resume_input(await _body(request))
     prepare = resume_with(given.max_turns, given.max_budget_usd, team.name, max_tool_calls=given.max_tool_calls,
                           max_duration_s=given.max_duration_s)
-    policy = _policy(request.app, run)
+    policy = run_policy(request.app, run)
     if policy is not None and not policy.server_side:
         return await _reopen_passthrough(request, run, policy, prepare)
     return await answer(request, run.run_id, prepare=prepare, start="run_resumed", stream=given.stream,
@@ -274,7 +267,7 @@ async def _reopen_passthrough(request: web.Request, run: RunState, policy: Polic
 async def post_cancel(request: web.Request) -> web.Response:
     """POST /v1/runs/{id}/cancel {"reason"}: Stop, here or on the replica driving the run."""
     app = request.app
-    team, run = await _run_for(request)
+    team, run = await run_for(request)
     require_steer(team, run, "cancel")
     reason = cancel_reason(await _body(request)) or f"cancelled by team {team.name}"
     driver = app[ctx.DRIVER]

@@ -55,11 +55,12 @@ def follow(query: Mapping[str, str]) -> bool:
 
 @dataclass(frozen=True)
 class ListQuery:
-    """`GET /v1/runs?status=&team=&limit=`, checked."""
+    """`GET /v1/runs?status=&team=&policy=&limit=`, checked."""
 
     status: str | None
     team: str | None
     limit: int
+    policy: str | None = None
 
 
 def list_query(query: Mapping[str, str], max_limit: int, default_limit: int = 100) -> ListQuery:
@@ -71,9 +72,12 @@ def list_query(query: Mapping[str, str], max_limit: int, default_limit: int = 10
     team = query.get("team") or None
     if team is not None and (len(team) > MAX_TEAM_CHARS or not team.isprintable()):
         raise InvalidField("team", f"team must be a team name (at most {MAX_TEAM_CHARS} printable characters)")
+    policy = query.get("policy") or None
+    if policy is not None and (len(policy) > MAX_TEAM_CHARS or not policy.isprintable()):
+        raise InvalidField("policy", f"policy must be a policy name (at most {MAX_TEAM_CHARS} printable characters)")
     raw_limit = query.get("limit")
     limit = default_limit if raw_limit is None else query_int(raw_limit, "limit", 1, max_limit)
-    return ListQuery(status, team, limit)
+    return ListQuery(status, team, limit, policy)
 
 
 @dataclass(frozen=True)

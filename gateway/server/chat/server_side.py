@@ -3,7 +3,8 @@
 `handle_server_side(request, call)`: the chat endpoint resolved the
 team, the run (new or loaded) and the policy; here the run is driven by the `RunDriver`
 and answered with one chat.completion (or, streamed, SSE progress comments then the
-answer as chunks). A client that goes away mid-run presses the run's Stop: it is saved
+answer as chunks; a streamed call whose run pauses on an approval of an
+`on_decision: resume` policy stays open until the run stops for good). A client that goes away mid-run presses the run's Stop: it is saved
 as interrupted ("client disconnected") and can be resumed.
 
 The driver itself lives for the app's lifetime (`gateway.server.runs.runtime`).
@@ -20,7 +21,10 @@ from typing import Any, Final
 import orjson
 from aiohttp import web
 
+from gateway.harness.loop import Outcome
 from gateway.harness.state import RunState, public_run_id
+from gateway.harness.usage import Usage
+from gateway.policy.decl import Policy
 from gateway.providers.errors import UpstreamError
 from gateway.server import context as ctx
 from gateway.server.chat.answers import (
@@ -40,7 +44,8 @@ from gateway.server.http.headers import run_headers
 from gateway.server.http.sse import ClientGone, SSEStream, progress_comment
 from gateway.server.runs import continuations
 from gateway.server.runs.cancels import CLIENT_DISCONNECTED, ActiveRuns, RunBusy
-from gateway.server.runs.driver import Drive, FromClient, Prepare, StartKind
+from gateway.server.runs.auto_resume import follow_until_stopped, resumes_on_decision, waits_for_decision
+from gateway.server.runs.driver import Drive, FromClient, Prepare, StartKind, last_answer
 from gateway.server.runs.keying import Call
 from gateway.store.base import Event
 from gateway.store.errors import StoreError
@@ -194,9 +199,42 @@ async def _stream(request: web.Request, run_id: str, prepare: Prepare, start: St
             sse = await SSEStream.open(request, run_headers(state, await _team_left(request.app, state)))
         except ClientGone:
             return _client_closed()
+    if drive.driven and waits_for_decision(state) and resumes_on_decision(request.app[ctx.DRIVER].policy_of(state)):
+        try:  # paused for a decision that resumes the run: stay open, answer when it stops
+            drive = await _follow_paused(request, sse, drive)
+        except ClientGone:
+            return sse.response
+        state = request[ctx.RUN] = drive.state
     answer_ = Answer.of(state, drive.outcome.answer, drive.outcome.kind == "client_tools")
     with contextlib.suppress(ClientGone):
         for chunk in completion_chunks(state, answer_, drive.usage if include_usage else None, cid=completion_id()):
             await sse.data(chunk)
         await sse.done()
     return sse.response
+
+
+async def _follow_paused(request: web.Request, sse: SSEStream, paused: Drive) -> Drive:
+    """Follow a run that paused on an approval of an `on_decision: resume` policy until it
+    stops for good, wherever it is driven; the Drive to answer with (its usage: this call's
+    drive plus what the run spent after the pause)."""
+    driver = request.app[ctx.DRIVER]
+    store = driver.store
+    state = paused.state
+    seen = await store.events(state.run_id)
+
+    async def emit(seq: int, event: Event) -> None:
+        comment = progress_comment(event)
+        if comment is not None:
+            await sse.comment(comment)
+
+    async def keepalive() -> None:
+        await sse.comment(f"waiting for a decision on run {state.public_id}")
+
+    def policy_of(run: RunState) -> Policy | None:
+        return driver.policies.for_run(run.policy, run.policy_version)
+
+    final = await follow_until_stopped(store, policy_of, state, seen[-1][0] if seen else 0, emit, keepalive)
+    usage = paused.usage + Usage(final.usage.prompt_tokens - state.usage.prompt_tokens,
+                                 final.usage.completion_tokens - state.usage.completion_tokens)
+    answer_ = last_answer(final)
+    return Drive(Outcome(final, "stopped", answer_), usage)

@@ -190,7 +190,7 @@ class RunDriver:
         fields = prepare(state, policy) if prepare is not None else {}
         if fields is None:  # nothing to drive (it waits for a person): keep what the call added
             await self.store.save_run(state)
-            return Drive(Outcome(state, "stopped", _last_answer(state)), Usage(), driven=False)
+            return Drive(Outcome(state, "stopped", last_answer(state)), Usage(), driven=False)
         usage_before = state.usage
         model = self.model_for(state)
         if self.metrics is not None:
@@ -315,7 +315,8 @@ def _minus(a: Usage, b: Usage) -> Usage:
     return Usage(a.prompt_tokens - b.prompt_tokens, a.completion_tokens - b.completion_tokens)
 
 
-def _last_answer(state: RunState) -> str | None:
+def last_answer(state: RunState) -> str | None:
+    """The run's final answer: its last assistant message, once it completed."""
     if state.status != "completed":
         return None
     last = next((m for m in reversed(state.messages) if m.get("role") == "assistant"), None)

@@ -8,10 +8,12 @@ A `Sweeper` runs once when the gateway starts and then every `period_s` (half of
   a whole lease TTL is either resumed (policy `recovery: resume`) or stopped as
   `interrupted` with reason `crashed` (the default), so its owner sees it and may resume
   it. A run that waits for its client's tool results is between calls, like any
-  pass-through run: left alone.
+  pass-through run: left alone. A run of an `approval: {on_decision: resume}` policy
+  whose decided call was never driven (the deciding replica died) is resumed.
 - a run waiting for a decision past its policy's `approval.expires_after_s` gets the
   expiry's rejection (as when someone decides late), traced `approval_expired`, and the
-  team's `gateway_approvals_pending` is recounted.
+  team's `gateway_approvals_pending` is recounted; under `on_decision: resume` the run
+  then goes on (the model reads the rejection).
 
 Each change is made while holding the run's lease (and its `ActiveRuns` claim), and
 saved with the run's revision: two replicas sweeping at once never change a run twice.
@@ -33,11 +35,10 @@ from gateway.harness.state import Interruption, RunState, pending
 from gateway.harness.trace import Tracer
 from gateway.policy.approval import EXPIRED_BY, expired, expiry_decision
 from gateway.policy.decl import Policy
-from gateway.providers.errors import UpstreamError
-from gateway.server.http.errors import ApiError
+from gateway.server.runs.auto_resume import RESUMED_BY, BackgroundDrives, after_decision, decided_undriven
 from gateway.server.runs.cancels import RunBusy
 from gateway.server.runs.continuations import resume_with
-from gateway.server.runs.driver import PolicyGone, Prepare, RunDriver
+from gateway.server.runs.driver import PolicyGone, RunDriver
 from gateway.server.runs.tracelog import TraceWriter
 from gateway.store.errors import StaleRun, StoreError
 
@@ -67,7 +68,7 @@ class Sweeper:
         self.store = driver.store
         self.trace_file = trace_file
         self.period_s = period_s
-        self._resuming: set[asyncio.Task[None]] = set()
+        self.drives = BackgroundDrives(driver)
 
     async def sweep(self, scan: int = PERIODIC_SCAN) -> SweepReport:
         """One pass over running and interrupted runs. Raises StoreError if the store fails."""
@@ -100,10 +101,7 @@ class Sweeper:
 
     async def close(self) -> None:
         """Stop the resumes this sweeper started (they are saved as interrupted, resumable)."""
-        for task in list(self._resuming):
-            task.cancel()
-        if self._resuming:
-            await asyncio.wait(self._resuming, timeout=5.0)
+        await self.drives.close()
 
     def _policy(self, run: RunState) -> Policy | None:
         try:
@@ -125,8 +123,8 @@ class Sweeper:
         if not self._orphan_candidate(run, policy):
             return
         assert policy is not None
-        if policy.recovery == "resume":
-            await self._resume(run, report)
+        if policy.recovery == "resume" or decided_undriven(run, policy):
+            self._resume(run, report)
             return
         driver = self.driver
         try:
@@ -154,21 +152,10 @@ class Sweeper:
         run.status, run.reason, run.interruption = "interrupted", CRASHED, Interruption("crashed", reason=detail)
         await self.store.save_run(run)
 
-    async def _resume(self, run: RunState, report: SweepReport) -> None:
+    def _resume(self, run: RunState, report: SweepReport) -> None:
         # The lease decides who drives: `drive` takes it (or raises RunBusy) before loading the run.
-        prepare = resume_with(None, None, RECOVERED_BY)
-        task = asyncio.get_running_loop().create_task(self._drive(run.run_id, prepare))
-        self._resuming.add(task)
-        task.add_done_callback(self._resuming.discard)
+        self.drives.spawn(run.run_id, resume_with(None, None, RECOVERED_BY))
         report.resumed.append(run.run_id)
-
-    async def _drive(self, run_id: str, prepare: Prepare) -> None:
-        try:
-            await self.driver.drive(run_id, prepare=prepare, start="run_resumed")
-        except RunBusy:
-            pass
-        except (ApiError, UpstreamError, StoreError) as exc:
-            log.warning("recovery could not resume run %s: %s", run_id, exc)
 
     async def _expire(self, run: RunState, report: SweepReport) -> None:
         waiting = run.interruption
@@ -200,6 +187,7 @@ class Sweeper:
                     await writer.flush()
                     await self.store.save_run(fresh)
                     report.expired.append(run.run_id)
+                    after_decision(self.drives, fresh, policy, resume_with(None, None, RESUMED_BY))
                 finally:
                     await self.store.release_lease(run.run_id, driver.owner)
         except (RunBusy, StaleRun, ApprovalError):

@@ -37,16 +37,17 @@ class Pruned:
     events_of: int = 0
     ledgers: int = 0
     responses: int = 0
+    notices: int = 0
 
     def __str__(self) -> str:
         return (f"{self.runs} finished run(s), the events of {self.events_of} more, {self.ledgers} closed ledger "
-                f"figure(s), {self.responses} stored response(s)")
+                f"figure(s), {self.responses} stored response(s), {self.notices} sent or abandoned notice(s)")
 
 
 async def apply(store: Store, retention: RetentionConfig, now: float | None = None) -> Pruned:
     """One pass: what the config's ages say is due, deleted now. Raises StoreError."""
     now = time.time() if now is None else now
-    runs = events = ledgers = responses = 0
+    runs = events = ledgers = responses = notices = 0
     if retention.runs_days is not None:
         runs = await store.prune_runs(now - retention.runs_days * DAY_S)
         responses = await store.prune_responses(now - retention.runs_days * DAY_S)  # as old as the runs they continue
@@ -54,7 +55,9 @@ async def apply(store: Store, retention: RetentionConfig, now: float | None = No
         events = await store.prune_runs(now - retention.events_days * DAY_S, events_only=True)
     if retention.ledger_days is not None:
         ledgers = await store.prune_ledgers(now - retention.ledger_days * DAY_S)
-    return Pruned(runs, events, ledgers, responses)
+    if retention.outbox_days is not None:
+        notices = await store.prune_outbox(now - retention.outbox_days * DAY_S)
+    return Pruned(runs, events, ledgers, responses, notices)
 
 
 def configure_trace_file(config: Config) -> None:
@@ -70,7 +73,7 @@ async def _loop(store: Store, retention: RetentionConfig, stop: asyncio.Event) -
     while not stop.is_set():
         try:
             pruned = await apply(store, retention)
-            if pruned.runs or pruned.events_of or pruned.ledgers or pruned.responses:
+            if pruned.runs or pruned.events_of or pruned.ledgers or pruned.responses or pruned.notices:
                 log.info("retention pruned %s", pruned)
         except StoreError as exc:
             log.warning("retention pass failed, next in %.0fs: %s", retention.interval_s, exc)

@@ -14,6 +14,7 @@ from aiohttp import web
 from gateway.harness.state import RunState
 from gateway.harness.usage import DEFAULT_PRICE, Price
 from gateway.server import context as ctx
+from gateway.server.runs.auto_resume import BACKGROUND
 from gateway.server.runs.cancels import ActiveRuns
 from gateway.server.runs.driver import RunDriver
 from gateway.server.runs.governed_model import UpstreamModel
@@ -45,6 +46,7 @@ async def driver_ctx(app: web.Application) -> AsyncIterator[None]:
                        store_deadline_s=config.store.timeout_s)
     app[ctx.DRIVER] = driver
     sweeper = Sweeper(driver, trace_file=config.trace_file, period_s=config.server.lease_ttl_s / 2)
+    app[BACKGROUND] = sweeper.drives  # runs resumed after a decision (auto_resume) or by recovery
     try:
         for team in config.teams:
             await driver.refresh_approvals(team.name)
