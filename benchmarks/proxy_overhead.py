@@ -11,6 +11,7 @@ resident memory. Figures are printed as a table plus the ratios the targets name
     gateway overhead (p50 - direct p50) <= 2x the minimal proxy's
     gateway req/s at c=32               >= 0.5x the minimal proxy's
     gateway RSS                         <  100 MB
+    route selection (two weighted deployments, retries, breaker) <= 0.05 ms p50 per call at c=1
 
 Run: `.venv/bin/python benchmarks/proxy_overhead.py [--requests 2000] [--no-team-budget]`.
 All three servers and the load generator share the machine, so absolute numbers say
@@ -81,6 +82,9 @@ BODY = orjson.dumps({
     "tools": [t.openai() for t in FILE_TOOLS],
 })
 KEY = "sk-bench"
+LIMITED_KEY = "sk-bench-limited"
+"""A second team, the same but with rate limits (all three, never reached): limits on vs off."""
+RATE_LIMITS = {"requests_per_minute": 1_000_000_000, "tokens_per_minute": 1_000_000_000, "max_in_flight": 100_000}
 TURNS_PER_RUN = 10
 
 
@@ -102,23 +106,52 @@ def start_proxy(port: int, upstream: str, log: Path) -> Proc:
     return Proc(popen, url, log)
 
 
-def gateway_config(folder: Path, port: int, upstream: str, team_budget: bool, store_dir: Path | None = None) -> Path:
+def gateway_config(folder: Path, port: int, upstream: str, team_budget: bool, store_dir: Path | None = None,
+                   deployments: bool = False) -> Path:
+    """The benchmark gateway's config; with `deployments`, its route names two weighted
+    deployments of the one upstream (retries, fallback, breaker: the routed path)."""
     policies = folder / "policies"
-    policies.mkdir(parents=True)
+    policies.mkdir(parents=True, exist_ok=True)
     (policies / "passthrough.yaml").write_text(
         "name: passthrough\nlimits: {max_turns: 100, max_budget_usd: 10.0, budget_mode: turn}\n")
     config = {
         "server": {"host": "127.0.0.1", "port": port},
         "store": {"kind": "sqlite", "path": str((store_dir or folder) / "gateway.db")},
         "policies_dir": "./policies",
-        "upstreams": [{"name": "bench", "base_url": upstream}],
-        "models": [{"match": "*", "upstream": "bench", "price_in": 2.0, "price_out": 12.0}],
-        "teams": [{"name": "bench", "keys": [KEY], "budget_usd": 1_000_000.0 if team_budget else None,
-                   "budget_period": "total", "policies": ["passthrough"]}],
+        "upstreams": [{"name": "bench", "base_url": upstream}, {"name": "bench2", "base_url": upstream}],
+        "models": [{"match": "*", "upstream": "bench", "price_in": 2.0, "price_out": 12.0}] if not deployments else [
+            {"match": "*", "retries": 2, "fallbacks": ["scripted-plan"], "price_in": 2.0, "price_out": 12.0,
+             "deployments": [{"upstream": "bench", "weight": 3}, {"upstream": "bench2", "weight": 1}]}],
+        "teams": [{"name": name, "keys": [key], "budget_usd": 1_000_000.0 if team_budget else None,
+                   "budget_period": "total", "policies": ["passthrough"], **extra}
+                  for name, key, extra in (("bench", KEY, {}), ("limited", LIMITED_KEY, {"rate_limits": RATE_LIMITS}))],
     }
-    path = folder / "config.yaml"
+    path = folder / ("config-routed.yaml" if deployments else "config.yaml")
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def selection_us(n: int = 200_000) -> float:
+    """Median time of one call's route selection in process (pick, start, success), in µs,
+    for two weighted deployments and a fallback: the router's own cost, without the noise
+    of a loopback round trip."""
+    from gateway.harness.usage import Price
+    from gateway.providers.routing import Breaker, Deployment, Group, RoutePlan, Router
+
+    price = Price(2.0, 12.0)
+    a, b = Deployment("bench", None, 3, price), Deployment("bench2", None, 1, price)
+    plan = RoutePlan((Group(None, (a, b)), Group("scripted-plan", (a,))), 2, None, Breaker())
+    router = Router()
+    samples = []
+    clock = time.perf_counter
+    for _ in range(20):
+        started = clock()
+        for _ in range(n // 20):
+            pick = router.pick(plan, "m", (), started)
+            router.started(pick.deployment)
+            router.finished(pick.deployment, "ok", plan.breaker, started)
+        samples.append((clock() - started) / (n // 20))
+    return statistics.median(samples) * 1e6
 
 
 async def load(url: str, concurrency: int, requests: int, gateway: bool) -> tuple[list[float], float]:
@@ -126,6 +159,7 @@ async def load(url: str, concurrency: int, requests: int, gateway: bool) -> tupl
     latencies: list[float] = []
     remaining = requests
     connector = aiohttp.TCPConnector(limit=concurrency)
+    load_id = os.urandom(3).hex()  # every load its own runs: repeated loads never meet a run's turn cap
 
     async with aiohttp.ClientSession(connector=connector) as session:
         async def worker(wid: int) -> None:
@@ -135,7 +169,7 @@ async def load(url: str, concurrency: int, requests: int, gateway: bool) -> tupl
                 remaining -= 1
                 headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
                 if gateway:  # a client's agent loop: ten turns per run, then a new run
-                    headers["X-Run-Id"] = f"bench-{os.getpid()}-{concurrency}-{wid}-{n // TURNS_PER_RUN}"
+                    headers["X-Run-Id"] = f"bench-{load_id}-{concurrency}-{wid}-{n // TURNS_PER_RUN}"
                 started = time.perf_counter()
                 async with session.post(url + "/v1/chat/completions", data=BODY, headers=headers) as resp:
                     await resp.read()
@@ -147,6 +181,25 @@ async def load(url: str, concurrency: int, requests: int, gateway: bool) -> tupl
         started = time.perf_counter()
         await asyncio.gather(*[worker(i) for i in range(concurrency)])
         return latencies, time.perf_counter() - started
+
+
+async def limits_cost(url: str, requests: int) -> tuple[float, float]:
+    """p50 ms at c=1 of the team without rate limits and of the one with them, calls
+    alternating between the two so that both see the same machine at the same moments."""
+    times: dict[str, list[float]] = {KEY: [], LIMITED_KEY: []}
+    async with aiohttp.ClientSession() as session:
+        for i in range(requests + requests // 10):
+            key = (KEY, LIMITED_KEY)[i % 2]
+            headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}",
+                       "X-Run-Id": f"limits-{os.getpid()}-{i // (2 * TURNS_PER_RUN)}"}
+            started = time.perf_counter()
+            async with session.post(url + "/v1/chat/completions", data=BODY, headers=headers) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    raise RuntimeError(f"{url} answered {resp.status}: {await resp.text()}")
+            if i >= requests // 10:  # the first tenth warms up
+                times[key].append(time.perf_counter() - started)
+    return statistics.median(times[KEY]) * 1000, statistics.median(times[LIMITED_KEY]) * 1000
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -211,6 +264,11 @@ async def main_async(args: argparse.Namespace) -> int:
             config = gateway_config(folder, gw_port, up_url, not args.no_team_budget, store_dir)
             procs.append(gateway := start_gateway(["serve", "--config", str(config)], "/healthz", gw_port,
                                                   folder / "gateway.log"))
+            routed_port = free_port()
+            routed_config = gateway_config(folder, routed_port, up_url, not args.no_team_budget, store_dir,
+                                           deployments=True)
+            procs.append(routed := start_gateway(["serve", "--config", str(routed_config)], "/healthz", routed_port,
+                                                 folder / "gateway-routed.log"))
             rows: list[Figures] = []
             own_at: dict[int, float] = {}
             for c in (1, 32):
@@ -219,6 +277,12 @@ async def main_async(args: argparse.Namespace) -> int:
                 before = await own_time(gateway.url)
                 rows.append(await measure("gateway", gateway.url, c, args.requests, True))
                 own_at[c] = mean_between(before, await own_time(gateway.url))
+            # Same run, c=1, alternating so drift hits both: one upstream vs two weighted deployments.
+            single_c1, routed_c1 = [], []
+            for _ in range(3):
+                single_c1.append((await measure("gateway", gateway.url, 1, args.requests // 2, True)).p50_ms)
+                routed_c1.append((await measure("gateway routed", routed.url, 1, args.requests // 2, True)).p50_ms)
+            limits_off, limits_on = await limits_cost(gateway.url, args.requests)
             ttfb_direct = await ttfb(upstream.url, args.streams, False)
             ttfb_gateway = await ttfb(gateway.url, args.streams, True)
             rss, peak = rss_mb(gateway.popen.pid)
@@ -243,6 +307,9 @@ async def main_async(args: argparse.Namespace) -> int:
               f"-> ratio {ratio:.2f} (target <= 2); req/s gateway/proxy {rps_ratio:.2f}"
               + (" (target >= 0.5)" if c == 32 else ""))
         ok &= ratio <= 2.0 and (c != 32 or rps_ratio >= 0.5)
+    print(f"rate limits at c=1 (calls alternating between a team without and one with rate_limits): p50 "
+          f"{limits_off:.3f} ms off, {limits_on:.3f} ms on -> {limits_on - limits_off:+.3f} ms (target <= 0.05)")
+    ok &= limits_on - limits_off <= 0.05
     print(f"stream TTFB (median of {args.streams}): gateway {ttfb_gateway:.2f} ms, direct {ttfb_direct:.2f} ms "
           f"-> +{ttfb_gateway - ttfb_direct:.2f} ms")
     print(f"gateway's own time per call (gateway_overhead_seconds mean): {own_at[1]:.3f} ms at c=1, "
@@ -251,6 +318,13 @@ async def main_async(args: argparse.Namespace) -> int:
     print(f"gateway RSS after the load: {rss:.1f} MB (target < 100); peak {peak:.1f} MB (while the o200k_base "
           "rank file is parsed at start)")
     ok &= rss < 100
+    picked = selection_us()
+    routed_delta = statistics.median(routed_c1) - statistics.median(single_c1)
+    print(f"route selection: {picked / 1000:.4f} ms per call in process (median; two weighted deployments and a "
+          f"fallback; target <= 0.05 ms); end to end at c=1, p50 with such a route {statistics.median(routed_c1):.2f} "
+          f"ms vs one upstream {statistics.median(single_c1):.2f} ms -> {routed_delta:+.3f} ms "
+          "(loopback noise is of the same order)")
+    ok &= picked / 1000 <= 0.05
     print("targets:", "met" if ok else "NOT met")
     return 0 if ok else 1
 

@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     scripted = sub.add_parser("scripted", help="serve the scripted provider alone")
     scripted.add_argument("--host", default="127.0.0.1")
     scripted.add_argument("--port", type=int, default=8090)
+    scripted.add_argument("--fail", help="fail chat calls this way: 500, 429, malformed, hang, cut, cut-first, reset "
+                          "(a request's X-Scripted-Fail header still decides for itself)")
+    scripted.add_argument("--fail-calls", help="N/M: fail the first N of every M calls (1/2: every other one); "
+                          "N: the first N calls only (default: every call)")
+    scripted.add_argument("--retry-after", type=float, help="seconds a 429 asks the client to wait (retry-after)")
+    scripted.add_argument("--latency-ms", type=float, default=0.0, help="wait this long before every answer")
 
     demo = sub.add_parser("demo", help="reproduce the chapter's experiments")
     demo.add_argument("--json", action="store_true", help="one JSON object per line")

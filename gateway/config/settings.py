@@ -56,7 +56,9 @@ import yaml
 
 from gateway.config.fields import ConfigError, Field
 from gateway.harness.usage import Price
+from gateway.config.rates import KeyLimits, RateLimits, key_scope, parse_rate_limits
 from gateway.config.webhooks import WebhookConfig, parse_public_url, parse_webhooks
+from gateway.providers.routing import Breaker, Deployment, Group, RoutePlan
 
 __all__ = [
     "Config", "ConfigError", "Defaults", "MetricsConfig", "ModelRoute", "RetentionConfig", "ServerConfig", "StoreConfig",
@@ -79,7 +81,12 @@ LOCAL_TIMEOUT_S = 180.0
 capped answer fits well inside it, even on a loaded machine)."""
 LOCAL_MAX_TOKENS = 512
 """A `local` upstream's `max_tokens` cap unless `max_tokens` says otherwise."""
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+DEFAULT_RETRIES = 2
+"""`retries` of a route that names `deployments` or `fallbacks` (the single-`upstream` form: 0)."""
+MAX_RETRIES = 10
 DEFAULT_LEASE_TTL_S = 15.0
+DEFAULT_RATE_LIMIT_WAIT_S = 30.0
 DEFAULT_STORE_TIMEOUT_S = 2.0
 """The deadline of one store command (`store.timeout_s`, Redis): a frozen store is a 503 this soon."""
 SCRIPTED_PREFIX = "/scripted/v1"
@@ -127,6 +134,8 @@ class UpstreamConfig:
     tool_repair: bool = False
     # The most completion tokens any call may ask for (lower asks pass unchanged); None: no cap.
     max_tokens: int | None = None
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    first_byte_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
 
     def api_key(self) -> str | None:
         """Read at call time, so a missing variable fails the call, not the start."""
@@ -135,11 +144,17 @@ class UpstreamConfig:
 
 @dataclass(frozen=True)
 class ModelRoute:
-    """`models[i]`: the first route whose glob matches the model name decides."""
+    """`models[i]`: the first route whose glob matches the model name decides.
+
+    `upstream` is its first deployment's; `price` is what a call's budget hold is taken at:
+    the most any deployment of the route or of its fallbacks may charge (`RoutePlan.hold_price`),
+    so a hold covers whichever answers. The turn is booked at the price of the one that did.
+    """
 
     match: str
     upstream: str
     price: Price
+    plan: RoutePlan
 
     @property
     def is_glob(self) -> bool:
@@ -155,6 +170,12 @@ class TeamConfig:
     budget_period: BudgetPeriod = "month"
     budget_mode: BudgetMode = "turn"
     admin: bool = False
+    rate_limits: RateLimits | None = None
+    """The team's own rate limits (config_rates), shared by all its keys."""
+    key_limits: tuple[KeyLimits, ...] = ()
+    """Keys with limits of their own (on top of the team's)."""
+    caller: KeyLimits | None = None
+    """Set by the keyring on the team a call authenticates as: the limits of its key."""
 
     @property
     def default_policy(self) -> str:
@@ -189,6 +210,8 @@ class RetentionConfig:
 class Defaults:
     output_allowance_tokens: int = DEFAULT_OUTPUT_ALLOWANCE
     max_calls_in_flight_per_run: int = DEFAULT_CALLS_IN_FLIGHT_PER_RUN
+    rate_limit_wait_s: float = DEFAULT_RATE_LIMIT_WAIT_S
+    """How long, in all, a server-side model turn waits for its rate limits before the run stops."""
 
 
 @dataclass(frozen=True)
@@ -340,7 +363,8 @@ def _default_runs_dir(store: StoreConfig, base: Path) -> Path:
 def _upstreams(section: Field) -> dict[str, UpstreamConfig]:
     out: dict[str, UpstreamConfig] = {}
     for at in section.required().list_of():
-        at.keys_only({"name", "kind", "base_url", "api_key_env", "timeout_s", "api", "tool_repair", "max_tokens"})
+        at.keys_only({"name", "kind", "base_url", "api_key_env", "timeout_s", "api", "connect_timeout_s",
+                      "first_byte_timeout_s", "tool_repair", "max_tokens"})
         name = at.get("name").required().nonempty_str()
         if name in out:
             at.get("name").fail(f"upstream '{name}' is defined twice")
@@ -352,12 +376,16 @@ def _upstreams(section: Field) -> dict[str, UpstreamConfig]:
                 at.get("base_url").fail(f"is required for an upstream of kind {kind} (e.g. http://127.0.0.1:8081/v1)")
             elif not base_url.startswith(("http://", "https://")):
                 at.get("base_url").fail(f"must start with http:// or https://, got {base_url!r}")
+        timeout = at.get("timeout_s").optional_number(LOCAL_TIMEOUT_S if local else DEFAULT_UPSTREAM_TIMEOUT_S,
+                                                      positive=True)
         out[name] = UpstreamConfig(
             name=name, kind=kind, base_url=base_url.rstrip("/") if base_url else None,
             api_key_env=at.get("api_key_env").optional_str_or_none(),
-            timeout_s=at.get("timeout_s").optional_number(LOCAL_TIMEOUT_S if local else DEFAULT_UPSTREAM_TIMEOUT_S,
-                                                          positive=True),
+            timeout_s=timeout,
             api=at.get("api").choice(("chat", "responses"), "chat"),
+            connect_timeout_s=min(timeout, at.get("connect_timeout_s").optional_number(DEFAULT_CONNECT_TIMEOUT_S,
+                                                                                       positive=True)),
+            first_byte_timeout_s=min(timeout, at.get("first_byte_timeout_s").optional_number(timeout, positive=True)),
             tool_repair=at.get("tool_repair").optional_bool(local),
             max_tokens=_max_tokens(at.get("max_tokens"), LOCAL_MAX_TOKENS if local else None),
         )
@@ -376,33 +404,97 @@ def _max_tokens(at: Field, default: int | None) -> int | None:
 
 
 def _models(section: Field, upstreams: Mapping[str, UpstreamConfig]) -> tuple[ModelRoute, ...]:
-    routes = []
+    """Two passes: every route's own deployments first, then the fallbacks, which name other
+    models routed by this same table (their own fallbacks are not followed: one level)."""
+    own: list[tuple[Field, str, tuple[Deployment, ...]]] = []
     for at in section.required().list_of():
-        at.keys_only({"match", "upstream", "price_in", "price_out"})
+        at.keys_only({"match", "upstream", "price_in", "price_out", "deployments", "fallbacks", "retries",
+                      "deadline_s", "cooldown_s", "cooldown_after"})
         match = at.get("match").required().nonempty_str()
-        upstream = at.get("upstream").required().nonempty_str()
-        if upstream not in upstreams:
-            at.get("upstream").fail(f"no upstream named '{upstream}' (known: {', '.join(upstreams)})")
-        price = Price(at.get("price_in").optional_number(2.00, nonnegative=True),
-                      at.get("price_out").optional_number(12.00, nonnegative=True))
-        routes.append(ModelRoute(match, upstream, price))
-    if not routes:
+        own.append((at, match, _deployments(at, upstreams)))
+    if not own:
         section.fail("at least one model route is required (e.g. {match: \"*\", upstream: local})")
+
+    def routed(name: str) -> tuple[Deployment, ...] | None:
+        return next((d for _, m, d in own if fnmatch.fnmatchcase(name, m)), None)
+
+    routes = []
+    for at, match, deployments in own:
+        groups = [Group(None, deployments)]
+        fallbacks_at = at.get("fallbacks")
+        for f in fallbacks_at.list_of() if not fallbacks_at.missing else []:
+            name = f.nonempty_str()
+            target = routed(name)
+            if target is None:
+                f.fail(f"fallback model '{name}' is not routed by any models[] entry")
+            groups.append(Group(name, target))
+        apis = {upstreams[d.upstream].api for g in groups for d in g.deployments}
+        if len(apis) > 1:
+            at.fail("its deployments and fallbacks mix upstreams with api: chat and api: responses; a route's "
+                    "upstreams must speak one API (the request body is built once for it)")
+        several = not at.get("deployments").missing or len(groups) > 1
+        breaker = Breaker(at.get("cooldown_after").optional_int(Breaker.cooldown_after, low=1, high=1000),
+                          at.get("cooldown_s").optional_number(Breaker.cooldown_s, positive=True))
+        plan = RoutePlan(tuple(groups),
+                         at.get("retries").optional_int(DEFAULT_RETRIES if several else 0, low=0, high=MAX_RETRIES),
+                         at.get("deadline_s").optional_number_or_none(positive=True), breaker)
+        routes.append(ModelRoute(match, deployments[0].upstream, plan.hold_price(), plan))
     return tuple(routes)
+
+
+def _deployments(at: Field, upstreams: Mapping[str, UpstreamConfig]) -> tuple[Deployment, ...]:
+    """`upstream` + prices (the single form), or `deployments: [{upstream, model?, weight, price_in?,
+    price_out?}]` (a deployment without prices takes the route's, or the default)."""
+    def upstream_of(f: Field) -> str:
+        name = f.required().nonempty_str()
+        if name not in upstreams:
+            f.fail(f"no upstream named '{name}' (known: {', '.join(upstreams)})")
+        return name
+
+    price = Price(at.get("price_in").optional_number(2.00, nonnegative=True),
+                  at.get("price_out").optional_number(12.00, nonnegative=True))
+    listed = at.get("deployments")
+    if listed.missing:
+        return (Deployment(upstream_of(at.get("upstream")), None, 1, price),)
+    if not at.get("upstream").missing:
+        at.get("upstream").fail("give either upstream or deployments, not both")
+    out = []
+    for d in listed.list_of():
+        d.keys_only({"upstream", "model", "weight", "price_in", "price_out"})
+        out.append(Deployment(
+            upstream_of(d.get("upstream")), d.get("model").optional_str_or_none(),
+            d.get("weight").optional_int(1, low=1, high=1_000_000),
+            Price(d.get("price_in").optional_number(price.input_per_million, nonnegative=True),
+                  d.get("price_out").optional_number(price.output_per_million, nonnegative=True))))
+    if not out:
+        listed.fail("at least one deployment is required")
+    if len({(d.upstream, d.model) for d in out}) < len(out):
+        listed.fail("names the same upstream and model twice")
+    return tuple(out)
 
 
 def _teams(section: Field) -> tuple[TeamConfig, ...]:
     teams: list[TeamConfig] = []
     seen_keys: dict[str, str] = {}
     for at in section.required().list_of():
-        at.keys_only({"name", "keys", "key_env", "budget_usd", "budget_period", "budget_mode", "policies", "admin"})
+        at.keys_only({"name", "keys", "key_env", "budget_usd", "budget_period", "budget_mode", "policies", "admin",
+                      "rate_limits"})
         name = at.get("name").required().nonempty_str()
         if not TEAM_NAME.fullmatch(name):
             at.get("name").fail(f"team name {name!r} must be 1-64 letters, digits, '_', '-' or '.', starting with a "
                                 "letter or digit (it scopes the team's run ids, stored as TEAM/ID)")
         if any(t.name == name for t in teams):
             at.get("name").fail(f"team '{name}' is defined twice")
-        keys = [k.nonempty_str() for k in at.get("keys").list_of()] if not at.get("keys").missing else []
+        keys: list[str] = []
+        key_limits: list[KeyLimits] = []
+        for k in at.get("keys").list_of():
+            if not isinstance(k.value, dict):
+                keys.append(k.nonempty_str())
+                continue
+            key, limits = _key_with_limits(k)
+            keys.append(key)
+            if limits is not None:
+                key_limits.append(KeyLimits(key, key_scope(key), limits))
         key_env = at.get("key_env").optional_str_or_none()
         if key_env:
             value = os.environ.get(key_env)
@@ -425,19 +517,36 @@ def _teams(section: Field) -> tuple[TeamConfig, ...]:
             budget_period=at.get("budget_period").choice(("day", "month", "total"), "month"),
             budget_mode=at.get("budget_mode").choice(("turn", "strict"), "turn"),
             admin=at.get("admin").optional_bool(False),
+            rate_limits=parse_rate_limits(at.get("rate_limits")), key_limits=tuple(key_limits),
         ))
     if not teams:
         section.fail("at least one team is required")
     return tuple(teams)
 
 
+def _key_with_limits(at: Field) -> tuple[str, RateLimits | None]:
+    """`{key: "sk-..." | key_env: NAME, rate_limits: {...}}`: a key with limits of its own."""
+    at.keys_only({"key", "key_env", "rate_limits"})
+    key = at.get("key").optional_str_or_none()
+    env = at.get("key_env").optional_str_or_none()
+    if (key is None) == (env is None):
+        at.fail("a key with rate_limits names exactly one of key (the key) or key_env (a variable holding it)")
+    if env is not None:
+        key = os.environ.get(env)
+        if not key:
+            at.get("key_env").fail(f"environment variable {env} is not set (it should hold the key)")
+    assert key is not None
+    return key, parse_rate_limits(at.get("rate_limits"))
+
+
 def _defaults(at: Field) -> Defaults:
     if at.missing:
         return Defaults()
-    at.keys_only({"output_allowance_tokens", "max_calls_in_flight_per_run"})
+    at.keys_only({"output_allowance_tokens", "max_calls_in_flight_per_run", "rate_limit_wait_s"})
     return Defaults(
         at.get("output_allowance_tokens").optional_int(DEFAULT_OUTPUT_ALLOWANCE, low=1, high=10_000_000),
         at.get("max_calls_in_flight_per_run").optional_int(DEFAULT_CALLS_IN_FLIGHT_PER_RUN, low=1, high=100_000),
+        at.get("rate_limit_wait_s").optional_number(DEFAULT_RATE_LIMIT_WAIT_S, nonnegative=True),
     )
 
 

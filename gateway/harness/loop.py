@@ -117,6 +117,8 @@ async def _loop(state: RunState, model: Model, options: RunOptions, scope: Cance
         state.count_turn(reply.usage, cost)
         if options.on_spend is not None:
             options.on_spend(reply.usage, cost)
+        for attempt in reply.attempts:
+            trace("upstream_attempt", **attempt)
         for repair in reply.repairs:
             trace("tool_call_repaired", upstream=reply.upstream, turn=state.turns, **repair)
         if reply.reported is not None:

@@ -41,6 +41,8 @@ class ModelReply:
     # What the turn cost, when the model priced it itself (the gateway's governed model
     # prices with the route that answered); None: the loop prices it with `options.price`.
     cost_usd: float | None = None
+    # The trace fields of each upstream attempt the turn took (`upstream_attempt` lines).
+    attempts: tuple[dict[str, Any], ...] = ()
     # What the gateway repaired in the upstream's tool calls (gateway.providers.repair), as
     # `{repair, tool, detail}`: the loop traces a `tool_call_repaired` line for each.
     repairs: tuple[dict[str, str], ...] = ()

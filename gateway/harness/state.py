@@ -31,7 +31,7 @@ STATUSES: tuple[Status, ...] = get_args(Status)
 RESUMABLE: frozenset[Status] = frozenset({"running", "max_turns_exceeded", "budget_exceeded",
                                           "max_tool_calls_exceeded", "max_duration_exceeded", "interrupted"})
 InterruptionType = Literal["approval", "max_turns", "max_budget", "max_tool_calls", "max_duration", "cancelled",
-                           "crashed"]
+                           "crashed", "rate_limited"]
 
 class Message(TypedDict, total=False):
     """One chat message as the wire carries it (system, user, assistant or tool); checked at

@@ -26,6 +26,9 @@ class ToolSpec:
     read_only: bool = False
     needs_approval: bool = False
     timeout_s: float | None = None
+    # May destroy or overwrite (an approval rule can match on it): MCP's destructiveHint;
+    # a policy file's default is `not read_only`.
+    destructive: bool = False
 
     def openai(self) -> JSONObject:
         """The chat-completions `tools` entry for this tool."""

@@ -14,6 +14,7 @@ from gateway.harness.options import EventSink
 EventKind = Literal[
     "turn",
     "usage_clamped",
+    "upstream_attempt",
     "tool_call_repaired",
     "tool_start",
     "tool_progress",

@@ -22,10 +22,12 @@ EXPIRED_BY = "approval-expiry"
 
 
 def rule_matches(rule: Rule, spec: ToolSpec, args: Mapping[str, Any]) -> bool:
-    """Tool glob, read-only filter, then every argument glob (a missing argument never matches)."""
+    """Tool glob, read-only and destructive filters, then every argument glob (a missing argument never matches)."""
     if not fnmatch.fnmatchcase(spec.name, rule.tool):
         return False
     if rule.read_only is not None and rule.read_only != spec.read_only:
+        return False
+    if rule.destructive is not None and rule.destructive != spec.destructive:
         return False
     return all(key in args and fnmatch.fnmatchcase(arg_text(args[key]), glob) for key, glob in rule.args.items())
 

@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 import orjson
 
+from gateway.mcp.hub import McpHub, ServerHealth
 from gateway.policy.approval import (
     RuleApproval,
     compile_approval,
@@ -27,6 +28,7 @@ from gateway.policy.approval import (
 from gateway.policy.decl import (
     AgentExecutor,
     HttpExecutor,
+    McpExecutor,
     Policy,
     PythonExecutor,
     Rule,
@@ -52,26 +54,33 @@ def _expand(paths: Sequence[str]) -> list[Path]:
     return out
 
 
-def _siblings(files: list[Path]) -> dict[str, Policy]:
+def _siblings(files: list[Path], mcp: McpHub) -> dict[str, Policy]:
     """Policies next to the checked files, so a file checked alone can name its sub-run policy."""
     others = sorted({p for f in files if f.parent.is_dir() for p in policy_files(f.parent)} - set(files))
-    loaded, _ = load_set(others)
+    loaded, _ = load_set(others, mcp=mcp)
     return loaded
 
 
 def check(paths: Sequence[str], out: TextIO, err: TextIO) -> int:
-    """Validate `paths` (files or folders; default ./policies) and print the report."""
+    """Validate `paths` (files or folders; default ./policies) and print the report.
+
+    The MCP servers the policies name are started to discover their tools, and stopped
+    before this returns."""
     files = _expand(paths)
     if not files:
         print(f"no policy files found (looked for {DEFAULT_DIR}/*.yaml)", file=err)
         return 1
-    policies, errors = load_set(files, _siblings(files))
-    by_file = {str(p.path): p for p in policies.values()}
-    failed = {e.file for e in errors}
-    for file in files:
-        policy = by_file.get(str(file))
-        if policy is not None and str(file) not in failed:
-            out.write(describe(policy))
+    mcp = McpHub()
+    try:
+        policies, errors = load_set(files, _siblings(files, mcp), mcp=mcp)
+        by_file = {str(p.path): p for p in policies.values()}
+        failed = {e.file for e in errors}
+        for file in files:
+            policy = by_file.get(str(file))
+            if policy is not None and str(file) not in failed:
+                out.write(describe(policy, mcp))
+    finally:
+        mcp.close()
     for error in errors:
         print(f"error: {error}", file=err)
     bad = len(failed)
@@ -79,8 +88,8 @@ def check(paths: Sequence[str], out: TextIO, err: TextIO) -> int:
     return 1 if errors else 0
 
 
-def describe(policy: Policy) -> str:
-    """The report of one valid policy."""
+def describe(policy: Policy, mcp: McpHub | None = None) -> str:
+    """The report of one valid policy (with `mcp`: how its MCP servers are doing)."""
     lines = [f"{policy.path}: policy {policy.name} (version {policy.version}, "
              f"{'server-side, ' + str(len(policy.tools)) + ' tool(s)' if policy.server_side else 'pass-through'})"]
     if policy.description:
@@ -101,6 +110,11 @@ def describe(policy: Policy) -> str:
         if policy.sandbox is not None:
             where = f"a fresh copy of sample '{policy.sandbox.sample}'" if policy.sandbox.sample else policy.sandbox.path
             lines.append(f"  sandbox: {where}")
+        for server in policy.mcp:
+            count = sum(1 for t in policy.tools if isinstance(t.executor, McpExecutor) and t.executor.server == server)
+            health = _health_text(mcp.health_of(server)) if mcp is not None else "not started here"
+            lines.append(f"  mcp server {server.name} ({server.transport} {server.where}): {health}; "
+                         f"{count} tool(s) discovered")
         approval = compile_approval(ap, policy.specs)
         decided: set[int] = set()
         for tool in policy.tools:
@@ -119,7 +133,8 @@ def _permanent(names: Sequence[str]) -> list[str]:
 
 def _tool_lines(tool: ToolDecl, approval: RuleApproval, decided: set[int]) -> list[str]:
     spec = tool.spec
-    flags = f"read_only={'yes' if spec.read_only else 'no'} needs_approval={'yes' if spec.needs_approval else 'no'}"
+    flags = (f"read_only={'yes' if spec.read_only else 'no'} destructive={'yes' if spec.destructive else 'no'} "
+             f"needs_approval={'yes' if spec.needs_approval else 'no'}")
     if spec.timeout_s is not None:
         flags += f" timeout_s={spec.timeout_s:g}"
     lines = [f"  tool {spec.name}: {flags}; executor {_executor_text(tool)}"]
@@ -139,9 +154,16 @@ def _executor_text(tool: ToolDecl) -> str:
         return f"python {ex.target}"
     if isinstance(ex, HttpExecutor):
         return f"http POST {ex.url}" + (f" (timeout {ex.timeout_s:g} s)" if ex.timeout_s else "")
+    if isinstance(ex, McpExecutor):
+        return f"mcp {ex.server.name}: {ex.tool}"
     assert isinstance(ex, AgentExecutor)
     return (f"agent: sub-run under policy {ex.policy} (model {ex.model or 'of the run'}, "
             f"max_turns {ex.max_turns}, max_budget_usd {ex.max_budget_usd})")
+
+
+def _health_text(health: ServerHealth) -> str:
+    text = f"{health.state} (started {health.starts} time(s), {health.failures} failure(s))"
+    return text + (f", last error: {health.error}" if health.error else "")
 
 
 def _rule_text(rule: Rule) -> str:
@@ -150,6 +172,8 @@ def _rule_text(rule: Rule) -> str:
         parts.append("args " + ", ".join(f"{k}={v}" for k, v in rule.args.items()))
     if rule.read_only is not None:
         parts.append(f"read_only={rule.read_only}")
+    if rule.destructive is not None:
+        parts.append(f"destructive={rule.destructive}")
     return " ".join(parts) + f" -> {rule.action}"
 
 

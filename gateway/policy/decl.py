@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,11 @@ from typing import Literal
 from gateway.harness.options import ApprovalAction, Dedupe
 from gateway.harness.state import Limits
 from gateway.harness.tools import ToolSpec
+from gateway.mcp.config import McpServerConfig
+from gateway.mcp.hub import McpHub
+
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+"""What OpenAI accepts as a function name: every tool's name, declared or discovered."""
 
 DEFAULT_PERMANENT: tuple[str, ...] = ("PermissionError", "gateway.harness.tools:PermanentToolError")
 
@@ -50,7 +56,19 @@ class AgentExecutor:
     kind: Literal["agent"] = "agent"
 
 
-ExecutorConfig = PythonExecutor | HttpExecutor | AgentExecutor
+@dataclass(frozen=True)
+class McpExecutor:
+    """A tool discovered on an MCP server (the policy's `mcp:` entry `server`), called as
+    `tool` (its name on the server) through `hub`, the process's session to that server.
+    The hub is a handle, not data: it takes no part in comparisons."""
+
+    server: McpServerConfig
+    tool: str
+    hub: McpHub = field(compare=False, repr=False)
+    kind: Literal["mcp"] = "mcp"
+
+
+ExecutorConfig = PythonExecutor | HttpExecutor | AgentExecutor | McpExecutor
 
 
 @dataclass(frozen=True)
@@ -93,13 +111,14 @@ class Rule:
     `tool` is a glob on the tool name, `args` maps argument names to globs matched
     against `arg_text(value)` (strings as normalised paths; all must match; a missing
     argument never matches),
-    `read_only` (when set) must equal the tool's flag.
+    `read_only` and `destructive` (when set) must equal the tool's flags.
     """
 
     action: ApprovalAction
     tool: str = "*"
     args: Mapping[str, str] = field(default_factory=dict)
     read_only: bool | None = None
+    destructive: bool | None = None
     reason: str = ""
 
 
@@ -156,6 +175,8 @@ class Policy:
     """What the gateway does with a server-side run whose driving process died (its lease
     expired while the run was `running`): `interrupt` it (status interrupted, reason
     crashed: its owner sees it and may resume it) or `resume` it at once."""
+    mcp: tuple[McpServerConfig, ...] = ()
+    """The MCP servers whose discovered tools are part of `tools` (in the order listed)."""
 
     @property
     def server_side(self) -> bool:

@@ -1,9 +1,10 @@
 """Tools from declarations, and a policy compiled into the harness's `RunOptions`.
 
-Three executor kinds: `python` (a sync function runs in a worker thread, an async one is
+Four executor kinds: `python` (a sync function runs in a worker thread, an async one is
 awaited), `http` (POST the call as JSON; the response body is the result; non-2xx is a
-tool error) and `agent` (a sub-run under another policy, with its own transcript and
-limits, capped by the parent's remaining budget and stopped with its parent). Every kind
+tool error), `agent` (a sub-run under another policy, with its own transcript and
+limits, capped by the parent's remaining budget and stopped with its parent) and `mcp`
+(a tool discovered on an MCP server, called through the process's session to it). Every kind
 first checks the arguments against the tool's JSON schema: a mismatch is a tool error
 the model reads, never a crash. Timeouts (`timeout_s`) are enforced by the harness.
 """
@@ -43,10 +44,12 @@ from gateway.harness.tools import (
     ToolSpec,
 )
 from gateway.harness.usage import Price
+from gateway.mcp.hub import McpUnavailable
 from gateway.policy.approval import compile_approval
 from gateway.policy.decl import (
     AgentExecutor,
     HttpExecutor,
+    McpExecutor,
     Policy,
     PythonExecutor,
     StopRule,
@@ -219,6 +222,22 @@ def _task(args: Mapping[str, Any]) -> str:
     return orjson.dumps(dict(args)).decode()
 
 
+def mcp_tool(spec: ToolSpec, config: McpExecutor) -> ToolFunction:
+    """`tools/call` on the tool's MCP server; progress notifications become `ctx.progress`,
+    an `isError` result or a server that died is a tool error (data the model reads)."""
+
+    async def run(args: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
+        try:
+            result = await config.hub.call(config.server, config.tool, args, ctx.progress)
+        except McpUnavailable as exc:
+            raise ToolError(str(exc)) from None
+        if result.is_error:
+            raise ToolError(result.text or f"{spec.name} failed (the MCP server gave no reason)")
+        return result.text
+
+    return run
+
+
 def build_tool(decl: ToolDecl, env: ToolEnv) -> Tool:
     """The harness `Tool` for one declaration, arguments checked before it runs."""
     ex = decl.executor
@@ -227,6 +246,8 @@ def build_tool(decl: ToolDecl, env: ToolEnv) -> Tool:
         inner = python_tool(decl.spec, ex, env)
     elif isinstance(ex, HttpExecutor):
         inner = http_tool(decl.spec, ex, env)
+    elif isinstance(ex, McpExecutor):
+        inner = mcp_tool(decl.spec, ex)
     else:
         inner = agent_tool(decl.spec, ex, env)
     spec = decl.spec

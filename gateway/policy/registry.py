@@ -4,18 +4,22 @@ A (re)load reads every `*.yaml`/`*.yml` file of the directory and swaps the whol
 only if all of them are valid and consistent (unique names, agent executors naming
 policies that exist); otherwise the previous set stays and the errors name the files.
 Every version ever loaded stays reachable by `(name, version)`, so a run keeps the
-policy it started with even after the file is edited.
+policy it started with even after the file is edited. A reload discovers the tools of
+MCP servers again; a version covers the tools discovered, so a run keeps its tool list.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
+from gateway.mcp.hub import McpHub
 from gateway.policy.decl import AgentExecutor, Policy
 from gateway.policy.errors import PolicyError, PolicySetError
+from gateway.policy.mcp_source import start_servers
 from gateway.policy.schema import load_policy
 from gateway.policy.source import Source
 
@@ -46,17 +50,21 @@ def policy_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
 
 
-def load_set(files: list[Path], known: Mapping[str, Policy] | None = None) -> tuple[dict[str, Policy], list[PolicyError]]:
+def load_set(files: list[Path], known: Mapping[str, Policy] | None = None,
+             mcp: McpHub | None = None) -> tuple[dict[str, Policy], list[PolicyError]]:
     """Load files as one set: every file's errors, then the checks across files.
 
     `known` are other policies agent executors may name (e.g. the siblings of a file
-    checked alone); they are not part of the result.
+    checked alone); they are not part of the result. `mcp` discovers the tools of the
+    policies' MCP servers.
     """
     policies: dict[str, Policy] = {}
     errors: list[PolicyError] = []
+    if mcp is not None:
+        start_servers(files, mcp)
     for file in files:
         try:
-            policy = load_policy(file)
+            policy = load_policy(file, mcp)
         except PolicyError as exc:
             errors.append(exc)
             continue
@@ -85,8 +93,11 @@ def _line(policy: Policy, path: tuple[str | int, ...]) -> int | None:
 class PolicyRegistry:
     """Policies by name (current) and by (name, version) (every version ever loaded)."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, mcp: McpHub | None = None) -> None:
+        """`mcp`: the process's MCP sessions; each (re)load discovers the servers' tools through it."""
         self.directory = Path(directory)
+        self.mcp = mcp
+        self._reloading = threading.Lock()  # a reload may run in a worker thread (it can start MCP servers)
         self._current: Mapping[str, Policy] = MappingProxyType({})
         self._versions: dict[tuple[str, str], Policy] = {}
 
@@ -101,14 +112,19 @@ class PolicyRegistry:
         """Load the directory again; on any error keep the current set and report why.
 
         `check` sees the new set before it is swapped in and may refuse it with errors of
-        its own (e.g. a policy the config needs is gone), reported like a file's.
+        its own (e.g. a policy the config needs is gone), reported like a file's. Reloads
+        run one at a time, from any thread.
         """
+        with self._reloading:
+            return self._reload(check)
+
+    def _reload(self, check: Callable[[Mapping[str, Policy]], Sequence[PolicyError]] | None) -> ReloadResult:
         try:
             files = policy_files(self.directory)
         except OSError as exc:
             error = PolicyError(str(self.directory), None, (), f"cannot list the policy directory: {exc.strerror or exc}")
             return ReloadResult(loaded=self.names(), errors=(error,))
-        policies, errors = load_set(files)
+        policies, errors = load_set(files, mcp=self.mcp)
         if not errors and check is not None:
             errors = list(check(policies))
         if errors:

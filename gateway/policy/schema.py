@@ -19,8 +19,10 @@ import jsonschema
 from gateway.harness.options import ApprovalAction, Dedupe
 from gateway.harness.state import DEFAULT_MAX_TOOL_CALLS, Limits
 from gateway.harness.tools import ToolSpec
+from gateway.mcp.hub import McpHub
 from gateway.policy.decl import (
     DEFAULT_PERMANENT,
+    TOOL_NAME,
     AgentExecutor,
     ApprovalConfig,
     ExecutorConfig,
@@ -38,6 +40,14 @@ from gateway.policy.decl import (
     arg_text,
 )
 from gateway.policy.errors import PolicyError
+from gateway.policy.mcp_source import (
+    ToolOverride,
+    apply_overrides,
+    discover,
+    parse_override,
+    parse_servers,
+    version_input,
+)
 from gateway.policy.resolve import ResolveError, resolve_callable, resolve_exception
 from gateway.policy.source import At, Source
 
@@ -56,25 +66,28 @@ __all__ = [
 ]
 
 TOP_FIELDS = ("name", "description", "limits", "tools", "tool_errors", "dedupe", "stop_when", "approval",
-              "sandbox", "system_prompt", "recovery", "tool_rounds")
-TOOL_FIELDS = ("name", "description", "parameters", "read_only", "needs_approval", "timeout_s", "executor")
+              "sandbox", "system_prompt", "recovery", "mcp",
+              "tool_rounds")
+TOOL_FIELDS = ("name", "description", "parameters", "read_only", "destructive", "needs_approval", "timeout_s",
+               "executor")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # what OpenAI accepts as a function name
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
-def load_policy(path: str | Path) -> Policy:
+def load_policy(path: str | Path, mcp: McpHub | None = None) -> Policy:
     """Read one policy file. Raises `PolicyError` (file, line, field, problem)."""
     path = Path(path)
     try:
         raw = path.read_bytes()
     except OSError as exc:
         raise PolicyError(str(path), None, (), f"cannot read the file: {exc.strerror or exc}") from exc
-    return parse_policy(raw, path)
+    return parse_policy(raw, path, mcp)
 
 
-def parse_policy(raw: bytes, path: str | Path) -> Policy:
-    """Validate the bytes of a policy file; `path` names it in errors and in the result."""
+def parse_policy(raw: bytes, path: str | Path, mcp: McpHub | None = None) -> Policy:
+    """Validate the bytes of a policy file; `path` names it in errors and in the result.
+
+    The tools of its `mcp:` servers are discovered through `mcp` (the process's sessions)."""
     path = Path(path)
     try:
         text = raw.decode("utf-8")
@@ -86,22 +99,30 @@ def parse_policy(raw: bytes, path: str | Path) -> Policy:
     name = name_at.string() if name_at else path.stem
     if not _NAME.match(name):
         (name_at or root).fail(f"policy name '{name}' may only hold letters, digits, '_', '-' and '.'")
-    tools = _tools(f.get("tools"))
-    return Policy(
+    declared, overrides = _tools(f.get("tools"), f.has("mcp"))
+    servers = parse_servers(f.get("mcp"), path.parent)
+    fields: dict[str, Any] = dict(
         name=name,
         description=d.string(non_empty=False) if (d := f.get("description")) else "",
         limits=_limits(f.get("limits")),
-        tools=tools,
         tool_errors=_tool_errors(f.get("tool_errors")),
         dedupe=_dedupe(f.get("dedupe")),
         stop_when=tuple(_stop_rule(item) for item in w.items()) if (w := f.get("stop_when")) else (),
-        approval=_approval(f.get("approval"), tools),
-        version=hashlib.sha256(raw).hexdigest()[:12],
         path=path,
         sandbox=_sandbox(f.get("sandbox")),
         system_prompt=s.string() if (s := f.get("system_prompt")) else None,
         recovery=cast(Recovery, r.choice(get_args(Recovery))) if (r := f.get("recovery")) else "interrupt",
         tool_rounds=n.positive_int() if (n := f.get("tool_rounds")) else None,
+    )
+    # Discovery starts servers: only for a file valid up to here.
+    discovered, found = discover(servers, mcp, {t.name for t in declared})
+    tools = (*declared, *apply_overrides(discovered, overrides))
+    return Policy(
+        **fields,
+        tools=tools,
+        approval=_approval(f.get("approval"), tools),
+        version=hashlib.sha256(version_input(raw, found)).hexdigest()[:12],
+        mcp=tuple(config for config, _ in servers),
     )
 
 
@@ -126,29 +147,40 @@ def _limits(at: At | None) -> Limits:
     )
 
 
-def _tools(at: At | None) -> tuple[ToolDecl, ...]:
+def _tools(at: At | None, mcp: bool) -> tuple[tuple[ToolDecl, ...], list[ToolOverride]]:
+    """Declared tools, and (in a policy with `mcp:` servers) entries without an executor:
+    overrides of discovered tools."""
     if at is None:
-        return ()
+        return (), []
     tools: list[ToolDecl] = []
+    overrides: list[ToolOverride] = []
     for item in at.items():
+        if mcp and isinstance(item.value, dict) and "executor" not in item.value:
+            override = parse_override(item)
+            if any(o.name == override.name for o in overrides):
+                item.child("name", override.name).fail(f"tool '{override.name}' is overridden twice")
+            overrides.append(override)
+            continue
         tool = _tool(item)
         if any(t.name == tool.name for t in tools):
             item.child("name", tool.name).fail(f"tool '{tool.name}' is declared twice")
         tools.append(tool)
-    return tuple(tools)
+    return tuple(tools), overrides
 
 
 def _tool(at: At) -> ToolDecl:
     f = at.fields(TOOL_FIELDS, required=("name", "description", "executor"))
     name_at = f.req("name")
     name = name_at.string()
-    if not _TOOL_NAME.match(name):
+    if not TOOL_NAME.match(name):
         name_at.fail("a tool name holds 1 to 64 letters, digits, '_' or '-'")
+    read_only = r.boolean() if (r := f.get("read_only")) is not None else False
     spec = ToolSpec(
         name=name,
         description=f.req("description").string(),
         parameters=_parameters(f.get("parameters")),
-        read_only=r.boolean() if (r := f.get("read_only")) is not None else False,
+        read_only=read_only,
+        destructive=d.boolean() if (d := f.get("destructive")) is not None else not read_only,
         needs_approval=n.boolean() if (n := f.get("needs_approval")) is not None else False,
         timeout_s=t.positive_number() if (t := f.get("timeout_s")) else None,
     )
@@ -271,7 +303,7 @@ def _on_decision(at: At | None, tools: tuple[ToolDecl, ...]) -> OnDecision:
 
 
 def _rule(at: At, tools: tuple[ToolDecl, ...]) -> Rule:
-    f = at.fields(("tool", "args", "read_only", "action", "reason"), required=("action",))
+    f = at.fields(("tool", "args", "read_only", "destructive", "action", "reason"), required=("action",))
     tool_at = f.get("tool")
     tool = tool_at.string() if tool_at else "*"
     matching = [t for t in tools if fnmatch.fnmatchcase(t.name, tool)]
@@ -294,6 +326,7 @@ def _rule(at: At, tools: tuple[ToolDecl, ...]) -> Rule:
         tool=tool,
         args=args,
         read_only=r.boolean() if (r := f.get("read_only")) is not None else None,
+        destructive=d.boolean() if (d := f.get("destructive")) is not None else None,
         reason=s.string(non_empty=False) if (s := f.get("reason")) else "",
     )
 

@@ -4,24 +4,29 @@
                          upstream_timeout | upstream_unreachable | upstream_cut |
                          upstream_misconfigured | upstream_malformed | upstream_status
                          (a 401/403/429/5xx answer) | upstream_rejected (another 4xx) |
-                         upstream_error (an error event inside a stream)
+                         upstream_error (an error event inside a stream) |
+                         upstream_unavailable (every deployment of a route is cooling down)
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 UpstreamCode = Literal["upstream_timeout", "upstream_unreachable", "upstream_cut", "upstream_misconfigured",
-                       "upstream_malformed", "upstream_status", "upstream_rejected", "upstream_error"]
+                       "upstream_malformed", "upstream_status", "upstream_rejected", "upstream_error",
+                       "upstream_unavailable"]
 
 
 class UpstreamError(Exception):
     """An upstream call failed. `upstream_status` is the upstream's own HTTP status when it
     answered one (200 for a malformed body or a broken stream), None when it never answered."""
 
-    def __init__(self, code: UpstreamCode, message: str, upstream: str, upstream_status: int | None = None) -> None:
+    def __init__(self, code: UpstreamCode, message: str, upstream: str, upstream_status: int | None = None,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.code: UpstreamCode = code
         self.message = message
         self.upstream = upstream
         self.upstream_status = upstream_status
+        self.retry_after_s = retry_after_s  # what the upstream asked for (its retry-after), for the router
+        self.attempts: list[dict[str, Any]] = []  # a server-side turn's attempts, for the run's trace

@@ -12,9 +12,17 @@ Request headers that shape the answer (for tests and benchmarks):
 - `X-Scripted-Chunk-Delay-Ms`: wait this long between stream chunks.
   Both are at most `MAX_DELAY_MS` (60 s; more is a 400 naming the header), so no request
   keeps a handler asleep for long, and a server shutting down cuts the latency wait short.
-- `X-Scripted-Fail`: `500`, `429` (OpenAI-shaped errors), `malformed` (a body that is not
-  JSON), `hang` (no answer until the client gives up), `cut` (the connection drops halfway,
-  without `[DONE]` and without usage).
+- `X-Scripted-Fail`: `500`, `429` (OpenAI-shaped errors; a 429 carries `retry-after` when
+  `X-Scripted-Retry-After` (seconds) or the app's `retry_after_s` says so), `malformed` (a body
+  that is not JSON), `hang` (no answer until the client gives up), `cut` (the connection drops
+  halfway, without `[DONE]` and without usage), `cut-first` (a stream drops right after its
+  first chunk; a plain answer as `cut`), `reset` (the connection is reset before any answer).
+
+Failing per process (`gateway scripted --fail MODE [--fail-calls N/M] [--retry-after S]
+[--latency-ms MS]`, or `scripted_app(fail=...)`): the same modes for calls that name none,
+so two processes behind one gateway route can fail differently. `--fail-calls N/M` fails the
+first N of every M chat calls this process serves (`1/2`: every other call, flapping); `N`
+alone fails the first N and then heals. `--latency-ms` delays every answer's first byte.
 `max_tokens` (or `max_completion_tokens`) is honoured: a reply that does not fit is cut to
 fit and finishes with "length".
 """
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -37,14 +46,39 @@ from aiohttp.typedefs import Middleware
 from gateway.providers.scenarios import model_names, scenario_for, view_of
 from gateway.tokens import TokenCounter, get_counter
 
-FailMode = Literal["500", "429", "malformed", "hang", "cut"]
+FailMode = Literal["500", "429", "malformed", "hang", "cut", "cut-first", "reset"]
 FAIL_MODES: tuple[FailMode, ...] = get_args(FailMode)
 LATENCY_HEADER = "X-Scripted-Latency-Ms"
 CHUNK_DELAY_HEADER = "X-Scripted-Chunk-Delay-Ms"
 FAIL_HEADER = "X-Scripted-Fail"
+RETRY_AFTER_HEADER = "X-Scripted-Retry-After"
 MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_DELAY_MS = 60_000.0
 """The most a request may ask the provider to wait (each X-Scripted-*-Ms header)."""
+
+
+@dataclass(frozen=True)
+class FailCalls:
+    """Which of a process's calls fail: the first `fail` of every `every` (None: only the
+    first `fail`, then never again)."""
+
+    fail: int
+    every: int | None = None
+
+    def fails(self, index: int) -> bool:
+        return index < self.fail if self.every is None else index % self.every < self.fail
+
+    @classmethod
+    def parse(cls, text: str) -> FailCalls:
+        """`N` or `N/M` (0 <= N, 1 <= M); ValueError naming the form otherwise."""
+        head, sep, tail = text.partition("/")
+        try:
+            fail, every = int(head), int(tail) if sep else None
+        except ValueError:
+            raise ValueError(f"expected N or N/M (e.g. 1/2), got {text!r}") from None
+        if fail < 0 or (every is not None and every < 1):
+            raise ValueError(f"expected N >= 0 and M >= 1, got {text!r}")
+        return cls(fail, every)
 
 
 @dataclass(frozen=True)
@@ -53,6 +87,20 @@ class ScriptedConfig:
 
     latency_ms: float = 0.0
     chunk_delay_ms: float = 0.0
+    fail: FailMode | None = None
+    fail_calls: FailCalls | None = None  # None: every call fails (when `fail` is set)
+    retry_after_s: float | None = None
+
+
+class CallCount:
+    """The chat calls this app has served (the `fail_calls` pattern counts them)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def next(self) -> int:
+        self.value += 1
+        return self.value - 1
 
 
 @dataclass(frozen=True)
@@ -76,6 +124,7 @@ class BadRequest(Exception):
 CONFIG_KEY = web.AppKey("scripted_config", ScriptedConfig)
 CLOSING_KEY = web.AppKey("scripted_closing", asyncio.Event)
 COUNTER_KEY = web.AppKey("scripted_counter", TokenCounter)
+CALLS_KEY = web.AppKey("scripted_calls", CallCount)
 
 
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
@@ -89,18 +138,23 @@ def _error(status: int, message: str, type_: str, code: str | None = None, param
                         content_type="application/json", headers=headers)
 
 
-def _ms_header(request: web.Request, name: str, default: float) -> float:
+def _header_number(request: web.Request, name: str, most: float, unit: str) -> float | None:
+    """A header's number from 0 to `most` (None when absent); a 400 naming it otherwise."""
     raw = request.headers.get(name)
     if raw is None:
-        return default
+        return None
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not 0 <= value <= MAX_DELAY_MS:  # also refuses NaN and infinities
-        raise BadRequest(400, f"header {name} must be a number of milliseconds from 0 to {MAX_DELAY_MS:.0f}, "
-                              f"got {raw!r}", name)
+    if not 0 <= value <= most:  # also refuses NaN and infinities
+        raise BadRequest(400, f"header {name} must be a number of {unit} from 0 to {most:.0f}, got {raw!r}", name)
     return value
+
+
+def _ms_header(request: web.Request, name: str, default: float) -> float:
+    value = _header_number(request, name, MAX_DELAY_MS, "milliseconds")
+    return default if value is None else value
 
 
 def _parse(body: bytes) -> Ask:
@@ -286,7 +340,7 @@ async def _answer_json(request: web.Request, ask: Ask, fail: FailMode | None, co
     body = orjson.dumps(completion_body(ask, message, finish, usage))
     if fail == "malformed":
         return web.Response(body=body[: len(body) // 2] + b"<<not json", content_type="application/json")
-    if fail == "cut":
+    if fail in ("cut", "cut-first"):
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         resp.content_length = len(body)
         await resp.prepare(request)
@@ -304,11 +358,13 @@ async def _answer_stream(request: web.Request, ask: Ask, fail: FailMode | None, 
     await resp.prepare(request)
     if fail == "cut":
         chunks = chunks[: max(1, len(chunks) // 2)]
+    elif fail == "cut-first":
+        chunks = chunks[:1]
     for i, obj in enumerate(chunks):
         if i and delay_s:
             await asyncio.sleep(delay_s)
         await resp.write(b"data: {not json\n\n" if fail == "malformed" and i == 1 else _sse(obj))
-    if fail == "cut":
+    if fail in ("cut", "cut-first"):
         _drop(request)
         return resp
     await resp.write(b"data: [DONE]\n\n")
@@ -326,10 +382,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if raw_fail is not None and raw_fail not in FAIL_MODES:
             raise BadRequest(400, f"header {FAIL_HEADER} must be one of {', '.join(FAIL_MODES)}, got {raw_fail!r}", None)
         fail = next((m for m in FAIL_MODES if m == raw_fail), None)
+        retry_after = _header_number(request, RETRY_AFTER_HEADER, MAX_DELAY_MS / 1000, "seconds")
+        retry_after = config.retry_after_s if retry_after is None else retry_after
         ask = _parse(await request.read())
     except BadRequest as exc:
         type_ = "invalid_request_error"
         return _error(exc.status, exc.message, type_, exc.code, exc.param)
+    index = request.app[CALLS_KEY].next()
+    if fail is None and config.fail is not None and (config.fail_calls is None or config.fail_calls.fails(index)):
+        fail = config.fail
+    if fail == "reset":
+        _drop(request)
+        return web.Response(status=204)  # never sent: the connection is gone
     if fail == "hang":
         return await _hang(request)
     if latency_ms:
@@ -342,7 +406,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                       "internal_error")
     if fail == "429":
         return _error(429, f"Rate limit reached for {ask.model} ({FAIL_HEADER}: 429).", "requests",
-                      "rate_limit_exceeded")
+                      "rate_limit_exceeded", headers=None if retry_after is None else {"retry-after": f"{retry_after:g}"})
     counter = request.app[COUNTER_KEY]
     if ask.stream:
         return await _answer_stream(request, ask, fail, counter, delay_ms / 1000)
@@ -407,8 +471,9 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
                       exc.reason.lower().replace(" ", "_"))
 
 
-def scripted_app(*, latency_ms: float = 0.0, chunk_delay_ms: float = 0.0,
-                 guard: Middleware | None = None) -> web.Application:
+def scripted_app(*, latency_ms: float = 0.0, chunk_delay_ms: float = 0.0, guard: Middleware | None = None,
+                 fail: FailMode | None = None, fail_calls: FailCalls | None = None,
+                 retry_after_s: float | None = None) -> web.Application:
     """The provider as an aiohttp app with routes `/chat/completions`, `/models` and `/embeddings`.
 
     `guard` runs before every route (the gateway's mount checks keys with it); without
@@ -416,7 +481,8 @@ def scripted_app(*, latency_ms: float = 0.0, chunk_delay_ms: float = 0.0,
     """
     middlewares: list[Middleware] = [json_errors] if guard is None else [json_errors, guard]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
-    app[CONFIG_KEY] = ScriptedConfig(latency_ms, chunk_delay_ms)
+    app[CONFIG_KEY] = ScriptedConfig(latency_ms, chunk_delay_ms, fail, fail_calls, retry_after_s)
+    app[CALLS_KEY] = CallCount()
     app[CLOSING_KEY] = asyncio.Event()
     app[COUNTER_KEY] = get_counter()
 
@@ -435,17 +501,37 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-def standalone_app(*, latency_ms: float = 0.0) -> web.Application:
+def standalone_app(*, latency_ms: float = 0.0, fail: FailMode | None = None, fail_calls: FailCalls | None = None,
+                   retry_after_s: float | None = None) -> web.Application:
     """The provider alone: `/v1/...` plus `GET /healthz` (what `gateway scripted` serves)."""
     root = web.Application(client_max_size=MAX_BODY_BYTES)
     root.router.add_get("/healthz", healthz)
-    root.add_subapp("/v1", scripted_app(latency_ms=latency_ms))
+    root.add_subapp("/v1", scripted_app(latency_ms=latency_ms, fail=fail, fail_calls=fail_calls,
+                                        retry_after_s=retry_after_s))
     return root
 
 
+def _usage(problem: str) -> int:
+    print(f"gateway scripted: {problem}", file=sys.stderr)
+    return 2
+
+
 def scripted_command(args: argparse.Namespace) -> int:
-    """`gateway scripted --host H --port P`: serve the provider until interrupted."""
+    """`gateway scripted --host H --port P [failure flags]`: serve the provider until interrupted."""
     host, port = str(args.host), int(args.port)
+    fail = next((m for m in FAIL_MODES if m == args.fail), None)
+    if args.fail is not None and fail is None:
+        return _usage(f"--fail must be one of {', '.join(FAIL_MODES)}, got {args.fail!r}")
+    try:
+        fail_calls = FailCalls.parse(args.fail_calls) if args.fail_calls is not None else None
+    except ValueError as exc:
+        return _usage(f"--fail-calls: {exc}")
+    latency, retry_after = float(args.latency_ms), args.retry_after
+    if not 0 <= latency <= MAX_DELAY_MS:
+        return _usage(f"--latency-ms must be from 0 to {MAX_DELAY_MS:.0f}")
+    if retry_after is not None and not 0 <= retry_after <= MAX_DELAY_MS / 1000:
+        return _usage(f"--retry-after must be from 0 to {MAX_DELAY_MS / 1000:.0f} seconds")
     print(f"scripted provider on http://{host}:{port}/v1 (models: {', '.join(model_names())})", flush=True)
-    web.run_app(standalone_app(), host=host, port=port, print=None, access_log=None)
+    app = standalone_app(latency_ms=latency, fail=fail, fail_calls=fail_calls, retry_after_s=retry_after)
+    web.run_app(app, host=host, port=port, print=None, access_log=None)
     return 0

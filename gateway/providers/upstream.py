@@ -14,6 +14,7 @@ app. Every failure becomes an `UpstreamError` the client can act on:
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -114,10 +115,15 @@ class Upstream:
         self.session = session
         self._base_url = base_url
         self._key = key
-        self._plain_timeout = aiohttp.ClientTimeout(total=config.timeout_s)
-        # A local upstream's streams get the same whole-call deadline as its plain calls.
+        # Non-streamed: connect, then the first byte, then the whole answer, each bounded.
+        # Streamed: connect, then the longest silence between events (`timeout_s`); the first
+        # event's deadline (`first_byte_timeout_s`) is kept by the caller that reads it.
+        self._plain_timeout = aiohttp.ClientTimeout(total=config.timeout_s, sock_connect=config.connect_timeout_s,
+                                                    sock_read=config.first_byte_timeout_s)
+        # A local upstream's streams also get the whole-call deadline of its plain calls.
         self._stream_timeout = aiohttp.ClientTimeout(total=config.timeout_s if config.kind == "local" else None,
-                                                     sock_connect=config.timeout_s, sock_read=config.timeout_s)
+                                                     sock_connect=config.connect_timeout_s,
+                                                     sock_read=config.timeout_s)
 
     @property
     def url(self) -> str:
@@ -145,10 +151,18 @@ class Upstream:
                     out[name] = value
         return out
 
-    def timeout(self, what: str) -> UpstreamError:
-        return UpstreamError("upstream_timeout",
-                             f"upstream '{self.name}' did not answer within {self.config.timeout_s:g}s ({what})",
+    def timeout(self, what: str, seconds: float | None = None) -> UpstreamError:
+        limit = self.config.timeout_s if seconds is None else seconds
+        return UpstreamError("upstream_timeout", f"upstream '{self.name}' did not answer within {limit:g}s ({what})",
                              self.name)
+
+    def _timed_out(self, exc: BaseException, what: str) -> UpstreamError:
+        """Which of the split timeouts passed: connect, first byte (a socket read) or total."""
+        if isinstance(exc, aiohttp.ConnectionTimeoutError):
+            return self.timeout("no connection", self.config.connect_timeout_s)
+        if isinstance(exc, aiohttp.SocketTimeoutError):
+            return self.timeout("no data", self.config.first_byte_timeout_s)
+        return self.timeout(what)
 
     async def complete(self, body: bytes, headers: Mapping[str, str]) -> UpstreamReply:
         """POST a non-streamed chat completion and return it, checked.
@@ -204,15 +218,16 @@ class Upstream:
             async with self.session.post(url, data=body, headers=headers, timeout=self._plain_timeout) as resp:
                 raw = await resp.read()
                 status = resp.status
-        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
-            raise self.timeout("no complete answer") from None
+                retry_after = resp.headers.get("retry-after-ms"), resp.headers.get("retry-after")
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            raise self._timed_out(exc, "no complete answer") from None
         except aiohttp.ClientPayloadError as exc:
             raise UpstreamError("upstream_cut", f"upstream '{self.name}' cut its answer: {connection_problem(exc)}",
                                 self.name) from None
         except aiohttp.ClientConnectionError as exc:
             raise self._unreachable(exc) from None
         if status != 200:
-            raise self._status_error(status, raw)
+            raise self._status_error(status, raw, retry_after)
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -231,8 +246,8 @@ class Upstream:
             body = orjson.dumps(capped(orjson.loads(body), self.config.max_tokens))
         try:
             resp = await self.session.post(url, data=body, headers=headers, timeout=self._stream_timeout)
-        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
-            raise self.timeout("no response headers") from None
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            raise self._timed_out(exc, "no response headers") from None
         except aiohttp.ClientConnectionError as exc:
             raise self._unreachable(exc) from None
         try:
@@ -241,7 +256,8 @@ class Upstream:
                     raw = await resp.read()
                 except (asyncio.TimeoutError, aiohttp.ClientError):
                     raw = b""
-                raise self._status_error(resp.status, raw)
+                raise self._status_error(resp.status, raw, (resp.headers.get("retry-after-ms"),
+                                                            resp.headers.get("retry-after")))
             content_type = resp.headers.get("Content-Type", "")
             if "text/event-stream" not in content_type:
                 raise self._malformed(f"asked for a stream, got Content-Type {content_type or 'none'!r}")
@@ -269,11 +285,12 @@ class Upstream:
         return UpstreamError("upstream_malformed", f"upstream '{self.name}' answered malformed: {detail}",
                              self.name, 200)
 
-    def _status_error(self, status: int, raw: bytes) -> UpstreamError:
+    def _status_error(self, status: int, raw: bytes,
+                      retry_after: tuple[str | None, str | None] = (None, None)) -> UpstreamError:
         message = _error_message(raw)
         if status in (401, 403, 429) or status >= 500:
             return UpstreamError("upstream_status", f"upstream '{self.name}' answered {status}: {message}",
-                                 self.name, status)
+                                 self.name, status, retry_after_s=retry_after_seconds(*retry_after))
         return UpstreamError("upstream_rejected",
                              f"upstream '{self.name}' rejected the request ({status}): {message}", self.name, status)
 
@@ -289,6 +306,29 @@ def capped(request: dict[str, Any], cap: int) -> dict[str, Any]:
         if key == "max_tokens" or key in out:
             out[key] = cap
     return out
+
+
+MAX_RETRY_AFTER_S = 3600.0
+
+
+def retry_after_seconds(ms: str | None, seconds: str | None) -> float | None:
+    """The upstream's `retry-after-ms` or `retry-after` (seconds or an HTTP date), bounded
+    to an hour; None when absent or unreadable."""
+    value: float | None = None
+    try:
+        if ms is not None:
+            value = float(ms) / 1000
+        elif seconds is not None:
+            value = float(seconds)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(seconds or "")
+            value = when.timestamp() - time.time()
+        except (TypeError, ValueError):
+            return None
+    if value is None or value != value:  # NaN
+        return None
+    return min(MAX_RETRY_AFTER_S, max(0.0, value))
 
 
 def _has_output(data: dict[str, Any]) -> bool:

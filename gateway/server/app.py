@@ -31,13 +31,14 @@ from aiohttp.typedefs import Handler, Middleware
 
 from gateway.config.settings import SCRIPTED_PREFIX, Config, ConfigError
 from gateway.config.webhooks import require_secrets
+from gateway.mcp.hub import McpHub
 from gateway.policy.errors import PolicySetError
 from gateway.policy.registry import PolicyRegistry
 from gateway.providers.scenarios import model_names
 from gateway.providers.scripted import scripted_app
 from gateway.providers.upstream import new_session
 from gateway.server import context as ctx
-from gateway.server import console, embeddings, openapi
+from gateway.server import console, embeddings, mcp_servers, openapi
 from gateway.server.api import admin
 from gateway.server.api import metrics as metrics_route
 from gateway.server.api import runs as runs_api
@@ -48,7 +49,7 @@ from gateway.server.http.middleware import gateway_middleware
 from gateway.server.metrics import Metrics
 from gateway.server.notify import delivery as notify_delivery
 from gateway.server.responses import endpoint as responses
-from gateway.server.runs import retention, runtime
+from gateway.server.runs import rate_limits, retention, runtime
 from gateway.server.runs.booking import replay_spool
 from gateway.server.runs.governor import Governor
 from gateway.store import Store, StoreConfigError, StoreError, open_store
@@ -86,9 +87,10 @@ def routed_models(config: Config) -> list[tuple[str, str]]:
     return out
 
 
-def load_policies(config: Config) -> PolicyRegistry:
-    """Load `policies_dir` and check every team's policies exist; ConfigError otherwise."""
-    registry = PolicyRegistry(config.policies_dir)
+def load_policies(config: Config, mcp: McpHub | None = None) -> PolicyRegistry:
+    """Load `policies_dir` (MCP tools discovered through `mcp`) and check every team's
+    policies exist; ConfigError otherwise."""
+    registry = PolicyRegistry(config.policies_dir, mcp)
     try:
         registry.load()
     except PolicySetError as exc:
@@ -180,7 +182,12 @@ def build_app(config: Config, *, self_url: str | None = None) -> web.Application
     require_secrets(str(config.path), config.webhooks)  # before anything is opened
     app = web.Application(middlewares=[gateway_middleware], client_max_size=config.server.max_body_bytes)
     app[ctx.CONFIG] = config
-    app[ctx.POLICIES] = load_policies(config)
+    app[ctx.MCP] = McpHub()
+    try:
+        app[ctx.POLICIES] = load_policies(config, app[ctx.MCP])
+    except ConfigError:
+        app[ctx.MCP].close()  # the servers discovery started
+        raise
     app[ctx.COUNTER] = get_counter()
     app[ctx.KEYRING] = KeyRing(config.teams)
     app[ctx.METRICS] = Metrics((name for name, _ in routed_models(config)), config.upstreams,
@@ -194,10 +201,13 @@ def build_app(config: Config, *, self_url: str | None = None) -> web.Application
     app.cleanup_ctx.append(runtime.driver_ctx)
     app.cleanup_ctx.append(retention.background)
     app.on_shutdown.append(runtime.stop_runs)
+    if any(t.rate_limits is not None or t.key_limits for t in config.teams):
+        app.on_response_prepare.append(rate_limits.show)  # answers carry their x-ratelimit-* headers
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
     metrics_route.setup(app)
     console.setup(app)
+    mcp_servers.setup(app)
     if any(ctx.uses_mount(u) for u in config.upstreams.values()):
         app[ctx.SCRIPTED_KEY] = secrets.token_urlsafe(32)
         app.add_subapp(SCRIPTED_PREFIX, scripted_app(guard=_scripted_guard(app[ctx.KEYRING], app[ctx.SCRIPTED_KEY])))

@@ -12,9 +12,12 @@ from typing import Final
 import aiohttp
 from aiohttp import web
 
-from gateway.config.settings import SCRIPTED_PREFIX, Config, UpstreamConfig
+from gateway.config.settings import SCRIPTED_PREFIX, Config, ModelRoute, UpstreamConfig
 from gateway.harness.state import RunState
+from gateway.mcp.hub import McpHub
 from gateway.policy.registry import PolicyRegistry
+from gateway.providers.failover import AttemptSink, RoutedCall
+from gateway.providers.routing import Router
 from gateway.providers.upstream import Upstream
 from gateway.server.http.auth import KeyRing
 from gateway.server.metrics import Metrics
@@ -42,12 +45,17 @@ class Upstreams:
         self.self_url: str | None = None
         self._by_name = {name: Upstream(u, session, self._scripted_base, scripted_key if uses_mount(u) else None)
                          for name, u in config.upstreams.items()}
+        self.router = Router()  # every deployment's health in this process (cooldowns, calls in flight)
 
     def _scripted_base(self) -> str | None:
         return self.self_url + SCRIPTED_PREFIX if self.self_url else None
 
     def __getitem__(self, name: str) -> Upstream:
         return self._by_name[name]
+
+    def call(self, route: ModelRoute, model: str, on_attempt: AttemptSink) -> RoutedCall:
+        """One call of `model` over `route`'s deployments and fallbacks (`gateway.providers.failover`)."""
+        return RoutedCall(route.plan, model, self.router, self.__getitem__, on_attempt)
 
     def learn_self_url(self, request: web.Request) -> None:
         """Take this server's address from the socket a request arrived on."""
@@ -74,6 +82,8 @@ UPSTREAMS: Final = web.AppKey("upstreams", Upstreams)
 DRIVER: Final = web.AppKey("driver", RunDriver)
 SELF_URL: Final = web.AppKey("self_url", str)
 SPOOL: Final = web.AppKey("spool", Spool)
+MCP: Final = web.AppKey("mcp", McpHub)
+"""The process's MCP sessions: one per server, shared by every policy version that names it."""
 SCRIPTED_KEY: Final = web.AppKey("scripted_key", str)
 """A random secret made at start: the key of the gateway's own calls to its scripted mount."""
 

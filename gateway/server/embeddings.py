@@ -35,6 +35,7 @@ from gateway.server.http.validation import read_body
 from gateway.server.runs.booking import append_trace_file, refuse
 from gateway.server.runs.governor import Admission, Ask
 from gateway.server.runs.keying import Call, commit_run, resolve_call, run_id_from
+from gateway.server.runs.rate_limits import SHOWN
 from gateway.server.runs.replies import with_run
 from gateway.store.base import Event
 
@@ -104,6 +105,7 @@ async def create_embeddings(request: web.Request) -> web.Response:
     except LimitExceeded as exc:
         raise (await refuse(request, call, exc) if call is not None else exc) from None
     async with adm:
+        request[SHOWN] = (adm.rates, adm.rate_states)
         upstream = app[ctx.UPSTREAMS][route.upstream]
         reply = await upstream.embed(raw, upstream.headers(request.headers))
         request[ctx.UPSTREAM_SECONDS] = reply.seconds
@@ -116,7 +118,7 @@ async def create_embeddings(request: web.Request) -> web.Response:
         cost = price.cost(spent)
         app[ctx.METRICS].on_spend(team.name, model, spent, cost)
         if call is None:
-            await governor.settle(adm, cost)
+            await governor.settle(adm, cost, spent.total_tokens)
             return web.Response(body=reply.raw, content_type="application/json")
         run = await _book_on_run(app, call.run, adm, spent, cost, model)
         request[ctx.RUN] = run
@@ -150,7 +152,7 @@ async def _book_on_run(app: web.Application, run: RunState, adm: Admission, spen
                       costUsd=round(state.cost_usd, 9))]
 
     governor = app[ctx.GOVERNOR]
-    booking = governor.booking(adm, cost)
+    booking = governor.booking(adm, cost, spent.total_tokens)
     apply: Callable[[RunState], None] = change
     try:
         async with governor.run_lock(run.run_id):

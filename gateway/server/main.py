@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from gateway.config.settings import ConfigError, load_config
-from gateway.server.api.admin import reload_policies
+from gateway.server.api.admin import reload_in_thread
 from gateway.server.app import build_app
 from gateway.server.http.listener import run
 
@@ -48,8 +48,12 @@ def _self_url(host: str, port: int) -> str:
 async def _reload_on_sighup(app: web.Application) -> AsyncIterator[None]:
     loop = asyncio.get_running_loop()
 
-    def reload() -> None:
-        reload_policies(app, by="SIGHUP")  # logs what it loaded, or why it kept the old set
+    running: set[asyncio.Future[object]] = set()  # held until done (the loop keeps weak references)
+
+    def reload() -> None:  # logs what it loaded, or why it kept the old set
+        task: asyncio.Future[object] = asyncio.ensure_future(reload_in_thread(app, by="SIGHUP"))
+        running.add(task)
+        task.add_done_callback(running.discard)
 
     try:
         loop.add_signal_handler(signal.SIGHUP, reload)

@@ -105,6 +105,13 @@ class Metrics:
         for upstream in upstreams:  # at 0 from the start: a dashboard shows "none" rather than "no data"
             for kind in ("prompt", "completion"):
                 self.usage_clamped.labels(upstream, kind)
+        self.upstream_attempts = Counter("gateway_upstream_attempts_total",
+                                         "Upstream attempts (a call retried or failed over makes several), by "
+                                         "upstream and outcome (ok, unreachable, timeout, rate_limited, "
+                                         "server_error, denied, rejected, malformed, cut, misconfigured).",
+                                         ["upstream", "outcome"], registry=r)
+        for upstream in upstreams:
+            self.upstream_attempts.labels(upstream, "ok")
         self.tool_call_repairs = Counter("gateway_tool_call_repairs_total",
                                          "Upstream tool calls the gateway repaired (upstream option tool_repair), "
                                          "by upstream and kind of repair.", ["upstream", "kind"], registry=r)
@@ -174,6 +181,10 @@ class Metrics:
     def on_usage_clamped(self, upstream: str, kinds: tuple[str, ...]) -> None:
         for kind in kinds:
             self.usage_clamped.labels(upstream, kind).inc()
+
+    def on_attempt(self, upstream: str, outcome: str) -> None:
+        """One upstream attempt (`outcome` a short code from `gateway.providers.routing.Outcome`)."""
+        self._child(self.upstream_attempts, upstream, _code(outcome)).inc(1, _exemplar())
 
     def on_tool_call_repairs(self, upstream: str, repairs: Iterable[Repair]) -> None:
         for repair in repairs:

@@ -47,6 +47,82 @@ class Booking:
     if_held: bool = False
     """With a reservation: refuse the whole commit (AlreadyBooked, nothing written) unless the
     reservation is still stored, so a booking replayed after an outage books exactly once."""
+    tokens: tuple[TokenCharge, ...] = ()
+    """Token clocks to reconcile, with the settle of `reservation_id` (once, like it)."""
+
+
+RATE_SLACK_S = 1e-6
+"""Float dust allowed on a rate check, so the N-th request of a burst of N is never refused."""
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """The rate limits of one scope (a team, a key) a `Claim` is checked against.
+
+    GCRA (a token bucket kept as one "theoretical arrival time" per kind): the scope may
+    spend `requests` requests and `tokens` tokens per `window_s`, refilled continuously,
+    at most that many at once. A request costs `requests_s` = window_s / requests of the
+    request clock, a token `tokens_s` = window_s / tokens of the token clock; a claim fits
+    when the clock, pushed forward by its cost from no earlier than now, stays within
+    `window_s` of now. `max_in_flight` caps the scope's live reservations. None: no such
+    limit. `scope` is a store key ("team:NAME", "key:DIGEST").
+    """
+
+    scope: str
+    window_s: float = 60.0
+    requests: int | None = None
+    tokens: int | None = None
+    max_in_flight: int | None = None
+
+    @property
+    def requests_s(self) -> float | None:
+        return None if self.requests is None else self.window_s / self.requests
+
+    @property
+    def tokens_s(self) -> float | None:
+        return None if self.tokens is None else self.window_s / self.tokens
+
+
+@dataclass(frozen=True)
+class RateState:
+    """A scope's clocks (epoch seconds of the store's clock), as `now` saw them: after the
+    claim on a grant, before it on a refusal; `in_flight` counts live reservations (only
+    when the scope has `max_in_flight`, else 0)."""
+
+    scope: str
+    now: float
+    requests_tat: float = 0.0
+    tokens_tat: float = 0.0
+    in_flight: int = 0
+
+
+RateKind = Literal["requests", "tokens", "in_flight"]
+
+
+def rate_refusal(limit: RateLimit, state: RateState, tokens: int) -> RateKind | None:
+    """Which of a scope's limits a claim of one request and `tokens` tokens breaks (state before it)."""
+    if limit.max_in_flight is not None and state.in_flight >= limit.max_in_flight:
+        return "in_flight"
+    if limit.requests_s is not None and not fits(state.requests_tat, state.now, limit.requests_s, limit.window_s):
+        return "requests"
+    if limit.tokens_s is not None and not fits(state.tokens_tat, state.now, tokens * limit.tokens_s, limit.window_s):
+        return "tokens"
+    return None
+
+
+def fits(tat: float, now: float, cost_s: float, window_s: float) -> bool:
+    """GCRA: a cost of `cost_s` on a clock at `tat` stays within the window."""
+    return max(tat, now) + cost_s - now <= window_s + RATE_SLACK_S
+
+
+@dataclass(frozen=True)
+class TokenCharge:
+    """Tokens a booking adds to (or, negative, gives back to) a scope's token clock: the
+    real usage minus what the admission counted. `tokens_s` is `RateLimit.tokens_s`."""
+
+    scope: str
+    tokens: int
+    tokens_s: float
 
 
 @dataclass(frozen=True)
@@ -59,7 +135,10 @@ class Claim:
     (with `run_budget_usd`) the run's booked cost plus the amounts its slots hold plus this
     one stay within it. All checked and held in one atomic step, across every replica.
     `owner` names the process that holds it (`release_owner`); past `ttl_s` without
-    `renew` the hold no longer counts (its process is presumed dead).
+    `renew` the hold no longer counts (its process is presumed dead). With `rates`, one
+    request and `tokens` tokens must fit each scope's limits, checked and spent in the same
+    step (the SQLite store keeps the clocks of at most two scopes per claim: a key's and
+    its team's).
     """
 
     team: str
@@ -72,11 +151,15 @@ class Claim:
     run_budget_usd: float | None = None
     owner: str = ""
     ttl_s: float = DEFAULT_RESERVATION_TTL_S
+    rates: tuple[RateLimit, ...] = ()
+    """Rate limits checked and spent with the claim (one request and `tokens` tokens each)."""
+    tokens: int = 0
+    """The tokens the call is counted for before it runs (its prompt)."""
 
 
-Refusal = Literal["max_turns", "busy", "run_budget", "team_budget", "run_missing"]
+Refusal = Literal["max_turns", "busy", "run_budget", "team_budget", "run_missing", "rate_limit"]
 """Why `admit` held nothing: the run's turn cap, its calls in flight, its budget, the team's
-budget, or a run that is not stored."""
+budget, a run that is not stored, or a rate limit of one of the claim's scopes."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +181,8 @@ class Grant:
     reservation_id: str | None
     refused: Refusal | None = None
     figures: Figures = Figures()
+    rates: tuple[RateState, ...] = ()
+    """One per `Claim.rates`, in order: after the claim on a grant, as checked on a refusal."""
 
 
 class Store(Protocol):
@@ -175,8 +260,9 @@ class Store(Protocol):
         """Release every reservation `owner` still holds (it restarted); returns how many."""
         ...
 
-    async def settle(self, reservation_id: str, actual_usd: float) -> None:
-        """Turn a reservation into spending of `actual_usd` (more or less than reserved).
+    async def settle(self, reservation_id: str, actual_usd: float, tokens: Sequence[TokenCharge] = ()) -> None:
+        """Turn a reservation into spending of `actual_usd` (more or less than reserved), and
+        reconcile the `tokens` clocks with what the call really used.
 
         Idempotent: settling twice, or after release, books nothing more. A reservation that
         expired is still booked (the money was spent), for EXPIRED_RETENTION_S.
@@ -281,7 +367,7 @@ def to_micros(usd: float, what: str) -> int:
     return round(usd * MICROS_PER_USD)
 
 
-def judge(claim: Claim, figures: Figures, run_exists: bool) -> Refusal | None:
+def judge(claim: Claim, figures: Figures, run_exists: bool, rates: Sequence[RateState] = ()) -> Refusal | None:
     """Which of a claim's conditions the figures break, first in the order of `Refusal`."""
     if claim.run_id is not None and not run_exists:
         return "run_missing"
@@ -298,6 +384,8 @@ def judge(claim: Claim, figures: Figures, run_exists: bool) -> Refusal | None:
                                          + to_micros(figures.reserved_usd, "reserved_usd") + amount
                                          > to_micros(claim.budget_usd, "budget_usd")):
         return "team_budget"
+    if any(rate_refusal(limit, state, claim.tokens) for limit, state in zip(claim.rates, rates, strict=True)):
+        return "rate_limit"
     return None
 
 
@@ -326,6 +414,11 @@ def check_list_args(status: str | None, limit: int) -> None:
         raise TypeError(f"limit must be an integer, got {limit!r}")
     if limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit!r}")
+
+
+def scope_tag(scope: str) -> str:
+    """How a reservation lists the scopes whose calls in flight it counts in ("|team:a|")."""
+    return f"|{scope}|"
 
 
 def new_reservation_id() -> str:

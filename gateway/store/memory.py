@@ -22,6 +22,8 @@ from gateway.store.base import (
     Figures,
     Grant,
     Ledger,
+    RateState,
+    TokenCharge,
     check_list_args,
     check_ttl,
     from_micros,
@@ -65,6 +67,7 @@ class _Reservation:
     expired: bool = False
     run_id: str | None = None
     owner: str = ""
+    scopes: tuple[str, ...] = ()
 
     def live(self, now: float) -> bool:
         return not self.expired and self.expires_at > now
@@ -92,6 +95,7 @@ class MemoryStore:
         self._reservations: dict[str, _Reservation] = {}
         self._leases: dict[str, tuple[str, float]] = {}
         self._responses: dict[str, tuple[str, bytes]] = {}
+        self._clocks: dict[str, list[float]] = {}  # rate scope -> [requests tat, tokens tat]
         self._response_times: dict[str, float] = {}
         self._outbox: dict[str, _Outgoing] = {}
         self.notice_rule: NoticeRule | None = None
@@ -149,7 +153,7 @@ class MemoryStore:
         if booking is None:
             return None
         if booking.reservation_id is not None:
-            self._settle(booking.reservation_id, actual)
+            self._settle(booking.reservation_id, actual, booking.tokens)
         elif actual:
             self._spent[(booking.team, booking.period)] = self._spent.get((booking.team, booking.period), 0) + actual
         return await self.team_spend(booking.team, booking.period)
@@ -267,13 +271,33 @@ class MemoryStore:
         now = time.time()
         self._reclaim(claim.team, now)
         figures, run = self._figures(claim.team, claim.period, claim.run_id, now)
-        refused = judge(claim, figures, run is not None)
+        rates = tuple(self._rate_state(limit.scope, now, limit.max_in_flight is not None) for limit in claim.rates)
+        refused = judge(claim, figures, run is not None, rates)
         if refused is not None:
-            return Grant(None, refused, figures)
+            return Grant(None, refused, figures, rates)
         rid = new_reservation_id()
         self._reservations[rid] = _Reservation(claim.team, claim.period, amount, now + ttl, run_id=claim.run_id,
-                                               owner=claim.owner)
-        return Grant(rid, None, figures)
+                                               owner=claim.owner, scopes=tuple(
+                                                   r.scope for r in claim.rates if r.max_in_flight is not None))
+        for limit in claim.rates:
+            clock = self._clocks.setdefault(limit.scope, [0.0, 0.0])
+            if limit.requests_s is not None:
+                clock[0] = max(clock[0], now) + limit.requests_s
+            if limit.tokens_s is not None:
+                clock[1] = max(clock[1], now) + claim.tokens * limit.tokens_s
+        after = tuple(self._rate_state(limit.scope, now, limit.max_in_flight is not None) for limit in claim.rates)
+        return Grant(rid, None, figures, after)
+
+    def _rate_state(self, scope: str, now: float, counted: bool) -> RateState:
+        clock = self._clocks.get(scope, (0.0, 0.0))
+        in_flight = sum(1 for r in self._reservations.values() if scope in r.scopes and r.live(now)) if counted else 0
+        return RateState(scope, now, clock[0], clock[1], in_flight)
+
+    def _charge_tokens(self, tokens: Sequence[TokenCharge]) -> None:
+        now = time.time()
+        for charge in tokens:
+            clock = self._clocks.setdefault(charge.scope, [0.0, 0.0])
+            clock[1] = max(clock[1], now) + charge.tokens * charge.tokens_s
 
     async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
         self._check_open()
@@ -300,15 +324,16 @@ class MemoryStore:
         to_micros(budget_usd, "budget_usd")
         return (await self.admit(Claim(team, period, amount_usd, budget_usd, ttl_s=ttl_s))).reservation_id
 
-    async def settle(self, reservation_id: str, actual_usd: float) -> None:
+    async def settle(self, reservation_id: str, actual_usd: float, tokens: Sequence[TokenCharge] = ()) -> None:
         self._check_open()
-        self._settle(reservation_id, to_micros(actual_usd, "actual_usd"))
+        self._settle(reservation_id, to_micros(actual_usd, "actual_usd"), tokens)
 
-    def _settle(self, reservation_id: str, actual: int) -> None:
+    def _settle(self, reservation_id: str, actual: int, tokens: Sequence[TokenCharge] = ()) -> None:
         r = self._reservations.pop(reservation_id, None)
         if r is not None:
             key = (r.team, r.period)
             self._spent[key] = self._spent.get(key, 0) + actual
+            self._charge_tokens(tokens)
 
     async def release(self, reservation_id: str) -> None:
         self._check_open()

@@ -35,7 +35,9 @@ from gateway.store.base import (
     Figures,
     Grant,
     Ledger,
+    RateState,
     Refusal,
+    TokenCharge,
     check_list_args,
     check_ttl,
     from_micros,
@@ -190,7 +192,9 @@ class RedisStore:
         else:
             flag = "2" if booking.if_held and booking.reservation_id else "1"
             args += [flag, booking.reservation_id or "", str(actual), booking.team, booking.period, _RETENTION_MS]
-        args += [str(len(events)), *(orjson.dumps(e) for e in events), *self._notice_args(state.run_id, events)]
+        charges = () if booking is None else booking.tokens
+        args += [str(len(events)), *(orjson.dumps(e) for e in events), str(len(charges)), *_charges(charges),
+                 *self._notice_args(state.run_id, events)]
         self._redis()
         async with self._errors:
             result: list[Any] = await self._commit(args=args)
@@ -242,15 +246,17 @@ class RedisStore:
         run_budget = optional_micros(claim.run_budget_usd, "run_budget_usd")
         ttl_ms = round(check_ttl(claim.ttl_s, "ttl_s", allow_zero=True) * 1000)
         rid = new_reservation_id()
+        args = [self.prefix, claim.team, claim.period, str(amount), _opt(budget), str(ttl_ms), rid, _RETENTION_MS,
+                claim.run_id or "", _opt(claim.max_turns), _opt(claim.max_in_flight), _opt(run_budget), claim.owner,
+                str(claim.tokens), str(len(claim.rates))]
+        for r in claim.rates:
+            args += [r.scope, repr(r.window_s), _num(r.requests_s), _num(r.tokens_s), _opt(r.max_in_flight)]
         self._redis()
         async with self._errors:
-            result: list[Any] = await self._admit(args=[
-                self.prefix, claim.team, claim.period, str(amount), _opt(budget), str(ttl_ms), rid, _RETENTION_MS,
-                claim.run_id or "", _opt(claim.max_turns), _opt(claim.max_in_flight), _opt(run_budget), claim.owner,
-            ])
+            result: list[Any] = await self._admit(args=args)
         if int(result[0]) == 1:
-            return Grant(rid)
-        return Grant(None, cast(Refusal, _text(result[1])), _figures(result[2:]))
+            return Grant(rid, rates=_clocks(claim, result[1:]))
+        return Grant(None, cast(Refusal, _text(result[1])), _figures(result[2:8]), _clocks(claim, result[8:]))
 
     async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
         self._redis()
@@ -271,11 +277,11 @@ class RedisStore:
         async with self._errors:
             return int(await self._release_owner(args=[self.prefix, owner]))
 
-    async def settle(self, reservation_id: str, actual_usd: float) -> None:
+    async def settle(self, reservation_id: str, actual_usd: float, tokens: Sequence[TokenCharge] = ()) -> None:
         actual = to_micros(actual_usd, "actual_usd")
         self._redis()
         async with self._errors:
-            await self._settle(args=[self.prefix, reservation_id, str(actual)])
+            await self._settle(args=[self.prefix, reservation_id, str(actual), *_charges(tokens)])
 
     async def release(self, reservation_id: str) -> None:
         self._redis()
@@ -429,6 +435,21 @@ def _notice_triples(notices: Sequence[Notice]) -> list[str | bytes]:
 
 def _opt(value: int | None) -> str:
     return "" if value is None else str(value)
+
+
+def _num(value: float | None) -> str:
+    return "" if value is None else repr(value)
+
+
+def _charges(tokens: Sequence[TokenCharge]) -> list[str]:
+    return [part for c in tokens for part in (c.scope, str(c.tokens), repr(c.tokens_s))]
+
+
+def _clocks(claim: Claim, raw: list[Any]) -> tuple[RateState, ...]:
+    """The server's clock, then the scopes' clocks ADMIT returns (three values per scope)."""
+    now = float(_text(raw[0]))
+    return tuple(RateState(r.scope, now, float(_text(raw[3 * i + 1])), float(_text(raw[3 * i + 2])),
+                           int(raw[3 * i + 3])) for i, r in enumerate(claim.rates))
 
 
 def _text(value: Any) -> str:

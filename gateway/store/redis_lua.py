@@ -19,10 +19,25 @@ local function neg(s)
   if s == '0' then return '0' end
   return '-' .. s
 end
--- A reservation that ends (settled, released, expired) leaves its run's slots and its owner's set.
-local function unslot(p, rid, run, owner)
+-- A reservation that ends (settled, released, expired) leaves its run's slots, its owner's set
+-- and the calls in flight of its rate scopes ('|team:a|key:b|').
+local function unslot(p, rid, run, owner, scopes)
   if run and run ~= '' then redis.call('ZREM', p .. 'slots:' .. run, rid) end
   if owner and owner ~= '' then redis.call('SREM', p .. 'owner:' .. owner, rid) end
+  if scopes then
+    for scope in string.gmatch(scopes, '[^|]+') do redis.call('ZREM', p .. 'inflight:' .. scope, rid) end
+  end
+end
+-- Pushes the token clocks of a settled call (ARGV[first..], triples scope, tokens, seconds per token).
+local function charge_tokens(p, first, last)
+  if first > last then return end
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+  for i = first, last, 3 do
+    local key = p .. 'rate:' .. ARGV[i]
+    local tat = tonumber(redis.call('HGET', key, 't') or '0')
+    redis.call('HSET', key, 't', string.format('%.6f', math.max(tat, now) + tonumber(ARGV[i + 1]) * tonumber(ARGV[i + 2])))
+  end
 end
 -- {spent, reserved, turns or false, cost, in_flight, held} of a team's period and a run.
 local function figures(p, team, period, run, now)
@@ -48,12 +63,12 @@ local function reclaim(p, team, now, retention)
   local ids = redis.call('ZRANGEBYSCORE', held, '-inf', string.format('%d', now))
   for _, rid in ipairs(ids) do
     local rk = p .. 'res:' .. rid
-    local r = redis.call('HMGET', rk, 'period', 'amount', 'run', 'owner')
+    local r = redis.call('HMGET', rk, 'period', 'amount', 'run', 'owner', 'scopes')
     if r[1] then
       redis.call('HINCRBY', ledger, 'reserved:' .. r[1], neg(r[2]))
       redis.call('HSET', rk, 'state', 'expired')
       redis.call('PEXPIRE', rk, retention)
-      unslot(p, rid, r[3], r[4])
+      unslot(p, rid, r[3], r[4], r[5])
     end
     redis.call('ZREM', held, rid)
   end
@@ -124,7 +139,11 @@ return out
 """
 
 # A Claim: checked (run exists, turn cap, calls in flight, run budget, team budget; '' = no
-# such condition) and held at once. Returns {1} or {0, refusal, figures...}.
+# such condition; then each rate scope, base.rate_refusal: ARGV[14] the claim's tokens,
+# ARGV[15] how many scopes, then five each: scope, window s, s per request, s per token,
+# max in flight) and held at once. Returns {1, now, clocks...} or {0, refusal, figures...,
+# now, clocks...}; clocks: requests tat, tokens tat, in flight (epoch s) per scope, after the
+# claim on a grant (in flight not read: 0), as checked on a refusal.
 ADMIT: Final = _HELPERS + """
 local p, team, period, amount, budget, ttl, rid, retention, run, max_turns, max_in_flight, run_budget, owner =
   ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11],
@@ -139,17 +158,55 @@ elseif max_in_flight ~= '' and f[5] >= tonumber(max_in_flight) then refused = 'b
 elseif run_budget ~= '' and tonumber(f[4]) + f[6] + amount > tonumber(run_budget) then refused = 'run_budget'
 elseif budget ~= '' and tonumber(f[1]) + tonumber(f[2]) + amount > tonumber(budget) then refused = 'team_budget'
 end
+local tokens, nows, clocks, scopes = tonumber(ARGV[14]), now / 1000, {}, ''
+for b = 16, 15 + 5 * tonumber(ARGV[15]), 5 do
+  local scope, window, rs, ts, mif = ARGV[b], tonumber(ARGV[b + 1]), ARGV[b + 2], ARGV[b + 3], ARGV[b + 4]
+  local c = redis.call('HMGET', p .. 'rate:' .. scope, 'r', 't')
+  local rt, tt, inflight = tonumber(c[1] or '0'), tonumber(c[2] or '0'), 0
+  if mif ~= '' then
+    local z = p .. 'inflight:' .. scope
+    redis.call('ZREMRANGEBYSCORE', z, '-inf', string.format('%d', now))
+    inflight = redis.call('ZCARD', z)
+    scopes = scopes .. '|' .. scope .. '|'
+  end
+  if not refused and ((mif ~= '' and inflight >= tonumber(mif))
+      -- 0.000001: base.RATE_SLACK_S
+      or (rs ~= '' and math.max(rt, nows) + tonumber(rs) - nows > window + 0.000001)
+      or (ts ~= '' and math.max(tt, nows) + tokens * tonumber(ts) - nows > window + 0.000001)) then
+    refused = 'rate_limit'
+  end
+  clocks[#clocks + 1] = {scope, rt, tt, inflight, rs, ts, mif}
+end
 if refused then
-  return {0, refused, f[1], f[2], f[3] or '0', f[4], f[5], string.format('%d', f[6])}
+  local out = {0, refused, f[1], f[2], f[3] or '0', f[4], f[5], string.format('%d', f[6]), string.format('%.6f', nows)}
+  for _, c in ipairs(clocks) do
+    out[#out + 1] = string.format('%.6f', c[2])
+    out[#out + 1] = string.format('%.6f', c[3])
+    out[#out + 1] = c[4]
+  end
+  return out
 end
 local expires = string.format('%d', now + tonumber(ttl))
+local out = {1, string.format('%.6f', nows)}
+for _, c in ipairs(clocks) do
+  local rt, tt = c[2], c[3]
+  if c[5] ~= '' then rt = math.max(rt, nows) + tonumber(c[5]) end
+  if c[6] ~= '' then tt = math.max(tt, nows) + tokens * tonumber(c[6]) end
+  if c[5] ~= '' or c[6] ~= '' then
+    redis.call('HSET', p .. 'rate:' .. c[1], 'r', string.format('%.6f', rt), 't', string.format('%.6f', tt))
+  end
+  if c[7] ~= '' then redis.call('ZADD', p .. 'inflight:' .. c[1], expires, rid) end
+  out[#out + 1] = string.format('%.6f', rt)
+  out[#out + 1] = string.format('%.6f', tt)
+  out[#out + 1] = 0
+end
 redis.call('HSET', p .. 'res:' .. rid, 'team', team, 'period', period, 'amount', ARGV[4], 'state', 'held',
-           'run', run, 'owner', owner)
+           'run', run, 'owner', owner, 'scopes', scopes)
 redis.call('ZADD', p .. 'held:' .. team, expires, rid)
 redis.call('HINCRBY', p .. 'ledger:' .. team, 'reserved:' .. period, ARGV[4])
 if run ~= '' then redis.call('ZADD', p .. 'slots:' .. run, expires, rid) end
 if owner ~= '' then redis.call('SADD', p .. 'owner:' .. owner, rid) end
-return {1}
+return out
 """
 
 FIGURES: Final = _HELPERS + """
@@ -166,10 +223,15 @@ local p, ttl = ARGV[1], tonumber(ARGV[2])
 local expires = string.format('%d', now_ms() + ttl)
 for i = 3, #ARGV do
   local rid = ARGV[i]
-  local r = redis.call('HMGET', p .. 'res:' .. rid, 'team', 'state', 'run')
+  local r = redis.call('HMGET', p .. 'res:' .. rid, 'team', 'state', 'run', 'scopes')
   if r[1] and r[2] == 'held' then
     redis.call('ZADD', p .. 'held:' .. r[1], 'XX', 'GT', expires, rid)
     if r[3] and r[3] ~= '' then redis.call('ZADD', p .. 'slots:' .. r[3], 'XX', 'GT', expires, rid) end
+    if r[4] then
+      for scope in string.gmatch(r[4], '[^|]+') do
+        redis.call('ZADD', p .. 'inflight:' .. scope, 'XX', 'GT', expires, rid)
+      end
+    end
   end
 end
 return 1
@@ -179,34 +241,37 @@ _SETTLE: Final = """
 -- Books a reservation's actual cost once (an expired one too, while it is remembered).
 local function settle(p, rid, actual)
   local rk = p .. 'res:' .. rid
-  local r = redis.call('HMGET', rk, 'team', 'period', 'amount', 'state', 'run', 'owner')
+  local r = redis.call('HMGET', rk, 'team', 'period', 'amount', 'state', 'run', 'owner', 'scopes')
   if not r[1] then return 0 end
   local ledger = p .. 'ledger:' .. r[1]
   if r[4] == 'held' then
     redis.call('HINCRBY', ledger, 'reserved:' .. r[2], neg(r[3]))
     redis.call('ZREM', p .. 'held:' .. r[1], rid)
   end
-  unslot(p, rid, r[5], r[6])
+  unslot(p, rid, r[5], r[6], r[7])
   redis.call('HINCRBY', ledger, 'spent:' .. r[2], actual)
   redis.call('DEL', rk)
   return 1
 end
 """
 
+# ARGV[4..]: token charges (scope, tokens, seconds per token), made once with the settle.
 SETTLE: Final = _HELPERS + _SETTLE + """
-return settle(ARGV[1], ARGV[2], ARGV[3])
+if settle(ARGV[1], ARGV[2], ARGV[3]) == 0 then return 0 end
+charge_tokens(ARGV[1], 4, #ARGV)
+return 1
 """
 
 _RELEASE: Final = """
 local function release(p, rid)
   local rk = p .. 'res:' .. rid
-  local r = redis.call('HMGET', rk, 'team', 'period', 'amount', 'state', 'run', 'owner')
+  local r = redis.call('HMGET', rk, 'team', 'period', 'amount', 'state', 'run', 'owner', 'scopes')
   if not r[1] then return 0 end
   if r[4] == 'held' then
     redis.call('HINCRBY', p .. 'ledger:' .. r[1], 'reserved:' .. r[2], neg(r[3]))
     redis.call('ZREM', p .. 'held:' .. r[1], rid)
   end
-  unslot(p, rid, r[5], r[6])
+  unslot(p, rid, r[5], r[6], r[7])
   redis.call('DEL', rk)
   return 1
 end
@@ -310,6 +375,7 @@ return 1
 # booking (settle a reservation, or charge the period); returns
 # {1, spent, reserved} of the booking's ledger after it ({1} without a booking). Booking
 # flag '2' (if_held): {3} and nothing written unless the reservation is still stored.
+# ARGV[17 + n]: how many token charges follow the events (triples, as SETTLE's), then the notices.
 COMMIT_TURN: Final = _HELPERS + _SAVE + _SETTLE + _ENQUEUE + """
 local p, id = ARGV[1], ARGV[2]
 if ARGV[10] == '2' and redis.call('EXISTS', p .. 'res:' .. ARGV[11]) == 0 then return {3} end
@@ -318,10 +384,12 @@ if refused then return refused end
 local book, rid, actual, team, period, retention = ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[14], ARGV[15]
 local n = tonumber(ARGV[16])
 if n > 0 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, 17, 16 + n)) end
-enqueue(p, 17 + n, now_ms())
+local charges = 18 + n
+local notices = charges + 3 * tonumber(ARGV[17 + n])
+enqueue(p, notices, now_ms())
 if book == '0' then return {1} end
 if rid ~= '' then
-  settle(p, rid, actual)
+  if settle(p, rid, actual) == 1 then charge_tokens(p, charges, notices - 1) end
 elseif actual ~= '0' then
   redis.call('HINCRBY', p .. 'ledger:' .. team, 'spent:' .. period, actual)
 end

@@ -29,12 +29,16 @@ from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
     EXPIRED_RETENTION_S,
     PRUNE_BATCH,
+    RATE_SLACK_S,
     Booking,
     Claim,
     Event,
     Figures,
     Grant,
     Ledger,
+    RateLimit,
+    RateState,
+    TokenCharge,
     check_list_args,
     check_ttl,
     from_micros,
@@ -42,6 +46,7 @@ from gateway.store.base import (
     new_reservation_id,
     optional_micros,
     parse_run,
+    scope_tag,
     stamped_body,
     to_micros,
 )
@@ -82,8 +87,9 @@ never counts an expired reservation, marked or not."""
 
 _LIVE: Final = "state = 'held' AND expires_at > :now"
 _ADMIT: Final = (
-    "INSERT INTO reservations (id, team, period, amount_micros, expires_at, run_id, owner)"
-    " SELECT :id, :team, :period, :amount, :expires, :run, :owner"
+    "INSERT INTO reservations (id, team, period, amount_micros, expires_at, run_id, owner, scopes"
+    "{clocks})"
+    " SELECT :id, :team, :period, :amount, :expires, :run, :owner, :scopes{values}"
     " WHERE (:run IS NULL OR EXISTS (SELECT 1 FROM runs WHERE id = :run))"
     " AND (:max_turns IS NULL OR (SELECT turns FROM runs WHERE id = :run)"
     f"      + (SELECT COUNT(*) FROM reservations WHERE run_id = :run AND {_LIVE}) < :max_turns)"
@@ -97,6 +103,19 @@ _ADMIT: Final = (
     f"         WHERE team = :team AND period = :period AND {_LIVE}) + :amount <= :budget)"
 )
 """Checks every condition of a `Claim` and holds it, in one statement (atomic on its own)."""
+_CLOCK: Final = "(SELECT COALESCE({kind}_tat, 0) FROM ledger WHERE team = :s{{i}} AND period = '')"
+_RATE_CHECK: Final = (
+    f" AND (:rs{{i}} IS NULL OR MAX({_CLOCK.format(kind='requests')}, :now)"
+    f"      + :rs{{i}} - :now <= :w{{i}} + {RATE_SLACK_S!r})"
+    f" AND (:ts{{i}} IS NULL OR MAX({_CLOCK.format(kind='tokens')}, :now)"
+    f"      + :tokens * :ts{{i}} - :now <= :w{{i}} + {RATE_SLACK_S!r})"
+    " AND (:mif{i} IS NULL"
+    f"      OR (SELECT COUNT(*) FROM reservations WHERE instr(scopes, :tag{{i}}) > 0 AND {_LIVE}) < :mif{{i}})"
+)
+"""The conditions of a claim's i-th rate scope (base.fits, in SQL), appended to _ADMIT."""
+_CHARGE_TOKENS: Final = ("UPDATE ledger SET tokens_tat = MAX(COALESCE(tokens_tat, 0), ?) + ? * ?"
+                          " WHERE team = ? AND period = ''")
+_READ_CLOCK: Final = "SELECT requests_tat, tokens_tat FROM ledger WHERE team = ? AND period = ''"
 _FIGURES: Final = (
     "SELECT (SELECT COALESCE(SUM(spent_micros), 0) FROM ledger WHERE team = :team AND period = :period),"
     f" (SELECT COALESCE(SUM(amount_micros), 0) FROM reservations WHERE team = :team AND period = :period AND {_LIVE}),"
@@ -104,6 +123,15 @@ _FIGURES: Final = (
     f" (SELECT COUNT(*) FROM reservations WHERE run_id = :run AND {_LIVE}),"
     f" (SELECT COALESCE(SUM(amount_micros), 0) FROM reservations WHERE run_id = :run AND {_LIVE})"
 )
+
+
+def _spent(limit: RateLimit, now: float, tokens: int, requests_tat: float, tokens_tat: float) -> RateState:
+    """A scope's clocks after a granted claim spent them (as the trigger does)."""
+    if limit.requests_s is not None:
+        requests_tat = max(requests_tat, now) + limit.requests_s
+    if limit.tokens_s is not None:
+        tokens_tat = max(tokens_tat, now) + tokens * limit.tokens_s
+    return RateState(limit.scope, now, requests_tat, tokens_tat)
 
 
 class SqliteStore:
@@ -115,6 +143,8 @@ class SqliteStore:
         self._conn: sqlite3.Connection | None = connect(self.path)
         self._reclaim_due: dict[str, float] = {}
         self._held: dict[str, float] = {}  # reservations this store made and nobody settled yet -> expiry
+        self._admit_sql: dict[int, str] = {0: _ADMIT.format(clocks="", values="")}  # by the number of rate scopes
+        self._clock_rows: set[str] = set()  # scopes whose ledger row (the clocks) this store made sure of
         self.notice_rule: NoticeRule | None = None
         self._batch = WriteBatch(self._db, self._translate, (StaleRun, RunNotFound, RunExists, AlreadyBooked))
         try:
@@ -232,7 +262,7 @@ class SqliteStore:
             if booking is None:
                 return None
             if booking.reservation_id is not None:
-                self._settle(db, booking.reservation_id, actual)
+                self._settle(db, booking.reservation_id, actual, booking.tokens)
             elif actual:
                 self._book(db, booking.team, booking.period, actual)
             return self._spend(db, booking.team, booking.period)
@@ -377,7 +407,21 @@ class SqliteStore:
             "budget": optional_micros(claim.budget_usd, "budget_usd"), "run": claim.run_id,
             "max_turns": claim.max_turns, "max_in_flight": claim.max_in_flight,
             "run_budget": optional_micros(claim.run_budget_usd, "run_budget_usd"), "owner": claim.owner,
+            "tokens": claim.tokens, "scopes": "".join(scope_tag(r.scope) for r in claim.rates
+                                                      if r.max_in_flight is not None) or None,
         }
+        for i, r in enumerate(claim.rates):
+            params.update({f"s{i}": r.scope, f"w{i}": r.window_s, f"rs{i}": r.requests_s, f"ts{i}": r.tokens_s,
+                           f"mif{i}": r.max_in_flight, f"tag{i}": scope_tag(r.scope)})
+        sql = self._admit_sql.get(len(claim.rates)) or self._rate_sql(len(claim.rates))
+        clocked = [r for r in claim.rates if r.requests is not None or r.tokens is not None]
+        if len(clocked) > 2:
+            raise ValueError(f"the sqlite store keeps the clocks of two rate scopes per claim, got {len(clocked)}")
+        slots: list[RateLimit | None] = [*clocked, None, None]
+        for x, slot in zip("ab", slots, strict=False):
+            params.update({f"clock_{x}": slot and slot.scope, f"requests_s_{x}": slot and slot.requests_s,
+                           f"tokens_s_{x}": slot and slot.tokens_s})
+        missing = [(r.scope,) for r in clocked if r.scope not in self._clock_rows]
         ttl = check_ttl(claim.ttl_s, "ttl_s", allow_zero=True)
         granted: list[tuple[str, float]] = []
 
@@ -387,19 +431,30 @@ class SqliteStore:
             if now >= due:
                 self._reclaim(db, claim.team, now)
                 due = now + RECLAIM_EVERY_S
+            if missing:  # once per scope and store: the row the clocks live in
+                db.executemany("INSERT OR IGNORE INTO ledger (team, period, spent_micros) VALUES (?, '', 0)", missing)
+                self._clock_rows.update(scope for scope, in missing)
             rid = new_reservation_id()
-            inserted = db.execute(_ADMIT, {**params, "id": rid, "now": now, "expires": now + ttl}).rowcount == 1
+            cursor = db.execute(sql, {**params, "id": rid, "now": now, "expires": now + ttl})
+            rows = cursor.fetchall() if claim.rates else None  # all: it ends the statement (and its write)
+            inserted = bool(rows) if rows is not None else cursor.rowcount == 1
             self._reclaim_due[claim.team] = min(due, now + ttl) if inserted else due
             if not inserted:
                 # Why, from figures read right after; another process may have moved them
                 # since (then "busy": a retry may pass).
                 figures, run_exists = self._figures(db, claim.team, claim.period, claim.run_id, now)
-                return Grant(None, judge(claim, figures, run_exists) or "busy", figures)
+                rates = tuple(self._rate_state(db, r, now) for r in claim.rates)
+                return Grant(None, judge(claim, figures, run_exists, rates) or "busy", figures, rates)
             granted.append((rid, now + ttl))
-            return Grant(rid)
+            if not rows:
+                return Grant(rid)
+            row = rows[0]
+            return Grant(rid, rates=tuple(_spent(r, now, claim.tokens, row[2 * i], row[2 * i + 1])
+                                          for i, r in enumerate(claim.rates)))
 
         try:
-            # One INSERT checks and holds at once; marking expired ones needs no atomicity.
+            # One INSERT checks and holds at once (its trigger spends the rate clocks);
+            # marking expired ones needs no atomicity.
             grant = await self._write(step, atomic=False, skip_if_cancelled=True)
         except asyncio.CancelledError:
             if granted:  # a batch made it for a caller who left meanwhile: give it back
@@ -408,6 +463,31 @@ class SqliteStore:
         if grant.reservation_id is not None:
             self._held[grant.reservation_id] = granted[0][1]
         return grant
+
+    def _rate_sql(self, n: int) -> str:
+        # RETURNING reports the clocks as the statement found them (before its trigger
+        # spent them: SQLite's RETURNING does not see a trigger's changes); `_spent` adds
+        # what the trigger added. Only the headers read them: the check and the spending
+        # are the statement's own.
+        clocks = ", ".join(f"{_CLOCK.format(kind=kind).format(i=i)}" for i in range(n)
+                           for kind in ("requests", "tokens"))
+        columns = ", clock_a, requests_s_a, tokens_s_a, clock_b, requests_s_b, tokens_s_b, tokens, admitted_at"
+        values = (", :clock_a, :requests_s_a, :tokens_s_a, :clock_b, :requests_s_b, :tokens_s_b, :tokens,"
+                  " CASE WHEN :clock_a IS NULL THEN NULL ELSE :now END")
+        sql = (_ADMIT.format(clocks=columns, values=values) + "".join(_RATE_CHECK.format(i=i) for i in range(n))
+               + f" RETURNING {clocks}")
+        self._admit_sql[n] = sql
+        return sql
+
+    @staticmethod
+    def _rate_state(db: sqlite3.Connection, limit: RateLimit, now: float) -> RateState:
+        row = db.execute(_READ_CLOCK, (limit.scope,)).fetchone()
+        in_flight = 0
+        if limit.max_in_flight is not None:
+            in_flight = int(db.execute(f"SELECT COUNT(*) FROM reservations WHERE instr(scopes, :tag) > 0 AND {_LIVE}",
+                                       {"tag": scope_tag(limit.scope), "now": now}).fetchone()[0])
+        requests_tat, tokens_tat = row or (0.0, 0.0)
+        return RateState(limit.scope, now, requests_tat or 0.0, tokens_tat or 0.0, in_flight)
 
     async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
         with self._errors:
@@ -461,16 +541,20 @@ class SqliteStore:
         except StoreError:  # it expires on its own
             log.exception("cannot give back reservation %s", reservation_id)
 
-    async def settle(self, reservation_id: str, actual_usd: float) -> None:
+    async def settle(self, reservation_id: str, actual_usd: float, tokens: Sequence[TokenCharge] = ()) -> None:
         actual = to_micros(actual_usd, "actual_usd")
         self._held.pop(reservation_id, None)
-        await self._write(lambda db: self._settle(db, reservation_id, actual), atomic=True)
+        await self._write(lambda db: self._settle(db, reservation_id, actual, tokens), atomic=True)
 
     @classmethod
-    def _settle(cls, db: sqlite3.Connection, reservation_id: str, actual: int) -> None:
+    def _settle(cls, db: sqlite3.Connection, reservation_id: str, actual: int,
+                tokens: Sequence[TokenCharge] = ()) -> None:
         rows = db.execute("DELETE FROM reservations WHERE id = ? RETURNING team, period", (reservation_id,)).fetchall()
         if rows:  # else already settled or released: nothing more to book
             cls._book(db, rows[0][0], rows[0][1], actual)
+            if tokens:
+                now = time.time()
+                db.executemany(_CHARGE_TOKENS, [(now, c.tokens, c.tokens_s, c.scope) for c in tokens])
 
     @staticmethod
     def _book(db: sqlite3.Connection, team: str, period: str, micros: int) -> None:
@@ -542,7 +626,7 @@ class SqliteStore:
 
     async def prune_ledgers(self, ended_before: float) -> int:
         def step(db: sqlite3.Connection) -> int:
-            rows = db.execute("SELECT team, period FROM ledger").fetchall()
+            rows = db.execute("SELECT team, period FROM ledger WHERE period != ''").fetchall()  # '': rate clocks
             old = [(team, period) for team, period in rows if period_ended(period, ended_before)]
             db.executemany("DELETE FROM ledger WHERE team = ? AND period = ?", old)
             return len(old)

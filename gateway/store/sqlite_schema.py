@@ -81,6 +81,32 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         error TEXT NOT NULL DEFAULT '', done_at REAL) WITHOUT ROWID""",
     "CREATE INDEX outbox_due ON outbox (state, due_at)",
     "CREATE INDEX outbox_done ON outbox (done_at) WHERE done_at IS NOT NULL",
+    # Rate limits. Each scope's GCRA clocks (requests, tokens) are a row of the ledger (team =
+    # the scope, "team:a" or "key:<digest>", which no team name can be; period = ''): a
+    # booking writes the ledger's page anyway, so reconciling a call's tokens there costs
+    # no page more. A reservation lists the scopes whose calls in flight it counts in
+    # (`scopes`: '|team:a|key:b|'), and the clocks its admission spends (up to two scopes,
+    # a key's and its team's: `clock_a`/`clock_b`, their seconds per request and per token,
+    # the call's counted `tokens`, `admitted_at`), which a trigger applies in the
+    # admission's own INSERT: one statement, atomic across processes.
+    "ALTER TABLE ledger ADD COLUMN requests_tat REAL",
+    "ALTER TABLE ledger ADD COLUMN tokens_tat REAL",
+    "ALTER TABLE reservations ADD COLUMN scopes TEXT",
+    *(f"ALTER TABLE reservations ADD COLUMN {column}" for column in (
+        "clock_a TEXT", "requests_s_a REAL", "tokens_s_a REAL", "clock_b TEXT", "requests_s_b REAL",
+        "tokens_s_b REAL", "tokens INTEGER", "admitted_at REAL")),
+    """CREATE TRIGGER reservations_spend_clocks AFTER INSERT ON reservations WHEN NEW.clock_a IS NOT NULL BEGIN
+        UPDATE ledger SET
+            requests_tat = COALESCE(MAX(COALESCE(requests_tat, 0), NEW.admitted_at) + NEW.requests_s_a, requests_tat),
+            tokens_tat = COALESCE(MAX(COALESCE(tokens_tat, 0), NEW.admitted_at) + NEW.tokens * NEW.tokens_s_a,
+                                  tokens_tat)
+        WHERE team = NEW.clock_a AND period = '';
+        UPDATE ledger SET
+            requests_tat = COALESCE(MAX(COALESCE(requests_tat, 0), NEW.admitted_at) + NEW.requests_s_b, requests_tat),
+            tokens_tat = COALESCE(MAX(COALESCE(tokens_tat, 0), NEW.admitted_at) + NEW.tokens * NEW.tokens_s_b,
+                                  tokens_tat)
+        WHERE team = NEW.clock_b AND period = '';
+    END""",
 )
 
 BUSY_TIMEOUT_S: Final = 10.0

@@ -40,6 +40,7 @@ DELETE_FILE = ToolSpec(
     },
     read_only=False,
     needs_approval=True,
+    destructive=True,
 )
 SCAN_ARCHIVE = ToolSpec(
     name="scan_archive",

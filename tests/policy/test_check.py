@@ -24,7 +24,7 @@ def test_the_shipped_policies_pass_with_each_tool_and_its_outcome() -> None:
     out = done.stdout
     assert "policies/files.yaml: policy files (version " in out
     assert "policies/passthrough.yaml: policy passthrough" in out and "pass-through" in out
-    assert "tool delete_file: read_only=no needs_approval=yes; executor python gateway.tools.files:delete_file" in out
+    assert "tool delete_file: read_only=no destructive=yes needs_approval=yes; executor python gateway.tools.files:delete_file" in out
     assert ('delete_file({"path":"notes.txt"}) -> DENY (rule 1: notes.txt is the team\'s runbook; '
             'it is never deleted.)') in out
     assert 'delete_file({"path":"example.log"}) -> ASK (rule 2)' in out
@@ -76,3 +76,20 @@ def test_shadowed_rules_are_reported(tmp_path: Path, write: WriteFile, policy_di
 def test_no_files_is_an_error(tmp_path: Path) -> None:
     done = gateway(cwd=tmp_path)
     assert done.returncode == 1 and "no policy files found" in done.stderr
+
+
+def test_the_shipped_mcp_example_lists_its_discovered_tools_with_their_outcomes() -> None:
+    bin_dir = str(Path(sys.executable).parent)  # where pip put mcp-server-git
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    done = subprocess.run([sys.executable, "-m", "gateway", "policy", "check", "policies/mcp/git.yaml"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "mcp server git (stdio mcp-server-git): up (started 1 time(s), 0 failure(s)); 10 tool(s) discovered" in out
+    assert ("tool git_status: read_only=yes destructive=no needs_approval=no timeout_s=30; "
+            "executor mcp git: git_status") in out
+    assert "git_status({}) -> ALLOW (the tool's needs_approval flag)" in out
+    assert "git_reset({}) -> ASK (rule 1)" in out  # destructiveHint: the one-line rule asks
+    assert "git_commit({}) -> ASK (the tool's needs_approval flag)" in out  # the override
+    assert "git_checkout" not in out  # excluded
+    assert out.rstrip().endswith("1 of 1 policy file(s) valid")

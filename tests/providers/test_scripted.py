@@ -14,7 +14,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from gateway.harness.tools import ToolContext
-from gateway.providers.scripted import scripted_app
+from gateway.providers.scripted import FailCalls, scripted_app, standalone_app
 from gateway.tokens import get_counter
 from gateway.tools.catalog import FILE_TOOLS, PLAN_TASK, SYSTEM_PROMPT
 from gateway.tools.files import Sandbox, file_tools
@@ -383,3 +383,52 @@ async def test_gateway_scripted_command_serves_openai_clients(tmp_path: Path) ->
         await oa.close()
     finally:
         proc.stop()
+
+
+async def test_a_429_carries_the_retry_after_asked_for(client: TestClient) -> None:
+    resp = await client.post(URL, json={"model": "scripted-plan", "messages": start()},
+                             headers={"X-Scripted-Fail": "429", "X-Scripted-Retry-After": "2.5"})
+    assert resp.status == 429 and resp.headers["retry-after"] == "2.5"
+    bad = await client.post(URL, json={"model": "scripted-plan", "messages": start()},
+                            headers={"X-Scripted-Fail": "429", "X-Scripted-Retry-After": "soon"})
+    assert bad.status == 400 and "X-Scripted-Retry-After" in (await bad.json())["error"]["message"]
+
+
+async def test_fail_reset_drops_the_connection_before_any_answer(client: TestClient) -> None:
+    with pytest.raises(aiohttp.ServerDisconnectedError):
+        await client.post(URL, json={"model": "scripted-plan", "messages": start()},
+                          headers={"X-Scripted-Fail": "reset"})
+
+
+async def test_fail_cut_first_ends_a_stream_after_its_first_chunk(client: TestClient) -> None:
+    resp = await client.post(URL, json={"model": "scripted-plan", "messages": start(), "stream": True},
+                             headers={"X-Scripted-Fail": "cut-first"})
+    assert resp.status == 200
+    received = b""
+    with pytest.raises(aiohttp.ClientPayloadError):
+        async for line in resp.content:
+            received += line
+    events = [e for e in received.split(b"\n\n") if e.strip()]
+    assert len(events) == 1 and b"[DONE]" not in received
+
+
+async def test_a_process_fails_the_first_n_of_every_m_calls(aiohttp_client: Any) -> None:
+    flapping = await aiohttp_client(standalone_app(fail="429", fail_calls=FailCalls.parse("1/2"), retry_after_s=1))
+    statuses = []
+    for _ in range(4):
+        resp = await flapping.post(URL, json={"model": "scripted-plan", "messages": start()})
+        statuses.append((resp.status, resp.headers.get("retry-after")))
+    assert statuses == [(429, "1"), (200, None)] * 2
+    healing = await aiohttp_client(standalone_app(fail="500", fail_calls=FailCalls.parse("2")))
+    got = [(await healing.post(URL, json={"model": "scripted-plan", "messages": start()})).status for _ in range(4)]
+    assert got == [500, 500, 200, 200]
+    # A request's own X-Scripted-Fail still decides for itself.
+    resp = await healing.post(URL, json={"model": "scripted-plan", "messages": start()},
+                              headers={"X-Scripted-Fail": "500"})
+    assert resp.status == 500
+
+
+def test_fail_calls_are_checked() -> None:
+    for text in ("x", "1/0", "-1", "1/2/3"):
+        with pytest.raises(ValueError):
+            FailCalls.parse(text)

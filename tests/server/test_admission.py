@@ -147,20 +147,29 @@ def start(folder: Path, upstream_url: str, store: dict[str, Any], budget_usd: fl
     return start_gateway(["serve", "--config", str(config)], "/healthz", port, folder / "gateway.log")
 
 
-@pytest.fixture
-def pair(tmp_path: Path, redis_url: str, upstream: Upstream) -> Iterator[tuple[Proc, Proc, RedisStore]]:
-    store = {"kind": "redis", "url": redis_url, "prefix": f"adm-{uuid.uuid4().hex[:8]}:"}
+@contextlib.contextmanager
+def two_replicas(starter: Callable[[Path, str, dict[str, Any]], Proc], tmp_path: Path, upstream_url: str,
+                 store: dict[str, Any]) -> Iterator[tuple[Proc, Proc]]:
+    """Two gateway processes on one store, started at once by `starter(folder, upstream_url,
+    store)`; stopped at the end, and the other one too when one fails to start."""
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(start, tmp_path / name, upstream.url, store) for name in ("a", "b")]
+        futures = [pool.submit(starter, tmp_path / name, upstream_url, store) for name in ("a", "b")]
     started = [f.result() for f in futures if f.exception() is None]
     try:
         if len(started) < 2:  # one failed to start: stop the other, then fail with the reason
             for f in futures:
                 f.result()
-        yield started[0], started[1], RedisStore(redis_url, str(store["prefix"]))
+        yield started[0], started[1]
     finally:
         for proc in started:
             proc.stop()
+
+
+@pytest.fixture
+def pair(tmp_path: Path, redis_url: str, upstream: Upstream) -> Iterator[tuple[Proc, Proc, RedisStore]]:
+    store = {"kind": "redis", "url": redis_url, "prefix": f"adm-{uuid.uuid4().hex[:8]}:"}
+    with two_replicas(start, tmp_path, upstream.url, store) as (a, b):
+        yield a, b, RedisStore(redis_url, str(store["prefix"]))
 
 
 @pytest.fixture

@@ -48,6 +48,34 @@ def test_first_matching_model_route_wins(tmp_path: Path) -> None:
     assert config.route("gpt-4o") is None
 
 
+def test_deployments_fallbacks_and_the_hold_price(tmp_path: Path) -> None:
+    data = config_data(
+        upstreams=[{"name": "scripted", "kind": "scripted"}, {"name": "far", "base_url": "http://127.0.0.1:9/v1",
+                                                              "timeout_s": 30, "first_byte_timeout_s": 5}],
+        models=[{"match": "gpt-x", "deployments": [{"upstream": "far", "weight": 3, "price_in": 3.0},
+                                                   {"upstream": "scripted", "model": "scripted-plan"}],
+                 "price_in": 1.0, "price_out": 4.0, "fallbacks": ["scripted-once"]},
+                {"match": "scripted-*", "upstream": "scripted", "price_in": 0.5, "price_out": 20.0}])
+    config = load_config(write_config(tmp_path, data))
+    route = config.route("gpt-x")
+    assert route is not None and route.upstream == "far" and route.plan.retries == 2  # several: 2 by default
+    first, second = route.plan.groups[0].deployments
+    assert (first.weight, first.price.input_per_million, first.price.output_per_million) == (3, 3.0, 4.0)
+    assert (second.model, second.price.input_per_million) == ("scripted-plan", 1.0)
+    assert route.plan.groups[1].model == "scripted-once"
+    assert (route.price.input_per_million, route.price.output_per_million) == (3.0, 20.0)  # covers the fallback
+    single = config.route("scripted-plan")
+    assert single is not None and single.plan.single and single.plan.retries == 0  # the old form: as before
+    far = config.upstreams["far"]
+    assert (far.connect_timeout_s, far.first_byte_timeout_s, far.timeout_s) == (10.0, 5.0, 30.0)
+
+
+def _deploy(data: dict[str, Any], deployments: list[dict[str, Any]]) -> None:
+    route = data["models"][0]
+    route.pop("upstream")
+    route["deployments"] = deployments
+
+
 def _with(change: Any) -> dict[str, Any]:
     data = config_data()
     change(data)
@@ -83,6 +111,18 @@ ERRORS = [
     (lambda d: d["server"].update(refusal_status=500), "server.refusal_status", "one of 429, 400, 402, 403"),
     (lambda d: d["defaults"].update(output_allowance_tokens=0), "defaults.output_allowance_tokens", ">= 1"),
     (lambda d: d.update(stores={}), "stores", "unknown field"),
+    (lambda d: d["models"][0].update(deployments=[{"upstream": "scripted"}]), "models[0].upstream",
+     "either upstream or deployments"),
+    (lambda d: _deploy(d, [{"upstream": "nowhere"}]),
+     "models[0].deployments[0].upstream", "no upstream named 'nowhere'"),
+    (lambda d: _deploy(d, [{"upstream": "scripted", "weight": 0}]),
+     "models[0].deployments[0].weight", ">= 1"),
+    (lambda d: _deploy(d, [{"upstream": "scripted"}, {"upstream": "scripted"}]),
+     "models[0].deployments", "same upstream and model twice"),
+    (lambda d: d["models"][0].update(fallbacks=["gpt-nowhere"]), "models[0].fallbacks[0]", "not routed"),
+    (lambda d: d["models"][0].update(retries=11), "models[0].retries", "<= 10"),
+    (lambda d: d["models"][0].update(cooldown_s=0), "models[0].cooldown_s", "> 0"),
+    (lambda d: d["upstreams"][0].update(connect_timeout_s=-1), "upstreams[0].connect_timeout_s", "> 0"),
 ]
 
 

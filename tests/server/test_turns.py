@@ -63,4 +63,4 @@ async def test_a_turn_answers_with_the_team_budget_the_store_booked(make_gateway
         assert status == 200, body
         assert headers["X-Run-Turns"] == str(turn)
         assert float(headers["X-Team-Budget-Remaining-Usd"]) == round(5.0 - turn * PRICE.cost(USAGE), 9)
-    assert [e["type"] for _, e in await gw.store.events("t/r1")] == ["turn", "run_stopped", "turn", "run_stopped"]
+    assert [e["type"] for _, e in await gw.store.events("t/r1")] == ["upstream_attempt", "turn", "run_stopped"] * 2

@@ -19,6 +19,7 @@ every replica (this route on each, or a SIGHUP to each).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -55,6 +56,12 @@ def team_check(config: Config) -> Callable[[Mapping[str, Policy]], Sequence[Poli
         ]
 
     return check
+
+
+async def reload_in_thread(app: web.Application, by: str) -> ReloadResult:
+    """`reload_policies` off the event loop: a reload may start MCP servers and list their
+    tools, which must not stall every request in flight."""
+    return await asyncio.to_thread(reload_policies, app, by)
 
 
 def reload_policies(app: web.Application, by: str) -> ReloadResult:
@@ -97,7 +104,7 @@ async def post_reload(request: web.Request) -> web.Response:
         admins = ", ".join(t.name for t in app[ctx.CONFIG].teams if t.admin) or "none configured"
         raise Forbidden(f"team '{team.name}' may not reload policies: only teams with admin: true in the config "
                         f"may (admin teams: {admins})", code="not_an_admin")
-    result = reload_policies(app, by=f"team {team.name}")
+    result = await reload_in_thread(app, by=f"team {team.name}")
     body = reload_json(app[ctx.POLICIES], result)
     if not result.ok:
         count = len(result.errors)

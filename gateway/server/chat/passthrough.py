@@ -8,13 +8,15 @@ end of the answer. Chat completions and the Responses API both come through `gov
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Mapping
 
 from aiohttp import web
 
 from gateway.providers.reply import ParsedReply
-from gateway.providers.upstream import Upstream, UpstreamReply
+from gateway.providers.failover import RoutedCall
+from gateway.providers.upstream import UpstreamReply
 from gateway.server import context as ctx
 from gateway.server.chat.passthrough_stream import stream_through
 from gateway.server.http.errors import (
@@ -22,8 +24,10 @@ from gateway.server.http.errors import (
     LimitExceeded,
 )
 from gateway.server.runs.booking import Booked, book_turn, refuse
+from gateway.server.runs.forwarding import Body, complete_chat, routed_call, trace_unbooked
 from gateway.server.runs.governor import Admission, Ask
 from gateway.server.runs.keying import Call
+from gateway.server.runs.rate_limits import SHOWN
 from gateway.server.runs.replies import with_run
 
 
@@ -48,40 +52,48 @@ async def admit(request: web.Request, call: Call) -> Admission:
 
 
 @contextlib.asynccontextmanager
-async def governed(request: web.Request, call: Call) -> AsyncIterator[tuple[Admission, Upstream]]:
+async def governed(request: web.Request, call: Call) -> AsyncIterator[tuple[Admission, RoutedCall]]:
     """The frame of every pass-through call (chat or Responses): the run must take calls, the
     call is admitted (its holds booked or released on every exit, `Admission` being a
-    context manager) and counted active; yields the admission and the upstream to forward to."""
+    context manager) and counted active; yields the admission and the routed call that
+    forwards it (its attempts traced with the turn, or on their own when none was booked)."""
     _check_open(call)
     metrics = request.app[ctx.METRICS]
     async with await admit(request, call) as adm:
+        request[SHOWN] = (adm.rates, adm.rate_states)
         metrics.run_active(1)
+        routed = routed_call(request.app, call.route, call.chat.model)
         try:
-            yield adm, request.app[ctx.UPSTREAMS][call.route.upstream]
+            yield adm, routed
         finally:
             metrics.run_active(-1)
+            await asyncio.shield(trace_unbooked(request.app, routed, call.run.run_id))
+
+
+def chat_body(call: Call, adm: Admission) -> Body:
+    """The chat body to forward, for the model name a deployment is asked for."""
+    return lambda model: call.chat.upstream_body(max_tokens=adm.max_tokens, force_usage=True, model=model)
 
 
 async def pass_through(request: web.Request, call: Call) -> web.StreamResponse:
     """Governed pass-through of one chat call (streamed or not)."""
-    async with governed(request, call) as (adm, upstream):
-        body = call.chat.upstream_body(max_tokens=adm.max_tokens, force_usage=True)
-        headers = upstream.headers(request.headers)
+    async with governed(request, call) as (adm, routed):
         if call.chat.stream:
-            return await stream_through(request, call, adm, upstream, body, headers)
-        reply, parsed, booked = await complete_and_book(request, call, adm, upstream, body, headers)
+            return await stream_through(request, call, adm, routed, chat_body(call, adm), request.headers)
+        reply, parsed, booked = await complete_and_book(request, call, adm, routed, chat_body(call, adm),
+                                                        request.headers)
         return web.Response(body=with_run(reply.raw, booked.run.summary()), content_type="application/json",
                             headers=booked.headers())
 
 
-async def complete_and_book(request: web.Request, call: Call, adm: Admission, upstream: Upstream, body: bytes,
-                            headers: Mapping[str, str]) -> tuple[UpstreamReply, ParsedReply, Booked]:
-    """A non-streamed pass-through turn: forward, parse (502 `upstream_malformed`, released
-    like any upstream failure), time it and book it."""
-    reply = await upstream.complete(body, headers)
-    parsed = upstream.parse(reply)
+async def complete_and_book(request: web.Request, call: Call, adm: Admission, routed: RoutedCall, body: Body,
+                            client_headers: Mapping[str, str]) -> tuple[UpstreamReply, ParsedReply, Booked]:
+    """A non-streamed pass-through turn: forward (with retries and fallbacks), parse (502
+    `upstream_malformed`, released like any upstream failure), time it and book it."""
+    reply, parsed, upstream = await complete_chat(routed, body, client_headers)
     request[ctx.UPSTREAM_SECONDS] = reply.seconds
     request.app[ctx.METRICS].on_upstream(upstream.name, call.chat.model, reply.seconds)
     booked = await book_turn(request, call, adm, reported=parsed.usage, message=parsed.message,
-                             finish=parsed.finish_reason, repairs=reply.repairs)
+                             finish=parsed.finish_reason, routed=routed,
+                             repairs=reply.repairs)
     return reply, parsed, booked

@@ -31,11 +31,12 @@ from aiohttp import web
 from gateway.harness.state import Message
 from gateway.harness.usage import Usage
 from gateway.providers.errors import UpstreamError
-from gateway.providers.upstream import Upstream
+from gateway.providers.failover import RoutedCall
 from gateway.server import context as ctx
 from gateway.server.http.errors import ApiError, from_store_error, upstream_failed
 from gateway.server.http.headers import run_headers
 from gateway.server.runs.booking import Booked, book_turn
+from gateway.server.runs.forwarding import Body, open_stream
 from gateway.server.runs.governor import Admission
 from gateway.server.runs.keying import Call
 from gateway.server.runs.replies import usage_of
@@ -154,12 +155,13 @@ class ChatOutlet:
         return b"data: " + orjson.dumps(error) + b"\n\n"
 
 
-async def stream_through(request: web.Request, call: Call, adm: Admission, upstream: Upstream, body: bytes,
-                         headers: Mapping[str, str], outlet: ChatOutlet | None = None,
+async def stream_through(request: web.Request, call: Call, adm: Admission, routed: RoutedCall, body: Body,
+                         client_headers: Mapping[str, str], outlet: ChatOutlet | None = None,
                          got: Reassembly | None = None, path: str = "/chat/completions") -> web.StreamResponse:
     """Forward a streamed call; see the module docstring for what happens on failures.
     `got` reads the upstream's events (a subclass reads another wire), `path` is where they
-    are asked for."""
+    are asked for. The client's response starts with the upstream's first event: until
+    then a failure is retried on the route (`RoutedCall.stream`), never after."""
     out = outlet or ChatOutlet(call.chat.include_usage)
     app = request.app
     metrics = app[ctx.METRICS]
@@ -168,8 +170,11 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, upstr
     response: web.StreamResponse | None = None
     failure: UpstreamError | None = None
     client_gone = False
+    upstream_name = call.route.upstream
     try:
-        async with upstream.stream(body, headers, path) as stream:
+        async with open_stream(routed, body, client_headers, path) as opened:
+            upstream_name = opened.answer.upstream.name
+            metrics.on_ttft(upstream_name, call.chat.model, time.perf_counter() - started)
             start_headers = run_headers(call.run)
             start_headers["X-Run-Status"] = "running"
             response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **start_headers})
@@ -177,17 +182,14 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, upstr
             head = out.start()
             if head:
                 await response.write(head)
-            first = True
-            async for event in stream.events():
-                if first:
-                    metrics.on_ttft(upstream.name, call.chat.model, time.perf_counter() - started)
-                    first = False
+            async for event in opened.events():
                 kind = got.feed(event)
                 if kind == "done":
                     break
                 if kind == "malformed":  # never passed on: the client's parser would choke on it
-                    failure = UpstreamError("upstream_malformed", f"upstream '{upstream.name}' sent a "
-                                            f"chunk that is not JSON: {event[:80]!r}", upstream.name, 200)
+                    failure = UpstreamError("upstream_malformed", f"upstream '{upstream_name}' sent a "
+                                            f"chunk that is not JSON: {event[:80]!r}", upstream_name, 200)
+                    opened.outcome = "malformed"
                     break
                 data = out.event(kind, event, got)
                 try:
@@ -197,8 +199,9 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, upstr
                     client_gone = True
                     break
                 if kind == "error":
-                    failure = UpstreamError("upstream_error", f"upstream '{upstream.name}' sent an error "
-                                            "in the stream", upstream.name, 200)
+                    failure = UpstreamError("upstream_error", f"upstream '{upstream_name}' sent an error "
+                                            "in the stream", upstream_name, 200)
+                    opened.outcome = "malformed"
                     break
     except UpstreamError as exc:
         if response is None:  # nothing sent yet: an ordinary error answer (the admission releases)
@@ -207,16 +210,16 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, upstr
     except BaseException:  # cancelled: by a client that left (aiohttp may cancel the handler) or a shutdown
         transport = request.transport
         gone = transport is None or transport.is_closing()
-        await _charge_received(request, call, adm, got, "client_disconnected" if gone else "cancelled")
+        await _charge_received(request, call, adm, got, "client_disconnected" if gone else "cancelled", routed)
         raise
     seconds = time.perf_counter() - started
     request[ctx.UPSTREAM_SECONDS] = seconds
-    metrics.on_upstream(upstream.name, call.chat.model, seconds)
+    metrics.on_upstream(upstream_name, call.chat.model, seconds)
     assert response is not None
     finish = got.finish or ("client_disconnected" if client_gone else "cut" if failure else "stop")
     unbooked: ApiError | None = None
     try:
-        booked = await _charge_received(request, call, adm, got, finish)
+        booked = await _charge_received(request, call, adm, got, finish, routed)
     except StoreError as exc:  # the stream is open: it ends with the store's error, not a cut
         log.warning("run %s: the streamed turn could not be saved: %s", call.run.run_id, exc)
         booked, unbooked = None, from_store_error(exc)
@@ -239,9 +242,10 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, upstr
 
 
 async def _charge_received(request: web.Request, call: Call, adm: Admission, got: Reassembly,
-                           finish: str) -> Booked | None:
+                           finish: str, routed: RoutedCall) -> Booked | None:
     """Book what was received as the turn (counted if the upstream gave no usage), or release."""
     if got.chunks == 0 and got.usage is None:
         await request.app[ctx.GOVERNOR].release(adm)
         return None
-    return await book_turn(request, call, adm, reported=got.usage, message=got.message(), finish=finish)
+    return await book_turn(request, call, adm, reported=got.usage, message=got.message(), finish=finish,
+                           routed=routed)

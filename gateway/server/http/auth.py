@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Iterable
+from dataclasses import replace
 
 from aiohttp import web
 
@@ -23,6 +24,9 @@ class KeyRing:
     def __init__(self, teams: Iterable[TeamConfig]) -> None:
         teams = list(teams)
         self._by_digest: dict[bytes, TeamConfig] = {_digest(k): t for t in teams for k in t.keys}
+        for t in teams:  # a key with limits of its own authenticates as its team carrying them
+            for limits in t.key_limits:
+                self._by_digest[_digest(limits.key)] = replace(t, caller=limits)
         self._digests: dict[str, tuple[bytes, ...]] = {t.name: tuple(_digest(k) for k in t.keys) for t in teams}
 
     def team(self, key: str) -> TeamConfig | None:

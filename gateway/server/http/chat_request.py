@@ -35,9 +35,12 @@ class ChatRequest:
     max_tokens_field: str
     n: int = 1
 
-    def upstream_body(self, *, max_tokens: int | None, force_usage: bool) -> bytes:
-        """The body to forward: the raw bytes unless a clamp or a usage request changes it."""
+    def upstream_body(self, *, max_tokens: int | None, force_usage: bool, model: str | None = None) -> bytes:
+        """The body to forward: the raw bytes unless a clamp, a usage request or another model
+        name (a deployment's or a fallback's) changes it."""
         changes: dict[str, Any] = {}
+        if model is not None and model != self.model:
+            changes["model"] = model
         if max_tokens is not None and max_tokens != self.max_tokens:
             changes[self.max_tokens_field] = max_tokens
         if force_usage and self.stream and not self.include_usage:

@@ -17,6 +17,10 @@ Handlers raise; one middleware renders. The tree (HTTP status, `error.type`):
     ├── LimitExceeded                429 max_turns_exceeded | budget_exceeded | team_budget_exceeded
     │                                    | max_duration_exceeded
     │                                    (+ header x-should-retry: false, + top-level `run`)
+    ├── RateLimited                  429 requests | tokens | in_flight, code rate_limit_exceeded
+    │                                    (+ retry-after, retry-after-ms, x-ratelimit-*,
+    │                                    x-should-retry: true; false for a call too large
+    │                                    for the limit)
     ├── UpstreamFailed               502 upstream_error | 504 upstream_timeout | the upstream's 4xx
     │                                    (from providers.errors.UpstreamError, + `upstream`)
     ├── StoreUnavailable             503 server_error, code store_unavailable
@@ -179,6 +183,19 @@ class LimitExceeded(ApiError):
         self.kind: LimitKind = kind
         if run is not None:
             self.extra["run"] = dict(run)
+
+
+class RateLimited(ApiError):
+    """A team's or key's rate limit refused the call before anything was forwarded: retry
+    after `retry_after_s` (the headers say so, OpenAI's way). Always 429, unlike a
+    LimitExceeded: the run goes on, and SDKs back off by themselves."""
+
+    status = 429
+
+    def __init__(self, kind: str, message: str, retry_after_s: float | None, headers: Mapping[str, str]) -> None:
+        super().__init__(message, code="rate_limit_exceeded", type=kind, headers=headers)
+        self.retry_after_s = retry_after_s
+        """None: the call can never pass (larger than the limit)."""
 
 
 class UpstreamFailed(ApiError):

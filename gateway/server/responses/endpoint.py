@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -25,11 +24,11 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from gateway.harness.state import Message, public_run_id
-from gateway.providers.upstream import Upstream
+from gateway.providers.failover import RoutedCall
 from gateway.server import context as ctx
 from gateway.server.chat import server_side
 from gateway.server.chat.answers import Answer
-from gateway.server.chat.passthrough import complete_and_book, governed
+from gateway.server.chat.passthrough import chat_body, complete_and_book, governed
 from gateway.server.chat.passthrough_stream import (
     ChatOutlet,
     EventKind,
@@ -42,6 +41,7 @@ from gateway.server.http.errors import InvalidField, NotFound
 from gateway.server.http.headers import run_headers
 from gateway.server.http.sse import ClientGone, SSEStream
 from gateway.server.http.validation import read_body
+from gateway.server.runs.forwarding import respond
 from gateway.server.responses.wire import (
     ResponseEvents,
     ResponsesRequest,
@@ -266,8 +266,8 @@ class NativeOutlet(ResponsesOutlet):
         return self.events.chunk({"choices": [{"index": 0, "delta": delta}]})
 
 
-async def _native(request: web.Request, call: Call, exchange: Exchange, adm: Admission, upstream: Upstream,
-                  headers: Mapping[str, str]) -> web.StreamResponse:
+async def _native(request: web.Request, call: Call, exchange: Exchange, adm: Admission,
+                  routed: RoutedCall) -> web.StreamResponse:
     """An upstream that speaks Responses: it gets the whole conversation (it stores nothing:
     the chain is kept here) and its answer is booked and re-issued under this gateway's ids."""
     req = exchange.req
@@ -275,16 +275,19 @@ async def _native(request: web.Request, call: Call, exchange: Exchange, adm: Adm
     body.update(input=input_items([*exchange.earlier, *req.input]), store=False)
     if adm.max_tokens is not None:
         body["max_output_tokens"] = adm.max_tokens
-    raw = orjson.dumps(body)
+
+    def raw(model: str) -> bytes:
+        return orjson.dumps({**body, "model": model})
+
     if req.stream:
-        return await stream_through(request, call, adm, upstream, raw, headers, NativeOutlet(request, call, exchange),
-                                    NativeReassembly(), "/responses")
-    reply = await upstream.respond(raw, headers)
+        return await stream_through(request, call, adm, routed, raw, request.headers,
+                                    NativeOutlet(request, call, exchange), NativeReassembly(), "/responses")
+    reply, upstream = await respond(routed, raw, request.headers)
     request[ctx.UPSTREAM_SECONDS] = reply.seconds
     request.app[ctx.METRICS].on_upstream(upstream.name, call.chat.model, reply.seconds)
     message, finish = message_of_output(reply.data)
     booked = await book_turn(request, call, adm, reported=usage_of_response(reply.data.get("usage")),
-                             message=message, finish=finish)
+                             message=message, finish=finish, routed=routed)
     response = exchange.response(message, finish, booked)
     await exchange.keep(request, call, response, message)
     return web.Response(body=orjson.dumps({**response, "run": booked.run.summary()}), content_type="application/json",
@@ -331,15 +334,14 @@ async def _server_side(request: web.Request, call: Call, exchange: Exchange) -> 
 
 async def _pass_through(request: web.Request, call: Call, exchange: Exchange) -> web.StreamResponse:
     """The chat pass-through's admission and booking, with the Responses wire on both ends."""
-    async with governed(request, call) as (adm, upstream):
-        headers = upstream.headers(request.headers)
-        if upstream.config.api == "responses":
-            return await _native(request, call, exchange, adm, upstream, headers)
-        body = call.chat.upstream_body(max_tokens=adm.max_tokens, force_usage=True)
+    async with governed(request, call) as (adm, routed):
+        if routed.api == "responses":
+            return await _native(request, call, exchange, adm, routed)
+        body = chat_body(call, adm)
         if call.chat.stream:
-            return await stream_through(request, call, adm, upstream, body, headers,
+            return await stream_through(request, call, adm, routed, body, request.headers,
                                         ResponsesOutlet(request, call, exchange))
-        _, parsed, booked = await complete_and_book(request, call, adm, upstream, body, headers)
+        _, parsed, booked = await complete_and_book(request, call, adm, routed, body, request.headers)
         response = exchange.response(parsed.message, parsed.finish_reason, booked)
         await exchange.keep(request, call, response, parsed.message)
         return web.Response(body=orjson.dumps({**response, "run": booked.run.summary()}),

@@ -23,6 +23,7 @@ from aiohttp import web
 from gateway.harness.state import Message, RunState
 from gateway.harness.trace import event
 from gateway.harness.usage import Usage
+from gateway.providers.failover import RoutedCall
 from gateway.providers.repair import Repair
 from gateway.server import context as ctx
 from gateway.server.http.errors import Conflict, LimitExceeded, limit_stop
@@ -31,7 +32,7 @@ from gateway.server.runs.governor import Admission
 from gateway.server.runs.keying import Call, add_turn, commit_run, stop_run
 from gateway.server.runs.replies import CheckedUsage, checked_usage
 from gateway.store import tracefile
-from gateway.store.base import Booking, Event, Ledger
+from gateway.store.base import Booking, Event, Ledger, TokenCharge
 from gateway.store.errors import AlreadyBooked, RunNotFound, StaleRun, StoreError
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class TurnRecord:
     upstream: str
     reported: Usage | None
     booking: Booking | None
+    attempts: tuple[dict[str, Any], ...] = ()  # the call's upstream attempts (`upstream_attempt` lines)
     repairs: tuple[dict[str, str], ...] = ()  # the upstream's tool calls the gateway repaired (Repair.to_json)
 
     def change(self) -> Callable[[RunState], None]:
@@ -106,8 +108,9 @@ class TurnRecord:
 
     def trace(self, run: RunState) -> list[Event]:
         usage = self.usage
-        lines = [event(run.run_id, "tool_call_repaired", upstream=self.upstream, turn=run.turns, **repair)
-                 for repair in self.repairs]
+        lines = [event(run.run_id, "upstream_attempt", **fields) for fields in self.attempts]
+        lines += [event(run.run_id, "tool_call_repaired", upstream=self.upstream, turn=run.turns, **repair)
+                  for repair in self.repairs]
         if self.reported is not None:
             lines.append(event(run.run_id, "usage_clamped", upstream=self.upstream, reported=self.reported.to_json(),
                                booked=usage.to_json(), kinds=list(self.clamped())))
@@ -124,9 +127,11 @@ class TurnRecord:
         return {"run_id": self.run_id, "model": self.model, "usage": self.usage.to_json(), "cost_usd": self.cost_usd,
                 "transcript": self.transcript, "completed": self.completed, "finish": self.finish,
                 "upstream": self.upstream, "reported": None if self.reported is None else self.reported.to_json(),
+                "attempts": list(self.attempts),
                 "repairs": list(self.repairs),
                 "booking": None if b is None else {"team": b.team, "period": b.period, "actual_usd": b.actual_usd,
-                                                   "reservation_id": b.reservation_id}}
+                                                   "reservation_id": b.reservation_id,
+                                                   "tokens": [[c.scope, c.tokens, c.tokens_s] for c in b.tokens]}}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TurnRecord:
@@ -135,13 +140,19 @@ class TurnRecord:
                    list(data["transcript"]), bool(data["completed"]), str(data["finish"]), str(data["upstream"]),
                    None if data.get("reported") is None else Usage.from_json(data["reported"]),
                    None if b is None else Booking(str(b["team"]), str(b["period"]), float(b["actual_usd"]),
-                                                  b.get("reservation_id"), if_held=True),
+                                                  b.get("reservation_id"), if_held=True, tokens=tuple(
+                                                      TokenCharge(str(s), int(n), float(per))
+                                                      for s, n, per in b.get("tokens") or ())),
+                   tuple(data.get("attempts") or ()),
                    tuple({str(k): str(v) for k, v in r.items()} for r in data.get("repairs") or ()))
 
 
 async def book_turn(request: web.Request, call: Call, adm: Admission, *, reported: Usage | None, message: Message,
-                    finish: str, repairs: Sequence[Repair] = ()) -> Booked:
+                    finish: str, routed: RoutedCall | None = None, repairs: Sequence[Repair] = ()) -> Booked:
     """Settle, save and trace one turn in one store step; returns the updated run.
+
+    The turn costs the price of the deployment that answered `routed` (else the route's),
+    and its trace carries the call's `upstream_attempt` lines.
 
     The usage booked is the upstream's `reported` one unless it is absent or beyond belief
     (`checked_usage`); then the gateway's count is booked, and a `usage_clamped` line says so.
@@ -155,15 +166,22 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
                             message=message, body_bytes=len(chat.raw), allowed_completion=adm.allowed_completion,
                             n=chat.n, counted_prompt=adm.prompt_tokens)
     usage = checked.usage
-    cost = call.route.price.cost(usage)
+    answer = routed.answer if routed is not None else None
+    price, upstream = (answer.price, answer.upstream.name) if answer is not None else (call.route.price,
+                                                                                          call.route.upstream)
+    cost = price.cost(usage)
+    attempts: tuple[dict[str, Any], ...] = ()
+    if routed is not None:
+        attempts, routed.traced = tuple(a.fields() for a in routed.attempts), True
     record = TurnRecord(call.run.run_id, chat.model, usage, cost, [*chat.messages, message],
-                        finish == "stop" and not message.get("tool_calls"), finish, call.route.upstream,
-                        checked.reported, governor.booking(adm, cost), tuple(r.to_json() for r in repairs))
+                        finish == "stop" and not message.get("tool_calls"), finish, upstream,
+                        checked.reported, governor.booking(adm, cost, usage.total_tokens), attempts,
+                        tuple(r.to_json() for r in repairs))
     metrics = app[ctx.METRICS]
-    metrics.on_tool_call_repairs(call.route.upstream, repairs)
+    metrics.on_tool_call_repairs(upstream, repairs)
     metrics.on_turn(call.team.name, call.policy.name, chat.model, usage, cost)
     if checked.reported is not None:
-        metrics.on_usage_clamped(call.route.upstream, checked.clamped)
+        metrics.on_usage_clamped(upstream, checked.clamped)
     try:
         run, ledger = await commit_turn_record(app, call.run, record)
     except StoreError as exc:

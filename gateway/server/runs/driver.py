@@ -43,7 +43,7 @@ from gateway.config.settings import DEFAULT_LEASE_TTL_S, DEFAULT_STORE_TIMEOUT_S
 from gateway.harness.execute import CancelScope
 from gateway.harness.loop import Outcome, run
 from gateway.harness.model import Model
-from gateway.harness.state import RunState, public_run_id
+from gateway.harness.state import Interruption, RunState, public_run_id
 from gateway.harness.trace import event as trace_event
 from gateway.harness.usage import Price, Usage
 from gateway.policy.decl import Policy
@@ -56,6 +56,7 @@ from gateway.server.http.errors import (
     Conflict,
     LimitExceeded,
     NotFound,
+    RateLimited,
     limit_stop,
 )
 from gateway.server.metrics import Metrics
@@ -280,8 +281,14 @@ class RunDriver:
             state.status, state.reason, state.interruption = limit_stop(exc.kind)
             if exc.kind == "team_budget_exceeded":
                 state.error = exc.message
+        elif isinstance(exc, RateLimited):  # waited defaults.rate_limit_wait_s already: resume it later
+            state.status, state.reason = "interrupted", "rate_limited"
+            state.interruption = Interruption("rate_limited", reason=exc.message)
+            state.error = exc.message
         elif isinstance(exc, (ApiError, UpstreamError)):
             state.status, state.reason, state.error = "failed", "upstream_error", exc.message
+            for fields in exc.attempts if isinstance(exc, UpstreamError) else ():
+                writer({"runId": state.run_id, "type": "upstream_attempt", **fields, "ts": round(time.time(), 6)})
         else:
             log.exception("run %s failed inside the gateway", state.run_id)
             # the log has the exception; the run (and so every client answer) has a sentence

@@ -4,7 +4,9 @@ Server-side runs ask it for each turn. Every call is admitted by the governor fi
 reservation; in strict mode `max_tokens` clamped to what the run's remaining budget,
 `ModelRequest.budget_remaining_usd`, and the team's can pay for), then settled with the
 actual cost, or released if the upstream fails. Raises `LimitExceeded` (429 kinds) when
-the budget refuses the call and `UpstreamError` when the upstream fails.
+the budget refuses the call and `UpstreamError` when the upstream fails. A rate-limit
+refusal is waited out, `defaults.rate_limit_wait_s` in all per turn; past that it is
+raised (`RateLimited`) and the run stops, interrupted and resumable (driver).
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from aiohttp import web
 from gateway.config.settings import Config, ModelRoute, TeamConfig
 from gateway.harness.model import ModelReply, ModelRequest
 from gateway.harness.state import RunState
-from gateway.providers.upstream import Upstream
+from gateway.providers.errors import UpstreamError
 from gateway.server import context as ctx
 from gateway.server.http.errors import ApiError, NotFound
 from gateway.server.metrics import Metrics
+from gateway.server.runs import rate_limits
+from gateway.server.runs.forwarding import complete_chat
 from gateway.server.runs.governor import Ask, Governor
 from gateway.server.runs.replies import checked_usage
 from gateway.tokens import TokenCounter
@@ -58,8 +62,8 @@ class UpstreamModel:
             raise NotFound(f"model '{model}' is not routed by this gateway", code="model_not_found", param="model")
         return route
 
-    def body(self, request: ModelRequest, max_tokens: int | None) -> bytes:
-        body: dict[str, Any] = {**request.extra, "model": request.model, "messages": request.messages}
+    def body(self, request: ModelRequest, max_tokens: int | None, model: str | None = None) -> bytes:
+        body: dict[str, Any] = {**request.extra, "model": model or request.model, "messages": request.messages}
         if request.tools:
             body["tools"] = request.tools
         if max_tokens is not None:
@@ -68,25 +72,38 @@ class UpstreamModel:
         return orjson.dumps(body)
 
     async def complete(self, request: ModelRequest) -> ModelReply:
+        """One turn over the route's deployments and fallbacks (held at the dearest of them,
+        booked at the price of the one that answered). An `UpstreamError` carries the trace
+        fields of the failed attempts (`attempts`), which the driver writes."""
         route = self.route(request.model)
-        upstream: Upstream = self.upstreams[route.upstream]
+        metrics = self.metrics
+        routed = self.upstreams.call(route, request.model, lambda a: metrics.on_attempt(a.upstream, a.outcome))
         ask = Ask(route.price, request.messages, request.tools or None, request.max_tokens)
-        async with await self.governor.admit_call(request.run_id, self.team, self.strict, ask,
-                                                  request.budget_remaining_usd) as adm:
-            body = self.body(request, adm.max_tokens or request.max_tokens)
-            reply = await upstream.complete(body, upstream.headers())
-            parsed = upstream.parse(reply)  # a malformed reply is an UpstreamError: nothing to pay for
+        admission = await rate_limits.waiting(
+            lambda: self.governor.admit_call(request.run_id, self.team, self.strict, ask, request.budget_remaining_usd),
+            self.config.defaults.rate_limit_wait_s)
+        async with admission as adm:
+            max_tokens = adm.max_tokens or request.max_tokens
+            try:  # a malformed reply is an UpstreamError: nothing to pay for
+                reply, parsed, upstream = await complete_chat(routed, lambda m: self.body(request, max_tokens, m),
+                                                              None)
+            except UpstreamError as exc:
+                exc.attempts = [a.fields() for a in routed.attempts]
+                raise
             message = parsed.message
             checked = checked_usage(parsed.usage, counter=self.counter, messages=request.messages,
-                                    tools=request.tools or None, message=message, body_bytes=len(body),
+                                    tools=request.tools or None, message=message,
+                                    body_bytes=len(self.body(request, max_tokens, request.model)),
                                     allowed_completion=adm.allowed_completion, n=1, counted_prompt=adm.prompt_tokens)
             if checked.reported is not None:
                 self.metrics.on_usage_clamped(upstream.name, checked.clamped)
             usage = checked.usage
-            cost = route.price.cost(usage)
-            await self.governor.settle(adm, cost)
+            assert routed.answer is not None
+            cost = routed.answer.price.cost(usage)
+            await self.governor.settle(adm, cost, usage.total_tokens)
         self.metrics.on_upstream(upstream.name, request.model, reply.seconds)
         self.metrics.on_tool_call_repairs(upstream.name, reply.repairs)
         self.metrics.on_turn(self.team.name, self.policy, request.model, usage, cost)
         return ModelReply(message, usage, parsed.finish_reason, reported=checked.reported, upstream=upstream.name,
-                          cost_usd=cost, repairs=tuple(r.to_json() for r in reply.repairs))
+                          cost_usd=cost, attempts=tuple(a.fields() for a in routed.attempts),
+                          repairs=tuple(r.to_json() for r in reply.repairs))

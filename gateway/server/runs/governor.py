@@ -23,8 +23,14 @@ in flight, and only when a reply outgrows its allowance); `strict` clamps the up
 `max_tokens` (per choice) to what the run's and the team's remaining budgets can pay for,
 so spend never passes either budget, and refuses when that is zero.
 
-Tokens are counted only where they change a decision: teams with a budget and strict
-runs. A pass-through call of a team without a budget counts nothing here.
+Rate limits of the caller's key and team (`rate_limits`) are claimed in the same store
+step: one request and the counted prompt against each scope's buckets, and a slot of its
+calls in flight (the reservation itself, so it is released, renewed and expired with it);
+the booking reconciles the tokens with the real usage. A refusal is `RateLimited` (429,
+retryable), never a stop of the run.
+
+Tokens are counted only where they change a decision: teams with a budget or a token
+limit, and strict runs. A pass-through call of a team without either counts nothing here.
 """
 
 from __future__ import annotations
@@ -43,12 +49,15 @@ from gateway.config.settings import Defaults, TeamConfig
 from gateway.harness.state import RunState, public_run_id
 from gateway.harness.usage import Price, Usage
 from gateway.server.http.errors import Conflict, LimitExceeded
+from gateway.server.runs import rate_limits
 from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
     Booking,
     Claim,
     Figures,
     Grant,
+    RateLimit,
+    RateState,
     Store,
 )
 from gateway.store.errors import StoreError
@@ -96,6 +105,11 @@ class Admission:
     prompt_tokens: int | None = None
     allowed_completion: int | None = None
     closed: bool = field(default=False)
+    rates: tuple[RateLimit, ...] = ()
+    counted_tokens: int = 0
+    """What the rate limits counted for the call before it ran (its prompt); booked against real usage."""
+    rate_states: tuple[RateState, ...] = ()
+    """The rate clocks as the admission left them (`rate_limits.headers` shows them)."""
 
     async def __aenter__(self) -> Admission:
         return self
@@ -127,6 +141,17 @@ class Governor:
         self._periods: dict[tuple[object, ...], str] = {}
         self._live: set[str] = set()  # reservations of calls in flight here (renewed)
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        self._rates: dict[tuple[str, str | None], tuple[RateLimit, ...]] = {}  # by team and key scope
+
+    def rates(self, team: TeamConfig) -> tuple[RateLimit, ...]:
+        """The rate limits a call of `team` claims (its key's and the team's), built once."""
+        if team.rate_limits is None and team.caller is None:
+            return ()
+        key = (team.name, None if team.caller is None else team.caller.scope)
+        found = self._rates.get(key)
+        if found is None:
+            found = self._rates[key] = rate_limits.claims(team)
+        return found
 
     def period(self, team: TeamConfig) -> str:
         """The team's ledger key now (rolls over with the clock)."""
@@ -166,13 +191,14 @@ class Governor:
             raise LimitExceeded("budget_exceeded",
                                 f"run {run.run_id} spent ${run.cost_usd:.6f} of its ${limits.max_budget_usd:.6f} "
                                 "budget; nothing was forwarded")
-        adm = Admission(self, run.run_id, team, strict, n=ask.n, period=self.period(team))
+        adm = Admission(self, run.run_id, team, strict, n=ask.n, period=self.period(team), rates=self.rates(team))
         run_budget = limits.max_budget_usd if strict else None
 
         def claim(amount: float) -> Claim:
             return Claim(team.name, adm.period or "", amount, team.budget_usd, run_id=run.run_id,
                          max_turns=limits.max_turns, max_in_flight=self.defaults.max_calls_in_flight_per_run,
-                         run_budget_usd=run_budget, owner=self.owner, ttl_s=self.ttl_s)
+                         run_budget_usd=run_budget, owner=self.owner, ttl_s=self.ttl_s, rates=adm.rates,
+                         tokens=adm.counted_tokens)
 
         await self._admit(adm, ask, claim, run_budget)
         return adm
@@ -180,10 +206,11 @@ class Governor:
     async def admit_call(self, run_id: str, team: TeamConfig, strict: bool, ask: Ask,
                          run_remaining_usd: float | None) -> Admission:
         """Admit one model call of a server-side run (its loop checks the run's own caps)."""
-        adm = Admission(self, run_id, team, strict, n=ask.n, period=self.period(team))
+        adm = Admission(self, run_id, team, strict, n=ask.n, period=self.period(team), rates=self.rates(team))
 
         def claim(amount: float) -> Claim:
-            return Claim(team.name, adm.period or "", amount, team.budget_usd, owner=self.owner, ttl_s=self.ttl_s)
+            return Claim(team.name, adm.period or "", amount, team.budget_usd, owner=self.owner, ttl_s=self.ttl_s,
+                         rates=adm.rates, tokens=adm.counted_tokens)
 
         run_left = run_remaining_usd if strict else None
         await self._admit(adm, ask, claim, None, run_left)
@@ -192,9 +219,16 @@ class Governor:
     async def _admit(self, adm: Admission, ask: Ask, claim: Callable[[float], Claim], run_budget: float | None,
                      run_left: float | None = None) -> None:
         team = adm.team
-        counts = adm.strict or team.budget_usd is not None
+        limited = rate_limits.counts_tokens(adm.rates)
+        counts = adm.strict or team.budget_usd is not None or limited
         prompt = self.counter.count_request(ask.messages, ask.tools) if counts else 0
         adm.prompt_tokens = prompt if counts else None
+        if limited:
+            adm.counted_tokens = prompt
+            too_large = rate_limits.too_large(adm.rates, prompt)
+            if too_large is not None:
+                adm.closed = True
+                raise too_large
         allowance = ask.max_tokens or self.defaults.output_allowance_tokens
         if not adm.strict:
             amount = ask.price.cost(Usage(prompt, allowance * ask.n)) if team.budget_usd is not None else 0.0
@@ -232,9 +266,14 @@ class Governor:
 
     def _close_on_refusal(self, adm: Admission, grant: Grant, ask: Ask, prompt: int, out: int) -> None:
         if grant.reservation_id is None:
+            if grant.refused == "rate_limit":
+                adm.closed = True
+                raise rate_limits.refused(adm.rates, grant.rates, adm.counted_tokens)
             raise self._refusal(adm, grant.refused or "busy", grant.figures, ask, prompt, out)
         adm.reservation = grant.reservation_id
         self._live.add(grant.reservation_id)
+        if adm.rates:
+            adm.rate_states = grant.rates
 
     def _refusal(self, adm: Admission, why: str, figures: Figures, ask: Ask, prompt: int, out: int,
                  run_left: float | None = None) -> Exception:
@@ -276,29 +315,32 @@ class Governor:
             self._live.discard(adm.reservation)
         return True
 
-    async def settle(self, adm: Admission, actual_usd: float) -> None:
-        """Book the call's actual cost (the team's ledger holds it even without a budget)."""
+    async def settle(self, adm: Admission, actual_usd: float, tokens: int | None = None) -> None:
+        """Book the call's actual cost (the team's ledger holds it even without a budget) and
+        reconcile its rate limits with the `tokens` it really used (prompt + completion)."""
         if not self._close(adm):
             return
         if adm.reservation is not None:
-            await self.store.settle(adm.reservation, actual_usd)
+            await self.store.settle(adm.reservation, actual_usd,
+                                    rate_limits.charges(adm.rates, adm.counted_tokens, tokens))
         elif actual_usd > 0:
             await self.store.charge(adm.team.name, adm.period or self.period(adm.team), actual_usd)
 
-    def booking(self, adm: Admission, actual_usd: float) -> Booking | None:
+    def booking(self, adm: Admission, actual_usd: float, tokens: int | None = None) -> Booking | None:
         """Close the call and say what `Store.commit_turn` must book for it (what `settle`
-        would book); None when there is nothing to book (closed already, or free and
-        unreserved)."""
+        would book, `tokens` reconciled as there); None when there is nothing to book
+        (closed already, or free and unreserved)."""
         if not self._close(adm):
             return None
         if adm.reservation is None and actual_usd <= 0:
             return None
-        return Booking(adm.team.name, adm.period or self.period(adm.team), actual_usd, adm.reservation)
+        return Booking(adm.team.name, adm.period or self.period(adm.team), actual_usd, adm.reservation,
+                       tokens=rate_limits.charges(adm.rates, adm.counted_tokens, tokens))
 
     async def book(self, booking: Booking) -> None:
         """Book on its own what a failed `commit_turn` did not (settle is idempotent)."""
         if booking.reservation_id is not None:
-            await self.store.settle(booking.reservation_id, booking.actual_usd)
+            await self.store.settle(booking.reservation_id, booking.actual_usd, booking.tokens)
         elif booking.actual_usd > 0:
             await self.store.charge(booking.team, booking.period, booking.actual_usd)
 

@@ -1,0 +1,267 @@
+"""One call over a route plan: attempts, retries with backoff, fallbacks, the total deadline.
+
+`RoutedCall.complete` (a non-streamed answer) and `RoutedCall.stream` (an SSE answer) make
+attempts until one answers, a failure that is not worth another attempt happens (a 4xx, a
+malformed answer), the attempt cap (1 + `retries`) is reached or the route's deadline passes;
+then the last failure is raised. Retried: connection failures, timeouts before the first
+byte, 429 and 5xx (`routing.RETRYABLE`). A stream is retried only until its first event
+arrives: nothing reaches the client before that, and nothing is ever retried after.
+
+Before another attempt on a deployment already tried in this call, the call backs off
+(`BACKOFF_BASE_S` doubling, jittered, at most `BACKOFF_MAX_S`) and waits out the upstream's
+`retry-after`; a wait longer than `MAX_WAIT_S` or past the deadline ends the call instead.
+A move to another deployment or fallback does not wait.
+
+Every attempt is recorded (`Attempt`, in `attempts` and through `on_attempt`) and updates the
+deployment's health in the shared `Router`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from gateway.harness.usage import Price
+from gateway.providers.routing import RETRYABLE, Deployment, Outcome, Pick, RoutePlan, Router
+from gateway.providers.errors import UpstreamError
+from gateway.providers.upstream import Upstream, UpstreamStream
+
+__all__ = ["Answer", "Attempt", "Opened", "RoutedCall", "outcome_of"]
+
+BACKOFF_BASE_S = 0.1
+BACKOFF_MAX_S = 2.0
+MAX_WAIT_S = 10.0
+"""The longest a call waits before another attempt (a `retry-after`, a cooling deployment)."""
+
+R = TypeVar("R")
+
+
+def outcome_of(exc: UpstreamError) -> Outcome:
+    """The attempt outcome an upstream failure stands for."""
+    code, status = exc.code, exc.upstream_status
+    if code == "upstream_status":
+        if status == 429:
+            return "rate_limited"
+        return "server_error" if status is not None and status >= 500 else "denied"
+    return {"upstream_unreachable": "unreachable", "upstream_timeout": "timeout", "upstream_rejected": "rejected",
+            "upstream_cut": "cut", "upstream_misconfigured": "misconfigured"}.get(code or "", "malformed")  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt of a call: where it went and how it ended."""
+
+    number: int
+    upstream: str
+    model: str
+    outcome: Outcome
+    seconds: float
+    status: int | None = None
+    retry_after_s: float | None = None
+    fallback: bool = False
+    probe: bool = False
+
+    def fields(self) -> dict[str, Any]:
+        """The fields of its `upstream_attempt` trace event (docs/trace-events.md)."""
+        return {"attempt": self.number, "upstream": self.upstream, "model": self.model, "outcome": self.outcome,
+                "status": self.status, "seconds": round(self.seconds, 6), "retryAfterS": self.retry_after_s,
+                "fallback": self.fallback, "probe": self.probe}
+
+
+@dataclass(frozen=True)
+class Answer:
+    """Who answered: the deployment (its price is what the turn costs), its upstream client
+    and the model name it was asked for."""
+
+    deployment: Deployment
+    upstream: Upstream
+    model: str
+
+    @property
+    def price(self) -> Price:
+        return self.deployment.price
+
+
+@dataclass
+class Opened:
+    """A stream that produced its first event: the rest follow from `events`. The caller sets
+    `outcome` when it ends the stream for a reason of the upstream's (a malformed chunk)."""
+
+    answer: Answer
+    first: bytes
+    rest: AsyncIterator[bytes]
+    outcome: Outcome = "ok"
+
+    async def events(self) -> AsyncIterator[bytes]:
+        yield self.first
+        async for event in self.rest:
+            yield event
+
+
+AttemptSink = Callable[[Attempt], None]
+
+
+@dataclass
+class RoutedCall:
+    """One call routed over `plan` for the model name the client asked for."""
+
+    plan: RoutePlan
+    model: str
+    router: Router
+    upstream_for: Callable[[str], Upstream]
+    on_attempt: AttemptSink = lambda attempt: None
+    clock: Callable[[], float] = time.monotonic
+    attempts: list[Attempt] = field(default_factory=list)
+    answer: Answer | None = None  # who answered, once one did
+    traced: bool = False  # set by whoever wrote the attempts into the run's trace
+    _tried: list[Deployment] = field(default_factory=list)
+    _started: float | None = None
+
+    @property
+    def api(self) -> str:
+        """The API every upstream of the plan speaks (config checks they agree)."""
+        return self.upstream_for(self.plan.groups[0].deployments[0].upstream).config.api
+
+    def _left(self) -> float | None:
+        if self.plan.deadline_s is None or self._started is None:
+            return None
+        return self._started + self.plan.deadline_s - self.clock()
+
+    async def _next(self, last: UpstreamError | None) -> Pick:
+        """The next attempt's pick, once its wait is over; raises `last` when the call must end."""
+        if self._started is None:
+            self._started = self.clock()
+        elif len(self.attempts) > self.plan.retries:
+            assert last is not None
+            raise last
+        pick = self.router.pick(self.plan, self.model, self._tried, self.clock())
+        wait = pick.wait_s
+        if pick.deployment in self._tried:
+            wait = max(wait, min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (len(self.attempts) - 1))
+                       * (0.5 + random.random() / 2))
+        left = self._left()
+        if wait > MAX_WAIT_S or (left is not None and wait >= left):
+            self.router.abandoned(pick)
+            if last is not None:
+                raise last
+            raise UpstreamError("upstream_unavailable", f"every deployment of model '{self.model}' is cooling "
+                                f"down after failures (the first is back in {wait:.1f}s)",
+                                pick.deployment.upstream, None, retry_after_s=wait)
+        if wait > 0:
+            try:
+                await asyncio.sleep(wait)
+            except BaseException:
+                self.router.abandoned(pick)
+                raise
+        return pick
+
+    def _timeout_for(self, upstream: Upstream, stream: bool) -> tuple[float | None, str, float | None]:
+        """How long this attempt may take before the first byte (streams) or in all, and what
+        to call it if it does not (`Upstream.timeout`'s words and seconds)."""
+        left = self._left()
+        first = upstream.config.first_byte_timeout_s if stream else None
+        if left is not None and (first is None or left < first):
+            return max(0.0, left), "the route's deadline", self.plan.deadline_s
+        if first is not None:
+            return first, "no first event", first
+        return None, "the route's deadline", self.plan.deadline_s
+
+    def _record(self, pick: Pick, outcome: Outcome, started: float, exc: UpstreamError | None = None) -> None:
+        now = self.clock()
+        retry_after = exc.retry_after_s if exc is not None else None
+        self.router.finished(pick.deployment, outcome, self.plan.breaker, now, retry_after)
+        attempt = Attempt(len(self.attempts) + 1, pick.deployment.upstream, pick.model, outcome, now - started,
+                          exc.upstream_status if exc is not None else 200, retry_after, pick.group > 0, pick.probe)
+        self.attempts.append(attempt)
+        self._tried.append(pick.deployment)
+        self.on_attempt(attempt)
+
+    def _released(self, pick: Pick) -> None:
+        """An attempt the caller abandoned (cancelled): neither a success nor a failure."""
+        health = self.router.health(pick.deployment)
+        health.in_flight = max(0, health.in_flight - 1)
+        health.probing = False
+
+    async def _begin(self, last: UpstreamError | None,
+                     stream: bool) -> tuple[Pick, Upstream, float | None, tuple[str, float | None], float]:
+        """The next attempt, started: its pick, upstream, time limit, the words of its timeout
+        if it passes, and when it started."""
+        pick = await self._next(last)
+        upstream = self.upstream_for(pick.deployment.upstream)
+        limit, what, seconds = self._timeout_for(upstream, stream)
+        self.router.started(pick.deployment)
+        return pick, upstream, limit, (what, seconds), self.clock()
+
+    async def complete(self, send: Callable[[Upstream, str], Awaitable[R]]) -> tuple[R, Answer]:
+        """`send(upstream, model)` until one answers; the answer and who gave it."""
+        last: UpstreamError | None = None
+        while True:
+            pick, upstream, limit, late, started = await self._begin(last, stream=False)
+            try:
+                async with asyncio.timeout(limit):
+                    result = await send(upstream, pick.model)
+            except UpstreamError as exc:
+                last = exc
+            except TimeoutError:
+                last = upstream.timeout(*late)
+            except BaseException:
+                self._released(pick)
+                raise
+            else:
+                self._record(pick, "ok", started)
+                self.answer = Answer(pick.deployment, upstream, pick.model)
+                return result, self.answer
+            outcome = outcome_of(last)
+            self._record(pick, outcome, started, last)
+            if outcome not in RETRYABLE:
+                raise last
+
+    @asynccontextmanager
+    async def stream(self, open_stream: Callable[[Upstream, str], AbstractAsyncContextManager[UpstreamStream]]
+                     ) -> AsyncIterator[Opened]:
+        """Open `open_stream(upstream, model)` until one yields a first event; that stream is
+        never retried. Its attempt is recorded when the block ends (an `UpstreamError` out of
+        it, a cut, is the attempt's outcome)."""
+        last: UpstreamError | None = None
+        while True:
+            pick, upstream, limit, late, started = await self._begin(last, stream=True)
+            stack = AsyncExitStack()
+            first: bytes | None = None
+            try:
+                async with asyncio.timeout(limit):
+                    opened = await stack.enter_async_context(open_stream(upstream, pick.model))
+                    rest = opened.events()
+                    first = await anext(rest, None)
+                if first is None:
+                    raise UpstreamError("upstream_cut", f"upstream '{upstream.name}' ended the stream before "
+                                        "its first event", upstream.name, 200)
+                break
+            except UpstreamError as exc:
+                last = exc
+            except TimeoutError:
+                last = upstream.timeout(*late)
+            except BaseException:
+                await stack.aclose()
+                self._released(pick)
+                raise
+            await stack.aclose()
+            outcome = outcome_of(last)
+            self._record(pick, outcome, started, last)
+            if outcome not in RETRYABLE:
+                raise last
+        self.answer = Answer(pick.deployment, upstream, pick.model)
+        result = Opened(self.answer, first, rest)
+        failure: UpstreamError | None = None
+        try:
+            async with stack:
+                yield result
+        except UpstreamError as exc:
+            failure = exc
+            raise
+        finally:
+            self._record(pick, outcome_of(failure) if failure is not None else result.outcome, started, failure)

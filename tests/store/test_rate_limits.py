@@ -1,0 +1,98 @@
+"""Rate limits in the admission step (`Claim.rates`), on every backend: requests, tokens and
+calls in flight of a scope, checked and spent in the same atomic step as the rest of the
+claim, exact across two views of one store (two replicas)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.store.base import Booking, Claim, RateLimit, Store, TokenCharge, fits
+from tests.store.conftest import Stores
+
+HOUR = 3600.0  # a window long enough that nothing refills during a test
+
+
+def claim(*rates: RateLimit, tokens: int = 0, ttl_s: float = 600.0) -> Claim:
+    return Claim("demo", "total", rates=rates, tokens=tokens, ttl_s=ttl_s)
+
+
+async def test_requests_per_window_are_exact_across_two_replicas(stores: Stores) -> None:
+    views = [stores.open(), stores.open()]
+    limit = RateLimit("team:demo", HOUR, requests=20)
+    grants = await asyncio.gather(*(views[i % 2].admit(claim(limit)) for i in range(64)))
+    assert sum(g.reservation_id is not None for g in grants) == 20
+    assert {g.refused for g in grants if g.reservation_id is None} == {"rate_limit"}
+    refused = next(g for g in grants if g.reservation_id is None)
+    state = refused.rates[0]
+    assert not fits(state.requests_tat, state.now, limit.requests_s or 0, limit.window_s)
+
+
+async def test_tokens_are_counted_before_and_reconciled_at_booking(store: Store) -> None:
+    limit = RateLimit("team:demo", HOUR, tokens=1000)
+    first = await store.admit(claim(limit, tokens=400))
+    assert first.reservation_id is not None
+    assert first.rates[0].tokens_tat - first.rates[0].now == HOUR * 400 / 1000
+    # The call really used 700 tokens (prompt and completion): 300 more than counted.
+    await store.settle(first.reservation_id, 0.0, [TokenCharge("team:demo", 300, HOUR / 1000)])
+    assert (await store.admit(claim(limit, tokens=301))).refused == "rate_limit"
+    assert (await store.admit(claim(limit, tokens=300))).reservation_id is not None
+    # A second settle of the same reservation books nothing more, tokens included.
+    await store.settle(first.reservation_id, 0.0, [TokenCharge("team:demo", -1000, HOUR / 1000)])
+    assert (await store.admit(claim(limit, tokens=1))).refused == "rate_limit"
+
+
+async def test_a_booking_gives_back_tokens_counted_too_many(store: Store) -> None:
+    from gateway.harness.state import RunState
+    limit = RateLimit("team:demo", HOUR, tokens=1000)
+    run = RunState.new("m", [], run_id="run_a", team="demo", policy="passthrough")
+    await store.create_run(run)
+    grant = await store.admit(claim(limit, tokens=900))
+    assert grant.reservation_id is not None and (await store.admit(claim(limit, tokens=200))).refused
+    await store.commit_turn(run, [], Booking("demo", "total", 0.0, grant.reservation_id,
+                                             tokens=(TokenCharge("team:demo", -500, HOUR / 1000),)))
+    assert (await store.admit(claim(limit, tokens=500))).reservation_id is not None
+
+
+async def test_calls_in_flight_of_a_scope_are_bounded_and_freed(stores: Stores) -> None:
+    views = [stores.open(), stores.open()]
+    limit = RateLimit("team:demo", HOUR, max_in_flight=5)
+    grants = await asyncio.gather(*(views[i % 2].admit(claim(limit)) for i in range(32)))
+    held = [g.reservation_id for g in grants if g.reservation_id is not None]
+    assert len(held) == 5
+    refused = next(g for g in grants if g.reservation_id is None)
+    assert (refused.refused, refused.rates[0].in_flight) == ("rate_limit", 5)
+    await views[0].release(held[0])
+    await views[1].settle(held[1], 0.0)
+    again = await asyncio.gather(*(views[i % 2].admit(claim(limit)) for i in range(8)))
+    assert sum(g.reservation_id is not None for g in again) == 2
+
+
+async def test_a_slot_of_a_dead_process_is_freed_when_its_hold_expires(store: Store) -> None:
+    limit = RateLimit("team:demo", HOUR, max_in_flight=1)
+    dead = await store.admit(claim(limit, ttl_s=0.0))  # its process never renews it
+    assert dead.reservation_id is not None
+    assert (await store.admit(claim(limit))).reservation_id is not None
+
+
+async def test_each_scope_is_checked_and_spent(store: Store) -> None:
+    team = RateLimit("team:demo", HOUR, requests=3)
+    key = RateLimit("key:k1", HOUR, requests=1)
+    other = RateLimit("key:k2", HOUR, requests=1)
+    assert (await store.admit(claim(team, key))).reservation_id is not None
+    assert (await store.admit(claim(team, key))).refused == "rate_limit"  # the key's limit
+    assert (await store.admit(claim(team, other))).reservation_id is not None
+    # the key's refusal spent nothing of the team's 3: this is its third request, and the last
+    assert [(await store.admit(claim(team))).refused for _ in range(2)] == [None, "rate_limit"]
+
+
+async def test_the_window_refills(store: Store) -> None:
+    limit = RateLimit("team:demo", 0.5, requests=2)
+    assert [(await store.admit(claim(limit))).refused for _ in range(3)] == [None, None, "rate_limit"]
+    refused = await store.admit(claim(limit))
+    state = refused.rates[0]
+    wait = max(state.requests_tat, state.now) + (limit.requests_s or 0) - state.now - limit.window_s
+    assert 0 < wait <= 0.25 + 1e-3
+    deadline = asyncio.get_running_loop().time() + 10
+    while (await store.admit(claim(limit))).reservation_id is None:  # refilled at 4 per second
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.05)
