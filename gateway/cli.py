@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--only", action="append", default=[], help="run only these experiments")
     demo.add_argument("--local", action="store_true", help="the six local-model tasks instead")
     demo.add_argument("--local-url", default="http://127.0.0.1:8081/v1", help="local model server")
+    demo.add_argument("--no-repair", action="store_true",
+                      help="with --local: turn the local upstream's tool-call repair off (to compare)")
+    demo.add_argument("--tool-rounds", type=int, default=None, metavar="N",
+                      help="with --local: offer tools for N turns, then ask for the answer (policy tool_rounds; "
+                           "0: always offer them; default %(default)s)")
 
     local = sub.add_parser("local", help="serve a local Qwen model (needs the [local] extra)")
     local.add_argument("--model", choices=["0.5b", "1.5b"], default="0.5b")

@@ -66,7 +66,7 @@ __all__ = [
     "UpstreamConfig", "load_config", "parse_config",
 ]
 
-UpstreamKind = Literal["scripted", "openai"]
+UpstreamKind = Literal["scripted", "openai", "local"]
 UpstreamApi = Literal["chat", "responses"]
 BudgetPeriod = Literal["day", "month", "total"]
 BudgetMode = Literal["turn", "strict"]
@@ -76,6 +76,11 @@ TEAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 DEFAULT_OUTPUT_ALLOWANCE = 4096
 DEFAULT_CALLS_IN_FLIGHT_PER_RUN = 64
 DEFAULT_UPSTREAM_TIMEOUT_S = 60.0
+LOCAL_TIMEOUT_S = 180.0
+"""A `local` upstream's per-call deadline unless `timeout_s` says otherwise (a CPU model's
+capped answer fits well inside it, even on a loaded machine)."""
+LOCAL_MAX_TOKENS = 512
+"""A `local` upstream's `max_tokens` cap unless `max_tokens` says otherwise."""
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_RETRIES = 2
 """`retries` of a route that names `deployments` or `fallbacks` (the single-`upstream` form: 0)."""
@@ -125,6 +130,10 @@ class UpstreamConfig:
     api_key_env: str | None = None
     timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
     api: UpstreamApi = "chat"
+    # Tool-call repair (gateway.providers.repair) of non-streamed chat replies; on by default for kind local.
+    tool_repair: bool = False
+    # The most completion tokens any call may ask for (lower asks pass unchanged); None: no cap.
+    max_tokens: int | None = None
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     first_byte_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
 
@@ -355,18 +364,20 @@ def _upstreams(section: Field) -> dict[str, UpstreamConfig]:
     out: dict[str, UpstreamConfig] = {}
     for at in section.required().list_of():
         at.keys_only({"name", "kind", "base_url", "api_key_env", "timeout_s", "api", "connect_timeout_s",
-                      "first_byte_timeout_s"})
+                      "first_byte_timeout_s", "tool_repair", "max_tokens"})
         name = at.get("name").required().nonempty_str()
         if name in out:
             at.get("name").fail(f"upstream '{name}' is defined twice")
-        kind: UpstreamKind = at.get("kind").choice(("scripted", "openai"), "openai")
+        kind: UpstreamKind = at.get("kind").choice(("scripted", "openai", "local"), "openai")
+        local = kind == "local"
         base_url = at.get("base_url").optional_str_or_none()
-        if kind == "openai":
+        if kind != "scripted":
             if base_url is None:
-                at.get("base_url").fail("is required for an upstream of kind openai (e.g. http://127.0.0.1:8081/v1)")
+                at.get("base_url").fail(f"is required for an upstream of kind {kind} (e.g. http://127.0.0.1:8081/v1)")
             elif not base_url.startswith(("http://", "https://")):
                 at.get("base_url").fail(f"must start with http:// or https://, got {base_url!r}")
-        timeout = at.get("timeout_s").optional_number(DEFAULT_UPSTREAM_TIMEOUT_S, positive=True)
+        timeout = at.get("timeout_s").optional_number(LOCAL_TIMEOUT_S if local else DEFAULT_UPSTREAM_TIMEOUT_S,
+                                                      positive=True)
         out[name] = UpstreamConfig(
             name=name, kind=kind, base_url=base_url.rstrip("/") if base_url else None,
             api_key_env=at.get("api_key_env").optional_str_or_none(),
@@ -375,10 +386,21 @@ def _upstreams(section: Field) -> dict[str, UpstreamConfig]:
             connect_timeout_s=min(timeout, at.get("connect_timeout_s").optional_number(DEFAULT_CONNECT_TIMEOUT_S,
                                                                                        positive=True)),
             first_byte_timeout_s=min(timeout, at.get("first_byte_timeout_s").optional_number(timeout, positive=True)),
+            tool_repair=at.get("tool_repair").optional_bool(local),
+            max_tokens=_max_tokens(at.get("max_tokens"), LOCAL_MAX_TOKENS if local else None),
         )
     if not out:
         section.fail("at least one upstream is required")
     return out
+
+
+def _max_tokens(at: Field, default: int | None) -> int | None:
+    """`max_tokens`: a whole number >= 1, or null for no cap."""
+    if at.missing:
+        return default
+    if at.value is None:
+        return None
+    return at.optional_int(1, low=1, high=1_000_000)
 
 
 def _models(section: Field, upstreams: Mapping[str, UpstreamConfig]) -> tuple[ModelRoute, ...]:

@@ -9,6 +9,12 @@ run is then read back from the runs API (turns, status, tool runs from the trace
 Each answer is marked RIGHT or WRONG against the sample folder's real contents
 (`judge`, a pure function): the chapter's point is that the harness makes an agent
 governable, not correct.
+
+The upstream is of kind `local`: every call is capped (`max_tokens`) and has a deadline,
+and the model's tool calls are repaired (`--no-repair` turns that off, to compare). The
+demo names the model the server really loaded (`general.name` of its GGUF, via llama.cpp's
+/props), and each task's line says its turns, repairs, exit and RIGHT/WRONG. The run is
+capped at DEMO_MAX_TURNS turns (the shipped policy allows 20).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import orjson
 import yaml
 
 from gateway.demo.report import tool_runs
+from gateway.local.gguf import GGUFError, model_name
 from gateway.tools.catalog import SYSTEM_PROMPT
 from gateway.tools.files import SAMPLE
 
@@ -59,8 +66,13 @@ POLICIES_DIR: Final = Path(__file__).resolve().parents[2] / "policies"
 KEY: Final = "sk-demo"
 LOCAL_START_TIMEOUT_S: Final = 600.0  # the first start assembles the model (seconds to minutes)
 GATEWAY_START_TIMEOUT_S: Final = 30.0
-UPSTREAM_TIMEOUT_S: Final = 600.0
-TASK_TIMEOUT_S: Final = 1800.0  # up to the policy's 20 turns of a slow CPU model
+DEMO_MAX_TURNS: Final = 6
+DEMO_TOOL_ROUNDS: Final = 1  # measured best of 1, 2 and always (README)
+DEMO_MAX_TOKENS: Final = 256  # a call or a one-sentence answer needs under 100 tokens
+# On two shared cores under load the model writes 0.3-3 tokens a second (measured 2026-12-01),
+# so the demo gives a call ten minutes; still a deadline, and the cap bounds the work.
+DEMO_CALL_DEADLINE_S: Final = 600.0
+TASK_TIMEOUT_S: Final = 1800.0  # six capped turns of a slow CPU model on a loaded machine
 POLL_S: Final = 0.1
 
 _TIMEOUT = re.compile(r"\btime[sd]?[\s-]?outs?\b|\btimed[\s-]?out\b", re.IGNORECASE)
@@ -149,6 +161,7 @@ class TaskResult:
     status: str
     reason: str | None
     turns: int
+    repairs: int
     tool_runs: list[str]
     prompt_tokens: int
     completion_tokens: int
@@ -160,11 +173,16 @@ class TaskResult:
     def line(self) -> str:
         short = " ".join(self.answer.split())
         short = short if len(short) <= 70 else short[:67] + "..."
-        text = (f"turns={self.turns} tools={len(self.tool_runs)} wall={self.wall_ms:>7,}ms  "
-                f'{self.task:<36} -> "{short}"  {"RIGHT" if self.right else "WRONG"}')
-        if self.status != "completed":
-            text += f"  status={self.status}" + (f' reason="{self.reason}"' if self.reason else "")
+        text = (f"turns={self.turns} repairs={self.repairs} tools={len(self.tool_runs)} wall={self.wall_ms:>7,}ms  "
+                f"exit={self.exit:<18} {self.task:<36} -> \"{short}\"  {'RIGHT' if self.right else 'WRONG'}")
+        if self.status != "completed" and self.reason:
+            text += f' ({" ".join(self.reason.split())[:120]})'
         return text
+
+    @property
+    def exit(self) -> str:
+        """How the run ended: its status (completed, failed, max_turns_exceeded...)."""
+        return self.status
 
     def json(self) -> str:
         return orjson.dumps(asdict(self)).decode()
@@ -175,7 +193,8 @@ def total_line(results: Sequence[TaskResult]) -> str:
     wall = sum(r.wall_ms for r in results)
     mean = round(wall / turns) if turns else 0
     right = sum(r.right for r in results)
-    return (f"TOTAL turns={turns}  toolruns={sum(len(r.tool_runs) for r in results)}  wall={wall:,}ms  "
+    return (f"TOTAL turns={turns}  repairs={sum(r.repairs for r in results)}  "
+            f"toolruns={sum(len(r.tool_runs) for r in results)}  wall={wall:,}ms  "
             f"mean turn={mean:,}ms  right={right}/{len(results)}")
 
 
@@ -268,25 +287,62 @@ async def ensure_local(session: aiohttp.ClientSession, base_url: str, folder: Pa
     return (names[0] if names else "qwen2.5-coder-0.5b"), child
 
 
-def gateway_config(local_url: str, port: int, policies_dir: Path = POLICIES_DIR) -> dict[str, Any]:
-    """A gateway that routes every model name to the local upstream at price 0, for team key sk-demo."""
+async def served_model(session: aiohttp.ClientSession, base_url: str) -> str:
+    """What the server really loaded: `general.name` of the GGUF that llama.cpp's /props names,
+    or a sentence saying why that is unknown."""
+    root = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        async with session.get(root + "/props", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            props = await resp.json(content_type=None) if resp.status == 200 else {}
+    except (TimeoutError, aiohttp.ClientError, ValueError):
+        props = {}
+    path = props.get("model_path") if isinstance(props, dict) else None
+    if not isinstance(path, str) or not path:
+        return "unknown (the server does not name its model file at /props)"
+    try:
+        name = model_name(Path(path))
+    except (OSError, GGUFError) as exc:
+        return f"unknown ({Path(path).name}: {exc})"
+    return f"{name or 'no general.name'} ({Path(path).name})"
+
+
+def demo_policies(folder: Path, source: Path = POLICIES_DIR, tool_rounds: int | None = DEMO_TOOL_ROUNDS) -> Path:
+    """The shipped `files` policy with its turn cap lowered to DEMO_MAX_TURNS and, unless
+    `tool_rounds` is None, tools offered for that many turns only, in `folder`/policies."""
+    policy = yaml.safe_load((source / "files.yaml").read_text())
+    policy.setdefault("limits", {})["max_turns"] = DEMO_MAX_TURNS
+    if tool_rounds is not None:
+        policy["tool_rounds"] = tool_rounds
+    out = folder / "policies"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "files.yaml").write_text(yaml.safe_dump(policy, sort_keys=False))
+    return out
+
+
+def gateway_config(local_url: str, port: int, policies_dir: Path = POLICIES_DIR, *,
+                   repair: bool = True) -> dict[str, Any]:
+    """A gateway that routes every model name to the local upstream (kind `local`: capped calls with
+    a deadline, tool-call repair unless `repair` is False) at price 0, for team key sk-demo."""
     return {
         "server": {"host": "127.0.0.1", "port": port},
         "store": {"kind": "sqlite", "path": "./gateway.db"},
         "policies_dir": str(policies_dir),
-        "upstreams": [{"name": "local", "base_url": local_url, "timeout_s": UPSTREAM_TIMEOUT_S}],
+        "upstreams": [{"name": "local", "kind": "local", "base_url": local_url, "tool_repair": repair,
+                       "max_tokens": DEMO_MAX_TOKENS, "timeout_s": DEMO_CALL_DEADLINE_S}],
         "models": [{"match": "*", "upstream": "local", "price_in": 0.0, "price_out": 0.0}],
         "teams": [{"name": "demo", "keys": [KEY], "budget_usd": None, "policies": ["files"]}],
     }
 
 
-async def start_gateway(session: aiohttp.ClientSession, folder: Path, local_url: str) -> tuple[str, Child]:
+async def start_gateway(session: aiohttp.ClientSession, folder: Path, local_url: str,
+                        repair: bool = True, tool_rounds: int | None = DEMO_TOOL_ROUNDS) -> tuple[str, Child]:
     """`gateway serve` on a free port with a temporary config in `folder`; its URL once /healthz is 200."""
     if not (POLICIES_DIR / "files.yaml").is_file():
         raise DemoError(f"the shipped policies are not at {POLICIES_DIR} (policies/files.yaml is needed)")
     port = _free_port()
     config = folder / "config.yaml"
-    config.write_text(yaml.safe_dump(gateway_config(local_url, port), sort_keys=False))
+    policies = demo_policies(folder, tool_rounds=tool_rounds)
+    config.write_text(yaml.safe_dump(gateway_config(local_url, port, policies, repair=repair), sort_keys=False))
     child = Child.start(["serve", "--config", str(config)], folder / "gateway.log")
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + GATEWAY_START_TIMEOUT_S
@@ -340,13 +396,14 @@ async def run_task(session: aiohttp.ClientSession, gateway: str, model: str, tas
     status = str(run["status"])
     return TaskResult(
         task=task.question, kind=task.kind, run_id=run_id, status=status, reason=run.get("reason"),
-        turns=int(run["turns"]), tool_runs=runs, prompt_tokens=int(run["usage"]["prompt_tokens"]),
+        turns=int(run["turns"]), repairs=sum(e.get("type") == "tool_call_repaired" for e in events), tool_runs=runs, prompt_tokens=int(run["usage"]["prompt_tokens"]),
         completion_tokens=int(run["usage"]["completion_tokens"]), cost_usd=float(run["cost_usd"]),
         wall_ms=wall_ms, answer=answer, right=status == "completed" and judge(task.kind, answer, runs, truth),
     )
 
 
-async def run_demo(local_url: str, as_json: bool = False) -> list[TaskResult]:
+async def run_demo(local_url: str, as_json: bool = False, repair: bool = True,
+                   tool_rounds: int | None = DEMO_TOOL_ROUNDS) -> list[TaskResult]:
     """Start what is missing, run the six tasks through the gateway, print a line (or JSON) each."""
     truth = Truth.of()
     results: list[TaskResult] = []
@@ -355,8 +412,13 @@ async def run_demo(local_url: str, as_json: bool = False) -> list[TaskResult]:
         async with aiohttp.ClientSession() as session:
             model, local = await ensure_local(session, local_url, folder)
             try:
-                gateway, served = await start_gateway(session, folder, local_url)
-                _say(f"model {model} at {local_url}, gateway {gateway} (policy files); six tasks, one at a time")
+                gateway, served = await start_gateway(session, folder, local_url, repair, tool_rounds)
+                weights = await served_model(session, local_url)
+                setup = (f"tool-call repair {'on' if repair else 'off'}, at most {DEMO_MAX_TURNS} turns, tools offered "
+                         + (f"for {tool_rounds} turn(s)" if tool_rounds else "on every turn"))
+                _say(f"model {model} at {local_url}, gateway {gateway} (policy files; {setup}); six tasks, one at a time")
+                if not as_json:
+                    print(f"model served: {weights}; {setup}", flush=True)
                 try:
                     for task in TASKS:
                         result = await run_task(session, gateway, model, task, truth)
@@ -376,7 +438,10 @@ async def run_demo(local_url: str, as_json: bool = False) -> list[TaskResult]:
 def local_demo(args: argparse.Namespace) -> int:
     """`gateway demo --local [--local-url URL] [--json]`: 0 once the six tasks ran, 1 if the demo could not run."""
     try:
-        asyncio.run(run_demo(args.local_url, as_json=bool(getattr(args, "json", False))))
+        rounds = getattr(args, "tool_rounds", None)
+        asyncio.run(run_demo(args.local_url, as_json=bool(getattr(args, "json", False)),
+                             repair=not getattr(args, "no_repair", False),
+                             tool_rounds=DEMO_TOOL_ROUNDS if rounds is None else (rounds or None)))
     except DemoError as exc:
         _say(str(exc))
         return 1

@@ -105,7 +105,7 @@ async def _loop(state: RunState, model: Model, options: RunOptions, scope: Cance
                 return outcome
             continue
         request = ModelRequest(
-            model=state.model, messages=state.messages, tools=specs, max_tokens=options.max_tokens,
+            model=state.model, messages=state.messages, tools=specs if _offers_tools(state, options) else [], max_tokens=options.max_tokens,
             run_id=state.run_id, budget_remaining_usd=_remaining(state), extra=dict(options.sampling),
         )
         finished, reply = await race(model.complete(request), scope)
@@ -119,6 +119,8 @@ async def _loop(state: RunState, model: Model, options: RunOptions, scope: Cance
             options.on_spend(reply.usage, cost)
         for attempt in reply.attempts:
             trace("upstream_attempt", **attempt)
+        for repair in reply.repairs:
+            trace("tool_call_repaired", upstream=reply.upstream, turn=state.turns, **repair)
         if reply.reported is not None:
             trace("usage_clamped", upstream=reply.upstream, reported=reply.reported.to_json(),
                   booked=reply.usage.to_json(), kinds=clamped_kinds(reply.reported, reply.usage))
@@ -245,6 +247,14 @@ def _charge(state: RunState, options: RunOptions, usage: Usage, cost_usd: float)
 
 def _answer(state: RunState, call_id: str, name: str, content: str) -> None:
     state.messages.append({"role": "tool", "tool_call_id": call_id, "name": name, "content": content})
+
+
+def _offers_tools(state: RunState, options: RunOptions) -> bool:
+    """Tools go with the next call until the policy's `tool_rounds` turns have called some."""
+    if options.tool_rounds is None:
+        return True
+    rounds = sum(1 for m in state.messages if m.get("role") == "assistant" and m.get("tool_calls"))
+    return rounds < options.tool_rounds
 
 
 def _dedupes(options: RunOptions, read_only: bool) -> bool:

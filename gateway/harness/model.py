@@ -43,6 +43,9 @@ class ModelReply:
     cost_usd: float | None = None
     # The trace fields of each upstream attempt the turn took (`upstream_attempt` lines).
     attempts: tuple[dict[str, Any], ...] = ()
+    # What the gateway repaired in the upstream's tool calls (gateway.providers.repair), as
+    # `{repair, tool, detail}`: the loop traces a `tool_call_repaired` line for each.
+    repairs: tuple[dict[str, str], ...] = ()
 
 
 class Model(Protocol):

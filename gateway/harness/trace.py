@@ -15,6 +15,7 @@ EventKind = Literal[
     "turn",
     "usage_clamped",
     "upstream_attempt",
+    "tool_call_repaired",
     "tool_start",
     "tool_progress",
     "tool_result",

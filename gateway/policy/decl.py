@@ -168,6 +168,9 @@ class Policy:
     path: Path
     sandbox: SandboxConfig | None = None
     system_prompt: str | None = None
+    tool_rounds: int | None = None
+    """After this many model turns that called tools, the model is asked without tools, so it
+    answers (small models otherwise call tools after every result); None: always offered."""
     recovery: Recovery = "interrupt"
     """What the gateway does with a server-side run whose driving process died (its lease
     expired while the run was `running`): `interrupt` it (status interrupted, reason

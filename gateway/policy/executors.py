@@ -276,6 +276,7 @@ def compile_options(policy: Policy, env: ToolEnv, **overrides: Any) -> RunOption
         "tools": {decl.name: build_tool(decl, env) for decl in policy.tools},
         "tool_errors": tool_error_policy(policy.tool_errors),
         "dedupe": policy.dedupe,
+        "tool_rounds": policy.tool_rounds,
         "stop_when": stop_conditions(policy.stop_when),
         "approval": compile_approval(policy.approval, policy.specs),
         "on_event": env.on_event,

@@ -66,7 +66,8 @@ __all__ = [
 ]
 
 TOP_FIELDS = ("name", "description", "limits", "tools", "tool_errors", "dedupe", "stop_when", "approval",
-              "sandbox", "system_prompt", "recovery", "mcp")
+              "sandbox", "system_prompt", "recovery", "mcp",
+              "tool_rounds")
 TOOL_FIELDS = ("name", "description", "parameters", "read_only", "destructive", "needs_approval", "timeout_s",
                "executor")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -111,6 +112,7 @@ def parse_policy(raw: bytes, path: str | Path, mcp: McpHub | None = None) -> Pol
         sandbox=_sandbox(f.get("sandbox")),
         system_prompt=s.string() if (s := f.get("system_prompt")) else None,
         recovery=cast(Recovery, r.choice(get_args(Recovery))) if (r := f.get("recovery")) else "interrupt",
+        tool_rounds=n.positive_int() if (n := f.get("tool_rounds")) else None,
     )
     # Discovery starts servers: only for a file valid up to here.
     discovered, found = discover(servers, mcp, {t.name for t in declared})

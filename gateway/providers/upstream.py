@@ -26,6 +26,13 @@ import orjson
 
 from gateway.config.settings import UpstreamConfig
 from gateway.providers.errors import UpstreamError
+from gateway.providers.repair import (
+    Repair,
+    is_tool_parse_failure,
+    repair_completion,
+    tool_schemas,
+    without_tool_parsing,
+)
 from gateway.providers.reply import MalformedReply, ParsedReply, parse_completion
 
 __all__ = ["Upstream", "UpstreamError", "UpstreamReply", "UpstreamStream", "new_session"]
@@ -45,11 +52,13 @@ def new_session() -> aiohttp.ClientSession:
 
 @dataclass(frozen=True)
 class UpstreamReply:
-    """A non-streamed answer: the body as received (to pass on byte-exact) and parsed."""
+    """A non-streamed answer: the body as received (to pass on byte-exact) and parsed; after a
+    tool-call repair (`repairs` not empty), the repaired body."""
 
     raw: bytes
     data: dict[str, Any]
     seconds: float
+    repairs: tuple[Repair, ...] = ()
 
 
 class UpstreamStream:
@@ -111,7 +120,9 @@ class Upstream:
         # event's deadline (`first_byte_timeout_s`) is kept by the caller that reads it.
         self._plain_timeout = aiohttp.ClientTimeout(total=config.timeout_s, sock_connect=config.connect_timeout_s,
                                                     sock_read=config.first_byte_timeout_s)
-        self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s,
+        # A local upstream's streams also get the whole-call deadline of its plain calls.
+        self._stream_timeout = aiohttp.ClientTimeout(total=config.timeout_s if config.kind == "local" else None,
+                                                     sock_connect=config.connect_timeout_s,
                                                      sock_read=config.timeout_s)
 
     @property
@@ -154,7 +165,40 @@ class Upstream:
         return self.timeout(what)
 
     async def complete(self, body: bytes, headers: Mapping[str, str]) -> UpstreamReply:
-        """POST a non-streamed chat completion and return it, checked."""
+        """POST a non-streamed chat completion and return it, checked.
+
+        With the upstream's `max_tokens` cap the request asks for no more; with `tool_repair`
+        the reply's tool calls are repaired (`gateway.providers.repair`), and a 500 of an
+        upstream that could not parse the model's tool call is retried once without parsing.
+        """
+        cfg = self.config
+        if not (cfg.tool_repair or cfg.max_tokens is not None):
+            return await self._post_chat(body, headers)
+        request = orjson.loads(body)  # the gateway's own JSON object
+        if cfg.max_tokens is not None:
+            request = capped(request, cfg.max_tokens)
+            body = orjson.dumps(request)
+        tools = tool_schemas(request.get("tools")) if cfg.tool_repair else {}
+        if not tools:
+            return await self._post_chat(body, headers)
+        started = time.perf_counter()
+        first: tuple[Repair, ...] = ()
+        try:
+            reply = await self._post_chat(body, headers)
+        except UpstreamError as exc:
+            if not is_tool_parse_failure(exc.upstream_status or 0, exc.message):
+                raise
+            first = (Repair("retried_without_tool_parsing", "", f"the upstream could not parse the model's tool call "
+                                                                f"({exc.message}); asked again without tool parsing"),)
+            reply = await self._post_chat(orjson.dumps(without_tool_parsing(request)), headers)
+        fixed = repair_completion(reply.data, tools)
+        repairs = first + fixed.repairs
+        if not repairs:
+            return reply
+        raw = reply.raw if fixed.data is reply.data else orjson.dumps(fixed.data)
+        return UpstreamReply(raw, fixed.data, time.perf_counter() - started, repairs)
+
+    async def _post_chat(self, body: bytes, headers: Mapping[str, str]) -> UpstreamReply:
         return await self._post(self.url, body, headers, _has_message, "a chat completion (no choices[0].message)")
 
     async def respond(self, body: bytes, headers: Mapping[str, str]) -> UpstreamReply:
@@ -198,6 +242,8 @@ class Upstream:
         """POST a streamed chat completion (or, with `path` /responses, a streamed response);
         errors before the first byte raise here."""
         url = self.url if path == "/chat/completions" else self.url.removesuffix("/chat/completions") + path
+        if self.config.max_tokens is not None and path == "/chat/completions":
+            body = orjson.dumps(capped(orjson.loads(body), self.config.max_tokens))
         try:
             resp = await self.session.post(url, data=body, headers=headers, timeout=self._stream_timeout)
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
@@ -247,6 +293,19 @@ class Upstream:
                                  self.name, status, retry_after_s=retry_after_seconds(*retry_after))
         return UpstreamError("upstream_rejected",
                              f"upstream '{self.name}' rejected the request ({status}): {message}", self.name, status)
+
+
+def capped(request: dict[str, Any], cap: int) -> dict[str, Any]:
+    """`request` asking for at most `cap` completion tokens (`max_tokens`, and
+    `max_completion_tokens` when it is there); a lower ask is kept."""
+    out = dict(request)
+    for key in ("max_tokens", "max_completion_tokens"):
+        asked = out.get(key)
+        if isinstance(asked, int) and not isinstance(asked, bool) and 0 < asked <= cap:
+            continue
+        if key == "max_tokens" or key in out:
+            out[key] = cap
+    return out
 
 
 MAX_RETRY_AFTER_S = 3600.0

@@ -28,6 +28,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from gateway.harness.usage import Usage
+from gateway.providers.repair import REPAIR_KINDS, Repair
 
 OTHER = "other"
 _CODE = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
@@ -116,6 +117,12 @@ class Metrics:
                                          ["upstream", "outcome"], registry=r)
         for upstream in upstreams:
             self.upstream_attempts.labels(upstream, "ok")
+        self.tool_call_repairs = Counter("gateway_tool_call_repairs_total",
+                                         "Upstream tool calls the gateway repaired (upstream option tool_repair), "
+                                         "by upstream and kind of repair.", ["upstream", "kind"], registry=r)
+        for upstream in upstreams:
+            for repair in REPAIR_KINDS:
+                self.tool_call_repairs.labels(upstream, repair)
         self.tool_calls = Counter("gateway_tool_calls_total", "Server-side tool calls by outcome.",
                                   ["policy", "tool", "outcome"], registry=r)
         self.tool_duration = Histogram("gateway_tool_duration_seconds", "Server-side tool run time.",
@@ -185,6 +192,10 @@ class Metrics:
     def on_attempt(self, upstream: str, outcome: str) -> None:
         """One upstream attempt (`outcome` a short code from `gateway.providers.routing.Outcome`)."""
         self._child(self.upstream_attempts, upstream, _code(outcome)).inc(1, _exemplar())
+
+    def on_tool_call_repairs(self, upstream: str, repairs: Iterable[Repair]) -> None:
+        for repair in repairs:
+            self.tool_call_repairs.labels(upstream, repair.kind).inc()
 
     def on_ttft(self, upstream: str, model: str, seconds: float) -> None:
         self._child(self.ttft, upstream, self.model_label(model)).observe(seconds, _exemplar())

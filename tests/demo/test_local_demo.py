@@ -13,17 +13,24 @@ from aiohttp.test_utils import TestServer
 from gateway.config.settings import parse_config
 from gateway.demo.local import (
     CHAPTER_REFERENCE,
+    DEMO_CALL_DEADLINE_S,
+    DEMO_MAX_TOKENS,
+    DEMO_MAX_TURNS,
+    DEMO_TOOL_ROUNDS,
     TASKS,
     DemoError,
     TaskResult,
     Truth,
+    demo_policies,
     ensure_local,
     first_file_named,
     first_number,
     gateway_config,
     judge,
+    served_model,
     total_line,
 )
+from tests.local.test_gguf import write_gguf
 from tests.support.procs import free_port
 
 SAMPLE = Truth.of()
@@ -98,35 +105,47 @@ def test_helpers_find_the_first_file_and_number() -> None:
 
 
 def result(turns: int, tools: int, wall: int, task: str, answer: str, right: bool,
-           status: str = "completed", reason: str | None = None) -> TaskResult:
+           status: str = "completed", reason: str | None = None, repairs: int = 0) -> TaskResult:
     return TaskResult(task=task, kind="timeout", run_id="r", status=status, reason=reason, turns=turns,
-                      tool_runs=["list_files"] * tools, prompt_tokens=1, completion_tokens=1, cost_usd=0.0,
+                      repairs=repairs, tool_runs=["list_files"] * tools, prompt_tokens=1, completion_tokens=1, cost_usd=0.0,
                       wall_ms=wall, answer=answer, right=right)
 
 
 def test_lines_in_the_chapters_format() -> None:
     line = result(2, 1, 15_260, "Which file mentions a timeout?", "The file timeout.txt does not exist...",
                   False).line()
-    assert line == ('turns=2 tools=1 wall= 15,260ms  Which file mentions a timeout?       '
-                    '-> "The file timeout.txt does not exist..."  WRONG')
+    assert line == ('turns=2 repairs=0 tools=1 wall= 15,260ms  exit=completed          Which file mentions a timeout?'
+                    '       -> "The file timeout.txt does not exist..."  WRONG')
     failed = result(5, 3, 900, "Which file is the largest?", "The run failed:\n  repeated call " + "x" * 100,
-                    False, "failed", "repeated_call").line()
+                    False, "failed", "repeated_call", repairs=4).line()
     assert '-> "The run failed: repeated call xxx' in failed and failed.count("\n") == 0
-    assert '..."  WRONG  status=failed reason="repeated_call"' in failed
+    assert "turns=5 repairs=4 " in failed and "exit=failed " in failed
+    assert failed.endswith('..."  WRONG (repeated_call)')
 
 
 def test_total_line_reproduces_the_chapters_arithmetic() -> None:
     walls = [15_260, 13_037, 10_121, 21_290, 10_698, 12_490]
     tools = [1, 1, 1, 2, 1, 1]
     rows = [result(2, n, w, "t", "a", i in (1, 2)) for i, (n, w) in enumerate(zip(tools, walls))]
-    assert total_line(rows) == "TOTAL turns=12  toolruns=7  wall=82,896ms  mean turn=6,908ms  right=2/6"
+    assert total_line(rows) == ("TOTAL turns=12  repairs=0  toolruns=7  wall=82,896ms  mean turn=6,908ms  "
+                                "right=2/6")
     assert "mean turn=6,908ms" in CHAPTER_REFERENCE
 
 
 def test_gateway_config_is_valid_for_the_real_loader(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(gateway_config("http://127.0.0.1:8081/v1", 9999)))
+    policies = demo_policies(tmp_path)
+    path.write_text(yaml.safe_dump(gateway_config("http://127.0.0.1:8081/v1", 9999, policies)))
     config = parse_config(yaml.safe_load(path.read_text()), path)
+    local = config.upstreams["local"]
+    assert (local.kind, local.tool_repair, local.max_tokens) == ("local", True, DEMO_MAX_TOKENS)
+    assert local.timeout_s == DEMO_CALL_DEADLINE_S
+    demo_files = yaml.safe_load((policies / "files.yaml").read_text())
+    assert demo_files["limits"]["max_turns"] == DEMO_MAX_TURNS and demo_files["tool_rounds"] == DEMO_TOOL_ROUNDS
+    always = yaml.safe_load((demo_policies(tmp_path / "x", tool_rounds=None) / "files.yaml").read_text())
+    assert "tool_rounds" not in always
+    off = gateway_config("http://127.0.0.1:8081/v1", 9999, policies, repair=False)
+    assert parse_config(off, path).upstreams["local"].tool_repair is False
 
     route = config.route("qwen2.5-coder-0.5b")
     assert route is not None and route.upstream == "local" and route.price.input_per_million == 0
@@ -155,3 +174,21 @@ async def test_nothing_answering_where_no_local_model_can_be_started_is_named(tm
         with pytest.raises(DemoError, match=f"nothing answers at {url}, and it is not a local address"):
             await ensure_local(session, url, tmp_path)
     assert not (tmp_path / "local.log").exists()
+
+
+async def test_the_served_model_is_named_from_its_gguf_header(tmp_path: Path) -> None:
+    gguf = write_gguf(tmp_path / "m.gguf", {"general.architecture": "qwen2", "general.name": "Qwen2.5 Coder 0.5B"})
+    paths = {"p": str(gguf)}
+
+    async def props(request: web.Request) -> web.Response:
+        return web.json_response({"model_path": paths["p"]} if paths["p"] else {})
+
+    app = web.Application()
+    app.router.add_get("/props", props)
+    async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as session:
+        base = str(server.make_url("/v1"))
+        assert await served_model(session, base) == "Qwen2.5 Coder 0.5B (m.gguf)"
+        paths["p"] = str(tmp_path / "gone.gguf")
+        assert (await served_model(session, base)).startswith("unknown (gone.gguf:")
+        paths["p"] = ""
+        assert (await served_model(session, base)).startswith("unknown (the server does not name")

@@ -165,3 +165,22 @@ async def test_a_turn_priced_by_its_model_is_booked_at_that_price() -> None:
     out = await run(new_state(), PricedModel(plan), options)
     assert out.state.turns == 3 and out.state.cost_usd == 1.5
     assert out.state.cost_usd != sum(options.price.cost(u) for u in out.state.per_turn)
+
+
+async def test_after_tool_rounds_turns_with_calls_the_model_is_asked_without_tools() -> None:
+    rec = Recorder()
+
+    class CallsWhileOffered(ScriptModel):  # a small model: calls a tool whenever it is offered one
+        async def complete(self, request: Any) -> Any:
+            reply = await super().complete(request)
+            return dataclasses.replace(reply, message=reply.message if request.tools else text("3 files"))
+
+    model = CallsWhileOffered(lambda t, tools: call(f"c{t}", "list_files", {"n": t}))
+    out = await run(new_state(), model, RunOptions(tools={"list_files": rec.tool("list_files")}, tool_rounds=2))
+    assert out.state.status == "completed" and out.answer == "3 files"
+    assert [len(r.tools) for r in model.requests] == [1, 1, 0]
+    assert len(rec.runs) == 2
+
+    always = CallsWhileOffered(lambda t, tools: call(f"c{t}", "list_files", {"n": t}))
+    out = await run(new_state(Limits(max_turns=5)), always, RunOptions(tools={"list_files": rec.tool("list_files")}))
+    assert all(r.tools for r in always.requests) and out.state.reason == "max_turns"

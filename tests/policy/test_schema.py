@@ -63,6 +63,8 @@ def test_a_good_policy_loads_every_field(write: WriteFile) -> None:
 def test_a_policy_without_tools_is_passthrough_and_version_follows_bytes(write: WriteFile) -> None:
     a = load_policy(write("pt.yaml", "limits: {max_turns: 3}\n"))
     assert a.name == "pt" and not a.server_side and a.limits.max_turns == 3 and a.dedupe == "read_only"
+    assert a.tool_rounds is None
+    assert load_policy(write("r.yaml", "tool_rounds: 2\n")).tool_rounds == 2
     b = load_policy(write("pt.yaml", "limits: {max_turns: 3}  # edited\n"))
     assert a.version != b.version
 
@@ -82,6 +84,7 @@ BAD = [
     ("budget mode", "name: x\nlimits: {budget_mode: never}\n", 2, "limits.budget_mode", "must be one of turn, strict"),
     ("negative budget", "limits:\n  max_budget_usd: -1\n", 2, "limits.max_budget_usd", "positive number"),
     ("dedupe", "dedupe: sometimes\n", 1, "dedupe", "read_only, all, off"),
+    ("zero tool rounds", "tool_rounds: 0\n", 1, "tool_rounds", "at least 1"),
     ("dedupe on", "dedupe: on\n", 1, "dedupe", "read_only, all, off"),
     ("tools not a list", "tools: {name: x}\n", 1, "tools", "must be a list"),
     (

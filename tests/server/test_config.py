@@ -95,8 +95,11 @@ ERRORS = [
     (lambda d: d["teams"][0].update(budgett=3), "teams[0].budgett", "unknown field"),
     (lambda d: d.update(upstreams=[{"name": "x", "kind": "openai"}]), "upstreams[0].base_url", "is required"),
     (lambda d: d.update(upstreams=[{"name": "x", "base_url": "ftp://x"}]), "upstreams[0].base_url", "http://"),
-    (lambda d: d.update(upstreams=[{"name": "x", "kind": "magic"}]), "upstreams[0].kind", "scripted, openai"),
+    (lambda d: d.update(upstreams=[{"name": "x", "kind": "magic"}]), "upstreams[0].kind", "scripted, openai, local"),
     (lambda d: d["upstreams"][0].update(timeout_s=0), "upstreams[0].timeout_s", "> 0"),
+    (lambda d: d.update(upstreams=[{"name": "x", "kind": "local"}]), "upstreams[0].base_url", "kind local"),
+    (lambda d: d["upstreams"][0].update(max_tokens=0), "upstreams[0].max_tokens", ">= 1"),
+    (lambda d: d["upstreams"][0].update(tool_repair="yes"), "upstreams[0].tool_repair", "true or false"),
     (lambda d: d.update(upstreams=[]), "upstreams", "at least one upstream"),
     (lambda d: d["models"][0].update(upstream="nowhere"), "models[0].upstream", "no upstream named 'nowhere'"),
     (lambda d: d["models"][0].update(price_in="cheap"), "models[0].price_in", "must be a number"),
@@ -141,6 +144,21 @@ def test_unreadable_files(tmp_path: Path) -> None:
     bad.write_text("teams: [\n  - {name: x\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML \(line \d+"):
         load_config(bad)
+
+
+def test_a_local_upstream_repairs_caps_and_has_a_deadline_unless_told_otherwise(tmp_path: Path) -> None:
+    url = "http://127.0.0.1:8081/v1"
+    config = load_config(write_config(tmp_path, config_data(upstreams=[
+        {"name": "scripted", "kind": "scripted"},
+        {"name": "small", "kind": "local", "base_url": url},
+        {"name": "small_raw", "kind": "local", "base_url": url, "tool_repair": False, "max_tokens": None,
+         "timeout_s": 900},
+        {"name": "hosted", "base_url": url, "tool_repair": True, "max_tokens": 1000}])))
+    small, raw, hosted = (config.upstreams[n] for n in ("small", "small_raw", "hosted"))
+    assert (small.tool_repair, small.max_tokens, small.timeout_s) == (True, 512, 180.0)
+    assert (raw.tool_repair, raw.max_tokens, raw.timeout_s) == (False, None, 900.0)
+    assert (hosted.kind, hosted.tool_repair, hosted.max_tokens, hosted.timeout_s) == ("openai", True, 1000, 60.0)
+    assert (config.upstreams["scripted"].tool_repair, config.upstreams["scripted"].max_tokens) == (False, None)
 
 
 def test_key_env_supplies_a_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

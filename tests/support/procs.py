@@ -5,6 +5,7 @@ Readiness is polled over HTTP (not slept for); SIGKILL is available for crash te
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -13,9 +14,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 import yaml
 
@@ -109,3 +113,16 @@ def start_gateway(args: Sequence[str], ready_path: str, port: int, log: Path, cw
         Proc(popen, url, log).stop()
         raise
     return Proc(popen, url, log)
+
+
+@contextlib.contextmanager
+def serving_config(folder: Path, config: dict[str, Any]) -> Iterator[Proc]:
+    """`gateway serve` with `config` written to `folder`/config.yaml (its `server.port`), stopped on exit."""
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = start_gateway(["serve", "--config", str(path)], "/healthz", int(config["server"]["port"]),
+                         folder / "gateway.log")
+    try:
+        yield proc
+    finally:
+        proc.stop()

@@ -13,7 +13,7 @@ is booked, exactly once, when the store is back (`replay_spool`, run in the back
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from gateway.harness.state import Message, RunState
 from gateway.harness.trace import event
 from gateway.harness.usage import Usage
 from gateway.providers.failover import RoutedCall
+from gateway.providers.repair import Repair
 from gateway.server import context as ctx
 from gateway.server.http.errors import Conflict, LimitExceeded, limit_stop
 from gateway.server.http.headers import run_headers
@@ -96,6 +97,7 @@ class TurnRecord:
     reported: Usage | None
     booking: Booking | None
     attempts: tuple[dict[str, Any], ...] = ()  # the call's upstream attempts (`upstream_attempt` lines)
+    repairs: tuple[dict[str, str], ...] = ()  # the upstream's tool calls the gateway repaired (Repair.to_json)
 
     def change(self) -> Callable[[RunState], None]:
         return add_turn(model=self.model, usage=self.usage, cost_usd=self.cost_usd, transcript=self.transcript,
@@ -107,6 +109,8 @@ class TurnRecord:
     def trace(self, run: RunState) -> list[Event]:
         usage = self.usage
         lines = [event(run.run_id, "upstream_attempt", **fields) for fields in self.attempts]
+        lines += [event(run.run_id, "tool_call_repaired", upstream=self.upstream, turn=run.turns, **repair)
+                  for repair in self.repairs]
         if self.reported is not None:
             lines.append(event(run.run_id, "usage_clamped", upstream=self.upstream, reported=self.reported.to_json(),
                                booked=usage.to_json(), kinds=list(self.clamped())))
@@ -124,6 +128,7 @@ class TurnRecord:
                 "transcript": self.transcript, "completed": self.completed, "finish": self.finish,
                 "upstream": self.upstream, "reported": None if self.reported is None else self.reported.to_json(),
                 "attempts": list(self.attempts),
+                "repairs": list(self.repairs),
                 "booking": None if b is None else {"team": b.team, "period": b.period, "actual_usd": b.actual_usd,
                                                    "reservation_id": b.reservation_id,
                                                    "tokens": [[c.scope, c.tokens, c.tokens_s] for c in b.tokens]}}
@@ -138,11 +143,12 @@ class TurnRecord:
                                                   b.get("reservation_id"), if_held=True, tokens=tuple(
                                                       TokenCharge(str(s), int(n), float(per))
                                                       for s, n, per in b.get("tokens") or ())),
-                   tuple(data.get("attempts") or ()))
+                   tuple(data.get("attempts") or ()),
+                   tuple({str(k): str(v) for k, v in r.items()} for r in data.get("repairs") or ()))
 
 
 async def book_turn(request: web.Request, call: Call, adm: Admission, *, reported: Usage | None, message: Message,
-                    finish: str, routed: RoutedCall | None = None) -> Booked:
+                    finish: str, routed: RoutedCall | None = None, repairs: Sequence[Repair] = ()) -> Booked:
     """Settle, save and trace one turn in one store step; returns the updated run.
 
     The turn costs the price of the deployment that answered `routed` (else the route's),
@@ -169,8 +175,10 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
         attempts, routed.traced = tuple(a.fields() for a in routed.attempts), True
     record = TurnRecord(call.run.run_id, chat.model, usage, cost, [*chat.messages, message],
                         finish == "stop" and not message.get("tool_calls"), finish, upstream,
-                        checked.reported, governor.booking(adm, cost, usage.total_tokens), attempts)
+                        checked.reported, governor.booking(adm, cost, usage.total_tokens), attempts,
+                        tuple(r.to_json() for r in repairs))
     metrics = app[ctx.METRICS]
+    metrics.on_tool_call_repairs(upstream, repairs)
     metrics.on_turn(call.team.name, call.policy.name, chat.model, usage, cost)
     if checked.reported is not None:
         metrics.on_usage_clamped(upstream, checked.clamped)

@@ -102,6 +102,8 @@ class UpstreamModel:
             cost = routed.answer.price.cost(usage)
             await self.governor.settle(adm, cost, usage.total_tokens)
         self.metrics.on_upstream(upstream.name, request.model, reply.seconds)
+        self.metrics.on_tool_call_repairs(upstream.name, reply.repairs)
         self.metrics.on_turn(self.team.name, self.policy, request.model, usage, cost)
         return ModelReply(message, usage, parsed.finish_reason, reported=checked.reported, upstream=upstream.name,
-                          cost_usd=cost, attempts=tuple(a.fields() for a in routed.attempts))
+                          cost_usd=cost, attempts=tuple(a.fields() for a in routed.attempts),
+                          repairs=tuple(r.to_json() for r in reply.repairs))
