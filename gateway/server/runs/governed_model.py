@@ -84,16 +84,21 @@ class UpstreamModel:
             self.config.defaults.rate_limit_wait_s)
         async with admission as adm:
             max_tokens = adm.max_tokens or request.max_tokens
+            sent: list[bytes] = []  # the body of each attempt: the last one is what was answered
+
+            def body_for(model: str) -> bytes:
+                sent.append(self.body(request, max_tokens, model))
+                return sent[-1]
+
             try:  # a malformed reply is an UpstreamError: nothing to pay for
-                reply, parsed, upstream = await complete_chat(routed, lambda m: self.body(request, max_tokens, m),
-                                                              None)
+                reply, parsed, upstream = await complete_chat(routed, body_for, None)
             except UpstreamError as exc:
                 exc.attempts = [a.fields() for a in routed.attempts]
                 raise
             message = parsed.message
             checked = checked_usage(parsed.usage, counter=self.counter, messages=request.messages,
                                     tools=request.tools or None, message=message,
-                                    body_bytes=len(self.body(request, max_tokens, request.model)),
+                                    body_bytes=len(sent[-1]),
                                     allowed_completion=adm.allowed_completion, n=1, counted_prompt=adm.prompt_tokens)
             if checked.reported is not None:
                 self.metrics.on_usage_clamped(upstream.name, checked.clamped)
