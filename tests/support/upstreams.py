@@ -1,0 +1,73 @@
+"""Real HTTP upstreams served by the test process itself, on loopback.
+
+`serving(handler)` runs on the test's own event loop (an async context manager: the upstream
+lives as long as one test). `in_thread(app)` serves an aiohttp app on an event loop of its
+own thread (a plain context manager), so one upstream can outlive a test's event loop and be
+shared by the tests of a module through a module-scoped fixture. State a handler keeps (call
+counters, delays) is then read and written from both threads: keep it to plain dicts and
+counters, and do not share asyncio objects (events, futures) across the two loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+
+from aiohttp import web
+
+from tests.support.procs import free_port
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def chat_app(handler: Handler) -> web.Application:
+    """An app answering `POST /v1/chat/completions` with `handler`."""
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def serving_app(app: web.Application) -> AsyncIterator[str]:
+    """`app` on a free loopback port of the running loop; yields its root URL."""
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def serving(handler: Handler) -> AsyncIterator[str]:
+    """A real HTTP upstream on loopback answering chat completions with `handler`; yields
+    its base URL (`.../v1`)."""
+    async with serving_app(chat_app(handler)) as root:
+        yield root + "/v1"
+
+
+@contextlib.contextmanager
+def in_thread(make_app: Callable[[], web.Application], timeout: float = 30.0) -> Iterator[str]:
+    """The app `make_app()` builds (on the thread's loop, as aiohttp wants), served on a free
+    loopback port by a thread of its own until the block ends; yields its root URL."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="test-upstream", daemon=True)
+    thread.start()
+    stack = contextlib.AsyncExitStack()
+
+    async def up() -> str:
+        return await stack.enter_async_context(serving_app(make_app()))
+
+    try:
+        yield asyncio.run_coroutine_threadsafe(up(), loop).result(timeout)
+    finally:
+        try:
+            asyncio.run_coroutine_threadsafe(stack.aclose(), loop).result(timeout)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout)
+            loop.close()
