@@ -39,6 +39,7 @@ from gateway.store.sqlite import SqliteStore
 from gateway.tokens import get_counter
 from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
 from tests.support.procs import ROOT, Proc, free_port, start_gateway
+from tests.support.upstreams import chat_app, in_thread, serving  # serving: other tests import it from here
 
 KEY, THRIFTY = "sk-adm", "sk-thrifty"
 PRICE = Price(2.0, 12.0)
@@ -54,12 +55,16 @@ class Upstream:
     url: str = ""
     calls: Counter[str] = field(default_factory=Counter)
     delay_s: dict[str, float] = field(default_factory=dict)
+    held: set[str] = field(default_factory=set)
+    """Models whose calls get no answer while they are in this set (the test lets them go)."""
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.json()
         model, n = body["model"], int(body.get("n") or 1)
         self.calls[model] += 1
         await asyncio.sleep(self.delay_s.get(model, 0.05))  # the upstream's own latency: calls overlap in flight
+        while model in self.held:
+            await asyncio.sleep(0.01)  # polling the test's release (a set shared across threads)
         prompt = get_counter().count_request(body["messages"], body.get("tools"))
         if model == "liar":
             usage = {"prompt_tokens": 10**9, "completion_tokens": 10**9, "total_tokens": 2 * 10**9}
@@ -74,26 +79,13 @@ class Upstream:
                                   "choices": choices, "usage": usage})
 
 
-@contextlib.asynccontextmanager
-async def serving(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> AsyncIterator[str]:
-    """A real HTTP upstream on loopback answering chat completions with `handler`; yields
-    its base URL (`.../v1`)."""
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", handler)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        await runner.cleanup()
-
-
-@pytest.fixture
-async def upstream() -> AsyncIterator[Upstream]:
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[Upstream]:
+    """One counting upstream for the module's tests (each test asks for models of its own
+    names, so the counts it reads are its own)."""
     state = Upstream()
-    async with serving(state.handle) as state.url:
+    with in_thread(lambda: chat_app(state.handle)) as root:
+        state.url = root + "/v1"
         yield state
 
 
@@ -119,11 +111,12 @@ def write_policies(parent: Path) -> Path:
     return policies
 
 
-def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, Any], budget_usd: float = 10.0) -> Path:
+def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, Any], budget_usd: float = 10.0,
+                 lease_ttl_s: float = 5) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     policies = write_policies(folder.parent)
     config = {
-        "server": {"host": "127.0.0.1", "port": port, "lease_ttl_s": 5},
+        "server": {"host": "127.0.0.1", "port": port, "lease_ttl_s": lease_ttl_s},
         "store": store,
         "policies_dir": str(policies),
         "trace_file": "./trace.jsonl",
@@ -141,9 +134,10 @@ def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, An
     return path
 
 
-def start(folder: Path, upstream_url: str, store: dict[str, Any], budget_usd: float = 10.0) -> Proc:
+def start(folder: Path, upstream_url: str, store: dict[str, Any], budget_usd: float = 10.0,
+          lease_ttl_s: float = 5) -> Proc:
     port = free_port()
-    config = write_config(folder, port, upstream_url, store, budget_usd)
+    config = write_config(folder, port, upstream_url, store, budget_usd, lease_ttl_s)
     return start_gateway(["serve", "--config", str(config)], "/healthz", port, folder / "gateway.log")
 
 
@@ -165,18 +159,35 @@ def two_replicas(starter: Callable[[Path, str, dict[str, Any]], Proc], tmp_path:
             proc.stop()
 
 
-@pytest.fixture
-def pair(tmp_path: Path, redis_url: str, upstream: Upstream) -> Iterator[tuple[Proc, Proc, RedisStore]]:
-    store = {"kind": "redis", "url": redis_url, "prefix": f"adm-{uuid.uuid4().hex[:8]}:"}
-    with two_replicas(start, tmp_path, upstream.url, store) as (a, b):
-        yield a, b, RedisStore(redis_url, str(store["prefix"]))
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory, redis_url: str,
+             upstream: Upstream) -> Iterator[tuple[Proc, Proc, str]]:
+    """Two replicas on one redis-server, shared by the module's tests (of distinct teams);
+    the store's key prefix."""
+    prefix = f"adm-{uuid.uuid4().hex[:8]}:"
+    store = {"kind": "redis", "url": redis_url, "prefix": prefix}
+    with two_replicas(start, tmp_path_factory.mktemp("pair"), upstream.url, store) as (a, b):
+        yield a, b, prefix
 
 
 @pytest.fixture
-def single(tmp_path: Path, upstream: Upstream) -> Iterator[Proc]:
-    proc = start(tmp_path / "one", upstream.url, {"kind": "sqlite", "path": "./gateway.db"})
+def pair(replicas: tuple[Proc, Proc, str], redis_url: str) -> tuple[Proc, Proc, RedisStore]:
+    """The module's two replicas, and a view of their store for this test."""
+    a, b, prefix = replicas
+    return a, b, RedisStore(redis_url, prefix)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory, upstream: Upstream) -> Iterator[Proc]:
+    """One gateway on SQLite for the module's tests (`database(single)` is its file)."""
+    proc = start(tmp_path_factory.mktemp("single") / "one", upstream.url, {"kind": "sqlite", "path": "./gateway.db"})
     yield proc
     proc.stop()
+
+
+def database(proc: Proc) -> Path:
+    """The SQLite file of a gateway `start`ed with the store at ./gateway.db."""
+    return proc.log.parent / "gateway.db"
 
 
 @pytest.fixture
@@ -228,22 +239,36 @@ async def test_a_strict_team_budget_holds_with_n_choices_on_two_replicas(
 
 
 async def test_concurrent_first_calls_of_a_new_run_are_each_paid_and_booked(
-        single: Proc, upstream: Upstream, session: aiohttp.ClientSession, tmp_path: Path) -> None:
+        single: Proc, upstream: Upstream, session: aiohttp.ClientSession) -> None:
     run_id = f"storm-{uuid.uuid4().hex[:8]}"
     body = {"model": "storm", "messages": TASK}
+    store = SqliteStore(database(single))
+    spent_before, _ = await store.team_spend("adm", "total")  # the module's other tests' spending
     results = await asyncio.gather(*(chat(session, single, KEY, body, {"X-Run-Id": run_id, "X-Policy": "wide"})
                                      for _ in range(48)))
     assert [status for status, _, _ in results] == [200] * 48, [r for s, _, r in results if s != 200][:3]
     assert upstream.calls["storm"] == 48
-    store = SqliteStore(tmp_path / "one" / "gateway.db")
     run = await store.load_run(scoped_run_id("adm", run_id))
     assert run is not None and run.turns == 48
-    assert await store.team_spend("adm", "total") == (pytest.approx(run.cost_usd, abs=1e-6), 0.0)
+    spent, reserved = await store.team_spend("adm", "total")
+    assert reserved == 0.0 and spent - spent_before == pytest.approx(run.cost_usd, abs=1e-6)
     await store.close()
+
+
+async def clamped_total(session: aiohttp.ClientSession, proc: Proc) -> dict[str, float]:
+    """gateway_usage_clamped_total of the counting upstream, by kind."""
+    async with session.get(f"{proc.url}/metrics") as r:
+        text = await r.text()
+    found = {}
+    for kind in ("prompt", "completion"):
+        prefix = f'gateway_usage_clamped_total{{kind="{kind}",upstream="counting"}} '
+        found[kind] = next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix)), 0.0)
+    return found
 
 
 async def test_absurd_upstream_usage_is_booked_at_the_gateways_count(
         single: Proc, upstream: Upstream, session: aiohttp.ClientSession) -> None:
+    before = await clamped_total(session, single)  # the module's other tests' clamps
     status, headers, reply = await chat(session, single, KEY, {"model": "liar", "messages": TASK, "max_tokens": 50},
                                         {"X-Run-Id": "liar-1"})
     assert status == 200, reply
@@ -255,10 +280,8 @@ async def test_absurd_upstream_usage_is_booked_at_the_gateways_count(
     clamped = [e for e in events if e["type"] == "usage_clamped"]
     assert len(clamped) == 1 and clamped[0]["reported"]["prompt_tokens"] == 10**9
     assert clamped[0]["kinds"] == ["prompt", "completion"]
-    async with session.get(f"{single.url}/metrics") as r:
-        text = await r.text()
-    assert 'gateway_usage_clamped_total{kind="prompt",upstream="counting"} 1.0' in text
-    assert 'gateway_usage_clamped_total{kind="completion",upstream="counting"} 1.0' in text
+    after = await clamped_total(session, single)
+    assert {kind: after[kind] - before[kind] for kind in after} == {"prompt": 1.0, "completion": 1.0}
 
 
 @dataclass
@@ -279,13 +302,17 @@ class Hanging(Upstream):
         raise AssertionError("unreachable")
 
 
+CRASH_LEASE_S = 2
+"""server.lease_ttl_s of the crash test: how long a dead process's holds may last."""
+
+
 @pytest.mark.parametrize("same_address", [True, False], ids=["restarted-in-place", "another-process"])
 async def test_a_crash_under_load_blocks_the_team_no_longer_than_the_lease(
         tmp_path: Path, session: aiohttp.ClientSession, same_address: bool) -> None:
     hanging = Hanging(wanted=32)
     async with serving(hanging.handle) as url:
         store = {"kind": "sqlite", "path": "./gateway.db"}
-        first = start(tmp_path / "one", url, store, budget_usd=1.0)
+        first = start(tmp_path / "one", url, store, budget_usd=1.0, lease_ttl_s=CRASH_LEASE_S)
         try:
             # 32 calls of team adm ($1 budget) in flight, each holding its prompt + 2,600 tokens:
             # the whole budget is held when the process dies.
@@ -305,8 +332,8 @@ async def test_a_crash_under_load_blocks_the_team_no_longer_than_the_lease(
                 second = start_gateway(["serve", "--config", str(config)], "/healthz", port,
                                        tmp_path / "one" / "2.log")
             else:
-                second = start(tmp_path / "two", url,
-                               {"kind": "sqlite", "path": str(tmp_path / "one" / "gateway.db")}, budget_usd=1.0)
+                second = start(tmp_path / "two", url, {"kind": "sqlite", "path": str(tmp_path / "one" / "gateway.db")},
+                               budget_usd=1.0, lease_ttl_s=CRASH_LEASE_S)
             try:
                 loop = asyncio.get_running_loop()
                 crashed_at = loop.time()
@@ -314,8 +341,8 @@ async def test_a_crash_under_load_blocks_the_team_no_longer_than_the_lease(
                 if same_address:  # its own holds were released at start, before it answered /healthz
                     assert (await store_view.team_spend("adm", "total"))[1] == 0
                 while (await store_view.team_spend("adm", "total"))[1] > 0:
-                    # the acceptance bound: server.lease_ttl_s (5) + 5 s
-                    assert loop.time() - crashed_at < 5 + 5, "the dead process's holds outlived its lease"
+                    # the acceptance bound: server.lease_ttl_s + 5 s
+                    assert loop.time() - crashed_at < CRASH_LEASE_S + 5, "the dead process's holds outlived its lease"
                     await asyncio.sleep(0.1)  # polling the ledger, as an operator's dashboard would
                 status, _, reply = await chat(session, second, KEY, {"model": "ok", "messages": TASK})
                 assert status == 200, reply
@@ -338,8 +365,7 @@ async def test_a_pass_through_run_past_its_wall_clock_cap_is_refused(
     assert upstream.calls["brief"] == 1
 
 
-async def test_run_ids_are_per_team(single: Proc, upstream: Upstream, session: aiohttp.ClientSession,
-                                    tmp_path: Path) -> None:
+async def test_run_ids_are_per_team(single: Proc, upstream: Upstream, session: aiohttp.ClientSession) -> None:
     """Two teams give the same X-Run-Id: two runs, each its team's, neither blocking the other."""
     for key in (KEY, THRIFTY, KEY):
         status, headers, reply = await chat(session, single, key, {"model": "shared", "messages": TASK},
@@ -352,9 +378,10 @@ async def test_run_ids_are_per_team(single: Proc, upstream: Upstream, session: a
         assert r.status == 200 and shown["id"] == "same-id" and shown["team"] == team, shown
         turns[team] = shown["turns"]
     assert turns == {"adm": 2, "thrifty": 1}
-    store = SqliteStore(tmp_path / "one" / "gateway.db")
-    try:
-        assert {r.run_id for r in await store.list_runs()} == {"adm/same-id", "thrifty/same-id"}
+    store = SqliteStore(database(single))
+    try:  # (the module's other tests keep runs of other ids in this database)
+        assert {r.run_id for r in await store.list_runs() if "same-id" in r.run_id} == {"adm/same-id",
+                                                                                       "thrifty/same-id"}
     finally:
         await store.close()
 
@@ -362,17 +389,12 @@ async def test_run_ids_are_per_team(single: Proc, upstream: Upstream, session: a
 async def test_a_call_longer_than_the_lease_keeps_its_reservation(tmp_path: Path, upstream: Upstream,
                                                                   session: aiohttp.ClientSession) -> None:
     """Holds live `server.lease_ttl_s` (1 s here) and are renewed while their call is in flight:
-    a 6-second call keeps the team's budget held the whole time, so a second call that would
-    overspend is refused until the first one is booked."""
-    proc = start(tmp_path / "slow", upstream.url, {"kind": "sqlite", "path": "./gateway.db"}, budget_usd=0.05)
-    config = yaml.safe_load((tmp_path / "slow" / "config.yaml").read_text())
-    config["server"]["lease_ttl_s"] = 1
-    (tmp_path / "slow" / "config.yaml").write_text(yaml.safe_dump(config))
-    proc.stop()
-    proc = start_gateway(["serve", "--config", str(tmp_path / "slow" / "config.yaml")], "/healthz",
-                         int(config["server"]["port"]), tmp_path / "slow" / "gateway-2.log")
+    a call the upstream holds until the test lets it go keeps the team's budget held the whole
+    time, so a second call that would overspend is refused until the first one is booked."""
+    proc = start(tmp_path / "slow", upstream.url, {"kind": "sqlite", "path": "./gateway.db"}, budget_usd=0.05,
+                 lease_ttl_s=1)
+    upstream.held.add("slow")
     try:
-        upstream.delay_s["slow"] = 6.0  # long after the second call, however slow the machine
         body = {"model": "slow", "messages": TASK, "max_tokens": 3000}  # holds ~$0.036 of the $0.05
         first = asyncio.ensure_future(chat(session, proc, KEY, body))
         while upstream.calls["slow"] == 0:
@@ -380,12 +402,14 @@ async def test_a_call_longer_than_the_lease_keeps_its_reservation(tmp_path: Path
         await asyncio.sleep(2.0)  # twice the hold's ttl: only renewals keep it
         status, _, reply = await chat(session, proc, KEY, {"model": "ok", "messages": TASK, "max_tokens": 3000})
         assert status == 429 and reply["error"]["type"] == "team_budget_exceeded", reply
+        assert not first.done()  # still in flight: the refusal was the renewed hold's
+        upstream.held.discard("slow")
         assert (await first)[0] == 200
         status, _, reply = await chat(session, proc, KEY, {"model": "ok", "messages": TASK, "max_tokens": 3000})
         assert status == 200, reply  # the first call is booked at its real (small) cost: room again
     finally:
+        upstream.held.discard("slow")
         proc.stop()
-
 
 
 async def test_a_server_side_turn_with_absurd_usage_is_booked_at_the_gateways_count(
