@@ -17,6 +17,7 @@ real HTTP upstream that counts what reaches it:
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import Iterator
@@ -44,16 +45,16 @@ from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-s
 from tests.support.procs import Proc, free_port, start_gateway
 
 LIMITED, QUICK, NARROW, KEYED, WAITS, STOPS = "sk-lim", "sk-quick", "sk-narrow", "sk-keyed", "sk-waits", "sk-stops"
-ONCE, PLAIN = "sk-once", "sk-plain"
+ONCE, PLAIN, TOKENS = "sk-once", "sk-plain", "sk-tokens"
 COMPLETION = 10
 """Completion tokens the counting upstream bills per call."""
 
 
-def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, Any]) -> Path:
+def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, Any], lease_ttl_s: float = 5) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     team = {"budget_usd": None, "policies": ["passthrough", "files"]}
     config = {
-        "server": {"host": "127.0.0.1", "port": port, "lease_ttl_s": 5},
+        "server": {"host": "127.0.0.1", "port": port, "lease_ttl_s": lease_ttl_s},
         "store": store,
         "policies_dir": str(write_policies(folder.parent)),
         "upstreams": [{"name": "counting", "base_url": upstream_url}, {"name": "scripted", "kind": "scripted"}],
@@ -62,6 +63,8 @@ def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, An
         "defaults": {"rate_limit_wait_s": 10},
         "teams": [
             {"name": "limited", "keys": [LIMITED], **team,
+             "rate_limits": {"requests_per_minute": 60, "tokens_per_minute": 10_000}},
+            {"name": "tokens", "keys": [TOKENS], **team,  # the same limits, for the tokens test
              "rate_limits": {"requests_per_minute": 60, "tokens_per_minute": 10_000}},
             {"name": "quick", "keys": [QUICK], **team, "rate_limits": {"requests_per_second": 3}},
             {"name": "keyed", "keys": [PLAIN, {"key": KEYED, "rate_limits": {"requests_per_minute": 2}}], **team,
@@ -77,34 +80,36 @@ def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, An
     return path
 
 
-def start(folder: Path, upstream_url: str, store: dict[str, Any]) -> Proc:
+def start(folder: Path, upstream_url: str, store: dict[str, Any], lease_ttl_s: float = 5) -> Proc:
     port = free_port()
-    config = write_config(folder, port, upstream_url, store)
+    config = write_config(folder, port, upstream_url, store, lease_ttl_s)
     return start_gateway(["serve", "--config", str(config)], "/healthz", port, folder / "gateway.log")
 
 
-@pytest.fixture
-def pair(tmp_path: Path, redis_url: str, upstream: Upstream) -> Iterator[tuple[Proc, Proc]]:
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory, redis_url: str, upstream: Upstream) -> Iterator[tuple[Proc, Proc]]:
+    """Two replicas on one redis-server, shared by the module's tests (each its own team)."""
     store = {"kind": "redis", "url": redis_url, "prefix": f"rl-{uuid.uuid4().hex[:8]}:"}
-    with two_replicas(start, tmp_path, upstream.url, store) as procs:
+    with two_replicas(start, tmp_path_factory.mktemp("pair"), upstream.url, store) as procs:
         yield procs
 
 
-@pytest.fixture
-def single(tmp_path: Path, upstream: Upstream) -> Iterator[Proc]:
-    proc = start(tmp_path / "one", upstream.url, {"kind": "sqlite", "path": "./gateway.db"})
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory, upstream: Upstream) -> Iterator[Proc]:
+    """One gateway on SQLite, shared by the module's tests (each its own team and model)."""
+    proc = start(tmp_path_factory.mktemp("single") / "one", upstream.url, {"kind": "sqlite", "path": "./gateway.db"})
     yield proc
     proc.stop()
 
 
 async def storm(session: aiohttp.ClientSession, pair: tuple[Proc, Proc], body: dict[str, Any],
-                rounds: int = 2) -> tuple[list[tuple[int, dict[str, str], Any]], float]:
+                rounds: int = 2, key: str = LIMITED) -> tuple[list[tuple[int, dict[str, str], Any]], float]:
     """`rounds` waves of 64 concurrent calls, split over both replicas; the results and the
     seconds the whole storm took (an upper bound on how long the window refilled)."""
     started = time.monotonic()
     results: list[tuple[int, dict[str, str], Any]] = []
     for _ in range(rounds):
-        results += await asyncio.gather(*(chat(session, pair[i % 2], LIMITED, body) for i in range(64)))
+        results += await asyncio.gather(*(chat(session, pair[i % 2], key, body) for i in range(64)))
     return results, time.monotonic() - started
 
 
@@ -138,7 +143,7 @@ async def test_tokens_per_minute_hold_within_one_across_two_replicas(
     messages = [{"role": "user", "content": "Summarise this: " + "lorem ipsum dolor sit amet " * 80}]
     prompt = get_counter().count_request(messages)
     assert 300 < prompt < 1000
-    results, elapsed = await storm(session, pair, {"model": "tpm", "messages": messages})
+    results, elapsed = await storm(session, pair, {"model": "tpm", "messages": messages}, key=TOKENS)
     admitted = upstream.calls["tpm"]
     # Each call counts its prompt before it runs, and its completion when it is booked.
     most = (10_000 + 10_000 / 60 * elapsed) // prompt + 1
@@ -225,13 +230,17 @@ async def test_every_mode_counts_against_the_limits(single: Proc, upstream: Upst
     assert upstream.calls["modes"] == 0
 
 
+KILLED_LEASE_S = 2
+"""server.lease_ttl_s of the killed-replica test: how long a dead replica's slots may last."""
+
+
 async def test_a_slot_held_by_a_killed_replica_is_free_within_its_lease(
         tmp_path: Path, session: aiohttp.ClientSession) -> None:
     hanging = Hanging(wanted=2)
     async with serving(hanging.handle) as url:
         store = {"kind": "sqlite", "path": str(tmp_path / "gateway.db")}
-        first, second = start(tmp_path / "a", url, store), start(tmp_path / "b", url, store)
-        try:
+        starter = functools.partial(start, lease_ttl_s=KILLED_LEASE_S)
+        with two_replicas(starter, tmp_path, url, store) as (first, second):
             flying = [asyncio.ensure_future(chat(session, first, NARROW, {"model": "hang", "messages": TASK}))
                       for _ in range(2)]
             await asyncio.wait_for(hanging.arrived.wait(), 30)
@@ -244,8 +253,5 @@ async def test_a_slot_held_by_a_killed_replica_is_free_within_its_lease(
             loop = asyncio.get_running_loop()
             killed_at = loop.time()
             while (await chat(session, second, NARROW, {"model": "ok", "messages": TASK}))[0] != 200:
-                assert loop.time() - killed_at < 5 + 5, "the dead replica's slots outlived its lease (5 s)"
+                assert loop.time() - killed_at < KILLED_LEASE_S + 5, "the dead replica's slots outlived its lease"
                 await asyncio.sleep(0.2)  # polling, as a client retrying would
-        finally:
-            first.stop()
-            second.stop()
