@@ -25,8 +25,8 @@ import yaml
 
 from tests.mcptools.fixtures import BIN, http_server, plan_task, planning_upstream, server_log, stdio_server
 from tests.server.served import events, get_run, poll, request, wait_event
-from tests.server.test_admission import serving
 from tests.support.procs import ROOT, Proc, free_port, start_gateway
+from tests.support.upstreams import chat_app, in_thread
 
 DEMO, OPS = "sk-mcp", "sk-mcp-ops"
 APPROVAL = {"approvers": ["ops"], "rules": [{"destructive": True, "action": "ask"}]}
@@ -77,10 +77,10 @@ def _policies(folder: Path, log: Path, http_url: str) -> list[str]:
     return [*written, "git"]
 
 
-@pytest.fixture
-async def upstream_url() -> AsyncIterator[str]:
-    async with serving(planning_upstream) as url:
-        yield url
+@pytest.fixture(scope="module")
+def upstream_url() -> Iterator[str]:
+    with in_thread(lambda: chat_app(planning_upstream)) as root:
+        yield root + "/v1"
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +94,12 @@ def http_url(mcp_log: Path) -> Iterator[str]:
         yield url
 
 
-@pytest.fixture
-def gateway(tmp_path: Path, upstream_url: str, mcp_log: Path, http_url: str) -> Iterator[Gateway]:
-    folder = tmp_path / "gw"
+@pytest.fixture(scope="module")
+def shared_gateway(tmp_path_factory: pytest.TempPathFactory, upstream_url: str, mcp_log: Path,
+                   http_url: str) -> Iterator[Gateway]:
+    """One gateway for the module's tests (each its own runs); tests that kill or stop it
+    leave it to `gateway` to start again."""
+    folder = tmp_path_factory.mktemp("mcp-gw") / "gw"
     names = _policies(folder, mcp_log, http_url)
     port = free_port()
     config = {
@@ -112,6 +115,14 @@ def gateway(tmp_path: Path, upstream_url: str, mcp_log: Path, http_url: str) -> 
     gw = Gateway(folder, port, _spawn(folder, port, 1))
     yield gw
     gw.proc.stop()
+
+
+@pytest.fixture
+def gateway(shared_gateway: Gateway) -> Gateway:
+    """The module's gateway, running (started again on its port if a test before stopped it)."""
+    if shared_gateway.proc.popen.poll() is not None:
+        shared_gateway.restart()
+    return shared_gateway
 
 
 @pytest.fixture
