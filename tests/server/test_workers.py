@@ -25,13 +25,12 @@ from pathlib import Path
 import aiohttp
 import orjson
 import pytest
+import yaml
 
 from gateway.harness.state import scoped_run_id
 from gateway.store.sqlite import SqliteStore
 from tests.server.test_admission import KEY, TASK, Upstream, chat, write_config
 from tests.server.test_admission import upstream  # noqa: F401  (a real counting upstream)
-from tests.server.served import DEMO
-from tests.server.served import write_config as served_config
 from tests.support.procs import ROOT, Proc, free_port, start_gateway
 
 
@@ -55,13 +54,33 @@ def wait_until(check: Callable[[], bool], timeout: float = 30.0) -> None:
         time.sleep(0.05)  # polling a process table, not a synchronisation stand-in
 
 
-@pytest.fixture
-def two(tmp_path: Path, upstream: Upstream) -> Iterator[Proc]:
+def start_two(folder: Path, upstream_url: str) -> Proc:
+    """A 2-worker gateway on SQLite in front of the counting upstream, and of the built-in
+    scripted one for models scripted-*, once both workers serve."""
     port = free_port()
-    config = write_config(tmp_path / "gw", port, upstream.url, {"kind": "sqlite", "path": "./gateway.db"})
+    config = write_config(folder, port, upstream_url, {"kind": "sqlite", "path": "./gateway.db"})
+    data = yaml.safe_load(config.read_text())
+    data["upstreams"].append({"name": "scripted", "kind": "scripted"})
+    data["models"].insert(0, {"match": "scripted-*", "upstream": "scripted"})
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
     proc = start_gateway(["serve", "--config", str(config), "--workers", "2"], "/healthz", port,
-                         tmp_path / "gw" / "gateway.log", timeout=120)
+                         folder / "gateway.log", timeout=120)
     wait_until(lambda: len(workers_of(proc)) == 2 and "2 workers serving" in proc.output())
+    return proc
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory, upstream: Upstream) -> Iterator[Proc]:
+    """One 2-worker gateway for the module's tests that leave it running."""
+    proc = start_two(tmp_path_factory.mktemp("two") / "gw", upstream.url)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def own_two(tmp_path: Path, upstream: Upstream) -> Iterator[Proc]:
+    """A 2-worker gateway of the test's own (for the tests that end it)."""
+    proc = start_two(tmp_path / "gw", upstream.url)
     yield proc
     proc.stop()
 
@@ -82,7 +101,7 @@ def test_the_memory_store_is_refused_with_more_than_one_worker(tmp_path: Path) -
     assert "store.kind" in done.stderr and "--workers 2" in done.stderr and "memory" in done.stderr
 
 
-async def test_a_turn_cap_is_exact_across_workers(two: Proc, upstream: Upstream, tmp_path: Path) -> None:
+async def test_a_turn_cap_is_exact_across_workers(two: Proc, upstream: Upstream) -> None:
     run_id = f"cap-{uuid.uuid4().hex[:8]}"
     body = {"model": "cap", "messages": TASK}
     # a connection per call: the kernel spreads them over both workers
@@ -90,7 +109,7 @@ async def test_a_turn_cap_is_exact_across_workers(two: Proc, upstream: Upstream,
         results = await asyncio.gather(*(chat(session, two, KEY, body, {"X-Run-Id": run_id}) for _ in range(48)))
     assert upstream.calls["cap"] == 20
     assert Counter(status for status, _, _ in results) == {200: 20, 429: 28}
-    store = SqliteStore(tmp_path / "gw" / "gateway.db")
+    store = SqliteStore(two.log.parent / "gateway.db")
     try:
         run = await store.load_run(scoped_run_id("adm", run_id))
         assert run is not None and run.turns == 20
@@ -99,56 +118,50 @@ async def test_a_turn_cap_is_exact_across_workers(two: Proc, upstream: Upstream,
 
 
 async def test_metrics_count_every_worker_and_survive_a_restarted_one(two: Proc, upstream: Upstream) -> None:
+    before = await counted(two.url, "gateway_turns_total")  # the module's other tests' turns
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
         for i in range(30):
             status, _, _ = await chat(session, two, KEY, {"model": "m", "messages": TASK}, {"X-Run-Id": f"m{i}"})
             assert status == 200
     for _ in range(6):  # whichever worker answers the scrape, it counts both
-        assert await counted(two.url, "gateway_turns_total") == 30
+        assert await counted(two.url, "gateway_turns_total") == before + 30
     victim = workers_of(two)[0]
     os.kill(victim, signal.SIGKILL)
     wait_until(lambda: victim not in workers_of(two) and len(workers_of(two)) == 2)
     wait_until(lambda: two.output().count("2 workers serving") >= 2)
     for _ in range(6):
-        assert await counted(two.url, "gateway_turns_total") == 30  # the dead worker's counts kept
+        assert await counted(two.url, "gateway_turns_total") == before + 30  # the dead worker's counts kept
     async with aiohttp.ClientSession() as session, session.post(
             two.url + "/v1/chat/completions", data=orjson.dumps({"model": "m", "messages": TASK}),
             headers={"Authorization": f"Bearer {KEY}"}) as resp:
         assert resp.status == 200
 
 
-async def test_the_built_in_scripted_upstream_answers_whichever_worker_a_call_reaches(tmp_path: Path) -> None:
+async def test_the_built_in_scripted_upstream_answers_whichever_worker_a_call_reaches(two: Proc) -> None:
     # Each worker calls the scripted mount at the shared port: the kernel may hand the call
     # to the other worker, which must take the same key.
-    port = free_port()
-    proc = start_gateway(["serve", "--config", str(served_config(tmp_path, port)), "--workers", "2"], "/healthz",
-                         port, tmp_path / "gateway.log", timeout=120)
-    try:
-        wait_until(lambda: "2 workers serving" in proc.output())
-        body = orjson.dumps({"model": "scripted-plan", "messages": TASK})
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+    body = orjson.dumps({"model": "scripted-plan", "messages": TASK})
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
 
-            async def call() -> int:
-                async with session.post(proc.url + "/v1/chat/completions", data=body,
-                                        headers={"Authorization": f"Bearer {DEMO}", "X-Policy": "passthrough"}) as r:
-                    await r.read()
-                    return r.status
+        async def call() -> int:
+            async with session.post(two.url + "/v1/chat/completions", data=body,
+                                    headers={"Authorization": f"Bearer {KEY}", "X-Policy": "passthrough"}) as r:
+                await r.read()
+                return r.status
 
-            statuses = await asyncio.gather(*(call() for _ in range(24)))
-        assert Counter(statuses) == {200: 24}
-    finally:
-        proc.stop()
+        statuses = await asyncio.gather(*(call() for _ in range(24)))
+    assert Counter(statuses) == {200: 24}
 
 
-def test_sigterm_stops_every_worker(two: Proc) -> None:
-    kids = workers_of(two)
-    two.popen.send_signal(signal.SIGTERM)
-    assert two.popen.wait(timeout=60) == 0
+def test_sigterm_stops_every_worker(own_two: Proc) -> None:
+    kids = workers_of(own_two)
+    own_two.popen.send_signal(signal.SIGTERM)
+    assert own_two.popen.wait(timeout=60) == 0
     wait_until(lambda: not any(alive(pid) for pid in kids))
 
 
-def test_a_killed_supervisor_takes_its_workers_with_it(two: Proc) -> None:
-    kids = workers_of(two)
+def test_a_killed_supervisor_takes_its_workers_with_it(own_two: Proc) -> None:
+    kids = workers_of(own_two)
     assert len(kids) == 2
-    two.kill()
+    own_two.kill()
     wait_until(lambda: not any(alive(pid) for pid in kids))
