@@ -10,22 +10,27 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import openai
+import orjson
 import pytest
 import yaml
+from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from gateway.harness.state import scoped_run_id
 from gateway.harness.usage import Price, Usage
 from gateway.providers.scenarios import PLAN_ANSWER
+from gateway.providers.scripted import scripted_app
 from gateway.store import open_store
 from gateway.tools.catalog import FILE_TOOLS
 from gateway.tools.files import Sandbox, fresh_sandbox
-from tests.server.conftest import KEY, CountingUpstream, config_data, counted_config, plan_start, run_tools_locally, \
-    write_config
+from tests.server.conftest import KEY, config_data, plan_start, run_tools_locally, write_config
 from tests.support.procs import Proc, free_port, start_gateway
+from tests.support.upstreams import in_thread
 
 TOOLS = [t.openai() for t in FILE_TOOLS]
 PRICE = Price(2.0, 12.0)
@@ -38,9 +43,42 @@ def serve(folder: Path, data: dict[str, Any]) -> Proc:
     return start_gateway(["serve", "--config", str(path)], "/healthz", port, folder / "gateway.log")
 
 
-@pytest.fixture
-def gateway(tmp_path: Path) -> Iterator[Proc]:
-    proc = serve(tmp_path / "gw", config_data())
+@dataclass
+class Counted:
+    """The scripted provider at /v1 of a server of the test process, recording every chat call's body."""
+
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+
+    def app(self) -> web.Application:
+        @web.middleware
+        async def record(request: web.Request, handler: Handler) -> web.StreamResponse:
+            if request.path.endswith("/chat/completions"):
+                self.bodies.append(orjson.loads(await request.read()))
+            return await handler(request)
+
+        app = web.Application(middlewares=[record])
+        app.add_subapp("/v1", scripted_app())
+        return app
+
+    def calls(self, model: str) -> int:
+        return sum(1 for body in self.bodies if body["model"] == model)
+
+
+@pytest.fixture(scope="module")
+def counted() -> Iterator[tuple[Counted, str]]:
+    """One counting upstream for the module: (its record, its base URL)."""
+    record = Counted()
+    with in_thread(record.app) as root:
+        yield record, root + "/v1"
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, counted: tuple[Counted, str]) -> Iterator[Proc]:
+    """One gateway for the module's tests (each its own run ids), every model routed to the
+    counting upstream; its database is next to its log."""
+    upstream = {"name": "counted", "base_url": counted[1], "timeout_s": 5}
+    proc = serve(tmp_path_factory.mktemp("sdk") / "gw", config_data(
+        upstreams=[upstream], models=[{"match": "*", "upstream": "counted", "price_in": 2.0, "price_out": 12.0}]))
     yield proc
     proc.stop()
 
@@ -108,7 +146,7 @@ async def test_openai_client_runs_the_plan_task(gateway: Proc, tmp_path: Path, s
     # headers grow: a stream's headers are the run as admitted (before its turn), a JSON answer's after it
     assert turns == ([0, 1, 2] if stream else [1, 2, 3])
     assert costs == sorted(costs) and len(set(costs)) == 3
-    store = open_store({"kind": "sqlite", "path": str(tmp_path / "gw" / "gateway.db")})
+    store = open_store({"kind": "sqlite", "path": str(gateway.log.parent / "gateway.db")})
     try:
         run = await store.load_run(scoped_run_id("t", run_id))
     finally:
@@ -118,13 +156,6 @@ async def test_openai_client_runs_the_plan_task(gateway: Proc, tmp_path: Path, s
     assert abs(run.cost_usd - sum(PRICE.cost(u) for u in usages)) < 1e-12
     if not stream:
         assert abs(costs[-1] - run.cost_usd) < 1e-9
-
-
-@pytest.fixture
-async def counted_gateway(tmp_path: Path, counting_upstream: CountingUpstream) -> Any:
-    proc = await asyncio.to_thread(serve, tmp_path / "gwc", config_data(**counted_config(counting_upstream)))
-    yield proc, counting_upstream
-    proc.stop()
 
 
 def _requests_429(proc: Proc) -> float:
@@ -138,25 +169,24 @@ def _requests_429(proc: Proc) -> float:
 
 
 async def test_a_run_past_its_cap_gets_rate_limit_error_at_once_and_nothing_goes_upstream(
-        counted_gateway: Any) -> None:
-    proc, upstream = counted_gateway
-    sdk = client(proc, "sdk-cap", **{"X-Policy": "capped"})
+        gateway: Proc, counted: tuple[Counted, str]) -> None:
+    upstream = counted[0]
+    sdk = client(gateway, "sdk-cap", **{"X-Policy": "capped"})
     body = {"model": "scripted-runaway", "messages": [{"role": "user", "content": "go"}]}
     for _ in range(3):
         await asyncio.to_thread(sdk.chat.completions.create, **body)
-    assert len(upstream.chat_calls()) == 3
-    started = time.perf_counter()
+    assert upstream.calls("scripted-runaway") == 3
+    refused_before = await asyncio.to_thread(_requests_429, gateway)  # (none of the module's other tests is refused)
     with pytest.raises(openai.RateLimitError) as info:
         await asyncio.to_thread(sdk.chat.completions.create, **body)
-    elapsed = time.perf_counter() - started
-    assert elapsed < 0.4  # no retry backoff: x-should-retry: false
     error = info.value.body
     assert isinstance(error, dict) and error["type"] == "max_turns_exceeded"
     payload = json.loads(info.value.response.text)
     assert payload["run"]["status"] == "max_turns_exceeded" and payload["run"]["turns"] == 3
     assert info.value.response.headers["x-should-retry"] == "false"
-    assert len(upstream.chat_calls()) == 3  # nothing was forwarded
-    assert await asyncio.to_thread(_requests_429, proc) == 1.0  # and the SDK did not retry
+    assert upstream.calls("scripted-runaway") == 3  # nothing was forwarded
+    # at once: the SDK (max_retries=2) did not retry, on x-should-retry: false
+    assert await asyncio.to_thread(_requests_429, gateway) == refused_before + 1
 
 
 def test_shipped_config_serves_on_a_fresh_folder(tmp_path: Path) -> None:
