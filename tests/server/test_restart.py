@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 
 import aiohttp
 import pytest
 
-from tests.server.served import OPS, TASK, Served, chat_body, events, get_run, request, wait_event
+from tests.server.served import OPS, TASK, Served, chat_body, events, get_run, request, served_fixture, wait_event
+
+
+shared = served_fixture("restart")
 
 
 @pytest.fixture
-def served(tmp_path: Path) -> Iterator[Served]:
-    gateway = Served.start(tmp_path / "gw")
-    yield gateway
-    gateway.proc.stop()
+def served(shared: Served) -> Served:
+    """The module's gateway (each test its own runs), running: most tests end it and start
+    it again themselves; if one failed before that, it is started again here."""
+    if shared.proc.popen.poll() is not None:
+        shared.restart()
+    return shared
 
 
 async def test_approval_after_a_crash_then_resume_runs_nothing_twice(served: Served,
@@ -68,7 +71,11 @@ async def test_a_run_killed_mid_tool_resumes_without_paying_its_turn_again(serve
     served.restart()  # same port: the same lease owner, so the run is not locked out
 
     restored = await get_run(session, served.url, run_id)
-    assert restored["status"] == "running" and restored["turns"] == 1
+    assert restored["turns"] == 1
+    # Still `running`; or, when the restart took longer than the lease TTL (a loaded machine),
+    # already stopped by the recovery sweep as `crashed`: resumable either way.
+    assert restored["status"] == "running" or (restored["status"], restored["reason"]) == ("interrupted", "crashed"), \
+        restored
     status, headers, body = await request(session, "POST", f"{served.url}/v1/runs/{run_id}/resume", body={})
     assert status == 200, body
     assert headers["X-Run-Status"] == "completed" and headers["X-Run-Turns"] == "2"
