@@ -20,7 +20,7 @@ from gateway.harness.approvals import decide
 from gateway.harness.state import Decision, scoped_run_id
 from tests.server.served import OPS, auth, chat_body, events, get_run, poll, request, wait_event
 from tests.server.test_auto_resume import sse_lines
-from tests.server.test_replicas import LEASE_TTL_S, Pair, pair, session  # noqa: F401  (fixtures)
+from tests.server.test_replicas import LEASE_TTL_S, Pair, pair, replica_pair, session  # noqa: F401  (fixtures)
 from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
 
 DELETED = "Deleted access.log to free space."
