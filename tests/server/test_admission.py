@@ -38,7 +38,7 @@ from gateway.store.redis import RedisStore
 from gateway.store.sqlite import SqliteStore
 from gateway.tokens import get_counter
 from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
-from tests.support.procs import ROOT, Proc, free_port, start_gateway
+from tests.support.procs import ROOT, START_TIMEOUT_S, Proc, free_port, start_gateway
 from tests.support.upstreams import chat_app, in_thread, serving  # serving: other tests import it from here
 
 KEY, THRIFTY = "sk-adm", "sk-thrifty"
@@ -138,7 +138,8 @@ def start(folder: Path, upstream_url: str, store: dict[str, Any], budget_usd: fl
           lease_ttl_s: float = 5) -> Proc:
     port = free_port()
     config = write_config(folder, port, upstream_url, store, budget_usd, lease_ttl_s)
-    return start_gateway(["serve", "--config", str(config)], "/healthz", port, folder / "gateway.log")
+    return start_gateway(["serve", "--config", str(config)], "/healthz", port, folder / "gateway.log",
+                         timeout=START_TIMEOUT_S)
 
 
 @contextlib.contextmanager
@@ -330,7 +331,7 @@ async def test_a_crash_under_load_blocks_the_team_no_longer_than_the_lease(
                 port = int(first.url.rsplit(":", 1)[1])
                 config = tmp_path / "one" / "config.yaml"
                 second = start_gateway(["serve", "--config", str(config)], "/healthz", port,
-                                       tmp_path / "one" / "2.log")
+                                       tmp_path / "one" / "2.log", timeout=START_TIMEOUT_S)
             else:
                 second = start(tmp_path / "two", url, {"kind": "sqlite", "path": str(tmp_path / "one" / "gateway.db")},
                                budget_usd=1.0, lease_ttl_s=CRASH_LEASE_S)

@@ -36,7 +36,7 @@ from aiohttp import web
 from gateway.harness.usage import Price, Usage
 from gateway.providers.scripted import FailCalls, FailMode, scripted_app
 from tests.server.test_admission import write_policies
-from tests.support.procs import Proc, free_port, start_gateway
+from tests.support.procs import START_TIMEOUT_S, Proc, free_port, start_gateway
 from tests.support.upstreams import in_thread
 
 KEY = "sk-failover"
@@ -153,9 +153,9 @@ def routes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routes]:
         with ThreadPoolExecutor(2) as pool:  # the two processes start at once
             futures = [pool.submit(start_gateway, ["scripted", "--port", str(cli_port), "--fail", "429",
                                                    "--fail-calls", str(BAD_FAILURES), "--retry-after", "1"],
-                                   "/healthz", cli_port, folder / "bad-429.log"),
+                                   "/healthz", cli_port, folder / "bad-429.log", timeout=START_TIMEOUT_S),
                        pool.submit(start_gateway, ["serve", "--config", str(config)], "/healthz", port,
-                                   folder / "gateway.log")]
+                                   folder / "gateway.log", timeout=START_TIMEOUT_S)]
         started = [f.result() for f in futures if f.exception() is None]
         try:
             for f in futures:

@@ -25,7 +25,7 @@ import yaml
 
 from tests.mcptools.fixtures import BIN, http_server, plan_task, planning_upstream, server_log, stdio_server
 from tests.server.served import events, get_run, poll, request, wait_event
-from tests.support.procs import ROOT, Proc, free_port, start_gateway
+from tests.support.procs import ROOT, START_TIMEOUT_S, Proc, free_port, start_gateway
 from tests.support.upstreams import chat_app, in_thread
 
 DEMO, OPS = "sk-mcp", "sk-mcp-ops"
@@ -56,7 +56,7 @@ class Gateway:
 def _spawn(folder: Path, port: int, n: int) -> Proc:
     env = {"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}  # where pip put the servers' programs
     return start_gateway(["serve", "--config", str(folder / "config.yaml")], "/healthz", port,
-                         folder / f"gateway-{n}.log", env=env, timeout=90)
+                         folder / f"gateway-{n}.log", env=env, timeout=START_TIMEOUT_S)
 
 
 def _policies(folder: Path, log: Path, http_url: str) -> list[str]:

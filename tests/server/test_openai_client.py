@@ -29,7 +29,7 @@ from gateway.store import open_store
 from gateway.tools.catalog import FILE_TOOLS
 from gateway.tools.files import Sandbox, fresh_sandbox
 from tests.server.conftest import KEY, config_data, plan_start, run_tools_locally, write_config
-from tests.support.procs import Proc, free_port, start_gateway
+from tests.support.procs import START_TIMEOUT_S, Proc, free_port, start_gateway
 from tests.support.upstreams import in_thread
 
 TOOLS = [t.openai() for t in FILE_TOOLS]
@@ -40,7 +40,8 @@ def serve(folder: Path, data: dict[str, Any]) -> Proc:
     port = free_port()
     data["server"] = {"host": "127.0.0.1", "port": port}
     path = write_config(folder, data)
-    return start_gateway(["serve", "--config", str(path)], "/healthz", port, folder / "gateway.log")
+    return start_gateway(["serve", "--config", str(path)], "/healthz", port, folder / "gateway.log",
+                         timeout=START_TIMEOUT_S)
 
 
 @dataclass

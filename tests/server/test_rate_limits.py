@@ -42,7 +42,7 @@ from tests.server.test_admission import (  # noqa: F401  (session, upstream: the
     write_policies,
 )
 from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
-from tests.support.procs import Proc, free_port, start_gateway
+from tests.support.procs import START_TIMEOUT_S, Proc, free_port, start_gateway
 
 LIMITED, QUICK, NARROW, KEYED, WAITS, STOPS = "sk-lim", "sk-quick", "sk-narrow", "sk-keyed", "sk-waits", "sk-stops"
 ONCE, PLAIN, TOKENS = "sk-once", "sk-plain", "sk-tokens"
@@ -83,7 +83,8 @@ def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, An
 def start(folder: Path, upstream_url: str, store: dict[str, Any], lease_ttl_s: float = 5) -> Proc:
     port = free_port()
     config = write_config(folder, port, upstream_url, store, lease_ttl_s)
-    return start_gateway(["serve", "--config", str(config)], "/healthz", port, folder / "gateway.log")
+    return start_gateway(["serve", "--config", str(config)], "/healthz", port, folder / "gateway.log",
+                         timeout=START_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

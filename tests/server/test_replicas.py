@@ -49,7 +49,7 @@ from tests.server.served import (
     wait_event,
 )
 from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
-from tests.support.procs import ROOT, Proc, free_port, start_gateway
+from tests.support.procs import ROOT, START_TIMEOUT_S, Proc, free_port, start_gateway
 
 THRIFTY = "sk-thrifty"
 LEASE_TTL_S = 1.0
@@ -77,7 +77,7 @@ class Pair:
         port = int(self.a.url.rsplit(":", 1)[1])
         n = len(list((self.folder / "a").glob("gateway*.log"))) + 1
         self.a = start_gateway(["serve", "--config", str(self.folder / "a" / "config.yaml")], "/healthz", port,
-                               self.folder / "a" / f"gateway-{n}.log")
+                               self.folder / "a" / f"gateway-{n}.log", timeout=START_TIMEOUT_S)
 
     def store(self) -> RedisStore:
         """Another client of the replicas' store, to read the ledger they share."""
@@ -139,7 +139,8 @@ def start_pair(shared: Path, redis_url: str) -> Pair:
     def start(name: str) -> Proc:
         port = free_port()
         config = write_replica_config(shared / name, port, shared, redis_url, prefix, budget)
-        return start_gateway(["serve", "--config", str(config)], "/healthz", port, shared / name / "gateway.log")
+        return start_gateway(["serve", "--config", str(config)], "/healthz", port, shared / name / "gateway.log",
+                             timeout=START_TIMEOUT_S)
 
     with ThreadPoolExecutor(2) as pool:  # both start at once: the test waits for the slower one only
         futures = [pool.submit(start, name) for name in ("a", "b")]

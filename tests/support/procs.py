@@ -26,6 +26,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 
 
+START_TIMEOUT_S = 120.0
+"""A generous readiness wait for a process that a module's tests share: on a loaded 2-core
+machine a gateway has taken more than 30 s to answer, and one slow start fails every test
+of the module. The wait ends as soon as the process answers."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
