@@ -51,7 +51,7 @@ class TurnFields(TypedDict):
     completion_tokens: int
     total_tokens: int
     costUsd: float
-    finish: str | None
+    finish: str
 
 
 class UsageClampedFields(TypedDict):

@@ -104,3 +104,22 @@ def test_the_builder_writes_the_envelope_around_the_fields_in_order() -> None:
     assert sink.events == [line]
     sub = Tracer("r1")("subrun_started", childRunId="r1.c1", toolName="research", callId="c1")
     assert list(sub) == ["runId", "type", "childRunId", "toolName", "callId"]  # the contract: no ts
+
+
+def test_mypy_rejects_a_missing_or_misspelt_field(tmp_path: Path) -> None:
+    """The point of the types: a builder call with a wrong field does not type-check."""
+    from mypy import api
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "from gateway.harness.trace import Tracer\n"
+        "trace = Tracer('r')\n"
+        "trace('tool_start', toolName='t', args='{}', callId='c')\n"  # right
+        "trace('tool_start', toolName='t', args='{}')\n"  # callId missing
+        "trace('tool_result', toolName='t', ms=1.0, ok=True, callID='c')\n"  # misspelt
+        "trace('tool_progress', toolName='t', label=3)\n"  # wrong type
+    )
+    out, _, status = api.run(["--strict", "--no-incremental", "--cache-dir", str(tmp_path / "cache"),
+                              "--python-version", "3.11", str(probe)])
+    lines = sorted({int(m) for m in re.findall(r"probe\.py:(\d+): error", out)})
+    assert status == 1 and lines == [4, 5, 6], out
