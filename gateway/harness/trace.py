@@ -16,7 +16,7 @@ fields with `.get`: a line of an older version may lack a field added since.
 # No `from __future__ import annotations`: TypedDict reads NotRequired[...] only from evaluated
 # annotations (Python 3.11), and the doc test reads `__optional_keys__`.
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Literal, NotRequired, TypedDict, TypeVar, Unpack, cast, get_args, overload
 
 EventKind = Literal[
@@ -297,8 +297,6 @@ EventSink = Callable[[Event], None]
 
 E = TypeVar("E", bound=Event)
 
-_UNSTAMPED: frozenset[str] = frozenset({"subrun_started"})  # the contract: this line has no `ts`
-
 
 class Tracer:
     """The one builder of a run's trace lines: `runId`, `type`, the fields in the order
@@ -359,24 +357,21 @@ class Tracer:
     def __call__(self, kind: Literal["embeddings"], /, **fields: Unpack[EmbeddingsFields]) -> EmbeddingsEvent: ...
 
     def __call__(self, kind: EventKind, /, **fields: Any) -> Event:
-        return self._line(kind, fields)
+        out: dict[str, Any] = {"runId": self.run_id, "type": kind}
+        out.update(fields)
+        if kind != "subrun_started":  # the contract: that line has no `ts`
+            out["ts"] = round(time.time(), 6)
+        line = cast(Event, out)
+        if self.sink is not None:
+            self.sink(line)
+        return line
 
     def start(self, kind: Literal["run_started", "run_resumed"], setup: StartSetup | None,
               counts: RunCounts) -> RunStartedEvent | RunResumedEvent:
         """The line that starts a drive: what the call gave (`setup`: a `RunStartedSetup` for
         `run_started`, which the caller pairs; None for a drive no call prepared), then where
         the run stands."""
-        return cast(RunStartedEvent | RunResumedEvent, self._line(kind, {**(setup or {}), **counts}))
-
-    def _line(self, kind: EventKind, fields: Mapping[str, object]) -> Event:
-        out: dict[str, object] = {"runId": self.run_id, "type": kind}
-        out.update(fields)
-        if kind not in _UNSTAMPED:
-            out["ts"] = round(time.time(), 6)
-        line = cast(Event, out)
-        if self.sink is not None:
-            self.sink(line)
-        return line
+        return cast(RunStartedEvent | RunResumedEvent, self(cast(Any, kind), **(setup or {}), **counts))
 
 
 def with_run_id(event: E, run_id: str) -> E:
