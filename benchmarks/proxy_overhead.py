@@ -27,8 +27,13 @@ gateway serves a team without rate limits and one with them (requests, tokens an
 max_in_flight, never reached), a model routed to one upstream and one routed over two
 weighted deployments (retries, a fallback); c=1 same-run calls rotate over the four
 combinations on one connection (off, limits, routed, both), so that each sees the machine
-at the same moments. Its figures: each combination's p50 minus the plain one's, and the
-median of the per-round differences (paired). Target: both <= plain + 0.05 ms p50.
+at the same moments. Its figures: each combination's p50 minus the plain one's, the
+median of the per-round differences (paired), and the CPU time the gateway's serving
+thread (plus redis-server's, on Redis) spent on each call (from /proc/PID/schedstat, read
+around every call), paired the same way. On a loaded machine a call's latency stretches
+with the CPU it needs (every microsecond of work waits for a core), so the CPU figure is
+the one that holds still there; on an idle one the two agree. Target: both <= plain +
+0.05 ms p50.
 `--limits-only` measures that cell alone.
 
 `--profile DIR` instead runs every cell once with py-spy (extra `profile`) sampling the
@@ -124,6 +129,20 @@ LIMIT_VARIANTS = {"off": (KEY, BODY), "limits": (LIMITED_KEY, BODY), "routed": (
 """The `--limits` cell's combinations: (key, body)."""
 MODES = ("same run", "new run", "no run id")
 STORES = ("sqlite", "redis")
+
+
+class CpuClock:
+    """The CPU time of some threads (ns), from /proc/PID/task/TID/schedstat (its first field)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.fds = [os.open(f"/proc/{pid}/task/{pid}/schedstat", os.O_RDONLY) for pid in pids]
+
+    def __call__(self) -> int:
+        return sum(int(os.pread(fd, 128, 0).split()[0]) for fd in self.fds)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
 
 
 def start_proxy(port: int, upstream: str, log: Path) -> Proc:
@@ -309,6 +328,8 @@ class Bench:
     proxy: Proc
     gateways: dict[str, Proc]
     cells: dict[str, Cell] = field(default_factory=dict)
+    helpers: dict[str, list[int]] = field(default_factory=dict)
+    """Processes that serve a store's gateway besides itself (redis-server), by store."""
 
     def cell(self, name: str) -> Cell:
         return self.cells.setdefault(name, Cell(name))
@@ -347,21 +368,27 @@ class Bench:
         gw = self.gateways[store]
         ids = {name: run_ids("same run", i) for i, name in enumerate(LIMIT_VARIANTS)}
         times: dict[str, list[float]] = {name: [] for name in LIMIT_VARIANTS}
+        cpu: dict[str, list[float]] = {name: [] for name in LIMIT_VARIANTS}
         warm = max(50, self.args.requests // 10)
         conn = await RawConnection.open(gw.url)
+        clock = CpuClock(gateway_pids(gw) + self.helpers.get(store, []))
         try:
             for round_ in range(warm + self.args.requests):
                 for name, (key, body) in LIMIT_VARIANTS.items():
                     head = request_head("/v1/chat/completions", body, next(ids[name]), key)
+                    cpu_before = clock()
                     started = time.perf_counter()
                     status = await conn.post(head, body)
                     elapsed = time.perf_counter() - started
+                    cpu_spent = clock() - cpu_before
                     if status != 200:
                         raise RuntimeError(f"{gw.url} answered {status} ({name})")
                     if round_ >= warm:
                         times[name].append(elapsed * 1000)
+                        cpu[name].append(cpu_spent / 1000)
         finally:
             conn.close()
+            clock.close()
         cell = self.cell(f"{store:<7} same run   c=1   limits/routes")
         base = statistics.median(times["off"])
         cell.add("off p50 ms", base)
@@ -369,6 +396,9 @@ class Bench:
             cell.add(f"{name} +ms", statistics.median(times[name]) - base)
             cell.add(f"{name} paired +ms", statistics.median(b - a for a, b in zip(times["off"], times[name],
                                                                                     strict=True)))
+        cell.add("off cpu us", statistics.median(cpu["off"]))
+        for name in ("limits", "routed", "both"):
+            cell.add(f"{name} cpu +us", statistics.median(b - a for a, b in zip(cpu["off"], cpu[name], strict=True)))
 
     async def workers_cell(self, store: str) -> None:
         n = self.args.requests * 2
@@ -489,6 +519,8 @@ def verdicts(cells: dict[str, Cell], workers: int) -> list[tuple[str, bool, str]
         if "both +ms" in f:
             out.append((f"{name} limits and route selection <= +0.05 ms p50", f["both +ms"] <= 0.05,
                         f"{f['both +ms']:+.3f} ms (paired {f['both paired +ms']:+.3f} ms)"))
+            out.append((f"{name} limits and route selection <= +50 us CPU per call", f["both cpu +us"] <= 50,
+                        f"{f['both cpu +us']:+.1f} us of {f['off cpu us']:.0f} us"))
         if "req/s x 1 worker" in f:
             out.append((f"{name} >= 1.6x one worker", f["req/s x 1 worker"] >= 1.6, f"{f['req/s x 1 worker']:.2f}"))
     return out
@@ -507,6 +539,7 @@ async def main_async(args: argparse.Namespace) -> int:
             procs.append(proxy := start_proxy(proxy_port, up_url, folder / "proxy.log"))
             store_dir = Path(tempfile.mkdtemp(prefix="gw-bench-store-", dir=args.store_dir)) if args.store_dir else None
             stores: dict[str, dict[str, Any] | None] = {}
+            helpers: dict[str, list[int]] = {}
             if "sqlite" in args.only:
                 stores["sqlite"] = None
             if "redis" in args.only:
@@ -514,6 +547,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 if exe is None:
                     raise SystemExit("redis-server is not installed (scripts/install-test-deps.sh)")
                 redis_proc, redis_port = _start_redis(exe, folder)
+                helpers["redis"] = [redis_proc.pid]
                 stores["redis"] = {"kind": "redis", "url": f"redis://127.0.0.1:{redis_port}/0", "prefix": "bench:"}
             variants: list[tuple[str, str, list[str]]] = []
             for store in stores:
@@ -538,7 +572,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 procs.append(gw := start_gateway(["serve", "--config", str(config), *extra], "/healthz", port,
                                                  sub / "gateway.log", timeout=180))
                 gateways[name] = gw
-            bench = Bench(args, upstream, proxy, gateways)
+            bench = Bench(args, upstream, proxy, gateways, helpers=helpers)
             if args.profile:
                 out = Path(args.profile)
                 out.mkdir(parents=True, exist_ok=True)
