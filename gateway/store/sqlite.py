@@ -530,7 +530,8 @@ class SqliteStore:
             cls._book(db, rows[0][0], rows[0][1], actual)
             if tokens:
                 now = time.time()
-                db.executemany(_CHARGE_TOKENS, [(now, c.tokens, c.tokens_s, c.scope) for c in tokens])
+                for c in tokens:  # one or two: execute spares executemany's iterator
+                    db.execute(_CHARGE_TOKENS, (now, c.tokens, c.tokens_s, c.scope))
 
     @staticmethod
     def _book(db: sqlite3.Connection, team: str, period: str, micros: int) -> None:

@@ -28,6 +28,13 @@ SHOWN: Final = web.RequestKey("rate_limit_clocks", tuple[tuple[RateLimit, ...], 
 """The rate limits of the call's admission and its clocks, shown on its answer (`show`)."""
 
 
+def keep(request: web.Request, rates: tuple[RateLimit, ...], states: tuple[RateState, ...]) -> None:
+    """Remember a governed call's rate clocks for its answer's headers (`show`); nothing at
+    all for a team without rate limits."""
+    if rates:
+        request[SHOWN] = (rates, states)
+
+
 async def show(request: web.Request, response: web.StreamResponse) -> None:
     """`on_response_prepare`: a governed call's answer carries its rate-limit headers."""
     shown = request.get(SHOWN)
