@@ -31,7 +31,7 @@ from gateway.harness.state import scoped_run_id
 from gateway.store.sqlite import SqliteStore
 from tests.server.test_admission import KEY, TASK, Upstream, chat, write_config
 from tests.server.test_admission import upstream  # noqa: F401  (a real counting upstream)
-from tests.support.procs import ROOT, Proc, free_port, start_gateway
+from tests.support.procs import ROOT, START_TIMEOUT_S, Proc, free_port, start_gateway
 
 
 def workers_of(proc: Proc) -> list[int]:
@@ -65,7 +65,7 @@ def start_two(folder: Path, upstream_url: str) -> Proc:
     config.write_text(yaml.safe_dump(data, sort_keys=False))
     proc = start_gateway(["serve", "--config", str(config), "--workers", "2"], "/healthz", port,
                          folder / "gateway.log", timeout=120)
-    wait_until(lambda: len(workers_of(proc)) == 2 and "2 workers serving" in proc.output())
+    wait_until(lambda: len(workers_of(proc)) == 2 and "2 workers serving" in proc.output(), START_TIMEOUT_S)
     return proc
 
 
@@ -127,8 +127,9 @@ async def test_metrics_count_every_worker_and_survive_a_restarted_one(two: Proc,
         assert await counted(two.url, "gateway_turns_total") == before + 30
     victim = workers_of(two)[0]
     os.kill(victim, signal.SIGKILL)
-    wait_until(lambda: victim not in workers_of(two) and len(workers_of(two)) == 2)
-    wait_until(lambda: two.output().count("2 workers serving") >= 2)
+    # a worker started again: a process start, which can take over 30 s on a loaded machine
+    wait_until(lambda: victim not in workers_of(two) and len(workers_of(two)) == 2, START_TIMEOUT_S)
+    wait_until(lambda: two.output().count("2 workers serving") >= 2, START_TIMEOUT_S)
     for _ in range(6):
         assert await counted(two.url, "gateway_turns_total") == before + 30  # the dead worker's counts kept
     async with aiohttp.ClientSession() as session, session.post(
