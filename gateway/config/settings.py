@@ -130,7 +130,7 @@ class UpstreamConfig:
     api_key_env: str | None = None
     timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
     api: UpstreamApi = "chat"
-    # Tool-call repair (gateway.providers.repair) of non-streamed chat replies; on by default for kind local.
+    # Tool-call repair (gateway.providers.repair) of every reply, streamed or not; on by default for kind local.
     tool_repair: bool = False
     # The most completion tokens any call may ask for (lower asks pass unchanged); None: no cap.
     max_tokens: int | None = None

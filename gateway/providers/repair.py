@@ -93,18 +93,24 @@ def without_tool_parsing(body: Mapping[str, Any]) -> dict[str, Any]:
     return {**body, "tool_choice": "none"}
 
 
-def repair_completion(data: dict[str, Any], tools: Mapping[str, Mapping[str, Any]]) -> RepairedCompletion:
-    """Repair choice 0's message against `tools` (`tool_schemas`); `data` itself is not changed.
+@dataclass(frozen=True)
+class RepairedMessage:
+    """An assistant message after repair (the same object when nothing changed), its finish
+    reason (`tool_calls` once it has calls) and the repairs made."""
 
-    A shape this cannot read is left alone: the reply parser names what is wrong with it.
-    """
-    choices = data.get("choices")
-    if not tools or not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return RepairedCompletion(data, ())
-    choice = choices[0]
-    message = choice.get("message")
-    if not isinstance(message, dict):
-        return RepairedCompletion(data, ())
+    message: dict[str, Any]
+    finish: str | None
+    repairs: tuple[Repair, ...]
+
+
+def repair_message(message: Mapping[str, Any], finish: str | None,
+                   tools: Mapping[str, Mapping[str, Any]]) -> RepairedMessage:
+    """Repair one assistant message against `tools` (`tool_schemas`): the one repair every
+    path runs (a non-streamed reply, a reassembled stream, a Responses output, the demo's
+    model). `message` itself is not changed."""
+    same = RepairedMessage(message if isinstance(message, dict) else dict(message), finish, ())
+    if not tools:
+        return same
     repairs: list[Repair] = []
     fixed = dict(message)
     calls = message.get("tool_calls")
@@ -122,11 +128,29 @@ def repair_completion(data: dict[str, Any], tools: Mapping[str, Mapping[str, Any
         if repairs:
             fixed["tool_calls"] = fixed_calls
     if not repairs:
+        return same
+    if fixed.get("tool_calls") and finish in (None, "stop"):
+        finish = "tool_calls"
+    return RepairedMessage(fixed, finish, tuple(repairs))
+
+
+def repair_completion(data: dict[str, Any], tools: Mapping[str, Mapping[str, Any]]) -> RepairedCompletion:
+    """Repair choice 0's message of a chat completion (`repair_message`); `data` itself is not changed.
+
+    A shape this cannot read is left alone: the reply parser names what is wrong with it.
+    """
+    choices = data.get("choices")
+    if not tools or not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return RepairedCompletion(data, ())
-    new_choice = {**choice, "message": fixed}
-    if fixed.get("tool_calls") and choice.get("finish_reason") in (None, "stop"):
-        new_choice["finish_reason"] = "tool_calls"
-    return RepairedCompletion({**data, "choices": [new_choice, *choices[1:]]}, tuple(repairs))
+    choice = choices[0]
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        return RepairedCompletion(data, ())
+    fixed = repair_message(message, choice.get("finish_reason"), tools)
+    if not fixed.repairs:
+        return RepairedCompletion(data, ())
+    new_choice = {**choice, "message": fixed.message, "finish_reason": fixed.finish}
+    return RepairedCompletion({**data, "choices": [new_choice, *choices[1:]]}, fixed.repairs)
 
 
 def calls_in_text(content: Any, tools: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
