@@ -57,7 +57,7 @@ CHUNK_DELAY_HEADER = "X-Scripted-Chunk-Delay-Ms"
 FAIL_HEADER = "X-Scripted-Fail"
 RETRY_AFTER_HEADER = "X-Scripted-Retry-After"
 REPLY_HEADER = "X-Scripted-Reply"
-MAX_REPLY_BYTES = 16 * 1024
+MAX_REPLY_BYTES = 8000  # under aiohttp's 8190-byte header line
 MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_DELAY_MS = 60_000.0
 """The most a request may ask the provider to wait (each X-Scripted-*-Ms header)."""

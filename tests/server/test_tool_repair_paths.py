@@ -30,7 +30,7 @@ from gateway.providers.http_model import HTTPChatModel
 from gateway.tools.catalog import FILE_TOOLS, SYSTEM_PROMPT
 from gateway.tools.files import Sandbox, file_tools, fresh_sandbox
 from tests.server.conftest import KEY, config_data, write_config
-from tests.support.procs import Proc, free_port, start_gateway
+from tests.support.procs import Proc, free_port, start_gateway, start_scripted
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "local_replies"
 TOOLS = [t.openai() for t in FILE_TOOLS]
@@ -145,9 +145,7 @@ async def test_a_responses_call_gets_the_repaired_function_call(gateway: Proc, s
 
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    port = free_port()
-    proc = start_gateway(["scripted", "--port", str(port)], "/healthz", port,
-                         tmp_path_factory.mktemp("scripted") / "scripted.log")
+    proc = start_scripted(tmp_path_factory.mktemp("scripted"))
     yield proc
     proc.stop()
 
