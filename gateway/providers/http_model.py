@@ -20,7 +20,14 @@ import orjson
 from gateway.harness.model import ModelReply, ModelRequest
 from gateway.harness.state import assistant_message
 from gateway.harness.usage import Usage
-from gateway.providers.repair import Repair, is_tool_parse_failure, repair_message, tool_schemas, without_tool_parsing
+from gateway.providers.repair import (
+    Repair,
+    is_tool_parse_failure,
+    repair_message,
+    retried_without_parsing,
+    tool_schemas,
+    without_tool_parsing,
+)
 
 
 class ModelCallError(RuntimeError):
@@ -61,9 +68,7 @@ class HTTPChatModel:
         except ModelCallError as exc:
             if not tools or not is_tool_parse_failure(exc.status, exc.detail):
                 raise
-            retried = (Repair("retried_without_tool_parsing", "", f"the upstream could not parse the model's tool "
-                                                                  f"call ({exc.detail}); asked again without tool "
-                                                                  "parsing"),)
+            retried = (retried_without_parsing(exc.detail),)
             data = await self._post(without_tool_parsing(body))
         reply = parse_completion(data)
         fixed = repair_message(reply.message, reply.finish_reason, tools)

@@ -15,7 +15,10 @@ events, `gateway_tool_call_repairs_total`):
   (`type`, `properties`, `required`...): the model echoed the schema as its arguments;
 - `retried_without_tool_parsing`: the upstream (llama.cpp) failed to parse the model's
   tool call and answered 500; the call was retried once with `tool_choice: "none"` (the
-  tools stay in the prompt, nothing is parsed) and the text repaired here.
+  tools stay in the prompt, nothing is parsed) and the text repaired here;
+- `parse_error_dropped`: a stream the upstream ended with that parse failure as an error
+  event, after streaming the model's text: the error is dropped and the text repaired here
+  (the text is already there; nothing is asked again).
 
 Nothing here guesses a tool the model did not name or a value it did not write: a JSON
 object naming an unknown tool is left as the answer it is.
@@ -32,9 +35,10 @@ from typing import Any, Final, Literal
 
 import orjson
 
-RepairKind = Literal["call_from_text", "arguments_trimmed", "undeclared_keys_dropped", "retried_without_tool_parsing"]
+RepairKind = Literal["call_from_text", "arguments_trimmed", "undeclared_keys_dropped", "retried_without_tool_parsing",
+                     "parse_error_dropped"]
 REPAIR_KINDS: Final[tuple[RepairKind, ...]] = ("call_from_text", "arguments_trimmed", "undeclared_keys_dropped",
-                                               "retried_without_tool_parsing")
+                                               "retried_without_tool_parsing", "parse_error_dropped")
 
 # Words of JSON Schema a model copies from the tool's `parameters` into its arguments.
 SCHEMA_WORDS: Final = frozenset({"type", "properties", "required", "additionalProperties", "description", "title",
@@ -86,6 +90,18 @@ def tool_schemas(tools: Any) -> dict[str, Mapping[str, Any]]:
 def is_tool_parse_failure(status: int, message: str) -> bool:
     """Is this upstream error llama.cpp's "could not parse the tool call" 500?"""
     return status == 500 and bool(_PARSE_FAILURE.search(message))
+
+
+def retried_without_parsing(message: str) -> Repair:
+    """The repair of asking again without tool parsing after the upstream's `message` (its parse-failure 500)."""
+    return Repair("retried_without_tool_parsing", "", f"the upstream could not parse the model's tool call "
+                                                      f"({message}); asked again without tool parsing")
+
+
+def parse_error_dropped(message: str) -> Repair:
+    """The repair of a stream that ended in the upstream's parse-failure error event `message`."""
+    return Repair("parse_error_dropped", "", f"the upstream ended the stream with its tool-call parse error "
+                                             f"({message}); the text it streamed was repaired instead")
 
 
 def without_tool_parsing(body: Mapping[str, Any]) -> dict[str, Any]:

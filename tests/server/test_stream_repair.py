@@ -47,13 +47,18 @@ def stream(message: dict[str, Any], finish: str, tool_repair: bool = True,
     got, out = Reassembly(), ChatOutlet(include_usage=True)
     repair = StreamRepair.of(upstream(tool_repair), TOOLS, 1)
     sent: list[bytes] = []
-    for event in events or events_of(message, finish):
+    failed = False
+    for event in events or events_of(message, finish):  # as stream_through reads them
         kind = got.feed(event)
-        if repair is not None and repair.holds(kind, event, got):
-            continue
-        sent.append(out.event(kind, event, got.last))
+        if kind == "done":
+            break
+        sent.append(repair.pass_on(kind, event, got, out) if repair is not None else out.event(kind, event, got.last))
+        if kind == "error" and (repair is None or repair.parse_error is None):
+            failed = True
+            break
     if repair is not None:
-        repair.repair(got)
+        if not failed:
+            repair.repair(got)
         sent.append(repair.tail(out))
     return sent, got, repair
 
@@ -110,7 +115,7 @@ def test_a_plain_answer_streams_as_it_comes_and_unchanged() -> None:
     events = events_of(message, "stop")
     sent, got, repair = stream(message, "stop", events=events)
     plain_sent, _, _ = stream(message, "stop", tool_repair=False, events=events)
-    assert sent[:-1] == plain_sent and sent[-1] == b""  # nothing held, nothing added
+    assert b"".join(sent) == b"".join(plain_sent)  # nothing held, nothing added
     assert repair is not None and repair.repairs == ()
     assert got.message()["content"] == message["content"]
 
@@ -121,7 +126,7 @@ def test_text_that_could_be_a_call_but_is_not_arrives_whole_and_byte_exact() -> 
     sent, got, repair = stream(message, "stop", events=events)
     plain_sent, _, _ = stream(message, "stop", tool_repair=False, events=events)
     assert b"".join(sent) == b"".join(plain_sent)
-    assert repair is not None and repair.repairs == () and repair.held
+    assert repair is not None and repair.repairs == () and b"retries" in sent[-1]  # held, then sent at the end
     assert client_view(sent) == (message["content"], [], "stop")
 
 
@@ -139,3 +144,26 @@ def test_no_repair_without_tool_repair_or_without_tools() -> None:
     assert StreamRepair.of(upstream(tool_repair=False), TOOLS, 1) is None
     assert StreamRepair.of(upstream(), None, 1) is None
     assert StreamRepair.of(upstream(), TOOLS, 2) is None  # several choices: only choice 0 could be repaired
+
+
+def test_a_stream_llamacpp_ends_with_its_parse_error_becomes_the_repaired_reply() -> None:
+    # Recorded from `gateway local --model gemma3-270m` (llama.cpp streams the text, then the error event).
+    events = [e + b"\n\n" for e in (FIXTURES / "gemma_stream_parse_error.sse").read_bytes().split(b"\n\n") if e.strip()]
+    assert b"peg-native format" in events[-1]
+    text = "".join(orjson.loads(e[6:])["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+    sent, got, repair = stream({}, "stop", events=events)
+    plain_sent, _, _ = stream({}, "stop", tool_repair=False, events=events)
+    assert b"peg-native format" in b"".join(plain_sent)  # without repair the 500 reaches the client
+    assert b"error" not in b"".join(sent)
+    assert repair is not None and [r.kind for r in repair.repairs][:1] == ["parse_error_dropped"]
+    content, calls, finish = client_view(sent)
+    assert (content, calls, finish) == (text, [], "stop")  # no call in it: the text is the answer, whole
+    assert got.message()["content"] == text and got.finish == "stop"
+
+
+def test_another_error_ends_the_stream_after_what_was_held() -> None:
+    message = {"role": "assistant", "content": "Reading {notes.txt} now"}
+    events = [*events_of(message, "stop")[:-2], b'data: {"error": {"code": 503, "message": "overloaded"}}\n\n']
+    sent, _, repair = stream(message, "stop", events=events)
+    assert repair is not None and repair.parse_error is None
+    assert b"".join(sent).endswith(events[-1]) and client_view(sent)[0] == message["content"]

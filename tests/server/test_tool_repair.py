@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
 import orjson
 import pytest
 from aiohttp import web
@@ -45,9 +46,15 @@ class LlamaLike:
 
     bodies: list[dict[str, Any]] = field(default_factory=list)
 
-    async def handle(self, request: web.Request) -> web.Response:
+    async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        if body.get("stream"):  # as llama.cpp streams a call it cannot parse: the text, then its error event
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write((FIXTURES / "gemma_stream_parse_error.sse").read_bytes())
+            await resp.write_eof()
+            return resp
         if any(m.get("role") == "tool" for m in body["messages"]):
             return web.json_response(ANSWER)
         if body.get("tool_choice") != "none":
@@ -146,3 +153,24 @@ async def test_a_server_side_run_runs_the_repaired_call(gateway: Proc, llama: tu
     assert [(e["toolName"], orjson.loads(e["args"])) for e in started] == [("read_file", {"path": "notes.txt"})]
     assert kinds.index("tool_call_repaired") < kinds.index("turn") < kinds.index("tool_start")
     assert all(b["max_tokens"] <= CAP for b in upstream.bodies)
+
+
+async def test_a_stream_ending_in_the_parse_error_reaches_the_client_whole_without_it(
+        gateway: Proc, llama: tuple[LlamaLike, str]) -> None:
+    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0,
+                                default_headers={"X-Run-Id": "stream-500"})
+    chunks = [c async for c in await client.chat.completions.create(
+        model="qwen", messages=TASK, tools=TOOLS, stream=True)]  # type: ignore[arg-type]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    recorded_text = "".join(orjson.loads(e[6:])["choices"][0]["delta"].get("content") or ""
+                            for e in (FIXTURES / "gemma_stream_parse_error.sse").read_bytes().split(b"\n\n")
+                            if e.startswith(b"data: {\"choices\""))
+    assert text == recorded_text and "XML tags" in text  # what the model wrote, whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    async with aiohttp.ClientSession() as session:
+        traced = [e for e in await events(session, gateway, "stream-500") if e["type"] == "tool_call_repaired"]
+    assert [e["repair"] for e in traced] == ["parse_error_dropped"] and "peg-native" in traced[0]["detail"]
+    with pytest.raises(openai.APIError, match="peg-native format"):  # without repair, llama.cpp's error arrives
+        async for _ in await client.chat.completions.create(model="plain-qwen", messages=TASK, tools=TOOLS,  # type: ignore[arg-type]
+                                                            stream=True):
+            pass

@@ -199,16 +199,14 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, route
                                             f"chunk that is not JSON: {event[:80]!r}", upstream_name, 200)
                     opened.outcome = "malformed"
                     break
-                if repair is not None and repair.holds(kind, event, got):
-                    continue
-                data = out.event(kind, event, got.last)
+                data = repair.pass_on(kind, event, got, out) if repair is not None else out.event(kind, event, got.last)
                 try:
                     if data:
                         await response.write(data)
                 except (ConnectionError, RuntimeError):
                     client_gone = True
                     break
-                if kind == "error":
+                if kind == "error" and (repair is None or repair.parse_error is None):  # not dropped by the repair
                     failure = UpstreamError("upstream_error", f"upstream '{upstream_name}' sent an error "
                                             "in the stream", upstream_name, 200)
                     opened.outcome = "malformed"

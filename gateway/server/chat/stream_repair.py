@@ -11,6 +11,11 @@ function (`gateway.providers.repair.repair_message`) and:
 - repaired: the client gets the repaired reply's rest instead — the text not made a call,
   the tool calls whole (one delta each), the finish reason — then the held usage chunk.
 
+llama.cpp streams the model's text and, when it cannot parse it as the tool call, ends the
+stream with an error event ("does not match the expected ... format", code 500) instead of
+a finish. While holding, that error is dropped (`parse_error_dropped`) and the text it
+could not parse is repaired like any other: no such 500 reaches the client or the run.
+
 The reassembly then holds the repaired message, so the turn is booked (with its
 `tool_call_repaired` lines and metric) as the client saw it. Text that reached the client
 before holding began stays the message's content. A plain answer streams live unless it
@@ -26,7 +31,14 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from gateway.providers.repair import Repair, RepairedMessage, repair_message, tool_schemas
+from gateway.providers.repair import (
+    Repair,
+    RepairedMessage,
+    is_tool_parse_failure,
+    parse_error_dropped,
+    repair_message,
+    tool_schemas,
+)
 from gateway.providers.upstream import Upstream
 
 if TYPE_CHECKING:  # the outlet and reassembly live beside stream_through, which imports this module
@@ -56,6 +68,7 @@ class StreamRepair:
     sent: str = ""  # their text (set by `repair`)
     template: dict[str, Any] | None = None
     fixed: RepairedMessage | None = None
+    parse_error: str | None = None  # the upstream's parse-failure error event, dropped
 
     @classmethod
     def of(cls, upstream: Upstream, tools: Sequence[Mapping[str, Any]] | None, n: int) -> StreamRepair | None:
@@ -68,8 +81,24 @@ class StreamRepair:
     def repairs(self) -> tuple[Repair, ...]:
         return self.fixed.repairs if self.fixed is not None else ()
 
+    def pass_on(self, kind: EventKind, raw: bytes, got: Reassembly, out: ChatOutlet) -> bytes:
+        """What to write now for this event (just fed to `got`): nothing while holding, what
+        was held before an error that ends the stream, else what the outlet makes of it."""
+        if self.holds(kind, raw, got):
+            return b""
+        data = out.event(kind, raw, got.last)
+        return self.tail(out) + data if kind == "error" else data
+
     def holds(self, kind: EventKind, raw: bytes, got: Reassembly) -> bool:
-        """Keep this event (just fed to `got`) back? Once one is kept, every later one is."""
+        """Keep this event (just fed to `got`) back? Once one is kept, every later one is,
+        except an error: the upstream's parse failure is kept aside (and dropped), any
+        other is passed on (`tail` first) and ends the stream."""
+        if kind == "error":
+            message = _parse_failure(got.last) if self.held else None
+            if message is not None:
+                self.parse_error = message
+                return True
+            return False
         if self.template is None and got.last is not None and "choices" in got.last:
             self.template = {k: got.last[k] for k in _CHUNK_FIELDS if k in got.last}
         if not self.held and kind == "chunk":
@@ -88,6 +117,9 @@ class StreamRepair:
             return
         message = got.message()
         fixed = repair_message(message, got.finish, self.tools)
+        if self.parse_error is not None:  # the stream had no finish: the repaired text is the reply
+            fixed = RepairedMessage(fixed.message, fixed.finish or "stop",
+                                    (parse_error_dropped(self.parse_error), *fixed.repairs))
         if not fixed.repairs:
             return
         self.sent = "".join(got.content[: self.sent_parts])
@@ -100,9 +132,10 @@ class StreamRepair:
         got.finish = fixed.finish
 
     def tail(self, out: ChatOutlet) -> bytes:
-        """What the client is sent of the held events: as they came, or the repaired rest."""
+        """What the client is sent of the held events (once): as they came, or the repaired rest."""
+        held, self.held = self.held, []
         if self.fixed is None:
-            return b"".join(out.event(h.kind, h.raw, h.chunk) for h in self.held)
+            return b"".join(out.event(h.kind, h.raw, h.chunk) for h in held)
         message = self.fixed.message
         parts: list[bytes] = []
         content = message.get("content")
@@ -113,10 +146,20 @@ class StreamRepair:
         if calls:
             parts.append(self._write(out, {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}))
         parts.append(self._write(out, {}, self.fixed.finish or "stop"))
-        parts += [out.event(h.kind, h.raw, h.chunk) for h in self.held if h.kind != "chunk"]
+        parts += [out.event(h.kind, h.raw, h.chunk) for h in held if h.kind != "chunk"]
         return b"".join(parts)
 
     def _write(self, out: ChatOutlet, delta: dict[str, Any], finish: str | None = None) -> bytes:
         chunk = {**(self.template or {"object": "chat.completion.chunk"}),
                  "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
         return out.event("chunk", b"data: " + orjson.dumps(chunk) + b"\n\n", chunk)
+
+
+def _parse_failure(chunk: Mapping[str, Any] | None) -> str | None:
+    """The message of an error event that is the upstream's tool-call parse failure, else None."""
+    error = chunk.get("error") if chunk is not None else None
+    if not isinstance(error, Mapping):
+        return None
+    code, message = error.get("code"), str(error.get("message") or "")
+    status = code if isinstance(code, int) and not isinstance(code, bool) else 500 if code is None else 0
+    return message if is_tool_parse_failure(status, message) else None
