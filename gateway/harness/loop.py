@@ -251,17 +251,14 @@ def _answer(state: RunState, call_id: str, name: str, content: str) -> None:
     state.messages.append({"role": "tool", "tool_call_id": call_id, "name": name, "content": content})
 
 
-ANSWER_NOW: Final = "Using the tool results above, answer in one sentence, without calling a tool: {question}"
+ANSWER_NOW: Final = "Answer my question now, in one sentence, from the tool results above. Do not call a tool."
 
 
 def _asking_the_answer(messages: list[Message]) -> list[Message]:
     """The request's messages once tools are withheld (`tool_rounds`): the transcript plus a
-    user line asking for the answer to the user's last question, restated (it is not kept in
-    the run). A small model shown tool results and no tools otherwise often writes one more
-    tool call as its answer, or names a tool where a file was asked for."""
-    question = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), None)
-    text = question if isinstance(question, str) and question.strip() else "answer my question."
-    return [*messages, {"role": "user", "content": ANSWER_NOW.format(question=text[:2000])}]
+    user line asking for the answer, which is not kept in the run. A small model shown tool
+    results and no tools otherwise often writes one more tool call as its answer."""
+    return [*messages, {"role": "user", "content": ANSWER_NOW}]
 
 
 def _offers_tools(state: RunState, options: RunOptions) -> bool:
