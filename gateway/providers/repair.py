@@ -35,6 +35,8 @@ from typing import Any, Final, Literal
 
 import orjson
 
+from gateway.harness.trace import RepairFields
+
 RepairKind = Literal["call_from_text", "arguments_trimmed", "undeclared_keys_dropped", "retried_without_tool_parsing",
                      "parse_error_dropped"]
 REPAIR_KINDS: Final[tuple[RepairKind, ...]] = ("call_from_text", "arguments_trimmed", "undeclared_keys_dropped",
@@ -60,7 +62,7 @@ class Repair:
     tool: str
     detail: str
 
-    def to_json(self) -> dict[str, str]:
+    def to_json(self) -> RepairFields:
         """The trace event's fields (`tool_call_repaired`)."""
         return {"repair": self.kind, "tool": self.tool, "detail": self.detail}
 

@@ -70,7 +70,7 @@ class Notifier:
         self._next_scan = 0.0
         self._next_depth = 0.0
 
-    def rule(self, run_id: str, events: Sequence[dict[str, Any]]) -> list[Notice]:
+    def rule(self, run_id: str, events: Sequence[Mapping[str, Any]]) -> list[Notice]:
         """The store's `notice_rule`: runs inside its write, so it only builds and signals."""
         notices = message.notices_for(self.config.webhooks, run_id, events, time.time())
         if notices:
