@@ -31,9 +31,10 @@ def answer_for(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Usage]:
     if last.get("type") == "function_call_output":
         output = [{"id": "msg_up", "type": "message", "role": "assistant", "status": "completed",
                    "content": [{"type": "output_text", "text": f"done: {last['output']}", "annotations": []}]}]
-    else:
+    else:  # asked so, a small model's call: the tool's schema echoed as its arguments
+        args = '{"type": "object", "properties": {}}' if last.get("content") == "echo the schema" else "{}"
         output = [{"id": "fc_up", "type": "function_call", "status": "completed", "call_id": "n1",
-                   "name": "list_files", "arguments": "{}"}]
+                   "name": "list_files", "arguments": args}]
     return output, Usage(100 + 10 * len(body["input"]), 7)
 
 
@@ -59,7 +60,7 @@ async def native(request: web.Request) -> web.StreamResponse:
                    for d in (text[:3], text[3:])]
     else:
         events += [{"type": "response.output_item.added", "output_index": 0, "item": {**item, "arguments": ""}},
-                   {"type": "response.function_call_arguments.delta", "output_index": 0, "delta": "{}"}]
+                   {"type": "response.function_call_arguments.delta", "output_index": 0, "delta": item["arguments"]}]
     events += [{"type": "response.output_item.done", "output_index": 0, "item": item},
                {"type": "response.completed", "response": final}]
     for n, event in enumerate(events):
@@ -125,3 +126,27 @@ async def test_a_native_upstream_gets_the_strict_clamp_as_max_output_tokens(upst
     assert 0 < clamp < 100_000
     with pytest.raises(openai.BadRequestError):
         await client.responses.create(model="native-1", input="x", tools=[{"type": "web_search"}])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_native_upstreams_function_call_is_repaired_with_tool_repair(upstream: Any, tmp_path: Path,
+                                                                             stream: bool) -> None:
+    data = config_data(upstreams=[{"name": "native", "base_url": str(upstream.make_url("/v1")), "api": "responses",
+                                   "tool_repair": True}],
+                       models=[{"match": "*", "upstream": "native", "price_in": 2.0, "price_out": 12.0}])
+    proc = await asyncio.to_thread(serve, tmp_path / "gw", data)
+    try:
+        client = sdk(proc)
+        if stream:
+            async with client.responses.stream(model="native-1", tools=TOOLS, input="echo the schema") as events:
+                async for _ in events:
+                    pass
+                response = await events.get_final_response()
+        else:
+            response = await client.responses.create(model="native-1", tools=TOOLS, input="echo the schema")
+        call = response.output[0]
+        assert call.type == "function_call" and call.name == "list_files" and call.arguments == "{}"
+        run = await load_run(proc, await stored_run_id(proc, response.id))
+        assert run.messages[-1]["tool_calls"][0]["function"]["arguments"] == "{}"  # booked repaired
+    finally:
+        proc.stop()
