@@ -19,7 +19,7 @@ from aiohttp import web
 
 from gateway.config.settings import TeamConfig
 from gateway.harness.state import Message, RunState
-from gateway.harness.trace import event
+from gateway.harness.trace import Tracer
 from gateway.harness.usage import Price, Usage
 from gateway.server import context as ctx
 from gateway.server.http.chat_request import ChatRequest
@@ -148,8 +148,8 @@ async def _book_on_run(app: web.Application, run: RunState, adm: Admission, spen
         state.cost_usd += cost
 
     def trace(state: RunState) -> list[Event]:
-        return [event(state.run_id, "embeddings", model=model, prompt_tokens=spent.prompt_tokens,
-                      costUsd=round(state.cost_usd, 9))]
+        return [Tracer(state.run_id)("embeddings", model=model, prompt_tokens=spent.prompt_tokens,
+                                     costUsd=round(state.cost_usd, 9))]
 
     governor = app[ctx.GOVERNOR]
     booking = governor.booking(adm, cost, spent.total_tokens)

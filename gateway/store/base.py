@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from gateway.harness.state import STATUSES, RunState, StateError
+from gateway.harness.trace import Event as Event  # the store keeps trace lines
 from gateway.store.errors import StoreError
 from gateway.store.outbox import Claimed, Notice, NoticeRule
 
-Event = dict[str, Any]
 Ledger = tuple[float, float]
 """(spent, reserved) USD of a team in a period, as `team_spend` reports them."""
 

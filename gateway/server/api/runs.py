@@ -26,7 +26,7 @@ from aiohttp import web
 from gateway.config.settings import TeamConfig
 from gateway.harness.approvals import ApprovalError, decide
 from gateway.harness.state import Decision, Interruption, RunState, scoped_run_id
-from gateway.harness.trace import Tracer
+from gateway.harness.trace import Event, StartSetup, Tracer, with_run_id
 from gateway.policy.approval import expired, expiry_decision
 from gateway.policy.decl import Policy
 from gateway.server import context as ctx
@@ -115,11 +115,11 @@ def _reviews_others(app: web.Application, team: TeamConfig) -> bool:
                              for name in policies.names() if (p := policies.get(name)) is not None)
 
 
-def public_event(run: RunState, event: dict[str, Any]) -> dict[str, Any]:
+def public_event(run: RunState, event: Event) -> Event:
     """A trace line as the API shows it: run ids as the client knows them."""
     rid = event.get("runId")
     if isinstance(rid, str) and rid.startswith(run.team + "/"):
-        return {**event, "runId": rid[len(run.team) + 1:]}
+        return with_run_id(event, rid[len(run.team) + 1:])
     return event
 
 
@@ -181,7 +181,7 @@ async def run_events(request: web.Request) -> web.StreamResponse:
         return web.Response(body=lines, content_type="application/x-ndjson")
     sse = await SSEStream.open(request)
 
-    async def emit(seq: int, event: dict[str, Any]) -> None:
+    async def emit(seq: int, event: Event) -> None:
         await sse.data(public_event(run, event), id=seq)
 
     try:
@@ -258,15 +258,16 @@ async def post_resume(request: web.Request) -> web.StreamResponse:
 async def _reopen_passthrough(request: web.Request, run: RunState, policy: Policy, prepare: Prepare) -> web.Response:
     """A pass-through run is driven by its client: resuming it only reopens it for the next call."""
     app = request.app
-    fields: dict[str, Any] = {}
+    setup: StartSetup | None = None
 
     def change(state: RunState) -> None:
-        fields.update(prepare(state, policy) or {})
+        nonlocal setup
+        setup = prepare(state, policy)
 
     run = await update_run(app[ctx.STORE], run, change)
     request[ctx.RUN] = run
     writer = TraceWriter(app[ctx.STORE], run.run_id, trace_file=app[ctx.CONFIG].trace_file)
-    Tracer(run.run_id, writer)("run_resumed", **fields, turns=run.turns, costUsd=round(run.cost_usd, 9))
+    Tracer(run.run_id, writer).start("run_resumed", setup, {"turns": run.turns, "costUsd": round(run.cost_usd, 9)})
     await writer.flush()
     return _json({"run": run_json(run)}, run=run)
 

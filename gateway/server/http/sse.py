@@ -14,6 +14,7 @@ import orjson
 from aiohttp import web
 
 from gateway.harness.state import public_run_id
+from gateway.harness.trace import Event
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -26,23 +27,22 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def progress_comment(event: Mapping[str, Any]) -> str | None:
+def progress_comment(event: Event) -> str | None:
     """The comment line for a trace event, or None for events a client need not see."""
-    kind = event.get("type")
     tool = str(event.get("toolName", ""))
-    if kind in ("run_started", "run_resumed"):
-        return f"{kind} {public_run_id(str(event.get('runId')))}"
-    if kind == "turn":
+    if event["type"] in ("run_started", "run_resumed"):
+        return f"{event['type']} {public_run_id(str(event.get('runId')))}"
+    if event["type"] == "turn":
         return f"turn {event.get('turn')}"
-    if kind == "tool_start":
+    if event["type"] == "tool_start":
         return f"tool_start {tool}"
-    if kind == "tool_progress":
+    if event["type"] == "tool_progress":
         return f"tool_progress {tool} {event.get('label', '')}"
-    if kind == "tool_result":
+    if event["type"] == "tool_result":
         return f"tool_result {tool} {'ok' if event.get('ok') else 'error'} {event.get('ms')}ms"
-    if kind in ("tool_deduped", "tool_denied", "approval_required"):
-        return f"{kind} {tool}"
-    if kind == "run_stopped":
+    if event["type"] in ("tool_deduped", "tool_denied", "approval_required"):
+        return f"{event['type']} {tool}"
+    if event["type"] == "run_stopped":
         return f"run_stopped {event.get('status')} {event.get('reason')}"
     return None
 

@@ -71,7 +71,7 @@ class Notifier:
         self.poll_s = config.server.webhook_poll_s
         self.scan_s = config.server.budget_scan_s
 
-    def rule(self, run_id: str, events: Sequence[dict[str, Any]]) -> list[Notice]:
+    def rule(self, run_id: str, events: Sequence[Mapping[str, Any]]) -> list[Notice]:
         """The store's `notice_rule`: runs inside its write, so it only builds and signals."""
         notices = message.notices_for(self.config.webhooks, run_id, events, time.time())
         if notices:
