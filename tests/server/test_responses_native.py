@@ -147,25 +147,29 @@ async def test_a_native_upstream_gets_the_strict_clamp_as_max_output_tokens(upst
         await client.responses.create(model="native-1", input="x", tools=[{"type": "web_search"}])  # type: ignore[list-item]
 
 
-@pytest.mark.parametrize("stream", [False, True])
-async def test_a_native_upstreams_function_call_is_repaired_with_tool_repair(upstream: Any, tmp_path: Path,
-                                                                             stream: bool) -> None:
-    data = config_data(upstreams=[{"name": "native", "base_url": str(upstream.make_url("/v1")), "api": "responses",
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def repairing(native_server: tuple[web.Application, str],
+                    tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Proc]:
+    """A gateway whose native upstream has `tool_repair`."""
+    data = config_data(upstreams=[{"name": "native", "base_url": native_server[1], "api": "responses",
                                    "tool_repair": True}],
                        models=[{"match": "*", "upstream": "native", "price_in": 2.0, "price_out": 12.0}])
-    proc = await asyncio.to_thread(serve, tmp_path / "gw", data)
-    try:
-        client = sdk(proc)
-        if stream:
-            async with client.responses.stream(model="native-1", tools=TOOLS, input="echo the schema") as events:
-                async for _ in events:
-                    pass
-                response = await events.get_final_response()
-        else:
-            response = await client.responses.create(model="native-1", tools=TOOLS, input="echo the schema")
-        call = response.output[0]
-        assert call.type == "function_call" and call.name == "list_files" and call.arguments == "{}"
-        run = await load_run(proc, await stored_run_id(proc, response.id))
-        assert run.messages[-1]["tool_calls"][0]["function"]["arguments"] == "{}"  # booked repaired
-    finally:
-        proc.stop()
+    proc = await asyncio.to_thread(serve, tmp_path_factory.mktemp("repairing") / "gw", data)
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_native_upstreams_function_call_is_repaired_with_tool_repair(repairing: Proc, stream: bool) -> None:
+    client = sdk(repairing)
+    if stream:
+        async with client.responses.stream(model="native-1", tools=TOOLS, input="echo the schema") as events:
+            async for _ in events:
+                pass
+            response = await events.get_final_response()
+    else:
+        response = await client.responses.create(model="native-1", tools=TOOLS, input="echo the schema")
+    call = response.output[0]
+    assert call.type == "function_call" and call.name == "list_files" and call.arguments == "{}"
+    run = await load_run(repairing, await stored_run_id(repairing, response.id))
+    assert run.messages[-1]["tool_calls"][0]["function"]["arguments"] == "{}"  # booked repaired
