@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from types import TracebackType
 from typing import Any, Final, cast
 from urllib.parse import urlsplit, urlunsplit
@@ -200,11 +200,15 @@ class RedisStore:
         state.updated_at = now
         return None if booking is None else (from_micros(int(result[1])), from_micros(int(result[2])))
 
-    async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100) -> list[RunState]:
-        check_list_args(status, limit)
+    async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100,
+                        policies: Collection[str] | None = None) -> list[RunState]:
+        check_list_args(status, limit, policies)
+        if policies is not None and not policies:
+            return []
+        wanted = "" if policies is None else "|" + "|".join(sorted(set(policies))) + "|"
         self._redis()
         async with self._errors:
-            flat: list[bytes] = await self._list(args=[self.prefix, team or "", status or "", str(limit)])
+            flat: list[bytes] = await self._list(args=[self.prefix, team or "", status or "", str(limit), wanted])
         return [parse_run(flat[i].decode(), flat[i + 1]) for i in range(0, len(flat), 2)]
 
     async def append_events(self, run_id: str, events: list[Event]) -> None:
@@ -467,4 +471,4 @@ def _figures(raw: list[Any]) -> Figures:
 def _run_fields(state: RunState) -> list[str | bytes]:
     """A new run as the scripts store it (CREATE_RUN's arguments after the prefix)."""
     return [state.run_id, state.team, state.status, repr(state.created_at), str(state.revision), state.dumps(),
-            str(state.turns), str(to_micros(state.cost_usd, "cost_usd"))]
+            str(state.turns), str(to_micros(state.cost_usd, "cost_usd")), state.policy]

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -282,10 +282,17 @@ class SqliteStore:
         state.updated_at = now
         return ledger
 
-    async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100) -> list[RunState]:
-        check_list_args(status, limit)
+    async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100,
+                        policies: Collection[str] | None = None) -> list[RunState]:
+        check_list_args(status, limit, policies)
         where: list[str] = []
         params: list[Any] = []
+        if policies is not None:
+            if not policies:
+                return []
+            names = sorted(set(policies))
+            where.append(f"policy IN ({', '.join('?' * len(names))})")
+            params.extend(names)
         if team is not None:
             where.append("team = ?")
             params.append(team)
