@@ -189,6 +189,9 @@ class Grant:
     figures: Figures = Figures()
     rates: tuple[RateState, ...] = ()
     """One per `Claim.rates`, in order: after the claim on a grant, as checked on a refusal."""
+    run_revision: int | None = None
+    """On a grant of a claim with `run_id`: the run's stored revision as the claim was judged
+    (in the same step), so a caller that started from a cached run knows whether it was current."""
 
 
 class Store(Protocol):

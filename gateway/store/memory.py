@@ -291,7 +291,7 @@ class MemoryStore:
             if limit.tokens_s is not None:
                 clock[1] = max(clock[1], now) + claim.tokens * limit.tokens_s
         after = tuple(self._rate_state(limit.scope, now, limit.max_in_flight is not None) for limit in claim.rates)
-        return Grant(rid, None, figures, after)
+        return Grant(rid, None, figures, after, run_revision=None if run is None else run.revision)
 
     def _rate_state(self, scope: str, now: float, counted: bool) -> RateState:
         clock = self._clocks.get(scope, (0.0, 0.0))

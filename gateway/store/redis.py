@@ -258,7 +258,8 @@ class RedisStore:
         async with self._errors:
             result: list[Any] = await self._admit(args=args)
         if int(result[0]) == 1:
-            return Grant(rid, rates=_clocks(claim, result[1:]))
+            revision = None if claim.run_id is None else int(result.pop())
+            return Grant(rid, rates=_clocks(claim, result[1:]), run_revision=revision)
         if int(result[0]) == 2 and claim.create is not None:
             raise RunExists(claim.create.run_id)
         return Grant(None, cast(Refusal, _text(result[1])), _figures(result[2:8]), _clocks(claim, result[8:]))

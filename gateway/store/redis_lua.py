@@ -153,7 +153,7 @@ return out
 # A Claim: checked (run exists, turn cap, calls in flight, run budget, team budget; '' = no
 # such condition; then each rate scope, base.rate_refusal: ARGV[14] the claim's tokens,
 # ARGV[15] how many scopes, then five each: scope, window s, s per request, s per token,
-# max in flight) and held at once. Returns {1, now, clocks...} or {0, refusal, figures...,
+# max in flight) and held at once. Returns {1, now, clocks..., run revision (with a run)} or {0, refusal, figures...,
 # now, clocks...}; clocks: requests tat, tokens tat, in flight (epoch s) per scope, after the
 # claim on a grant (in flight not read: 0), as checked on a refusal. A run's first call adds
 # the run to store first (CREATE_RUN's nine arguments) after the scopes: {2} if it exists.
@@ -221,7 +221,10 @@ redis.call('HSET', p .. 'res:' .. rid, 'team', team, 'period', period, 'amount',
            'run', run, 'owner', owner, 'scopes', scopes)
 redis.call('ZADD', p .. 'held:' .. team, expires, rid)
 redis.call('HINCRBY', p .. 'ledger:' .. team, 'reserved:' .. period, ARGV[4])
-if run ~= '' then redis.call('ZADD', p .. 'slots:' .. run, expires, rid) end
+if run ~= '' then
+  redis.call('ZADD', p .. 'slots:' .. run, expires, rid)
+  out[#out + 1] = redis.call('HGET', p .. 'run:' .. run, 'revision')  -- Grant.run_revision
+end
 if owner ~= '' then redis.call('SADD', p .. 'owner:' .. owner, rid) end
 return out
 """

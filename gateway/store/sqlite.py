@@ -461,11 +461,14 @@ class SqliteStore:
                 rates = tuple(self._rate_state(db, r, now) for r in claim.rates)
                 return Grant(None, judge(claim, figures, run_exists, rates) or "busy", figures, rates)
             granted.append((rid, now + ttl))
+            revision = None
+            if claim.run_id is not None:
+                revision = int(db.execute("SELECT revision FROM runs WHERE id = ?", (claim.run_id,)).fetchone()[0])
             if not rows:
-                return Grant(rid)
+                return Grant(rid, run_revision=revision)
             row = rows[0]
             return Grant(rid, rates=tuple(_spent(r, now, claim.tokens, row[2 * i], row[2 * i + 1])
-                                          for i, r in enumerate(claim.rates)))
+                                          for i, r in enumerate(claim.rates)), run_revision=revision)
 
         try:
             # One INSERT checks and holds at once (its trigger spends the rate clocks); marking
