@@ -270,7 +270,8 @@ class Store(Protocol):
         ...
 
     async def release_owner(self, owner: str) -> int:
-        """Release every reservation `owner` still holds (it restarted); returns how many."""
+        """Release every reservation and every run lease `owner` still holds (it restarted: an
+        owner name is never live in two processes); returns how many reservations."""
         ...
 
     async def settle(self, reservation_id: str, actual_usd: float, tokens: Sequence[TokenCharge] = ()) -> None:

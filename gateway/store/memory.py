@@ -321,6 +321,8 @@ class MemoryStore:
         mine = [rid for rid, r in self._reservations.items() if r.owner == owner and not r.expired]
         for rid in mine:
             del self._reservations[rid]
+        for run_id in [run_id for run_id, (held_by, _) in self._leases.items() if held_by == owner and owner]:
+            del self._leases[run_id]
         return len(mine)
 
     async def reserve(

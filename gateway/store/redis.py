@@ -309,13 +309,14 @@ class RedisStore:
         ttl_ms = max(1, math.ceil(check_ttl(ttl_s, "ttl_s", allow_zero=False) * 1000))
         self._redis()
         async with self._errors:
-            ok = await self._acquire(keys=[self._key("lease", run_id)], args=[owner, str(ttl_ms)])
+            ok = await self._acquire(keys=[self._key("lease", run_id), self._key("leases-of", owner)],
+                                     args=[owner, str(ttl_ms)])
         return int(ok) == 1
 
     async def release_lease(self, run_id: str, owner: str) -> None:
         self._redis()
         async with self._errors:
-            await self._unlease(keys=[self._key("lease", run_id)], args=[owner])
+            await self._unlease(keys=[self._key("lease", run_id), self._key("leases-of", owner)], args=[owner])
 
     async def prune_runs(self, updated_before: float, *, events_only: bool = False) -> int:
         self._redis()

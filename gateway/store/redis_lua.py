@@ -308,6 +308,13 @@ for _, rid in ipairs(redis.call('SMEMBERS', p .. 'owner:' .. owner)) do
   if redis.call('HGET', p .. 'res:' .. rid, 'state') == 'held' then n = n + release(p, rid) end
 end
 redis.call('DEL', p .. 'owner:' .. owner)
+-- Its leases too: a process's owner name is never live twice, so its previous life's
+-- leases are dead and another worker or replica may take those runs at once.
+local leases = p .. 'leases-of:' .. owner
+for _, key in ipairs(redis.call('SMEMBERS', leases)) do
+  if redis.call('GET', key) == owner then redis.call('DEL', key) end
+end
+redis.call('DEL', leases)
 return n
 """
 
@@ -418,17 +425,23 @@ local ledger = p .. 'ledger:' .. team
 return {1, redis.call('HGET', ledger, 'spent:' .. period) or '0', redis.call('HGET', ledger, 'reserved:' .. period) or '0'}
 """
 
+# KEYS[2]: the set of the lease keys `owner` took (RELEASE_OWNER frees them after a restart).
 ACQUIRE_LEASE: Final = """
 local key, owner, ttl = KEYS[1], ARGV[1], ARGV[2]
-if redis.call('SET', key, owner, 'NX', 'PX', ttl) then return 1 end
+if redis.call('SET', key, owner, 'NX', 'PX', ttl) then
+  redis.call('SADD', KEYS[2], key)
+  return 1
+end
 if redis.call('GET', key) == owner then
   redis.call('SET', key, owner, 'XX', 'PX', ttl)
+  redis.call('SADD', KEYS[2], key)
   return 1
 end
 return 0
 """
 
 RELEASE_LEASE: Final = """
+redis.call('SREM', KEYS[2], KEYS[1])
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """

@@ -539,10 +539,11 @@ class SqliteStore:
 
     async def release_owner(self, owner: str) -> int:
         def step(db: sqlite3.Connection) -> int:
+            db.execute("DELETE FROM leases WHERE owner = ? AND owner != ''", (owner,))
             return int(db.execute("DELETE FROM reservations WHERE owner = ? AND owner != '' AND state = 'held'",
                                   (owner,)).rowcount)
 
-        return await self._write(step, atomic=False)
+        return await self._write(step, atomic=True)
 
     def _reclaim(self, db: sqlite3.Connection, team: str, now: float) -> None:
         db.execute("UPDATE reservations SET state = 'expired' WHERE team = ? AND state = 'held' AND expires_at <= ?",

@@ -328,6 +328,22 @@ async def test_an_expired_lease_can_be_taken_over(stores: Stores) -> None:
     assert not await a.acquire_lease("run_a", "replica-a", ttl)
 
 
+async def test_a_restarted_owner_frees_the_leases_of_its_previous_life(stores: Stores) -> None:
+    # A worker's owner name is the same after a restart: the runs its dead life drove may be
+    # taken by any other worker at once, not only after the leases expire.
+    a, b = stores.open(), stores.open()
+    assert await a.acquire_lease("run_a", "host/w0", 30)
+    assert await a.acquire_lease("run_b", "host/w0", 30)
+    assert await b.acquire_lease("run_c", "host/w1", 30)
+    await a.release_lease("run_b", "host/w0")
+    assert await b.acquire_lease("run_b", "host/w1", 30)  # released earlier: w1's now
+    assert not await b.acquire_lease("run_a", "host/w1", 30)
+    await stores.open().release_owner("host/w0")  # w0 restarted
+    assert await b.acquire_lease("run_a", "host/w1", 30)
+    assert not await a.acquire_lease("run_b", "host/w0", 30)  # w1's leases are untouched
+    assert not await a.acquire_lease("run_c", "host/w0", 30)
+
+
 async def test_lease_ttl_must_be_positive(store: Store) -> None:
     with pytest.raises(ValueError, match="ttl_s"):
         await store.acquire_lease("run_a", "replica-a", 0)
