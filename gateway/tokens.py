@@ -41,7 +41,9 @@ the old one (the remembered transcript holds copies).
 
 from __future__ import annotations
 
+import binascii
 import functools
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -50,7 +52,6 @@ from typing import Any
 
 import orjson
 import tiktoken
-from tiktoken.load import load_tiktoken_bpe
 
 ENCODING_NAME = "o200k_base"
 ENCODING_PATH = Path(__file__).resolve().parent / "data" / "o200k_base.tiktoken"
@@ -91,13 +92,18 @@ def load_encoding(path: Path = ENCODING_PATH, expected_hash: str = ENCODING_SHA2
     location = str(Path(path).resolve())
     if not Path(location).is_file():
         raise EncodingFileError(f"{location}: o200k_base rank file not found")
-    try:
-        ranks = load_tiktoken_bpe(location, expected_hash=expected_hash)
-    except ValueError as exc:
-        raise EncodingFileError(
-            f"{location}: not the official o200k_base rank file (sha256 must be {expected_hash})"
-        ) from exc
-    return LeanEncoding(location, expected_hash, ranks)
+    data = Path(location).read_bytes()
+    if hashlib.sha256(data).hexdigest() != expected_hash:
+        raise EncodingFileError(f"{location}: not the official o200k_base rank file (sha256 must be {expected_hash})")
+    return LeanEncoding(location, expected_hash, _ranks(data))
+
+
+def _ranks(data: bytes) -> dict[bytes, int]:
+    """The rank table of a hash-checked file: what tiktoken's `load_tiktoken_bpe` reads, in
+    half its time (one C call per line instead of `base64.b64decode`'s Python wrapper): every
+    gateway process and CLI call pays this at start."""
+    a2b = binascii.a2b_base64
+    return {a2b(token): int(rank) for token, rank in (line.split() for line in data.splitlines() if line)}
 
 
 class LeanEncoding(tiktoken.Encoding):

@@ -57,6 +57,7 @@ import yaml
 from gateway.config.fields import ConfigError, Field
 from gateway.harness.usage import Price
 from gateway.config.rates import KeyLimits, RateLimits, key_scope, parse_rate_limits
+from gateway.config.yamlfile import parse as parse_yaml
 from gateway.config.webhooks import WebhookConfig, parse_public_url, parse_webhooks
 from gateway.providers.routing import Breaker, Deployment, Group, RoutePlan
 
@@ -272,7 +273,7 @@ def load_config(path: str | Path) -> Config:
     except OSError as exc:
         raise ConfigError(str(file), "", f"cannot read the file: {exc.strerror or exc}") from None
     try:
-        data = yaml.safe_load(text)
+        data = parse_yaml(text, lambda loader: loader.get_single_data())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""

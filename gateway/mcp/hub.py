@@ -23,17 +23,17 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
-
-from mcp import Client
-from mcp.client.stdio import StdioServerParameters
-from mcp.client.streamable_http import streamable_http_client
-from mcp.shared._httpx_utils import create_mcp_http_client  # the SDK's own defaults (timeouts) for its HTTP client
-from mcp.shared.exceptions import MCPError
-from mcp_types import CONNECTION_CLOSED, Implementation
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from gateway.mcp.config import McpServerConfig, McpToolInfo
 from gateway.mcp.content import flatten
+
+if TYPE_CHECKING:
+    from mcp import Client
+
+# The MCP SDK is imported where a session starts or fails, not at module load: importing it
+# takes most of a second, which every gateway start and every CLI call would otherwise pay,
+# with or without an MCP server in its policies.
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ MAX_TOOLS = 1000
 """More tools than this on one server is refused: a model cannot use them, and a server
 that lists them without end must not hang a policy load."""
 MAX_PROGRESS_LABEL = 200
-CLIENT_INFO = Implementation(name="gateway", version="0.1.0")
+CLIENT_NAME, CLIENT_VERSION = "gateway", "0.1.0"
 
 class McpUnavailable(Exception):
     """The server could not be reached, or died during the call (the message says which)."""
@@ -80,6 +80,8 @@ class ServerHealth:
 
 def _reason(exc: BaseException) -> str:
     """A short sentence for an exception (the first leaf of a group), never a traceback."""
+    from mcp.shared.exceptions import MCPError
+
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     if isinstance(exc, MCPError):
@@ -158,6 +160,12 @@ class _Connection:
     async def _run(self, ready: asyncio.Future[Client], stop: asyncio.Event) -> None:
         """Own the session for its whole life: the SDK's transports must be entered and left
         by the same task."""
+        from mcp import Client
+        from mcp.client.stdio import StdioServerParameters
+        from mcp.client.streamable_http import streamable_http_client
+        from mcp.shared._httpx_utils import create_mcp_http_client  # the SDK's own defaults (timeouts)
+        from mcp_types import Implementation
+
         c = self.config
         try:
             async with contextlib.AsyncExitStack() as stack:
@@ -167,7 +175,7 @@ class _Connection:
                 else:
                     target = StdioServerParameters(command=c.command[0], args=list(c.command[1:]),
                                                    env=dict(c.env) or None, cwd=c.cwd)
-                client = await stack.enter_async_context(Client(target, cache=None, client_info=CLIENT_INFO))
+                client = await stack.enter_async_context(Client(target, cache=None, client_info=Implementation(name=CLIENT_NAME, version=CLIENT_VERSION)))
                 self._client = client
                 self.state, self.error = "up", None
                 self.starts += 1
@@ -204,6 +212,9 @@ class _Connection:
             self._failed(f"it died ({reason})")
 
     async def list_tools(self) -> list[McpToolInfo]:
+        from mcp.shared.exceptions import MCPError
+        from mcp_types import CONNECTION_CLOSED
+
         client = await self.client()
         tools: list[McpToolInfo] = []
         cursor: str | None = None
@@ -230,6 +241,9 @@ class _Connection:
                    on_progress: Callable[[str], None]) -> CallResult:
         """`tools/call`; `named` is the caller's entry for this server (its name and result cap:
         policies sharing the session may name and cap it differently)."""
+        from mcp.shared.exceptions import MCPError
+        from mcp_types import CONNECTION_CLOSED
+
         client = await self.client()
 
         async def report(progress: float, total: float | None, message: str | None) -> None:

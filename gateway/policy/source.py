@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 
 import yaml
 
+from gateway.config.yamlfile import parse
 from gateway.policy.errors import FieldPath, PolicyError, format_path
 
 
@@ -23,13 +24,8 @@ class Source:
     def __init__(self, file: str, text: str) -> None:
         self.file = file
         self._lines: dict[FieldPath, int] = {}
-        loader = yaml.SafeLoader(text)
         try:
-            node = loader.get_single_node()
-            if node is None:
-                raise PolicyError(file, 1, (), "the file is empty; a policy is a YAML mapping")
-            self._index(node, ())
-            self.data: Any = loader.construct_document(node)
+            self.data: Any = parse(text, self._compose)
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             line = mark.line + 1 if mark is not None else None
@@ -40,8 +36,14 @@ class Source:
             raise PolicyError(file, line, (), f"not valid YAML: {problem}") from exc
         except yaml.YAMLError as exc:
             raise PolicyError(file, None, (), f"not valid YAML: {exc}") from exc
-        finally:
-            loader.dispose()
+
+    def _compose(self, loader: yaml.SafeLoader) -> Any:
+        self._lines.clear()
+        node = loader.get_single_node()
+        if node is None:
+            raise PolicyError(self.file, 1, (), "the file is empty; a policy is a YAML mapping")
+        self._index(node, ())
+        return loader.construct_document(node)
 
     def _index(self, node: yaml.Node, path: FieldPath) -> None:
         self._lines.setdefault(path, node.start_mark.line + 1)
