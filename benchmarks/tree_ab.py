@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import statistics
@@ -67,43 +68,41 @@ async def cell(base: Proc, this: Proc, mode: str, c: int, n: int, rounds: int) -
     return out
 
 
+def stop_redis(popen: subprocess.Popen[bytes]) -> None:
+    popen.kill()
+    popen.wait()
+
+
 async def main_async(args: argparse.Namespace) -> None:
     base_tree = Path(args.base).resolve()
-    with tempfile.TemporaryDirectory(prefix="gw-ab-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="gw-ab-") as tmp, contextlib.ExitStack() as running:
         folder = Path(tmp)
-        procs: list[Proc] = []
-        redis_proc: subprocess.Popen[bytes] | None = None
-        try:
-            up_port = free_port()
-            procs.append(up := start_gateway(["scripted", "--port", str(up_port)], "/healthz", up_port,
-                                             folder / "upstream.log"))
-            stores: dict[str, dict[str, Any] | None] = {"sqlite": None}
-            exe = shutil.which("redis-server")
-            if exe is not None and not args.sqlite_only:
-                redis_proc, redis_port = _start_redis(exe, folder)
-                stores["redis"] = {"kind": "redis", "url": f"redis://127.0.0.1:{redis_port}/0"}
-            print(f"this tree ({ROOT}) / base ({base_tree}); median [min-max] over {args.rounds} alternating rounds; "
-                  f"load {os.getloadavg()[0]:.1f}")
-            for store, spec in stores.items():
-                gws = []
-                for tree, tag in ((base_tree, "base"), (ROOT, "this")):
-                    s = None if spec is None else {**spec, "prefix": f"ab-{tag}:"}
-                    procs.append(gw := start(tree, f"{store}-{tag}", folder, up.url + "/v1", s))
-                    gws.append(gw)
-                for c in (1, 32):
-                    for mode in MODES:
-                        n = args.requests * (2 if c == 32 else 1)
-                        figures = await cell(gws[0], gws[1], mode, c, n, args.rounds)
-                        shown = " | ".join(f"{k} x{statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]"
-                                           for k, v in figures.items())
-                        print(f"{store:<7} {mode:<9} c={c:<3} {shown}", flush=True)
-            print(f"load {os.getloadavg()[0]:.1f}")
-        finally:
-            for p in reversed(procs):
-                p.stop()
-            if redis_proc is not None:
-                redis_proc.kill()
-                redis_proc.wait()
+        up_port = free_port()
+        up = start_gateway(["scripted", "--port", str(up_port)], "/healthz", up_port, folder / "upstream.log")
+        running.callback(up.stop)
+        stores: dict[str, dict[str, Any] | None] = {"sqlite": None}
+        exe = shutil.which("redis-server")
+        if exe is not None and not args.sqlite_only:
+            redis_proc, redis_port = _start_redis(exe, folder)
+            running.callback(stop_redis, redis_proc)
+            stores["redis"] = {"kind": "redis", "url": f"redis://127.0.0.1:{redis_port}/0"}
+        print(f"this tree ({ROOT}) / base ({base_tree}); median [min-max] over {args.rounds} alternating rounds; "
+              f"load {os.getloadavg()[0]:.1f}")
+        for store, spec in stores.items():
+            gws = []
+            for tree, tag in ((base_tree, "base"), (ROOT, "this")):
+                s = None if spec is None else {**spec, "prefix": f"ab-{tag}:"}
+                gw = start(tree, f"{store}-{tag}", folder, up.url + "/v1", s)
+                running.callback(gw.stop)
+                gws.append(gw)
+            for c in (1, 32):
+                for mode in MODES:
+                    n = args.requests * (2 if c == 32 else 1)
+                    figures = await cell(gws[0], gws[1], mode, c, n, args.rounds)
+                    shown = " | ".join(f"{k} x{statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]"
+                                       for k, v in figures.items())
+                    print(f"{store:<7} {mode:<9} c={c:<3} {shown}", flush=True)
+        print(f"load {os.getloadavg()[0]:.1f}")
 
 
 def main() -> None:
