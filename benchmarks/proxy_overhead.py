@@ -22,6 +22,20 @@ Targets (issue 16): added latency <= 1.5x the floor's at c=1 for same-run and ne
 calls on SQLite, <= 2x on Redis; req/s at c=32 >= 0.7x the floor's; stream TTFB <= the
 floor's + 0.5 ms; --workers 2 at c=32 >= 1.6x one worker's req/s.
 
+`--limits` adds, per store, the cost of rate limits and of route selection (issue 15): one
+gateway serves a team without rate limits and one with them (requests, tokens and
+max_in_flight, never reached), a model routed to one upstream and one routed over two
+weighted deployments (retries, a fallback); c=1 same-run calls rotate over the four
+combinations on one connection (off, limits, routed, both), so that each sees the machine
+at the same moments. Its figures: each combination's p50 minus the plain one's, the
+median of the per-round differences (paired), and the CPU time the gateway's serving
+thread (plus redis-server's, on Redis) spent on each call (from /proc/PID/schedstat, read
+around every call), paired the same way. On a loaded machine a call's latency stretches
+with the CPU it needs (every microsecond of work waits for a core), so the CPU figure is
+the one that holds still there; on an idle one the two agree. Target: both <= plain +
+0.05 ms p50.
+`--limits-only` measures that cell alone.
+
 `--profile DIR` instead runs every cell once with py-spy (extra `profile`) sampling the
 gateway and prints the top functions by own time (raw stacks kept in DIR).
 
@@ -104,8 +118,31 @@ BODY = orjson.dumps({
 STREAM_BODY = orjson.dumps({**orjson.loads(BODY), "stream": True})
 KEY = "sk-bench"
 TURNS_PER_RUN = 10
+LIMITED_KEY = "sk-bench-limited"
+RATE_LIMITS = {"requests_per_minute": 1_000_000_000, "tokens_per_minute": 1_000_000_000, "max_in_flight": 100_000}
+"""The limited team's rate limits: all three kinds, never reached."""
+ROUTED_MODEL = "bench-routed"
+"""A model routed over two weighted deployments (of the one scripted upstream), retries and a fallback."""
+ROUTED_BODY = orjson.dumps({**orjson.loads(BODY), "model": ROUTED_MODEL})
+LIMIT_VARIANTS = {"off": (KEY, BODY), "limits": (LIMITED_KEY, BODY), "routed": (KEY, ROUTED_BODY),
+                  "both": (LIMITED_KEY, ROUTED_BODY)}
+"""The `--limits` cell's combinations: (key, body)."""
 MODES = ("same run", "new run", "no run id")
 STORES = ("sqlite", "redis")
+
+
+class CpuClock:
+    """The CPU time of some threads (ns), from /proc/PID/task/TID/schedstat (its first field)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.fds = [os.open(f"/proc/{pid}/task/{pid}/schedstat", os.O_RDONLY) for pid in pids]
+
+    def __call__(self) -> int:
+        return sum(int(os.pread(fd, 128, 0).split()[0]) for fd in self.fds)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
 
 
 def start_proxy(port: int, upstream: str, log: Path) -> Proc:
@@ -118,23 +155,32 @@ def start_proxy(port: int, upstream: str, log: Path) -> Proc:
 
 
 def gateway_config(folder: Path, port: int, upstream: str, team_budget: bool, store_dir: Path | None = None,
-                   store: dict[str, Any] | None = None) -> Path:
+                   store: dict[str, Any] | None = None, limits: bool = False) -> Path:
     """A config with one team (`KEY`) whose calls are governed pass-through; `store`
-    overrides the SQLite file in `store_dir` (or `folder`)."""
+    overrides the SQLite file in `store_dir` (or `folder`). With `limits`, also a team with
+    rate limits (`LIMITED_KEY`) and a model routed over two deployments (`ROUTED_MODEL`)."""
     folder.mkdir(parents=True, exist_ok=True)
     policies = folder / "policies"
     policies.mkdir(parents=True, exist_ok=True)
     (policies / "passthrough.yaml").write_text(
         "name: passthrough\nlimits: {max_turns: 100, max_budget_usd: 10.0, budget_mode: turn}\n")
-    config = {
+    team = {"name": "bench", "keys": [KEY], "budget_usd": 1_000_000.0 if team_budget else None,
+            "budget_period": "total", "policies": ["passthrough"]}
+    config: dict[str, Any] = {
         "server": {"host": "127.0.0.1", "port": port},
         "store": store or {"kind": "sqlite", "path": str((store_dir or folder) / "gateway.db")},
         "policies_dir": "./policies",
         "upstreams": [{"name": "bench", "base_url": upstream}],
         "models": [{"match": "*", "upstream": "bench", "price_in": 2.0, "price_out": 12.0}],
-        "teams": [{"name": "bench", "keys": [KEY], "budget_usd": 1_000_000.0 if team_budget else None,
-                   "budget_period": "total", "policies": ["passthrough"]}],
+        "teams": [team],
     }
+    if limits:
+        config["upstreams"].append({"name": "bench2", "base_url": upstream})
+        config["models"].insert(0, {
+            "match": ROUTED_MODEL, "retries": 2, "fallbacks": ["scripted-plan"], "price_in": 2.0, "price_out": 12.0,
+            "deployments": [{"upstream": "bench", "model": "scripted-plan", "weight": 3},
+                            {"upstream": "bench2", "model": "scripted-plan", "weight": 1}]})
+        config["teams"].append({**team, "name": "limited", "keys": [LIMITED_KEY], "rate_limits": RATE_LIMITS})
     path = folder / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -168,9 +214,9 @@ class RawConnection:
         self.writer.close()
 
 
-def request_head(path: str, body: bytes, run_id: str | None) -> bytes:
+def request_head(path: str, body: bytes, run_id: str | None, key: str = KEY) -> bytes:
     lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json",
-             f"Authorization: Bearer {KEY}", f"Content-Length: {len(body)}"]
+             f"Authorization: Bearer {key}", f"Content-Length: {len(body)}"]
     if run_id is not None:
         lines.append(f"X-Run-Id: {run_id}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
@@ -282,6 +328,8 @@ class Bench:
     proxy: Proc
     gateways: dict[str, Proc]
     cells: dict[str, Cell] = field(default_factory=dict)
+    helpers: dict[str, list[int]] = field(default_factory=dict)
+    """Processes that serve a store's gateway besides itself (redis-server), by store."""
 
     def cell(self, name: str) -> Cell:
         return self.cells.setdefault(name, Cell(name))
@@ -314,6 +362,44 @@ class Bench:
         cell = self.cell(f"{store:<7} {mode:<10} TTFB ")
         cell.add("floor + ms", through - floor)
 
+    async def limits_cell(self, store: str) -> None:
+        """c=1 same-run calls rotating over `LIMIT_VARIANTS` on one connection: each
+        combination's p50 and per-round difference against the plain one ("off")."""
+        gw = self.gateways[store]
+        ids = {name: run_ids("same run", i) for i, name in enumerate(LIMIT_VARIANTS)}
+        times: dict[str, list[float]] = {name: [] for name in LIMIT_VARIANTS}
+        cpu: dict[str, list[float]] = {name: [] for name in LIMIT_VARIANTS}
+        warm = max(50, self.args.requests // 10)
+        conn = await RawConnection.open(gw.url)
+        clock = CpuClock(gateway_pids(gw) + self.helpers.get(store, []))
+        try:
+            for round_ in range(warm + self.args.requests):
+                for name, (key, body) in LIMIT_VARIANTS.items():
+                    head = request_head("/v1/chat/completions", body, next(ids[name]), key)
+                    cpu_before = clock()
+                    started = time.perf_counter()
+                    status = await conn.post(head, body)
+                    elapsed = time.perf_counter() - started
+                    cpu_spent = clock() - cpu_before
+                    if status != 200:
+                        raise RuntimeError(f"{gw.url} answered {status} ({name})")
+                    if round_ >= warm:
+                        times[name].append(elapsed * 1000)
+                        cpu[name].append(cpu_spent / 1000)
+        finally:
+            conn.close()
+            clock.close()
+        cell = self.cell(f"{store:<7} same run   c=1   limits/routes")
+        base = statistics.median(times["off"])
+        cell.add("off p50 ms", base)
+        for name in ("limits", "routed", "both"):
+            cell.add(f"{name} +ms", statistics.median(times[name]) - base)
+            cell.add(f"{name} paired +ms", statistics.median(b - a for a, b in zip(times["off"], times[name],
+                                                                                    strict=True)))
+        cell.add("off cpu us", statistics.median(cpu["off"]))
+        for name in ("limits", "routed", "both"):
+            cell.add(f"{name} cpu +us", statistics.median(b - a for a, b in zip(cpu["off"], cpu[name], strict=True)))
+
     async def workers_cell(self, store: str) -> None:
         n = self.args.requests * 2
         one, many = self.gateways[store], self.gateways[f"{store}-w{self.args.workers}"]
@@ -337,6 +423,10 @@ class Bench:
 
     async def repetition(self, profile: Path | None = None) -> None:
         for store in self.args.only:
+            if self.args.limits and profile is None:
+                await self.limits_cell(store)
+            if self.args.limits_only:
+                continue
             for c in (1, 32):
                 for mode in MODES:
                     await self.latency_cell(store, mode, c, profile)
@@ -426,6 +516,11 @@ def verdicts(cells: dict[str, Cell], workers: int) -> list[tuple[str, bool, str]
             out.append((f"{name} req/s >= 0.7x floor", f["req/s x floor"] >= 0.7, f"{f['req/s x floor']:.2f}"))
         if "floor + ms" in f:
             out.append((f"{name} <= floor + 0.5 ms", f["floor + ms"] <= 0.5, f"+{f['floor + ms']:.2f} ms"))
+        if "both +ms" in f:
+            out.append((f"{name} limits and route selection <= +0.05 ms p50", f["both +ms"] <= 0.05,
+                        f"{f['both +ms']:+.3f} ms (paired {f['both paired +ms']:+.3f} ms)"))
+            out.append((f"{name} limits and route selection <= +50 us CPU per call", f["both cpu +us"] <= 50,
+                        f"{f['both cpu +us']:+.1f} us of {f['off cpu us']:.0f} us"))
         if "req/s x 1 worker" in f:
             out.append((f"{name} >= 1.6x one worker", f["req/s x 1 worker"] >= 1.6, f"{f['req/s x 1 worker']:.2f}"))
     return out
@@ -444,6 +539,7 @@ async def main_async(args: argparse.Namespace) -> int:
             procs.append(proxy := start_proxy(proxy_port, up_url, folder / "proxy.log"))
             store_dir = Path(tempfile.mkdtemp(prefix="gw-bench-store-", dir=args.store_dir)) if args.store_dir else None
             stores: dict[str, dict[str, Any] | None] = {}
+            helpers: dict[str, list[int]] = {}
             if "sqlite" in args.only:
                 stores["sqlite"] = None
             if "redis" in args.only:
@@ -451,6 +547,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 if exe is None:
                     raise SystemExit("redis-server is not installed (scripts/install-test-deps.sh)")
                 redis_proc, redis_port = _start_redis(exe, folder)
+                helpers["redis"] = [redis_proc.pid]
                 stores["redis"] = {"kind": "redis", "url": f"redis://127.0.0.1:{redis_port}/0", "prefix": "bench:"}
             variants: list[tuple[str, str, list[str]]] = []
             for store in stores:
@@ -469,13 +566,13 @@ async def main_async(args: argparse.Namespace) -> int:
                 if spec is not None:
                     spec = {**spec, "prefix": f"bench-{name}:"}
                 config = gateway_config(sub, port, up_url, not args.no_team_budget, store_dir and store_dir / name,
-                                        spec)
+                                        spec, limits=args.limits)
                 if store_dir is not None:
                     (store_dir / name).mkdir(exist_ok=True)
                 procs.append(gw := start_gateway(["serve", "--config", str(config), *extra], "/healthz", port,
                                                  sub / "gateway.log", timeout=180))
                 gateways[name] = gw
-            bench = Bench(args, upstream, proxy, gateways)
+            bench = Bench(args, upstream, proxy, gateways, helpers=helpers)
             if args.profile:
                 out = Path(args.profile)
                 out.mkdir(parents=True, exist_ok=True)
@@ -552,6 +649,9 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=1, help="also measure a gateway with this many workers")
     parser.add_argument("--loop", choices=["auto", "uvloop", "asyncio"], default="auto", help="the gateways' loop")
     parser.add_argument("--compare-loops", action="store_true", help="also measure asyncio vs uvloop")
+    parser.add_argument("--limits", action="store_true", help="also measure rate limits and route selection "
+                        "on vs off (issue 15)")
+    parser.add_argument("--limits-only", action="store_true", help="measure only the --limits cell")
     parser.add_argument("--profile", help="folder: sample each cell once with py-spy and print the top functions")
     parser.add_argument("--no-team-budget", action="store_true", help="a team without a budget")
     parser.add_argument("--store-dir", help="folder for the SQLite files (e.g. /dev/shm); default: the temp folder")
@@ -559,6 +659,7 @@ def main() -> int:
     if args.quick:
         args.requests, args.streams, args.repeat = 300, 15, 1
     args.only = args.only or list(STORES)
+    args.limits = args.limits or args.limits_only
     return asyncio.run(main_async(args))
 
 

@@ -17,16 +17,15 @@ from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import orjson
 
 from gateway.config.settings import Config, ConfigError, load_config
 from gateway.harness.state import scoped_run_id
+from gateway.harness.trace import Event, ToolResultEvent
 from gateway.store import StoreError, open_store
 from gateway.store.tracefile import rotated
-
-Event = dict[str, Any]
 
 ARGS_WIDTH = 80
 # Fields shown by the header of a line; what remains is printed as key=value.
@@ -122,7 +121,8 @@ async def load_events(config: Config, run_id: str) -> Loaded:
 
 
 def read_trace_file(path: Path, run_id: str) -> tuple[list[Event], int]:
-    """The run's lines of a JSONL trace file, in file order, and how many lines were unreadable."""
+    """The run's lines of a JSONL trace file, in file order, and how many lines were unreadable
+    (not JSON, or with no event `type`)."""
     events: list[Event] = []
     bad = 0
     try:
@@ -138,8 +138,12 @@ def read_trace_file(path: Path, run_id: str) -> tuple[list[Event], int]:
             except orjson.JSONDecodeError:
                 bad += 1
                 continue
-            if isinstance(event, dict) and event.get("runId") == run_id:
-                events.append(event)
+            if not isinstance(event, dict) or event.get("runId") != run_id:
+                continue
+            if isinstance(event.get("type"), str):
+                events.append(cast(Event, event))
+            else:
+                bad += 1
     return events, bad
 
 
@@ -161,8 +165,8 @@ def timeline(run_id: str, events: Sequence[Event], source: str = "") -> list[str
     if source:
         header += f" ({source})"
     lines = [header]
-    results = {e.get("callId"): e for e in events if e.get("type") == "tool_result" and e.get("callId")}
-    started = {e.get("callId") for e in events if e.get("type") == "tool_start" and e.get("callId")}
+    results = {e.get("callId"): e for e in events if e["type"] == "tool_result" and e.get("callId")}
+    started = {e.get("callId") for e in events if e["type"] == "tool_start" and e.get("callId")}
     for event in events:
         text = _describe(event, results, started)
         if text is None:
@@ -174,51 +178,51 @@ def timeline(run_id: str, events: Sequence[Event], source: str = "") -> list[str
     return lines
 
 
-def _describe(event: Event, results: Mapping[Any, Event], started: Set[Any]) -> str | None:
-    kind = event.get("type")
-    if kind == "turn":
+def _describe(event: Event, results: Mapping[Any, ToolResultEvent], started: Set[Any]) -> str | None:
+    # Lines come from disk, written by any version: the kind's fields are read with .get.
+    if event["type"] == "turn":
         return (f"turn {event.get('turn')}: in {event.get('prompt_tokens')} out {event.get('completion_tokens')} "
                 f"tokens, cost so far {_usd(event.get('costUsd'))}, finish {event.get('finish')}")
-    if kind == "tool_start":
+    if event["type"] == "tool_start":
         head = f"  tool {event.get('toolName')}({_args(event.get('args'))})"
         result = results.get(event.get("callId"))
         if result is None:
             return f"{head} -> no result"
         return f"{head} -> {_outcome(result)} in {_ms(result.get('ms'))}"
-    if kind == "tool_result":
+    if event["type"] == "tool_result":
         if event.get("callId") in started and results.get(event.get("callId")) is event:
             return None  # shown on its tool_start line
         return f"  tool {event.get('toolName')} -> {_outcome(event)} in {_ms(event.get('ms'))}"
-    if kind == "tool_progress":
+    if event["type"] == "tool_progress":
         return f"    {event.get('toolName')}: {event.get('label')}"
-    if kind == "tool_deduped":
+    if event["type"] == "tool_deduped":
         return f"  tool {event.get('toolName')}({_args(event.get('args'))}) -> deduped, earlier result reused"
-    if kind == "tool_denied":
+    if event["type"] == "tool_denied":
         return f"  tool {event.get('toolName')}({_args(event.get('args'))}) -> denied: {event.get('reason')}"
-    if kind == "approval_required":
+    if event["type"] == "approval_required":
         return (f"  approval needed: {event.get('toolName')}({_args(event.get('args'))}) "
                 f"call {event.get('callId')}")
-    if kind == "run_stopped":
+    if event["type"] == "run_stopped":
         text = (f"stopped: {event.get('status')} ({event.get('reason')}), turns {event.get('turns')}, "
                 f"cost {_usd(event.get('costUsd'))}")
-        return text + (f": {event['detail']}" if event.get("detail") else "")
-    return f"{kind}{_rest(event)}"
+        return text + (f": {event.get('detail')}" if event.get("detail") else "")
+    return f"{event['type']}{_rest(event)}"
 
 
 def _totals(events: Iterable[Event]) -> str:
-    turns = [e for e in events if e.get("type") == "turn"]
-    tools = [e for e in events if e.get("type") == "tool_result"]
+    turns = [e for e in events if e["type"] == "turn"]
+    tools = [e for e in events if e["type"] == "tool_result"]
     failed = sum(1 for e in tools if _outcome(e) not in ("ok", "cancelled"))
     tokens_in = sum(_int(e.get("prompt_tokens")) for e in turns)
     tokens_out = sum(_int(e.get("completion_tokens")) for e in turns)
     cost = turns[-1].get("costUsd") if turns else 0.0
-    stops = [e for e in events if e.get("type") == "run_stopped"]
+    stops = [e for e in events if e["type"] == "run_stopped"]
     end = f", last stop {stops[-1].get('status')} ({stops[-1].get('reason')})" if stops else ", not stopped"
     return (f"total: {len(turns)} turns, {len(tools)} tool runs ({failed} failed), "
             f"tokens in {tokens_in} out {tokens_out}, cost {_usd(cost)}{end}")
 
 
-def _outcome(result: Event) -> str:
+def _outcome(result: ToolResultEvent) -> str:
     """ok | failed, or the result's own `outcome` (e.g. cancelled) when the trace carries one."""
     outcome = result.get("outcome")
     if isinstance(outcome, str) and outcome:

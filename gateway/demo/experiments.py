@@ -12,6 +12,7 @@ from gateway.harness.options import ToolErrorPolicy, Verdict
 from gateway.harness.state import Decision, Limits
 from gateway.harness.subrun import run_subrun
 from gateway.harness.tools import Tool, ToolContext, ToolResult, ToolSpec
+from gateway.harness.trace import Event
 from gateway.tools.catalog import RESEARCH, RESEARCH_SYSTEM
 from gateway.tools.files import deleted, file_tools
 
@@ -116,7 +117,7 @@ async def cancel(lab: Lab) -> list[Result]:
     stopped = await lab.trial("scripted-slow", limits=Limits(max_turns=20), stop_after_s=1.2)
     assert stopped.stopped_at is not None
     lag = round((stopped.ended_at - stopped.stopped_at) * 1000, 1)
-    progress = [e["label"] for e in full.events.of("tool_progress")]
+    progress = [e["label"] for e in full.events.events if e["type"] == "tool_progress"]
     return [full.result("cancel", "no Stop", progress=len(progress)),
             stopped.result("cancel", "Stop at 1.2 s", stop_to_end_ms=lag)]
 
@@ -141,7 +142,7 @@ async def research(lab: Lab) -> list[Result]:
                                 system=RESEARCH_SYSTEM, task=str(args.get("question", "")),
                                 limits=Limits(max_turns=6, max_budget_usd=0.05))
 
-    child_events: list[dict[str, Any]] = []
+    child_events: list[Event] = []
     events_sink = child_events.append
     tool = Tool(RESEARCH, research_tool)
     trial = await lab.trial("scripted-research", limits=Limits(max_turns=10, max_budget_usd=0.50),

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import orjson
 
 from gateway.harness.state import RunState
+from gateway.harness.trace import Event
 
 
 @dataclass
@@ -30,7 +32,7 @@ class Result:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, experiment: str, variant: str, state: RunState, events: list[dict[str, Any]], answer: str | None,
+    def of(cls, experiment: str, variant: str, state: RunState, events: Sequence[Event], answer: str | None,
            ms: int, **extra: Any) -> Result:
         reason = state.interruption.reason if state.interruption and state.interruption.reason else state.reason
         if state.status == "failed" and state.error:
@@ -64,11 +66,11 @@ class Result:
         return orjson.dumps(data).decode()
 
 
-def tool_runs(events: list[dict[str, Any]], run_id: str) -> list[str]:
+def tool_runs(events: Sequence[Event], run_id: str) -> list[str]:
     """Tools that actually ran in this run (not deduped, not denied), as `name` or `name:path`."""
     runs = []
     for e in events:
-        if e.get("type") != "tool_start" or e.get("runId") != run_id:
+        if e["type"] != "tool_start" or e["runId"] != run_id:
             continue
         try:
             path = orjson.loads(e.get("args") or "{}").get("path")

@@ -25,6 +25,7 @@ from gateway.harness.loop import run
 from gateway.harness.model import ModelReply, ModelRequest
 from gateway.harness.options import RunOptions
 from gateway.harness.state import Limits, RunState
+from gateway.harness.trace import Event
 from gateway.providers.http_model import HTTPChatModel
 from gateway.store import open_store
 from gateway.store.base import Store
@@ -37,10 +38,10 @@ class Durable:
 
     def __init__(self, store: Store, announce: bool = False) -> None:
         self.store = store
-        self.buffer: list[dict[str, Any]] = []
+        self.buffer: list[Event] = []
         self.announce = announce
 
-    def on_event(self, event: dict[str, Any]) -> None:
+    def on_event(self, event: Event) -> None:
         self.buffer.append(event)
 
     async def checkpoint(self, state: RunState) -> None:

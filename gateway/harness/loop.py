@@ -30,7 +30,7 @@ from gateway.harness.options import RunOptions, Stop
 from gateway.harness.state import Interruption, Message, RunState, own_calls, pending
 from gateway.harness.stops import execution_stop, first_stop, signature
 from gateway.harness.tools import ToolContext
-from gateway.harness.trace import Tracer
+from gateway.harness.trace import RunStoppedFields, Tracer
 from gateway.harness.usage import Usage, clamped_kinds
 
 OutcomeKind = Literal["stopped", "client_tools"]
@@ -206,9 +206,13 @@ async def _drain(state: RunState, calls: list[dict[str, Any]], client_names: set
 async def _run_tool(state: RunState, *, tool_name: str, call_id: str, raw_args: str, args: Mapping[str, Any],
                     options: RunOptions, scope: CancelScope, trace: Tracer) -> Stop | None:
     tool = options.tools[tool_name]
+
+    def progress(label: str) -> None:
+        trace("tool_progress", toolName=tool_name, label=label)
+
     ctx = ToolContext(
         run_id=state.run_id, call_id=call_id, tool_name=tool_name, cancelled=scope.event,
-        progress=lambda label: trace("tool_progress", toolName=tool_name, label=label),
+        progress=progress,
         budget_remaining_usd=_remaining(state),
         spend=lambda usage, cost_usd: _charge(state, options, usage, cost_usd),
     )
@@ -296,7 +300,7 @@ async def _stop(state: RunState, stop: Stop, options: RunOptions, trace: Tracer,
     state.status, state.reason, state.interruption = stop.status, stop.reason, stop.interruption
     if stop.status == "failed" and state.error is None:
         state.error = stop.detail
-    fields: dict[str, Any] = {"status": stop.status, "reason": stop.reason, "turns": state.turns,
+    fields: RunStoppedFields = {"status": stop.status, "reason": stop.reason, "turns": state.turns,
                               "toolCalls": state.tool_calls, "costUsd": round(state.cost_usd, 9)}
     if stop.detail:
         fields["detail"] = stop.detail

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gateway.harness.state import Message
+from gateway.harness.trace import RepairFields, UpstreamAttemptFields
 from gateway.harness.usage import Usage
 
 
@@ -42,10 +43,10 @@ class ModelReply:
     # prices with the route that answered); None: the loop prices it with `options.price`.
     cost_usd: float | None = None
     # The trace fields of each upstream attempt the turn took (`upstream_attempt` lines).
-    attempts: tuple[dict[str, Any], ...] = ()
+    attempts: tuple[UpstreamAttemptFields, ...] = ()
     # What the gateway repaired in the upstream's tool calls (gateway.providers.repair), as
     # `{repair, tool, detail}`: the loop traces a `tool_call_repaired` line for each.
-    repairs: tuple[dict[str, str], ...] = ()
+    repairs: tuple[RepairFields, ...] = ()
 
 
 class Model(Protocol):

@@ -13,6 +13,7 @@ from typing import Any, Literal, Protocol
 from gateway.harness.approvals import rejection_text
 from gateway.harness.state import Interruption, RunState, Status
 from gateway.harness.tools import PermanentToolError, Tool, ToolSpec
+from gateway.harness.trace import EventSink
 from gateway.harness.usage import DEFAULT_PRICE, Price, Usage
 
 Dedupe = Literal["read_only", "all", "off"]
@@ -89,7 +90,6 @@ class StopCondition(Protocol):
     def __call__(self, state: RunState) -> Stop | None: ...
 
 
-EventSink = Callable[[dict[str, Any]], None]
 RejectionText = Callable[[str, Any, str, str], str]
 """(tool name, args, reason, decided by) -> what the model reads for a rejected call."""
 Checkpoint = Callable[[RunState], Awaitable[None]]

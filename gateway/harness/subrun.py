@@ -15,6 +15,7 @@ from gateway.harness.model import Model
 from gateway.harness.options import RunOptions
 from gateway.harness.state import Limits, RunState
 from gateway.harness.tools import ToolContext, ToolResult
+from gateway.harness.trace import Tracer
 
 
 def child_limits(own: Limits, parent_remaining_usd: float | None) -> Limits:
@@ -39,8 +40,8 @@ async def run_subrun(ctx: ToolContext, *, model: Model, model_name: str, options
         limits=child_limits(limits, ctx.budget_remaining_usd),
         parent_run_id=ctx.run_id, team=team, policy=policy, policy_version=policy_version,
     )
-    options.on_event({"runId": ctx.run_id, "type": "subrun_started", "childRunId": child.run_id,
-                      "toolName": ctx.tool_name, "callId": ctx.call_id})
+    Tracer(ctx.run_id, options.on_event)("subrun_started", childRunId=child.run_id, toolName=ctx.tool_name,
+                                         callId=ctx.call_id)
     options = replace(options, on_spend=ctx.spend)
     outcome = await run(child, model, options, scope or CancelScope(ctx.cancelled))
     state = outcome.state

@@ -26,13 +26,13 @@ import orjson
 from gateway.harness.model import Model
 from gateway.harness.options import (
     Checkpoint,
-    EventSink,
     RunOptions,
     StopCondition,
     ToolErrorPolicy,
 )
 from gateway.harness.stops import RepeatedCall as RepeatedCallStop
 from gateway.harness.subrun import run_subrun
+from gateway.harness.trace import Event, EventSink
 from gateway.harness.tools import (
     PermanentToolError,
     Tool,
@@ -68,7 +68,7 @@ class CompileError(ValueError):
     """A policy that cannot be turned into tools here (e.g. its sub-run policy is gone)."""
 
 
-def _drop(event: dict[str, Any]) -> None:
+def _drop(event: Event) -> None:
     return None
 
 

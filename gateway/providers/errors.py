@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from gateway.harness.trace import UpstreamAttemptFields
+
 UpstreamCode = Literal["upstream_timeout", "upstream_unreachable", "upstream_cut", "upstream_misconfigured",
                        "upstream_malformed", "upstream_status", "upstream_rejected", "upstream_error",
                        "upstream_unavailable"]
@@ -29,4 +31,4 @@ class UpstreamError(Exception):
         self.upstream = upstream
         self.upstream_status = upstream_status
         self.retry_after_s = retry_after_s  # what the upstream asked for (its retry-after), for the router
-        self.attempts: list[dict[str, Any]] = []  # a server-side turn's attempts, for the run's trace
+        self.attempts: list[UpstreamAttemptFields] = []  # a server-side turn's attempts, for the run's trace

@@ -26,6 +26,7 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontext
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from gateway.harness.trace import UpstreamAttemptFields
 from gateway.harness.usage import Price
 from gateway.providers.routing import RETRYABLE, Deployment, Outcome, Pick, RoutePlan, Router
 from gateway.providers.errors import UpstreamError
@@ -66,7 +67,7 @@ class Attempt:
     fallback: bool = False
     probe: bool = False
 
-    def fields(self) -> dict[str, Any]:
+    def fields(self) -> UpstreamAttemptFields:
         """The fields of its `upstream_attempt` trace event (docs/trace-events.md)."""
         return {"attempt": self.number, "upstream": self.upstream, "model": self.model, "outcome": self.outcome,
                 "status": self.status, "seconds": round(self.seconds, 6), "retryAfterS": self.retry_after_s,

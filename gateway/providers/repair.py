@@ -32,6 +32,8 @@ from typing import Any, Final, Literal
 
 import orjson
 
+from gateway.harness.trace import RepairFields
+
 RepairKind = Literal["call_from_text", "arguments_trimmed", "undeclared_keys_dropped", "retried_without_tool_parsing"]
 REPAIR_KINDS: Final[tuple[RepairKind, ...]] = ("call_from_text", "arguments_trimmed", "undeclared_keys_dropped",
                                                "retried_without_tool_parsing")
@@ -56,7 +58,7 @@ class Repair:
     tool: str
     detail: str
 
-    def to_json(self) -> dict[str, str]:
+    def to_json(self) -> RepairFields:
         """The trace event's fields (`tool_call_repaired`)."""
         return {"repair": self.kind, "tool": self.tool, "detail": self.detail}
 

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from gateway.config.settings import TeamConfig
 from gateway.harness.state import Message, RunState
-from gateway.harness.trace import event
+from gateway.harness.trace import Tracer
 from gateway.harness.usage import Price, Usage
 from gateway.server import context as ctx
 from gateway.server.http.chat_request import ChatRequest
@@ -35,7 +35,7 @@ from gateway.server.http.validation import read_body
 from gateway.server.runs.booking import append_trace_file, refuse
 from gateway.server.runs.governor import Admission, Ask
 from gateway.server.runs.keying import Call, commit_run, resolve_call, run_id_from
-from gateway.server.runs.rate_limits import SHOWN
+from gateway.server.runs.rate_limits import keep as keep_rate_clocks
 from gateway.server.runs.replies import with_run
 from gateway.store.base import Event
 
@@ -105,7 +105,7 @@ async def create_embeddings(request: web.Request) -> web.Response:
     except LimitExceeded as exc:
         raise (await refuse(request, call, exc) if call is not None else exc) from None
     async with adm:
-        request[SHOWN] = (adm.rates, adm.rate_states)
+        keep_rate_clocks(request, adm.rates, adm.rate_states)
         upstream = app[ctx.UPSTREAMS][route.upstream]
         reply = await upstream.embed(raw, upstream.headers(request.headers))
         request[ctx.UPSTREAM_SECONDS] = reply.seconds
@@ -148,8 +148,8 @@ async def _book_on_run(app: web.Application, run: RunState, adm: Admission, spen
         state.cost_usd += cost
 
     def trace(state: RunState) -> list[Event]:
-        return [event(state.run_id, "embeddings", model=model, prompt_tokens=spent.prompt_tokens,
-                      costUsd=round(state.cost_usd, 9))]
+        return [Tracer(state.run_id)("embeddings", model=model, prompt_tokens=spent.prompt_tokens,
+                                     costUsd=round(state.cost_usd, 9))]
 
     governor = app[ctx.GOVERNOR]
     booking = governor.booking(adm, cost, spent.total_tokens)

@@ -10,14 +10,14 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from gateway.harness.state import STATUSES, RunState, StateError
+from gateway.harness.trace import Event as Event  # the store keeps trace lines
 from gateway.store.errors import StoreError
 from gateway.store.outbox import Claimed, Notice, NoticeRule
 
-Event = dict[str, Any]
 Ledger = tuple[float, float]
 """(spent, reserved) USD of a team in a period, as `team_spend` reports them."""
 
@@ -73,14 +73,13 @@ class RateLimit:
     requests: int | None = None
     tokens: int | None = None
     max_in_flight: int | None = None
+    # Derived once (they are read several times on every limited call), not compared.
+    requests_s: float | None = field(default=None, init=False, compare=False)
+    tokens_s: float | None = field(default=None, init=False, compare=False)
 
-    @property
-    def requests_s(self) -> float | None:
-        return None if self.requests is None else self.window_s / self.requests
-
-    @property
-    def tokens_s(self) -> float | None:
-        return None if self.tokens is None else self.window_s / self.tokens
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "requests_s", None if self.requests is None else self.window_s / self.requests)
+        object.__setattr__(self, "tokens_s", None if self.tokens is None else self.window_s / self.tokens)
 
 
 @dataclass(frozen=True)

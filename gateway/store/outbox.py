@@ -9,7 +9,7 @@ so two replicas do not send the same one twice while both are alive, and books t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -36,7 +36,7 @@ class Claimed:
     attempts: int
 
 
-NoticeRule = Callable[[str, Sequence[dict[str, Any]]], Sequence[Notice]]
+NoticeRule = Callable[[str, Sequence[Mapping[str, Any]]], Sequence[Notice]]
 """(stored run id, trace lines being appended) -> the notices to write with them. Runs
 inside the store's write (pure and quick: no I/O)."""
 

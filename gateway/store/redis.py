@@ -8,6 +8,7 @@ server's (configure appendonly for it); this module adds no caching.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Collection, Sequence
@@ -35,6 +36,7 @@ from gateway.store.base import (
     Figures,
     Grant,
     Ledger,
+    RateLimit,
     RateState,
     Refusal,
     TokenCharge,
@@ -250,8 +252,8 @@ class RedisStore:
         args: list[Any] = [self.prefix, claim.team, claim.period, str(amount), _opt(budget), str(ttl_ms), rid, _RETENTION_MS,
                 claim.run_id or "", _opt(claim.max_turns), _opt(claim.max_in_flight), _opt(run_budget), claim.owner,
                 str(claim.tokens), str(len(claim.rates))]
-        for r in claim.rates:
-            args += [r.scope, repr(r.window_s), _num(r.requests_s), _num(r.tokens_s), _opt(r.max_in_flight)]
+        if claim.rates:
+            args += _rate_args(claim.rates)
         if claim.create is not None:
             args += _run_fields(claim.create)
         self._redis()
@@ -442,6 +444,13 @@ def _notice_triples(notices: Sequence[Notice]) -> list[str | bytes]:
 
 def _opt(value: int | None) -> str:
     return "" if value is None else str(value)
+
+
+@functools.lru_cache(maxsize=1024)
+def _rate_args(rates: tuple[RateLimit, ...]) -> tuple[str, ...]:
+    """ADMIT's five arguments per scope, spelt once per set of scopes (one per team and key)."""
+    return tuple(a for r in rates for a in (r.scope, repr(r.window_s), _num(r.requests_s), _num(r.tokens_s),
+                                            _opt(r.max_in_flight)))
 
 
 def _num(value: float | None) -> str:

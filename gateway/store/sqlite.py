@@ -29,7 +29,6 @@ from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
     EXPIRED_RETENTION_S,
     PRUNE_BATCH,
-    RATE_SLACK_S,
     Booking,
     Claim,
     Event,
@@ -62,12 +61,14 @@ from gateway.store.periods import ended_before as period_ended
 from gateway.store.sqlite_batch import Step, WriteBatch
 from gateway.store.sqlite_schema import (
     BUSY_TIMEOUT_S,
+    LIVE,
     MIGRATIONS,
     Immediate,
     Translate,
     connect,
     migrate,
 )
+from gateway.store.sqlite_rates import RatePlan, rate_plan, spent
 from gateway.store.sqlite_wal import Checkpointer
 
 __all__ = ["MIGRATIONS", "SqliteStore", "connect", "migrate"]
@@ -79,13 +80,15 @@ JOURNAL_SIZE_LIMIT: Final = 64 * 1024 * 1024
 """A WAL that grew past this is truncated back to it when it restarts."""
 FINISHED: Final = tuple(s for s in STATUSES if s != "running")
 """The statuses retention may prune: a `running` run is between calls or being driven."""
+MAX_RATE_PLANS: Final = 1024
+"""Admission statements kept by set of rate scopes (config makes one set per team and key)."""
 RECLAIM_EVERY_S: Final = 1.0
 """How often a team's expired reservations are marked (and forgotten past the retention) by
 `reserve`, at the latest; sooner when one this store made expires. The budget check itself
 never counts an expired reservation, marked or not."""
 
 
-_LIVE: Final = "state = 'held' AND expires_at > :now"
+_LIVE: Final = LIVE
 _ADMIT: Final = (
     "INSERT INTO reservations (id, team, period, amount_micros, expires_at, run_id, owner, scopes"
     "{clocks})"
@@ -103,16 +106,6 @@ _ADMIT: Final = (
     f"         WHERE team = :team AND period = :period AND {_LIVE}) + :amount <= :budget)"
 )
 """Checks every condition of a `Claim` and holds it, in one statement (atomic on its own)."""
-_CLOCK: Final = "(SELECT COALESCE({kind}_tat, 0) FROM ledger WHERE team = :s{{i}} AND period = '')"
-_RATE_CHECK: Final = (
-    f" AND (:rs{{i}} IS NULL OR MAX({_CLOCK.format(kind='requests')}, :now)"
-    f"      + :rs{{i}} - :now <= :w{{i}} + {RATE_SLACK_S!r})"
-    f" AND (:ts{{i}} IS NULL OR MAX({_CLOCK.format(kind='tokens')}, :now)"
-    f"      + :tokens * :ts{{i}} - :now <= :w{{i}} + {RATE_SLACK_S!r})"
-    " AND (:mif{i} IS NULL"
-    f"      OR (SELECT COUNT(*) FROM reservations WHERE instr(scopes, :tag{{i}}) > 0 AND {_LIVE}) < :mif{{i}})"
-)
-"""The conditions of a claim's i-th rate scope (base.fits, in SQL), appended to _ADMIT."""
 _CHARGE_TOKENS: Final = ("UPDATE ledger SET tokens_tat = MAX(COALESCE(tokens_tat, 0), ?) + ? * ?"
                           " WHERE team = ? AND period = ''")
 _READ_CLOCK: Final = "SELECT requests_tat, tokens_tat FROM ledger WHERE team = ? AND period = ''"
@@ -125,15 +118,6 @@ _FIGURES: Final = (
 )
 
 
-def _spent(limit: RateLimit, now: float, tokens: int, requests_tat: float, tokens_tat: float) -> RateState:
-    """A scope's clocks after a granted claim spent them (as the trigger does)."""
-    if limit.requests_s is not None:
-        requests_tat = max(requests_tat, now) + limit.requests_s
-    if limit.tokens_s is not None:
-        tokens_tat = max(tokens_tat, now) + tokens * limit.tokens_s
-    return RateState(limit.scope, now, requests_tat, tokens_tat)
-
-
 class SqliteStore:
     """The store in one SQLite file; several processes may open the same file."""
 
@@ -143,7 +127,8 @@ class SqliteStore:
         self._conn: sqlite3.Connection | None = connect(self.path)
         self._reclaim_due: dict[str, float] = {}
         self._held: dict[str, float] = {}  # reservations this store made and nobody settled yet -> expiry
-        self._admit_sql: dict[int, str] = {0: _ADMIT.format(clocks="", values="")}  # by the number of rate scopes
+        self._admit_sql = _ADMIT.format(clocks="", values="")  # without rate limits
+        self._rate_plans: dict[tuple[RateLimit, ...], RatePlan] = {}  # by the claim's rate scopes
         self._clock_rows: set[str] = set()  # scopes whose ledger row (the clocks) this store made sure of
         self.notice_rule: NoticeRule | None = None
         self._batch = WriteBatch(self._db, self._translate, (StaleRun, RunNotFound, RunExists, AlreadyBooked))
@@ -419,21 +404,19 @@ class SqliteStore:
             "budget": optional_micros(claim.budget_usd, "budget_usd"), "run": claim.run_id,
             "max_turns": claim.max_turns, "max_in_flight": claim.max_in_flight,
             "run_budget": optional_micros(claim.run_budget_usd, "run_budget_usd"), "owner": claim.owner,
-            "tokens": claim.tokens, "scopes": "".join(scope_tag(r.scope) for r in claim.rates
-                                                      if r.max_in_flight is not None) or None,
+            "tokens": claim.tokens, "scopes": None,
         }
-        for i, r in enumerate(claim.rates):
-            params.update({f"s{i}": r.scope, f"w{i}": r.window_s, f"rs{i}": r.requests_s, f"ts{i}": r.tokens_s,
-                           f"mif{i}": r.max_in_flight, f"tag{i}": scope_tag(r.scope)})
-        sql = self._admit_sql.get(len(claim.rates)) or self._rate_sql(len(claim.rates))
-        clocked = [r for r in claim.rates if r.requests is not None or r.tokens is not None]
-        if len(clocked) > 2:
-            raise ValueError(f"the sqlite store keeps the clocks of two rate scopes per claim, got {len(clocked)}")
-        slots: list[RateLimit | None] = [*clocked, None, None]
-        for x, slot in zip("ab", slots, strict=False):
-            params.update({f"clock_{x}": slot and slot.scope, f"requests_s_{x}": slot and slot.requests_s,
-                           f"tokens_s_{x}": slot and slot.tokens_s})
-        missing = [(r.scope,) for r in clocked if r.scope not in self._clock_rows]
+        sql, plan = self._admit_sql, None
+        missing: tuple[tuple[str], ...] = ()
+        if claim.rates:
+            plan = self._rate_plans.get(claim.rates)
+            if plan is None:
+                if len(self._rate_plans) >= MAX_RATE_PLANS:  # claims made up by hand, not from config
+                    self._rate_plans.clear()
+                plan = self._rate_plans[claim.rates] = rate_plan(claim.rates, _ADMIT)
+            sql = plan.sql
+            params.update(plan.params)
+            missing = tuple((scope,) for scope in plan.clocked if scope not in self._clock_rows)
         ttl = check_ttl(claim.ttl_s, "ttl_s", allow_zero=True)
         granted: list[tuple[str, float]] = []
         create = None if claim.create is None else self._inserter(claim.create)
@@ -451,7 +434,8 @@ class SqliteStore:
                 self._clock_rows.update(scope for scope, in missing)
             rid = new_reservation_id()
             cursor = db.execute(sql, {**params, "id": rid, "now": now, "expires": now + ttl})
-            rows = cursor.fetchall() if claim.rates else None  # all: it ends the statement (and its write)
+            returning = plan is not None and plan.clocked
+            rows = cursor.fetchall() if returning else None  # all: it ends the statement (and its write)
             inserted = bool(rows) if rows is not None else cursor.rowcount == 1
             self._reclaim_due[claim.team] = min(due, now + ttl) if inserted else due
             if not inserted:
@@ -464,11 +448,10 @@ class SqliteStore:
             revision = None
             if claim.run_id is not None:
                 revision = int(db.execute("SELECT revision FROM runs WHERE id = ?", (claim.run_id,)).fetchone()[0])
-            if not rows:
+            if plan is None:
                 return Grant(rid, run_revision=revision)
-            row = rows[0]
-            return Grant(rid, rates=tuple(_spent(r, now, claim.tokens, row[2 * i], row[2 * i + 1])
-                                          for i, r in enumerate(claim.rates)), run_revision=revision)
+            return Grant(rid, rates=spent(plan, claim.rates, rows[0] if rows else None, now, claim.tokens),
+                         run_revision=revision)
 
         try:
             # One INSERT checks and holds at once (its trigger spends the rate clocks); marking
@@ -482,21 +465,6 @@ class SqliteStore:
         if grant.reservation_id is not None:
             self._held[grant.reservation_id] = granted[0][1]
         return grant
-
-    def _rate_sql(self, n: int) -> str:
-        # RETURNING reports the clocks as the statement found them (before its trigger
-        # spent them: SQLite's RETURNING does not see a trigger's changes); `_spent` adds
-        # what the trigger added. Only the headers read them: the check and the spending
-        # are the statement's own.
-        clocks = ", ".join(f"{_CLOCK.format(kind=kind).format(i=i)}" for i in range(n)
-                           for kind in ("requests", "tokens"))
-        columns = ", clock_a, requests_s_a, tokens_s_a, clock_b, requests_s_b, tokens_s_b, tokens, admitted_at"
-        values = (", :clock_a, :requests_s_a, :tokens_s_a, :clock_b, :requests_s_b, :tokens_s_b, :tokens,"
-                  " CASE WHEN :clock_a IS NULL THEN NULL ELSE :now END")
-        sql = (_ADMIT.format(clocks=columns, values=values) + "".join(_RATE_CHECK.format(i=i) for i in range(n))
-               + f" RETURNING {clocks}")
-        self._admit_sql[n] = sql
-        return sql
 
     @staticmethod
     def _rate_state(db: sqlite3.Connection, limit: RateLimit, now: float) -> RateState:
@@ -574,7 +542,8 @@ class SqliteStore:
             cls._book(db, rows[0][0], rows[0][1], actual)
             if tokens:
                 now = time.time()
-                db.executemany(_CHARGE_TOKENS, [(now, c.tokens, c.tokens_s, c.scope) for c in tokens])
+                for c in tokens:  # one or two: execute spares executemany's iterator
+                    db.execute(_CHARGE_TOKENS, (now, c.tokens, c.tokens_s, c.scope))
 
     @staticmethod
     def _book(db: sqlite3.Connection, team: str, period: str, micros: int) -> None:

@@ -110,6 +110,8 @@ MIGRATIONS: Final[tuple[str, ...]] = (
 )
 
 BUSY_TIMEOUT_S: Final = 10.0
+LIVE: Final = "state = 'held' AND expires_at > :now"
+"""A reservation that still holds (bound: `:now`)."""
 
 
 class Translate:

@@ -5,6 +5,8 @@ model (tests/fixtures/local_replies): llama.cpp's 500 when it cannot parse a too
 then, asked again without tool parsing, the call written as JSON in the content. The
 gateway in front has one upstream of kind `local` (repair on, `max_tokens: 64`) and the
 same server again as kind `openai` (nothing repaired), so each test shows both sides.
+One gateway and one upstream serve the module's tests (on the module's event loop); each test
+sees only the upstream calls and metric increments made while it ran.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+import pytest_asyncio
 from aiohttp import web
 
 from gateway.tools.catalog import FILE_TOOLS, SYSTEM_PROMPT
@@ -27,6 +30,7 @@ KEY = "sk-repair"
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "local_replies"
 CAP = 64
 TOOLS = [t.openai() for t in FILE_TOOLS]
+pytestmark = pytest.mark.asyncio(loop_scope="module")
 TASK = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Read notes.txt and tell me what it says."}]
 ANSWER = {"id": "chatcmpl-a", "object": "chat.completion", "created": 0, "model": "m",
           "choices": [{"index": 0, "finish_reason": "stop",
@@ -58,15 +62,24 @@ class LlamaLike:
         return web.json_response(reply)
 
 
-@pytest.fixture
-async def llama() -> AsyncIterator[tuple[LlamaLike, str]]:
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def upstream() -> AsyncIterator[tuple[LlamaLike, str]]:
     state = LlamaLike()
     async with serving(state.handle) as url:
         yield state, url
 
 
 @pytest.fixture
-def gateway(tmp_path: Path, llama: tuple[LlamaLike, str]) -> Iterator[Proc]:
+def llama(upstream: tuple[LlamaLike, str]) -> tuple[LlamaLike, str]:
+    """The module's upstream, its calls forgotten: the test sees only its own."""
+    upstream[0].bodies.clear()
+    return upstream
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, upstream: tuple[LlamaLike, str]) -> Iterator[Proc]:
+    tmp_path = tmp_path_factory.mktemp("repair")
+    llama = upstream
     port = free_port()
     config = {
         "server": {"host": "127.0.0.1", "port": port},
@@ -93,15 +106,20 @@ async def events(session: aiohttp.ClientSession, gw: Proc, run_id: str) -> list[
         return [orjson.loads(line) for line in (await resp.read()).splitlines() if line.strip()]
 
 
-async def metric_lines(session: aiohttp.ClientSession, gw: Proc) -> list[str]:
+async def repairs(session: aiohttp.ClientSession, gw: Proc) -> dict[str, float]:
+    """gateway_tool_call_repairs_total by its labels (`{kind="...",upstream="..."}`)."""
     async with session.get(f"{gw.url}/metrics") as resp:
-        return [line for line in (await resp.text()).splitlines() if line.startswith("gateway_tool_call_repairs_total")]
+        text = await resp.text()
+    prefix = "gateway_tool_call_repairs_total"
+    return {line[len(prefix):].rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix + "{")}
 
 
 async def test_a_pass_through_call_gets_the_repaired_call_not_the_500(gateway: Proc,
                                                                       llama: tuple[LlamaLike, str]) -> None:
     upstream, _ = llama
     async with aiohttp.ClientSession() as session:
+        before = await repairs(session, gateway)
         status, reply = await post(session, gateway, {"model": "qwen", "messages": TASK, "tools": TOOLS,
                                                       "max_tokens": 4000}, **{"X-Run-Id": "pt-1"})
         assert status == 200, reply
@@ -115,10 +133,11 @@ async def test_a_pass_through_call_gets_the_repaired_call_not_the_500(gateway: P
         assert [(e["repair"], e["tool"], e["upstream"]) for e in traced] == [
             ("retried_without_tool_parsing", "", "small"), ("call_from_text", "read_file", "small")]
         assert "peg-native format" in traced[0]["detail"]
-        lines = await metric_lines(session, gateway)
-        assert 'gateway_tool_call_repairs_total{kind="call_from_text",upstream="small"} 1.0' in lines
-        assert 'gateway_tool_call_repairs_total{kind="retried_without_tool_parsing",upstream="small"} 1.0' in lines
-        assert 'gateway_tool_call_repairs_total{kind="call_from_text",upstream="plain"} 0.0' in lines
+        after = await repairs(session, gateway)
+        grown = {labels: after[labels] - before.get(labels, 0.0) for labels in after}
+        assert grown['{kind="call_from_text",upstream="small"}'] == 1.0
+        assert grown['{kind="retried_without_tool_parsing",upstream="small"}'] == 1.0
+        assert grown['{kind="call_from_text",upstream="plain"}'] == 0.0  # the series exists, unmoved
 
 
 async def test_with_repair_off_the_500_reaches_the_client_and_max_tokens_is_not_capped(

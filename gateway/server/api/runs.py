@@ -26,7 +26,7 @@ from aiohttp import web
 from gateway.config.settings import TeamConfig
 from gateway.harness.approvals import ApprovalError, decide
 from gateway.harness.state import Decision, Interruption, RunState, scoped_run_id
-from gateway.harness.trace import Tracer
+from gateway.harness.trace import Event, StartSetup, Tracer, with_run_id
 from gateway.policy.approval import expired, expiry_decision
 from gateway.policy.decl import Policy
 from gateway.server import context as ctx
@@ -44,9 +44,6 @@ from gateway.server.http.errors import Conflict, Forbidden, NotFound
 from gateway.server.http.headers import run_headers
 from gateway.server.http.sse import ClientGone, SSEStream
 from gateway.server.http.validation import check_depth, json_object, read_body
-from gateway.server.runs.cancels import RunBusy, cancel_event
-from gateway.server.runs.continuations import resume_with
-from gateway.server.runs.driver import Prepare
 from gateway.server.runs.auto_resume import (
     BACKGROUND,
     FOLLOW_POLL_S,
@@ -54,6 +51,9 @@ from gateway.server.runs.auto_resume import (
     after_decision,
     follow_until_stopped,
 )
+from gateway.server.runs.cancels import RunBusy, cancel_event
+from gateway.server.runs.continuations import resume_with
+from gateway.server.runs.driver import Prepare
 from gateway.server.runs.keying import update_run
 from gateway.server.runs.tracelog import TraceWriter
 
@@ -115,11 +115,11 @@ def _reviews_others(app: web.Application, team: TeamConfig) -> bool:
                              for name in policies.names() if (p := policies.get(name)) is not None)
 
 
-def public_event(run: RunState, event: dict[str, Any]) -> dict[str, Any]:
+def public_event(run: RunState, event: Event) -> Event:
     """A trace line as the API shows it: run ids as the client knows them."""
     rid = event.get("runId")
     if isinstance(rid, str) and rid.startswith(run.team + "/"):
-        return {**event, "runId": rid[len(run.team) + 1:]}
+        return with_run_id(event, rid[len(run.team) + 1:])
     return event
 
 
@@ -181,13 +181,14 @@ async def run_events(request: web.Request) -> web.StreamResponse:
         return web.Response(body=lines, content_type="application/x-ndjson")
     sse = await SSEStream.open(request)
 
-    async def emit(seq: int, event: dict[str, Any]) -> None:
+    async def emit(seq: int, event: Event) -> None:
         await sse.data(public_event(run, event), id=seq)
 
     try:
         current = await follow_until_stopped(store, lambda r: run_policy(request.app, r), run, after, emit,
-                                             lambda: sse.comment("waiting"))
-        await sse.data(current.summary(), event="end")
+                                             lambda: sse.comment("waiting"), sse.pause)
+        if not sse.ending:  # else the gateway is shutting down: the client follows on from Last-Event-ID
+            await sse.data(current.summary(), event="end")
     except ClientGone:
         return sse.response
     await sse.close()
@@ -258,15 +259,16 @@ async def post_resume(request: web.Request) -> web.StreamResponse:
 async def _reopen_passthrough(request: web.Request, run: RunState, policy: Policy, prepare: Prepare) -> web.Response:
     """A pass-through run is driven by its client: resuming it only reopens it for the next call."""
     app = request.app
-    fields: dict[str, Any] = {}
+    setup: StartSetup | None = None
 
     def change(state: RunState) -> None:
-        fields.update(prepare(state, policy) or {})
+        nonlocal setup
+        setup = prepare(state, policy)
 
     run = await update_run(app[ctx.STORE], run, change)
     request[ctx.RUN] = run
     writer = TraceWriter(app[ctx.STORE], run.run_id, trace_file=app[ctx.CONFIG].trace_file)
-    Tracer(run.run_id, writer)("run_resumed", **fields, turns=run.turns, costUsd=round(run.cost_usd, 9))
+    Tracer(run.run_id, writer).start("run_resumed", setup, {"turns": run.turns, "costUsd": round(run.cost_usd, 9)})
     await writer.flush()
     return _json({"run": run_json(run)}, run=run)
 

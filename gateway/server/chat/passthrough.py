@@ -27,7 +27,7 @@ from gateway.server.runs.booking import Booked, book_turn, refuse
 from gateway.server.runs.forwarding import Body, complete_chat, routed_call, trace_unbooked
 from gateway.server.runs.governor import Admission, Ask
 from gateway.server.runs.keying import Call, join_created
-from gateway.server.runs.rate_limits import SHOWN
+from gateway.server.runs.rate_limits import keep as keep_rate_clocks
 from gateway.server.runs.replies import with_run
 from gateway.store.errors import RunExists
 
@@ -98,7 +98,7 @@ async def governed(request: web.Request, call: Call) -> AsyncIterator[tuple[Admi
         await _reload(request, call)  # the cached run may be out of date: the stored one decides
     metrics = request.app[ctx.METRICS]
     async with await admit(request, call) as adm:
-        request[SHOWN] = (adm.rates, adm.rate_states)
+        keep_rate_clocks(request, adm.rates, adm.rate_states)
         metrics.run_active(1)
         routed = routed_call(request.app, call.route, call.chat.model)
         try:

@@ -9,6 +9,7 @@ from typing import Any, TypedDict
 
 from aiohttp import web
 
+from gateway.harness.trace import Event
 from gateway.server import context as ctx
 from gateway.server.console.session import json_answer, signed_in
 from gateway.server.api.runs import public_event, run_for
@@ -37,12 +38,12 @@ class TeamSpend(TypedDict):
     remaining_usd: float | None
 
 
-def turn_costs(events: Sequence[dict[str, Any]]) -> list[TurnCost]:
+def turn_costs(events: Sequence[Event]) -> list[TurnCost]:
     """Each `turn` event's cost: the difference of the run's cumulative cost (`costUsd`)."""
     out: list[TurnCost] = []
     before = 0.0
     for e in events:
-        if e.get("type") != "turn":
+        if e["type"] != "turn":
             continue
         total = e.get("costUsd")
         total = float(total) if isinstance(total, (int, float)) else before
@@ -59,7 +60,7 @@ async def run_trace(request: web.Request) -> web.Response:
     _, run = await run_for(request)
     stored = await request.app[ctx.STORE].events(run.run_id)
     events = [public_event(run, e) for _, e in stored]
-    stops = [e for e in events if e.get("type") == "run_stopped"]
+    stops = [e for e in events if e["type"] == "run_stopped"]
     return json_answer({"run_id": run.public_id, "team": run.team, "lines": timeline(run.public_id, events),
                         "turns": turn_costs(events), "last_stop": stops[-1] if stops else None,
                         "last_seq": stored[-1][0] if stored else 0})

@@ -7,6 +7,7 @@ skip; answers as `data:` lines holding chat.completion.chunk objects, ended by
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,6 +15,17 @@ import orjson
 from aiohttp import web
 
 from gateway.harness.state import public_run_id
+from gateway.harness.trace import Event
+
+STREAMS_END = web.AppKey("streams_end", asyncio.Event)
+"""Set when the gateway starts to shut down (`end_streams`, an on_shutdown hook). Endless
+streams (the console inbox, a followed trace) end then: aiohttp's graceful shutdown waits
+for open requests, up to a minute, and such a client may not be written to for 15 s."""
+
+
+async def end_streams(app: web.Application) -> None:
+    app[STREAMS_END].set()
+
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -26,23 +38,22 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def progress_comment(event: Mapping[str, Any]) -> str | None:
+def progress_comment(event: Event) -> str | None:
     """The comment line for a trace event, or None for events a client need not see."""
-    kind = event.get("type")
     tool = str(event.get("toolName", ""))
-    if kind in ("run_started", "run_resumed"):
-        return f"{kind} {public_run_id(str(event.get('runId')))}"
-    if kind == "turn":
+    if event["type"] in ("run_started", "run_resumed"):
+        return f"{event['type']} {public_run_id(str(event.get('runId')))}"
+    if event["type"] == "turn":
         return f"turn {event.get('turn')}"
-    if kind == "tool_start":
+    if event["type"] == "tool_start":
         return f"tool_start {tool}"
-    if kind == "tool_progress":
+    if event["type"] == "tool_progress":
         return f"tool_progress {tool} {event.get('label', '')}"
-    if kind == "tool_result":
+    if event["type"] == "tool_result":
         return f"tool_result {tool} {'ok' if event.get('ok') else 'error'} {event.get('ms')}ms"
-    if kind in ("tool_deduped", "tool_denied", "approval_required"):
-        return f"{kind} {tool}"
-    if kind == "run_stopped":
+    if event["type"] in ("tool_deduped", "tool_denied", "approval_required"):
+        return f"{event['type']} {tool}"
+    if event["type"] == "run_stopped":
         return f"run_stopped {event.get('status')} {event.get('reason')}"
     return None
 
@@ -50,8 +61,9 @@ def progress_comment(event: Mapping[str, Any]) -> str | None:
 class SSEStream:
     """An open `text/event-stream` response."""
 
-    def __init__(self, response: web.StreamResponse) -> None:
+    def __init__(self, response: web.StreamResponse, end: asyncio.Event | None = None) -> None:
         self.response = response
+        self._end = end
 
     @classmethod
     async def open(cls, request: web.Request, headers: Mapping[str, str] | None = None) -> SSEStream:
@@ -61,7 +73,24 @@ class SSEStream:
             await response.prepare(request)
         except (ConnectionError, RuntimeError) as exc:
             raise ClientGone(str(exc)) from exc
-        return cls(response)
+        return cls(response, request.config_dict.get(STREAMS_END))
+
+    @property
+    def ending(self) -> bool:
+        """Whether the gateway is shutting down (an endless stream should end)."""
+        return self._end is not None and self._end.is_set()
+
+    async def pause(self, seconds: float) -> bool:
+        """Wait `seconds` between two polls of an endless stream: False, at once, when the
+        gateway starts to shut down and the stream should end."""
+        if self._end is None:
+            await asyncio.sleep(seconds)
+            return True
+        try:
+            await asyncio.wait_for(self._end.wait(), seconds)
+        except TimeoutError:
+            return True
+        return False
 
     async def _write(self, data: bytes) -> None:
         try:

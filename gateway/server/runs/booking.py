@@ -16,12 +16,12 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 
 from gateway.harness.state import Message, RunState
-from gateway.harness.trace import event
+from gateway.harness.trace import RepairFields, Tracer, UpstreamAttemptFields
 from gateway.harness.usage import Usage
 from gateway.providers.failover import RoutedCall
 from gateway.providers.repair import Repair
@@ -65,8 +65,8 @@ async def refuse(request: web.Request, call: Call, exc: LimitExceeded) -> LimitE
         detail = exc.message if reason == "team_budget" else None
 
         def trace(r: RunState) -> list[Event]:
-            return [event(r.run_id, "run_stopped", status=status, reason=reason, turns=r.turns,
-                          costUsd=round(r.cost_usd, 9), detail=exc.message)]
+            return [Tracer(r.run_id)("run_stopped", status=status, reason=reason, turns=r.turns,
+                                     costUsd=round(r.cost_usd, 9), detail=exc.message)]
 
         async with app[ctx.GOVERNOR].run_lock(run.run_id):
             run, events, _ = await commit_run(app[ctx.STORE], run, stop_run(status, reason, interruption, detail),
@@ -97,8 +97,8 @@ class TurnRecord:
     upstream: str
     reported: Usage | None
     booking: Booking | None
-    attempts: tuple[dict[str, Any], ...] = ()  # the call's upstream attempts (`upstream_attempt` lines)
-    repairs: tuple[dict[str, str], ...] = ()  # the upstream's tool calls the gateway repaired (Repair.to_json)
+    attempts: tuple[UpstreamAttemptFields, ...] = ()  # the call's upstream attempts (`upstream_attempt` lines)
+    repairs: tuple[RepairFields, ...] = ()  # the upstream's tool calls the gateway repaired (Repair.to_json)
 
     def change(self) -> Callable[[RunState], None]:
         return add_turn(model=self.model, usage=self.usage, cost_usd=self.cost_usd, transcript=self.transcript,
@@ -108,19 +108,19 @@ class TurnRecord:
         return CheckedUsage(self.usage, self.reported).clamped
 
     def trace(self, run: RunState) -> list[Event]:
-        usage = self.usage
-        lines = [event(run.run_id, "upstream_attempt", **fields) for fields in self.attempts]
-        lines += [event(run.run_id, "tool_call_repaired", upstream=self.upstream, turn=run.turns, **repair)
+        usage, line = self.usage, Tracer(run.run_id)
+        lines: list[Event] = [line("upstream_attempt", **fields) for fields in self.attempts]
+        lines += [line("tool_call_repaired", upstream=self.upstream, turn=run.turns, **repair)
                   for repair in self.repairs]
         if self.reported is not None:
-            lines.append(event(run.run_id, "usage_clamped", upstream=self.upstream, reported=self.reported.to_json(),
-                               booked=usage.to_json(), kinds=list(self.clamped())))
-        lines.append(event(run.run_id, "turn", turn=run.turns, prompt_tokens=usage.prompt_tokens,
-                           completion_tokens=usage.completion_tokens, total_tokens=usage.total_tokens,
-                           costUsd=round(run.cost_usd, 9), finish=self.finish))
+            lines.append(line("usage_clamped", upstream=self.upstream, reported=self.reported.to_json(),
+                              booked=usage.to_json(), kinds=list(self.clamped())))
+        lines.append(line("turn", turn=run.turns, prompt_tokens=usage.prompt_tokens,
+                          completion_tokens=usage.completion_tokens, total_tokens=usage.total_tokens,
+                          costUsd=round(run.cost_usd, 9), finish=self.finish))
         if self.completed:
-            lines.append(event(run.run_id, "run_stopped", status="completed", reason="completed", turns=run.turns,
-                               costUsd=round(run.cost_usd, 9)))
+            lines.append(line("run_stopped", status="completed", reason="completed", turns=run.turns,
+                              costUsd=round(run.cost_usd, 9)))
         return lines
 
     def to_json(self) -> dict[str, Any]:
@@ -145,7 +145,7 @@ class TurnRecord:
                                                       TokenCharge(str(s), int(n), float(per))
                                                       for s, n, per in b.get("tokens") or ())),
                    tuple(data.get("attempts") or ()),
-                   tuple({str(k): str(v) for k, v in r.items()} for r in data.get("repairs") or ()))
+                   tuple(cast(RepairFields, {str(k): str(v) for k, v in r.items()}) for r in data.get("repairs") or ()))
 
 
 async def book_turn(request: web.Request, call: Call, adm: Admission, *, reported: Usage | None, message: Message,
@@ -171,7 +171,7 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
     price, upstream = (answer.price, answer.upstream.name) if answer is not None else (call.route.price,
                                                                                           call.route.upstream)
     cost = price.cost(usage)
-    attempts: tuple[dict[str, Any], ...] = ()
+    attempts: tuple[UpstreamAttemptFields, ...] = ()
     if routed is not None:
         attempts, routed.traced = tuple(a.fields() for a in routed.attempts), True
     record = TurnRecord(call.run.run_id, chat.model, usage, cost, [*chat.messages, message],

@@ -12,20 +12,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Final
 
 from gateway.harness.execute import CancelScope
 from gateway.harness.state import public_run_id
+from gateway.harness.trace import CancelRequestedEvent, EventSink, Tracer
 from gateway.store.base import Store
 from gateway.store.errors import StoreError
 
 log = logging.getLogger(__name__)
 
-CANCEL_REQUESTED = "cancel_requested"
+CANCEL_REQUESTED: Final = "cancel_requested"
 """Trace event kind of a Stop pressed on a run (by the API or by a client that went away)."""
 CLIENT_DISCONNECTED = "client disconnected"
 """The interruption reason of a run whose client went away mid-run."""
@@ -39,16 +39,16 @@ class RunBusy(Exception):
         self.run_id = run_id
 
 
-def cancel_event(run_id: str, reason: str, by: str) -> dict[str, Any]:
+def cancel_event(run_id: str, reason: str, by: str) -> CancelRequestedEvent:
     """The trace line recording that someone pressed Stop (its `ts` is when)."""
-    return {"runId": run_id, "type": CANCEL_REQUESTED, "reason": reason, "by": by, "ts": round(time.time(), 6)}
+    return Tracer(run_id)(CANCEL_REQUESTED, reason=reason, by=by)
 
 
 @dataclass
 class _Driving:
     scope: CancelScope
     stopped: asyncio.Event
-    trace: Callable[[dict[str, Any]], None]
+    trace: EventSink
 
 
 class ActiveRuns:
@@ -58,7 +58,7 @@ class ActiveRuns:
         self._runs: dict[str, _Driving] = {}
 
     @contextmanager
-    def claim(self, run_id: str, trace: Callable[[dict[str, Any]], None]) -> Iterator[CancelScope]:
+    def claim(self, run_id: str, trace: EventSink) -> Iterator[CancelScope]:
         """Hold the run's scope while driving it; a second claim of the same run is `RunBusy`."""
         if run_id in self._runs:
             raise RunBusy(run_id, "by this gateway")

@@ -19,6 +19,7 @@ from typing import Any
 
 from gateway.harness.approvals import ApprovalError, resume
 from gateway.harness.state import Message, RunState, pending
+from gateway.harness.trace import RunResumedSetup, RunStartedSetup
 from gateway.policy.decl import Policy
 from gateway.server.http.errors import Conflict, InvalidField
 from gateway.server.runs.driver import Prepare
@@ -27,7 +28,7 @@ from gateway.server.runs.driver import Prepare
 def start() -> Prepare:
     """A new run: prepend the policy's system prompt unless the client sent its own."""
 
-    def prepare(state: RunState, policy: Policy) -> dict[str, Any]:
+    def prepare(state: RunState, policy: Policy) -> RunStartedSetup:
         if policy.system_prompt and not any(m.get("role") in ("system", "developer") for m in state.messages):
             state.messages.insert(0, {"role": "system", "content": policy.system_prompt})
         return {"team": state.team, "policy": policy.name, "policyVersion": policy.version, "model": state.model}
@@ -122,7 +123,7 @@ def _reopen(state: RunState) -> None:
 def continue_chat(messages: list[Message], model: str) -> Prepare:
     """A chat call on an existing run: record what the client added, then go on."""
 
-    def prepare(state: RunState, policy: Policy) -> dict[str, Any] | None:
+    def prepare(state: RunState, policy: Policy) -> RunResumedSetup | None:
         tail = _tail(messages)
         results = _tool_results(state, tail)
         if state.status == "failed":
@@ -130,7 +131,7 @@ def continue_chat(messages: list[Message], model: str) -> Prepare:
                            "start a new run (another X-Run-Id)", code="run_failed")
         state.messages.extend(results)
         state.model = model
-        fields: dict[str, Any] = {"by": "client", "toolResults": len(results)}
+        fields: RunResumedSetup = {"by": "client", "toolResults": len(results)}
         if _waiting_approval(state):
             return None
         if state.status == "running":
@@ -159,7 +160,7 @@ def resume_with(max_turns: int | None, max_budget_usd: float | None, by: str, *,
     A raised limit must be above what the run already used (turns, dollars, tool calls,
     seconds since its first drive)."""
 
-    def prepare(state: RunState, policy: Policy) -> dict[str, Any]:
+    def prepare(state: RunState, policy: Policy) -> RunResumedSetup:
         if max_tool_calls is not None and max_tool_calls <= state.tool_calls:
             raise InvalidField("max_tool_calls", f"max_tool_calls must be more than the {state.tool_calls} tool calls "
                                                  f"run {state.public_id} already made, got {max_tool_calls}")

@@ -44,7 +44,7 @@ from gateway.harness.execute import CancelScope
 from gateway.harness.loop import Outcome, run
 from gateway.harness.model import Model
 from gateway.harness.state import Interruption, RunState, public_run_id
-from gateway.harness.trace import event as trace_event
+from gateway.harness.trace import RunStoppedFields, StartSetup, Tracer
 from gateway.harness.usage import Price, Usage
 from gateway.policy.decl import Policy
 from gateway.policy.executors import CompileError, ToolEnv, compile_options
@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 
 StartKind = Literal["run_started", "run_resumed"]
 INTERNAL_ERROR = "the gateway failed while driving the run; see its log"
-Prepare = Callable[[RunState, Policy], "dict[str, Any] | None"]
+Prepare = Callable[[RunState, Policy], "StartSetup | None"]
 """Changes a call makes to the run before it is driven (append tool results, raise limits).
 
 Runs under the lease on the freshly loaded run; returns the fields of the start event
@@ -188,8 +188,8 @@ class RunDriver:
         if state is None:
             raise NotFound(f"run {public_run_id(run_id)} not found", code="run_not_found")
         policy = self.policy_of(state)
-        fields = prepare(state, policy) if prepare is not None else {}
-        if fields is None:  # nothing to drive (it waits for a person): keep what the call added
+        fields = prepare(state, policy) if prepare is not None else None
+        if prepare is not None and fields is None:  # nothing to drive (it waits for a person): keep what the call added
             await self.store.save_run(state)
             return Drive(Outcome(state, "stopped", last_answer(state)), Usage(), driven=False)
         usage_before = state.usage
@@ -208,8 +208,7 @@ class RunDriver:
                                       max_tokens=client.max_tokens, checkpoint=checkpoint)
         except (CompileError, OSError) as exc:
             raise Conflict(f"run {public_run_id(run_id)} cannot be driven: {exc}", code="run_not_drivable") from None
-        writer({"runId": run_id, "type": start, **fields, "turns": state.turns, "costUsd": round(state.cost_usd, 9),
-                "ts": round(time.time(), 6)})
+        Tracer(run_id, writer).start(start, fields, {"turns": state.turns, "costUsd": round(state.cost_usd, 9)})
         await checkpoint(state)
         writer.start()
         stop = asyncio.Event()
@@ -288,14 +287,16 @@ class RunDriver:
         elif isinstance(exc, (ApiError, UpstreamError)):
             state.status, state.reason, state.error = "failed", "upstream_error", exc.message
             for fields in exc.attempts if isinstance(exc, UpstreamError) else ():
-                writer({"runId": state.run_id, "type": "upstream_attempt", **fields, "ts": round(time.time(), 6)})
+                Tracer(state.run_id, writer)("upstream_attempt", **fields)
         else:
             log.exception("run %s failed inside the gateway", state.run_id)
             # the log has the exception; the run (and so every client answer) has a sentence
             state.status, state.reason, state.error = "failed", "internal_error", INTERNAL_ERROR
-        detail = {"detail": state.error} if state.error else {}
-        writer(trace_event(state.run_id, "run_stopped", status=state.status, reason=state.reason, turns=state.turns,
-                           costUsd=round(state.cost_usd, 9), **detail))
+        stopped: RunStoppedFields = {"status": state.status, "reason": state.reason, "turns": state.turns,
+                                     "costUsd": round(state.cost_usd, 9)}
+        if state.error:
+            stopped["detail"] = state.error
+        Tracer(state.run_id, writer)("run_stopped", **stopped)
         state.updated_at = time.time()
         await checkpoint(state)
         return Outcome(state, "stopped")
@@ -339,15 +340,14 @@ class _MetricsListener:
         self.policy = policy.name
 
     def __call__(self, event: Event) -> None:
-        kind = event.get("type")
         m, s = self.metrics, self.state
-        if kind == "tool_result":
+        if event["type"] == "tool_result":
             m.on_tool(self.policy, str(event.get("toolName")), "ok" if event.get("ok") else "error",
                       float(event.get("ms") or 0) / 1000)
-        elif kind == "tool_deduped":
+        elif event["type"] == "tool_deduped":
             m.on_tool(self.policy, str(event.get("toolName")), "deduped")
-        elif kind == "tool_denied":
+        elif event["type"] == "tool_denied":
             m.on_tool(self.policy, str(event.get("toolName")), "denied")
-        elif kind == "run_stopped" and event.get("runId") == s.run_id:
+        elif event["type"] == "run_stopped" and event["runId"] == s.run_id:
             m.on_run_stopped(s.team, self.policy, str(event.get("status")), str(event.get("reason")),
                              int(event.get("turns") or 0), float(event.get("costUsd") or 0.0))

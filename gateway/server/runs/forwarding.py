@@ -16,7 +16,7 @@ from contextlib import AbstractAsyncContextManager
 from aiohttp import web
 
 from gateway.config.settings import ModelRoute
-from gateway.harness.trace import event
+from gateway.harness.trace import Tracer
 from gateway.providers.failover import Attempt, Opened, RoutedCall
 from gateway.providers.reply import ParsedReply
 from gateway.providers.upstream import Upstream, UpstreamReply
@@ -39,7 +39,8 @@ def routed_call(app: web.Application, route: ModelRoute, model: str) -> RoutedCa
 
 def attempt_events(run_id: str, attempts: Iterable[Attempt]) -> list[Event]:
     """The `upstream_attempt` trace lines of a call's attempts."""
-    return [event(run_id, "upstream_attempt", **a.fields()) for a in attempts]
+    line = Tracer(run_id)
+    return [line("upstream_attempt", **a.fields()) for a in attempts]
 
 
 async def trace_unbooked(app: web.Application, routed: RoutedCall, run_id: str) -> None:

@@ -224,7 +224,7 @@ class Governor:
     async def _admit(self, adm: Admission, ask: Ask, claim: Callable[[float], Claim], run_budget: float | None,
                      run_left: float | None = None) -> None:
         team = adm.team
-        limited = rate_limits.counts_tokens(adm.rates)
+        limited = bool(adm.rates) and rate_limits.counts_tokens(adm.rates)
         counts = adm.strict or team.budget_usd is not None or limited
         prompt = self.counter.count_request(ask.messages, ask.tools) if counts else 0
         adm.prompt_tokens = prompt if counts else None

@@ -28,6 +28,13 @@ SHOWN: Final = web.RequestKey("rate_limit_clocks", tuple[tuple[RateLimit, ...], 
 """The rate limits of the call's admission and its clocks, shown on its answer (`show`)."""
 
 
+def keep(request: web.Request, rates: tuple[RateLimit, ...], states: tuple[RateState, ...]) -> None:
+    """Remember a governed call's rate clocks for its answer's headers (`show`); nothing at
+    all for a team without rate limits."""
+    if rates:
+        request[SHOWN] = (rates, states)
+
+
 async def show(request: web.Request, response: web.StreamResponse) -> None:
     """`on_response_prepare`: a governed call's answer carries its rate-limit headers."""
     shown = request.get(SHOWN)
@@ -83,29 +90,33 @@ def duration(seconds: float) -> str:
     return f"{secs}s"
 
 
-def _left(tat: float, now: float, per_unit_s: float, window_s: float, limit: int) -> int:
-    return max(0, min(limit, math.floor((window_s + RATE_SLACK_S - (max(tat, now) - now)) / per_unit_s)))
-
-
 def headers(rates: Sequence[RateLimit], states: Sequence[RateState]) -> dict[str, str]:
     """x-ratelimit-{limit,remaining,reset}-{requests,tokens} of the tightest scope of each kind
-    (reset: until the scope's bucket is full again)."""
+    (reset: until the scope's bucket is full again). Built for every answer of a limited
+    team: one pass over the scopes, no helper calls but the reset's format."""
+    requests: tuple[int, int, float] | None = None  # (limit, remaining, seconds to reset)
+    tokens: tuple[int, int, float] | None = None
+    for limit, state in zip(rates, states, strict=True):
+        now, room = state.now, limit.window_s + RATE_SLACK_S
+        if limit.requests is not None and limit.requests_s is not None:
+            ahead = state.requests_tat - now if state.requests_tat > now else 0.0  # the clock's lead on now
+            left = min(limit.requests, max(0, math.floor((room - ahead) / limit.requests_s)))
+            if requests is None or left < requests[1]:
+                requests = (limit.requests, left, ahead)
+        if limit.tokens is not None and limit.tokens_s is not None:
+            ahead = state.tokens_tat - now if state.tokens_tat > now else 0.0
+            left = min(limit.tokens, max(0, math.floor((room - ahead) / limit.tokens_s)))
+            if tokens is None or left < tokens[1]:
+                tokens = (limit.tokens, left, ahead)
     out: dict[str, str] = {}
-    for kind in ("requests", "tokens"):
-        best: tuple[int, int, float] | None = None
-        for limit, state in zip(rates, states, strict=True):
-            count = limit.requests if kind == "requests" else limit.tokens
-            if count is None:
-                continue
-            per = limit.window_s / count
-            tat = state.requests_tat if kind == "requests" else state.tokens_tat
-            left = _left(tat, state.now, per, limit.window_s, count)
-            if best is None or left < best[1]:
-                best = (count, left, max(tat, state.now) - state.now)
-        if best is not None:
-            out[f"x-ratelimit-limit-{kind}"] = str(best[0])
-            out[f"x-ratelimit-remaining-{kind}"] = str(best[1])
-            out[f"x-ratelimit-reset-{kind}"] = duration(best[2])
+    if requests is not None:
+        out["x-ratelimit-limit-requests"] = str(requests[0])
+        out["x-ratelimit-remaining-requests"] = str(requests[1])
+        out["x-ratelimit-reset-requests"] = duration(requests[2])
+    if tokens is not None:
+        out["x-ratelimit-limit-tokens"] = str(tokens[0])
+        out["x-ratelimit-remaining-tokens"] = str(tokens[1])
+        out["x-ratelimit-reset-tokens"] = duration(tokens[2])
     return out
 
 

@@ -1,0 +1,103 @@
+"""The rate-limit part of the SQLite admission statement (`SqliteStore.admit`), built once per
+set of rate scopes.
+
+A claim's rate scopes (a key's and its team's) come from config and are the same for every
+call of a team, so the statement is shaped once per set (`rate_plan`): it names only the
+conditions the scopes have (a scope with a request limit alone is not checked for tokens or
+calls in flight), binds their figures from a dict made once, and reads back only the
+clocks the answer's `x-ratelimit-*` headers show. Sets of the same shape share one SQL
+text, so the driver's statement cache holds one prepared statement per shape, however
+many teams and keys have limits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from gateway.store.base import RATE_SLACK_S, RateLimit, RateState, scope_tag
+from gateway.store.sqlite_schema import LIVE
+
+CLOCK_SCOPES: Final = 2
+"""A reservation spends the clocks of at most two scopes (its columns `clock_a`, `clock_b`)."""
+_CLOCK: Final = "(SELECT COALESCE({kind}_tat, 0) FROM ledger WHERE team = :s{i} AND period = '')"
+_FITS: Final = " AND MAX({clock}, :now) + {cost} - :now <= :w{i} + " + repr(RATE_SLACK_S)
+"""A GCRA check (`base.fits`) of the i-th scope's clock, in SQL."""
+
+
+@dataclass(frozen=True)
+class RatePlan:
+    """The admission statement for one set of scopes, its figures as bound parameters, the
+    scopes whose clocks it spends (their ledger rows must exist), and where in its
+    RETURNING row each scope's clocks are (None: a scope without clocks)."""
+
+    sql: str
+    params: dict[str, Any]
+    clocked: tuple[str, ...]
+    read_at: tuple[int | None, ...]
+
+
+def rate_plan(rates: Sequence[RateLimit], admit: str) -> RatePlan:
+    """The plan for `rates`; `admit` is the statement without rate limits, with `{clocks}` and
+    `{values}` where the reservation's clock columns go."""
+    clocked = [r for r in rates if r.requests is not None or r.tokens is not None]
+    if len(clocked) > CLOCK_SCOPES:
+        raise ValueError(f"the sqlite store keeps the clocks of {CLOCK_SCOPES} rate scopes per claim, "
+                         f"got {len(clocked)}")
+    params: dict[str, Any] = {"scopes": "".join(scope_tag(r.scope) for r in rates if r.max_in_flight is not None)
+                              or None}
+    checks: list[str] = []
+    returning: list[str] = []
+    read_at: list[int | None] = []
+    for i, r in enumerate(rates):
+        requests_clock, tokens_clock = (_CLOCK.format(kind=kind, i=i) for kind in ("requests", "tokens"))
+        if r.requests_s is not None:
+            checks.append(_FITS.format(clock=requests_clock, cost=f":rs{i}", i=i))
+            params[f"rs{i}"] = r.requests_s
+        if r.tokens_s is not None:
+            checks.append(_FITS.format(clock=tokens_clock, cost=f":tokens * :ts{i}", i=i))
+            params[f"ts{i}"] = r.tokens_s
+        if r.max_in_flight is not None:
+            checks.append(f" AND (SELECT COUNT(*) FROM reservations WHERE instr(scopes, :tag{i}) > 0 AND {LIVE})"
+                          f" < :mif{i}")
+            params.update({f"mif{i}": r.max_in_flight, f"tag{i}": scope_tag(r.scope)})
+        if r in clocked:
+            # RETURNING reports the clocks as the statement found them (SQLite's RETURNING
+            # does not see the trigger's changes); `spent` adds what the trigger added.
+            read_at.append(len(returning))
+            returning += [requests_clock, tokens_clock]
+            params.update({f"s{i}": r.scope, f"w{i}": r.window_s})
+        else:
+            read_at.append(None)
+    columns = values = ""
+    for x, r in zip("ab", clocked, strict=False):
+        # The trigger (sqlite_schema) spends these clocks in the INSERT itself.
+        columns += f", clock_{x}, requests_s_{x}, tokens_s_{x}"
+        values += f", :clock_{x}, :requests_s_{x}, :tokens_s_{x}"
+        params.update({f"clock_{x}": r.scope, f"requests_s_{x}": r.requests_s, f"tokens_s_{x}": r.tokens_s})
+    if clocked:
+        columns += ", tokens, admitted_at"
+        values += ", :tokens, :now"
+    sql = admit.format(clocks=columns, values=values) + "".join(checks)
+    if returning:
+        sql += " RETURNING " + ", ".join(returning)
+    return RatePlan(sql, params, tuple(r.scope for r in clocked), tuple(read_at))
+
+
+def spent(plan: RatePlan, rates: Sequence[RateLimit], row: Sequence[float] | None, now: float,
+          tokens: int) -> tuple[RateState, ...]:
+    """Each scope's clocks after a granted claim spent them (as the trigger did), from the
+    clocks the statement read before (`row`, its RETURNING row)."""
+    out = []
+    for r, at in zip(rates, plan.read_at, strict=True):
+        if at is None or row is None:
+            out.append(RateState(r.scope, now))
+            continue
+        requests_tat, tokens_tat = row[at], row[at + 1]
+        if r.requests_s is not None:
+            requests_tat = max(requests_tat, now) + r.requests_s
+        if r.tokens_s is not None:
+            tokens_tat = max(tokens_tat, now) + tokens * r.tokens_s
+        out.append(RateState(r.scope, now, requests_tat, tokens_tat))
+    return tuple(out)
