@@ -53,6 +53,7 @@ from gateway.server.responses import endpoint as responses
 from gateway.server.runs import rate_limits, retention, runtime
 from gateway.server.runs.booking import replay_spool
 from gateway.server.runs.governor import Governor
+from gateway.server.runs.run_cache import RunCache
 from gateway.store import Store, StoreConfigError, StoreError, open_store
 from gateway.store.spool import Spool
 from gateway.tokens import get_counter
@@ -197,6 +198,7 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
                                ((w.name, sorted(w.events)) for w in config.webhooks))
     app[ctx.STORE] = _open_store(config)
     app[ctx.SPOOL] = Spool(config.spool_file)
+    app[ctx.RUN_CACHE] = RunCache()
     if self_url is not None:
         app[ctx.SELF_URL] = self_url.rstrip("/")
     if worker is not None:
