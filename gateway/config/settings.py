@@ -87,6 +87,8 @@ DEFAULT_RETRIES = 2
 """`retries` of a route that names `deployments` or `fallbacks` (the single-`upstream` form: 0)."""
 MAX_RETRIES = 10
 DEFAULT_LEASE_TTL_S = 15.0
+DEFAULT_WEBHOOK_POLL_S = 0.5
+DEFAULT_BUDGET_SCAN_S = 2.0
 DEFAULT_RATE_LIMIT_WAIT_S = 30.0
 DEFAULT_STORE_TIMEOUT_S = 2.0
 """The deadline of one store command (`store.timeout_s`, Redis): a frozen store is a 503 this soon."""
@@ -104,6 +106,10 @@ class ServerConfig:
     refusal_status: int = 429
     public_url: str | None = None
     """Where people reach this gateway (links in notifications); None: the listening address."""
+    webhook_poll_s: float = DEFAULT_WEBHOOK_POLL_S
+    """How often the webhook delivery task looks for due messages another process wrote."""
+    budget_scan_s: float = DEFAULT_BUDGET_SCAN_S
+    """How often the webhook delivery task reads team spend for `budget_threshold` messages."""
 
 
 REFUSAL_STATUSES = (429, 400, 402, 403)
@@ -131,7 +137,7 @@ class UpstreamConfig:
     api_key_env: str | None = None
     timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
     api: UpstreamApi = "chat"
-    # Tool-call repair (gateway.providers.repair) of non-streamed chat replies; on by default for kind local.
+    # Tool-call repair (gateway.providers.repair) of every reply, streamed or not; on by default for kind local.
     tool_repair: bool = False
     # The most completion tokens any call may ask for (lower asks pass unchanged); None: no cap.
     max_tokens: int | None = None
@@ -317,7 +323,8 @@ def parse_config(data: Any, file: Path) -> Config:
 def _server(at: Field) -> ServerConfig:
     if at.missing:
         return ServerConfig()
-    at.keys_only({"host", "port", "max_body_bytes", "lease_ttl_s", "refusal_status", "public_url"})
+    at.keys_only({"host", "port", "max_body_bytes", "lease_ttl_s", "refusal_status", "public_url", "webhook_poll_s",
+                  "budget_scan_s"})
     refusal = at.get("refusal_status")
     status = refusal.optional_int(429)
     if status not in REFUSAL_STATUSES:
@@ -329,6 +336,8 @@ def _server(at: Field) -> ServerConfig:
         max_body_bytes=at.get("max_body_bytes").optional_int(DEFAULT_MAX_BODY_BYTES, low=1),
         lease_ttl_s=at.get("lease_ttl_s").optional_number(DEFAULT_LEASE_TTL_S, positive=True),
         refusal_status=status,
+        webhook_poll_s=at.get("webhook_poll_s").optional_number(DEFAULT_WEBHOOK_POLL_S, positive=True),
+        budget_scan_s=at.get("budget_scan_s").optional_number(DEFAULT_BUDGET_SCAN_S, positive=True),
     )
 
 

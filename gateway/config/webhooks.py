@@ -12,6 +12,7 @@
                                                     # metrics and logs (the url is never shown: it may hold a secret)
         timeout_s: 10                               # one delivery attempt's deadline
         max_attempts: 12                            # attempts before the notice is given up
+        retry_base_s: 1                             # the wait after the first failed attempt (doubles each time)
 
 Every error is a ConfigError naming the field (docs/config.md, docs/notifications.md).
 """
@@ -38,6 +39,7 @@ _EVENT_OF: Final[dict[str, NoticeEvent]] = {e: e for e in NOTICE_EVENTS}
 MAX_URL: Final = 2048
 DEFAULT_TIMEOUT_S: Final = 10.0
 DEFAULT_MAX_ATTEMPTS: Final = 12
+DEFAULT_RETRY_BASE_S: Final = 1.0
 _NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:#\-]{0,99}")
 
 
@@ -56,6 +58,8 @@ class WebhookConfig:
     format: WebhookFormat = "json"
     timeout_s: float = DEFAULT_TIMEOUT_S
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    retry_base_s: float = DEFAULT_RETRY_BASE_S
+    """The wait after the first failed attempt; it doubles after each one (up to 5 minutes)."""
 
     def wants(self, event: NoticeEvent, team: str, reason: str | None = None) -> bool:
         """Whether this webhook is sent `event` of `team` (a run_stopped with `reason`)."""
@@ -78,7 +82,7 @@ def parse_webhooks(section: Field, teams: Collection[str]) -> tuple[WebhookConfi
     out: list[WebhookConfig] = []
     for at in section.list_of():
         at.keys_only({"name", "url", "secret_env", "events", "teams", "reasons", "format", "timeout_s",
-                      "max_attempts"})
+                      "max_attempts", "retry_base_s"})
         url_at = at.get("url")
         url = url_at.required().nonempty_str()
         _check_url(url_at, url)
@@ -111,6 +115,7 @@ def parse_webhooks(section: Field, teams: Collection[str]) -> tuple[WebhookConfi
             reasons=reasons, format=at.get("format").choice(("json", "slack"), "json"),
             timeout_s=at.get("timeout_s").optional_number(DEFAULT_TIMEOUT_S, positive=True),
             max_attempts=at.get("max_attempts").optional_int(DEFAULT_MAX_ATTEMPTS, low=1, high=100),
+            retry_base_s=at.get("retry_base_s").optional_number(DEFAULT_RETRY_BASE_S, positive=True),
         ))
     return tuple(out)
 

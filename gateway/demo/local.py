@@ -65,7 +65,7 @@ CHAPTER_REFERENCE: Final = ("chapter (Qwen2.5-0.5B-Instruct, its machine): every
 POLICIES_DIR: Final = Path(__file__).resolve().parents[2] / "policies"
 KEY: Final = "sk-demo"
 LOCAL_START_TIMEOUT_S: Final = 600.0  # the first start assembles the model (seconds to minutes)
-GATEWAY_START_TIMEOUT_S: Final = 30.0
+GATEWAY_START_TIMEOUT_S: Final = 120.0  # a loaded 2-core machine starts a Python process slowly
 DEMO_MAX_TURNS: Final = 6
 DEMO_TOOL_ROUNDS: Final = 1  # measured best of 1, 2 and always (README)
 DEMO_MAX_TOKENS: Final = 256  # a call or a one-sentence answer needs under 100 tokens
@@ -262,16 +262,19 @@ async def _answers_at_all(session: aiohttp.ClientSession, base_url: str) -> bool
         return False
 
 
-async def ensure_local(session: aiohttp.ClientSession, base_url: str, folder: Path) -> tuple[str, Child | None]:
-    """The local model's id, and the `gateway local` process started for it (None if one already ran)."""
+async def ensure_local(session: aiohttp.ClientSession, base_url: str, folder: Path,
+                       model: str = "0.5b") -> tuple[str, Child | None]:
+    """The local model's id, and the `gateway local --model MODEL` process started for it (None if one already ran)."""
     child: Child | None = None
     if not await _answers_at_all(session, base_url):
         url = urllib.parse.urlsplit(base_url)
         if url.hostname not in ("127.0.0.1", "localhost") or url.port is None:
             raise DemoError(f"nothing answers at {base_url}, and it is not a local address with a port to start "
                             "`gateway local` on (e.g. http://127.0.0.1:8081/v1)")
-        _say(f"nothing answers at {base_url}: starting `gateway local --port {url.port}` (log {folder}/local.log)")
-        child = Child.start(["local", "--host", url.hostname, "--port", str(url.port)], folder / "local.log")
+        _say(f"nothing answers at {base_url}: starting `gateway local --model {model} --port {url.port}` "
+             f"(log {folder}/local.log)")
+        child = Child.start(["local", "--model", model, "--host", url.hostname, "--port", str(url.port)],
+                            folder / "local.log")
     deadline = time.monotonic() + LOCAL_START_TIMEOUT_S
     try:
         while (names := await _models(session, base_url)) is None:
@@ -403,14 +406,14 @@ async def run_task(session: aiohttp.ClientSession, gateway: str, model: str, tas
 
 
 async def run_demo(local_url: str, as_json: bool = False, repair: bool = True,
-                   tool_rounds: int | None = DEMO_TOOL_ROUNDS) -> list[TaskResult]:
+                   tool_rounds: int | None = DEMO_TOOL_ROUNDS, model_key: str = "0.5b") -> list[TaskResult]:
     """Start what is missing, run the six tasks through the gateway, print a line (or JSON) each."""
     truth = Truth.of()
     results: list[TaskResult] = []
     with tempfile.TemporaryDirectory(prefix="gateway-demo-local-") as tmp:
         folder = Path(tmp)
         async with aiohttp.ClientSession() as session:
-            model, local = await ensure_local(session, local_url, folder)
+            model, local = await ensure_local(session, local_url, folder, model_key)
             try:
                 gateway, served = await start_gateway(session, folder, local_url, repair, tool_rounds)
                 weights = await served_model(session, local_url)
@@ -441,7 +444,8 @@ def local_demo(args: argparse.Namespace) -> int:
         rounds = getattr(args, "tool_rounds", None)
         asyncio.run(run_demo(args.local_url, as_json=bool(getattr(args, "json", False)),
                              repair=not getattr(args, "no_repair", False),
-                             tool_rounds=DEMO_TOOL_ROUNDS if rounds is None else (rounds or None)))
+                             tool_rounds=DEMO_TOOL_ROUNDS if rounds is None else (rounds or None),
+                             model_key=str(getattr(args, "model", "0.5b"))))
     except DemoError as exc:
         _say(str(exc))
         return 1

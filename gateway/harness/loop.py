@@ -19,7 +19,7 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import orjson
 
@@ -104,8 +104,10 @@ async def _loop(state: RunState, model: Model, options: RunOptions, scope: Cance
             if outcome is not None:
                 return outcome
             continue
+        offers = _offers_tools(state, options)
         request = ModelRequest(
-            model=state.model, messages=state.messages, tools=specs if _offers_tools(state, options) else [], max_tokens=options.max_tokens,
+            model=state.model, messages=state.messages if offers else _asking_the_answer(state.messages),
+            tools=specs if offers else [], max_tokens=options.max_tokens,
             run_id=state.run_id, budget_remaining_usd=_remaining(state), extra=dict(options.sampling),
         )
         finished, reply = await race(model.complete(request), scope)
@@ -251,6 +253,16 @@ def _charge(state: RunState, options: RunOptions, usage: Usage, cost_usd: float)
 
 def _answer(state: RunState, call_id: str, name: str, content: str) -> None:
     state.messages.append({"role": "tool", "tool_call_id": call_id, "name": name, "content": content})
+
+
+ANSWER_NOW: Final = "Answer my question now, in one sentence, from the tool results above. Do not call a tool."
+
+
+def _asking_the_answer(messages: list[Message]) -> list[Message]:
+    """The request's messages once tools are withheld (`tool_rounds`): the transcript plus a
+    user line asking for the answer, which is not kept in the run. A small model shown tool
+    results and no tools otherwise often writes one more tool call as its answer."""
+    return [*messages, {"role": "user", "content": ANSWER_NOW}]
 
 
 def _offers_tools(state: RunState, options: RunOptions) -> bool:

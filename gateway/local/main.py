@@ -12,7 +12,7 @@ from types import FrameType
 
 from gateway.local.model import MODELS, LocalSetupError, default_cache_dir, ensure_model
 from gateway.local.server import LocalServer, ServerSettings, load_runtime
-from gateway.local.template import CHAT_TEMPLATE, write_template
+from gateway.local.template import TEMPLATES, write_template
 
 N_CTX = 4096
 
@@ -70,7 +70,7 @@ def local_command(args: argparse.Namespace) -> int:
         try:
             load_runtime()  # fail before spending time on a 0.5-1 GB assembly
             model_path = ensure_model(spec, cache_dir, log=_say)
-            template_path = write_template(cache_dir)
+            template_path = write_template(cache_dir, spec.template)
             # From here the server's C code runs: a signal only sets the event, checked below.
             stopper.raising = False
         except _Interrupted as exc:
@@ -84,7 +84,7 @@ def local_command(args: argparse.Namespace) -> int:
             return 2
         _say(f"loading {model_path} with template {template_path}")
         server = LocalServer(ServerSettings(
-            model_path=model_path, alias=spec.name, chat_template=CHAT_TEMPLATE,
+            model_path=model_path, alias=spec.name, chat_template=TEMPLATES[spec.template][1],
             host=args.host, port=args.port, threads=args.threads, n_ctx=N_CTX,
         ))
         try:

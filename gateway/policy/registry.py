@@ -153,6 +153,11 @@ class PolicyRegistry:
         caller (a chat call on the run, the runs API, the driver, recovery)."""
         return self._versions.get((name, version)) or self._current.get(name)
 
+    def names_where(self, test: Callable[[Policy], bool]) -> frozenset[str]:
+        """The names of the policies of which some version this gateway has loaded (current or
+        kept for its runs, see `for_run`) passes `test`: the runs a scan must look at."""
+        return frozenset(p.name for p in (*self._versions.values(), *self._current.values()) if test(p))
+
     def version_of(self, name: str) -> str | None:
         policy = self._current.get(name)
         return policy.version if policy else None

@@ -15,7 +15,10 @@ events, `gateway_tool_call_repairs_total`):
   (`type`, `properties`, `required`...): the model echoed the schema as its arguments;
 - `retried_without_tool_parsing`: the upstream (llama.cpp) failed to parse the model's
   tool call and answered 500; the call was retried once with `tool_choice: "none"` (the
-  tools stay in the prompt, nothing is parsed) and the text repaired here.
+  tools stay in the prompt, nothing is parsed) and the text repaired here;
+- `parse_error_dropped`: a stream the upstream ended with that parse failure as an error
+  event, after streaming the model's text: the error is dropped and the text repaired here
+  (the text is already there; nothing is asked again).
 
 Nothing here guesses a tool the model did not name or a value it did not write: a JSON
 object naming an unknown tool is left as the answer it is.
@@ -34,9 +37,10 @@ import orjson
 
 from gateway.harness.trace import RepairFields
 
-RepairKind = Literal["call_from_text", "arguments_trimmed", "undeclared_keys_dropped", "retried_without_tool_parsing"]
+RepairKind = Literal["call_from_text", "arguments_trimmed", "undeclared_keys_dropped", "retried_without_tool_parsing",
+                     "parse_error_dropped"]
 REPAIR_KINDS: Final[tuple[RepairKind, ...]] = ("call_from_text", "arguments_trimmed", "undeclared_keys_dropped",
-                                               "retried_without_tool_parsing")
+                                               "retried_without_tool_parsing", "parse_error_dropped")
 
 # Words of JSON Schema a model copies from the tool's `parameters` into its arguments.
 SCHEMA_WORDS: Final = frozenset({"type", "properties", "required", "additionalProperties", "description", "title",
@@ -90,23 +94,41 @@ def is_tool_parse_failure(status: int, message: str) -> bool:
     return status == 500 and bool(_PARSE_FAILURE.search(message))
 
 
+def retried_without_parsing(message: str) -> Repair:
+    """The repair of asking again without tool parsing after the upstream's `message` (its parse-failure 500)."""
+    return Repair("retried_without_tool_parsing", "", f"the upstream could not parse the model's tool call "
+                                                      f"({message}); asked again without tool parsing")
+
+
+def parse_error_dropped(message: str) -> Repair:
+    """The repair of a stream that ended in the upstream's parse-failure error event `message`."""
+    return Repair("parse_error_dropped", "", f"the upstream ended the stream with its tool-call parse error "
+                                             f"({message}); the text it streamed was repaired instead")
+
+
 def without_tool_parsing(body: Mapping[str, Any]) -> dict[str, Any]:
     """The retry's body: the same prompt (tools still rendered), but nothing parsed as a call."""
     return {**body, "tool_choice": "none"}
 
 
-def repair_completion(data: dict[str, Any], tools: Mapping[str, Mapping[str, Any]]) -> RepairedCompletion:
-    """Repair choice 0's message against `tools` (`tool_schemas`); `data` itself is not changed.
+@dataclass(frozen=True)
+class RepairedMessage:
+    """An assistant message after repair (the same object when nothing changed), its finish
+    reason (`tool_calls` once it has calls) and the repairs made."""
 
-    A shape this cannot read is left alone: the reply parser names what is wrong with it.
-    """
-    choices = data.get("choices")
-    if not tools or not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return RepairedCompletion(data, ())
-    choice = choices[0]
-    message = choice.get("message")
-    if not isinstance(message, dict):
-        return RepairedCompletion(data, ())
+    message: dict[str, Any]
+    finish: str | None
+    repairs: tuple[Repair, ...]
+
+
+def repair_message(message: Mapping[str, Any], finish: str | None,
+                   tools: Mapping[str, Mapping[str, Any]]) -> RepairedMessage:
+    """Repair one assistant message against `tools` (`tool_schemas`): the one repair every
+    path runs (a non-streamed reply, a reassembled stream, a Responses output, the demo's
+    model). `message` itself is not changed."""
+    same = RepairedMessage(message if isinstance(message, dict) else dict(message), finish, ())
+    if not tools:
+        return same
     repairs: list[Repair] = []
     fixed = dict(message)
     calls = message.get("tool_calls")
@@ -124,11 +146,29 @@ def repair_completion(data: dict[str, Any], tools: Mapping[str, Mapping[str, Any
         if repairs:
             fixed["tool_calls"] = fixed_calls
     if not repairs:
+        return same
+    if fixed.get("tool_calls") and finish in (None, "stop"):
+        finish = "tool_calls"
+    return RepairedMessage(fixed, finish, tuple(repairs))
+
+
+def repair_completion(data: dict[str, Any], tools: Mapping[str, Mapping[str, Any]]) -> RepairedCompletion:
+    """Repair choice 0's message of a chat completion (`repair_message`); `data` itself is not changed.
+
+    A shape this cannot read is left alone: the reply parser names what is wrong with it.
+    """
+    choices = data.get("choices")
+    if not tools or not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return RepairedCompletion(data, ())
-    new_choice = {**choice, "message": fixed}
-    if fixed.get("tool_calls") and choice.get("finish_reason") in (None, "stop"):
-        new_choice["finish_reason"] = "tool_calls"
-    return RepairedCompletion({**data, "choices": [new_choice, *choices[1:]]}, tuple(repairs))
+    choice = choices[0]
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        return RepairedCompletion(data, ())
+    fixed = repair_message(message, choice.get("finish_reason"), tools)
+    if not fixed.repairs:
+        return RepairedCompletion(data, ())
+    new_choice = {**choice, "message": fixed.message, "finish_reason": fixed.finish}
+    return RepairedCompletion({**data, "choices": [new_choice, *choices[1:]]}, fixed.repairs)
 
 
 def calls_in_text(content: Any, tools: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -12,6 +12,10 @@ Request headers that shape the answer (for tests and benchmarks):
 - `X-Scripted-Chunk-Delay-Ms`: wait this long between stream chunks.
   Both are at most `MAX_DELAY_MS` (60 s; more is a 400 naming the header), so no request
   keeps a handler asleep for long, and a server shutting down cuts the latency wait short.
+- `X-Scripted-Reply`: the assistant message to answer with (JSON, at most `MAX_REPLY_BYTES`:
+  `content` a string or null, `tool_calls` a list of function calls with string arguments)
+  instead of the scenario's, streamed or not like any reply: a test replays a reply recorded
+  from a real model this way (the gateway's tool-call repair is tested on them).
 - `X-Scripted-Fail`: `500`, `429` (OpenAI-shaped errors; a 429 carries `retry-after` when
   `X-Scripted-Retry-After` (seconds) or the app's `retry_after_s` says so), `malformed` (a body
   that is not JSON), `hang` (no answer until the client gives up), `cut` (the connection drops
@@ -43,7 +47,7 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from gateway.providers.scenarios import model_names, scenario_for, view_of
+from gateway.providers.scenarios import Reply, model_names, scenario_for, view_of
 from gateway.tokens import TokenCounter, get_counter
 
 FailMode = Literal["500", "429", "malformed", "hang", "cut", "cut-first", "reset"]
@@ -52,6 +56,8 @@ LATENCY_HEADER = "X-Scripted-Latency-Ms"
 CHUNK_DELAY_HEADER = "X-Scripted-Chunk-Delay-Ms"
 FAIL_HEADER = "X-Scripted-Fail"
 RETRY_AFTER_HEADER = "X-Scripted-Retry-After"
+REPLY_HEADER = "X-Scripted-Reply"
+MAX_REPLY_BYTES = 8000  # under aiohttp's 8190-byte header line
 MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_DELAY_MS = 60_000.0
 """The most a request may ask the provider to wait (each X-Scripted-*-Ms header)."""
@@ -113,6 +119,7 @@ class Ask:
     stream: bool
     include_usage: bool
     max_tokens: int | None
+    reply: dict[str, Any] | None = None  # X-Scripted-Reply: the message to answer with
 
 
 class BadRequest(Exception):
@@ -157,7 +164,34 @@ def _ms_header(request: web.Request, name: str, default: float) -> float:
     return default if value is None else value
 
 
-def _parse(body: bytes) -> Ask:
+def _reply_header(request: web.Request) -> dict[str, Any] | None:
+    """The X-Scripted-Reply message, checked (a 400 naming what is wrong), or None."""
+    raw = request.headers.get(REPLY_HEADER)
+    if raw is None:
+        return None
+    if len(raw) > MAX_REPLY_BYTES:
+        raise BadRequest(400, f"header {REPLY_HEADER} is over {MAX_REPLY_BYTES} bytes", None)
+    try:
+        message = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise BadRequest(400, f"header {REPLY_HEADER} is not JSON", None) from None
+    if not isinstance(message, dict) or not isinstance(message.get("content"), (str, type(None))):
+        raise BadRequest(400, f"header {REPLY_HEADER} must be an object whose content is a string or null", None)
+    calls = message.get("tool_calls")
+    if calls is not None and not (isinstance(calls, list) and all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+            and isinstance(c["function"].get("arguments"), str) for c in calls)):
+        raise BadRequest(400, f"header {REPLY_HEADER}: tool_calls must be function calls with a name and string "
+                         "arguments", None)
+    out = {"role": "assistant", "content": message.get("content")}
+    if calls:
+        out["tool_calls"] = [{"id": str(c.get("id") or f"call_{i}"), "type": "function",
+                              "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}}
+                             for i, c in enumerate(calls)]
+    return out
+
+
+def _parse(body: bytes, reply: dict[str, Any] | None = None) -> Ask:
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -191,7 +225,7 @@ def _parse(body: bytes) -> Ask:
         raise BadRequest(404, f"The model '{model}' does not exist. Scripted models: {', '.join(model_names())}",
                          "model", "model_not_found")
     return Ask(model, messages, tools or None, bool(data.get("stream")), bool(options.get("include_usage")),
-               min(limits, default=None))
+               min(limits, default=None), reply)
 
 
 def fit(message: dict[str, Any], finish: str, max_tokens: int,
@@ -246,10 +280,10 @@ def build_reply(ask: Ask, counter: TokenCounter) -> tuple[dict[str, Any], str, d
     """The assistant message, its finish reason and usage for a validated request."""
     scenario = scenario_for(ask.model)
     assert scenario is not None  # _parse refused unknown models
-    reply = scenario(view_of(ask.messages))
+    reply = scenario(view_of(ask.messages)) if ask.reply is None else Reply(raw=ask.reply)
     message = reply.message()
     finish = "tool_calls" if reply.calls or (reply.raw is not None and reply.raw.get("tool_calls")) else "stop"
-    if ask.max_tokens is not None and reply.raw is None:
+    if ask.max_tokens is not None and (reply.raw is None or ask.reply is not None):
         message, finish = fit(message, finish, ask.max_tokens, counter)
     prompt = counter.count_request(ask.messages, ask.tools)
     try:
@@ -384,7 +418,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         fail = next((m for m in FAIL_MODES if m == raw_fail), None)
         retry_after = _header_number(request, RETRY_AFTER_HEADER, MAX_DELAY_MS / 1000, "seconds")
         retry_after = config.retry_after_s if retry_after is None else retry_after
-        ask = _parse(await request.read())
+        ask = _parse(await request.read(), _reply_header(request))
     except BadRequest as exc:
         type_ = "invalid_request_error"
         return _error(exc.status, exc.message, type_, exc.code, exc.param)

@@ -30,6 +30,7 @@ from gateway.providers.repair import (
     Repair,
     is_tool_parse_failure,
     repair_completion,
+    retried_without_parsing,
     tool_schemas,
     without_tool_parsing,
 )
@@ -188,8 +189,7 @@ class Upstream:
         except UpstreamError as exc:
             if not is_tool_parse_failure(exc.upstream_status or 0, exc.message):
                 raise
-            first = (Repair("retried_without_tool_parsing", "", f"the upstream could not parse the model's tool call "
-                                                                f"({exc.message}); asked again without tool parsing"),)
+            first = (retried_without_parsing(exc.message),)
             reply = await self._post_chat(orjson.dumps(without_tool_parsing(request)), headers)
         fixed = repair_completion(reply.data, tools)
         repairs = first + fixed.repairs

@@ -37,8 +37,8 @@ from gateway.policy.registry import PolicyRegistry
 from gateway.providers.scenarios import model_names
 from gateway.providers.scripted import scripted_app
 from gateway.providers.upstream import new_session
-from gateway.server import context as ctx
 from gateway.server import console, embeddings, mcp_servers, openapi
+from gateway.server import context as ctx
 from gateway.server.api import admin
 from gateway.server.api import metrics as metrics_route
 from gateway.server.api import runs as runs_api
@@ -46,12 +46,14 @@ from gateway.server.chat import endpoint as chat
 from gateway.server.http.auth import KeyRing
 from gateway.server.http.errors import NotFound, StoreUnavailable
 from gateway.server.http.middleware import gateway_middleware
+from gateway.server.http.sse import STREAMS_END, end_streams
 from gateway.server.metrics import Metrics
 from gateway.server.notify import delivery as notify_delivery
 from gateway.server.responses import endpoint as responses
 from gateway.server.runs import rate_limits, retention, runtime
 from gateway.server.runs.booking import replay_spool
 from gateway.server.runs.governor import Governor
+from gateway.server.runs.run_cache import RunCache
 from gateway.store import Store, StoreConfigError, StoreError, open_store
 from gateway.store.spool import Spool
 from gateway.tokens import get_counter
@@ -196,6 +198,7 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
                                ((w.name, sorted(w.events)) for w in config.webhooks))
     app[ctx.STORE] = _open_store(config)
     app[ctx.SPOOL] = Spool(config.spool_file)
+    app[ctx.RUN_CACHE] = RunCache()
     if self_url is not None:
         app[ctx.SELF_URL] = self_url.rstrip("/")
     if worker is not None:
@@ -204,6 +207,8 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
     app.cleanup_ctx.append(notify_delivery.background)  # before runs are driven: their notices need its rule
     app.cleanup_ctx.append(runtime.driver_ctx)
     app.cleanup_ctx.append(retention.background)
+    app[STREAMS_END] = asyncio.Event()
+    app.on_shutdown.append(end_streams)
     app.on_shutdown.append(runtime.stop_runs)
     if any(t.rate_limits is not None or t.key_limits for t in config.teams):
         app.on_response_prepare.append(rate_limits.show)  # answers carry their x-ratelimit-* headers

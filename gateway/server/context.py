@@ -23,6 +23,7 @@ from gateway.server.http.auth import KeyRing
 from gateway.server.metrics import Metrics
 from gateway.server.runs.driver import RunDriver
 from gateway.server.runs.governor import Governor
+from gateway.server.runs.run_cache import RunCache
 from gateway.store.base import Store
 from gateway.store.spool import Spool
 from gateway.tokens import TokenCounter
@@ -84,6 +85,8 @@ SELF_URL: Final = web.AppKey("self_url", str)
 WORKER: Final = web.AppKey("worker", int)
 """This process's index among `gateway serve --workers N`'s; absent when it serves alone."""
 SPOOL: Final = web.AppKey("spool", Spool)
+RUN_CACHE: Final = web.AppKey("run_cache", RunCache)
+"""The runs this process booked last, parsed (`runs.run_cache`): a call of one skips its load."""
 MCP: Final = web.AppKey("mcp", McpHub)
 """The process's MCP sessions: one per server, shared by every policy version that names it."""
 SCRIPTED_KEY: Final = web.AppKey("scripted_key", str)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -188,6 +188,9 @@ class Grant:
     figures: Figures = Figures()
     rates: tuple[RateState, ...] = ()
     """One per `Claim.rates`, in order: after the claim on a grant, as checked on a refusal."""
+    run_revision: int | None = None
+    """On a grant of a claim with `run_id`: the run's stored revision as the claim was judged
+    (in the same step), so a caller that started from a cached run knows whether it was current."""
 
 
 class Store(Protocol):
@@ -226,8 +229,11 @@ class Store(Protocol):
         """
         ...
 
-    async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100) -> list[RunState]:
-        """Runs, newest first (by creation time), optionally of one team and/or one status."""
+    async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100,
+                        policies: Collection[str] | None = None) -> list[RunState]:
+        """Runs, newest first (by creation time), optionally of one team and/or one status and/or
+        governed by one of `policies` (by name; an empty collection lists nothing). Only the
+        runs that pass every filter are read and parsed, so a filter keeps a scan cheap."""
         ...
 
     async def append_events(self, run_id: str, events: list[Event]) -> None:
@@ -263,7 +269,8 @@ class Store(Protocol):
         ...
 
     async def release_owner(self, owner: str) -> int:
-        """Release every reservation `owner` still holds (it restarted); returns how many."""
+        """Release every reservation and every run lease `owner` still holds (it restarted: an
+        owner name is never live in two processes); returns how many reservations."""
         ...
 
     async def settle(self, reservation_id: str, actual_usd: float, tokens: Sequence[TokenCharge] = ()) -> None:
@@ -413,13 +420,15 @@ def check_ttl(ttl_s: float, what: str, *, allow_zero: bool) -> float:
     return float(ttl_s)
 
 
-def check_list_args(status: str | None, limit: int) -> None:
+def check_list_args(status: str | None, limit: int, policies: Collection[str] | None = None) -> None:
     if status is not None and status not in STATUSES:
         raise ValueError(f"unknown run status {status!r}; expected one of {', '.join(STATUSES)}")
     if isinstance(limit, bool) or not isinstance(limit, int):
         raise TypeError(f"limit must be an integer, got {limit!r}")
     if limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit!r}")
+    if isinstance(policies, str):
+        raise TypeError(f"policies must be a collection of policy names, not the string {policies!r}")
 
 
 def scope_tag(scope: str) -> str:

@@ -7,7 +7,7 @@ mutates a loaded run cannot reach into the store, and unserializable data fails 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import orjson
@@ -56,6 +56,7 @@ class _StoredRun:
     turns: int = 0
     cost: int = 0
     updated_at: float = 0.0
+    policy: str = ""  # a run's policy never changes
 
 
 @dataclass
@@ -112,7 +113,7 @@ class MemoryStore:
         self._runs[state.run_id] = _StoredRun(
             state.team, state.status, state.created_at, len(self._runs), state.revision, state.dumps(),
             state.turns, to_micros(state.cost_usd, "cost_usd"),
-            state.updated_at,
+            state.updated_at, state.policy,
         )
 
     async def load_run(self, run_id: str) -> RunState | None:
@@ -158,13 +159,15 @@ class MemoryStore:
             self._spent[(booking.team, booking.period)] = self._spent.get((booking.team, booking.period), 0) + actual
         return await self.team_spend(booking.team, booking.period)
 
-    async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100) -> list[RunState]:
+    async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100,
+                        policies: Collection[str] | None = None) -> list[RunState]:
         self._check_open()
-        check_list_args(status, limit)
+        check_list_args(status, limit, policies)
         chosen = [
             (run_id, s)
             for run_id, s in self._runs.items()
             if (team is None or s.team == team) and (status is None or s.status == status)
+            and (policies is None or s.policy in policies)
         ]
         chosen.sort(key=lambda item: (item[1].created_at, item[1].order), reverse=True)
         return [parse_run(run_id, s.body) for run_id, s in chosen[:limit]]
@@ -288,7 +291,7 @@ class MemoryStore:
             if limit.tokens_s is not None:
                 clock[1] = max(clock[1], now) + claim.tokens * limit.tokens_s
         after = tuple(self._rate_state(limit.scope, now, limit.max_in_flight is not None) for limit in claim.rates)
-        return Grant(rid, None, figures, after)
+        return Grant(rid, None, figures, after, run_revision=None if run is None else run.revision)
 
     def _rate_state(self, scope: str, now: float, counted: bool) -> RateState:
         clock = self._clocks.get(scope, (0.0, 0.0))
@@ -318,6 +321,8 @@ class MemoryStore:
         mine = [rid for rid, r in self._reservations.items() if r.owner == owner and not r.expired]
         for rid in mine:
             del self._reservations[rid]
+        for run_id in [run_id for run_id, (held_by, _) in self._leases.items() if held_by == owner and owner]:
+            del self._leases[run_id]
         return len(mine)
 
     async def reserve(

@@ -11,7 +11,7 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from types import TracebackType
 from typing import Any, Final, cast
 from urllib.parse import urlsplit, urlunsplit
@@ -202,11 +202,15 @@ class RedisStore:
         state.updated_at = now
         return None if booking is None else (from_micros(int(result[1])), from_micros(int(result[2])))
 
-    async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100) -> list[RunState]:
-        check_list_args(status, limit)
+    async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100,
+                        policies: Collection[str] | None = None) -> list[RunState]:
+        check_list_args(status, limit, policies)
+        if policies is not None and not policies:
+            return []
+        wanted = "" if policies is None else "|" + "|".join(sorted(set(policies))) + "|"
         self._redis()
         async with self._errors:
-            flat: list[bytes] = await self._list(args=[self.prefix, team or "", status or "", str(limit)])
+            flat: list[bytes] = await self._list(args=[self.prefix, team or "", status or "", str(limit), wanted])
         return [parse_run(flat[i].decode(), flat[i + 1]) for i in range(0, len(flat), 2)]
 
     async def append_events(self, run_id: str, events: list[Event]) -> None:
@@ -256,7 +260,8 @@ class RedisStore:
         async with self._errors:
             result: list[Any] = await self._admit(args=args)
         if int(result[0]) == 1:
-            return Grant(rid, rates=_clocks(claim, result[1:]))
+            revision = None if claim.run_id is None else int(result.pop())
+            return Grant(rid, rates=_clocks(claim, result[1:]), run_revision=revision)
         if int(result[0]) == 2 and claim.create is not None:
             raise RunExists(claim.create.run_id)
         return Grant(None, cast(Refusal, _text(result[1])), _figures(result[2:8]), _clocks(claim, result[8:]))
@@ -306,13 +311,14 @@ class RedisStore:
         ttl_ms = max(1, math.ceil(check_ttl(ttl_s, "ttl_s", allow_zero=False) * 1000))
         self._redis()
         async with self._errors:
-            ok = await self._acquire(keys=[self._key("lease", run_id)], args=[owner, str(ttl_ms)])
+            ok = await self._acquire(keys=[self._key("lease", run_id), self._key("leases-of", owner)],
+                                     args=[owner, str(ttl_ms)])
         return int(ok) == 1
 
     async def release_lease(self, run_id: str, owner: str) -> None:
         self._redis()
         async with self._errors:
-            await self._unlease(keys=[self._key("lease", run_id)], args=[owner])
+            await self._unlease(keys=[self._key("lease", run_id), self._key("leases-of", owner)], args=[owner])
 
     async def prune_runs(self, updated_before: float, *, events_only: bool = False) -> int:
         self._redis()
@@ -476,4 +482,4 @@ def _figures(raw: list[Any]) -> Figures:
 def _run_fields(state: RunState) -> list[str | bytes]:
     """A new run as the scripts store it (CREATE_RUN's arguments after the prefix)."""
     return [state.run_id, state.team, state.status, repr(state.created_at), str(state.revision), state.dumps(),
-            str(state.turns), str(to_micros(state.cost_usd, "cost_usd"))]
+            str(state.turns), str(to_micros(state.cost_usd, "cost_usd")), state.policy]

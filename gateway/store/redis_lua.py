@@ -76,14 +76,15 @@ end
 """
 
 _CREATE: Final = """
--- Stores a new run from 8 arguments starting at ARGV[i]: id, team, status, created, revision,
--- body, turns, cost. Returns 0 (nothing written) if the id is taken, else 1.
+-- Stores a new run from 9 arguments starting at ARGV[i]: id, team, status, created, revision,
+-- body, turns, cost, policy (never changed: LIST_RUNS filters on it). Returns 0 (nothing
+-- written) if the id is taken, else 1.
 local function create(p, i)
   local id, team, status, created = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local key = p .. 'run:' .. id
   if redis.call('EXISTS', key) == 1 then return 0 end
   redis.call('HSET', key, 'revision', ARGV[i + 4], 'status', status, 'team', team, 'body', ARGV[i + 5],
-             'turns', ARGV[i + 6], 'cost', ARGV[i + 7])
+             'turns', ARGV[i + 6], 'cost', ARGV[i + 7], 'policy', ARGV[i + 8])
   redis.call('ZADD', p .. 'runs', created, id)
   redis.call('ZADD', p .. 'runs:team:' .. team, created, id)
   redis.call('ZADD', p .. 'runs:status:' .. status, created, id)
@@ -120,8 +121,10 @@ return save(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[
 """
 
 # Walks the smallest applicable index, newest first, filtering; returns id, body, id, body...
+# ARGV[5]: '' (any policy) or '|a|b|', the policies whose runs are wanted (a run stored
+# before runs recorded their policy is always wanted).
 LIST_RUNS: Final = """
-local p, team, status, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local p, team, status, limit, policies = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local idx = p .. 'runs'
 if team ~= '' then idx = p .. 'runs:team:' .. team end
 if status ~= '' then
@@ -134,10 +137,11 @@ while #out < 2 * limit do
   local ids = redis.call('ZREVRANGE', idx, start, start + 199)
   if #ids == 0 then break end
   for _, id in ipairs(ids) do
-    local r = redis.call('HMGET', p .. 'run:' .. id, 'status', 'team', 'body')
-    if r[3] and (status == '' or r[1] == status) and (team == '' or r[2] == team) then
+    local r = redis.call('HMGET', p .. 'run:' .. id, 'status', 'team', 'policy')
+    if r[1] and (status == '' or r[1] == status) and (team == '' or r[2] == team)
+        and (policies == '' or not r[3] or string.find(policies, '|' .. r[3] .. '|', 1, true)) then
       out[#out + 1] = id
-      out[#out + 1] = r[3]
+      out[#out + 1] = redis.call('HGET', p .. 'run:' .. id, 'body')
       if #out >= 2 * limit then break end
     end
   end
@@ -149,18 +153,18 @@ return out
 # A Claim: checked (run exists, turn cap, calls in flight, run budget, team budget; '' = no
 # such condition; then each rate scope, base.rate_refusal: ARGV[14] the claim's tokens,
 # ARGV[15] how many scopes, then five each: scope, window s, s per request, s per token,
-# max in flight) and held at once. Returns {1, now, clocks...} or {0, refusal, figures...,
+# max in flight) and held at once. Returns {1, now, clocks..., run revision (with a run)} or {0, refusal, figures...,
 # now, clocks...}; clocks: requests tat, tokens tat, in flight (epoch s) per scope, after the
 # claim on a grant (in flight not read: 0), as checked on a refusal. A run's first call adds
-# the run to store first (CREATE_RUN's eight arguments) after the scopes: {2} if it exists.
+# the run to store first (CREATE_RUN's nine arguments) after the scopes: {2} if it exists.
 ADMIT: Final = _HELPERS + _CREATE + """
 local p, team, period, amount, budget, ttl, rid, retention, run, max_turns, max_in_flight, run_budget, owner =
   ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11],
   ARGV[12], ARGV[13]
--- A run's first call: the run (CREATE_RUN's eight arguments after the scopes) is stored
+-- A run's first call: the run (CREATE_RUN's nine arguments after the scopes) is stored
 -- first, in this step.
 local at = 16 + 5 * tonumber(ARGV[15])
-if #ARGV >= at + 7 and create(p, at) == 0 then return {2} end
+if #ARGV >= at + 8 and create(p, at) == 0 then return {2} end
 local now = now_ms()
 reclaim(p, team, now, retention)
 local f = figures(p, team, period, run, now)
@@ -217,7 +221,10 @@ redis.call('HSET', p .. 'res:' .. rid, 'team', team, 'period', period, 'amount',
            'run', run, 'owner', owner, 'scopes', scopes)
 redis.call('ZADD', p .. 'held:' .. team, expires, rid)
 redis.call('HINCRBY', p .. 'ledger:' .. team, 'reserved:' .. period, ARGV[4])
-if run ~= '' then redis.call('ZADD', p .. 'slots:' .. run, expires, rid) end
+if run ~= '' then
+  redis.call('ZADD', p .. 'slots:' .. run, expires, rid)
+  out[#out + 1] = redis.call('HGET', p .. 'run:' .. run, 'revision')  -- Grant.run_revision
+end
 if owner ~= '' then redis.call('SADD', p .. 'owner:' .. owner, rid) end
 return out
 """
@@ -301,6 +308,13 @@ for _, rid in ipairs(redis.call('SMEMBERS', p .. 'owner:' .. owner)) do
   if redis.call('HGET', p .. 'res:' .. rid, 'state') == 'held' then n = n + release(p, rid) end
 end
 redis.call('DEL', p .. 'owner:' .. owner)
+-- Its leases too: a process's owner name is never live twice, so its previous life's
+-- leases are dead and another worker or replica may take those runs at once.
+local leases = p .. 'leases-of:' .. owner
+for _, key in ipairs(redis.call('SMEMBERS', leases)) do
+  if redis.call('GET', key) == owner then redis.call('DEL', key) end
+end
+redis.call('DEL', leases)
 return n
 """
 
@@ -411,17 +425,23 @@ local ledger = p .. 'ledger:' .. team
 return {1, redis.call('HGET', ledger, 'spent:' .. period) or '0', redis.call('HGET', ledger, 'reserved:' .. period) or '0'}
 """
 
+# KEYS[2]: the set of the lease keys `owner` took (RELEASE_OWNER frees them after a restart).
 ACQUIRE_LEASE: Final = """
 local key, owner, ttl = KEYS[1], ARGV[1], ARGV[2]
-if redis.call('SET', key, owner, 'NX', 'PX', ttl) then return 1 end
+if redis.call('SET', key, owner, 'NX', 'PX', ttl) then
+  redis.call('SADD', KEYS[2], key)
+  return 1
+end
 if redis.call('GET', key) == owner then
   redis.call('SET', key, owner, 'XX', 'PX', ttl)
+  redis.call('SADD', KEYS[2], key)
   return 1
 end
 return 0
 """
 
 RELEASE_LEASE: Final = """
+redis.call('SREM', KEYS[2], KEYS[1])
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """

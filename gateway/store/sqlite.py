@@ -17,7 +17,7 @@ import asyncio
 import logging
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -267,10 +267,17 @@ class SqliteStore:
         state.updated_at = now
         return ledger
 
-    async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100) -> list[RunState]:
-        check_list_args(status, limit)
+    async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100,
+                        policies: Collection[str] | None = None) -> list[RunState]:
+        check_list_args(status, limit, policies)
         where: list[str] = []
         params: list[Any] = []
+        if policies is not None:
+            if not policies:
+                return []
+            names = sorted(set(policies))
+            where.append(f"policy IN ({', '.join('?' * len(names))})")
+            params.extend(names)
         if team is not None:
             where.append("team = ?")
             params.append(team)
@@ -438,9 +445,13 @@ class SqliteStore:
                 rates = tuple(self._rate_state(db, r, now) for r in claim.rates)
                 return Grant(None, judge(claim, figures, run_exists, rates) or "busy", figures, rates)
             granted.append((rid, now + ttl))
+            revision = None
+            if claim.run_id is not None:
+                revision = int(db.execute("SELECT revision FROM runs WHERE id = ?", (claim.run_id,)).fetchone()[0])
             if plan is None:
-                return Grant(rid)
-            return Grant(rid, rates=spent(plan, claim.rates, rows[0] if rows else None, now, claim.tokens))
+                return Grant(rid, run_revision=revision)
+            return Grant(rid, rates=spent(plan, claim.rates, rows[0] if rows else None, now, claim.tokens),
+                         run_revision=revision)
 
         try:
             # One INSERT checks and holds at once (its trigger spends the rate clocks); marking
@@ -496,10 +507,11 @@ class SqliteStore:
 
     async def release_owner(self, owner: str) -> int:
         def step(db: sqlite3.Connection) -> int:
+            db.execute("DELETE FROM leases WHERE owner = ? AND owner != ''", (owner,))
             return int(db.execute("DELETE FROM reservations WHERE owner = ? AND owner != '' AND state = 'held'",
                                   (owner,)).rowcount)
 
-        return await self._write(step, atomic=False)
+        return await self._write(step, atomic=True)
 
     def _reclaim(self, db: sqlite3.Connection, team: str, now: float) -> None:
         db.execute("UPDATE reservations SET state = 'expired' WHERE team = ? AND state = 'held' AND expires_at <= ?",

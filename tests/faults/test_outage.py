@@ -6,17 +6,23 @@ stops, restarts on the same port (append-only file: the data survives) or freeze
 SIGSTOP. Calls made meanwhile get 503 `store_unavailable` with `retry-after` and
 `x-should-retry: true`; the upstream sees none of them (its call count, read from the
 gateway's metrics, does not move); service returns with the store.
+
+One gateway and one redis-server serve the module's tests (each outage ends with the store
+back, which is part of what is tested: the same process serves again); after each test the
+store is running and thawed whatever happened.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 
 from tests.faults.support import FILES_HEADERS, PLAN_BODY, RedisProc, chat, serve
 from tests.server.served import poll, request, wait_event
@@ -32,6 +38,36 @@ CALL_TIMEOUT_S = 10.0
 def redis_gateway(folder: Path, redis: RedisProc) -> Proc:
     return serve(folder, {"kind": "redis", "url": redis.url, "timeout_s": STORE_TIMEOUT_S},
                  server={"lease_ttl_s": 1})
+
+
+@pytest.fixture(scope="module")
+def redis_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProc]:
+    """The module's redis-server (append-only: a restart keeps the data)."""
+    proc = RedisProc(tmp_path_factory.mktemp("outage") / "redis")
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, redis_proc: RedisProc) -> Iterator[Proc]:
+    gw = redis_gateway(tmp_path_factory.mktemp("outage") / "gw", redis_proc)
+    try:
+        yield gw
+    finally:
+        gw.stop()
+
+
+@pytest.fixture
+def gw(gateway: Proc, redis_proc: RedisProc) -> Iterator[Proc]:
+    """The module's gateway; after the test its store is up (started, thawed) again."""
+    yield gateway
+    if redis_proc.popen is None or redis_proc.popen.poll() is not None:
+        redis_proc.start()
+    else:
+        redis_proc.thaw()
 
 
 async def upstream_calls(session: aiohttp.ClientSession, url: str) -> float:
@@ -61,45 +97,37 @@ async def every_kind_of_call(session: aiohttp.ClientSession, url: str) -> list[t
     ]
 
 
-async def test_a_stopped_store_is_a_503_and_nothing_is_forwarded(tmp_path: Path, redis_proc: RedisProc,
+async def test_a_stopped_store_is_a_503_and_nothing_is_forwarded(gw: Proc, redis_proc: RedisProc,
                                                                  session: aiohttp.ClientSession) -> None:
-    gw = redis_gateway(tmp_path / "gw", redis_proc)
+    logged = len(gw.output())
+    assert [s for s, _, _ in await every_kind_of_call(session, gw.url)] == [200, 200, 200]
+    before = await upstream_calls(session, gw.url)
+    redis_proc.stop()
+    for status, headers, body in await every_kind_of_call(session, gw.url):
+        assert_store_unavailable(status, headers, body)
+    status, headers, body = await chat(session, gw.url, PASS_BODY, headers={"X-Run-Id": "run_x", **PASS_HEADERS},
+                                       timeout_s=CALL_TIMEOUT_S)
+    assert_store_unavailable(status, headers, body)
+    redis_proc.start()
+    assert await upstream_calls(session, gw.url) == before  # none of the refused calls went upstream
+    assert [s for s, _, _ in await every_kind_of_call(session, gw.url)] == [200, 200, 200]
+    assert "Traceback" not in gw.output()[logged:]
+
+
+async def test_a_frozen_store_is_a_503_within_its_deadline(gw: Proc, redis_proc: RedisProc,
+                                                          session: aiohttp.ClientSession) -> None:
+    assert [s for s, _, _ in await every_kind_of_call(session, gw.url)] == [200, 200, 200]
+    redis_proc.freeze()
     try:
-        assert [s for s, _, _ in await every_kind_of_call(session, gw.url)] == [200, 200, 200]
-        before = await upstream_calls(session, gw.url)
-        redis_proc.stop()
         for status, headers, body in await every_kind_of_call(session, gw.url):
             assert_store_unavailable(status, headers, body)
-        status, headers, body = await chat(session, gw.url, PASS_BODY, headers={"X-Run-Id": "run_x", **PASS_HEADERS},
-                                           timeout_s=CALL_TIMEOUT_S)
-        assert_store_unavailable(status, headers, body)
-        redis_proc.start()
-        assert await upstream_calls(session, gw.url) == before  # none of the refused calls went upstream
-        assert [s for s, _, _ in await every_kind_of_call(session, gw.url)] == [200, 200, 200]
     finally:
-        gw.stop()
-    assert "Traceback" not in gw.output()
+        redis_proc.thaw()
+    assert [s for s, _, _ in await every_kind_of_call(session, gw.url)] == [200, 200, 200]
 
 
-async def test_a_frozen_store_is_a_503_within_its_deadline(tmp_path: Path, redis_proc: RedisProc,
-                                                          session: aiohttp.ClientSession) -> None:
-    gw = redis_gateway(tmp_path / "gw", redis_proc)
-    try:
-        assert [s for s, _, _ in await every_kind_of_call(session, gw.url)] == [200, 200, 200]
-        redis_proc.freeze()
-        try:
-            for status, headers, body in await every_kind_of_call(session, gw.url):
-                assert_store_unavailable(status, headers, body)
-        finally:
-            redis_proc.thaw()
-        assert [s for s, _, _ in await every_kind_of_call(session, gw.url)] == [200, 200, 200]
-    finally:
-        gw.stop()
-
-
-async def test_a_store_restarted_under_load_gives_503s_not_500s(tmp_path: Path, redis_proc: RedisProc,
+async def test_a_store_restarted_under_load_gives_503s_not_500s(gw: Proc, redis_proc: RedisProc,
                                                                session: aiohttp.ClientSession) -> None:
-    gw = redis_gateway(tmp_path / "gw", redis_proc)
     statuses: dict[int, int] = {}
     bodies: dict[int, Any] = {}
     done = asyncio.Event()
@@ -116,23 +144,20 @@ async def test_a_store_restarted_under_load_gives_503s_not_500s(tmp_path: Path, 
         assert status == 200, listed
         return not [r for r in listed["data"] if r["policy"] == "files"]
 
+    workers = [asyncio.ensure_future(worker(i)) for i in range(8)]
     try:
-        workers = [asyncio.ensure_future(worker(i)) for i in range(8)]
-        try:
-            await poll(lambda: _at_least(statuses, 200, 40), timeout=60)
-            redis_proc.stop()
-            await poll(lambda: _at_least(statuses, 503, 40), timeout=60)
-            redis_proc.start()
-            ok = statuses.get(200, 0)
-            await poll(lambda: _at_least(statuses, 200, ok + 40), timeout=60)
-        finally:
-            done.set()
-            await asyncio.gather(*workers)
-        assert set(statuses) == {200, 503}, {s: bodies[s] for s in statuses}
-        assert bodies[503]["error"]["code"] == "store_unavailable"
-        await poll(none_running, timeout=30)
+        await poll(lambda: _at_least(statuses, 200, 40), timeout=60)
+        redis_proc.stop()
+        await poll(lambda: _at_least(statuses, 503, 40), timeout=60)
+        redis_proc.start()
+        ok = statuses.get(200, 0)
+        await poll(lambda: _at_least(statuses, 200, ok + 40), timeout=60)
     finally:
-        gw.stop()
+        done.set()
+        await asyncio.gather(*workers)
+    assert set(statuses) == {200, 503}, {s: bodies[s] for s in statuses}
+    assert bodies[503]["error"]["code"] == "store_unavailable"
+    await poll(none_running, timeout=30)
 
 
 async def _at_least(counts: dict[int, int], status: int, n: int) -> bool:
@@ -140,50 +165,44 @@ async def _at_least(counts: dict[int, int], status: int, n: int) -> bool:
 
 
 async def test_a_stream_whose_turn_cannot_be_saved_is_answered_whole_and_its_turn_spooled(
-        tmp_path: Path, redis_proc: RedisProc, session: aiohttp.ClientSession) -> None:
+        gw: Proc, redis_proc: RedisProc, session: aiohttp.ClientSession) -> None:
     """The upstream was paid while the store went away: the client gets the whole answer and
     the turn waits in the spool file (booked when the store is back: tests/server/test_spool.py)."""
-    gw = redis_gateway(tmp_path / "gw", redis_proc)
-    try:
-        headers = {"Authorization": "Bearer sk-demo", "X-Scripted-Chunk-Delay-Ms": "100", **PASS_HEADERS}
-        body = {"model": "scripted-plan", "stream": True,
-                "messages": [{"role": "user", "content": "Which file mentions a timeout?"}]}
-        async with session.post(f"{gw.url}/v1/chat/completions", json=body, headers=headers) as resp:
-            assert resp.status == 200
-            await resp.content.readuntil(b"\n\n")  # the stream is open: the upstream is answering
-            redis_proc.stop()
-            rest = await asyncio.wait_for(resp.content.read(), CALL_TIMEOUT_S)
-        events = [e for e in rest.split(b"\n\n") if e.startswith(b"data: ")]
-        assert events[-1] == b"data: [DONE]"
-        assert not any(b'"error"' in e for e in events)
-        spooled = [orjson.loads(line) for line in (tmp_path / "gw" / "spool.jsonl").read_bytes().splitlines()]
-        assert len(spooled) == 1 and spooled[0]["run_id"].startswith("demo/")
-    finally:
-        gw.stop()
+    headers = {"Authorization": "Bearer sk-demo", "X-Scripted-Chunk-Delay-Ms": "100", "X-Run-Id": "run_spooled",
+               **PASS_HEADERS}
+    body = {"model": "scripted-plan", "stream": True,
+            "messages": [{"role": "user", "content": "Which file mentions a timeout?"}]}
+    async with session.post(f"{gw.url}/v1/chat/completions", json=body, headers=headers) as resp:
+        assert resp.status == 200
+        await resp.content.readuntil(b"\n\n")  # the stream is open: the upstream is answering
+        redis_proc.stop()
+        rest = await asyncio.wait_for(resp.content.read(), CALL_TIMEOUT_S)
+    events = [e for e in rest.split(b"\n\n") if e.startswith(b"data: ")]
+    assert events[-1] == b"data: [DONE]"
+    assert not any(b'"error"' in e for e in events)
+    spool = gw.log.parent / "spool.jsonl"
+    spooled = [orjson.loads(line) for line in spool.read_bytes().splitlines()]
+    assert [s["run_id"] for s in spooled if s["run_id"] == "demo/run_spooled"] == ["demo/run_spooled"]
 
 
 async def test_a_store_frozen_mid_run_ends_the_call_with_a_503_and_the_run_is_recovered(
-        tmp_path: Path, redis_proc: RedisProc, session: aiohttp.ClientSession) -> None:
+        gw: Proc, redis_proc: RedisProc, session: aiohttp.ClientSession) -> None:
     """The lease keeper's renewals time out; after a whole TTL it stops the run, whose save
     fails too: 503, not a call that waits on a frozen store. Thawed, recovery stops the run."""
-    gw = redis_gateway(tmp_path / "gw", redis_proc)
+    headers = {"X-Policy": "files", "X-Run-Id": "run_frozen"}
+    call = asyncio.ensure_future(chat(session, gw.url, {**PLAN_BODY, "model": "scripted-slow"}, headers=headers,
+                                      timeout_s=CALL_TIMEOUT_S))
+    await wait_event(session, gw.url, "run_frozen", "tool_start")
+    redis_proc.freeze()
     try:
-        headers = {"X-Policy": "files", "X-Run-Id": "run_frozen"}
-        call = asyncio.ensure_future(chat(session, gw.url, {**PLAN_BODY, "model": "scripted-slow"}, headers=headers,
-                                          timeout_s=CALL_TIMEOUT_S))
-        await wait_event(session, gw.url, "run_frozen", "tool_start")
-        redis_proc.freeze()
-        try:
-            status, headers, body = await call
-        finally:
-            redis_proc.thaw()
-        assert_store_unavailable(status, headers, body)
-
-        async def recovered() -> dict[str, Any] | None:
-            status, _, run = await request(session, "GET", f"{gw.url}/v1/runs/run_frozen")
-            return run if status == 200 and run["status"] != "running" else None
-
-        run = await poll(recovered, timeout=30)
-        assert (run["status"], run["reason"]) == ("interrupted", "crashed")
+        status, headers, body = await call
     finally:
-        gw.stop()
+        redis_proc.thaw()
+    assert_store_unavailable(status, headers, body)
+
+    async def recovered() -> dict[str, Any] | None:
+        status, _, run = await request(session, "GET", f"{gw.url}/v1/runs/run_frozen")
+        return run if status == 200 and run["status"] != "running" else None
+
+    run = await poll(recovered, timeout=30)
+    assert (run["status"], run["reason"]) == ("interrupted", "crashed")

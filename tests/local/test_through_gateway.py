@@ -21,7 +21,7 @@ import orjson
 import pytest
 import yaml
 
-from gateway.tools.catalog import PLAN_TASK, SYSTEM_PROMPT
+from gateway.tools.catalog import FILE_TOOLS, PLAN_TASK, SYSTEM_PROMPT
 from tests.local.conftest import LocalModel
 from tests.support.procs import ROOT, Proc, free_port, serving_config
 
@@ -45,6 +45,7 @@ def gateway(local_model: LocalModel, tmp_path: Path) -> Iterator[Proc]:
     files: dict[str, Any] = yaml.safe_load((ROOT / "policies" / "files.yaml").read_text())
     files["limits"]["max_turns"] = MAX_TURNS
     (policies / "files.yaml").write_text(yaml.safe_dump(files))
+    (policies / "passthrough.yaml").write_text((ROOT / "policies" / "passthrough.yaml").read_text())
     port = free_port()
     config = {
         "server": {"host": "127.0.0.1", "port": port},
@@ -53,7 +54,7 @@ def gateway(local_model: LocalModel, tmp_path: Path) -> Iterator[Proc]:
         "upstreams": [{"name": "local", "kind": "local", "base_url": local_model.base_url, "timeout_s": CALL_S,
                        "max_tokens": CAP}],
         "models": [{"match": "*", "upstream": "local", "price_in": PRICE_IN, "price_out": PRICE_OUT}],
-        "teams": [{"name": "demo", "keys": [KEY], "budget_usd": None, "policies": ["files"]}],
+        "teams": [{"name": "demo", "keys": [KEY], "budget_usd": None, "policies": ["files", "passthrough"]}],
     }
     with serving_config(tmp_path, config) as proc:
         yield proc
@@ -102,3 +103,33 @@ def test_the_gateway_runs_the_local_models_tool_calls(gateway: Proc, local_model
     expected = (run["usage"]["prompt_tokens"] * PRICE_IN + run["usage"]["completion_tokens"] * PRICE_OUT) / 1e6
     assert run["cost_usd"] > 0 and run["cost_usd"] == pytest.approx(expected, rel=1e-6)
     assert sum(t["prompt_tokens"] for t in run["per_turn"]) == run["usage"]["prompt_tokens"]
+
+
+def test_a_streamed_call_of_the_local_model_arrives_whole_and_repaired(gateway: Proc, local_model: LocalModel) -> None:
+    """Pass-through, streamed, tools offered: whatever the model writes, the client's stream ends
+    normally (no llama.cpp parse error in it) and any tool call in it is a known tool with JSON
+    object arguments; the booked turn is what the client assembled."""
+    run_id = f"stream-{uuid.uuid4().hex[:8]}"
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0, timeout=CALL_S + 60,
+                           default_headers={"X-Run-Id": run_id, "X-Policy": "passthrough"})
+    tools: Any = [t.openai() for t in FILE_TOOLS]
+    stream = client.chat.completions.create(
+        model=local_model.model, stream=True, tools=tools, temperature=0, seed=0,
+        messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": PLAN_TASK}])
+    content, calls, finish = "", {}, None
+    for chunk in stream:  # an error event in the stream would raise here
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for part in choice.delta.tool_calls or []:
+                call = calls.setdefault(part.index, ["", ""])
+                call[0] += (part.function.name or "") if part.function else ""
+                call[1] += (part.function.arguments or "") if part.function else ""
+            finish = choice.finish_reason or finish
+    assert finish in {"stop", "tool_calls", "length"}
+    assert content or calls
+    for name, arguments in calls.values():
+        assert name in {t["function"]["name"] for t in tools} and isinstance(orjson.loads(arguments), dict)
+    run = orjson.loads(get(gateway, f"/v1/runs/{run_id}"))
+    assert run["turns"] == 1 and run["status"] != "failed"
+    booked = run["transcript"][-1]
+    assert [c["function"]["name"] for c in booked.get("tool_calls") or []] == [n for n, _ in calls.values()]

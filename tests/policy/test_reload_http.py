@@ -5,12 +5,17 @@ store; team ops is made an admin here). The `files` policy is edited to cap runs
 turns: a run started before keeps the version and the 20-turn cap it started with (it is
 approved and resumed to its third turn), new runs get the new version and stop at 2.
 A broken file is refused and the old policies keep serving.
+
+One process serves the module's tests: each puts the shipped `files.yaml` back and reloads
+it when it ends (`served`), and reads only the log lines written since it began.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import signal
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -19,7 +24,7 @@ import aiohttp
 import pytest
 import yaml
 
-from tests.server.served import DEMO, OPS, OTHER, Served, chat_body, get_run, poll, request, write_config
+from tests.server.served import DEMO, OPS, OTHER, Served, auth, chat_body, get_run, poll, request, write_config
 from tests.support.procs import free_port, start_gateway
 
 How = Literal["http", "sighup"]
@@ -38,11 +43,26 @@ def start_served(folder: Path) -> Served:
     return Served(folder, port, proc)
 
 
-@pytest.fixture
-def served(tmp_path: Path) -> Iterator[Served]:
-    gateway = start_served(tmp_path / "gw")
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    gateway = start_served(tmp_path_factory.mktemp("reload") / "gw")
     yield gateway
     gateway.proc.stop()
+
+
+@pytest.fixture
+def served(gateway: Served) -> Iterator[Served]:
+    """The module's gateway; afterwards its `files.yaml` is the shipped one again, reloaded."""
+    shipped = files_policy(gateway).read_text()
+    yield gateway
+    files_policy(gateway).write_text(shipped)
+    with urllib.request.urlopen(urllib.request.Request(f"{gateway.url}/v1/admin/reload", method="POST",
+                                                       headers=auth(OPS)), timeout=30) as resp:
+        assert json.loads(resp.read())["errors"] == []
+
+
+def log_since(served: Served, start: int) -> str:
+    return served.proc.output()[start:]
 
 
 @pytest.fixture
@@ -75,6 +95,7 @@ async def reload_by_http(session: aiohttp.ClientSession, served: Served) -> tupl
 @pytest.mark.parametrize("how", ["http", "sighup"])
 async def test_an_edited_policy_governs_new_runs_while_old_runs_keep_theirs(
         served: Served, session: aiohttp.ClientSession, how: How) -> None:
+    logged = len(served.proc.output())
     old = await start_run(session, served, "scripted-destructive")
     assert old["status"] == "interrupted" and old["interruption"]["call_id"] == "c2" and old["turns"] == 2
     v1 = version_of(files_policy(served))
@@ -99,7 +120,7 @@ async def test_an_edited_policy_governs_new_runs_while_old_runs_keep_theirs(
             return run if run["policy_version"] == v2 else None
 
         new = await poll(a_new_run_under_v2)
-        log = served.proc.output()
+        log = log_since(served, logged)
         assert "policies reloaded by SIGHUP" in log and f"files@{v2}" in log, log
     assert new["policy_version"] == v2 and new["limits"]["max_turns"] == 2
     assert new["status"] == "max_turns_exceeded" and new["turns"] == 2  # the plan needs 3 turns
@@ -118,6 +139,7 @@ async def test_an_edited_policy_governs_new_runs_while_old_runs_keep_theirs(
 @pytest.mark.parametrize("how", ["http", "sighup"])
 async def test_a_broken_policy_file_is_refused_and_the_old_set_keeps_serving(
         served: Served, session: aiohttp.ClientSession, how: How) -> None:
+    logged = len(served.proc.output())
     v1 = version_of(files_policy(served))
     text = files_policy(served).read_text()
     files_policy(served).write_text(text.replace("max_turns: 20,", "max_turns: many,"))
@@ -139,10 +161,10 @@ async def test_a_broken_policy_file_is_refused_and_the_old_set_keeps_serving(
         served.proc.popen.send_signal(signal.SIGHUP)
 
         async def refusal_logged() -> bool:
-            return "policy reload by SIGHUP refused" in served.proc.output()
+            return "policy reload by SIGHUP refused" in log_since(served, logged)
 
         await poll(refusal_logged)
-        assert f"{files_policy(served)}:{line}: limits.max_turns:" in served.proc.output()
+        assert f"{files_policy(served)}:{line}: limits.max_turns:" in log_since(served, logged)
 
     run = await start_run(session, served, "scripted-plan")
     assert run["policy_version"] == v1 and run["status"] == "completed" and run["turns"] == 3

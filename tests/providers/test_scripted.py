@@ -432,3 +432,30 @@ def test_fail_calls_are_checked() -> None:
     for text in ("x", "1/0", "-1", "1/2/3"):
         with pytest.raises(ValueError):
             FailCalls.parse(text)
+
+
+async def test_x_scripted_reply_is_answered_instead_of_the_script_streamed_or_not(client: TestClient) -> None:
+    reply = {"role": "assistant", "content": "```json\n{\"name\": \"read_file\", \"arguments\": {\"path\": \"a\"}}\n```"}
+    body = {"model": "scripted-plan", "messages": start(), "tools": TOOLS}
+    resp = await client.post(URL, json=body, headers={"X-Scripted-Reply": json.dumps(reply)})
+    data = await resp.json()
+    assert data["choices"][0]["message"]["content"] == reply["content"] and data["usage"]["completion_tokens"] > 0
+    assert data["choices"][0]["finish_reason"] == "stop"
+    calls = {"content": None, "tool_calls": [{"id": "c1", "function": {"name": "list_files", "arguments": "{}"}}]}
+    resp = await client.post(URL, json={**body, "stream": True}, headers={"X-Scripted-Reply": json.dumps(calls)})
+    text = await resp.text()
+    assert '"name":"list_files"' in text and '"finish_reason":"tool_calls"' in text
+
+
+@pytest.mark.parametrize("header, says", [
+    ("not json", "not JSON"),
+    ('{"content": 3}', "content is a string or null"),
+    ('{"content": null, "tool_calls": [{"function": {"name": "x", "arguments": {}}}]}', "string arguments"),
+    ('{"content": "' + "x" * 8050 + '"}', "over 8000 bytes"),
+])
+async def test_a_bad_x_scripted_reply_is_a_400_naming_the_header(client: TestClient, header: str, says: str) -> None:
+    resp = await client.post(URL, json={"model": "scripted-plan", "messages": start()},
+                             headers={"X-Scripted-Reply": header})
+    assert resp.status == 400
+    message = (await resp.json())["error"]["message"]
+    assert "X-Scripted-Reply" in message and says in message

@@ -5,10 +5,15 @@ is open, approves it, and the run (policy `files_auto`: on_decision resume) comp
 no resume call; another is rejected with a reason, and the transcript holds the honest
 answer. Hostile tool arguments render as text; a cross-site POST is refused. Set
 `CONSOLE_SCREENSHOTS=docs/img` to write the README's screenshots.
+
+One gateway (with an extra upstream whose model writes hostile tool calls), one Chromium
+and the event loop they run on serve the module's tests; each test opens its own pages and
+uses its own run ids.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,11 +22,12 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+import pytest_asyncio
 import yaml
 from aiohttp import web
 from playwright.async_api import Browser, Page, expect
 
-from tests.server.served import DEMO, OPS, Served, chat_body, get_run, poll, request, served_fixture, write_config
+from tests.server.served import DEMO, OPS, Served, chat_body, get_run, poll, request, write_config
 from tests.server.test_admission import serving
 from tests.support.browser import chromium
 from tests.support.procs import free_port, start_gateway
@@ -29,14 +35,50 @@ from tests.support.procs import free_port, start_gateway
 HOSTILE_PATH = '<script>window.__xss = 1</script>"><img src=x onerror="window.__xss = 2">.log'
 UI_TIMEOUT_MS = 20_000  # a loaded 2-core machine: seconds of margin
 
+pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-served = served_fixture("console")
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def hostile_upstream() -> AsyncIterator[str]:
+    async with serving(_hostile) as url:
+        yield url
 
 
-@pytest.fixture
-async def browser() -> AsyncIterator[Browser]:
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(tmp_path_factory: pytest.TempPathFactory, hostile_upstream: str) -> AsyncIterator[Served]:
+    """The served.py gateway, plus model `hostile` on the hostile upstream."""
+    folder = tmp_path_factory.mktemp("console") / "gw"
+    folder.mkdir()
+    port = free_port()
+    config_path = write_config(folder, port)
+    config = yaml.safe_load(config_path.read_text())
+    config["upstreams"].append({"name": "hostile", "base_url": hostile_upstream})
+    config["models"].append({"match": "hostile", "upstream": "hostile", "price_in": 1.0, "price_out": 1.0})
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    proc = await asyncio.to_thread(start_gateway, ["serve", "--config", str(config_path)], "/healthz", port,
+                                   folder / "gateway-1.log")
+    yield Served(folder, port, proc)
+    await asyncio.to_thread(proc.stop)  # the loop keeps serving the hostile upstream meanwhile
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def chromium_browser() -> AsyncIterator[Browser]:
     async with chromium() as b:
         yield b
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def browser(chromium_browser: Browser) -> AsyncIterator[Browser]:
+    """The module's Chromium; the pages (and their sessions) a test opened are closed after it."""
+    yield chromium_browser
+    for context in chromium_browser.contexts:
+        await context.close()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
 
 
 def screenshot_dir() -> Path | None:
@@ -186,19 +228,8 @@ async def _hostile(request: web.Request) -> web.Response:
 
 
 async def test_hostile_arguments_render_as_text_and_cross_site_posts_are_refused(
-        tmp_path: Path, session: aiohttp.ClientSession, browser: Browser) -> None:
-    async with serving(_hostile) as upstream_url:
-        port = free_port()
-        config_path = write_config(tmp_path, port)
-        config = yaml.safe_load(config_path.read_text())
-        config["upstreams"].append({"name": "hostile", "base_url": upstream_url})
-        config["models"].append({"match": "hostile", "upstream": "hostile", "price_in": 1.0, "price_out": 1.0})
-        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        proc = start_gateway(["serve", "--config", str(config_path)], "/healthz", port, tmp_path / "gw.log")
-        try:
-            await _check_hostile(proc.url, session, browser)
-        finally:
-            proc.stop()
+        served: Served, session: aiohttp.ClientSession, browser: Browser) -> None:
+    await _check_hostile(served.url, session, browser)
 
 
 async def _check_hostile(url: str, session: aiohttp.ClientSession, browser: Browser) -> None:

@@ -95,6 +95,7 @@ def test_the_body_links_the_console_and_slack_text_is_escaped() -> None:
 def test_retries_back_off_exponentially_up_to_a_cap() -> None:
     assert [retry_in(n) for n in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 8.0]
     assert retry_in(30) == 300.0
+    assert [retry_in(n, 0.05) for n in (1, 2, 3)] == [0.05, 0.1, 0.2]  # webhooks[].retry_base_s
 
 
 def _config(tmp_path: Path, webhooks: Any, **server: Any) -> None:
@@ -119,6 +120,8 @@ def _config(tmp_path: Path, webhooks: Any, **server: Any) -> None:
      "webhooks[0].reasons[0]", "unknown run_stopped reason 'done'"),
     ({"url": "https://x.example", "events": ["run_stopped"], "secret_env": "GW_HOOK", "format": "xml"},
      "webhooks[0].format", "json, slack"),
+    ({"url": "https://x.example", "events": ["run_stopped"], "secret_env": "GW_HOOK", "retry_base_s": 0},
+     "webhooks[0].retry_base_s", "> 0"),
 ])
 def test_webhook_config_errors_name_the_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               webhook: dict[str, Any], field: str, words: str) -> None:

@@ -176,6 +176,44 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
         yield s
 
 
+async def test_a_run_changed_on_one_replica_is_seen_by_the_other_at_its_next_call(
+        pair: Pair, session: aiohttp.ClientSession) -> None:
+    # A keeps the runs it booked (RunCache) and skips loading them; B's changes must still
+    # decide A's next call: a cancel, and a resume that changes the run's turn cap.
+    run_id = f"cached-{uuid.uuid4().hex[:8]}"
+    runs = f"/v1/runs/{run_id}"
+
+    async def call_a() -> tuple[int, dict[str, str], Any]:
+        return await request(session, "POST", f"{pair.a.url}/v1/chat/completions", key=OPS,
+                             body=chat_body("scripted-plan"), headers={"X-Run-Id": run_id})
+
+    status, headers, _ = await call_a()
+    assert status == 200 and headers["X-Run-Turns"] == "1"
+    status, _, body = await request(session, "POST", f"{pair.b.url}{runs}/cancel", key=OPS, body={"reason": "b"})
+    assert status == 200 and body["run"]["status"] == "interrupted", body
+    status, _, body = await call_a()
+    assert status == 409 and body["error"]["code"] == "run_cancelled", body
+    status, _, body = await request(session, "POST", f"{pair.b.url}{runs}/resume", key=OPS, body={"max_turns": 2})
+    assert status == 200 and body["run"]["status"] == "running", body
+
+    async def call_b() -> tuple[int, dict[str, str], Any]:
+        return await request(session, "POST", f"{pair.b.url}/v1/chat/completions", key=OPS,
+                             body=chat_body("scripted-plan"), headers={"X-Run-Id": run_id})
+
+    status, headers, _ = await call_b()
+    assert status == 200 and headers["X-Run-Turns"] == "2"
+    status, _, body = await call_a()  # A's copy: 1 turn of the policy's 20; stored: 2 of 2
+    assert status == 429 and body["error"]["type"] == "max_turns_exceeded", body
+    status, _, body = await request(session, "POST", f"{pair.b.url}{runs}/resume", key=OPS, body={"max_turns": 4})
+    assert status == 200, body
+    status, headers, _ = await call_a()  # A's copy now says 2 of 2: the stored cap of 4 decides
+    assert status == 200 and headers["X-Run-Turns"] == "3"
+    status, headers, _ = await call_b()
+    assert status == 200 and headers["X-Run-Turns"] == "4"
+    status, _, body = await call_a()  # A booked turn 3 itself; B's turn 4 reached the cap
+    assert status == 429 and body["error"]["type"] == "max_turns_exceeded", body
+
+
 async def test_a_strict_team_budget_holds_across_replicas(pair: Pair, session: aiohttp.ClientSession) -> None:
     budget = 8 * storm_turn_cost()
     replicas = [pair.a, pair.b] * 20

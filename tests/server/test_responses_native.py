@@ -3,25 +3,27 @@ responses`), through a real gateway process with the real OpenAI SDK. The upstre
 a small real HTTP server that answers like one: a function call first, then text; it
 records what it gets. The gateway sends it the whole conversation with `store: false`
 (the chain is kept by the gateway), books its usage exactly, and re-issues its answer
-under the gateway's own ids, streamed or not."""
+under the gateway's own ids, streamed or not. One upstream and one gateway serve the
+module's tests (on the module's event loop); each test sees only the calls it caused."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import orjson
 import pytest
+import pytest_asyncio
 from aiohttp import web
 
 from gateway.harness.usage import Price, Usage
 from tests.server.conftest import config_data
 from tests.server.test_responses import TOOLS, load_run, sdk, serve, stored_run_id
-from tests.support.procs import Proc
+from tests.support.procs import Proc, free_port
 
+pytestmark = pytest.mark.asyncio(loop_scope="module")
 PRICE = Price(2.0, 12.0)
 SEEN = web.AppKey("seen", list)
 
@@ -31,9 +33,10 @@ def answer_for(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Usage]:
     if last.get("type") == "function_call_output":
         output = [{"id": "msg_up", "type": "message", "role": "assistant", "status": "completed",
                    "content": [{"type": "output_text", "text": f"done: {last['output']}", "annotations": []}]}]
-    else:
+    else:  # asked so, a small model's call: the tool's schema echoed as its arguments
+        args = '{"type": "object", "properties": {}}' if last.get("content") == "echo the schema" else "{}"
         output = [{"id": "fc_up", "type": "function_call", "status": "completed", "call_id": "n1",
-                   "name": "list_files", "arguments": "{}"}]
+                   "name": "list_files", "arguments": args}]
     return output, Usage(100 + 10 * len(body["input"]), 7)
 
 
@@ -59,7 +62,7 @@ async def native(request: web.Request) -> web.StreamResponse:
                    for d in (text[:3], text[3:])]
     else:
         events += [{"type": "response.output_item.added", "output_index": 0, "item": {**item, "arguments": ""}},
-                   {"type": "response.function_call_arguments.delta", "output_index": 0, "delta": "{}"}]
+                   {"type": "response.function_call_arguments.delta", "output_index": 0, "delta": item["arguments"]}]
     events += [{"type": "response.output_item.done", "output_index": 0, "item": item},
                {"type": "response.completed", "response": final}]
     for n, event in enumerate(events):
@@ -69,26 +72,42 @@ async def native(request: web.Request) -> web.StreamResponse:
     return response
 
 
-@pytest.fixture
-async def upstream(aiohttp_server: Any) -> AsyncIterator[Any]:
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def native_server() -> AsyncIterator[tuple[web.Application, str]]:
     app = web.Application()
     app[SEEN] = []
     app.router.add_post("/v1/responses", native)
-    yield await aiohttp_server(app)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield app, f"http://127.0.0.1:{port}/v1"
+    finally:
+        await runner.cleanup()
 
 
 @pytest.fixture
-async def gateway(upstream: Any, tmp_path: Path) -> AsyncIterator[Proc]:
-    data = config_data(upstreams=[{"name": "native", "base_url": str(upstream.make_url("/v1")), "api": "responses"}],
+def upstream(native_server: tuple[web.Application, str]) -> web.Application:
+    """The module's upstream app, its record cleared: the test sees only its own calls."""
+    app = native_server[0]
+    app[SEEN].clear()
+    return app
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def gateway(native_server: tuple[web.Application, str],
+                  tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Proc]:
+    data = config_data(upstreams=[{"name": "native", "base_url": native_server[1], "api": "responses"}],
                        models=[{"match": "*", "upstream": "native", "price_in": 2.0, "price_out": 12.0}])
-    proc = await asyncio.to_thread(serve, tmp_path / "gw", data)
+    proc = await asyncio.to_thread(serve, tmp_path_factory.mktemp("native") / "gw", data)
     yield proc
     proc.stop()
 
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_native_upstream_gets_the_whole_conversation_and_its_usage_is_booked(
-        upstream: Any, gateway: Proc, stream: bool) -> None:
+        upstream: web.Application, gateway: Proc, stream: bool) -> None:
     client = sdk(gateway)
 
     async def create(**kwargs: Any) -> Any:
@@ -105,7 +124,7 @@ async def test_a_native_upstream_gets_the_whole_conversation_and_its_usage_is_bo
     second = await create(previous_response_id=first.id,
                           input=[{"type": "function_call_output", "call_id": call.call_id, "output": "a.txt"}])
     assert second.output_text == "done: a.txt" and second.id != "resp_upstream"
-    seen = upstream.app[SEEN]
+    seen = upstream[SEEN]
     assert [b.get("store") for b in seen] == [False, False] and all("previous_response_id" not in b for b in seen)
     assert seen[0]["instructions"] == "Be brief." and "instructions" not in seen[1]  # not carried over
     assert seen[1]["input"] == [{"role": "user", "content": "list them"},
@@ -118,10 +137,39 @@ async def test_a_native_upstream_gets_the_whole_conversation_and_its_usage_is_bo
     assert run.cost_usd == pytest.approx(sum(PRICE.cost(u) for u in usages), abs=1e-12)
 
 
-async def test_a_native_upstream_gets_the_strict_clamp_as_max_output_tokens(upstream: Any, gateway: Proc) -> None:
+async def test_a_native_upstream_gets_the_strict_clamp_as_max_output_tokens(upstream: web.Application,
+                                                                            gateway: Proc) -> None:
     client = sdk(gateway, **{"X-Policy": "strict"})
     await client.responses.create(model="native-1", input="list them", max_output_tokens=100_000)
-    clamp = upstream.app[SEEN][-1]["max_output_tokens"]
+    clamp = upstream[SEEN][-1]["max_output_tokens"]
     assert 0 < clamp < 100_000
     with pytest.raises(openai.BadRequestError):
         await client.responses.create(model="native-1", input="x", tools=[{"type": "web_search"}])  # type: ignore[list-item]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def repairing(native_server: tuple[web.Application, str],
+                    tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Proc]:
+    """A gateway whose native upstream has `tool_repair`."""
+    data = config_data(upstreams=[{"name": "native", "base_url": native_server[1], "api": "responses",
+                                   "tool_repair": True}],
+                       models=[{"match": "*", "upstream": "native", "price_in": 2.0, "price_out": 12.0}])
+    proc = await asyncio.to_thread(serve, tmp_path_factory.mktemp("repairing") / "gw", data)
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_native_upstreams_function_call_is_repaired_with_tool_repair(repairing: Proc, stream: bool) -> None:
+    client = sdk(repairing)
+    if stream:
+        async with client.responses.stream(model="native-1", tools=TOOLS, input="echo the schema") as events:
+            async for _ in events:
+                pass
+            response = await events.get_final_response()
+    else:
+        response = await client.responses.create(model="native-1", tools=TOOLS, input="echo the schema")
+    call = response.output[0]
+    assert call.type == "function_call" and call.name == "list_files" and call.arguments == "{}"
+    run = await load_run(repairing, await stored_run_id(repairing, response.id))
+    assert run.messages[-1]["tool_calls"][0]["function"]["arguments"] == "{}"  # booked repaired

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tests.server.served import DEMO, PLAN_ANSWER, TASK, Served, chat_body, poll, request, write_config
-from tests.support.procs import Proc, free_port, start_gateway
+from tests.support.procs import Proc, free_port, start_gateway, start_scripted
 
 MOUNT = "/scripted/v1"
 
@@ -28,9 +28,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 @pytest.fixture(scope="module")
 def standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     """`gateway scripted`: the provider alone, open by design (a test upstream started on purpose)."""
-    port = free_port()
-    proc = start_gateway(["scripted", "--port", str(port)], "/healthz", port,
-                         tmp_path_factory.mktemp("standalone") / "scripted.log")
+    proc = start_scripted(tmp_path_factory.mktemp("standalone"))
     yield proc
     proc.stop()
 

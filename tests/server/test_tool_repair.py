@@ -5,6 +5,8 @@ model (tests/fixtures/local_replies): llama.cpp's 500 when it cannot parse a too
 then, asked again without tool parsing, the call written as JSON in the content. The
 gateway in front has one upstream of kind `local` (repair on, `max_tokens: 64`) and the
 same server again as kind `openai` (nothing repaired), so each test shows both sides.
+One gateway and one upstream serve the module's tests (on the module's event loop); each test
+sees only the upstream calls and metric increments made while it ran.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
 import orjson
 import pytest
+import pytest_asyncio
 from aiohttp import web
 
 from gateway.tools.catalog import FILE_TOOLS, SYSTEM_PROMPT
@@ -27,6 +31,7 @@ KEY = "sk-repair"
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "local_replies"
 CAP = 64
 TOOLS = [t.openai() for t in FILE_TOOLS]
+pytestmark = pytest.mark.asyncio(loop_scope="module")
 TASK = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Read notes.txt and tell me what it says."}]
 ANSWER = {"id": "chatcmpl-a", "object": "chat.completion", "created": 0, "model": "m",
           "choices": [{"index": 0, "finish_reason": "stop",
@@ -45,9 +50,15 @@ class LlamaLike:
 
     bodies: list[dict[str, Any]] = field(default_factory=list)
 
-    async def handle(self, request: web.Request) -> web.Response:
+    async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        if body.get("stream"):  # as llama.cpp streams a call it cannot parse: the text, then its error event
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write((FIXTURES / "gemma_stream_parse_error.sse").read_bytes())
+            await resp.write_eof()
+            return resp
         if any(m.get("role") == "tool" for m in body["messages"]):
             return web.json_response(ANSWER)
         if body.get("tool_choice") != "none":
@@ -58,15 +69,24 @@ class LlamaLike:
         return web.json_response(reply)
 
 
-@pytest.fixture
-async def llama() -> AsyncIterator[tuple[LlamaLike, str]]:
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def upstream() -> AsyncIterator[tuple[LlamaLike, str]]:
     state = LlamaLike()
     async with serving(state.handle) as url:
         yield state, url
 
 
 @pytest.fixture
-def gateway(tmp_path: Path, llama: tuple[LlamaLike, str]) -> Iterator[Proc]:
+def llama(upstream: tuple[LlamaLike, str]) -> tuple[LlamaLike, str]:
+    """The module's upstream, its calls forgotten: the test sees only its own."""
+    upstream[0].bodies.clear()
+    return upstream
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, upstream: tuple[LlamaLike, str]) -> Iterator[Proc]:
+    tmp_path = tmp_path_factory.mktemp("repair")
+    llama = upstream
     port = free_port()
     config = {
         "server": {"host": "127.0.0.1", "port": port},
@@ -93,15 +113,20 @@ async def events(session: aiohttp.ClientSession, gw: Proc, run_id: str) -> list[
         return [orjson.loads(line) for line in (await resp.read()).splitlines() if line.strip()]
 
 
-async def metric_lines(session: aiohttp.ClientSession, gw: Proc) -> list[str]:
+async def repairs(session: aiohttp.ClientSession, gw: Proc) -> dict[str, float]:
+    """gateway_tool_call_repairs_total by its labels (`{kind="...",upstream="..."}`)."""
     async with session.get(f"{gw.url}/metrics") as resp:
-        return [line for line in (await resp.text()).splitlines() if line.startswith("gateway_tool_call_repairs_total")]
+        text = await resp.text()
+    prefix = "gateway_tool_call_repairs_total"
+    return {line[len(prefix):].rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix + "{")}
 
 
 async def test_a_pass_through_call_gets_the_repaired_call_not_the_500(gateway: Proc,
                                                                       llama: tuple[LlamaLike, str]) -> None:
     upstream, _ = llama
     async with aiohttp.ClientSession() as session:
+        before = await repairs(session, gateway)
         status, reply = await post(session, gateway, {"model": "qwen", "messages": TASK, "tools": TOOLS,
                                                       "max_tokens": 4000}, **{"X-Run-Id": "pt-1"})
         assert status == 200, reply
@@ -115,10 +140,11 @@ async def test_a_pass_through_call_gets_the_repaired_call_not_the_500(gateway: P
         assert [(e["repair"], e["tool"], e["upstream"]) for e in traced] == [
             ("retried_without_tool_parsing", "", "small"), ("call_from_text", "read_file", "small")]
         assert "peg-native format" in traced[0]["detail"]
-        lines = await metric_lines(session, gateway)
-        assert 'gateway_tool_call_repairs_total{kind="call_from_text",upstream="small"} 1.0' in lines
-        assert 'gateway_tool_call_repairs_total{kind="retried_without_tool_parsing",upstream="small"} 1.0' in lines
-        assert 'gateway_tool_call_repairs_total{kind="call_from_text",upstream="plain"} 0.0' in lines
+        after = await repairs(session, gateway)
+        grown = {labels: after[labels] - before.get(labels, 0.0) for labels in after}
+        assert grown['{kind="call_from_text",upstream="small"}'] == 1.0
+        assert grown['{kind="retried_without_tool_parsing",upstream="small"}'] == 1.0
+        assert grown['{kind="call_from_text",upstream="plain"}'] == 0.0  # the series exists, unmoved
 
 
 async def test_with_repair_off_the_500_reaches_the_client_and_max_tokens_is_not_capped(
@@ -146,3 +172,24 @@ async def test_a_server_side_run_runs_the_repaired_call(gateway: Proc, llama: tu
     assert [(e["toolName"], orjson.loads(e["args"])) for e in started] == [("read_file", {"path": "notes.txt"})]
     assert kinds.index("tool_call_repaired") < kinds.index("turn") < kinds.index("tool_start")
     assert all(b["max_tokens"] <= CAP for b in upstream.bodies)
+
+
+async def test_a_stream_ending_in_the_parse_error_reaches_the_client_whole_without_it(
+        gateway: Proc, llama: tuple[LlamaLike, str]) -> None:
+    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0,
+                                default_headers={"X-Run-Id": "stream-500"})
+    chunks = [c async for c in await client.chat.completions.create(
+        model="qwen", messages=TASK, tools=TOOLS, stream=True)]  # type: ignore[arg-type]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    recorded_text = "".join(orjson.loads(e[6:])["choices"][0]["delta"].get("content") or ""
+                            for e in (FIXTURES / "gemma_stream_parse_error.sse").read_bytes().split(b"\n\n")
+                            if e.startswith(b"data: {\"choices\""))
+    assert text == recorded_text and "XML tags" in text  # what the model wrote, whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    async with aiohttp.ClientSession() as session:
+        traced = [e for e in await events(session, gateway, "stream-500") if e["type"] == "tool_call_repaired"]
+    assert [e["repair"] for e in traced] == ["parse_error_dropped"] and "peg-native" in traced[0]["detail"]
+    with pytest.raises(openai.APIError, match="peg-native format"):  # without repair, llama.cpp's error arrives
+        async for _ in await client.chat.completions.create(model="plain-qwen", messages=TASK, tools=TOOLS,  # type: ignore[arg-type]
+                                                            stream=True):
+            pass

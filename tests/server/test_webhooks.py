@@ -29,6 +29,10 @@ from tests.support.procs import free_port, start_gateway
 
 SECRET = "whsec-test-0123456789"
 PUBLIC = "https://gateway.example.com"
+FAST = {"webhook_poll_s": 0.05, "budget_scan_s": 0.1}
+"""The delivery task's waits, short: a retry, a message another replica wrote or a budget
+threshold is seen within a tenth of a second instead of the 0.5-2 s a deployment uses."""
+RETRY_BASE_S = 0.05
 
 
 @dataclass
@@ -50,7 +54,7 @@ class Receiver:
         signed = verify(SECRET.encode(), request.headers.get(SIGNATURE_HEADER, ""), raw, time.time())
         tries = sum(1 for a in self.attempts if a["body"]["id"] == body["id"]) + 1
         status = 500 if self.down or tries <= self.fail_first else 200
-        self.attempts.append({"body": body, "signed": signed, "status": status})
+        self.attempts.append({"body": body, "signed": signed, "status": status, "at": time.monotonic()})
         return web.Response(status=status)
 
     def delivered(self, event: str | None = None) -> list[dict[str, Any]]:
@@ -83,11 +87,11 @@ def start(folder: Path, receiver: Receiver, store: dict[str, Any] | None = None)
     config = yaml.safe_load(path.read_text())
     if store is not None:
         config["store"] = store
-    config["server"]["public_url"] = PUBLIC
+    config["server"].update(public_url=PUBLIC, **FAST)
     config["teams"][0]["budget_period"] = "total"
     config["webhooks"] = [{"url": receiver.url, "secret_env": "GW_TEST_HOOK_SECRET", "teams": ["demo"],
                            "events": ["approval_required", "approval_decided", "run_stopped", "budget_threshold"],
-                           "name": "test-hook", "timeout_s": 5}]
+                           "name": "test-hook", "timeout_s": 5, "retry_base_s": RETRY_BASE_S}]
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return Served(folder, port, spawn(folder, port))
 
@@ -147,6 +151,8 @@ async def test_each_event_arrives_once_signed_after_two_500s(tmp_path: Path, rec
         await poll(lambda: _async(len(receiver.attempts) == 3 * sum(expected.values())), timeout=30)
         for notice in {a["body"]["id"] for a in receiver.attempts}:  # 500, 500, then taken
             assert [a["status"] for a in receiver.attempts if a["body"]["id"] == notice] == [500, 500, 200]
+            at = [a["at"] for a in receiver.attempts if a["body"]["id"] == notice]
+            assert at[1] - at[0] >= RETRY_BASE_S and at[2] - at[1] >= 2 * RETRY_BASE_S  # backed off, doubled
 
         required = receiver.delivered("approval_required")[0]
         assert required["team"] == "demo" and required["run_id"] == run_id

@@ -10,7 +10,7 @@ import pytest
 
 from gateway.harness.state import RunState
 from gateway.harness.usage import Usage
-from gateway.store.base import Store
+from gateway.store.base import Claim, Store
 from gateway.store.errors import RunExists, RunNotFound, StaleRun, StoreError
 from gateway.store.periods import period_key
 from tests.store.conftest import Stores
@@ -126,6 +126,33 @@ async def test_list_runs_filters_by_team_and_status_newest_first(store: Store) -
     await store.save_run(r3)  # a status change moves the run between filters
     assert ids(await store.list_runs(status="running")) == ["r2"]
     assert ids(await store.list_runs(team="a", status="completed")) == ["r3", "r1"]
+
+
+async def test_list_runs_reads_only_the_runs_of_the_policies_asked_for(store: Store) -> None:
+    # The recovery sweep asks for the runs of server-side policies only: whichever way a run
+    # was stored (create_run, or its first admission), its policy is what it is filtered by.
+    for i, (run_id, policy) in enumerate([("p1", "passthrough"), ("d1", "driven"), ("p2", "passthrough")]):
+        run = make_run(run_id, created_at=1_800_000_000.0 + i)
+        run.policy = policy
+        await store.create_run(run)
+    first = make_run("d2", created_at=1_800_000_010.0)
+    first.policy = "driven"
+    assert (await store.admit(Claim("demo", "total", run_id="d2", create=first))).reservation_id is not None
+
+    def ids(runs: list[RunState]) -> list[str]:
+        return [r.run_id for r in runs]
+
+    assert ids(await store.list_runs(policies={"driven"})) == ["d2", "d1"]
+    assert ids(await store.list_runs(policies=["driven", "passthrough"], limit=3)) == ["d2", "p2", "d1"]
+    assert ids(await store.list_runs(status="running", policies={"passthrough"})) == ["p2", "p1"]
+    assert ids(await store.list_runs(policies=())) == []
+    d1 = await store.load_run("d1")
+    assert d1 is not None
+    d1.status = "interrupted"
+    await store.save_run(d1)  # a save keeps the run's policy
+    assert ids(await store.list_runs(status="interrupted", policies={"driven"})) == ["d1"]
+    with pytest.raises(TypeError, match="policies"):
+        await store.list_runs(policies="driven")
 
 
 async def test_list_runs_names_bad_arguments(store: Store) -> None:
@@ -299,6 +326,22 @@ async def test_an_expired_lease_can_be_taken_over(stores: Stores) -> None:
         await asyncio.sleep(0.02)  # polling for expiry, the thing under test
     assert time.monotonic() - taken >= ttl * 0.9  # not before it expired (clocks differ by ms at most)
     assert not await a.acquire_lease("run_a", "replica-a", ttl)
+
+
+async def test_a_restarted_owner_frees_the_leases_of_its_previous_life(stores: Stores) -> None:
+    # A worker's owner name is the same after a restart: the runs its dead life drove may be
+    # taken by any other worker at once, not only after the leases expire.
+    a, b = stores.open(), stores.open()
+    assert await a.acquire_lease("run_a", "host/w0", 30)
+    assert await a.acquire_lease("run_b", "host/w0", 30)
+    assert await b.acquire_lease("run_c", "host/w1", 30)
+    await a.release_lease("run_b", "host/w0")
+    assert await b.acquire_lease("run_b", "host/w1", 30)  # released earlier: w1's now
+    assert not await b.acquire_lease("run_a", "host/w1", 30)
+    await stores.open().release_owner("host/w0")  # w0 restarted
+    assert await b.acquire_lease("run_a", "host/w1", 30)
+    assert not await a.acquire_lease("run_b", "host/w0", 30)  # w1's leases are untouched
+    assert not await a.acquire_lease("run_c", "host/w0", 30)
 
 
 async def test_lease_ttl_must_be_positive(store: Store) -> None:

@@ -121,6 +121,12 @@ def start_gateway(args: Sequence[str], ready_path: str, port: int, log: Path, cw
     return Proc(popen, url, log)
 
 
+def start_scripted(folder: Path) -> Proc:
+    """`gateway scripted` on a free port (log in `folder`): the scripted provider alone, open by design."""
+    port = free_port()
+    return start_gateway(["scripted", "--port", str(port)], "/healthz", port, folder / "scripted.log")
+
+
 @contextlib.contextmanager
 def serving_config(folder: Path, config: dict[str, Any]) -> Iterator[Proc]:
     """`gateway serve` with `config` written to `folder`/config.yaml (its `server.port`), stopped on exit."""

@@ -44,9 +44,6 @@ from gateway.server.http.errors import Conflict, Forbidden, NotFound
 from gateway.server.http.headers import run_headers
 from gateway.server.http.sse import ClientGone, SSEStream
 from gateway.server.http.validation import check_depth, json_object, read_body
-from gateway.server.runs.cancels import RunBusy, cancel_event
-from gateway.server.runs.continuations import resume_with
-from gateway.server.runs.driver import Prepare
 from gateway.server.runs.auto_resume import (
     BACKGROUND,
     FOLLOW_POLL_S,
@@ -54,6 +51,9 @@ from gateway.server.runs.auto_resume import (
     after_decision,
     follow_until_stopped,
 )
+from gateway.server.runs.cancels import RunBusy, cancel_event
+from gateway.server.runs.continuations import resume_with
+from gateway.server.runs.driver import Prepare
 from gateway.server.runs.keying import update_run
 from gateway.server.runs.tracelog import TraceWriter
 
@@ -186,8 +186,9 @@ async def run_events(request: web.Request) -> web.StreamResponse:
 
     try:
         current = await follow_until_stopped(store, lambda r: run_policy(request.app, r), run, after, emit,
-                                             lambda: sse.comment("waiting"))
-        await sse.data(current.summary(), event="end")
+                                             lambda: sse.comment("waiting"), sse.pause)
+        if not sse.ending:  # else the gateway is shutting down: the client follows on from Last-Event-ID
+            await sse.data(current.summary(), event="end")
     except ClientGone:
         return sse.response
     await sse.close()

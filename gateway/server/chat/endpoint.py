@@ -29,7 +29,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise NotFound(f"model '{chat.model}' is not routed by this gateway (see GET /v1/models)",
                        code="model_not_found", param="model")
     call = await resolve_call(app[ctx.STORE], app[ctx.POLICIES], team, request.headers, chat, route,
-                              defer_create=True)
+                              defer_create=True, cache=app[ctx.RUN_CACHE])
     request[ctx.RUN] = call.run
     if call.policy.server_side:
         return await handle_server_side(request, call)

@@ -41,20 +41,39 @@ def _check_open(call: Call) -> None:
                        f"with POST /v1/runs/{run.public_id}/resume to go on", code="run_cancelled")
 
 
+async def _reload(request: web.Request, call: Call) -> None:
+    """Go on with the stored run instead of `call.run` (a cached copy that may be out of date,
+    or a new run that a concurrent first call stored first), and check that it takes calls."""
+    await join_created(request.app[ctx.STORE], request.app[ctx.POLICIES], call)
+    request[ctx.RUN] = call.run
+    _check_open(call)
+
+
 async def admit(request: web.Request, call: Call) -> Admission:
     """Admit the call (turn slot, budget holds), or refuse it with 429 (the run takes the
-    refusal's status) or 409 `run_busy` before anything is forwarded."""
+    refusal's status) or 409 `run_busy` before anything is forwarded. A call that started
+    from a cached run is judged again on the stored run when its admission refuses, or finds
+    the stored revision different (the admission is then given back first)."""
     chat = call.chat
     ask = Ask(call.route.price, chat.messages, chat.tools, chat.max_tokens, chat.n)
     app = request.app
+    governor = app[ctx.GOVERNOR]
     try:
         try:
-            adm = await app[ctx.GOVERNOR].admit_turn(call.run, call.team, ask, create=not call.stored)
+            adm = await governor.admit_turn(call.run, call.team, ask, create=not call.stored)
         except RunExists:  # a concurrent first call of this run id stored it first
-            await join_created(app[ctx.STORE], app[ctx.POLICIES], call)
-            request[ctx.RUN] = call.run
-            _check_open(call)
-            adm = await app[ctx.GOVERNOR].admit_turn(call.run, call.team, ask)
+            await _reload(request, call)
+            adm = await governor.admit_turn(call.run, call.team, ask)
+        except LimitExceeded:
+            if not call.cached:
+                raise
+            await _reload(request, call)  # a refusal judged on a cached copy (e.g. older limits) is not final
+            adm = await governor.admit_turn(call.run, call.team, ask)
+        if call.cached and adm.run_revision != call.run.revision:
+            app[ctx.RUN_CACHE].stale += 1
+            await governor.release(adm)
+            await _reload(request, call)
+            adm = await governor.admit_turn(call.run, call.team, ask)
     except LimitExceeded as exc:
         if not call.stored:  # refused before the store step that would have stored the new run
             with contextlib.suppress(RunExists):
@@ -71,7 +90,12 @@ async def governed(request: web.Request, call: Call) -> AsyncIterator[tuple[Admi
     call is admitted (its holds booked or released on every exit, `Admission` being a
     context manager) and counted active; yields the admission and the routed call that
     forwards it (its attempts traced with the turn, or on their own when none was booked)."""
-    _check_open(call)
+    try:
+        _check_open(call)
+    except Conflict:
+        if not call.cached:
+            raise
+        await _reload(request, call)  # the cached run may be out of date: the stored one decides
     metrics = request.app[ctx.METRICS]
     async with await admit(request, call) as adm:
         keep_rate_clocks(request, adm.rates, adm.rate_states)

@@ -16,13 +16,17 @@ elsewhere) ends it with that error event instead of [DONE].
 
 What the client is sent is the `Outlet`'s business: `ChatOutlet` passes the upstream's
 bytes on; the Responses API's outlet translates them (the governance is the same).
+
+An upstream with `tool_repair` has the tool calls of its streams repaired before the turn
+is booked (`stream_repair`): the events that may need it are held and the repaired reply's
+rest is sent in their place.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import orjson
@@ -32,7 +36,9 @@ from gateway.harness.state import Message
 from gateway.harness.usage import Usage
 from gateway.providers.errors import UpstreamError
 from gateway.providers.failover import RoutedCall
+from gateway.providers.repair import Repair
 from gateway.server import context as ctx
+from gateway.server.chat.stream_repair import StreamRepair
 from gateway.server.http.errors import ApiError, from_store_error, upstream_failed
 from gateway.server.http.headers import run_headers
 from gateway.server.runs.booking import Booked, book_turn
@@ -140,8 +146,8 @@ class ChatOutlet:
         """Written as soon as the upstream answered, before its first event."""
         return b""
 
-    def event(self, kind: EventKind, raw: bytes, got: Reassembly) -> bytes:
-        """What to write for one upstream event (`got` has just been fed it)."""
+    def event(self, kind: EventKind, raw: bytes, chunk: dict[str, Any] | None) -> bytes:
+        """What to write for one upstream event: its bytes and, when it is JSON, its object."""
         if kind == "usage_only" and not self.include_usage:
             return b""
         return raw
@@ -167,6 +173,7 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, route
     metrics = app[ctx.METRICS]
     started = time.perf_counter()
     got = got or Reassembly()
+    repair: StreamRepair | None = None
     response: web.StreamResponse | None = None
     failure: UpstreamError | None = None
     client_gone = False
@@ -174,6 +181,7 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, route
     try:
         async with open_stream(routed, body, client_headers, path) as opened:
             upstream_name = opened.answer.upstream.name
+            repair = StreamRepair.of(opened.answer.upstream, call.chat.tools, call.chat.n)
             metrics.on_ttft(upstream_name, call.chat.model, time.perf_counter() - started)
             start_headers = run_headers(call.run)
             start_headers["X-Run-Status"] = "running"
@@ -191,14 +199,14 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, route
                                             f"chunk that is not JSON: {event[:80]!r}", upstream_name, 200)
                     opened.outcome = "malformed"
                     break
-                data = out.event(kind, event, got)
+                data = repair.pass_on(kind, event, got, out) if repair is not None else out.event(kind, event, got.last)
                 try:
                     if data:
                         await response.write(data)
                 except (ConnectionError, RuntimeError):
                     client_gone = True
                     break
-                if kind == "error":
+                if kind == "error" and (repair is None or repair.parse_error is None):  # not dropped by the repair
                     failure = UpstreamError("upstream_error", f"upstream '{upstream_name}' sent an error "
                                             "in the stream", upstream_name, 200)
                     opened.outcome = "malformed"
@@ -216,16 +224,21 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, route
     request[ctx.UPSTREAM_SECONDS] = seconds
     metrics.on_upstream(upstream_name, call.chat.model, seconds)
     assert response is not None
+    if repair is not None and failure is None and not client_gone:
+        repair.repair(got)
     finish = got.finish or ("client_disconnected" if client_gone else "cut" if failure else "stop")
     unbooked: ApiError | None = None
     try:
-        booked = await _charge_received(request, call, adm, got, finish, routed)
+        booked = await _charge_received(request, call, adm, got, finish, routed,
+                                        repair.repairs if repair is not None else ())
     except StoreError as exc:  # the stream is open: it ends with the store's error, not a cut
         log.warning("run %s: the streamed turn could not be saved: %s", call.run.run_id, exc)
         booked, unbooked = None, from_store_error(exc)
     if client_gone:
         return response
     try:
+        if repair is not None:
+            await response.write(repair.tail(out))
         if unbooked is not None:
             await response.write(b"data: " + orjson.dumps(unbooked.body()) + b"\n\n")
         elif failure is not None:
@@ -242,10 +255,10 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, route
 
 
 async def _charge_received(request: web.Request, call: Call, adm: Admission, got: Reassembly,
-                           finish: str, routed: RoutedCall) -> Booked | None:
+                           finish: str, routed: RoutedCall, repairs: Sequence[Repair] = ()) -> Booked | None:
     """Book what was received as the turn (counted if the upstream gave no usage), or release."""
     if got.chunks == 0 and got.usage is None:
         await request.app[ctx.GOVERNOR].release(adm)
         return None
     return await book_turn(request, call, adm, reported=got.usage, message=got.message(), finish=finish,
-                           routed=routed)
+                           routed=routed, repairs=repairs)

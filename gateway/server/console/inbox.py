@@ -15,22 +15,21 @@ decision and who took it; or, for a run no longer waiting for another reason, it
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any, Final, TypedDict
 
 from aiohttp import web
 
+from gateway.config.settings import TeamConfig
 from gateway.harness.state import Message, RunState
 from gateway.policy.approval import compile_approval
 from gateway.policy.decl import Policy, Rule
 from gateway.server import context as ctx
-from gateway.server.runs.auto_resume import waits_for_decision
-from gateway.config.settings import TeamConfig
-from gateway.server.console.session import json_answer, signed_in
 from gateway.server.api.access import may_decide, may_see
 from gateway.server.api.runs import LIST_SCAN, asked_at, run_policy
+from gateway.server.console.session import json_answer, signed_in
 from gateway.server.http.sse import ClientGone, SSEStream
+from gateway.server.runs.auto_resume import waits_for_decision
 
 POLL_S: Final = 1.0
 """How often an open inbox re-reads the store (every replica writes there)."""
@@ -199,6 +198,9 @@ async def inbox_events(request: web.Request) -> web.StreamResponse:
                     await sse.comment("keepalive")
                     quiet_since = time.monotonic()
             shown = current
-            await asyncio.sleep(POLL_S)
+            if not await sse.pause(POLL_S):
+                break
     except ClientGone:
         return sse.response
+    await sse.close()  # the gateway is shutting down: the browser reconnects to another one
+    return sse.response

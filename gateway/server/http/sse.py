@@ -7,6 +7,7 @@ skip; answers as `data:` lines holding chat.completion.chunk objects, ended by
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +16,16 @@ from aiohttp import web
 
 from gateway.harness.state import public_run_id
 from gateway.harness.trace import Event
+
+STREAMS_END = web.AppKey("streams_end", asyncio.Event)
+"""Set when the gateway starts to shut down (`end_streams`, an on_shutdown hook). Endless
+streams (the console inbox, a followed trace) end then: aiohttp's graceful shutdown waits
+for open requests, up to a minute, and such a client may not be written to for 15 s."""
+
+
+async def end_streams(app: web.Application) -> None:
+    app[STREAMS_END].set()
+
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -50,8 +61,9 @@ def progress_comment(event: Event) -> str | None:
 class SSEStream:
     """An open `text/event-stream` response."""
 
-    def __init__(self, response: web.StreamResponse) -> None:
+    def __init__(self, response: web.StreamResponse, end: asyncio.Event | None = None) -> None:
         self.response = response
+        self._end = end
 
     @classmethod
     async def open(cls, request: web.Request, headers: Mapping[str, str] | None = None) -> SSEStream:
@@ -61,7 +73,24 @@ class SSEStream:
             await response.prepare(request)
         except (ConnectionError, RuntimeError) as exc:
             raise ClientGone(str(exc)) from exc
-        return cls(response)
+        return cls(response, request.config_dict.get(STREAMS_END))
+
+    @property
+    def ending(self) -> bool:
+        """Whether the gateway is shutting down (an endless stream should end)."""
+        return self._end is not None and self._end.is_set()
+
+    async def pause(self, seconds: float) -> bool:
+        """Wait `seconds` between two polls of an endless stream: False, at once, when the
+        gateway starts to shut down and the stream should end."""
+        if self._end is None:
+            await asyncio.sleep(seconds)
+            return True
+        try:
+            await asyncio.wait_for(self._end.wait(), seconds)
+        except TimeoutError:
+            return True
+        return False
 
     async def _write(self, data: bytes) -> None:
         try:

@@ -2,17 +2,18 @@
 
 `background(app)` (a cleanup context; nothing at all without `webhooks:`) installs the
 notice rule on the store, so a notifying trace line and its notices are written in one
-store step, and starts `Notifier.run`, which every `POLL_S` (at once when this process
-wrote a notice):
+store step, and starts `Notifier.run`, which every `server.webhook_poll_s` (0.5 s by default;
+at once when this process wrote a notice):
 
 - claims up to `CLAIM_BATCH` due notices with a lease (the longest webhook timeout plus
   `LEASE_MARGIN_S`): another replica gets them only if this one died holding them;
 - sends each, signed, to its webhook (2xx: delivered; anything else, a timeout or a
   refused connection: tried again after `message.retry_in`, given up after the webhook's
   `max_attempts`);
-- every `BUDGET_SCAN_S`, enqueues a `budget_threshold` notice for each team whose spend in
-  its current period reached 80% or 100% of its budget (the notice id is the team, period,
-  threshold and webhook, so each is sent once, whichever replica sees it first);
+- every `server.budget_scan_s` (2 s by default), enqueues a `budget_threshold` notice for
+  each team whose spend in its current period reached 80% or 100% of its budget (the notice
+  id is the team, period, threshold and webhook, so each is sent once, whichever replica
+  sees it first);
 - keeps `gateway_webhook_outbox_depth` up to date.
 
 A run never waits for any of it: a notice costs its run one more row in a write it makes
@@ -43,8 +44,6 @@ from gateway.store.periods import period_key
 
 log = logging.getLogger(__name__)
 
-POLL_S: Final = 0.5
-BUDGET_SCAN_S: Final = 2.0
 DEPTH_EVERY_S: Final = 5.0
 CLAIM_BATCH: Final = 16
 LEASE_MARGIN_S: Final = 10.0
@@ -69,6 +68,8 @@ class Notifier:
         self._enqueued: set[str] = set()  # budget notices this process already wrote
         self._next_scan = 0.0
         self._next_depth = 0.0
+        self.poll_s = config.server.webhook_poll_s
+        self.scan_s = config.server.budget_scan_s
 
     def rule(self, run_id: str, events: Sequence[Mapping[str, Any]]) -> list[Notice]:
         """The store's `notice_rule`: runs inside its write, so it only builds and signals."""
@@ -83,19 +84,19 @@ class Notifier:
             try:
                 await self.step()
             except StoreError as exc:
-                log.warning("webhook delivery: the store failed, retrying in %.1fs: %s", POLL_S, exc)
+                log.warning("webhook delivery: the store failed, retrying in %.1fs: %s", self.poll_s, exc)
             except Exception:  # a bug must not end deliveries for the life of the process
                 log.exception("webhook delivery round failed")
             self.wake.clear()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(POLL_S):
+                async with asyncio.timeout(self.poll_s):
                     await _first(stop, self.wake)
 
     async def step(self) -> int:
         """One round: the budget scan when due, then one batch of due notices; returns how many were sent."""
         now = time.monotonic()
         if now >= self._next_scan:
-            self._next_scan = now + BUDGET_SCAN_S
+            self._next_scan = now + self.scan_s
             await self.scan_budgets()
         claimed = await self.store.claim_notices(self.owner, CLAIM_BATCH, self.lease_s)
         results = await asyncio.gather(*(self.deliver(c) for c in claimed))
@@ -141,7 +142,7 @@ class Notifier:
             self.metrics.on_webhook(hook.name, record["event"], "delivered")
             return True
         attempts = claim.attempts + 1
-        retry = None if attempts >= hook.max_attempts else message.retry_in(attempts)
+        retry = None if attempts >= hook.max_attempts else message.retry_in(attempts, hook.retry_base_s)
         await self.store.notice_failed(claim.id, self.owner, retry, error)
         self.metrics.on_webhook(hook.name, record["event"], "failed" if retry is None else "retried")
         log.warning("webhook %s: %s notice %s not delivered (attempt %d of %d): %s", hook.name, record["event"],

@@ -177,9 +177,10 @@ def verify(secret: bytes, header: str, body: bytes, now: float, tolerance_s: flo
     return hmac.compare_digest(sign(secret, body, int(t)), f"t={t},v1={fields['v1']}")
 
 
-def retry_in(attempts: int) -> float:
-    """Seconds before the next attempt after `attempts` failed ones: 1, 2, 4, ... up to 5 minutes."""
-    return float(min(RETRY_BASE_S * 2 ** max(attempts - 1, 0), RETRY_CAP_S))
+def retry_in(attempts: int, base_s: float = RETRY_BASE_S) -> float:
+    """Seconds before the next attempt after `attempts` failed ones: `base_s` (1 by default),
+    then twice as long after each failure, up to 5 minutes."""
+    return float(min(base_s * 2 ** max(attempts - 1, 0), RETRY_CAP_S))
 
 
 def _ts(value: Any, default: float) -> float:

@@ -23,8 +23,9 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway.harness.state import Message, public_run_id
+from gateway.harness.state import Message, assistant_message, public_run_id
 from gateway.providers.failover import RoutedCall
+from gateway.providers.repair import repair_message, tool_schemas
 from gateway.server import context as ctx
 from gateway.server.chat import server_side
 from gateway.server.chat.answers import Answer
@@ -194,9 +195,9 @@ class ResponsesOutlet(ChatOutlet):
     def start(self) -> bytes:
         return self.events.start()
 
-    def event(self, kind: EventKind, raw: bytes, got: Reassembly) -> bytes:
-        if kind == "chunk" and got.last is not None:
-            return self.events.chunk(got.last)
+    def event(self, kind: EventKind, raw: bytes, chunk: dict[str, Any] | None) -> bytes:
+        if kind == "chunk" and chunk is not None:
+            return self.events.chunk(chunk)
         return b""
 
     async def end(self, booked: Booked | None, got: Reassembly, finish: str, run: dict[str, Any]) -> bytes:
@@ -250,10 +251,12 @@ class NativeReassembly(Reassembly):
 class NativeOutlet(ResponsesOutlet):
     """A native upstream's stream, re-issued as this gateway's response (its ids, its events)."""
 
-    def event(self, kind: EventKind, raw: bytes, got: Reassembly) -> bytes:
-        event = got.last or {}
+    def event(self, kind: EventKind, raw: bytes, chunk: dict[str, Any] | None) -> bytes:
+        event = chunk or {}
         if kind != "chunk":
             return b""
+        if "choices" in event:  # a chat chunk of the repaired rest (stream_repair)
+            return self.events.chunk(event)
         index = int(event.get("output_index", 0))
         if event.get("type") == "response.output_text.delta":
             delta: dict[str, Any] = {"content": str(event.get("delta") or "")}
@@ -286,8 +289,10 @@ async def _native(request: web.Request, call: Call, exchange: Exchange, adm: Adm
     request[ctx.UPSTREAM_SECONDS] = reply.seconds
     request.app[ctx.METRICS].on_upstream(upstream.name, call.chat.model, reply.seconds)
     message, finish = message_of_output(reply.data)
+    fixed = repair_message(message, finish, tool_schemas(call.chat.tools) if upstream.config.tool_repair else {})
+    message, finish = assistant_message(fixed.message), fixed.finish or finish
     booked = await book_turn(request, call, adm, reported=usage_of_response(reply.data.get("usage")),
-                             message=message, finish=finish, routed=routed)
+                             message=message, finish=finish, routed=routed, repairs=fixed.repairs)
     response = exchange.response(message, finish, booked)
     await exchange.keep(request, call, response, message)
     return web.Response(body=orjson.dumps({**response, "run": booked.run.summary()}), content_type="application/json",

@@ -132,10 +132,13 @@ def after_decision(drives: BackgroundDrives, run: RunState, policy: Policy | Non
 
 async def follow_until_stopped(store: Store, policy_of: Callable[[RunState], Policy | None], run: RunState,
                                after: int, emit: Callable[[int, Event], Awaitable[None]],
-                               keepalive: Callable[[], Awaitable[None]]) -> RunState:
+                               keepalive: Callable[[], Awaitable[None]],
+                               pause: Callable[[float], Awaitable[bool]] | None = None) -> RunState:
     """Hand every trace line of `run` after sequence `after` to `emit` until it stops
     for good (not running, not waiting for a decision that resumes it); the run as saved
-    then. `keepalive` is awaited when nothing happened for `KEEPALIVE_S`."""
+    then. `keepalive` is awaited when nothing happened for `KEEPALIVE_S`; `pause` waits
+    between two polls and says whether to go on (False: give up, returning the run as
+    last read)."""
     last_check, last_sent = 0.0, time.monotonic()
     current = run
     while True:
@@ -157,4 +160,8 @@ async def follow_until_stopped(store: Store, policy_of: Callable[[RunState], Pol
                 for seq, event in await store.events(run.run_id, after):
                     await emit(seq, event)
                 return current
-        await asyncio.sleep(FOLLOW_POLL_S)  # polling the shared store: works across replicas
+        # polling the shared store: works across replicas
+        if pause is None:
+            await asyncio.sleep(FOLLOW_POLL_S)
+        elif not await pause(FOLLOW_POLL_S):
+            return current

@@ -71,6 +71,7 @@ async def refuse(request: web.Request, call: Call, exc: LimitExceeded) -> LimitE
         async with app[ctx.GOVERNOR].run_lock(run.run_id):
             run, events, _ = await commit_run(app[ctx.STORE], run, stop_run(status, reason, interruption, detail),
                                               trace, None)
+        app[ctx.RUN_CACHE].put(run)
         append_trace_file(app[ctx.CONFIG].trace_file, events)
         app[ctx.METRICS].on_run_stopped(call.team.name, call.policy.name, status, reason, run.turns, run.cost_usd)
     call.run = run
@@ -185,12 +186,14 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
     try:
         run, ledger = await commit_turn_record(app, call.run, record)
     except StoreError as exc:
+        app[ctx.RUN_CACHE].drop(call.run.run_id)
         if isinstance(exc, (StaleRun, RunNotFound)):
             raise
         run = await _spool(app, call.run, record, exc)
         call.run = run
         request[ctx.RUN] = run
         return Booked(run, None, usage)
+    app[ctx.RUN_CACHE].put(run)  # the run as stored now: its next call need not load it
     call.run = run
     request[ctx.RUN] = run
     if record.completed:

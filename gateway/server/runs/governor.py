@@ -110,6 +110,8 @@ class Admission:
     """What the rate limits counted for the call before it ran (its prompt); booked against real usage."""
     rate_states: tuple[RateState, ...] = ()
     """The rate clocks as the admission left them (`rate_limits.headers` shows them)."""
+    run_revision: int | None = None
+    """The run's stored revision when it was admitted (`Grant.run_revision`)."""
 
     async def __aenter__(self) -> Admission:
         return self
@@ -274,6 +276,7 @@ class Governor:
                 raise rate_limits.refused(adm.rates, grant.rates, adm.counted_tokens)
             raise self._refusal(adm, grant.refused or "busy", grant.figures, ask, prompt, out)
         adm.reservation = grant.reservation_id
+        adm.run_revision = grant.run_revision
         self._live.add(grant.reservation_id)
         if adm.rates:
             adm.rate_states = grant.rates

@@ -40,6 +40,7 @@ from gateway.server.http.errors import (
     PolicyMismatch,
 )
 from gateway.server.http.headers import run_headers
+from gateway.server.runs.run_cache import RunCache
 from gateway.store.base import Booking, Event, Ledger, Store
 from gateway.store.errors import RunExists, StaleRun
 
@@ -60,6 +61,9 @@ class Call:
     route: ModelRoute
     stored: bool = True
     """False for a new pass-through run whose first admission stores it (`Claim.create`)."""
+    cached: bool = False
+    """True when `run` came from this process's `RunCache`, not from the store: its admission
+    must find the stored revision equal (`passthrough.admit`)."""
 
 
 def run_id_from(headers: Mapping[str, str]) -> str | None:
@@ -74,13 +78,24 @@ def run_id_from(headers: Mapping[str, str]) -> str | None:
 
 
 async def resolve_call(store: Store, policies: PolicyRegistry, team: TeamConfig, headers: Mapping[str, str],
-                       chat: ChatRequest, route: ModelRoute, *, defer_create: bool = False) -> Call:
+                       chat: ChatRequest, route: ModelRoute, *, defer_create: bool = False,
+                       cache: RunCache | None = None) -> Call:
     """Load or create the call's run; 404 for another team's run, 403/400 for policy problems.
     With `defer_create`, a new run of a pass-through policy is not stored here but by its
-    first admission, in the same store step (`Call.stored` False; see `join_created`)."""
+    first admission, in the same store step (`Call.stored` False; see `join_created`).
+    With `cache`, a pass-through run this process booked last is taken from it instead of
+    the store (`Call.cached`; its admission checks it against the stored revision)."""
     given = run_id_from(headers)
     run_id = scoped_run_id(team.name, given) if given is not None else None  # ids are per team
     wanted = headers.get("X-Policy") or None
+    run = cache.get(run_id) if cache is not None and run_id is not None else None
+    if run is not None:
+        try:
+            policy = _existing_run_policy(policies, team, run, wanted)
+        except ApiError:
+            policy = None  # refused: the stored run decides it, and its figures go with the error
+        if policy is not None and not policy.server_side:
+            return Call(team, policy, run, False, chat, route, cached=True)
     run = await store.load_run(run_id) if run_id is not None else None
     if run is None:
         policy = _new_run_policy(policies, team, wanted)
@@ -107,13 +122,16 @@ async def resolve_call(store: Store, policies: PolicyRegistry, team: TeamConfig,
 
 
 async def join_created(store: Store, policies: PolicyRegistry, call: Call) -> None:
-    """A concurrent first call stored `call`'s new run first (RunExists): go on with the
-    stored run, as a call to an existing run (its policy checked as `resolve_call` does)."""
+    """A concurrent first call stored `call`'s new run first (RunExists), or `call`'s cached
+    run was out of date: go on with the stored run, as a call to an existing run (its policy
+    checked as `resolve_call` does)."""
     loaded = await store.load_run(call.run.run_id)
     if loaded is None:
+        if call.cached:
+            raise NotFound(f"run {call.run.public_id} not found", code="run_not_found", param="X-Run-Id")
         raise RunExists(call.run.run_id)
     call.policy = _existing_run_policy(policies, call.team, loaded, None)
-    call.run, call.created, call.stored = loaded, False, True
+    call.run, call.created, call.stored, call.cached = loaded, False, True, False
 
 
 def _new_run_policy(policies: PolicyRegistry, team: TeamConfig, wanted: str | None) -> Policy:

@@ -17,7 +17,8 @@ A `Sweeper` runs once when the gateway starts and then every `period_s` (half of
 
 Each change is made while holding the run's lease (and its `ActiveRuns` claim), and
 saved with the run's revision: two replicas sweeping at once never change a run twice.
-A sweep reads at most `scan` runs of each status, newest first.
+A sweep reads at most `scan` runs of each status, newest first, and only runs of the policies
+it could act on (server-side ones; ones whose approvals expire).
 """
 
 from __future__ import annotations
@@ -73,9 +74,14 @@ class Sweeper:
     async def sweep(self, scan: int = PERIODIC_SCAN) -> SweepReport:
         """One pass over running and interrupted runs. Raises StoreError if the store fails."""
         report = SweepReport()
-        for run in await self.store.list_runs(status="running", limit=scan):
+        # Only the runs a sweep may change are read: most `running` runs are pass-through
+        # runs between calls, and parsing their transcripts would cost the event loop dearly.
+        policies = self.driver.policies
+        driven = policies.names_where(lambda p: p.server_side)
+        for run in await self.store.list_runs(status="running", limit=scan, policies=driven):
             await self._recover(run, report)
-        for run in await self.store.list_runs(status="interrupted", limit=scan):
+        expiring = policies.names_where(lambda p: p.approval.expires_after_s is not None)
+        for run in await self.store.list_runs(status="interrupted", limit=scan, policies=expiring):
             await self._expire(run, report)
         return report
 

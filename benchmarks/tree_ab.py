@@ -1,0 +1,118 @@
+"""Two source trees of the gateway, measured interleaved on one machine: before vs after a change.
+
+On a shared machine the load swings between two runs of `proxy_overhead.py` more than a
+change moves the figures. This starts a gateway from each tree (`--base`, e.g. a
+`git worktree` or `git archive` of main, and this tree) over the same scripted upstream,
+for each store, and measures them in alternation, `--rounds` times per cell: the CPU time
+the gateway process used (the least noisy figure on a loaded machine), its own time
+(`gateway_overhead_seconds`), p50 latency and req/s. It prints, per cell, the median over
+rounds of this tree's figure as a ratio to the base's taken right next to it.
+
+Run: `.venv/bin/python benchmarks/tree_ab.py --base /tmp/main-tree [--rounds 5] [--requests 300]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from proxy_overhead import gateway_config, load, mean_between, own_time  # noqa: E402
+
+from tests.store.conftest import _start_redis  # noqa: E402
+from tests.support.procs import Proc, free_port, start_gateway  # noqa: E402
+
+MODES = ("same run", "new run")
+
+
+def start(tree: Path, name: str, folder: Path, upstream: str, store: dict[str, Any] | None) -> Proc:
+    port = free_port()
+    config = gateway_config(folder / name, port, upstream, True, store=store)
+    return start_gateway(["serve", "--config", str(config)], "/healthz", port, folder / name / "gateway.log",
+                         cwd=tree, env={"PYTHONPATH": str(tree)}, timeout=180)
+
+
+def cpu_s(proc: Proc) -> float:
+    """CPU time (user + system) the gateway process has used so far: unlike wall-clock
+    figures, barely moved by what else the machine runs."""
+    fields = Path(f"/proc/{proc.popen.pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def cell(base: Proc, this: Proc, mode: str, c: int, n: int, rounds: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"cpu/call": [], "own": [], "p50": [], "req/s": []}
+    for gw in (base, this):
+        await load(gw.url, c, max(50, n // 5), mode)  # warm
+    for i in range(rounds):
+        figures = {}
+        for gw in ((base, this) if i % 2 == 0 else (this, base)):  # alternate who goes first
+            before, cpu = await own_time(gw.url), cpu_s(gw)
+            result = await load(gw.url, c, n, mode)
+            figures[gw.url] = (cpu_s(gw) - cpu, mean_between(before, await own_time(gw.url)), result.p50_ms,
+                               result.rps)
+        b, t = figures[base.url], figures[this.url]
+        for k, key in enumerate(out):
+            out[key].append(t[k] / b[k])
+    return out
+
+
+def stop_redis(popen: subprocess.Popen[bytes]) -> None:
+    popen.kill()
+    popen.wait()
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    base_tree = Path(args.base).resolve()
+    with tempfile.TemporaryDirectory(prefix="gw-ab-") as tmp, contextlib.ExitStack() as running:
+        folder = Path(tmp)
+        up_port = free_port()
+        up = start_gateway(["scripted", "--port", str(up_port)], "/healthz", up_port, folder / "upstream.log")
+        running.callback(up.stop)
+        stores: dict[str, dict[str, Any] | None] = {"sqlite": None}
+        exe = shutil.which("redis-server")
+        if exe is not None and not args.sqlite_only:
+            redis_proc, redis_port = _start_redis(exe, folder)
+            running.callback(stop_redis, redis_proc)
+            stores["redis"] = {"kind": "redis", "url": f"redis://127.0.0.1:{redis_port}/0"}
+        print(f"this tree ({ROOT}) / base ({base_tree}); median [min-max] over {args.rounds} alternating rounds; "
+              f"load {os.getloadavg()[0]:.1f}")
+        for store, spec in stores.items():
+            gws = []
+            for tree, tag in ((base_tree, "base"), (ROOT, "this")):
+                s = None if spec is None else {**spec, "prefix": f"ab-{tag}:"}
+                gw = start(tree, f"{store}-{tag}", folder, up.url + "/v1", s)
+                running.callback(gw.stop)
+                gws.append(gw)
+            for c in (1, 32):
+                for mode in MODES:
+                    n = args.requests * (2 if c == 32 else 1)
+                    figures = await cell(gws[0], gws[1], mode, c, n, args.rounds)
+                    shown = " | ".join(f"{k} x{statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]"
+                                       for k, v in figures.items())
+                    print(f"{store:<7} {mode:<9} c={c:<3} {shown}", flush=True)
+        print(f"load {os.getloadavg()[0]:.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--base", required=True, help="the other source tree (e.g. main)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=300, help="calls per round at c=1 (twice at c=32)")
+    parser.add_argument("--sqlite-only", action="store_true")
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

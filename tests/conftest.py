@@ -1,0 +1,38 @@
+"""The whole suite: under pytest-xdist, the longest test files first.
+
+`--dist loadfile` hands out whole files in the order they were collected (with
+`--no-loadscope-reorder`; by default it would put the files with the most tests first, so
+a long file of one test, such as a stress test, came last and one worker ran it alone while
+the other had finished). Here the files are ordered by their seconds in tests/durations.json
+(the longest first; a file it does not know comes after those it does, in its usual place),
+which spreads the work evenly over the workers. `scripts/test-durations` refreshes the
+figures; they only decide the order.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # one process: the usual order
+    try:
+        seconds: dict[str, float] = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return
+    root = Path(str(config.rootpath))
+
+    def weight(item: pytest.Item) -> float:
+        try:
+            path = Path(str(item.path)).relative_to(root).as_posix()
+        except ValueError:
+            return 0.0
+        return -float(seconds.get(path, 0.0))
+
+    items.sort(key=weight)  # stable: a file's tests keep their order
