@@ -62,7 +62,7 @@ class Proc:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
-def wait_http(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 30.0, log: Path | None = None) -> None:
+def wait_http(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = START_TIMEOUT_S, log: Path | None = None) -> None:
     """Poll `url` until it answers any HTTP status; fail early if the process died."""
     deadline = time.monotonic() + timeout
     while True:
@@ -100,7 +100,7 @@ def with_test_workers(args: Sequence[str], cwd: Path) -> list[str]:
 
 
 def start_gateway(args: Sequence[str], ready_path: str, port: int, log: Path, cwd: Path | None = None,
-                  env: dict[str, str] | None = None, timeout: float = 30.0) -> Proc:
+                  env: dict[str, str] | None = None, timeout: float = START_TIMEOUT_S) -> Proc:
     """Start `python -m gateway <args>` and wait for `http://127.0.0.1:<port><ready_path>`."""
     full_env = dict(os.environ)
     full_env.update(env or {})
