@@ -40,6 +40,13 @@ class CancelScope:
             self.event.set()
 
 
+def _gave_up(task: asyncio.Task[Any], scope: CancelScope) -> bool:
+    """A task that failed once the Stop was pressed: a tool watching `ctx.cancelled` wakes
+    on the same event as the race, and may raise before the race sees the Stop. Its failure
+    is the Stop's doing, not the call's result (a result it returned is kept: its work is done)."""
+    return scope.cancelled and not task.cancelled() and task.exception() is not None
+
+
 async def race(aw: Any, scope: CancelScope) -> tuple[bool, Any]:
     """Await `aw` unless the scope is cancelled first; then cancel it and return (False, None).
 
@@ -54,7 +61,7 @@ async def race(aw: Any, scope: CancelScope) -> tuple[bool, Any]:
             await asyncio.wait((task, stopper), return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopper.cancel()
-        if task.done():
+        if task.done() and not _gave_up(task, scope):
             return True, task.result()
         task.cancel()
     try:

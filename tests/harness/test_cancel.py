@@ -126,3 +126,26 @@ def ScriptModelUsage(messages: int) -> Any:  # noqa: N802 - mirrors ScriptModel'
     from gateway.harness.usage import Usage
 
     return Usage(100 + 10 * messages, 20)
+
+
+async def test_a_tool_that_gives_up_when_it_sees_the_stop_leaves_its_call_pending() -> None:
+    # The tool wakes on the Stop before the loop does (its waiter was registered first) and
+    # raises: a failure caused by the Stop is not the call's result; the call stays pending
+    # and a resume runs it again. (Under load, the server's scan_archive hit this order.)
+    started = asyncio.Event()
+
+    async def gives_up(args: Mapping[str, Any], ctx: ToolContext) -> ToolResult:
+        started.set()
+        await ctx.cancelled.wait()
+        raise RuntimeError("scan_archive was cancelled after 600 of 1200 files")
+
+    tool = Tool(ToolSpec("scan_archive", "scan", {"type": "object"}), gives_up)
+    scope = CancelScope()
+    model = ScriptModel(lambda t, _: call("c1", "scan_archive") if t == 0 else text("done"))
+    task = asyncio.create_task(run(new_state(), model, RunOptions(tools={"scan_archive": tool}), scope))
+    await started.wait()
+    scope.cancel("user pressed Stop")
+    out = await task
+    assert out.state.status == "interrupted" and out.state.resumable
+    assert [m for m in out.state.messages if m.get("role") == "tool"] == []
+    assert out.state.failed_calls == []
