@@ -225,19 +225,21 @@ async def test_a_strict_team_budget_holds_across_replicas(pair: Pair, session: a
 
     for proc in (pair.a, pair.b):  # warm both (a team without a budget): neither starts the storm late
         assert (await call(proc, OPS))[1] == 200
+    # Replica b spends first, so the storm must count b's spending whichever replica serves
+    # it: under load one replica may take every call of the storm (its own ledger would then
+    # let it pass the budget).
+    _, status, headers, body = await call(pair.b)
+    assert status == 200, body
+    paid: list[float] = [float(headers["X-Run-Cost-Usd"])]
     # An allowance of 30 tokens (a reply is 23): several calls hold reservations at once,
     # from both replicas, instead of the first one holding the whole budget.
     results = await asyncio.gather(*[call(p, max_tokens=30) for p in replicas])
-    paid: list[float] = []
-    served_by: set[str] = set()
     for url, status, headers, body in results:
         if status == 200:
             paid.append(float(headers["X-Run-Cost-Usd"]))
-            served_by.add(url)
         else:
             assert status == 429 and body["error"]["type"] == "team_budget_exceeded", body
-    assert served_by == {pair.a.url, pair.b.url}  # both replicas spent from the budget
-    assert len(paid) < len(replicas)  # and the shared ledger stopped the storm
+    assert 1 < len(paid) < len(replicas) + 1  # the storm was served, and the shared ledger stopped it
     assert sum(paid) <= budget + 1e-9, (sum(paid), budget)
 
     # One call at a time, alternating replicas: strict clamps each to what is left, so the
