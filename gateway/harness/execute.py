@@ -40,13 +40,6 @@ class CancelScope:
             self.event.set()
 
 
-def _gave_up(task: asyncio.Task[Any], scope: CancelScope) -> bool:
-    """A task that failed once the Stop was pressed: a tool watching `ctx.cancelled` wakes
-    on the same event as the race, and may raise before the race sees the Stop. Its failure
-    is the Stop's doing, not the call's result (a result it returned is kept: its work is done)."""
-    return scope.cancelled and not task.cancelled() and task.exception() is not None
-
-
 async def race(aw: Any, scope: CancelScope) -> tuple[bool, Any]:
     """Await `aw` unless the scope is cancelled first; then cancel it and return (False, None).
 
@@ -61,7 +54,11 @@ async def race(aw: Any, scope: CancelScope) -> tuple[bool, Any]:
             await asyncio.wait((task, stopper), return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopper.cancel()
-        if task.done() and not _gave_up(task, scope):
+        # The Stop wins whenever it was pressed by the time the race looks: a tool watching
+        # ctx.cancelled wakes on the same event and may end first, returning or raising a
+        # "stopped at step N" that is not the call's result. Which task the loop ran first
+        # (load decides) must not decide whether the call stays pending.
+        if task.done() and not scope.cancelled:
             return True, task.result()
         task.cancel()
     try:
