@@ -199,7 +199,8 @@ def test_shipped_config_serves_on_a_fresh_folder(tmp_path: Path) -> None:
     data["server"] = {"host": "127.0.0.1", "port": port}
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(data))
-    proc = start_gateway(["serve", "--config", str(path)], "/healthz", port, tmp_path / "log")
+    # A fresh interpreter, not the tests' zygote: the shipped way to start must work from nothing.
+    proc = start_gateway(["serve", "--config", str(path)], "/healthz", port, tmp_path / "log", fresh=True)
     try:
         sdk = openai.OpenAI(base_url=proc.url + "/v1", api_key="sk-demo", max_retries=0)
         reply = sdk.chat.completions.create(model="scripted-plan", messages=[{"role": "user", "content": "hi"}])

@@ -5,12 +5,15 @@ Readiness is polled over HTTP (not slept for); SIGKILL is available for crash te
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +24,7 @@ from typing import Any
 
 import yaml
 
-import yaml
+from tests.support import zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,9 +41,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_ZYGOTE: list[zygote.Zygote] = []
+_ZYGOTE_LOCK = threading.Lock()
+
+
+def _zygote() -> zygote.Zygote | None:
+    """This test process's zygote (started on first use), or None when GATEWAY_TEST_ZYGOTE=0."""
+    if os.environ.get("GATEWAY_TEST_ZYGOTE", "1") == "0":
+        return None
+    with _ZYGOTE_LOCK:
+        if not _ZYGOTE:
+            _ZYGOTE.append(zygote.Zygote(Path(tempfile.mkdtemp(prefix="gwz"))))
+            atexit.register(_ZYGOTE[0].close)
+        return _ZYGOTE[0]
+
+
 @dataclass
 class Proc:
-    popen: subprocess.Popen[bytes]
+    popen: subprocess.Popen[bytes] | zygote.Child
     url: str
     log: Path
 
@@ -62,7 +80,7 @@ class Proc:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
-def wait_http(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = START_TIMEOUT_S, log: Path | None = None) -> None:
+def wait_http(url: str, proc: subprocess.Popen[bytes] | zygote.Child | None = None, timeout: float = START_TIMEOUT_S, log: Path | None = None) -> None:
     """Poll `url` until it answers any HTTP status; fail early if the process died."""
     deadline = time.monotonic() + timeout
     while True:
@@ -100,8 +118,11 @@ def with_test_workers(args: Sequence[str], cwd: Path) -> list[str]:
 
 
 def start_gateway(args: Sequence[str], ready_path: str, port: int, log: Path, cwd: Path | None = None,
-                  env: dict[str, str] | None = None, timeout: float = START_TIMEOUT_S) -> Proc:
-    """Start `python -m gateway <args>` and wait for `http://127.0.0.1:<port><ready_path>`."""
+                  env: dict[str, str] | None = None, timeout: float = START_TIMEOUT_S, fresh: bool = False) -> Proc:
+    """Start `python -m gateway <args>` and wait for `http://127.0.0.1:<port><ready_path>`.
+
+    The process is forked from this test process's zygote (tests/support/zygote.py), which
+    has already imported the gateway, unless `fresh` asks for a new interpreter."""
     full_env = dict(os.environ)
     full_env.update(env or {})
     given = list(args)
@@ -109,9 +130,14 @@ def start_gateway(args: Sequence[str], ready_path: str, port: int, log: Path, cw
     if args != given:  # N interpreters start at once on a shared machine
         timeout *= 2
     full_env.setdefault("PYTHONUNBUFFERED", "1")
-    out = log.open("wb")
-    popen = subprocess.Popen([sys.executable, "-m", "gateway", *args], cwd=cwd or ROOT, env=full_env,
-                             stdout=out, stderr=subprocess.STDOUT)
+    warm = None if fresh else _zygote()
+    popen: subprocess.Popen[bytes] | zygote.Child
+    if warm is not None:
+        popen = warm.spawn(list(args), cwd or ROOT, full_env, log)
+    else:
+        with log.open("wb") as out:
+            popen = subprocess.Popen([sys.executable, "-m", "gateway", *args], cwd=cwd or ROOT, env=full_env,
+                                     stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + ready_path, popen, timeout, log)
@@ -119,6 +145,28 @@ def start_gateway(args: Sequence[str], ready_path: str, port: int, log: Path, cw
         Proc(popen, url, log).stop()
         raise
     return Proc(popen, url, log)
+
+
+def run_gateway(args: Sequence[str], cwd: Path | None = None, env: dict[str, str] | None = None,
+                timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`python -m gateway <args>` to its end, like `subprocess.run(..., capture_output=True,
+    text=True)`: forked from the zygote (see `start_gateway`) unless it is turned off."""
+    warm = _zygote()
+    full_env = dict(os.environ) if env is None else dict(env)
+    if warm is None:
+        return subprocess.run([sys.executable, "-m", "gateway", *args], cwd=cwd or ROOT, env=full_env,
+                              capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="gwrun") as folder:
+        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+        child = warm.spawn(list(args), cwd or ROOT, full_env, out, err)
+        try:
+            code = child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait(10)
+            raise
+        return subprocess.CompletedProcess(child.args, code, out.read_text(errors="replace"),
+                                           err.read_text(errors="replace"))
 
 
 def start_scripted(folder: Path) -> Proc:

@@ -1,0 +1,240 @@
+"""A warm parent for the gateway processes the tests start: imported once, forked per start.
+
+A gateway process spends about a second of CPU before it answers: importing aiohttp and
+the gateway (~0.6 s) and building the o200k_base encoding (~0.5 s). The suite starts more
+than a hundred of them on two cores, so that second is most of its CPU. The zygote pays it
+once per pytest worker: it imports what `gateway serve` imports, loads the encoding, then
+forks a child per start request. The child is a real, separate gateway process: it has
+its own pid, environment, working folder and log, runs the same `gateway.cli.main`, and is
+stopped or SIGKILLed by pid like any other. What it skips is only the import.
+
+Protocol, over a unix socket, one connection per child: the client sends one JSON line
+`{"argv": [...], "cwd": ..., "env": {...}, "log": ...}` (or `"stdout"` and `"stderr"` paths
+instead of one `"log"`); the zygote answers `{"pid": N}`,
+then, once the child has exited, `{"returncode": R}` (negative: killed by that signal, as
+`subprocess` reports it) and closes the connection. The zygote exits when its stdin closes
+(its pytest worker is gone).
+
+`GATEWAY_TEST_ZYGOTE=0` turns it off: every start is then a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+
+def _preload() -> None:
+    """What every gateway command the tests start would import or build before it answers."""
+    import gateway.cli  # noqa: F401
+    import gateway.providers.scripted  # noqa: F401
+    import gateway.server.app  # noqa: F401
+    import gateway.server.main  # noqa: F401
+    from gateway.tokens import get_counter
+    get_counter()
+
+
+def _child(request: dict[str, Any]) -> None:
+    """In the forked child: become the requested gateway process, never return."""
+    code = 1
+    try:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        out = os.open(request.get("stdout") or request["log"], flags, 0o644)
+        err = os.open(request["stderr"], flags, 0o644) if request.get("stderr") else out
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        for fd in {out, err, devnull}:
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        random.seed()  # a forked child would otherwise share the zygote's sequence
+        from gateway.cli import main
+        sys.argv = ["gateway", *request["argv"]]
+        code = main(request["argv"])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def serve(path: str) -> None:
+    """The zygote's loop: fork on each request, report each child's exit."""
+    _preload()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # delivered through the wakeup fd
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, "accept")
+    sel.register(wake_r, selectors.EVENT_READ, "child")
+    sel.register(sys.stdin, selectors.EVENT_READ, "parent")
+    children: dict[int, socket.socket] = {}
+    print("ready", flush=True)
+    while True:
+        for key, _ in sel.select():
+            if key.data == "parent":
+                if not os.read(sys.stdin.fileno(), 4096):
+                    return
+            elif key.data == "accept":
+                conn, _ = listener.accept()
+                conn.settimeout(30)
+                try:
+                    request = json.loads(conn.makefile("rb").readline())
+                except (OSError, ValueError):
+                    conn.close()
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    sel.close()
+                    for other in children.values():
+                        other.close()
+                    conn.close()
+                    listener.close()
+                    os.close(wake_r)
+                    os.close(wake_w)
+                    _child(request)
+                children[pid] = conn
+                conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+            else:
+                while os.read(wake_r, 4096) == 4096:
+                    pass
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+                except OSError:
+                    pass
+                conn.close()
+
+
+class Child:
+    """The handle of a forked gateway process: the part of `subprocess.Popen` the tests use."""
+
+    def __init__(self, sock: socket.socket, pid: int, args: list[str]) -> None:
+        self._sock = sock
+        self._buf = b""
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+
+    def _read(self, timeout: float | None) -> None:
+        self._sock.settimeout(timeout)
+        while b"\n" not in self._buf:
+            data = self._sock.recv(4096)
+            if not data:
+                raise RuntimeError(f"the zygote went away before gateway process {self.pid} was reported")
+            self._buf += data
+        self.returncode = int(json.loads(self._buf.split(b"\n", 1)[0])["returncode"])
+        self._sock.close()
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                self._read(0)
+            except (BlockingIOError, TimeoutError, socket.timeout):
+                pass
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            try:
+                self._read(timeout)
+            except (TimeoutError, socket.timeout):
+                raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    """The client side: one zygote process per test process, started on first use."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = str(folder / "zygote.sock")
+        self.log = folder / "zygote.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        root = Path(__file__).resolve().parents[2]
+        with self.log.open("wb") as out:
+            self.popen = subprocess.Popen([sys.executable, "-m", "tests.support.zygote", self.path], cwd=root, env=env,
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=out)
+        assert self.popen.stdout is not None
+        line = self.popen.stdout.readline()
+        if line.strip() != b"ready":
+            raise RuntimeError(f"the zygote did not start:\n{self.log.read_text(errors='replace')}")
+
+    def spawn(self, argv: list[str], cwd: Path, env: dict[str, str], log: Path, stderr: Path | None = None) -> Child:
+        """Fork `gateway <argv>` with its output in `log` (its stderr in `stderr` when given)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(60)
+        sock.connect(self.path)
+        request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(log), "stderr": str(stderr or log)}
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        buf = b""
+        while b"\n" not in buf:
+            data = sock.recv(4096)
+            if not data:
+                raise RuntimeError(f"the zygote refused {argv}:\n{self.log.read_text(errors='replace')}")
+            buf += data
+        line, rest = buf.split(b"\n", 1)
+        child = Child(sock, int(json.loads(line)["pid"]), [sys.executable, "-m", "gateway", *argv])
+        child._buf = rest
+        return child
+
+    def close(self) -> None:
+        if self.popen.poll() is None:
+            assert self.popen.stdin is not None
+            self.popen.stdin.close()
+            try:
+                self.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
