@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ from gateway.harness.trace import EventList, Tracer
 from gateway.harness.usage import DEFAULT_PRICE, Usage
 from gateway.store import open_store
 from gateway.trace_view import timeline
-from tests.support.procs import ROOT
+from tests.support.procs import run_gateway
 
 RUN = "run_trace_view_1"
 
@@ -64,8 +63,7 @@ async def store_events(db: Path, run_id: str, events: list[dict[str, Any]]) -> N
 
 
 def gateway_trace(run_id: str, config: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gateway", "trace", run_id, "--config", str(config)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    return run_gateway(["trace", run_id, "--config", str(config)])
 
 
 async def test_prints_turns_tools_and_stop_reason_from_the_store(tmp_path: Path) -> None:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 
 import pytest
 
 from gateway.demo.main import ORDER, run_experiments
 from gateway.demo.report import Result
+from tests.support.procs import run_gateway
 
 CHAPTER_PLAN_PROMPTS = (204, 269, 342)
 
@@ -132,8 +131,9 @@ def test_research_runs_a_child_with_its_own_transcript(results: dict[tuple[str, 
 
 
 def test_demo_json_lines_carry_the_contract_fields() -> None:
-    out = subprocess.run([sys.executable, "-m", "gateway", "demo", "--json", "--only", "plan", "--only", "destructive"],
-                         capture_output=True, text=True, check=True, timeout=60).stdout
+    done = run_gateway(["demo", "--json", "--only", "plan", "--only", "destructive"])
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
     rows = [json.loads(line) for line in out.splitlines()]
     assert len(rows) == 6
     for row in rows:
@@ -144,6 +144,5 @@ def test_demo_json_lines_carry_the_contract_fields() -> None:
 
 
 def test_unknown_experiment_is_refused_by_name() -> None:
-    proc = subprocess.run([sys.executable, "-m", "gateway", "demo", "--only", "nope"], capture_output=True, text=True,
-                          timeout=30)
+    proc = run_gateway(["demo", "--only", "nope"])
     assert proc.returncode != 0 and "unknown experiment(s) nope" in proc.stderr

@@ -6,8 +6,6 @@ already old enough when the pass runs; a `running` run is never pruned whatever 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +15,7 @@ import yaml
 from gateway.store.sqlite import SqliteStore
 from tests.faults.support import FILES_HEADERS, chat, serve
 from tests.server.served import DEMO, poll, request
-from tests.support.procs import ROOT
+from tests.support.procs import run_gateway
 
 SQLITE = {"kind": "sqlite", "path": "./gateway.db"}
 TINY_DAYS = 1e-9
@@ -55,8 +53,7 @@ async def test_gateway_prune_deletes_finished_runs_and_rotates_the_trace_file(
     config = yaml.safe_load((folder / "config.yaml").read_text())
     config["retention"] = retention
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
-    out = subprocess.run([sys.executable, "-m", "gateway", "prune", "--config", str(folder / "config.yaml")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = run_gateway(["prune", "--config", str(folder / "config.yaml")])
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("pruned 18 finished run(s)"), out.stdout
     store = SqliteStore(folder / "gateway.db")

@@ -16,7 +16,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from tests.metrics.dashboards import (
 from tests.metrics.exposition import Exposition, scrape
 from tests.metrics.prom import JOB, Prometheus, start_prometheus
 from tests.metrics.traffic import GATEWAY_ENV, Client, Exits, drive_every_exit, write_gateway_config
-from tests.support.procs import ROOT, TEST_WORKERS, Proc, free_port, start_gateway
+from tests.support.procs import TEST_WORKERS, Proc, free_port, run_gateway, start_gateway
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -274,8 +273,7 @@ def test_promtool_lints_the_real_exposition(traffic: Traffic) -> None:
 
 def test_trace_command_prints_a_real_run(stack: Stack, traffic: Traffic) -> None:
     run_id = traffic.rounds[0].runs["completed"]
-    done = subprocess.run([sys.executable, "-m", "gateway", "trace", run_id, "--config", str(stack.config)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = run_gateway(["trace", run_id, "--config", str(stack.config)])
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert "sqlite store" in lines[0]

@@ -8,14 +8,14 @@ import sys
 from pathlib import Path
 
 from tests.policy.conftest import WriteFile
+from tests.support.procs import run_gateway
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def gateway(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "gateway", "policy", "check", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return run_gateway(["policy", "check", *args], cwd=cwd, env=env)
 
 
 def test_the_shipped_policies_pass_with_each_tool_and_its_outcome() -> None:
@@ -81,8 +81,7 @@ def test_no_files_is_an_error(tmp_path: Path) -> None:
 def test_the_shipped_mcp_example_lists_its_discovered_tools_with_their_outcomes() -> None:
     bin_dir = str(Path(sys.executable).parent)  # where pip put mcp-server-git
     env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
-    done = subprocess.run([sys.executable, "-m", "gateway", "policy", "check", "policies/mcp/git.yaml"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=120)
+    done = run_gateway(["policy", "check", "policies/mcp/git.yaml"], cwd=REPO, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "mcp server git (stdio mcp-server-git): up (started 1 time(s), 0 failure(s)); 10 tool(s) discovered" in out

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 
 from gateway.approvals_cli import render_list
 from tests.server.served import DEMO, OPS, OTHER, Served, chat_body, get_run, request
-from tests.support.procs import ROOT
+from tests.support.procs import run_gateway
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +29,7 @@ def cli(*args: str, key: str | None = OPS, url: str | None = None) -> subprocess
         env["GATEWAY_KEY"] = key
     if url is not None:
         env["GATEWAY_URL"] = url
-    return subprocess.run([sys.executable, "-m", "gateway", "approvals", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return run_gateway(["approvals", *args], env=env)
 
 
 async def destructive_run(session: aiohttp.ClientSession, served: Served) -> str:
