@@ -16,7 +16,9 @@ import aiohttp
 
 from tests.faults.support import FILES_HEADERS, RedisProc, chat, serve
 
-CALLS = int(os.environ.get("GATEWAY_HANG_CALLS", "800"))
+# The hang this guards against struck 10 of 800 calls: 400 calls miss it with a chance
+# of (1 - 10/800)^400 < 1%.
+CALLS = int(os.environ.get("GATEWAY_HANG_CALLS", "400"))
 CONCURRENCY = 16
 CALL_TIMEOUT_S = 20.0
 

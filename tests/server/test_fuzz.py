@@ -16,6 +16,7 @@ import copy
 import gzip
 import http.client
 import json
+import os
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -29,8 +30,11 @@ from hypothesis import strategies as st
 from tests.server.served import DEMO, OPS, OTHER, Served
 
 CLASS_NAME = re.compile(rb"\b[A-Z][A-Za-z]*(Error|Exception)\b|Traceback")
-CHAT_EXAMPLES = 1500
-RUNS_EXAMPLES = 700
+# The examples are derandomized (the same ones every run); a deeper run raises the counts,
+# e.g. GATEWAY_FUZZ_SCALE=4 ./scripts/test tests/server/test_fuzz.py.
+SCALE = float(os.environ.get("GATEWAY_FUZZ_SCALE", "1"))
+CHAT_EXAMPLES = int(500 * SCALE)
+RUNS_EXAMPLES = int(250 * SCALE)
 FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False,
                 suppress_health_check=list(HealthCheck))
 

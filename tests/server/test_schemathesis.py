@@ -5,7 +5,8 @@ codes, content types, response schemas and headers, `Allow` on 405s).
 The checks are named: the document describes bodies more loosely than the edge validates
 them (docs/http-api.md has the exact rules), so "a schema-valid request was rejected" is
 expected and not checked, and unknown fields of a chat body are forwarded, not refused.
-The CLI is the tool's own way to run every phase (examples, coverage, fuzzing, stateful);
+The CLI is the tool's own way to run every phase (examples, coverage, fuzzing, stateful; without a key,
+where every answer is a 401, only the first two);
 a fixed seed keeps the run the same every time.
 """
 
@@ -46,6 +47,8 @@ def test_every_operation_answers_within_the_document(gateway: Served, key: str |
             "--seed", "20261201", "--no-color"]
     if key:
         args += ["-H", f"Authorization: Bearer {key}"]
+    else:  # every answer is a 401 before any body is read: generating bodies (fuzzing, stateful) adds nothing
+        args += ["--phases", "examples,coverage"]
     done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     selected = re.search(r"Selected: (\d+)/(\d+)", done.stdout)
