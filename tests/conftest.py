@@ -36,3 +36,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return -float(seconds.get(path, 0.0))
 
     items.sort(key=weight)  # stable: a file's tests keep their order
+
+
+CPU_REPORT = "GATEWAY_TEST_CPU_REPORT"
+"""A file path: each test file's CPU seconds (the test process, the processes it started
+and waited for, and the gateway processes forked for it) are appended there as JSON lines.
+It measures where the suite's CPU goes; it decides nothing."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    import os
+    import resource
+
+    from tests.support import zygote
+
+    report = os.environ.get(CPU_REPORT)
+    if not report:
+        yield
+        return
+
+    def spent() -> float:
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + zygote.CPU_SPENT[0]
+
+    import time
+
+    before, began = spent(), time.time()
+    yield
+    with open(report, "a") as out:
+        out.write(json.dumps({"file": str(item.path), "test": item.nodeid, "cpu_s": round(spent() - before, 3),
+                              "start": began, "end": time.time(),
+                              "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\n")

@@ -11,8 +11,8 @@ stopped or SIGKILLed by pid like any other. What it skips is only the import.
 Protocol, over a unix socket, one connection per child: the client sends one JSON line
 `{"argv": [...], "cwd": ..., "env": {...}, "log": ...}` (or `"stdout"` and `"stderr"` paths
 instead of one `"log"`); the zygote answers `{"pid": N}`,
-then, once the child has exited, `{"returncode": R}` (negative: killed by that signal, as
-`subprocess` reports it) and closes the connection. The zygote exits when its stdin closes
+then, once the child has exited, `{"returncode": R, "cpu_s": C}` (R negative: killed by that
+signal, as `subprocess` reports it; C: the child's CPU seconds) and closes the connection. The zygote exits when its stdin closes
 (its pytest worker is gone).
 
 `GATEWAY_TEST_ZYGOTE=0` turns it off: every start is then a fresh interpreter.
@@ -31,6 +31,11 @@ import sys
 import traceback
 from pathlib import Path
 from typing import Any
+
+
+CPU_SPENT = [0.0]
+"""CPU seconds of this test process's forked children that have exited (tests/conftest.py
+reports it per file with GATEWAY_TEST_CPU_REPORT)."""
 
 
 def _preload() -> None:
@@ -126,7 +131,7 @@ def serve(path: str) -> None:
                     pass
         while children:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
@@ -134,7 +139,8 @@ def serve(path: str) -> None:
             conn = children.pop(pid, None)
             if conn is not None:
                 try:
-                    conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+                    report = {"returncode": os.waitstatus_to_exitcode(status), "cpu_s": usage.ru_utime + usage.ru_stime}
+                    conn.sendall(json.dumps(report).encode() + b"\n")
                 except OSError:
                     pass
                 conn.close()
@@ -157,7 +163,9 @@ class Child:
             if not data:
                 raise RuntimeError(f"the zygote went away before gateway process {self.pid} was reported")
             self._buf += data
-        self.returncode = int(json.loads(self._buf.split(b"\n", 1)[0])["returncode"])
+        report = json.loads(self._buf.split(b"\n", 1)[0])
+        self.returncode = int(report["returncode"])
+        CPU_SPENT[0] += float(report.get("cpu_s", 0.0))
         self._sock.close()
 
     def poll(self) -> int | None:
