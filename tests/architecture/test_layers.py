@@ -81,28 +81,31 @@ def _under(module: str, prefix: str) -> bool:
     return module == prefix or module.startswith(prefix + ".")
 
 
-GRAPH = _graph()
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    """Read when a test of this file runs, not when every pytest worker collects the suite."""
+    return _graph()
 
 
-def test_the_graph_is_read() -> None:
-    assert "gateway.server.app" in GRAPH and "gateway.server.chat.endpoint" in GRAPH["gateway.server.app"]
+def test_the_graph_is_read(graph: dict[str, set[str]]) -> None:
+    assert "gateway.server.app" in graph and "gateway.server.chat.endpoint" in graph["gateway.server.app"]
 
 
 @pytest.mark.parametrize("layer", LOWER)
-def test_lower_layers_never_import_upper_ones(layer: str) -> None:
-    wrong = sorted(f"{module} imports {target}" for module, targets in GRAPH.items() if _under(module, layer)
+def test_lower_layers_never_import_upper_ones(layer: str, graph: dict[str, set[str]]) -> None:
+    wrong = sorted(f"{module} imports {target}" for module, targets in graph.items() if _under(module, layer)
                    for target in targets if any(_under(target, upper) for upper in UPPER))
     assert not wrong, wrong
 
 
 @pytest.mark.parametrize("package", sorted(SERVER_ORDER))
-def test_server_packages_import_only_downwards(package: str) -> None:
-    wrong = sorted(f"{module} imports {target}" for module, targets in GRAPH.items() if _under(module, package)
+def test_server_packages_import_only_downwards(package: str, graph: dict[str, set[str]]) -> None:
+    wrong = sorted(f"{module} imports {target}" for module, targets in graph.items() if _under(module, package)
                    for target in targets if any(_under(target, above) for above in SERVER_ORDER[package]))
     assert not wrong, wrong
 
 
-def test_no_import_cycles() -> None:
+def test_no_import_cycles(graph: dict[str, set[str]]) -> None:
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -113,8 +116,8 @@ def test_no_import_cycles() -> None:
         index[node] = low[node] = len(index)
         stack.append(node)
         on_stack.add(node)
-        for nxt in GRAPH.get(node, ()):
-            if nxt not in GRAPH:
+        for nxt in graph.get(node, ()):
+            if nxt not in graph:
                 continue
             if nxt not in index:
                 connect(nxt)
@@ -132,7 +135,7 @@ def test_no_import_cycles() -> None:
             if len(component) > 1:
                 cycles.append(sorted(component))
 
-    for module in sorted(GRAPH):
+    for module in sorted(graph):
         if module not in index:
             connect(module)
     assert not cycles, cycles

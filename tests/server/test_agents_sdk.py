@@ -6,14 +6,14 @@ openai.RateLimitError after one refused request; server-side mode answers in one
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import openai
 import pytest
-from agents import Agent, ModelSettings, RunConfig, Runner, function_tool, set_tracing_disabled
-from agents.models.openai_provider import OpenAIProvider
 
 from gateway.providers.scenarios import PLAN_ANSWER
 from gateway.tools.catalog import PLAN_TASK, SYSTEM_PROMPT
@@ -23,7 +23,18 @@ from tests.server.served import Served
 from tests.server.test_responses import load_run, requests_counted, serve, stored_run_id
 from tests.support.procs import Proc
 
-set_tracing_disabled(True)  # the SDK would send traces to OpenAI
+if TYPE_CHECKING:
+    from agents import Agent, RunConfig
+
+@functools.cache
+def sdk() -> ModuleType:
+    """The Agents SDK, imported when a test of this file runs: importing it costs every
+    pytest worker that collects the suite about a second."""
+    import agents
+    import agents.models.openai_provider
+
+    agents.set_tracing_disabled(True)  # the SDK would send traces to OpenAI
+    return agents
 
 
 @pytest.fixture(scope="module")
@@ -35,22 +46,23 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
 
 def run_config(url: str, key: str = KEY) -> RunConfig:
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key)  # the SDK's defaults otherwise
-    return RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
+    return sdk().RunConfig(model_provider=sdk().models.openai_provider.OpenAIProvider(openai_client=client),
+                           tracing_disabled=True)
 
 
 def file_agent(folder: Path, model: str = "scripted-plan", **settings: Any) -> Agent[Any]:
-    @function_tool
+    @sdk().function_tool
     def list_files() -> str:
         """List the files in the folder."""
         return "\n".join(sorted(p.name for p in folder.iterdir()))
 
-    @function_tool
+    @sdk().function_tool
     def read_file(path: str) -> str:
         """Read one file of the folder."""
         return (folder / path).read_text()
 
-    return Agent(name="files", instructions=SYSTEM_PROMPT, model=model, tools=[list_files, read_file],
-                 model_settings=ModelSettings(**settings))
+    return sdk().Agent(name="files", instructions=SYSTEM_PROMPT, model=model, tools=[list_files, read_file],
+                       model_settings=sdk().ModelSettings(**settings))
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -58,11 +70,11 @@ async def test_the_agents_sdk_runs_its_tool_loop_through_the_gateway_as_one_run(
                                                                                stream: bool) -> None:
     agent = file_agent(fresh_sandbox(tmp_path))
     if stream:
-        result: Any = Runner.run_streamed(agent, PLAN_TASK, run_config=run_config(gateway.url))
+        result: Any = sdk().Runner.run_streamed(agent, PLAN_TASK, run_config=run_config(gateway.url))
         kinds = {event.type async for event in result.stream_events()}
         assert "raw_response_event" in kinds
     else:
-        result = await Runner.run(agent, PLAN_TASK, run_config=run_config(gateway.url))
+        result = await sdk().Runner.run(agent, PLAN_TASK, run_config=run_config(gateway.url))
     assert result.final_output == PLAN_ANSWER
     ids = [r.response_id for r in result.raw_responses]
     assert len(ids) == 3
@@ -77,7 +89,7 @@ async def test_a_turn_cap_stops_the_agents_sdk_with_one_refused_request(gateway:
     agent = file_agent(fresh_sandbox(tmp_path), "scripted-runaway", extra_headers={"X-Policy": "two"})
     before = requests_counted(gateway, "/v1/responses", 429)
     with pytest.raises(openai.RateLimitError) as refused:
-        await Runner.run(agent, "Keep listing.", run_config=run_config(gateway.url))
+        await sdk().Runner.run(agent, "Keep listing.", run_config=run_config(gateway.url))
     assert refused.value.code == "max_turns_exceeded"
     assert requests_counted(gateway, "/v1/responses", 429) - before == 1
 
@@ -85,9 +97,9 @@ async def test_a_turn_cap_stops_the_agents_sdk_with_one_refused_request(gateway:
 async def test_server_side_mode_through_the_agents_sdk(tmp_path: Path) -> None:
     served = Served.start(tmp_path / "gw")
     try:
-        agent = Agent(name="plain", instructions="Answer.", model="scripted-plan",
-                      model_settings=ModelSettings(extra_headers={"X-Policy": "files"}))
-        result = await Runner.run(agent, PLAN_TASK, run_config=run_config(served.url, "sk-demo"))
+        agent = sdk().Agent(name="plain", instructions="Answer.", model="scripted-plan",
+                            model_settings=sdk().ModelSettings(extra_headers={"X-Policy": "files"}))
+        result = await sdk().Runner.run(agent, PLAN_TASK, run_config=run_config(served.url, "sk-demo"))
         assert result.final_output == PLAN_ANSWER
         assert len(result.raw_responses) == 1  # the gateway ran the loop: one call
     finally:

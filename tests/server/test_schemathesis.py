@@ -43,7 +43,7 @@ def st() -> str:
 
 @pytest.mark.parametrize("key", [DEMO, None], ids=["team-key", "no-key"])
 def test_every_operation_answers_within_the_document(gateway: Served, key: str | None, tmp_path: Path) -> None:
-    args = [st(), "run", f"{gateway.proc.url}/openapi.json", "--checks", CHECKS, "--max-examples", "12",
+    args = [st(), "run", f"{gateway.proc.url}/openapi.json", "--checks", CHECKS, "--max-examples", "8",
             "--seed", "20261201", "--no-color"]
     if key:
         args += ["-H", f"Authorization: Bearer {key}"]
