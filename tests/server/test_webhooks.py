@@ -1,7 +1,8 @@
 """Webhooks end to end: a real gateway process, a real receiver (an aiohttp server in the
 test) that checks every signature, a real SQLite file. Each event arrives once, signed,
-even when the receiver answers 500 twice first, and when the gateway is SIGKILLed between
-the event and its delivery."""
+even when the receiver answers 500 twice first; when the gateway is SIGKILLed between the
+event and its delivery, each arrives at least once, and a copy sent again (the receiver
+took an attempt the dead process never saw answered) has the same id."""
 
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ FAST = {"webhook_poll_s": 0.05, "budget_scan_s": 0.1}
 """The delivery task's waits, short: a retry, a message another replica wrote or a budget
 threshold is seen within a tenth of a second instead of the 0.5-2 s a deployment uses."""
 RETRY_BASE_S = 0.05
+PATIENT_S = 60.0
+"""webhooks[].timeout_s of the tests that count attempts exactly: an attempt that times out
+is sent again, and the receiver (in this process) may answer that late only on a machine
+so loaded the tests' own waits would fail first. The SIGKILL test keeps 5 s: the dead
+process's lease is that plus 10 s, and it waits the lease out."""
 
 
 @dataclass
@@ -43,6 +49,9 @@ class Receiver:
     fail_first: int = 0
     down: bool = False
     delay_s: float = 0.0
+    hold: asyncio.Event | None = None
+    """While set to an unset Event, an attempt waits for it before it is answered (`held`)."""
+    held: list[str] = field(default_factory=list)
     attempts: list[dict[str, Any]] = field(default_factory=list)
     url: str = ""
 
@@ -50,6 +59,10 @@ class Receiver:
         raw = await request.read()
         if self.delay_s:
             await asyncio.sleep(self.delay_s)  # a receiver that takes its time
+        if self.hold is not None and not self.hold.is_set():
+            gate = self.hold
+            self.held.append(orjson.loads(raw)["id"])
+            await gate.wait()  # answered when the test says, whoever is still listening
         body = orjson.loads(raw)
         signed = verify(SECRET.encode(), request.headers.get(SIGNATURE_HEADER, ""), raw, time.time())
         tries = sum(1 for a in self.attempts if a["body"]["id"] == body["id"]) + 1
@@ -78,7 +91,8 @@ async def receiver() -> AsyncIterator[Receiver]:
     await runner.cleanup()
 
 
-def start(folder: Path, receiver: Receiver, store: dict[str, Any] | None = None) -> Served:
+def start(folder: Path, receiver: Receiver, store: dict[str, Any] | None = None,
+          timeout_s: float = PATIENT_S) -> Served:
     """The test gateway of served.py with a webhook for every event of team demo, whose
     budget ($10) counts in total."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -91,7 +105,7 @@ def start(folder: Path, receiver: Receiver, store: dict[str, Any] | None = None)
     config["teams"][0]["budget_period"] = "total"
     config["webhooks"] = [{"url": receiver.url, "secret_env": "GW_TEST_HOOK_SECRET", "teams": ["demo"],
                            "events": ["approval_required", "approval_decided", "run_stopped", "budget_threshold"],
-                           "name": "test-hook", "timeout_s": 5, "retry_base_s": RETRY_BASE_S}]
+                           "name": "test-hook", "timeout_s": timeout_s, "retry_base_s": RETRY_BASE_S}]
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return Served(folder, port, spawn(folder, port))
 
@@ -125,6 +139,19 @@ def once_each(receiver: Receiver) -> Counter[str]:
     ids = Counter(b["id"] for b in receiver.delivered())
     assert all(n == 1 for n in ids.values()), ids
     return Counter(b["event"] for b in receiver.delivered())
+
+
+def deduped(receiver: Receiver) -> Counter[str]:
+    """What a receiver that deduplicates by `id` (docs/notifications.md) acts on: every
+    attempt signed, every copy of a notice delivered more than once the same notice (same
+    id, event, team, run and detail; only `run`, the summary at sending, may differ); the
+    events of the distinct notices delivered."""
+    assert all(a["signed"] for a in receiver.attempts)
+    first: dict[str, dict[str, Any]] = {}
+    for body in receiver.delivered():
+        kept = first.setdefault(body["id"], body)
+        assert {k: v for k, v in body.items() if k != "run"} == {k: v for k, v in kept.items() if k != "run"}
+    return Counter(b["event"] for b in first.values())
 
 
 async def metric(session: aiohttp.ClientSession, served: Served, prefix: str) -> float:
@@ -188,24 +215,41 @@ async def test_each_event_arrives_once_signed_after_two_500s(tmp_path: Path, rec
 
 async def test_a_notice_outlives_a_sigkill_between_the_event_and_its_delivery(
         tmp_path: Path, receiver: Receiver, session: aiohttp.ClientSession) -> None:
+    """Delivery is at least once: an attempt the receiver takes after the sender died (here:
+    held open across the SIGKILL, then answered 200 to nobody) is sent again by the restarted
+    process once the dead one's lease ran out, with the same id. Any other attempt the dead
+    process had on the wire may come twice the same way; a deduplicating receiver acts on
+    each notice once."""
     receiver.down = True  # the event is stored, its delivery cannot happen yet
-    served = start(tmp_path / "gw", receiver)
+    served = start(tmp_path / "gw", receiver, timeout_s=5)
     try:
         run_id = await destructive_run(session, served)
         await spend(served, 8.0)
         await poll(lambda: _async(receiver.tried("approval_required") and receiver.tried("budget_threshold")),
                    timeout=30)
-        served.proc.kill()
+        receiver.hold = release = asyncio.Event()
+        await poll(lambda: _async(bool(receiver.held)), timeout=60)  # an attempt is on the wire...
+        served.proc.kill()  # ...when its sender dies
         assert receiver.delivered() == []
         receiver.down = False
+        release.set()  # the receiver takes it (answers 200); nobody hears the answer
+        taken = receiver.held[0]
+        await poll(lambda: _async(any(b["id"] == taken for b in receiver.delivered())), timeout=30)
         served.proc = spawn(served.folder, served.port)
 
-        await poll(lambda: _async(once_each(receiver).get("approval_required") == 1
-                                  and once_each(receiver).get("budget_threshold") == 1), timeout=60)
+        await poll(lambda: _async(deduped(receiver).get("approval_required") == 1
+                                  and deduped(receiver).get("budget_threshold") == 1), timeout=60)
         assert receiver.delivered("approval_required")[0]["run_id"] == run_id
         await spend(served, 2.0)  # the restarted process remembers nothing; the store does
         final = {"approval_required": 1, "run_stopped": 1, "budget_threshold": 2}
-        await poll(lambda: _async(once_each(receiver) == final), timeout=60)
+        await poll(lambda: _async(deduped(receiver) == final
+                                  and sum(b["id"] == taken for b in receiver.delivered()) == 2), timeout=60)
+
+        async def drained() -> bool:  # the copy sent again was booked delivered: nothing left to send
+            return await metric(session, served, "gateway_webhook_outbox_depth ") == 0
+
+        await poll(drained, timeout=30)
+        assert sum(b["id"] == taken for b in receiver.delivered()) == 2
     finally:
         served.proc.stop()
 
