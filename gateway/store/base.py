@@ -269,8 +269,9 @@ class Store(Protocol):
         ...
 
     async def release_owner(self, owner: str) -> int:
-        """Release every reservation and every run lease `owner` still holds (it restarted: an
-        owner name is never live in two processes); returns how many reservations."""
+        """Release every reservation and every run lease `owner` still holds, and make the
+        notices it was delivering due again at once (it restarted: an owner name is never live
+        in two processes); returns how many reservations."""
         ...
 
     async def settle(self, reservation_id: str, actual_usd: float, tokens: Sequence[TokenCharge] = ()) -> None:

@@ -323,6 +323,10 @@ class MemoryStore:
             del self._reservations[rid]
         for run_id in [run_id for run_id, (held_by, _) in self._leases.items() if held_by == owner and owner]:
             del self._leases[run_id]
+        now = time.time()
+        for o in self._outbox.values():
+            if o.state == "pending" and owner and o.owner == owner:
+                o.due, o.owner = now, ""
         return len(mine)
 
     async def reserve(

@@ -315,6 +315,15 @@ for _, key in ipairs(redis.call('SMEMBERS', leases)) do
   if redis.call('GET', key) == owner then redis.call('DEL', key) end
 end
 redis.call('DEL', leases)
+-- And the notices it was delivering: due again now (a claimed notice is due at its lease's
+-- end; only claimed ones carry an owner).
+local due, now = p .. 'outbox:due', now_ms()
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', due, string.format('(%d', now), '+inf')) do
+  if redis.call('HGET', p .. 'outbox:msg:' .. id, 'owner') == owner then
+    redis.call('HSET', p .. 'outbox:msg:' .. id, 'owner', '')
+    redis.call('ZADD', due, string.format('%d', now), id)
+  end
+end
 return n
 """
 

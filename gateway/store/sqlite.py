@@ -508,6 +508,8 @@ class SqliteStore:
     async def release_owner(self, owner: str) -> int:
         def step(db: sqlite3.Connection) -> int:
             db.execute("DELETE FROM leases WHERE owner = ? AND owner != ''", (owner,))
+            db.execute("UPDATE outbox SET due_at = ?, owner = '' WHERE state = 'pending' AND owner = ? AND owner != ''",
+                       (time.time(), owner))
             return int(db.execute("DELETE FROM reservations WHERE owner = ? AND owner != '' AND state = 'held'",
                                   (owner,)).rowcount)
 

@@ -37,8 +37,7 @@ RETRY_BASE_S = 0.05
 PATIENT_S = 60.0
 """webhooks[].timeout_s of the tests that count attempts exactly: an attempt that times out
 is sent again, and the receiver (in this process) may answer that late only on a machine
-so loaded the tests' own waits would fail first. The SIGKILL test keeps 5 s: the dead
-process's lease is that plus 10 s, and it waits the lease out."""
+so loaded the tests' own waits would fail first."""
 
 
 @dataclass
@@ -216,12 +215,13 @@ async def test_each_event_arrives_once_signed_after_two_500s(tmp_path: Path, rec
 async def test_a_notice_outlives_a_sigkill_between_the_event_and_its_delivery(
         tmp_path: Path, receiver: Receiver, session: aiohttp.ClientSession) -> None:
     """Delivery is at least once: an attempt the receiver takes after the sender died (here:
-    held open across the SIGKILL, then answered 200 to nobody) is sent again by the restarted
-    process once the dead one's lease ran out, with the same id. Any other attempt the dead
+    held open across the SIGKILL, then answered 200 to nobody) is sent again, with the same
+    id, by the restarted process, which takes back what its previous life held as it starts
+    (the lease, 5 + 10 s here, would run out well after the test's waits). Any other attempt the dead
     process had on the wire may come twice the same way; a deduplicating receiver acts on
     each notice once."""
     receiver.down = True  # the event is stored, its delivery cannot happen yet
-    served = start(tmp_path / "gw", receiver, timeout_s=5)
+    served = start(tmp_path / "gw", receiver, timeout_s=PATIENT_S)  # a 70 s lease: only the restart takes it back in time
     try:
         run_id = await destructive_run(session, served)
         await spend(served, 8.0)

@@ -67,6 +67,21 @@ async def test_a_claim_is_held_until_its_lease_ends(stores: Stores) -> None:
     assert await a.outbox_depth() == 0
 
 
+async def test_a_restarted_owner_takes_back_the_notices_its_previous_life_held(stores: Stores) -> None:
+    """An owner name is never live in two processes: when it starts again (release_owner),
+    what its dead previous life was delivering is due again at once, not after the lease."""
+    a, b = stores.open(), stores.open()
+    await a.enqueue_notices([Notice("n1", b"x"), Notice("n2", b"y")])
+    assert sorted(c.id for c in await a.claim_notices("a", 1, 300.0)) == ["n1"]
+    assert [c.id for c in await b.claim_notices("b", 1, 300.0)] == ["n2"]
+    assert await a.claim_notices("a", 10, 300.0) == []  # both held for 5 minutes
+    await a.release_owner("a")  # a restarted
+    assert [(c.id, c.body) for c in await a.claim_notices("a", 10, 300.0)] == [("n1", b"x")]  # b's stays b's
+    await a.notice_sent("n1")
+    await b.notice_sent("n2")
+    assert await a.outbox_depth() == 0
+
+
 async def test_a_failed_attempt_is_retried_later_then_given_up(store: Store) -> None:
     await store.enqueue_notices([Notice("n1", b"x")])
     [claim] = await store.claim_notices("a", 10, 30.0)
