@@ -35,7 +35,9 @@ async def test_first_chunk_arrives_before_the_upstream_has_finished(gw: Gateway)
     assert last - first >= (len(data_events) - 1) * DELAY_MS / 1000 * 0.9
     assert first + 2 * DELAY_MS / 1000 < last
     gaps = [b[0] - a[0] for a, b in zip(data_events, data_events[1:])]
-    assert min(gaps) >= DELAY_MS / 1000 * 0.8  # each chunk was forwarded on its own, not batched
+    # each chunk was forwarded on its own, not batched: a batch would arrive at once (gaps
+    # near 0); a chunk a loaded machine held back shortens only the gap after it
+    assert min(gaps) >= DELAY_MS / 1000 * 0.3, gaps
     assert arrivals[-1][1] == b"data: [DONE]"
 
 
