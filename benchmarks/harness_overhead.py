@@ -3,8 +3,8 @@
 1. The three-turn `plan` run against a zero-latency provider: the scripted provider's three
    replies are recorded over HTTP once, then replayed in-process, so what is left of the wall
    time is the loop itself plus durable saves to a real SQLite file (every checkpoint) and the
-   real file tools (timed separately and subtracted). Target: <= 3 ms (the chapter's
-   TypeScript loop added ~15 ms).
+   real file tools (timed separately and subtracted). Target: <= 3 ms (a TypeScript
+   reference loop added ~15 ms).
 2. Token counting for a 100-turn `runaway` transcript: counting the prompt of every turn with
    the per-message cache vs without it, against counting the final transcript once.
    Target: with the cache <= 2x counting the final transcript once.
@@ -110,7 +110,7 @@ def main() -> None:
     p50 = statistics.median(samples)
     p99 = sorted(samples)[int(len(samples) * 0.99) - 1]
     print(f"harness own time, 3-turn plan run, SQLite saves included: p50={p50:.3f} ms p99={p99:.3f} ms "
-          f"(target <= 3 ms; chapter's loop ~15 ms) -> {'OK' if p50 <= 3 else 'OVER'}")
+          f"(target <= 3 ms; the TypeScript reference loop ~15 ms) -> {'OK' if p50 <= 3 else 'OVER'}")
     cached, uncached, once = tokenizer_times()
     print(f"tokenizer, 100-turn runaway transcript (best of 7): per turn with cache {cached * 10:.3f} ms, "
           f"without {uncached * 10:.3f} ms; whole run with cache {cached * 1000:.2f} ms vs counting the final "

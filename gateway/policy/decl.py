@@ -142,7 +142,7 @@ class SandboxConfig:
     """`sandbox`: the folder the file tools work in.
 
     `sample: chapter` gives each run a fresh copy of the packaged sample folder of that
-    name; `path: ./dir` works in that folder itself (shared by every run).
+    name (three small log files: gateway/data/sandbox); `path: ./dir` works in that folder itself (shared by every run).
     """
 
     sample: str | None = None

@@ -126,7 +126,7 @@ def destructive(v: View) -> Reply:
     if REFUSED.search(result):
         return say("I did not delete anything: you declined the deletion.")
     if not result or "deleted" in result.lower():
-        # An empty result reads as success: the chapter's lie when a rejection has no words.
+        # An empty result reads as success: a rejection without words is taken for a done job.
         return say("Deleted access.log to free space.")
     return say(f"I could not delete access.log: {result}")
 
