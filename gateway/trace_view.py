@@ -223,7 +223,8 @@ def _totals(events: Iterable[Event]) -> str:
 
 
 def _outcome(result: ToolResultEvent) -> str:
-    """ok | failed, or the result's own `outcome` (e.g. cancelled) when the trace carries one."""
+    """ok | failed | cancelled (a call the Stop ended: pending, not failed); lines written before
+    tool_result carried `outcome` say only ok or not."""
     outcome = result.get("outcome")
     if isinstance(outcome, str) and outcome:
         return "failed" if outcome == "error" else outcome

@@ -221,7 +221,8 @@ async def _run_tool(state: RunState, *, tool_name: str, call_id: str, raw_args: 
     state.tool_calls += 1
     trace("tool_start", toolName=tool_name, args=raw_args, callId=call_id)
     done = await execute(tool, args, ctx, scope)
-    trace("tool_result", toolName=tool_name, ms=done.ms, ok=done.outcome == "ok", callId=call_id)
+    trace("tool_result", toolName=tool_name, ms=done.ms, ok=done.outcome == "ok", callId=call_id,
+          outcome=done.outcome)
     if done.outcome == "cancelled":
         return _cancelled(scope)
     if done.result is not None:

@@ -106,6 +106,7 @@ class ToolResultFields(TypedDict):
     ms: float
     ok: bool
     callId: str
+    outcome: Literal["ok", "error", "cancelled"]  # cancelled: the Stop ended it; the call stays pending
 
 
 class ToolDeniedFields(ToolCallFields):

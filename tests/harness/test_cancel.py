@@ -15,25 +15,38 @@ from gateway.harness.options import RunOptions
 from gateway.harness.state import Limits, RunState
 from gateway.harness.subrun import child_limits, run_subrun
 from gateway.harness.tools import Tool, ToolContext, ToolResult, ToolSpec
+from gateway.trace_view import timeline
 from tests.harness.fakes import Recorder, ScriptModel, call, text
+
+
+TOOL_WORKS_S = 10.0
+"""How long the slow tools work unless stopped."""
 
 
 def new_state() -> RunState:
     return RunState.new("fake", [{"role": "user", "content": "scan"}], limits=Limits(max_turns=10, max_budget_usd=1.0))
 
 
-async def test_stop_during_a_slow_tool_ends_the_run_within_50_ms() -> None:
+async def test_stop_during_a_slow_tool_ends_the_run_without_waiting_for_it() -> None:
     rec, scope = Recorder(), CancelScope()
     model = ScriptModel(lambda t, _: call("c1", "scan_archive") if t == 0 else text("done"))
-    task = asyncio.create_task(run(new_state(), model, RunOptions(tools={"scan_archive": rec.tool("scan_archive",
-                                                                                                   slow=10)}), scope))
+    tool = rec.tool("scan_archive", slow=TOOL_WORKS_S)
+    events: list[Any] = []
+    task = asyncio.create_task(run(new_state(), model, RunOptions(tools={"scan_archive": tool}, on_event=events.append),
+                                   scope))
     await rec.started.wait()
     pressed = time.perf_counter()
     scope.cancel("user pressed Stop")
     out = await task
-    assert (time.perf_counter() - pressed) < 0.05
+    # The tool would work 10 s; how soon the run ends is benchmarks/stop_latency.py's figure.
+    assert time.perf_counter() - pressed < TOOL_WORKS_S / 2
     assert out.state.status == "interrupted" and out.state.interruption is not None
     assert out.state.interruption.reason == "user pressed Stop" and out.state.resumable
+    # The trace says the call was cancelled, not failed, and `gateway trace` shows it so.
+    result = next(e for e in events if e["type"] == "tool_result")
+    assert result["outcome"] == "cancelled" and result["ok"] is False
+    lines = timeline(out.state.run_id, events)
+    assert any("tool scan_archive(" in line and "-> cancelled in" in line for line in lines), lines
 
 
 async def test_stop_during_a_model_call_does_not_wait_for_the_reply() -> None:
