@@ -55,6 +55,7 @@ from gateway.server.runs.cancels import RunBusy, cancel_event
 from gateway.server.runs.continuations import resume_with
 from gateway.server.runs.driver import Prepare
 from gateway.server.runs.keying import update_run
+from gateway.server.runs import tracelog
 from gateway.server.runs.tracelog import TraceWriter
 
 CANCEL_WAIT_S: Final = 5.0
@@ -233,12 +234,8 @@ async def post_approval(request: web.Request) -> web.Response:
 
 
 async def asked_at(app: web.Application, run: RunState, call_id: str) -> float | None:
-    """When the run asked a person about `call_id` (its trace), else when it last stopped."""
-    events = await app[ctx.STORE].events(run.run_id)
-    asked = [e.get("ts") for _, e in events if e.get("type") == "approval_required" and e.get("callId") == call_id]
-    if asked and isinstance(asked[-1], (int, float)):
-        return float(asked[-1])
-    return run.updated_at if run.interruption is not None and run.interruption.call_id == call_id else None
+    """When the run asked a person about `call_id` (`tracelog.asked_at` over this app's store)."""
+    return await tracelog.asked_at(app[ctx.STORE], run, call_id)
 
 
 async def post_resume(request: web.Request) -> web.StreamResponse:

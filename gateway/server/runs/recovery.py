@@ -40,7 +40,7 @@ from gateway.server.runs.auto_resume import RESUMED_BY, BackgroundDrives, after_
 from gateway.server.runs.cancels import RunBusy
 from gateway.server.runs.continuations import resume_with
 from gateway.server.runs.driver import PolicyGone, RunDriver
-from gateway.server.runs.tracelog import TraceWriter
+from gateway.server.runs.tracelog import TraceWriter, asked_at
 from gateway.store.errors import StaleRun, StoreError
 
 log = logging.getLogger(__name__)
@@ -172,8 +172,8 @@ class Sweeper:
         policy = self._policy(run)
         if policy is None or policy.approval.expires_after_s is None:
             return
-        asked_at = await self._asked_at(run, waiting.call_id)
-        if not expired(asked_at, time.time(), policy.approval):
+        asked = await asked_at(self.store, run, waiting.call_id)  # never None: the run waits on that call
+        if not expired(run.updated_at if asked is None else asked, time.time(), policy.approval):
             return
         driver = self.driver
         try:
@@ -200,10 +200,3 @@ class Sweeper:
             return
         await driver.refresh_approvals(run.team)
 
-    async def _asked_at(self, run: RunState, call_id: str) -> float:
-        """When the run asked about `call_id` (its trace), else when it was last saved."""
-        asked = [e.get("ts") for _, e in await self.store.events(run.run_id)
-                 if e.get("type") == "approval_required" and e.get("callId") == call_id]
-        if asked and isinstance(asked[-1], (int, float)):
-            return float(asked[-1])
-        return run.updated_at

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from gateway.harness.state import RunState
 from gateway.store import tracefile
 from gateway.store.base import Event, Store
 
@@ -86,3 +87,14 @@ class TraceWriter:
 
 def _append_lines(path: Path, events: list[Event]) -> None:
     tracefile.append(path, events)
+
+
+async def asked_at(store: Store, run: RunState, call_id: str) -> float | None:
+    """When the run asked a person about `call_id`: its last `approval_required` line for it,
+    else (a trace without it) when the run last stopped, if it is waiting on that call; else None.
+    What an approval's expiry counts from, for the runs API, the console and the recovery sweep."""
+    asked = [e.get("ts") for _, e in await store.events(run.run_id)
+             if e.get("type") == "approval_required" and e.get("callId") == call_id]
+    if asked and isinstance(asked[-1], (int, float)):
+        return float(asked[-1])
+    return run.updated_at if run.interruption is not None and run.interruption.call_id == call_id else None
