@@ -110,8 +110,8 @@ async def test_scan_archive_reports_progress_and_finishes(tmp_path: Path, make_c
     assert result.startswith("Scanned 1200 archived files")
 
 
-async def test_scan_archive_stops_within_50ms_of_cancel(tmp_path: Path, make_ctx: Ctx) -> None:
-    box = Sandbox(fresh_sandbox(tmp_path))  # the chapter's 3 s scan: 0.5 s per step
+async def test_scan_archive_stops_mid_step_on_cancel(tmp_path: Path, make_ctx: Ctx) -> None:
+    box = Sandbox(fresh_sandbox(tmp_path))  # the default 3 s scan: 0.5 s per step
     first = asyncio.Event()
     labels: list[str] = []
 
@@ -131,9 +131,9 @@ async def test_scan_archive_stops_within_50ms_of_cancel(tmp_path: Path, make_ctx
     asyncio.get_running_loop().call_later(0.2, press_stop)
     with pytest.raises(ToolError, match="cancelled after 200 of 1200 files"):
         await task
-    stopped_ms = (time.perf_counter() - pressed[0]) * 1000
-    assert stopped_ms < 50, stopped_ms
-    assert labels == ["scanned 200 of 1200 files"]
+    # It stopped inside the second step (no "400" progress, "after 200" in the error), not at its
+    # end; how many milliseconds that takes is benchmarks/stop_latency.py's figure.
+    assert pressed and labels == ["scanned 200 of 1200 files"]
 
 
 async def test_file_tools_bind_the_chapter_specs(sandbox: Sandbox, make_ctx: Ctx) -> None:
