@@ -12,6 +12,9 @@ from collections.abc import Callable, Sequence
 
 from gateway.local.model import MODELS  # standard library only: --help stays fast
 
+# The kinds of gateway.demo.local.TASKS, in order (that module imports aiohttp; a test keeps them equal).
+LOCAL_TASKS: tuple[str, ...] = ("timeout", "count", "notes", "read_all", "largest", "rotating")
+
 # subcommand -> "module:function"; each function takes the parsed namespace and
 # returns an exit code.
 COMMANDS: dict[str, str] = {
@@ -62,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --local: offer tools for N turns, then ask for the answer (policy tool_rounds; "
                            "0: always offer them; default %(default)s)")
 
+    demo.add_argument("--task", action="append", default=[], choices=LOCAL_TASKS, metavar="KIND",
+                      help="with --local: run only this task (repeatable): " + ", ".join(LOCAL_TASKS))
     demo.add_argument("--model", choices=list(MODELS), default="0.5b",
                       help="with --local: the model `gateway local` is started with when nothing answers at "
                            "--local-url (default %(default)s)")

@@ -405,9 +405,20 @@ async def run_task(session: aiohttp.ClientSession, gateway: str, model: str, tas
     )
 
 
+def chosen_tasks(kinds: Sequence[str] = ()) -> tuple[Task, ...]:
+    """The tasks of these kinds, in TASKS' order (all six when none is named)."""
+    unknown = set(kinds) - {t.kind for t in TASKS}
+    if unknown:
+        raise DemoError(f"no such task: {', '.join(sorted(unknown))} (the tasks: {', '.join(t.kind for t in TASKS)})")
+    return tuple(t for t in TASKS if not kinds or t.kind in kinds)
+
+
 async def run_demo(local_url: str, as_json: bool = False, repair: bool = True,
-                   tool_rounds: int | None = DEMO_TOOL_ROUNDS, model_key: str = "0.5b") -> list[TaskResult]:
-    """Start what is missing, run the six tasks through the gateway, print a line (or JSON) each."""
+                   tool_rounds: int | None = DEMO_TOOL_ROUNDS, model_key: str = "0.5b",
+                   kinds: Sequence[str] = ()) -> list[TaskResult]:
+    """Start what is missing, run the six tasks (or those of `kinds`) through the gateway, print a line
+    (or JSON) each."""
+    tasks = chosen_tasks(kinds)
     truth = Truth.of()
     results: list[TaskResult] = []
     with tempfile.TemporaryDirectory(prefix="gateway-demo-local-") as tmp:
@@ -419,11 +430,12 @@ async def run_demo(local_url: str, as_json: bool = False, repair: bool = True,
                 weights = await served_model(session, local_url)
                 setup = (f"tool-call repair {'on' if repair else 'off'}, at most {DEMO_MAX_TURNS} turns, tools offered "
                          + (f"for {tool_rounds} turn(s)" if tool_rounds else "on every turn"))
-                _say(f"model {model} at {local_url}, gateway {gateway} (policy files; {setup}); six tasks, one at a time")
+                count = "six tasks" if len(tasks) == len(TASKS) else ", ".join(t.kind for t in tasks)
+                _say(f"model {model} at {local_url}, gateway {gateway} (policy files; {setup}); {count}, one at a time")
                 if not as_json:
                     print(f"model served: {weights}; {setup}", flush=True)
                 try:
-                    for task in TASKS:
+                    for task in tasks:
                         result = await run_task(session, gateway, model, task, truth)
                         results.append(result)
                         print(result.json() if as_json else result.line(), flush=True)
@@ -439,13 +451,15 @@ async def run_demo(local_url: str, as_json: bool = False, repair: bool = True,
 
 
 def local_demo(args: argparse.Namespace) -> int:
-    """`gateway demo --local [--local-url URL] [--json]`: 0 once the six tasks ran, 1 if the demo could not run."""
+    """`gateway demo --local [--local-url URL] [--json] [--task KIND]...`: 0 once the tasks ran, 1 if the demo
+    could not run."""
     try:
         rounds = getattr(args, "tool_rounds", None)
         asyncio.run(run_demo(args.local_url, as_json=bool(getattr(args, "json", False)),
                              repair=not getattr(args, "no_repair", False),
                              tool_rounds=DEMO_TOOL_ROUNDS if rounds is None else (rounds or None),
-                             model_key=str(getattr(args, "model", "0.5b"))))
+                             model_key=str(getattr(args, "model", "0.5b")),
+                             kinds=tuple(getattr(args, "task", None) or ())))
     except DemoError as exc:
         _say(str(exc))
         return 1

@@ -19,6 +19,7 @@ from gateway.demo.local import (
     DEMO_TOOL_ROUNDS,
     TASKS,
     DemoError,
+    chosen_tasks,
     TaskResult,
     Truth,
     demo_policies,
@@ -30,6 +31,7 @@ from gateway.demo.local import (
     served_model,
     total_line,
 )
+from gateway.cli import LOCAL_TASKS, build_parser
 from tests.local.test_gguf import write_gguf
 from tests.support.procs import free_port
 
@@ -192,3 +194,16 @@ async def test_the_served_model_is_named_from_its_gguf_header(tmp_path: Path) ->
         assert (await served_model(session, base)).startswith("unknown (gone.gguf:")
         paths["p"] = ""
         assert (await served_model(session, base)).startswith("unknown (the server does not name")
+
+
+def test_one_task_or_a_few_can_be_chosen() -> None:
+    assert LOCAL_TASKS == tuple(t.kind for t in TASKS)
+    assert chosen_tasks() == TASKS
+    assert [t.kind for t in chosen_tasks(["largest", "timeout"])] == ["timeout", "largest"]  # in the demo's order
+    with pytest.raises(DemoError, match="no such task: tiemout"):
+        chosen_tasks(["tiemout"])
+    args = build_parser().parse_args(["demo", "--local", "--task", "count", "--task", "notes"])
+    assert args.task == ["count", "notes"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--local", "--task", "tiemout"])
+
