@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 import yaml
 from aiohttp import web
@@ -207,3 +211,59 @@ def test_one_task_or_a_few_can_be_chosen() -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["demo", "--local", "--task", "tiemout"])
 
+
+# What the real Qwen2.5-Coder-0.5B wrote for "Which file is the largest?" (2026-12-01, greedy, through the
+# gateway): first a read of a path it invented, then, shown the error, list_files.
+INVENTED = {"name": "read_file", "arguments": '{"path": "C:\\\\Users\\\\YourUsername\\\\Desktop\\\\log.txt"}'}
+LISTING = {"name": "list_files", "arguments": "{}"}
+
+
+def small_model_reply(body: dict[str, Any]) -> dict[str, Any]:
+    """Like the 0.5B: a call whenever it is offered tools (the invented path first), an answer otherwise."""
+    results = [str(m.get("content")) for m in body["messages"] if m.get("role") == "tool"]
+    if body.get("tools"):
+        call = LISTING if results else INVENTED
+        message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call-{len(results)}", "type": "function", "function": call}]}
+        finish = "tool_calls"
+    else:
+        listed = any("errors.log  87 bytes" in r for r in results)
+        message = {"role": "assistant", "content": "The largest file is errors.log." if listed
+                   else "The largest file in the specified directory is \"read_file\"."}
+        finish = "stop"
+    return {"id": "chatcmpl-x", "object": "chat.completion", "created": 0, "model": "small",
+            "choices": [{"index": 0, "finish_reason": finish, "message": message}],
+            "usage": {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110}}
+
+
+async def test_the_demo_runs_one_task_and_a_failed_read_leaves_the_tools_offered(tmp_path: Path) -> None:
+    """`gateway demo --local --task largest` against a local upstream that answers like the real 0.5B:
+    the read of an invented path fails, so that turn is not the policy's one tool round (`tool_rounds`),
+    the model is offered the tools again, lists the folder, and answers from the listing."""
+    bodies: list[dict[str, Any]] = []
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "small", "object": "model"}]})
+
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        bodies.append(body)
+        return web.json_response(small_model_reply(body))
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat)
+    async with TestServer(app, host="127.0.0.1") as server:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway", "demo", "--local", "--json", "--task", "largest",
+            "--local-url", str(server.make_url("/v1")), cwd=tmp_path,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, err.decode()
+    rows = [orjson.loads(line) for line in out.splitlines()]
+    assert [r["kind"] for r in rows] == ["largest"]  # only the task asked for
+    (row,) = rows
+    assert row["status"] == "completed" and row["turns"] == 3 and row["right"] is True
+    assert row["tool_runs"] == ["read_file:C:\\Users\\YourUsername\\Desktop\\log.txt", "list_files"]
+    assert [bool(b.get("tools")) for b in bodies] == [True, True, False]
+    assert "Answer my question now" in bodies[-1]["messages"][-1]["content"]
