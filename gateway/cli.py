@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--port", type=int, default=8081)
     local.add_argument("--threads", type=int, default=2)
     local.add_argument("--cache-dir", help="where the assembled model is kept")
+    local.add_argument("--no-prompt-cache", action="store_true",
+                       help="evaluate every prompt whole: slower, but the same prompt always gets the same "
+                            "greedy answer (with the cache it depends on what was asked before)")
 
     policy = sub.add_parser("policy", help="policy tools")
     policy_sub = policy.add_subparsers(dest="policy_command", required=True)

@@ -271,10 +271,12 @@ async def ensure_local(session: aiohttp.ClientSession, base_url: str, folder: Pa
         if url.hostname not in ("127.0.0.1", "localhost") or url.port is None:
             raise DemoError(f"nothing answers at {base_url}, and it is not a local address with a port to start "
                             "`gateway local` on (e.g. http://127.0.0.1:8081/v1)")
-        _say(f"nothing answers at {base_url}: starting `gateway local --model {model} --port {url.port}` "
+        _say(f"nothing answers at {base_url}: starting `gateway local --model {model} --port {url.port} "
+             "--no-prompt-cache` "
              f"(log {folder}/local.log)")
-        child = Child.start(["local", "--model", model, "--host", url.hostname, "--port", str(url.port)],
-                            folder / "local.log")
+        # Without the prompt cache, a task's answers do not depend on the tasks before it (README).
+        child = Child.start(["local", "--model", model, "--host", url.hostname, "--port", str(url.port),
+                             "--no-prompt-cache"], folder / "local.log")
     deadline = time.monotonic() + LOCAL_START_TIMEOUT_S
     try:
         while (names := await _models(session, base_url)) is None:
