@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo.add_argument("--task", action="append", default=[], choices=LOCAL_TASKS, metavar="KIND",
                       help="with --local: run only this task (repeatable): " + ", ".join(LOCAL_TASKS))
+    demo.add_argument("--oracle", action="store_true",
+                      help="with --local: instead of the runs, ask the model for each answer after the calls a "
+                           "right agent makes (its answer turn alone, judged)")
     demo.add_argument("--model", choices=list(MODELS), default="0.5b",
                       help="with --local: the model `gateway local` is started with when nothing answers at "
                            "--local-url (default %(default)s)")
