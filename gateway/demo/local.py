@@ -14,7 +14,10 @@ The upstream is of kind `local`: every call is capped (`max_tokens`) and has a d
 and the model's tool calls are repaired (`--no-repair` turns that off, to compare). The
 demo names the model the server really loaded (`general.name` of its GGUF, via llama.cpp's
 /props), and each task's line says its turns, repairs, exit and RIGHT/WRONG. The run is
-capped at DEMO_MAX_TURNS turns (the shipped policy allows 20).
+capped at DEMO_MAX_TURNS turns (the shipped policy allows 20). `--task KIND` runs only some
+tasks. A `gateway local` started here has its prompt cache off, so a task's answers do not
+depend on the tasks before it. `--oracle` runs no task: it asks the model for each answer
+after the calls a right agent makes (`oracle_check`), to tell bad calls from bad answers.
 """
 
 from __future__ import annotations
