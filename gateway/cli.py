@@ -12,6 +12,9 @@ from collections.abc import Callable, Sequence
 
 from gateway.local.model import MODELS  # standard library only: --help stays fast
 
+# The kinds of gateway.demo.local.TASKS, in order (that module imports aiohttp; a test keeps them equal).
+LOCAL_TASKS: tuple[str, ...] = ("timeout", "count", "notes", "read_all", "largest", "rotating")
+
 # subcommand -> "module:function"; each function takes the parsed namespace and
 # returns an exit code.
 COMMANDS: dict[str, str] = {
@@ -62,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --local: offer tools for N turns, then ask for the answer (policy tool_rounds; "
                            "0: always offer them; default %(default)s)")
 
+    demo.add_argument("--task", action="append", default=[], choices=LOCAL_TASKS, metavar="KIND",
+                      help="with --local: run only this task (repeatable): " + ", ".join(LOCAL_TASKS))
+    demo.add_argument("--oracle", action="store_true",
+                      help="with --local: instead of the runs, ask the model for each answer after the calls a "
+                           "right agent makes (its answer turn alone, judged)")
     demo.add_argument("--model", choices=list(MODELS), default="0.5b",
                       help="with --local: the model `gateway local` is started with when nothing answers at "
                            "--local-url (default %(default)s)")
@@ -74,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--port", type=int, default=8081)
     local.add_argument("--threads", type=int, default=2)
     local.add_argument("--cache-dir", help="where the assembled model is kept")
+    local.add_argument("--no-prompt-cache", action="store_true",
+                       help="evaluate every prompt whole: slower, but the same prompt always gets the same "
+                            "greedy answer (with the cache it depends on what was asked before)")
 
     policy = sub.add_parser("policy", help="policy tools")
     policy_sub = policy.add_subparsers(dest="policy_command", required=True)

@@ -14,7 +14,10 @@ The upstream is of kind `local`: every call is capped (`max_tokens`) and has a d
 and the model's tool calls are repaired (`--no-repair` turns that off, to compare). The
 demo names the model the server really loaded (`general.name` of its GGUF, via llama.cpp's
 /props), and each task's line says its turns, repairs, exit and RIGHT/WRONG. The run is
-capped at DEMO_MAX_TURNS turns (the shipped policy allows 20).
+capped at DEMO_MAX_TURNS turns (the shipped policy allows 20). `--task KIND` runs only some
+tasks. A `gateway local` started here has its prompt cache off, so a task's answers do not
+depend on the tasks before it. `--oracle` runs no task: it asks the model for each answer
+after the calls a right agent makes (`oracle_check`), to tell bad calls from bad answers.
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ import orjson
 import yaml
 
 from gateway.demo.report import tool_runs
+from gateway.harness.loop import ANSWER_NOW
+from gateway.harness.tools import ToolContext
 from gateway.local.gguf import GGUFError, model_name
 from gateway.tools.catalog import SYSTEM_PROMPT
-from gateway.tools.files import SAMPLE
+from gateway.tools.files import SAMPLE, Sandbox
 
 TaskKind = Literal["timeout", "count", "notes", "read_all", "largest", "rotating"]
 
@@ -149,6 +154,74 @@ def judge(kind: TaskKind, answer: str, runs: Sequence[str], truth: Truth) -> boo
     if named is not None:
         return named in about
     return bool(about) and answer.strip().lower().startswith("yes")
+
+
+# The oracle check (`--oracle`): for each task, the calls a right agent makes, as rounds of
+# (tool, path). "enough": only what the answer follows from; "everything": list, then read all.
+OracleRounds = tuple[tuple[tuple[str, str | None], ...], ...]
+_LIST: Final = (("list_files", None),)
+_READ_ALL: Final = tuple(("read_file", name) for name in ("access.log", "errors.log", "notes.txt"))
+ORACLE: Final[dict[str, dict[TaskKind, OracleRounds]]] = {
+    "enough": {"timeout": (_LIST, (("read_file", "errors.log"),)), "count": (_LIST,),
+               "notes": ((("read_file", "notes.txt"),),), "largest": (_LIST,),
+               "rotating": (_LIST, (("read_file", "notes.txt"),))},
+    "everything": {kind: (_LIST, _READ_ALL) for kind in ("timeout", "count", "notes", "largest", "rotating")},
+}
+
+
+async def oracle_transcript(task: Task, rounds: OracleRounds, folder: Path = SAMPLE) -> list[dict[str, Any]]:
+    """The task's messages after `rounds` of calls, each answered by the real file tool over `folder`:
+    what the run's transcript would be had the model made exactly these calls."""
+    box = Sandbox(folder)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT},
+                                      {"role": "user", "content": task.question}]
+    for r, calls in enumerate(rounds):
+        ids = [f"oracle-{r}-{i}" for i in range(len(calls))]
+        messages.append({"role": "assistant", "content": "", "tool_calls": [
+            {"id": cid, "type": "function", "function": {
+                "name": name, "arguments": orjson.dumps({} if path is None else {"path": path}).decode()}}
+            for cid, (name, path) in zip(ids, calls, strict=True)]})
+        for cid, (name, path) in zip(ids, calls, strict=True):
+            ctx = ToolContext(run_id="oracle", call_id=cid, tool_name=name, cancelled=asyncio.Event())
+            result = await (box.list_files({}, ctx) if path is None else box.read_file({"path": path}, ctx))
+            messages.append({"role": "tool", "tool_call_id": cid, "name": name, "content": result})
+    return messages
+
+
+async def oracle_check(session: aiohttp.ClientSession, local_url: str, model: str,
+                       tasks: Sequence[Task]) -> list[str]:
+    """Ask the model for each task's answer as the gateway's answer turn does (the transcript, then
+    ANSWER_NOW, no tools, greedy, capped), after the calls a right agent makes, and judge it: what the
+    model answers when its calls are not the problem. read_all is judged by its calls alone: skipped."""
+    truth = Truth.of()
+    lines = []
+    for label, plans in ORACLE.items():
+        right = 0
+        asked = [t for t in tasks if t.kind in plans]
+        for task in asked:
+            messages = await oracle_transcript(task, plans[task.kind])
+            body = {"model": model, "temperature": 0, "seed": 0, "max_tokens": DEMO_MAX_TOKENS,
+                    "messages": [*messages, {"role": "user", "content": ANSWER_NOW}]}
+            async with session.post(local_url.rstrip("/") + "/chat/completions", data=orjson.dumps(body),
+                                    headers={"Content-Type": "application/json"},
+                                    timeout=aiohttp.ClientTimeout(total=DEMO_CALL_DEADLINE_S)) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    raise DemoError(f"the local model answered {resp.status}: {raw.decode(errors='replace')[:300]}")
+            answer = str(orjson.loads(raw)["choices"][0]["message"].get("content") or "")
+            reads = [f"read_file:{p}" for rnd in plans[task.kind] for n, p in rnd if n == "read_file"]
+            ok = judge(task.kind, answer, reads, truth)
+            right += ok
+            calls = "; ".join(", ".join(n if p is None else f"{n}({p})" for n, p in rnd) for rnd in plans[task.kind])
+            short = " ".join(answer.split())
+            short = short if len(short) <= 70 else short[:67] + "..."
+            lines.append(f"oracle {label:<10} {task.kind:<9} after {calls:<58} -> \"{short}\"  "
+                         f"{'RIGHT' if ok else 'WRONG'}")
+            print(lines[-1], flush=True)
+        total = f"oracle {label:<10} right={right}/{len(asked)} (read_all is judged by its calls: not asked)"
+        lines.append(total)
+        print(total, flush=True)
+    return lines
 
 
 @dataclass
@@ -271,10 +344,12 @@ async def ensure_local(session: aiohttp.ClientSession, base_url: str, folder: Pa
         if url.hostname not in ("127.0.0.1", "localhost") or url.port is None:
             raise DemoError(f"nothing answers at {base_url}, and it is not a local address with a port to start "
                             "`gateway local` on (e.g. http://127.0.0.1:8081/v1)")
-        _say(f"nothing answers at {base_url}: starting `gateway local --model {model} --port {url.port}` "
+        _say(f"nothing answers at {base_url}: starting `gateway local --model {model} --port {url.port} "
+             "--no-prompt-cache` "
              f"(log {folder}/local.log)")
-        child = Child.start(["local", "--model", model, "--host", url.hostname, "--port", str(url.port)],
-                            folder / "local.log")
+        # Without the prompt cache, a task's answers do not depend on the tasks before it (README).
+        child = Child.start(["local", "--model", model, "--host", url.hostname, "--port", str(url.port),
+                             "--no-prompt-cache"], folder / "local.log")
     deadline = time.monotonic() + LOCAL_START_TIMEOUT_S
     try:
         while (names := await _models(session, base_url)) is None:
@@ -405,9 +480,35 @@ async def run_task(session: aiohttp.ClientSession, gateway: str, model: str, tas
     )
 
 
+def chosen_tasks(kinds: Sequence[str] = ()) -> tuple[Task, ...]:
+    """The tasks of these kinds, in TASKS' order (all six when none is named)."""
+    unknown = set(kinds) - {t.kind for t in TASKS}
+    if unknown:
+        raise DemoError(f"no such task: {', '.join(sorted(unknown))} (the tasks: {', '.join(t.kind for t in TASKS)})")
+    return tuple(t for t in TASKS if not kinds or t.kind in kinds)
+
+
+async def run_oracle(local_url: str, model_key: str = "0.5b", kinds: Sequence[str] = ()) -> list[str]:
+    """`--oracle`: start the model if nothing answers, then oracle_check (no gateway is needed)."""
+    tasks = chosen_tasks(kinds)
+    with tempfile.TemporaryDirectory(prefix="gateway-demo-oracle-") as tmp:
+        async with aiohttp.ClientSession() as session:
+            model, local = await ensure_local(session, local_url, Path(tmp), model_key)
+            try:
+                print(f"model served: {await served_model(session, local_url)}; the answer turn after the "
+                      "calls a right agent makes", flush=True)
+                return await oracle_check(session, local_url, model, tasks)
+            finally:
+                if local is not None:
+                    local.stop()
+
+
 async def run_demo(local_url: str, as_json: bool = False, repair: bool = True,
-                   tool_rounds: int | None = DEMO_TOOL_ROUNDS, model_key: str = "0.5b") -> list[TaskResult]:
-    """Start what is missing, run the six tasks through the gateway, print a line (or JSON) each."""
+                   tool_rounds: int | None = DEMO_TOOL_ROUNDS, model_key: str = "0.5b",
+                   kinds: Sequence[str] = ()) -> list[TaskResult]:
+    """Start what is missing, run the six tasks (or those of `kinds`) through the gateway, print a line
+    (or JSON) each."""
+    tasks = chosen_tasks(kinds)
     truth = Truth.of()
     results: list[TaskResult] = []
     with tempfile.TemporaryDirectory(prefix="gateway-demo-local-") as tmp:
@@ -419,11 +520,12 @@ async def run_demo(local_url: str, as_json: bool = False, repair: bool = True,
                 weights = await served_model(session, local_url)
                 setup = (f"tool-call repair {'on' if repair else 'off'}, at most {DEMO_MAX_TURNS} turns, tools offered "
                          + (f"for {tool_rounds} turn(s)" if tool_rounds else "on every turn"))
-                _say(f"model {model} at {local_url}, gateway {gateway} (policy files; {setup}); six tasks, one at a time")
+                count = "six tasks" if len(tasks) == len(TASKS) else ", ".join(t.kind for t in tasks)
+                _say(f"model {model} at {local_url}, gateway {gateway} (policy files; {setup}); {count}, one at a time")
                 if not as_json:
                     print(f"model served: {weights}; {setup}", flush=True)
                 try:
-                    for task in TASKS:
+                    for task in tasks:
                         result = await run_task(session, gateway, model, task, truth)
                         results.append(result)
                         print(result.json() if as_json else result.line(), flush=True)
@@ -439,13 +541,19 @@ async def run_demo(local_url: str, as_json: bool = False, repair: bool = True,
 
 
 def local_demo(args: argparse.Namespace) -> int:
-    """`gateway demo --local [--local-url URL] [--json]`: 0 once the six tasks ran, 1 if the demo could not run."""
+    """`gateway demo --local [--local-url URL] [--json] [--task KIND]...`: 0 once the tasks ran, 1 if the demo
+    could not run."""
     try:
+        if getattr(args, "oracle", False):
+            asyncio.run(run_oracle(args.local_url, model_key=str(getattr(args, "model", "0.5b")),
+                                   kinds=tuple(getattr(args, "task", None) or ())))
+            return 0
         rounds = getattr(args, "tool_rounds", None)
         asyncio.run(run_demo(args.local_url, as_json=bool(getattr(args, "json", False)),
                              repair=not getattr(args, "no_repair", False),
                              tool_rounds=DEMO_TOOL_ROUNDS if rounds is None else (rounds or None),
-                             model_key=str(getattr(args, "model", "0.5b"))))
+                             model_key=str(getattr(args, "model", "0.5b")),
+                             kinds=tuple(getattr(args, "task", None) or ())))
     except DemoError as exc:
         _say(str(exc))
         return 1

@@ -159,6 +159,7 @@ async def _drain(state: RunState, calls: list[dict[str, Any]], client_names: set
         if tool is None:
             known = ", ".join(options.tools) or "none"
             _answer(state, call_id, name, f"Error: there is no tool named {name!r}. Available tools: {known}.")
+            state.failed_calls.append(call_id)
             await _save(state, options)
             continue
         try:
@@ -167,6 +168,7 @@ async def _drain(state: RunState, calls: list[dict[str, Any]], client_names: set
                 raise TypeError("arguments must be a JSON object")
         except (orjson.JSONDecodeError, TypeError) as exc:
             _answer(state, call_id, name, f"Error: the arguments of {name} are not a valid JSON object ({exc}).")
+            state.failed_calls.append(call_id)
             await _save(state, options)
             continue
         decision = state.decisions.get(call_id)
@@ -267,10 +269,17 @@ def _asking_the_answer(messages: list[Message]) -> list[Message]:
 
 
 def _offers_tools(state: RunState, options: RunOptions) -> bool:
-    """Tools go with the next call until the policy's `tool_rounds` turns have called some."""
+    """Tools go with the next call until `tool_rounds` turns have made a call that did not fail.
+
+    A turn whose calls all failed (a tool error such as a path that does not exist, an unknown
+    tool, arguments that are not JSON) does not count: the model has nothing to answer from but
+    the error, which says what to call next, so it is offered the tools again. The turn cap, the
+    budget and `repeated_call` still bound the run."""
     if options.tool_rounds is None:
         return True
-    rounds = sum(1 for m in state.messages if m.get("role") == "assistant" and m.get("tool_calls"))
+    failed = set(state.failed_calls)
+    rounds = sum(1 for m in state.messages if m.get("role") == "assistant" and m.get("tool_calls")
+                 and any(str(c.get("id")) not in failed for c in m["tool_calls"]))
     return rounds < options.tool_rounds
 
 

@@ -108,7 +108,8 @@ class RunOptions:
     price: Price = DEFAULT_PRICE
     tool_errors: ToolErrorPolicy = field(default_factory=ToolErrorPolicy)
     dedupe: Dedupe = "read_only"
-    # After this many model turns that called tools, ask without tools (None: always offer them).
+    # After this many model turns that called tools, not counting turns whose calls all failed, ask
+    # without tools (None: always offer them).
     tool_rounds: int | None = None
     stop_when: Sequence[StopCondition] = ()
     approval: ApprovalPolicy = default_approval

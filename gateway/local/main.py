@@ -86,6 +86,7 @@ def local_command(args: argparse.Namespace) -> int:
         server = LocalServer(ServerSettings(
             model_path=model_path, alias=spec.name, chat_template=TEMPLATES[spec.template][1],
             host=args.host, port=args.port, threads=args.threads, n_ctx=N_CTX,
+            prompt_cache=not getattr(args, "no_prompt_cache", False),
         ))
         try:
             server.start()

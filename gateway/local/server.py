@@ -54,6 +54,11 @@ class ServerSettings:
     port: int = 8081
     threads: int = 2
     n_ctx: int = 4096
+    # llama.cpp reuses the longest cached prefix of the last prompt and evaluates only the rest, in
+    # other batches than a fresh evaluation would: the logits differ in the last bits, and greedy
+    # decoding picks another token where two are nearly tied. Off, every prompt is evaluated whole
+    # (slower), so the same prompt gets the same answer whatever the server was asked before.
+    prompt_cache: bool = True
 
 
 def _probe_host(host: str) -> str:
@@ -97,6 +102,7 @@ class LocalServer:
         params.n_parallel = 1  # one slot: on two cores a second concurrent request only slows both
         params.cpuparams.n_threads = s.threads
         params.cpuparams_batch.n_threads = s.threads
+        params.cache_prompt = s.prompt_cache  # the default of each request's `cache_prompt`
         params.use_jinja = True  # needed for tools; also lets chat_template be a Jinja text
         params.chat_template = s.chat_template
         params.ui = False

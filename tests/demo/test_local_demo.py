@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 import yaml
 from aiohttp import web
@@ -18,7 +22,9 @@ from gateway.demo.local import (
     DEMO_MAX_TURNS,
     DEMO_TOOL_ROUNDS,
     TASKS,
+    ORACLE,
     DemoError,
+    chosen_tasks,
     TaskResult,
     Truth,
     demo_policies,
@@ -27,9 +33,13 @@ from gateway.demo.local import (
     first_number,
     gateway_config,
     judge,
+    oracle_transcript,
     served_model,
     total_line,
 )
+from gateway.cli import LOCAL_TASKS, build_parser
+from gateway.harness.loop import ANSWER_NOW
+from gateway.tools.catalog import SYSTEM_PROMPT
 from tests.local.test_gguf import write_gguf
 from tests.support.procs import free_port
 
@@ -192,3 +202,126 @@ async def test_the_served_model_is_named_from_its_gguf_header(tmp_path: Path) ->
         assert (await served_model(session, base)).startswith("unknown (gone.gguf:")
         paths["p"] = ""
         assert (await served_model(session, base)).startswith("unknown (the server does not name")
+
+
+def test_one_task_or_a_few_can_be_chosen() -> None:
+    assert LOCAL_TASKS == tuple(t.kind for t in TASKS)
+    assert chosen_tasks() == TASKS
+    assert [t.kind for t in chosen_tasks(["largest", "timeout"])] == ["timeout", "largest"]  # in the demo's order
+    with pytest.raises(DemoError, match="no such task: tiemout"):
+        chosen_tasks(["tiemout"])
+    args = build_parser().parse_args(["demo", "--local", "--task", "count", "--task", "notes"])
+    assert args.task == ["count", "notes"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--local", "--task", "tiemout"])
+
+
+# What the real Qwen2.5-Coder-0.5B wrote for "Which file is the largest?" (2026-12-01, greedy, through the
+# gateway): first a read of a path it invented, then, shown the error, list_files.
+INVENTED = {"name": "read_file", "arguments": '{"path": "C:\\\\Users\\\\YourUsername\\\\Desktop\\\\log.txt"}'}
+LISTING = {"name": "list_files", "arguments": "{}"}
+
+
+def small_model_reply(body: dict[str, Any]) -> dict[str, Any]:
+    """Like the 0.5B: a call whenever it is offered tools (the invented path first), an answer otherwise."""
+    results = [str(m.get("content")) for m in body["messages"] if m.get("role") == "tool"]
+    if body.get("tools"):
+        call = LISTING if results else INVENTED
+        message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call-{len(results)}", "type": "function", "function": call}]}
+        finish = "tool_calls"
+    else:
+        listed = any("errors.log  87 bytes" in r for r in results)
+        message = {"role": "assistant", "content": "The largest file is errors.log." if listed
+                   else "The largest file in the specified directory is \"read_file\"."}
+        finish = "stop"
+    return {"id": "chatcmpl-x", "object": "chat.completion", "created": 0, "model": "small",
+            "choices": [{"index": 0, "finish_reason": finish, "message": message}],
+            "usage": {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110}}
+
+
+async def test_the_demo_runs_one_task_and_a_failed_read_leaves_the_tools_offered(tmp_path: Path) -> None:
+    """`gateway demo --local --task largest` against a local upstream that answers like the real 0.5B:
+    the read of an invented path fails, so that turn is not the policy's one tool round (`tool_rounds`),
+    the model is offered the tools again, lists the folder, and answers from the listing."""
+    bodies: list[dict[str, Any]] = []
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "small", "object": "model"}]})
+
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        bodies.append(body)
+        return web.json_response(small_model_reply(body))
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat)
+    async with TestServer(app, host="127.0.0.1") as server:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway", "demo", "--local", "--json", "--task", "largest",
+            "--local-url", str(server.make_url("/v1")), cwd=tmp_path,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, err.decode()
+    rows = [orjson.loads(line) for line in out.splitlines()]
+    assert [r["kind"] for r in rows] == ["largest"]  # only the task asked for
+    (row,) = rows
+    assert row["status"] == "completed" and row["turns"] == 3 and row["right"] is True
+    assert row["tool_runs"] == ["read_file:C:\\Users\\YourUsername\\Desktop\\log.txt", "list_files"]
+    assert [bool(b.get("tools")) for b in bodies] == [True, True, False]
+    assert "Answer my question now" in bodies[-1]["messages"][-1]["content"]
+
+
+async def test_the_oracle_transcript_is_what_the_real_tools_answer_to_a_right_agents_calls() -> None:
+    rotating = next(t for t in TASKS if t.kind == "rotating")
+    messages = await oracle_transcript(rotating, ORACLE["enough"]["rotating"])
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant", "tool"]
+    assert messages[3]["content"].splitlines()[-1] == "3 files, 179 bytes in total"
+    call = messages[4]["tool_calls"][0]
+    assert (call["function"]["name"], orjson.loads(call["function"]["arguments"])) == ("read_file",
+                                                                                       {"path": "notes.txt"})
+    assert messages[5] == {"role": "tool", "tool_call_id": call["id"], "name": "read_file",
+                           "content": SAMPLE.texts["notes.txt"]}
+    every = await oracle_transcript(rotating, ORACLE["everything"]["rotating"])
+    assert [m["content"] for m in every if m["role"] == "tool"][1:] == list(SAMPLE.texts.values())
+    assert set(ORACLE["enough"]) == set(ORACLE["everything"]) == {t.kind for t in TASKS} - {"read_all"}
+
+
+async def test_the_oracle_asks_the_model_as_the_gateways_answer_turn_does(tmp_path: Path) -> None:
+    """`gateway demo --local --oracle --task notes`, against a local upstream: one greedy, capped call
+    per oracle without tools, the transcript then the gateway's answer line; the answer judged."""
+    bodies: list[dict[str, Any]] = []
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "small", "object": "model"}]})
+
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        bodies.append(body)
+        read = [m["content"] for m in body["messages"] if m["role"] == "tool"]
+        answer = read[-1].strip() if len(read) == 1 else "To read notes.txt, use the read_file tool."
+        return web.json_response({"choices": [{"index": 0, "finish_reason": "stop",
+                                               "message": {"role": "assistant", "content": answer}}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat)
+    async with TestServer(app, host="127.0.0.1") as server:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway", "demo", "--local", "--oracle", "--task", "notes",
+            "--local-url", str(server.make_url("/v1")), cwd=tmp_path,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    lines = out.decode().splitlines()
+    assert lines[1].startswith("oracle enough     notes     after read_file(notes.txt) ") and lines[1].endswith(
+        '-> "Remember to rotate the logs every week."  RIGHT')
+    assert lines[2].startswith("oracle enough     right=1/1")
+    assert lines[3].endswith("WRONG") and lines[4].startswith("oracle everything right=0/1")
+    assert len(bodies) == 2
+    for body in bodies:
+        assert "tools" not in body and (body["temperature"], body["seed"], body["max_tokens"]) == (0, 0, DEMO_MAX_TOKENS)
+        assert body["messages"][-1] == {"role": "user", "content": ANSWER_NOW}
+        assert body["messages"][:2] == [{"role": "system", "content": SYSTEM_PROMPT},
+                                        {"role": "user", "content": "Read notes.txt and tell me what it says."}]

@@ -188,3 +188,39 @@ async def test_after_tool_rounds_turns_with_calls_the_model_is_asked_without_too
     always = CallsWhileOffered(lambda t, tools: call(f"c{t}", "list_files", {"n": t}))
     out = await run(new_state(Limits(max_turns=5)), always, RunOptions(tools={"list_files": rec.tool("list_files")}))
     assert all(r.tools for r in always.requests) and out.state.reason == "max_turns"
+
+
+async def test_a_turn_whose_calls_all_failed_is_not_a_tool_round() -> None:
+    """The model read an invented path, named no tool or wrote no JSON: it is offered the tools again."""
+    rec = Recorder()
+    missing = FileNotFoundError("no such file: C:\\log.txt. Call list_files to see what exists.")
+    tools = {"list_files": rec.tool("list_files", "notes.txt  40 bytes"),
+             "read_file": rec.tool("read_file", raises=missing)}
+    turns = [call("c0", "read_file", {"path": "C:\\log.txt"}), call("c1", "grep", {"text": "x"}),
+             {"role": "assistant", "content": "", "tool_calls": [
+                 {"id": "c2", "type": "function", "function": {"name": "read_file", "arguments": "{not json"}}]},
+             call("c3", "list_files"), text("notes.txt")]
+    model = ScriptModel(lambda t, _: turns[t] if t < len(turns) else text("late"))
+    out = await run(new_state(), model, RunOptions(tools=tools, tool_rounds=1))
+    assert out.state.status == "completed" and out.answer == "notes.txt"
+    assert [len(r.tools) for r in model.requests] == [2, 2, 2, 2, 0]
+    assert out.state.failed_calls == ["c0", "c1", "c2"]
+    assert model.requests[4].messages[-1] == {"role": "user", "content": ANSWER_NOW}
+
+
+async def test_a_turn_with_one_call_that_succeeded_is_a_tool_round() -> None:
+    rec = Recorder()
+    tools = {"list_files": rec.tool("list_files"), "read_file": rec.tool("read_file", raises=FileNotFoundError("x"))}
+    both = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "x"}'}},
+        {"id": "b", "type": "function", "function": {"name": "list_files", "arguments": "{}"}}]}
+    model = ScriptModel(lambda t, _: both if t == 0 else text("done"))
+    out = await run(new_state(), model, RunOptions(tools=tools, tool_rounds=1))
+    assert [len(r.tools) for r in model.requests] == [2, 0] and out.state.failed_calls == ["a"]
+
+
+async def test_failed_turns_still_end_at_the_turn_cap() -> None:
+    tools = {"read_file": Recorder().tool("read_file", raises=FileNotFoundError("no such file"))}
+    model = ScriptModel(lambda t, _: call(f"c{t}", "read_file", {"path": f"invented-{t}.log"}))
+    out = await run(new_state(Limits(max_turns=4)), model, RunOptions(tools=tools, tool_rounds=1))
+    assert out.state.reason == "max_turns" and all(r.tools for r in model.requests)

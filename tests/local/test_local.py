@@ -173,3 +173,36 @@ def test_sigterm_during_assembly_leaves_no_partial_file(tmp_path: Path) -> None:
             popen.kill()
     assert "interrupted (SIGTERM) while preparing the model" in log.read_text()
     assert not cache.exists() or list(cache.iterdir()) == [], "the half-written GGUF must be deleted"
+
+
+def _complete(base_url: str, prompt: str) -> dict[str, Any]:
+    """llama.cpp's own /completion (it reports how many prompt tokens it evaluated), greedy."""
+    import urllib.request
+
+    body = {"prompt": prompt, "n_predict": 24, "temperature": 0, "seed": 0, "stop": ["<|im_end|>"]}
+    req = urllib.request.Request(base_url.removesuffix("/v1") + "/completion", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        answer: dict[str, Any] = json.load(resp)
+    return answer
+
+
+def test_without_the_prompt_cache_every_prompt_is_evaluated_whole_and_answered_alike(tmp_path: Path) -> None:
+    """`--no-prompt-cache`: the same prompt is evaluated in full each time, so its greedy answer does not
+    depend on what the server was asked before (with the cache, the reused prefix changes the batches
+    the rest is evaluated in, and a near tie can go the other way: README, "A real local model")."""
+    require_local_extra()
+    served = start_local(free_port(), tmp_path / "local.log", "--threads", "1", "--no-prompt-cache")
+    try:
+        prompt = ("<|im_start|>system\n" + SYSTEM_PROMPT + "<|im_end|>\n<|im_start|>user\n" + PLAN_TASK
+                  + "<|im_end|>\n<|im_start|>assistant\n")
+        other = "<|im_start|>system\n" + SYSTEM_PROMPT + "<|im_end|>\n<|im_start|>user\nSay hi.<|im_end|>\n"
+        first = _complete(served.base_url, prompt)
+        again = _complete(served.base_url, prompt)
+        _complete(served.base_url, other)  # a prompt sharing the system prefix, as a run's next turn would
+        after_other = _complete(served.base_url, prompt)
+    finally:
+        served.proc.stop()
+    evaluated = [r["timings"]["prompt_n"] for r in (first, again, after_other)]
+    assert evaluated[0] > 20 and evaluated == [evaluated[0]] * 3, evaluated  # with the cache: 1 token again
+    assert first["content"] == again["content"] == after_other["content"]

@@ -42,3 +42,12 @@ def test_unknown_model_is_refused_by_the_parser(capsys: pytest.CaptureFixture[st
         main(["local", "--model", "7b"])
     assert exit_.value.code == 2
     assert "invalid choice: '7b'" in capsys.readouterr().err
+
+
+def test_the_prompt_cache_is_on_unless_turned_off() -> None:
+    from gateway.cli import build_parser
+    from gateway.local.server import ServerSettings
+
+    assert build_parser().parse_args(["local"]).no_prompt_cache is False
+    assert build_parser().parse_args(["local", "--no-prompt-cache"]).no_prompt_cache is True
+    assert ServerSettings(model_path=Path("m.gguf"), alias="m", chat_template="").prompt_cache is True
