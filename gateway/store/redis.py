@@ -260,8 +260,8 @@ class RedisStore:
         async with self._errors:
             result: list[Any] = await self._admit(args=args)
         if int(result[0]) == 1:
-            revision = None if claim.run_id is None else int(result.pop())
-            return Grant(rid, rates=_clocks(claim, result[1:]), run_revision=revision)
+            revision = None if claim.run_id is None else int(result[2])
+            return Grant(rid, rates=_granted(claim, result[1]) if claim.rates else (), run_revision=revision)
         if int(result[0]) == 2 and claim.create is not None:
             raise RunExists(claim.create.run_id)
         return Grant(None, cast(Refusal, _text(result[1])), _figures(result[2:8]), _clocks(claim, result[8:]))
@@ -447,10 +447,11 @@ def _opt(value: int | None) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _rate_args(rates: tuple[RateLimit, ...]) -> tuple[str, ...]:
-    """ADMIT's five arguments per scope, spelt once per set of scopes (one per team and key)."""
-    return tuple(a for r in rates for a in (r.scope, repr(r.window_s), _num(r.requests_s), _num(r.tokens_s),
-                                            _opt(r.max_in_flight)))
+def _rate_args(rates: tuple[RateLimit, ...]) -> tuple[bytes, ...]:
+    """ADMIT's five arguments per scope, spelt (and encoded: the client sends bytes as they
+    are) once per set of scopes (one per team and key)."""
+    return tuple(a.encode() for r in rates for a in (r.scope, repr(r.window_s), _num(r.requests_s),
+                                                     _num(r.tokens_s), _opt(r.max_in_flight)))
 
 
 def _num(value: float | None) -> str:
@@ -459,6 +460,13 @@ def _num(value: float | None) -> str:
 
 def _charges(tokens: Sequence[TokenCharge]) -> list[str]:
     return [part for c in tokens for part in (c.scope, str(c.tokens), repr(c.tokens_s))]
+
+
+def _granted(claim: Claim, raw: bytes | str) -> tuple[RateState, ...]:
+    """The clocks of a grant: ADMIT's one string, the server's clock then the two clocks of
+    each scope after the claim (in flight is not read on a grant: 0)."""
+    now, *clocks = (float(v) for v in raw.split())
+    return tuple(RateState(r.scope, now, clocks[2 * i], clocks[2 * i + 1]) for i, r in enumerate(claim.rates))
 
 
 def _clocks(claim: Claim, raw: list[Any]) -> tuple[RateState, ...]:

@@ -28,11 +28,11 @@ local function unslot(p, rid, run, owner, scopes)
     for scope in string.gmatch(scopes, '[^|]+') do redis.call('ZREM', p .. 'inflight:' .. scope, rid) end
   end
 end
--- Pushes the token clocks of a settled call (ARGV[first..], triples scope, tokens, seconds per token).
-local function charge_tokens(p, first, last)
+-- Pushes the token clocks of a settled call (ARGV[first..], triples scope, tokens, seconds per
+-- token) at `at_ms` (the script's clock, read once).
+local function charge_tokens(p, first, last, at_ms)
   if first > last then return end
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+  local now = at_ms / 1000
   for i = first, last, 3 do
     local key = p .. 'rate:' .. ARGV[i]
     local tat = tonumber(redis.call('HGET', key, 't') or '0')
@@ -153,10 +153,17 @@ return out
 # A Claim: checked (run exists, turn cap, calls in flight, run budget, team budget; '' = no
 # such condition; then each rate scope, base.rate_refusal: ARGV[14] the claim's tokens,
 # ARGV[15] how many scopes, then five each: scope, window s, s per request, s per token,
-# max in flight) and held at once. Returns {1, now, clocks..., run revision (with a run)} or {0, refusal, figures...,
-# now, clocks...}; clocks: requests tat, tokens tat, in flight (epoch s) per scope, after the
-# claim on a grant (in flight not read: 0), as checked on a refusal. A run's first call adds
-# the run to store first (CREATE_RUN's nine arguments) after the scopes: {2} if it exists.
+# max in flight) and held at once. Returns {1, clocks, run revision (with a run)} on a grant,
+# clocks one string "now requests_tat tokens_tat ..." (epoch s, two per scope, after the
+# claim: one reply element, not two per scope, since each costs the client a parse), or
+# {0, refusal, figures..., now, clocks...} with requests tat, tokens tat and in flight per
+# scope as checked. A run's first call adds the run to store first (CREATE_RUN's nine
+# arguments) after the scopes: {2} if it exists.
+#
+# The calls in flight of the claim's own team scope ('team:' .. team) are the team's live
+# reservations, which `held:<team>` lists already (reclaim, above, takes the expired ones
+# out): counted there (ZCARD), they cost no set of their own to add to and remove from on
+# every call. Other scopes (a key's) keep `inflight:<scope>`.
 ADMIT: Final = _HELPERS + _CREATE + """
 local p, team, period, amount, budget, ttl, rid, retention, run, max_turns, max_in_flight, run_budget, owner =
   ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11],
@@ -175,16 +182,21 @@ elseif max_in_flight ~= '' and f[5] >= tonumber(max_in_flight) then refused = 'b
 elseif run_budget ~= '' and tonumber(f[4]) + f[6] + amount > tonumber(run_budget) then refused = 'run_budget'
 elseif budget ~= '' and tonumber(f[1]) + tonumber(f[2]) + amount > tonumber(budget) then refused = 'team_budget'
 end
-local tokens, nows, clocks, scopes = tonumber(ARGV[14]), now / 1000, {}, ''
+local tokens, nows, clocks, scopes, own = tonumber(ARGV[14]), now / 1000, {}, '', 'team:' .. team
 for b = 16, 15 + 5 * tonumber(ARGV[15]), 5 do
   local scope, window, rs, ts, mif = ARGV[b], tonumber(ARGV[b + 1]), ARGV[b + 2], ARGV[b + 3], ARGV[b + 4]
   local c = redis.call('HMGET', p .. 'rate:' .. scope, 'r', 't')
-  local rt, tt, inflight = tonumber(c[1] or '0'), tonumber(c[2] or '0'), 0
+  local rt, tt, inflight, listed = tonumber(c[1] or '0'), tonumber(c[2] or '0'), 0, false
   if mif ~= '' then
     -- Those still held: reclaim (above) took the team's expired ones out already, so
-    -- counting reads the set and writes nothing.
-    inflight = redis.call('ZCOUNT', p .. 'inflight:' .. scope, '(' .. string.format('%d', now), '+inf')
-    scopes = scopes .. '|' .. scope .. '|'
+    -- counting reads a set and writes nothing.
+    if scope == own then
+      inflight = redis.call('ZCARD', p .. 'held:' .. team)
+    else
+      inflight = redis.call('ZCOUNT', p .. 'inflight:' .. scope, '(' .. string.format('%d', now), '+inf')
+      scopes = scopes .. '|' .. scope .. '|'
+      listed = true
+    end
   end
   if not refused and ((mif ~= '' and inflight >= tonumber(mif))
       -- 0.000001: base.RATE_SLACK_S
@@ -192,7 +204,7 @@ for b = 16, 15 + 5 * tonumber(ARGV[15]), 5 do
       or (ts ~= '' and math.max(tt, nows) + tokens * tonumber(ts) - nows > window + 0.000001)) then
     refused = 'rate_limit'
   end
-  clocks[#clocks + 1] = {scope, rt, tt, inflight, rs, ts, mif}
+  clocks[#clocks + 1] = {scope, rt, tt, inflight, rs, ts, listed}
 end
 if refused then
   local out = {0, refused, f[1], f[2], f[3] or '0', f[4], f[5], string.format('%d', f[6]), string.format('%.6f', nows)}
@@ -204,19 +216,17 @@ if refused then
   return out
 end
 local expires = string.format('%d', now + tonumber(ttl))
-local out = {1, string.format('%.6f', nows)}
+local shown = string.format('%.6f', nows)
 for _, c in ipairs(clocks) do
   local rt, tt = c[2], c[3]
   if c[5] ~= '' then rt = math.max(rt, nows) + tonumber(c[5]) end
   if c[6] ~= '' then tt = math.max(tt, nows) + tokens * tonumber(c[6]) end
-  if c[5] ~= '' or c[6] ~= '' then
-    redis.call('HSET', p .. 'rate:' .. c[1], 'r', string.format('%.6f', rt), 't', string.format('%.6f', tt))
-  end
-  if c[7] ~= '' then redis.call('ZADD', p .. 'inflight:' .. c[1], expires, rid) end
-  out[#out + 1] = string.format('%.6f', rt)
-  out[#out + 1] = string.format('%.6f', tt)
-  out[#out + 1] = 0
+  local r, t = string.format('%.6f', rt), string.format('%.6f', tt)
+  if c[5] ~= '' or c[6] ~= '' then redis.call('HSET', p .. 'rate:' .. c[1], 'r', r, 't', t) end
+  if c[7] then redis.call('ZADD', p .. 'inflight:' .. c[1], expires, rid) end
+  shown = shown .. ' ' .. r .. ' ' .. t
 end
+local out = {1, shown}
 redis.call('HSET', p .. 'res:' .. rid, 'team', team, 'period', period, 'amount', ARGV[4], 'state', 'held',
            'run', run, 'owner', owner, 'scopes', scopes)
 redis.call('ZADD', p .. 'held:' .. team, expires, rid)
@@ -278,7 +288,7 @@ end
 # ARGV[4..]: token charges (scope, tokens, seconds per token), made once with the settle.
 SETTLE: Final = _HELPERS + _SETTLE + """
 if settle(ARGV[1], ARGV[2], ARGV[3]) == 0 then return 0 end
-charge_tokens(ARGV[1], 4, #ARGV)
+if #ARGV >= 4 then charge_tokens(ARGV[1], 4, #ARGV, now_ms()) end
 return 1
 """
 
@@ -422,14 +432,15 @@ local n = tonumber(ARGV[16])
 if n > 0 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, 17, 16 + n)) end
 local charges = 18 + n
 local notices = charges + 3 * tonumber(ARGV[17 + n])
-enqueue(p, notices, now_ms())
+local now = now_ms()  -- once: the script is one atomic step
+enqueue(p, notices, now)
 if book == '0' then return {1} end
 if rid ~= '' then
-  if settle(p, rid, actual) == 1 then charge_tokens(p, charges, notices - 1) end
+  if settle(p, rid, actual) == 1 then charge_tokens(p, charges, notices - 1, now) end
 elseif actual ~= '0' then
   redis.call('HINCRBY', p .. 'ledger:' .. team, 'spent:' .. period, actual)
 end
-reclaim(p, team, now_ms(), retention)
+reclaim(p, team, now, retention)
 local ledger = p .. 'ledger:' .. team
 return {1, redis.call('HGET', ledger, 'spent:' .. period) or '0', redis.call('HGET', ledger, 'reserved:' .. period) or '0'}
 """
