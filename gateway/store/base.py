@@ -76,10 +76,17 @@ class RateLimit:
     # Derived once (they are read several times on every limited call), not compared.
     requests_s: float | None = field(default=None, init=False, compare=False)
     tokens_s: float | None = field(default=None, init=False, compare=False)
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "requests_s", None if self.requests is None else self.window_s / self.requests)
         object.__setattr__(self, "tokens_s", None if self.tokens is None else self.window_s / self.tokens)
+        # A claim's rates key the stores' caches (statements, arguments) on every call: hash once.
+        object.__setattr__(self, "_hash", hash((self.scope, self.window_s, self.requests, self.tokens,
+                                                self.max_in_flight)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 @dataclass(frozen=True)
