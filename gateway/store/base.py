@@ -11,7 +11,7 @@ import math
 import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from gateway.harness.state import STATUSES, RunState, StateError
 from gateway.harness.trace import Event as Event  # the store keeps trace lines
@@ -89,11 +89,11 @@ class RateLimit:
         return self._hash
 
 
-@dataclass(frozen=True)
-class RateState:
+class RateState(NamedTuple):
     """A scope's clocks (epoch seconds of the store's clock), as `now` saw them: after the
     claim on a grant, before it on a refusal; `in_flight` counts live reservations (only
-    when the scope has `max_in_flight`, else 0)."""
+    when the scope has `max_in_flight`, else 0). A NamedTuple (immutable like a frozen
+    dataclass, a third of its cost to make): one is made per scope on every limited call."""
 
     scope: str
     now: float
@@ -121,10 +121,10 @@ def fits(tat: float, now: float, cost_s: float, window_s: float) -> bool:
     return max(tat, now) + cost_s - now <= window_s + RATE_SLACK_S
 
 
-@dataclass(frozen=True)
-class TokenCharge:
+class TokenCharge(NamedTuple):
     """Tokens a booking adds to (or, negative, gives back to) a scope's token clock: the
-    real usage minus what the admission counted. `tokens_s` is `RateLimit.tokens_s`."""
+    real usage minus what the admission counted. `tokens_s` is `RateLimit.tokens_s`. A
+    NamedTuple, as RateState: one per token-limited scope on every booking."""
 
     scope: str
     tokens: int
