@@ -448,18 +448,20 @@ def _opt(value: int | None) -> str:
 
 @functools.lru_cache(maxsize=1024)
 def _rate_args(rates: tuple[RateLimit, ...]) -> tuple[bytes, ...]:
-    """ADMIT's five arguments per scope, spelt (and encoded: the client sends bytes as they
-    are) once per set of scopes (one per team and key)."""
-    return tuple(a.encode() for r in rates for a in (r.scope, repr(r.window_s), _num(r.requests_s),
-                                                     _num(r.tokens_s), _opt(r.max_in_flight)))
+    """ADMIT's argument per scope ("window per-request per-token max-in-flight scope", '-'
+    for no such limit), spelt and encoded (the client sends bytes as they are) once per set
+    of scopes (one per team and key)."""
+    return tuple(f"{r.window_s!r} {_num(r.requests_s)} {_num(r.tokens_s)} {_opt(r.max_in_flight) or '-'} {r.scope}"
+                 .encode() for r in rates)
 
 
 def _num(value: float | None) -> str:
-    return "" if value is None else repr(value)
+    return "-" if value is None else repr(value)
 
 
 def _charges(tokens: Sequence[TokenCharge]) -> list[str]:
-    return [part for c in tokens for part in (c.scope, str(c.tokens), repr(c.tokens_s))]
+    """The scripts' token charges: one argument each, "tokens seconds-per-token scope"."""
+    return [f"{c.tokens} {c.tokens_s!r} {c.scope}" for c in tokens]
 
 
 def _granted(claim: Claim, raw: bytes | str) -> tuple[RateState, ...]:

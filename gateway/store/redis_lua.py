@@ -28,10 +28,10 @@ local function unslot(p, rid, run, owner, scopes)
     for scope in string.gmatch(scopes, '[^|]+') do redis.call('ZREM', p .. 'inflight:' .. scope, rid) end
   end
 end
--- A token clock `tat` (a string, or false: none yet) pushed by ARGV[i + 1] tokens of ARGV[i + 2]
--- seconds each, from no earlier than `now` (s).
-local function pushed(tat, now, i)
-  return string.format('%.6f', math.max(tonumber(tat or '0'), now) + tonumber(ARGV[i + 1]) * tonumber(ARGV[i + 2]))
+-- A token clock `tat` (a string, or false: none yet) pushed by `n` tokens of `per` seconds
+-- each, from no earlier than `now` (s).
+local function pushed(tat, now, n, per)
+  return string.format('%.6f', math.max(tonumber(tat or '0'), now) + tonumber(n) * tonumber(per))
 end
 -- {spent, reserved, turns or false, cost, in_flight, held, requests tat, tokens tat} of a team's
 -- period and a run; the last two (the team scope's clocks, fields of its ledger hash) only
@@ -153,8 +153,9 @@ return out
 
 # A Claim: checked (run exists, turn cap, calls in flight, run budget, team budget; '' = no
 # such condition; then each rate scope, base.rate_refusal: ARGV[14] the claim's tokens,
-# ARGV[15] how many scopes, then five each: scope, window s, s per request, s per token,
-# max in flight) and held at once. Returns {1, clocks, run revision (with a run)} on a grant,
+# ARGV[15] how many scopes, then one argument each, "window s per-request per-token
+# max-in-flight scope" ('-': no such limit; one argument rather than five, since the client
+# spends more on each argument than the script on splitting it) and held at once. Returns {1, clocks, run revision (with a run)} on a grant,
 # clocks one string "now requests_tat tokens_tat ..." (epoch s, two per scope, after the
 # claim: one reply element, not two per scope, since each costs the client a parse), or
 # {0, refusal, figures..., now, clocks...} with requests tat, tokens tat and in flight per
@@ -173,13 +174,18 @@ local p, team, period, amount, budget, ttl, rid, retention, run, max_turns, max_
   ARGV[12], ARGV[13]
 -- A run's first call: the run (CREATE_RUN's nine arguments after the scopes) is stored
 -- first, in this step.
-local at = 16 + 5 * tonumber(ARGV[15])
+local at = 16 + tonumber(ARGV[15])
 if #ARGV >= at + 8 and create(p, at) == 0 then return {2} end
 local now = now_ms()
 reclaim(p, team, now, retention)
-local own, owned = 'team:' .. team, false
-for b = 16, 15 + 5 * tonumber(ARGV[15]), 5 do
-  if ARGV[b] == own then owned = true end
+local own, owned, specs = 'team:' .. team, false, {}
+for i = 16, at - 1 do
+  local window, rs, ts, mif, scope = string.match(ARGV[i], '^(%S+) (%S+) (%S+) (%S+) (.+)$')
+  if rs == '-' then rs = '' end
+  if ts == '-' then ts = '' end
+  if mif == '-' then mif = '' end
+  specs[#specs + 1] = {scope, tonumber(window), rs, ts, mif}
+  if scope == own then owned = true end
 end
 local f = figures(p, team, period, run, now, owned)
 local refused = nil
@@ -190,8 +196,8 @@ elseif run_budget ~= '' and tonumber(f[4]) + f[6] + amount > tonumber(run_budget
 elseif budget ~= '' and tonumber(f[1]) + tonumber(f[2]) + amount > tonumber(budget) then refused = 'team_budget'
 end
 local tokens, nows, clocks, scopes = tonumber(ARGV[14]), now / 1000, {}, ''
-for b = 16, 15 + 5 * tonumber(ARGV[15]), 5 do
-  local scope, window, rs, ts, mif = ARGV[b], tonumber(ARGV[b + 1]), ARGV[b + 2], ARGV[b + 3], ARGV[b + 4]
+for _, spec in ipairs(specs) do
+  local scope, window, rs, ts, mif = spec[1], spec[2], spec[3], spec[4], spec[5]
   local c
   if scope == own then c = {f[7], f[8]} else c = redis.call('HMGET', p .. 'rate:' .. scope, 'r', 't') end
   local rt, tt, inflight, listed = tonumber(c[1] or '0'), tonumber(c[2] or '0'), 0, false
@@ -286,18 +292,20 @@ return 1
 _SETTLE: Final = """
 -- Books a reservation's actual cost once (an expired one too, while it is remembered), and
 -- pushes the token clocks of its scopes by the tokens it used beyond those counted
--- (ARGV[first..last]: triples scope, tokens, seconds per token) at `at_ms` (the script's
--- clock). The team scope's clock is a field of the ledger hash: written with the booking.
+-- (ARGV[first..last]: one argument each, "tokens seconds-per-token scope") at `at_ms` (the
+-- script's clock). The team scope's clock is a field of the ledger hash: written with the
+-- booking.
 local function settle(p, rid, actual, first, last, at_ms)
   local rk = p .. 'res:' .. rid
   local r = redis.call('HMGET', rk, 'team', 'period', 'amount', 'state', 'run', 'owner', 'scopes')
   if not r[1] then return 0 end
   local ledger, own, mine, now = p .. 'ledger:' .. r[1], 'team:' .. r[1], nil, at_ms / 1000
-  for i = first, last, 3 do
-    if ARGV[i] == own then mine = i
+  for i = first, last do
+    local n, per, scope = string.match(ARGV[i], '^(%S+) (%S+) (.+)$')
+    if scope == own then mine = {n, per}
     else
-      local key = p .. 'rate:' .. ARGV[i]
-      redis.call('HSET', key, 't', pushed(redis.call('HGET', key, 't'), now, i))
+      local key = p .. 'rate:' .. scope
+      redis.call('HSET', key, 't', pushed(redis.call('HGET', key, 't'), now, n, per))
     end
   end
   local held = r[4] == 'held'
@@ -305,7 +313,7 @@ local function settle(p, rid, actual, first, last, at_ms)
   unslot(p, rid, r[5], r[6], r[7])
   if mine then  -- read and written in two commands, in this same step
     local l = redis.call('HMGET', ledger, 'spent:' .. r[2], 'reserved:' .. r[2], 'clock:t')
-    local spent, t = string.format('%d', tonumber(l[1] or '0') + tonumber(actual)), pushed(l[3], now, mine)
+    local spent, t = string.format('%d', tonumber(l[1] or '0') + tonumber(actual)), pushed(l[3], now, mine[1], mine[2])
     if held then
       redis.call('HSET', ledger, 'spent:' .. r[2], spent,
                  'reserved:' .. r[2], string.format('%d', tonumber(l[2] or '0') - tonumber(r[3])), 'clock:t', t)
@@ -321,7 +329,7 @@ local function settle(p, rid, actual, first, last, at_ms)
 end
 """
 
-# ARGV[4..]: token charges (scope, tokens, seconds per token), made once with the settle.
+# ARGV[4..]: token charges ("tokens seconds-per-token scope"), made once with the settle.
 SETTLE: Final = _HELPERS + _SETTLE + """
 return settle(ARGV[1], ARGV[2], ARGV[3], 4, #ARGV, #ARGV >= 4 and now_ms() or 0)
 """
@@ -455,7 +463,7 @@ return 1
 # booking (settle a reservation, or charge the period); returns
 # {1, spent, reserved} of the booking's ledger after it ({1} without a booking). Booking
 # flag '2' (if_held): {3} and nothing written unless the reservation is still stored.
-# ARGV[17 + n]: how many token charges follow the events (triples, as SETTLE's), then the notices.
+# ARGV[17 + n]: how many token charges follow the events (one argument each, as SETTLE's), then the notices.
 COMMIT_TURN: Final = _HELPERS + _SAVE + _SETTLE + _ENQUEUE + """
 local p, id = ARGV[1], ARGV[2]
 if ARGV[10] == '2' and redis.call('EXISTS', p .. 'res:' .. ARGV[11]) == 0 then return {3} end
@@ -465,7 +473,7 @@ local book, rid, actual, team, period, retention = ARGV[10], ARGV[11], ARGV[12],
 local n = tonumber(ARGV[16])
 if n > 0 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, 17, 16 + n)) end
 local charges = 18 + n
-local notices = charges + 3 * tonumber(ARGV[17 + n])
+local notices = charges + tonumber(ARGV[17 + n])
 local now = now_ms()  -- once: the script is one atomic step
 enqueue(p, notices, now)
 if book == '0' then return {1} end

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from gateway.store.base import Booking, Claim, RateLimit, Store, TokenCharge, fits
 from tests.store.conftest import Stores
 
@@ -39,6 +41,22 @@ async def test_tokens_are_counted_before_and_reconciled_at_booking(store: Store)
     # A second settle of the same reservation books nothing more, tokens included.
     await store.settle(first.reservation_id, 0.0, [TokenCharge("team:demo", -1000, HOUR / 1000)])
     assert (await store.admit(claim(limit, tokens=1))).refused == "rate_limit"
+
+
+async def test_a_key_and_its_team_reconcile_their_tokens_each(store: Store) -> None:
+    # The Redis store keeps a team scope's clocks with its ledger and a key's on their own.
+    team = RateLimit("team:demo", HOUR, tokens=1000)
+    key = RateLimit("key:k1", HOUR, tokens=500)
+    first = await store.admit(claim(key, team, tokens=100))
+    assert first.reservation_id is not None
+    assert [s.tokens_tat - s.now for s in first.rates] == pytest.approx([HOUR * 100 / 500, HOUR * 100 / 1000])
+    await store.settle(first.reservation_id, 0.0, [TokenCharge("key:k1", 300, HOUR / 500),
+                                                   TokenCharge("team:demo", 300, HOUR / 1000)])
+    # 400 spent of each: the key has 100 left, the team 600.
+    assert (await store.admit(claim(key, team, tokens=101))).refused == "rate_limit"
+    assert (await store.admit(claim(team, tokens=601))).refused == "rate_limit"
+    assert (await store.admit(claim(key, team, tokens=100))).reservation_id is not None
+    assert (await store.admit(claim(team, tokens=500))).reservation_id is not None
 
 
 async def test_a_booking_gives_back_tokens_counted_too_many(store: Store) -> None:
