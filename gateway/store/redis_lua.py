@@ -155,12 +155,12 @@ return out
 # such condition; then each rate scope, base.rate_refusal: ARGV[14] the claim's tokens,
 # ARGV[15] how many scopes, then one argument each, "window s per-request per-token
 # max-in-flight scope" ('-': no such limit; one argument rather than five, since the client
-# spends more on each argument than the script on splitting it) and held at once. Returns {1, clocks, run revision (with a run)} on a grant,
-# clocks one string "now requests_tat tokens_tat ..." (epoch s, two per scope, after the
-# claim: one reply element, not two per scope, since each costs the client a parse), or
-# {0, refusal, figures..., now, clocks...} with requests tat, tokens tat and in flight per
-# scope as checked. A run's first call adds the run to store first (CREATE_RUN's nine
-# arguments) after the scopes: {2} if it exists.
+# spends more on each argument than the script on splitting it) and held at once. Returns
+# {1, clocks, run revision (with a run)} on a grant, clocks one string "now requests_tat
+# tokens_tat ..." (epoch s, two per scope, after the claim: one reply element, not two per
+# scope, since each costs the client a parse), or {0, refusal, figures..., now, clocks...}
+# with requests tat, tokens tat and in flight per scope as checked. A run's first call adds
+# the run to store first (CREATE_RUN's nine arguments) after the scopes: {2} if it exists.
 #
 # The claim's own team scope ('team:' .. team) lives with the team's ledger: its clocks are
 # fields of the ledger hash (clock:r, clock:t), read with the budget's figures and written
