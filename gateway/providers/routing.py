@@ -172,17 +172,31 @@ class Router:
 
     def _best(self, deployments: Sequence[Deployment], tried: Sequence[Deployment], fresh: bool,
               now: float) -> Deployment | None:
-        candidates = [(d, h) for d in deployments
-                      if (d not in tried) == fresh and (h := self.health(d)).available(now)]
-        if len(candidates) <= 1:
-            return candidates[0][0] if candidates else None
-        least = min(h.in_flight / d.weight for d, h in candidates)
-        tied = [(d, h) for d, h in candidates if h.in_flight / d.weight == least]
-        total = sum(d.weight for d, _ in tied)
-        for d, h in tied:
+        # Plain loops (no comprehensions, min/max/sum calls): this runs on every routed call.
+        known = self._health
+        least = -1.0
+        tied: list[tuple[Deployment, Health]] = []  # the candidates least in flight for their weight
+        for d in deployments:
+            if (d not in tried) != fresh:
+                continue
+            h = known.get(d) or self.health(d)
+            if not h.available(now):
+                continue
+            load = h.in_flight / d.weight
+            if not tied or load < least:
+                least, tied = load, [(d, h)]
+            elif load == least:
+                tied.append((d, h))
+        if len(tied) <= 1:
+            return tied[0][0] if tied else None
+        total = 0
+        best, top = tied[0]
+        for d, h in tied:  # smooth weighted round-robin among them; the first of equals wins
+            total += d.weight
             h.current += d.weight
-        best, health = max(tied, key=lambda pair: pair[1].current)
-        health.current -= total
+            if h.current > top.current:
+                best, top = d, h
+        top.current -= total
         return best
 
     def _taken(self, plan: RoutePlan, model: str, index: int, deployment: Deployment, now: float) -> Pick:

@@ -260,8 +260,8 @@ class RedisStore:
         async with self._errors:
             result: list[Any] = await self._admit(args=args)
         if int(result[0]) == 1:
-            revision = None if claim.run_id is None else int(result.pop())
-            return Grant(rid, rates=_clocks(claim, result[1:]), run_revision=revision)
+            revision = None if claim.run_id is None else int(result[2])
+            return Grant(rid, rates=_granted(claim, result[1]) if claim.rates else (), run_revision=revision)
         if int(result[0]) == 2 and claim.create is not None:
             raise RunExists(claim.create.run_id)
         return Grant(None, cast(Refusal, _text(result[1])), _figures(result[2:8]), _clocks(claim, result[8:]))
@@ -447,18 +447,32 @@ def _opt(value: int | None) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _rate_args(rates: tuple[RateLimit, ...]) -> tuple[str, ...]:
-    """ADMIT's five arguments per scope, spelt once per set of scopes (one per team and key)."""
-    return tuple(a for r in rates for a in (r.scope, repr(r.window_s), _num(r.requests_s), _num(r.tokens_s),
-                                            _opt(r.max_in_flight)))
+def _rate_args(rates: tuple[RateLimit, ...]) -> tuple[bytes, ...]:
+    """ADMIT's argument per scope ("window per-request per-token max-in-flight scope", '-'
+    for no such limit), spelt and encoded (the client sends bytes as they are) once per set
+    of scopes (one per team and key)."""
+    return tuple(f"{r.window_s!r} {_num(r.requests_s)} {_num(r.tokens_s)} {_opt(r.max_in_flight) or '-'} {r.scope}"
+                 .encode() for r in rates)
 
 
 def _num(value: float | None) -> str:
-    return "" if value is None else repr(value)
+    return "-" if value is None else repr(value)
 
 
 def _charges(tokens: Sequence[TokenCharge]) -> list[str]:
-    return [part for c in tokens for part in (c.scope, str(c.tokens), repr(c.tokens_s))]
+    """The scripts' token charges: one argument each, "tokens seconds-per-token scope"."""
+    return [f"{c.tokens} {c.tokens_s!r} {c.scope}" for c in tokens]
+
+
+def _granted(claim: Claim, raw: bytes | str) -> tuple[RateState, ...]:
+    """The clocks of a grant: ADMIT's one string, the server's clock then the two clocks of
+    each scope after the claim (in flight is not read on a grant: 0)."""
+    parts = raw.split()
+    now, rates = float(parts[0]), claim.rates
+    if len(rates) == 1:  # the usual claim: a team's limits, or a key's
+        return (RateState(rates[0].scope, now, float(parts[1]), float(parts[2])),)
+    return tuple([RateState(r.scope, now, float(parts[2 * i + 1]), float(parts[2 * i + 2]))
+                  for i, r in enumerate(rates)])
 
 
 def _clocks(claim: Claim, raw: list[Any]) -> tuple[RateState, ...]:

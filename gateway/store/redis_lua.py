@@ -28,23 +28,24 @@ local function unslot(p, rid, run, owner, scopes)
     for scope in string.gmatch(scopes, '[^|]+') do redis.call('ZREM', p .. 'inflight:' .. scope, rid) end
   end
 end
--- Pushes the token clocks of a settled call (ARGV[first..], triples scope, tokens, seconds per token).
-local function charge_tokens(p, first, last)
-  if first > last then return end
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-  for i = first, last, 3 do
-    local key = p .. 'rate:' .. ARGV[i]
-    local tat = tonumber(redis.call('HGET', key, 't') or '0')
-    redis.call('HSET', key, 't', string.format('%.6f', math.max(tat, now) + tonumber(ARGV[i + 1]) * tonumber(ARGV[i + 2])))
-  end
+-- A token clock `tat` (a string, or false: none yet) pushed by `n` tokens of `per` seconds
+-- each, from no earlier than `now` (s).
+local function pushed(tat, now, n, per)
+  return string.format('%.6f', math.max(tonumber(tat or '0'), now) + tonumber(n) * tonumber(per))
 end
--- {spent, reserved, turns or false, cost, in_flight, held} of a team's period and a run.
-local function figures(p, team, period, run, now)
+-- {spent, reserved, turns or false, cost, in_flight, held, requests tat, tokens tat} of a team's
+-- period and a run; the last two (the team scope's clocks, fields of its ledger hash) only
+-- with `clocks`, read in the same command as the ledger's figures.
+local function figures(p, team, period, run, now, clocks)
   local ledger = p .. 'ledger:' .. team
-  local spent = redis.call('HGET', ledger, 'spent:' .. period) or '0'
-  local reserved = redis.call('HGET', ledger, 'reserved:' .. period) or '0'
-  if run == '' then return {spent, reserved, false, '0', 0, 0} end
+  local l
+  if clocks then
+    l = redis.call('HMGET', ledger, 'spent:' .. period, 'reserved:' .. period, 'clock:r', 'clock:t')
+  else
+    l = redis.call('HMGET', ledger, 'spent:' .. period, 'reserved:' .. period)
+  end
+  local spent, reserved = l[1] or '0', l[2] or '0'
+  if run == '' then return {spent, reserved, false, '0', 0, 0, l[3], l[4]} end
   local r = redis.call('HMGET', p .. 'run:' .. run, 'turns', 'cost')
   local slots = p .. 'slots:' .. run
   redis.call('ZREMRANGEBYSCORE', slots, '-inf', string.format('%d', now))
@@ -53,7 +54,7 @@ local function figures(p, team, period, run, now)
   for _, rid in ipairs(ids) do
     held = held + tonumber(redis.call('HGET', p .. 'res:' .. rid, 'amount') or '0')
   end
-  return {spent, reserved, r[1] or false, r[2] or '0', #ids, held}
+  return {spent, reserved, r[1] or false, r[2] or '0', #ids, held, l[3], l[4]}
 end
 -- Reservations whose expiry passed: their process is presumed dead, give the money back.
 -- The record stays (state expired) for a while so that a late settle still books the spend.
@@ -152,22 +153,41 @@ return out
 
 # A Claim: checked (run exists, turn cap, calls in flight, run budget, team budget; '' = no
 # such condition; then each rate scope, base.rate_refusal: ARGV[14] the claim's tokens,
-# ARGV[15] how many scopes, then five each: scope, window s, s per request, s per token,
-# max in flight) and held at once. Returns {1, now, clocks..., run revision (with a run)} or {0, refusal, figures...,
-# now, clocks...}; clocks: requests tat, tokens tat, in flight (epoch s) per scope, after the
-# claim on a grant (in flight not read: 0), as checked on a refusal. A run's first call adds
+# ARGV[15] how many scopes, then one argument each, "window s per-request per-token
+# max-in-flight scope" ('-': no such limit; one argument rather than five, since the client
+# spends more on each argument than the script on splitting it) and held at once. Returns
+# {1, clocks, run revision (with a run)} on a grant, clocks one string "now requests_tat
+# tokens_tat ..." (epoch s, two per scope, after the claim: one reply element, not two per
+# scope, since each costs the client a parse), or {0, refusal, figures..., now, clocks...}
+# with requests tat, tokens tat and in flight per scope as checked. A run's first call adds
 # the run to store first (CREATE_RUN's nine arguments) after the scopes: {2} if it exists.
+#
+# The claim's own team scope ('team:' .. team) lives with the team's ledger: its clocks are
+# fields of the ledger hash (clock:r, clock:t), read with the budget's figures and written
+# with the reservation's amount, one command each; its calls in flight are the team's live
+# reservations, which `held:<team>` lists already (reclaim, above, takes the expired ones
+# out), counted there (ZCARD) with no set of their own to add to and remove from on every
+# call. Other scopes (a key's) keep a hash `rate:<scope>` (r, t) and a set `inflight:<scope>`.
 ADMIT: Final = _HELPERS + _CREATE + """
 local p, team, period, amount, budget, ttl, rid, retention, run, max_turns, max_in_flight, run_budget, owner =
   ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11],
   ARGV[12], ARGV[13]
 -- A run's first call: the run (CREATE_RUN's nine arguments after the scopes) is stored
 -- first, in this step.
-local at = 16 + 5 * tonumber(ARGV[15])
+local at = 16 + tonumber(ARGV[15])
 if #ARGV >= at + 8 and create(p, at) == 0 then return {2} end
 local now = now_ms()
 reclaim(p, team, now, retention)
-local f = figures(p, team, period, run, now)
+local own, owned, specs = 'team:' .. team, false, {}
+for i = 16, at - 1 do
+  local window, rs, ts, mif, scope = string.match(ARGV[i], '^(%S+) (%S+) (%S+) (%S+) (.+)$')
+  if rs == '-' then rs = '' end
+  if ts == '-' then ts = '' end
+  if mif == '-' then mif = '' end
+  specs[#specs + 1] = {scope, tonumber(window), rs, ts, mif}
+  if scope == own then owned = true end
+end
+local f = figures(p, team, period, run, now, owned)
 local refused = nil
 if run ~= '' and not f[3] then refused = 'run_missing'
 elseif max_turns ~= '' and tonumber(f[3]) + f[5] >= tonumber(max_turns) then refused = 'max_turns'
@@ -176,15 +196,21 @@ elseif run_budget ~= '' and tonumber(f[4]) + f[6] + amount > tonumber(run_budget
 elseif budget ~= '' and tonumber(f[1]) + tonumber(f[2]) + amount > tonumber(budget) then refused = 'team_budget'
 end
 local tokens, nows, clocks, scopes = tonumber(ARGV[14]), now / 1000, {}, ''
-for b = 16, 15 + 5 * tonumber(ARGV[15]), 5 do
-  local scope, window, rs, ts, mif = ARGV[b], tonumber(ARGV[b + 1]), ARGV[b + 2], ARGV[b + 3], ARGV[b + 4]
-  local c = redis.call('HMGET', p .. 'rate:' .. scope, 'r', 't')
-  local rt, tt, inflight = tonumber(c[1] or '0'), tonumber(c[2] or '0'), 0
+for _, spec in ipairs(specs) do
+  local scope, window, rs, ts, mif = spec[1], spec[2], spec[3], spec[4], spec[5]
+  local c
+  if scope == own then c = {f[7], f[8]} else c = redis.call('HMGET', p .. 'rate:' .. scope, 'r', 't') end
+  local rt, tt, inflight, listed = tonumber(c[1] or '0'), tonumber(c[2] or '0'), 0, false
   if mif ~= '' then
     -- Those still held: reclaim (above) took the team's expired ones out already, so
-    -- counting reads the set and writes nothing.
-    inflight = redis.call('ZCOUNT', p .. 'inflight:' .. scope, '(' .. string.format('%d', now), '+inf')
-    scopes = scopes .. '|' .. scope .. '|'
+    -- counting reads a set and writes nothing.
+    if scope == own then
+      inflight = redis.call('ZCARD', p .. 'held:' .. team)
+    else
+      inflight = redis.call('ZCOUNT', p .. 'inflight:' .. scope, '(' .. string.format('%d', now), '+inf')
+      scopes = scopes .. '|' .. scope .. '|'
+      listed = true
+    end
   end
   if not refused and ((mif ~= '' and inflight >= tonumber(mif))
       -- 0.000001: base.RATE_SLACK_S
@@ -192,7 +218,7 @@ for b = 16, 15 + 5 * tonumber(ARGV[15]), 5 do
       or (ts ~= '' and math.max(tt, nows) + tokens * tonumber(ts) - nows > window + 0.000001)) then
     refused = 'rate_limit'
   end
-  clocks[#clocks + 1] = {scope, rt, tt, inflight, rs, ts, mif}
+  clocks[#clocks + 1] = {scope, rt, tt, inflight, rs, ts, listed}
 end
 if refused then
   local out = {0, refused, f[1], f[2], f[3] or '0', f[4], f[5], string.format('%d', f[6]), string.format('%.6f', nows)}
@@ -204,23 +230,29 @@ if refused then
   return out
 end
 local expires = string.format('%d', now + tonumber(ttl))
-local out = {1, string.format('%.6f', nows)}
+local shown, own_r, own_t = string.format('%.6f', nows), nil, nil
 for _, c in ipairs(clocks) do
   local rt, tt = c[2], c[3]
   if c[5] ~= '' then rt = math.max(rt, nows) + tonumber(c[5]) end
   if c[6] ~= '' then tt = math.max(tt, nows) + tokens * tonumber(c[6]) end
+  local r, t = string.format('%.6f', rt), string.format('%.6f', tt)
   if c[5] ~= '' or c[6] ~= '' then
-    redis.call('HSET', p .. 'rate:' .. c[1], 'r', string.format('%.6f', rt), 't', string.format('%.6f', tt))
+    if c[1] == own then own_r, own_t = r, t  -- written with the ledger's reserved amount, below
+    else redis.call('HSET', p .. 'rate:' .. c[1], 'r', r, 't', t) end
   end
-  if c[7] ~= '' then redis.call('ZADD', p .. 'inflight:' .. c[1], expires, rid) end
-  out[#out + 1] = string.format('%.6f', rt)
-  out[#out + 1] = string.format('%.6f', tt)
-  out[#out + 1] = 0
+  if c[7] then redis.call('ZADD', p .. 'inflight:' .. c[1], expires, rid) end
+  shown = shown .. ' ' .. r .. ' ' .. t
 end
+local out = {1, shown}
 redis.call('HSET', p .. 'res:' .. rid, 'team', team, 'period', period, 'amount', ARGV[4], 'state', 'held',
            'run', run, 'owner', owner, 'scopes', scopes)
 redis.call('ZADD', p .. 'held:' .. team, expires, rid)
-redis.call('HINCRBY', p .. 'ledger:' .. team, 'reserved:' .. period, ARGV[4])
+if own_r then  -- f[2]: the reserved amount as read above, in this same step
+  redis.call('HSET', p .. 'ledger:' .. team, 'reserved:' .. period, string.format('%d', tonumber(f[2]) + amount),
+             'clock:r', own_r, 'clock:t', own_t)
+else
+  redis.call('HINCRBY', p .. 'ledger:' .. team, 'reserved:' .. period, ARGV[4])
+end
 if run ~= '' then
   redis.call('ZADD', p .. 'slots:' .. run, expires, rid)
   out[#out + 1] = redis.call('HGET', p .. 'run:' .. run, 'revision')  -- Grant.run_revision
@@ -233,7 +265,7 @@ FIGURES: Final = _HELPERS + """
 local p, team, period, run, retention = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local now = now_ms()
 reclaim(p, team, now, retention)
-local f = figures(p, team, period, run, now)
+local f = figures(p, team, period, run, now, false)
 return {f[1], f[2], f[3] or '', f[4], f[5], string.format('%d', f[6])}
 """
 
@@ -258,28 +290,48 @@ return 1
 """
 
 _SETTLE: Final = """
--- Books a reservation's actual cost once (an expired one too, while it is remembered).
-local function settle(p, rid, actual)
+-- Books a reservation's actual cost once (an expired one too, while it is remembered), and
+-- pushes the token clocks of its scopes by the tokens it used beyond those counted
+-- (ARGV[first..last]: one argument each, "tokens seconds-per-token scope") at `at_ms` (the
+-- script's clock). The team scope's clock is a field of the ledger hash: written with the
+-- booking.
+local function settle(p, rid, actual, first, last, at_ms)
   local rk = p .. 'res:' .. rid
   local r = redis.call('HMGET', rk, 'team', 'period', 'amount', 'state', 'run', 'owner', 'scopes')
   if not r[1] then return 0 end
-  local ledger = p .. 'ledger:' .. r[1]
-  if r[4] == 'held' then
-    redis.call('HINCRBY', ledger, 'reserved:' .. r[2], neg(r[3]))
-    redis.call('ZREM', p .. 'held:' .. r[1], rid)
+  local ledger, own, mine, now = p .. 'ledger:' .. r[1], 'team:' .. r[1], nil, at_ms / 1000
+  for i = first, last do
+    local n, per, scope = string.match(ARGV[i], '^(%S+) (%S+) (.+)$')
+    if scope == own then mine = {n, per}
+    else
+      local key = p .. 'rate:' .. scope
+      redis.call('HSET', key, 't', pushed(redis.call('HGET', key, 't'), now, n, per))
+    end
   end
+  local held = r[4] == 'held'
+  if held then redis.call('ZREM', p .. 'held:' .. r[1], rid) end
   unslot(p, rid, r[5], r[6], r[7])
-  redis.call('HINCRBY', ledger, 'spent:' .. r[2], actual)
+  if mine then  -- read and written in two commands, in this same step
+    local l = redis.call('HMGET', ledger, 'spent:' .. r[2], 'reserved:' .. r[2], 'clock:t')
+    local spent, t = string.format('%d', tonumber(l[1] or '0') + tonumber(actual)), pushed(l[3], now, mine[1], mine[2])
+    if held then
+      redis.call('HSET', ledger, 'spent:' .. r[2], spent,
+                 'reserved:' .. r[2], string.format('%d', tonumber(l[2] or '0') - tonumber(r[3])), 'clock:t', t)
+    else
+      redis.call('HSET', ledger, 'spent:' .. r[2], spent, 'clock:t', t)
+    end
+  else
+    if held then redis.call('HINCRBY', ledger, 'reserved:' .. r[2], neg(r[3])) end
+    redis.call('HINCRBY', ledger, 'spent:' .. r[2], actual)
+  end
   redis.call('DEL', rk)
   return 1
 end
 """
 
-# ARGV[4..]: token charges (scope, tokens, seconds per token), made once with the settle.
+# ARGV[4..]: token charges ("tokens seconds-per-token scope"), made once with the settle.
 SETTLE: Final = _HELPERS + _SETTLE + """
-if settle(ARGV[1], ARGV[2], ARGV[3]) == 0 then return 0 end
-charge_tokens(ARGV[1], 4, #ARGV)
-return 1
+return settle(ARGV[1], ARGV[2], ARGV[3], 4, #ARGV, #ARGV >= 4 and now_ms() or 0)
 """
 
 _RELEASE: Final = """
@@ -411,7 +463,7 @@ return 1
 # booking (settle a reservation, or charge the period); returns
 # {1, spent, reserved} of the booking's ledger after it ({1} without a booking). Booking
 # flag '2' (if_held): {3} and nothing written unless the reservation is still stored.
-# ARGV[17 + n]: how many token charges follow the events (triples, as SETTLE's), then the notices.
+# ARGV[17 + n]: how many token charges follow the events (one argument each, as SETTLE's), then the notices.
 COMMIT_TURN: Final = _HELPERS + _SAVE + _SETTLE + _ENQUEUE + """
 local p, id = ARGV[1], ARGV[2]
 if ARGV[10] == '2' and redis.call('EXISTS', p .. 'res:' .. ARGV[11]) == 0 then return {3} end
@@ -421,15 +473,16 @@ local book, rid, actual, team, period, retention = ARGV[10], ARGV[11], ARGV[12],
 local n = tonumber(ARGV[16])
 if n > 0 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, 17, 16 + n)) end
 local charges = 18 + n
-local notices = charges + 3 * tonumber(ARGV[17 + n])
-enqueue(p, notices, now_ms())
+local notices = charges + tonumber(ARGV[17 + n])
+local now = now_ms()  -- once: the script is one atomic step
+enqueue(p, notices, now)
 if book == '0' then return {1} end
 if rid ~= '' then
-  if settle(p, rid, actual) == 1 then charge_tokens(p, charges, notices - 1) end
+  settle(p, rid, actual, charges, notices - 1, now)
 elseif actual ~= '0' then
   redis.call('HINCRBY', p .. 'ledger:' .. team, 'spent:' .. period, actual)
 end
-reclaim(p, team, now_ms(), retention)
+reclaim(p, team, now, retention)
 local ledger = p .. 'ledger:' .. team
 return {1, redis.call('HGET', ledger, 'spent:' .. period) or '0', redis.call('HGET', ledger, 'reserved:' .. period) or '0'}
 """

@@ -416,7 +416,8 @@ class SqliteStore:
                 plan = self._rate_plans[claim.rates] = rate_plan(claim.rates, _ADMIT)
             sql = plan.sql
             params.update(plan.params)
-            missing = tuple((scope,) for scope in plan.clocked if scope not in self._clock_rows)
+            if not self._clock_rows.issuperset(plan.clocked):
+                missing = tuple((scope,) for scope in plan.clocked if scope not in self._clock_rows)
         ttl = check_ttl(claim.ttl_s, "ttl_s", allow_zero=True)
         granted: list[tuple[str, float]] = []
         create = None if claim.create is None else self._inserter(claim.create)
@@ -433,7 +434,8 @@ class SqliteStore:
                 db.executemany("INSERT OR IGNORE INTO ledger (team, period, spent_micros) VALUES (?, '', 0)", missing)
                 self._clock_rows.update(scope for scope, in missing)
             rid = new_reservation_id()
-            cursor = db.execute(sql, {**params, "id": rid, "now": now, "expires": now + ttl})
+            params.update(id=rid, now=now, expires=now + ttl)  # this call's own dict: no copy
+            cursor = db.execute(sql, params)
             returning = plan is not None and plan.clocked
             rows = cursor.fetchall() if returning else None  # all: it ends the statement (and its write)
             inserted = bool(rows) if rows is not None else cursor.rowcount == 1

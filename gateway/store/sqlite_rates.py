@@ -88,7 +88,16 @@ def rate_plan(rates: Sequence[RateLimit], admit: str) -> RatePlan:
 def spent(plan: RatePlan, rates: Sequence[RateLimit], row: Sequence[float] | None, now: float,
           tokens: int) -> tuple[RateState, ...]:
     """Each scope's clocks after a granted claim spent them (as the trigger did), from the
-    clocks the statement read before (`row`, its RETURNING row)."""
+    clocks the statement read before (`row`, its RETURNING row). On every granted call of a
+    limited team: plain comparisons, no max() calls."""
+    if len(rates) == 1 and row is not None and plan.read_at[0] == 0:  # one scope with clocks: the usual claim
+        r = rates[0]
+        requests_tat, tokens_tat = row[0], row[1]
+        if r.requests_s is not None:
+            requests_tat = (requests_tat if requests_tat > now else now) + r.requests_s
+        if r.tokens_s is not None:
+            tokens_tat = (tokens_tat if tokens_tat > now else now) + tokens * r.tokens_s
+        return (RateState(r.scope, now, requests_tat, tokens_tat),)
     out = []
     for r, at in zip(rates, plan.read_at, strict=True):
         if at is None or row is None:
@@ -96,8 +105,8 @@ def spent(plan: RatePlan, rates: Sequence[RateLimit], row: Sequence[float] | Non
             continue
         requests_tat, tokens_tat = row[at], row[at + 1]
         if r.requests_s is not None:
-            requests_tat = max(requests_tat, now) + r.requests_s
+            requests_tat = (requests_tat if requests_tat > now else now) + r.requests_s
         if r.tokens_s is not None:
-            tokens_tat = max(tokens_tat, now) + tokens * r.tokens_s
+            tokens_tat = (tokens_tat if tokens_tat > now else now) + tokens * r.tokens_s
         out.append(RateState(r.scope, now, requests_tat, tokens_tat))
     return tuple(out)

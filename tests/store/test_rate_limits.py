@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from gateway.store.base import Booking, Claim, RateLimit, Store, TokenCharge, fits
 from tests.store.conftest import Stores
 
@@ -41,6 +43,22 @@ async def test_tokens_are_counted_before_and_reconciled_at_booking(store: Store)
     assert (await store.admit(claim(limit, tokens=1))).refused == "rate_limit"
 
 
+async def test_a_key_and_its_team_reconcile_their_tokens_each(store: Store) -> None:
+    # The Redis store keeps a team scope's clocks with its ledger and a key's on their own.
+    team = RateLimit("team:demo", HOUR, tokens=1000)
+    key = RateLimit("key:k1", HOUR, tokens=500)
+    first = await store.admit(claim(key, team, tokens=100))
+    assert first.reservation_id is not None
+    assert [s.tokens_tat - s.now for s in first.rates] == pytest.approx([HOUR * 100 / 500, HOUR * 100 / 1000])
+    await store.settle(first.reservation_id, 0.0, [TokenCharge("key:k1", 300, HOUR / 500),
+                                                   TokenCharge("team:demo", 300, HOUR / 1000)])
+    # 400 spent of each: the key has 100 left, the team 600.
+    assert (await store.admit(claim(key, team, tokens=101))).refused == "rate_limit"
+    assert (await store.admit(claim(team, tokens=601))).refused == "rate_limit"
+    assert (await store.admit(claim(key, team, tokens=100))).reservation_id is not None
+    assert (await store.admit(claim(team, tokens=500))).reservation_id is not None
+
+
 async def test_a_booking_gives_back_tokens_counted_too_many(store: Store) -> None:
     from gateway.harness.state import RunState
     limit = RateLimit("team:demo", HOUR, tokens=1000)
@@ -72,6 +90,28 @@ async def test_a_slot_of_a_dead_process_is_freed_when_its_hold_expires(store: St
     dead = await store.admit(claim(limit, ttl_s=0.0))  # its process never renews it
     assert dead.reservation_id is not None
     assert (await store.admit(claim(limit))).reservation_id is not None
+
+
+async def test_calls_in_flight_of_a_key_and_of_its_team_are_bounded_each(stores: Stores) -> None:
+    # The Redis store counts a team scope's calls in flight from the team's held
+    # reservations and a key's in a set of its own: both bounded, freed, and expired alike.
+    views = [stores.open(), stores.open()]
+    team = RateLimit("team:demo", HOUR, max_in_flight=3)
+    key = RateLimit("key:k1", HOUR, max_in_flight=2)
+    grants = await asyncio.gather(*(views[i % 2].admit(claim(key, team)) for i in range(16)))
+    held = [g.reservation_id for g in grants if g.reservation_id is not None]
+    assert len(held) == 2  # the key's limit
+    refused = next(g for g in grants if g.reservation_id is None)
+    assert [s.in_flight for s in refused.rates] == [2, 2]
+    assert (await views[0].admit(claim(team))).reservation_id is not None  # the team's third
+    assert (await views[1].admit(claim(team))).refused == "rate_limit"
+    await views[1].settle(held[0], 0.0)  # the key has one in flight, the team two
+    assert (await views[0].admit(claim(key, team))).reservation_id is not None
+    assert (await views[1].admit(claim(team))).refused == "rate_limit"
+    await views[0].release(held[1])
+    assert (await views[1].admit(claim(key, team, ttl_s=0.0))).reservation_id is not None  # its process dies
+    assert (await views[0].admit(claim(key, team))).reservation_id is not None  # the dead one counts no more
+    assert [(await views[1].admit(claim(c))).refused for c in (key, team)] == ["rate_limit", "rate_limit"]
 
 
 async def test_each_scope_is_checked_and_spent(store: Store) -> None:

@@ -36,11 +36,16 @@ def keep(request: web.Request, rates: tuple[RateLimit, ...], states: tuple[RateS
 
 
 async def show(request: web.Request, response: web.StreamResponse) -> None:
-    """`on_response_prepare`: a governed call's answer carries its rate-limit headers."""
+    """`on_response_prepare`: a governed call's answer carries its rate-limit headers (those
+    a refusal set already, with its own figures, stay)."""
     shown = request.get(SHOWN)
     if shown and shown[0]:
-        for name, value in headers(*shown).items():
-            response.headers.setdefault(name, value)
+        out = response.headers
+        if "x-ratelimit-limit-requests" in out or "x-ratelimit-limit-tokens" in out:
+            for name, value in pairs(*shown):
+                out.setdefault(name, value)
+        else:
+            out.extend(pairs(*shown))  # one call: every answer of a limited team pays for this
 
 
 async def waiting(admit: Callable[[], Awaitable[T]], wait_s: float) -> T:
@@ -72,14 +77,17 @@ def _claim(scope: str, limits: RateLimits) -> RateLimit:
 
 
 def counts_tokens(rates: Sequence[RateLimit]) -> bool:
-    return any(r.tokens is not None for r in rates)
+    for r in rates:  # a loop, not any(generator): asked on every call of a limited team
+        if r.tokens is not None:
+            return True
+    return False
 
 
 def duration(seconds: float) -> str:
     """OpenAI's reset format: "20ms", "1s", "1.5s", "6m0s", "1h2m3s"."""
-    ms = max(0, math.ceil(seconds * 1000))
-    if ms < 1000:
-        return f"{ms}ms"
+    ms = math.ceil(seconds * 1000)
+    if ms < 1000:  # the usual reset of a limit far from reached
+        return f"{ms}ms" if ms > 0 else "0ms"
     hours, rest = divmod(ms, 3_600_000)
     minutes, rest = divmod(rest, 60_000)
     secs = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
@@ -92,31 +100,65 @@ def duration(seconds: float) -> str:
 
 def headers(rates: Sequence[RateLimit], states: Sequence[RateState]) -> dict[str, str]:
     """x-ratelimit-{limit,remaining,reset}-{requests,tokens} of the tightest scope of each kind
-    (reset: until the scope's bucket is full again). Built for every answer of a limited
+    (reset: until the scope's bucket is full again)."""
+    return dict(pairs(rates, states))
+
+
+def pairs(rates: Sequence[RateLimit], states: Sequence[RateState]) -> list[tuple[str, str]]:
+    """`headers` as (name, value) pairs, in that order. Built for every answer of a limited
     team: one pass over the scopes, no helper calls but the reset's format."""
+    if len(rates) == 1:
+        return _one(rates[0], states[0])
     requests: tuple[int, int, float] | None = None  # (limit, remaining, seconds to reset)
     tokens: tuple[int, int, float] | None = None
     for limit, state in zip(rates, states, strict=True):
-        now, room = state.now, limit.window_s + RATE_SLACK_S
+        now = state.now
+        room = limit.window_s + RATE_SLACK_S
         if limit.requests is not None and limit.requests_s is not None:
-            ahead = state.requests_tat - now if state.requests_tat > now else 0.0  # the clock's lead on now
-            left = min(limit.requests, max(0, math.floor((room - ahead) / limit.requests_s)))
+            tat = state.requests_tat
+            ahead = tat - now if tat > now else 0.0  # the clock's lead on now
+            left = math.floor((room - ahead) / limit.requests_s)
+            left = limit.requests if left > limit.requests else left if left > 0 else 0
             if requests is None or left < requests[1]:
                 requests = (limit.requests, left, ahead)
         if limit.tokens is not None and limit.tokens_s is not None:
-            ahead = state.tokens_tat - now if state.tokens_tat > now else 0.0
-            left = min(limit.tokens, max(0, math.floor((room - ahead) / limit.tokens_s)))
+            tat = state.tokens_tat
+            ahead = tat - now if tat > now else 0.0
+            left = math.floor((room - ahead) / limit.tokens_s)
+            left = limit.tokens if left > limit.tokens else left if left > 0 else 0
             if tokens is None or left < tokens[1]:
                 tokens = (limit.tokens, left, ahead)
-    out: dict[str, str] = {}
+    out: list[tuple[str, str]] = []
     if requests is not None:
-        out["x-ratelimit-limit-requests"] = str(requests[0])
-        out["x-ratelimit-remaining-requests"] = str(requests[1])
-        out["x-ratelimit-reset-requests"] = duration(requests[2])
+        out += (("x-ratelimit-limit-requests", str(requests[0])), ("x-ratelimit-remaining-requests", str(requests[1])),
+                ("x-ratelimit-reset-requests", duration(requests[2])))
     if tokens is not None:
-        out["x-ratelimit-limit-tokens"] = str(tokens[0])
-        out["x-ratelimit-remaining-tokens"] = str(tokens[1])
-        out["x-ratelimit-reset-tokens"] = duration(tokens[2])
+        out += (("x-ratelimit-limit-tokens", str(tokens[0])), ("x-ratelimit-remaining-tokens", str(tokens[1])),
+                ("x-ratelimit-reset-tokens", duration(tokens[2])))
+    return out
+
+
+def _one(limit: RateLimit, state: RateState) -> list[tuple[str, str]]:
+    """`pairs` of a single scope (a team's limits, or a key's: the usual case), straight."""
+    out: list[tuple[str, str]] = []
+    now, room = state.now, limit.window_s + RATE_SLACK_S
+    if limit.requests is not None and limit.requests_s is not None:
+        tat = state.requests_tat
+        ahead = tat - now if tat > now else 0.0
+        left = math.floor((room - ahead) / limit.requests_s)
+        ms = math.ceil(ahead * 1000)
+        out += (("x-ratelimit-limit-requests", str(limit.requests)),
+                ("x-ratelimit-remaining-requests", str(limit.requests if left > limit.requests else left if left > 0
+                                                       else 0)),
+                ("x-ratelimit-reset-requests", f"{ms}ms" if ms < 1000 else duration(ahead)))
+    if limit.tokens is not None and limit.tokens_s is not None:
+        tat = state.tokens_tat
+        ahead = tat - now if tat > now else 0.0
+        left = math.floor((room - ahead) / limit.tokens_s)
+        ms = math.ceil(ahead * 1000)
+        out += (("x-ratelimit-limit-tokens", str(limit.tokens)),
+                ("x-ratelimit-remaining-tokens", str(limit.tokens if left > limit.tokens else left if left > 0 else 0)),
+                ("x-ratelimit-reset-tokens", f"{ms}ms" if ms < 1000 else duration(ahead)))
     return out
 
 
@@ -170,6 +212,7 @@ def _who(scope: str) -> str:
 
 def charges(rates: Sequence[RateLimit], counted: int, actual: int | None) -> tuple[TokenCharge, ...]:
     """What a booking reconciles: the tokens really used minus those counted at admission."""
-    if actual is None or actual == counted:
+    if actual is None or actual == counted or not rates:
         return ()
-    return tuple(TokenCharge(r.scope, actual - counted, r.tokens_s) for r in rates if r.tokens_s is not None)
+    more = actual - counted
+    return tuple([TokenCharge(r.scope, more, r.tokens_s) for r in rates if r.tokens_s is not None])
