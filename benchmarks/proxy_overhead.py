@@ -26,8 +26,8 @@ floor's + 0.5 ms; --workers 2 at c=32 >= 1.6x one worker's req/s.
 gateway serves a team without rate limits and one with them (requests, tokens and
 max_in_flight, never reached), a model routed to one upstream and one routed over two
 weighted deployments (retries, a fallback); c=1 same-run calls rotate over the four
-combinations on one connection (off, limits, routed, both), so that each sees the machine
-at the same moments. Its figures: each combination's p50 minus the plain one's, the
+combinations on one connection (off, limits, routed, both, in orders that make each follow
+each other equally often: `williams`), so that each sees the machine at the same moments. Its figures: each combination's p50 minus the plain one's, the
 median of the per-round differences (paired), and the CPU time the gateway's serving
 thread (plus redis-server's, on Redis) spent on each call (from /proc/PID/schedstat, read
 around every call), paired the same way. On a loaded machine a call's latency stretches
@@ -373,8 +373,14 @@ class Bench:
         conn = await RawConnection.open(gw.url)
         clock = CpuClock(gateway_pids(gw) + self.helpers.get(store, []))
         try:
+            names = list(LIMIT_VARIANTS)
+            orders = williams(len(names))
             for round_ in range(warm + self.args.requests):
-                for name, (key, body) in LIMIT_VARIANTS.items():
+                # A call's CPU carries a little of the call before it (background writes, the
+                # allocator): the rounds' orders make each combination follow each other equally
+                # often, so that share cancels out of the differences.
+                for name in (names[i] for i in orders[round_ % len(orders)]):
+                    key, body = LIMIT_VARIANTS[name]
                     head = request_head("/v1/chat/completions", body, next(ids[name]), key)
                     cpu_before = clock()
                     started = time.perf_counter()
@@ -502,6 +508,19 @@ def top_entries(folder: Path, name: str, n: int = 15) -> list[tuple[str, float]]
 def summary(values: list[float]) -> str:
     med = statistics.median(values)
     return f"{med:7.2f} [{min(values):.2f}-{max(values):.2f}]" if len(values) > 1 else f"{med:7.2f}"
+
+
+def williams(n: int) -> list[list[int]]:
+    """A Williams design for an even `n`: n orders of 0..n-1 in which each item comes right after
+    each other item exactly once (first order 0, 1, n-1, 2, n-2, ...; each next one shifted by 1)."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    return [[(x + shift) % n for x in first] for shift in range(n)]
 
 
 def verdicts(cells: dict[str, Cell], workers: int) -> list[tuple[str, bool, str]]:
