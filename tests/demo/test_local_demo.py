@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -240,11 +241,10 @@ def small_model_reply(body: dict[str, Any]) -> dict[str, Any]:
             "usage": {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110}}
 
 
-async def test_the_demo_runs_one_task_and_a_failed_read_leaves_the_tools_offered(tmp_path: Path) -> None:
-    """`gateway demo --local --task largest` against a local upstream that answers like the real 0.5B:
-    the read of an invented path fails, so that turn is not the policy's one tool round (`tool_rounds`),
-    the model is offered the tools again, lists the folder, and answers from the listing."""
-    bodies: list[dict[str, Any]] = []
+async def demo_against(reply: Callable[[dict[str, Any]], dict[str, Any]], bodies: list[dict[str, Any]],
+                       args: list[str], cwd: Path, timeout_s: float) -> bytes:
+    """`gateway demo --local ARGS` (a real process) against a local upstream whose chat answers are
+    `reply(body)`; each body it got is appended to `bodies`. The demo's stdout; it must exit 0."""
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "small", "object": "model"}]})
@@ -252,18 +252,26 @@ async def test_the_demo_runs_one_task_and_a_failed_read_leaves_the_tools_offered
     async def chat(request: web.Request) -> web.Response:
         body = await request.json()
         bodies.append(body)
-        return web.json_response(small_model_reply(body))
+        return web.json_response(reply(body))
 
     app = web.Application()
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat)
     async with TestServer(app, host="127.0.0.1") as server:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gateway", "demo", "--local", "--json", "--task", "largest",
-            "--local-url", str(server.make_url("/v1")), cwd=tmp_path,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        out, err = await asyncio.wait_for(proc.communicate(), 120)
+            sys.executable, "-m", "gateway", "demo", "--local", *args, "--local-url", str(server.make_url("/v1")),
+            cwd=cwd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
     assert proc.returncode == 0, err.decode()
+    return out
+
+
+async def test_the_demo_runs_one_task_and_a_failed_read_leaves_the_tools_offered(tmp_path: Path) -> None:
+    """`gateway demo --local --task largest` against a local upstream that answers like the real 0.5B:
+    the read of an invented path fails, so that turn is not the policy's one tool round (`tool_rounds`),
+    the model is offered the tools again, lists the folder, and answers from the listing."""
+    bodies: list[dict[str, Any]] = []
+    out = await demo_against(small_model_reply, bodies, ["--json", "--task", "largest"], tmp_path, 120)
     rows = [orjson.loads(line) for line in out.splitlines()]
     assert [r["kind"] for r in rows] == ["largest"]  # only the task asked for
     (row,) = rows
@@ -293,27 +301,12 @@ async def test_the_oracle_asks_the_model_as_the_gateways_answer_turn_does(tmp_pa
     per oracle without tools, the transcript then the gateway's answer line; the answer judged."""
     bodies: list[dict[str, Any]] = []
 
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "small", "object": "model"}]})
-
-    async def chat(request: web.Request) -> web.Response:
-        body = await request.json()
-        bodies.append(body)
+    def reply(body: dict[str, Any]) -> dict[str, Any]:
         read = [m["content"] for m in body["messages"] if m["role"] == "tool"]
         answer = read[-1].strip() if len(read) == 1 else "To read notes.txt, use the read_file tool."
-        return web.json_response({"choices": [{"index": 0, "finish_reason": "stop",
-                                               "message": {"role": "assistant", "content": answer}}]})
+        return {"choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": answer}}]}
 
-    app = web.Application()
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/chat/completions", chat)
-    async with TestServer(app, host="127.0.0.1") as server:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gateway", "demo", "--local", "--oracle", "--task", "notes",
-            "--local-url", str(server.make_url("/v1")), cwd=tmp_path,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 0, err.decode()
+    out = await demo_against(reply, bodies, ["--oracle", "--task", "notes"], tmp_path, 60)
     lines = out.decode().splitlines()
     assert lines[1].startswith("oracle enough     notes     after read_file(notes.txt) ") and lines[1].endswith(
         '-> "Remember to rotate the logs every week."  RIGHT')
