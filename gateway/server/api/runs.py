@@ -55,8 +55,7 @@ from gateway.server.runs.cancels import RunBusy, cancel_event
 from gateway.server.runs.continuations import resume_with
 from gateway.server.runs.driver import Prepare
 from gateway.server.runs.keying import update_run
-from gateway.server.runs import tracelog
-from gateway.server.runs.tracelog import TraceWriter
+from gateway.server.runs.tracelog import TraceWriter, asked_at
 
 CANCEL_WAIT_S: Final = 5.0
 LIST_SCAN: Final = 1000
@@ -208,7 +207,7 @@ async def post_approval(request: web.Request) -> web.Response:
     given = approval_input(await _body(request))
     call_id, verdict, reason = given.call_id, given.decision, given.reason
     store = app[ctx.STORE]
-    asked = await asked_at(app, run, call_id)
+    asked = await asked_at(app[ctx.STORE], run, call_id)
     late = asked is not None and expired(asked, time.time(), policy.approval)
     decision = expiry_decision(policy.approval) if late else Decision(verdict, reason, team.name)
     waiting = run.interruption
@@ -231,11 +230,6 @@ async def post_approval(request: web.Request) -> web.Response:
     after_decision(app[BACKGROUND], run, policy, resume_with(None, None, RESUMED_BY))
     return _json({"run": run_json(run), "decision": {"call_id": call_id, **decision.to_json(), "expired": late}},
                  run=run)
-
-
-async def asked_at(app: web.Application, run: RunState, call_id: str) -> float | None:
-    """When the run asked a person about `call_id` (`tracelog.asked_at` over this app's store)."""
-    return await tracelog.asked_at(app[ctx.STORE], run, call_id)
 
 
 async def post_resume(request: web.Request) -> web.StreamResponse:

@@ -26,10 +26,11 @@ from gateway.policy.approval import compile_approval
 from gateway.policy.decl import Policy, Rule
 from gateway.server import context as ctx
 from gateway.server.api.access import may_decide, may_see
-from gateway.server.api.runs import LIST_SCAN, asked_at, run_policy
+from gateway.server.api.runs import LIST_SCAN, run_policy
 from gateway.server.console.session import json_answer, signed_in
 from gateway.server.http.sse import ClientGone, SSEStream
 from gateway.server.runs.auto_resume import waits_for_decision
+from gateway.server.runs.tracelog import asked_at
 
 POLL_S: Final = 1.0
 """How often an open inbox re-reads the store (every replica writes there)."""
@@ -135,7 +136,7 @@ async def pending_items(app: web.Application, team: TeamConfig,
             continue
         key = item_key(run, waiting.call_id)
         if key not in asked:
-            asked[key] = await asked_at(app, run, waiting.call_id)
+            asked[key] = await asked_at(app[ctx.STORE], run, waiting.call_id)
         when = asked[key]
         expires = policy.approval.expires_after_s
         user, assistant = _context(run.messages, waiting.call_id)
