@@ -468,11 +468,9 @@ def _granted(claim: Claim, raw: bytes | str) -> tuple[RateState, ...]:
     """The clocks of a grant: ADMIT's one string, the server's clock then the two clocks of
     each scope after the claim (in flight is not read on a grant: 0)."""
     parts = raw.split()
-    now, rates = float(parts[0]), claim.rates
-    if len(rates) == 1:  # the usual claim: a team's limits, or a key's
-        return (RateState(rates[0].scope, now, float(parts[1]), float(parts[2])),)
+    now = float(parts[0])
     return tuple([RateState(r.scope, now, float(parts[2 * i + 1]), float(parts[2 * i + 2]))
-                  for i, r in enumerate(rates)])
+                  for i, r in enumerate(claim.rates)])
 
 
 def _clocks(claim: Claim, raw: list[Any]) -> tuple[RateState, ...]:

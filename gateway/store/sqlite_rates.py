@@ -90,14 +90,6 @@ def spent(plan: RatePlan, rates: Sequence[RateLimit], row: Sequence[float] | Non
     """Each scope's clocks after a granted claim spent them (as the trigger did), from the
     clocks the statement read before (`row`, its RETURNING row). On every granted call of a
     limited team: plain comparisons, no max() calls."""
-    if len(rates) == 1 and row is not None and plan.read_at[0] == 0:  # one scope with clocks: the usual claim
-        r = rates[0]
-        requests_tat, tokens_tat = row[0], row[1]
-        if r.requests_s is not None:
-            requests_tat = (requests_tat if requests_tat > now else now) + r.requests_s
-        if r.tokens_s is not None:
-            tokens_tat = (tokens_tat if tokens_tat > now else now) + tokens * r.tokens_s
-        return (RateState(r.scope, now, requests_tat, tokens_tat),)
     out = []
     for r, at in zip(rates, plan.read_at, strict=True):
         if at is None or row is None:

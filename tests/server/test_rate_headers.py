@@ -1,8 +1,5 @@
-"""The x-ratelimit-* headers: the single-scope fast path says what the general one says.
-
-`rate_limits.pairs` takes a straight path for the usual claim of one scope (a team's limits,
-or a key's). Two copies of one scope go through the general path and must give the same
-headers (the tightest of two equal scopes is that scope), for any limits and clocks.
+"""The x-ratelimit-* headers: a scope and two copies of it say the same (the tightest of equal
+scopes is that scope), for any limits and clocks; a fresh scope has its whole window left.
 """
 
 from __future__ import annotations

@@ -107,8 +107,6 @@ def headers(rates: Sequence[RateLimit], states: Sequence[RateState]) -> dict[str
 def pairs(rates: Sequence[RateLimit], states: Sequence[RateState]) -> list[tuple[str, str]]:
     """`headers` as (name, value) pairs, in that order. Built for every answer of a limited
     team: one pass over the scopes, no helper calls but the reset's format."""
-    if len(rates) == 1:
-        return _one(rates[0], states[0])
     requests: tuple[int, int, float] | None = None  # (limit, remaining, seconds to reset)
     tokens: tuple[int, int, float] | None = None
     for limit, state in zip(rates, states, strict=True):
@@ -135,30 +133,6 @@ def pairs(rates: Sequence[RateLimit], states: Sequence[RateState]) -> list[tuple
     if tokens is not None:
         out += (("x-ratelimit-limit-tokens", str(tokens[0])), ("x-ratelimit-remaining-tokens", str(tokens[1])),
                 ("x-ratelimit-reset-tokens", duration(tokens[2])))
-    return out
-
-
-def _one(limit: RateLimit, state: RateState) -> list[tuple[str, str]]:
-    """`pairs` of a single scope (a team's limits, or a key's: the usual case), straight."""
-    out: list[tuple[str, str]] = []
-    now, room = state.now, limit.window_s + RATE_SLACK_S
-    if limit.requests is not None and limit.requests_s is not None:
-        tat = state.requests_tat
-        ahead = tat - now if tat > now else 0.0
-        left = math.floor((room - ahead) / limit.requests_s)
-        ms = math.ceil(ahead * 1000)
-        out += (("x-ratelimit-limit-requests", str(limit.requests)),
-                ("x-ratelimit-remaining-requests", str(limit.requests if left > limit.requests else left if left > 0
-                                                       else 0)),
-                ("x-ratelimit-reset-requests", f"{ms}ms" if ms < 1000 else duration(ahead)))
-    if limit.tokens is not None and limit.tokens_s is not None:
-        tat = state.tokens_tat
-        ahead = tat - now if tat > now else 0.0
-        left = math.floor((room - ahead) / limit.tokens_s)
-        ms = math.ceil(ahead * 1000)
-        out += (("x-ratelimit-limit-tokens", str(limit.tokens)),
-                ("x-ratelimit-remaining-tokens", str(limit.tokens if left > limit.tokens else left if left > 0 else 0)),
-                ("x-ratelimit-reset-tokens", f"{ms}ms" if ms < 1000 else duration(ahead)))
     return out
 
 
