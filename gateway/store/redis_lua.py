@@ -33,19 +33,11 @@ end
 local function pushed(tat, now, n, per)
   return string.format('%.6f', math.max(tonumber(tat or '0'), now) + tonumber(n) * tonumber(per))
 end
--- {spent, reserved, turns or false, cost, in_flight, held, requests tat, tokens tat} of a team's
--- period and a run; the last two (the team scope's clocks, fields of its ledger hash) only
--- with `clocks`, read in the same command as the ledger's figures.
-local function figures(p, team, period, run, now, clocks)
-  local ledger = p .. 'ledger:' .. team
-  local l
-  if clocks then
-    l = redis.call('HMGET', ledger, 'spent:' .. period, 'reserved:' .. period, 'clock:r', 'clock:t')
-  else
-    l = redis.call('HMGET', ledger, 'spent:' .. period, 'reserved:' .. period)
-  end
+-- {spent, reserved, turns or false, cost, in_flight, held} of a team's period and a run.
+local function figures(p, team, period, run, now)
+  local l = redis.call('HMGET', p .. 'ledger:' .. team, 'spent:' .. period, 'reserved:' .. period)
   local spent, reserved = l[1] or '0', l[2] or '0'
-  if run == '' then return {spent, reserved, false, '0', 0, 0, l[3], l[4]} end
+  if run == '' then return {spent, reserved, false, '0', 0, 0} end
   local r = redis.call('HMGET', p .. 'run:' .. run, 'turns', 'cost')
   local slots = p .. 'slots:' .. run
   redis.call('ZREMRANGEBYSCORE', slots, '-inf', string.format('%d', now))
@@ -54,7 +46,7 @@ local function figures(p, team, period, run, now, clocks)
   for _, rid in ipairs(ids) do
     held = held + tonumber(redis.call('HGET', p .. 'res:' .. rid, 'amount') or '0')
   end
-  return {spent, reserved, r[1] or false, r[2] or '0', #ids, held, l[3], l[4]}
+  return {spent, reserved, r[1] or false, r[2] or '0', #ids, held}
 end
 -- Reservations whose expiry passed: their process is presumed dead, give the money back.
 -- The record stays (state expired) for a while so that a late settle still books the spend.
@@ -162,12 +154,11 @@ return out
 # with requests tat, tokens tat and in flight per scope as checked. A run's first call adds
 # the run to store first (CREATE_RUN's nine arguments) after the scopes: {2} if it exists.
 #
-# The claim's own team scope ('team:' .. team) lives with the team's ledger: its clocks are
-# fields of the ledger hash (clock:r, clock:t), read with the budget's figures and written
-# with the reservation's amount, one command each; its calls in flight are the team's live
-# reservations, which `held:<team>` lists already (reclaim, above, takes the expired ones
-# out), counted there (ZCARD) with no set of their own to add to and remove from on every
-# call. Other scopes (a key's) keep a hash `rate:<scope>` (r, t) and a set `inflight:<scope>`.
+# Each scope's clocks are a hash `rate:<scope>` (r, t). The calls in flight of the claim's own
+# team scope ('team:' .. team) are the team's live reservations, which `held:<team>` lists
+# already (reclaim, above, takes the expired ones out): counted there (ZCARD), they cost no
+# set of their own to add to and remove from on every call. Other scopes (a key's) keep a
+# set `inflight:<scope>`.
 ADMIT: Final = _HELPERS + _CREATE + """
 local p, team, period, amount, budget, ttl, rid, retention, run, max_turns, max_in_flight, run_budget, owner =
   ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11],
@@ -178,16 +169,15 @@ local at = 16 + tonumber(ARGV[15])
 if #ARGV >= at + 8 and create(p, at) == 0 then return {2} end
 local now = now_ms()
 reclaim(p, team, now, retention)
-local own, owned, specs = 'team:' .. team, false, {}
+local own, specs = 'team:' .. team, {}
 for i = 16, at - 1 do
   local window, rs, ts, mif, scope = string.match(ARGV[i], '^(%S+) (%S+) (%S+) (%S+) (.+)$')
   if rs == '-' then rs = '' end
   if ts == '-' then ts = '' end
   if mif == '-' then mif = '' end
   specs[#specs + 1] = {scope, tonumber(window), rs, ts, mif}
-  if scope == own then owned = true end
 end
-local f = figures(p, team, period, run, now, owned)
+local f = figures(p, team, period, run, now)
 local refused = nil
 if run ~= '' and not f[3] then refused = 'run_missing'
 elseif max_turns ~= '' and tonumber(f[3]) + f[5] >= tonumber(max_turns) then refused = 'max_turns'
@@ -198,8 +188,7 @@ end
 local tokens, nows, clocks, scopes = tonumber(ARGV[14]), now / 1000, {}, ''
 for _, spec in ipairs(specs) do
   local scope, window, rs, ts, mif = spec[1], spec[2], spec[3], spec[4], spec[5]
-  local c
-  if scope == own then c = {f[7], f[8]} else c = redis.call('HMGET', p .. 'rate:' .. scope, 'r', 't') end
+  local c = redis.call('HMGET', p .. 'rate:' .. scope, 'r', 't')
   local rt, tt, inflight, listed = tonumber(c[1] or '0'), tonumber(c[2] or '0'), 0, false
   if mif ~= '' then
     -- Those still held: reclaim (above) took the team's expired ones out already, so
@@ -230,15 +219,14 @@ if refused then
   return out
 end
 local expires = string.format('%d', now + tonumber(ttl))
-local shown, own_r, own_t = string.format('%.6f', nows), nil, nil
+local shown = string.format('%.6f', nows)
 for _, c in ipairs(clocks) do
   local rt, tt = c[2], c[3]
   if c[5] ~= '' then rt = math.max(rt, nows) + tonumber(c[5]) end
   if c[6] ~= '' then tt = math.max(tt, nows) + tokens * tonumber(c[6]) end
   local r, t = string.format('%.6f', rt), string.format('%.6f', tt)
   if c[5] ~= '' or c[6] ~= '' then
-    if c[1] == own then own_r, own_t = r, t  -- written with the ledger's reserved amount, below
-    else redis.call('HSET', p .. 'rate:' .. c[1], 'r', r, 't', t) end
+    redis.call('HSET', p .. 'rate:' .. c[1], 'r', r, 't', t)
   end
   if c[7] then redis.call('ZADD', p .. 'inflight:' .. c[1], expires, rid) end
   shown = shown .. ' ' .. r .. ' ' .. t
@@ -247,12 +235,7 @@ local out = {1, shown}
 redis.call('HSET', p .. 'res:' .. rid, 'team', team, 'period', period, 'amount', ARGV[4], 'state', 'held',
            'run', run, 'owner', owner, 'scopes', scopes)
 redis.call('ZADD', p .. 'held:' .. team, expires, rid)
-if own_r then  -- f[2]: the reserved amount as read above, in this same step
-  redis.call('HSET', p .. 'ledger:' .. team, 'reserved:' .. period, string.format('%d', tonumber(f[2]) + amount),
-             'clock:r', own_r, 'clock:t', own_t)
-else
-  redis.call('HINCRBY', p .. 'ledger:' .. team, 'reserved:' .. period, ARGV[4])
-end
+redis.call('HINCRBY', p .. 'ledger:' .. team, 'reserved:' .. period, ARGV[4])
 if run ~= '' then
   redis.call('ZADD', p .. 'slots:' .. run, expires, rid)
   out[#out + 1] = redis.call('HGET', p .. 'run:' .. run, 'revision')  -- Grant.run_revision
@@ -265,7 +248,7 @@ FIGURES: Final = _HELPERS + """
 local p, team, period, run, retention = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local now = now_ms()
 reclaim(p, team, now, retention)
-local f = figures(p, team, period, run, now, false)
+local f = figures(p, team, period, run, now)
 return {f[1], f[2], f[3] or '', f[4], f[5], string.format('%d', f[6])}
 """
 
@@ -293,37 +276,23 @@ _SETTLE: Final = """
 -- Books a reservation's actual cost once (an expired one too, while it is remembered), and
 -- pushes the token clocks of its scopes by the tokens it used beyond those counted
 -- (ARGV[first..last]: one argument each, "tokens seconds-per-token scope") at `at_ms` (the
--- script's clock). The team scope's clock is a field of the ledger hash: written with the
--- booking.
+-- script's clock).
 local function settle(p, rid, actual, first, last, at_ms)
   local rk = p .. 'res:' .. rid
   local r = redis.call('HMGET', rk, 'team', 'period', 'amount', 'state', 'run', 'owner', 'scopes')
   if not r[1] then return 0 end
-  local ledger, own, mine, now = p .. 'ledger:' .. r[1], 'team:' .. r[1], nil, at_ms / 1000
+  local ledger, now = p .. 'ledger:' .. r[1], at_ms / 1000
   for i = first, last do
     local n, per, scope = string.match(ARGV[i], '^(%S+) (%S+) (.+)$')
-    if scope == own then mine = {n, per}
-    else
-      local key = p .. 'rate:' .. scope
-      redis.call('HSET', key, 't', pushed(redis.call('HGET', key, 't'), now, n, per))
-    end
+    local key = p .. 'rate:' .. scope
+    redis.call('HSET', key, 't', pushed(redis.call('HGET', key, 't'), now, n, per))
   end
-  local held = r[4] == 'held'
-  if held then redis.call('ZREM', p .. 'held:' .. r[1], rid) end
+  if r[4] == 'held' then
+    redis.call('HINCRBY', ledger, 'reserved:' .. r[2], neg(r[3]))
+    redis.call('ZREM', p .. 'held:' .. r[1], rid)
+  end
   unslot(p, rid, r[5], r[6], r[7])
-  if mine then  -- read and written in two commands, in this same step
-    local l = redis.call('HMGET', ledger, 'spent:' .. r[2], 'reserved:' .. r[2], 'clock:t')
-    local spent, t = string.format('%d', tonumber(l[1] or '0') + tonumber(actual)), pushed(l[3], now, mine[1], mine[2])
-    if held then
-      redis.call('HSET', ledger, 'spent:' .. r[2], spent,
-                 'reserved:' .. r[2], string.format('%d', tonumber(l[2] or '0') - tonumber(r[3])), 'clock:t', t)
-    else
-      redis.call('HSET', ledger, 'spent:' .. r[2], spent, 'clock:t', t)
-    end
-  else
-    if held then redis.call('HINCRBY', ledger, 'reserved:' .. r[2], neg(r[3])) end
-    redis.call('HINCRBY', ledger, 'spent:' .. r[2], actual)
-  end
+  redis.call('HINCRBY', ledger, 'spent:' .. r[2], actual)
   redis.call('DEL', rk)
   return 1
 end
