@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal, NotRequired, TypedDict, TypeVar, Unpack, cast, get_args, overload
 
+from gateway.harness.execute import CallOutcome
+
 EventKind = Literal[
     "turn",
     "usage_clamped",
@@ -106,7 +108,7 @@ class ToolResultFields(TypedDict):
     ms: float
     ok: bool
     callId: str
-    outcome: Literal["ok", "error", "cancelled"]  # cancelled: the Stop ended it; the call stays pending
+    outcome: CallOutcome  # cancelled: the Stop ended it; the call stays pending
 
 
 class ToolDeniedFields(ToolCallFields):
