@@ -213,8 +213,7 @@ async def oracle_check(session: aiohttp.ClientSession, local_url: str, model: st
             ok = judge(task.kind, answer, reads, truth)
             right += ok
             calls = "; ".join(", ".join(n if p is None else f"{n}({p})" for n, p in rnd) for rnd in plans[task.kind])
-            short = " ".join(answer.split())
-            short = short if len(short) <= 70 else short[:67] + "..."
+            short = shortened(answer)
             lines.append(f"oracle {label:<10} {task.kind:<9} after {calls:<58} -> \"{short}\"  "
                          f"{'RIGHT' if ok else 'WRONG'}")
             print(lines[-1], flush=True)
@@ -222,6 +221,12 @@ async def oracle_check(session: aiohttp.ClientSession, local_url: str, model: st
         lines.append(total)
         print(total, flush=True)
     return lines
+
+
+def shortened(answer: str) -> str:
+    """An answer on one line of at most 70 characters, for the demo's report lines."""
+    short = " ".join(answer.split())
+    return short if len(short) <= 70 else short[:67] + "..."
 
 
 @dataclass
@@ -244,8 +249,7 @@ class TaskResult:
     right: bool
 
     def line(self) -> str:
-        short = " ".join(self.answer.split())
-        short = short if len(short) <= 70 else short[:67] + "..."
+        short = shortened(self.answer)
         text = (f"turns={self.turns} repairs={self.repairs} tools={len(self.tool_runs)} wall={self.wall_ms:>7,}ms  "
                 f"exit={self.exit:<18} {self.task:<36} -> \"{short}\"  {'RIGHT' if self.right else 'WRONG'}")
         if self.status != "completed" and self.reason:
