@@ -38,6 +38,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=weight)  # stable: a file's tests keep their order
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """On pytest-xdist's controller: one zygote (tests/support/zygote.py) for all workers.
+
+    Workers inherit the environment variable naming its socket, so the gateway imports are
+    paid once per run instead of once per worker (about 1.2 CPU-seconds each)."""
+    import os
+    import tempfile
+
+    from tests.support import zygote
+
+    workers = getattr(config.option, "numprocesses", None)
+    if not workers or hasattr(config, "workerinput") or not zygote.enabled() or os.environ.get(zygote.SHARED):
+        return
+    shared = zygote.Zygote.start(Path(tempfile.mkdtemp(prefix="gwz")))
+    os.environ[zygote.SHARED] = shared.path
+    config.add_cleanup(shared.close)
+
+
 CPU_REPORT = "GATEWAY_TEST_CPU_REPORT"
 """A file path: each test file's CPU seconds (the test process, the processes it started
 and waited for, and the gateway processes forked for it) are appended there as JSON lines.

@@ -46,13 +46,18 @@ _ZYGOTE_LOCK = threading.Lock()
 
 
 def _zygote() -> zygote.Zygote | None:
-    """This test process's zygote (started on first use), or None when GATEWAY_TEST_ZYGOTE=0."""
-    if os.environ.get("GATEWAY_TEST_ZYGOTE", "1") == "0":
+    """The run's zygote (the one `zygote.SHARED` names, else this process's own, started on
+    first use), or None when GATEWAY_TEST_ZYGOTE=0."""
+    if not zygote.enabled():
         return None
     with _ZYGOTE_LOCK:
         if not _ZYGOTE:
-            _ZYGOTE.append(zygote.Zygote(Path(tempfile.mkdtemp(prefix="gwz"))))
-            atexit.register(_ZYGOTE[0].close)
+            shared = os.environ.get(zygote.SHARED)
+            if shared:
+                _ZYGOTE.append(zygote.Zygote.join(shared))
+            else:
+                _ZYGOTE.append(zygote.Zygote.start(Path(tempfile.mkdtemp(prefix="gwz"))))
+                atexit.register(_ZYGOTE[0].close)
         return _ZYGOTE[0]
 
 

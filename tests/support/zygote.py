@@ -3,8 +3,9 @@
 A gateway process spends about a second of CPU before it answers: importing aiohttp and
 the gateway (~0.6 s) and building the o200k_base encoding (~0.5 s). The suite starts more
 than a hundred of them on two cores, so that second is most of its CPU. The zygote pays it
-once per pytest worker: it imports what `gateway serve` imports, loads the encoding, then
-forks a child per start request. The child is a real, separate gateway process: it has
+once per test run (pytest-xdist's controller starts one that all its workers share; a
+run without xdist starts its own on first use): it imports what `gateway serve` imports,
+loads the encoding, then forks a child per start request. The child is a real, separate gateway process: it has
 its own pid, environment, working folder and log, runs the same `gateway.cli.main`, and is
 stopped or SIGKILLed by pid like any other. What it skips is only the import.
 
@@ -13,7 +14,7 @@ Protocol, over a unix socket, one connection per child: the client sends one JSO
 instead of one `"log"`); the zygote answers `{"pid": N}`,
 then, once the child has exited, `{"returncode": R, "cpu_s": C}` (R negative: killed by that
 signal, as `subprocess` reports it; C: the child's CPU seconds) and closes the connection. The zygote exits when its stdin closes
-(its pytest worker is gone).
+(the process that started it is gone).
 
 `GATEWAY_TEST_ZYGOTE=0` turns it off: every start is then a fresh interpreter.
 """
@@ -31,6 +32,15 @@ import sys
 import traceback
 from pathlib import Path
 from typing import Any
+
+
+SHARED = "GATEWAY_TEST_ZYGOTE_SOCKET"
+"""The environment variable naming a zygote's socket that this process's tests share."""
+
+
+def enabled() -> bool:
+    """Whether gateway processes are forked from a zygote (GATEWAY_TEST_ZYGOTE=0: fresh)."""
+    return os.environ.get("GATEWAY_TEST_ZYGOTE", "1") != "0"
 
 
 CPU_SPENT = [0.0]
@@ -85,10 +95,13 @@ def _child(request: dict[str, Any]) -> None:
 
 def serve(path: str) -> None:
     """The zygote's loop: fork on each request, report each child's exit."""
-    _preload()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
+    # Listening before the imports: clients that connect meanwhile wait in the backlog, so
+    # the process that started the zygote need not wait for its second of imports.
+    print("listening", flush=True)
+    _preload()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -98,7 +111,6 @@ def serve(path: str) -> None:
     sel.register(wake_r, selectors.EVENT_READ, "child")
     sel.register(sys.stdin, selectors.EVENT_READ, "parent")
     children: dict[int, socket.socket] = {}
-    print("ready", flush=True)
     while True:
         for key, _ in sel.select():
             if key.data == "parent":
@@ -200,20 +212,34 @@ class Child:
 
 
 class Zygote:
-    """The client side: one zygote process per test process, started on first use."""
+    """The client side of a zygote: the one this process started (`start`), or one another
+    process started and shares (`join`: pytest-xdist's controller starts one for all its
+    workers, so the imports are paid once per run, not once per worker)."""
 
-    def __init__(self, folder: Path) -> None:
-        self.path = str(folder / "zygote.sock")
-        self.log = folder / "zygote.log"
+    def __init__(self, path: str, log: Path, popen: subprocess.Popen[bytes] | None) -> None:
+        self.path = path
+        self.log = log
+        self.popen = popen
+
+    @classmethod
+    def start(cls, folder: Path) -> Zygote:
+        """Start a zygote listening in `folder`; it exits when this process goes away."""
+        path, log = str(folder / "zygote.sock"), folder / "zygote.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         root = Path(__file__).resolve().parents[2]
-        with self.log.open("wb") as out:
-            self.popen = subprocess.Popen([sys.executable, "-m", "tests.support.zygote", self.path], cwd=root, env=env,
-                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=out)
-        assert self.popen.stdout is not None
-        line = self.popen.stdout.readline()
-        if line.strip() != b"ready":
-            raise RuntimeError(f"the zygote did not start:\n{self.log.read_text(errors='replace')}")
+        with log.open("wb") as out:
+            popen = subprocess.Popen([sys.executable, "-m", "tests.support.zygote", path], cwd=root, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=out)
+        assert popen.stdout is not None
+        line = popen.stdout.readline()
+        if line.strip() != b"listening":
+            raise RuntimeError(f"the zygote did not start:\n{log.read_text(errors='replace')}")
+        return cls(path, log, popen)
+
+    @classmethod
+    def join(cls, path: str) -> Zygote:
+        """The zygote another process started, listening at `path` (its log beside it)."""
+        return cls(path, Path(path).with_name("zygote.log"), None)
 
     def spawn(self, argv: list[str], cwd: Path, env: dict[str, str], log: Path, stderr: Path | None = None) -> Child:
         """Fork `gateway <argv>` with its output in `log` (its stderr in `stderr` when given)."""
@@ -234,7 +260,8 @@ class Zygote:
         return child
 
     def close(self) -> None:
-        if self.popen.poll() is None:
+        """Stop the zygote this process started (a joined one belongs to its starter)."""
+        if self.popen is not None and self.popen.poll() is None:
             assert self.popen.stdin is not None
             self.popen.stdin.close()
             try:
