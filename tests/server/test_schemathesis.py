@@ -6,7 +6,7 @@ The checks are named: the document describes bodies more loosely than the edge v
 them (docs/http-api.md has the exact rules), so "a schema-valid request was rejected" is
 expected and not checked, and unknown fields of a chat body are forwarded, not refused.
 The CLI is the tool's own way to run every phase (examples, coverage, fuzzing, stateful; without a key,
-where every answer is a 401, only the first two);
+where every answer is a 401, a few fuzzed requests per operation);
 a fixed seed keeps the run the same every time.
 """
 
@@ -43,12 +43,13 @@ def st() -> str:
 
 @pytest.mark.parametrize("key", [DEMO, None], ids=["team-key", "no-key"])
 def test_every_operation_answers_within_the_document(gateway: Served, key: str | None, tmp_path: Path) -> None:
-    args = [st(), "run", f"{gateway.proc.url}/openapi.json", "--checks", CHECKS, "--max-examples", "8",
-            "--seed", "20261201", "--no-color"]
+    args = [st(), "run", f"{gateway.proc.url}/openapi.json", "--checks", CHECKS, "--seed", "20261201", "--no-color"]
     if key:
-        args += ["-H", f"Authorization: Bearer {key}"]
-    else:  # every answer is a 401 before any body is read: generating bodies (fuzzing, stateful) adds nothing
-        args += ["--phases", "examples,coverage"]
+        args += ["-H", f"Authorization: Bearer {key}", "--max-examples", "8"]
+    else:
+        # Every answer is a 401 before any body is read: a few requests per operation show
+        # it (the coverage phase's ~650 boundary cases would all read the same 401).
+        args += ["--phases", "fuzzing", "--max-examples", "3"]
     done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     selected = re.search(r"Selected: (\d+)/(\d+)", done.stdout)
