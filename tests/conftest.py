@@ -56,6 +56,16 @@ def pytest_configure(config: pytest.Config) -> None:
     config.add_cleanup(shared.close)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported (the test modules, the clients' SDKs: pydantic models by
+    the thousand) lives until the end: frozen out of the cyclic collector, which would
+    otherwise walk it again on every full collection the tests trigger."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 CPU_REPORT = "GATEWAY_TEST_CPU_REPORT"
 """A file path: each test file's CPU seconds (the test process, the processes it started
 and waited for, and the gateway processes forked for it) are appended there as JSON lines.
