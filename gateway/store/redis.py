@@ -124,6 +124,8 @@ class _Translate:
 class RedisStore:
     """The store in a Redis server; every replica pointing at the same url and prefix shares it."""
 
+    lookup_in_admission = True  # a look-up is a round trip; ADMIT reports a stored run
+
     def __init__(self, url: str, prefix: str = DEFAULT_PREFIX, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.url = url
         self.prefix = prefix
@@ -266,7 +268,8 @@ class RedisStore:
             revision = None if claim.run_id is None else int(result[2])
             return Grant(rid, rates=_granted(claim, result[1]) if claim.rates else (), run_revision=revision)
         if int(result[0]) == 2 and claim.create is not None:
-            raise RunExists(claim.create.run_id)
+            run_id = claim.create.run_id
+            raise RunExists(run_id, None if result[1] is None else parse_run(run_id, result[1]))
         return Grant(None, cast(Refusal, _text(result[1])), _figures(result[2:8]), _clocks(claim, result[8:]))
 
     async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:

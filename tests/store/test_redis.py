@@ -10,6 +10,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.harness.state import RunState
 from gateway.store.base import EXPIRED_RETENTION_S, Booking, Claim, Figures
+from gateway.store.errors import RunExists
 from gateway.store.redis import RedisStore, redact
 from gateway.store.redis_wire import Script
 
@@ -93,5 +94,26 @@ async def test_a_call_that_timed_out_leaves_no_reply_for_the_next(redis_url: str
             await store._lane.run(busy, [])
         loaded = await store.load_run("run_l")  # waits for the busy script, then gets its own answer
         assert loaded is not None and loaded.run_id == "run_l"
+    finally:
+        await store.close()
+
+
+async def test_an_admission_that_finds_its_new_run_stored_reports_it(redis_url: str) -> None:
+    """`lookup_in_admission`: a call's run is not looked up first, so an admission whose new
+    run is stored already must hand back the stored run (and write nothing)."""
+    store = RedisStore(redis_url, prefix="found:")
+    try:
+        assert store.lookup_in_admission
+        stored = RunState.new("m", [{"role": "user", "content": "first"}], run_id="run_s", team="demo")
+        await store.create_run(stored)
+        stored.turns = 3
+        await store.save_run(stored)
+        again = RunState.new("m", [{"role": "user", "content": "second"}], run_id="run_s", team="demo")
+        with pytest.raises(RunExists) as refused:
+            await store.admit(Claim("demo", "total", 0.05, 1.0, run_id="run_s", create=again))
+        found = refused.value.stored
+        assert found is not None and (found.revision, found.turns, found.messages) == (
+            1, 3, [{"role": "user", "content": "first"}])
+        assert await store.team_spend("demo", "total") == (0.0, 0.0)  # nothing held
     finally:
         await store.close()
