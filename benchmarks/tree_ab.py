@@ -40,8 +40,10 @@ MODES = ("same run", "new run")
 def start(tree: Path, name: str, folder: Path, upstream: str, store: dict[str, Any] | None) -> Proc:
     port = free_port()
     config = gateway_config(folder / name, port, upstream, True, store=store)
+    # fresh: a gateway forked from the test zygote runs the code the zygote imported (this
+    # tree's), whatever `tree` is; a new interpreter imports `tree`'s own.
     return start_gateway(["serve", "--config", str(config)], "/healthz", port, folder / name / "gateway.log",
-                         cwd=tree, env={"PYTHONPATH": str(tree)}, timeout=180)
+                         cwd=tree, env={"PYTHONPATH": str(tree)}, timeout=180, fresh=True)
 
 
 def cpu_s(proc: Proc) -> float:

@@ -203,6 +203,11 @@ class Grant:
 class Store(Protocol):
     """Durable state shared by every request (and every replica) of the gateway."""
 
+    lookup_in_admission: bool
+    """True when a pass-through call's run is better not looked up before its admission: a
+    look-up costs a round trip of its own, and an admission whose `Claim.create` names a
+    stored run reports that run (`RunExists.stored`) in the same step."""
+
     notice_rule: NoticeRule | None
     """Turns the trace lines `append_events` and `commit_turn` write into outbox notices,
     written in the same step (None: no notices). Set once, before the store is used."""
@@ -264,7 +269,8 @@ class Store(Protocol):
 
     async def admit(self, claim: Claim) -> Grant:
         """Check and hold a `Claim` in one atomic step (see `Claim`); refusals hold nothing.
-        RunExists (nothing written) when `claim.create` names a run that is stored already."""
+        RunExists (nothing written) when `claim.create` names a run that is stored already;
+        with `lookup_in_admission`, the exception carries the stored run (`stored`)."""
         ...
 
     async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.harness.state import RunState
+
 
 class StoreError(Exception):
     """The store cannot do what was asked (backend unreachable, corrupt data, bad config)."""
@@ -12,11 +17,13 @@ class StoreConfigError(StoreError, ValueError):
 
 
 class RunExists(StoreError):
-    """`create_run` was given an id that is already stored."""
+    """`create_run` (or an admission's `Claim.create`) was given an id that is already stored.
+    `stored`: the stored run, when the store read it in the same step (else None)."""
 
-    def __init__(self, run_id: str) -> None:
+    def __init__(self, run_id: str, stored: RunState | None = None) -> None:
         super().__init__(f"run {run_id!r} already exists")
         self.run_id = run_id
+        self.stored = stored
 
 
 class RunNotFound(StoreError):

@@ -89,6 +89,8 @@ class _Outgoing:
 class MemoryStore:
     """Every method completes without awaiting, so each one is atomic on the event loop."""
 
+    lookup_in_admission = False  # a look-up is cheap here
+
     def __init__(self) -> None:
         self._runs: dict[str, _StoredRun] = {}
         self._events: dict[str, list[bytes]] = {}

@@ -58,10 +58,29 @@ from gateway.store.errors import (
 )
 from gateway.store.outbox import Claimed, Notice, NoticeRule, check_notices
 from gateway.store.periods import ended_before as period_ended
+from gateway.store.redis_wire import Lane, Script
 
 DEFAULT_PREFIX: Final = "gw:"
 DEFAULT_TIMEOUT_S: Final = 2.0
 _RETENTION_MS: Final = str(int(EXPIRED_RETENTION_S * 1000))
+_CREATE_RUN: Final = Script(redis_lua.CREATE_RUN)
+_SAVE_RUN: Final = Script(redis_lua.SAVE_RUN)
+_COMMIT_TURN: Final = Script(redis_lua.COMMIT_TURN)
+_LIST_RUNS: Final = Script(redis_lua.LIST_RUNS)
+_ADMIT: Final = Script(redis_lua.ADMIT)
+_FIGURES: Final = Script(redis_lua.FIGURES)
+_RENEW: Final = Script(redis_lua.RENEW)
+_RELEASE_OWNER: Final = Script(redis_lua.RELEASE_OWNER)
+_SETTLE: Final = Script(redis_lua.SETTLE)
+_RELEASE: Final = Script(redis_lua.RELEASE)
+_TEAM_SPEND: Final = Script(redis_lua.TEAM_SPEND)
+_ACQUIRE_LEASE: Final = Script(redis_lua.ACQUIRE_LEASE, keys=2)
+_RELEASE_LEASE: Final = Script(redis_lua.RELEASE_LEASE, keys=2)
+_PRUNE_RUNS: Final = Script(redis_lua.PRUNE_RUNS)
+_ENQUEUE: Final = Script(redis_lua.ENQUEUE)
+_APPEND_EVENTS: Final = Script(redis_lua.APPEND_EVENTS)
+_CLAIM_NOTICES: Final = Script(redis_lua.CLAIM_NOTICES)
+_NOTICE_OUTCOME: Final = Script(redis_lua.NOTICE_OUTCOME)
 
 
 def redact(url: str) -> str:
@@ -79,8 +98,8 @@ def redact(url: str) -> str:
 class _Translate:
     """Turns client errors (connection refused, timeouts) into StoreError naming the server.
 
-    A lost connection also drops the pool's idle connections: they were opened to the same
-    server and are as dead as this one, so after a restart of Redis the next calls connect
+    A lost connection also drops the idle connections (the store's lane's and the pool's):
+    they were opened to the same server and are as dead as this one, so after a restart of Redis the next calls connect
     afresh instead of each failing once on a stale socket.
     """
 
@@ -97,12 +116,15 @@ class _Translate:
             client = self.store._client
             if isinstance(exc, (RedisConnectionError, RedisTimeoutError)) and client is not None:
                 with contextlib.suppress(RedisError, OSError):
+                    await self.store._lane.drop_idle()
                     await client.connection_pool.disconnect(inuse_connections=False)
             raise StoreError(f"redis store {self.url}: {exc}") from exc
 
 
 class RedisStore:
     """The store in a Redis server; every replica pointing at the same url and prefix shares it."""
+
+    lookup_in_admission = True  # a look-up is a round trip; ADMIT reports a stored run
 
     def __init__(self, url: str, prefix: str = DEFAULT_PREFIX, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.url = url
@@ -115,25 +137,9 @@ class RedisStore:
         # have run (a booking sent twice would be booked twice).
         self._client: aioredis.Redis | None = aioredis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
-        client = self._client
-        self._create = client.register_script(redis_lua.CREATE_RUN)
-        self._save = client.register_script(redis_lua.SAVE_RUN)
-        self._commit = client.register_script(redis_lua.COMMIT_TURN)
-        self._list = client.register_script(redis_lua.LIST_RUNS)
-        self._admit = client.register_script(redis_lua.ADMIT)
-        self._figures = client.register_script(redis_lua.FIGURES)
-        self._renew = client.register_script(redis_lua.RENEW)
-        self._release_owner = client.register_script(redis_lua.RELEASE_OWNER)
-        self._settle = client.register_script(redis_lua.SETTLE)
-        self._release = client.register_script(redis_lua.RELEASE)
-        self._spend = client.register_script(redis_lua.TEAM_SPEND)
-        self._acquire = client.register_script(redis_lua.ACQUIRE_LEASE)
-        self._unlease = client.register_script(redis_lua.RELEASE_LEASE)
-        self._prune = client.register_script(redis_lua.PRUNE_RUNS)
-        self._enqueue = client.register_script(redis_lua.ENQUEUE)
-        self._append = client.register_script(redis_lua.APPEND_EVENTS)
-        self._claim = client.register_script(redis_lua.CLAIM_NOTICES)
-        self._outcome = client.register_script(redis_lua.NOTICE_OUTCOME)
+        # The scripts (every call's round trips) go through a lane of their own, with the same
+        # deadline and no retries either (redis_wire); the client serves the other commands.
+        self._lane = Lane(self._client.connection_pool, timeout_s)
         self.notice_rule: NoticeRule | None = None
 
     def _redis(self) -> aioredis.Redis:
@@ -147,13 +153,14 @@ class RedisStore:
     async def create_run(self, state: RunState) -> None:
         self._redis()
         async with self._errors:
-            created = await self._create(args=[self.prefix, *_run_fields(state)])
+            created = await self._lane.run(_CREATE_RUN, [self.prefix, *_run_fields(state)])
         if int(created) != 1:
             raise RunExists(state.run_id)
 
     async def load_run(self, run_id: str) -> RunState | None:
+        self._redis()
         async with self._errors:
-            body = await self._redis().hget(self._key("run", run_id), "body")
+            body = await self._lane.command("HGET", self._key("run", run_id), "body")
         return None if body is None else parse_run(run_id, body)
 
     async def save_run(self, state: RunState) -> None:
@@ -162,10 +169,8 @@ class RedisStore:
         body = orjson.dumps(stamped_body(state, revision, now))
         self._redis()
         async with self._errors:
-            result: list[Any] = await self._save(
-                args=[self.prefix, state.run_id, str(state.revision), str(revision), state.status, state.team, body,
-                      str(state.turns), str(to_micros(state.cost_usd, "cost_usd"))]
-            )
+            result: list[Any] = await self._lane.run(_SAVE_RUN, [self.prefix, state.run_id, str(state.revision), str(revision), state.status, state.team, body,
+                      str(state.turns), str(to_micros(state.cost_usd, "cost_usd"))])
         self._check_saved(state, result)
         state.revision = revision
         state.updated_at = now
@@ -196,7 +201,7 @@ class RedisStore:
                  *self._notice_args(state.run_id, events)]
         self._redis()
         async with self._errors:
-            result: list[Any] = await self._commit(args=args)
+            result: list[Any] = await self._lane.run(_COMMIT_TURN, args)
         self._check_saved(state, result, None if booking is None else booking.reservation_id)
         state.revision = revision
         state.updated_at = now
@@ -210,7 +215,7 @@ class RedisStore:
         wanted = "" if policies is None else "|" + "|".join(sorted(set(policies))) + "|"
         self._redis()
         async with self._errors:
-            flat: list[bytes] = await self._list(args=[self.prefix, team or "", status or "", str(limit), wanted])
+            flat: list[bytes] = await self._lane.run(_LIST_RUNS, [self.prefix, team or "", status or "", str(limit), wanted])
         return [parse_run(flat[i].decode(), flat[i + 1]) for i in range(0, len(flat), 2)]
 
     async def append_events(self, run_id: str, events: list[Event]) -> None:
@@ -224,7 +229,7 @@ class RedisStore:
             return
         self._redis()
         async with self._errors:
-            await self._append(args=[self.prefix, run_id, str(len(encoded)), *encoded, *notices])
+            await self._lane.run(_APPEND_EVENTS, [self.prefix, run_id, str(len(encoded)), *encoded, *notices])
 
     def _notice_args(self, run_id: str, events: list[Event]) -> list[str | bytes]:
         """The notices of `events` as the Lua scripts take them: id, body, period triples."""
@@ -258,18 +263,19 @@ class RedisStore:
             args += _run_fields(claim.create)
         self._redis()
         async with self._errors:
-            result: list[Any] = await self._admit(args=args)
+            result: list[Any] = await self._lane.run(_ADMIT, args)
         if int(result[0]) == 1:
             revision = None if claim.run_id is None else int(result[2])
             return Grant(rid, rates=_granted(claim, result[1]) if claim.rates else (), run_revision=revision)
         if int(result[0]) == 2 and claim.create is not None:
-            raise RunExists(claim.create.run_id)
+            run_id = claim.create.run_id
+            raise RunExists(run_id, None if result[1] is None else parse_run(run_id, result[1]))
         return Grant(None, cast(Refusal, _text(result[1])), _figures(result[2:8]), _clocks(claim, result[8:]))
 
     async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
         self._redis()
         async with self._errors:
-            result: list[Any] = await self._figures(args=[self.prefix, team, period, run_id or "", _RETENTION_MS])
+            result: list[Any] = await self._lane.run(_FIGURES, [self.prefix, team, period, run_id or "", _RETENTION_MS])
         return _figures(result)
 
     async def renew(self, reservation_ids: Sequence[str], ttl_s: float) -> None:
@@ -278,28 +284,28 @@ class RedisStore:
         ttl_ms = max(1, math.ceil(check_ttl(ttl_s, "ttl_s", allow_zero=False) * 1000))
         self._redis()
         async with self._errors:
-            await self._renew(args=[self.prefix, str(ttl_ms), *reservation_ids])
+            await self._lane.run(_RENEW, [self.prefix, str(ttl_ms), *reservation_ids])
 
     async def release_owner(self, owner: str) -> int:
         self._redis()
         async with self._errors:
-            return int(await self._release_owner(args=[self.prefix, owner]))
+            return int(await self._lane.run(_RELEASE_OWNER, [self.prefix, owner]))
 
     async def settle(self, reservation_id: str, actual_usd: float, tokens: Sequence[TokenCharge] = ()) -> None:
         actual = to_micros(actual_usd, "actual_usd")
         self._redis()
         async with self._errors:
-            await self._settle(args=[self.prefix, reservation_id, str(actual), *_charges(tokens)])
+            await self._lane.run(_SETTLE, [self.prefix, reservation_id, str(actual), *_charges(tokens)])
 
     async def release(self, reservation_id: str) -> None:
         self._redis()
         async with self._errors:
-            await self._release(args=[self.prefix, reservation_id])
+            await self._lane.run(_RELEASE, [self.prefix, reservation_id])
 
     async def team_spend(self, team: str, period: str) -> tuple[float, float]:
         self._redis()
         async with self._errors:
-            spent, reserved = await self._spend(args=[self.prefix, team, period, _RETENTION_MS])
+            spent, reserved = await self._lane.run(_TEAM_SPEND, [self.prefix, team, period, _RETENTION_MS])
         return from_micros(int(spent)), from_micros(int(reserved))
 
     async def charge(self, team: str, period: str, amount_usd: float) -> None:
@@ -311,21 +317,21 @@ class RedisStore:
         ttl_ms = max(1, math.ceil(check_ttl(ttl_s, "ttl_s", allow_zero=False) * 1000))
         self._redis()
         async with self._errors:
-            ok = await self._acquire(keys=[self._key("lease", run_id), self._key("leases-of", owner)],
-                                     args=[owner, str(ttl_ms)])
+            ok = await self._lane.run(_ACQUIRE_LEASE, [self._key("lease", run_id), self._key("leases-of", owner),
+                                                       owner, str(ttl_ms)])
         return int(ok) == 1
 
     async def release_lease(self, run_id: str, owner: str) -> None:
         self._redis()
         async with self._errors:
-            await self._unlease(keys=[self._key("lease", run_id), self._key("leases-of", owner)], args=[owner])
+            await self._lane.run(_RELEASE_LEASE, [self._key("lease", run_id), self._key("leases-of", owner), owner])
 
     async def prune_runs(self, updated_before: float, *, events_only: bool = False) -> int:
         self._redis()
         total, offset = 0, 0
         while True:
             async with self._errors:
-                pruned, kept, scanned = await self._prune(args=[
+                pruned, kept, scanned = await self._lane.run(_PRUNE_RUNS, [
                     self.prefix, repr(updated_before), str(offset), str(PRUNE_BATCH), "1" if events_only else "0"])
             total += int(pruned)
             offset += int(kept)
@@ -387,26 +393,26 @@ class RedisStore:
         args = _notice_triples(notices)
         self._redis()
         async with self._errors:
-            return int(await self._enqueue(args=[self.prefix, *args]))
+            return int(await self._lane.run(_ENQUEUE, [self.prefix, *args]))
 
     async def claim_notices(self, owner: str, limit: int, lease_s: float) -> list[Claimed]:
         lease_ms = max(1, math.ceil(check_ttl(lease_s, "lease_s", allow_zero=False) * 1000))
         self._redis()
         async with self._errors:
-            flat: list[Any] = await self._claim(args=[self.prefix, owner, str(max(limit, 0)), str(lease_ms)])
+            flat: list[Any] = await self._lane.run(_CLAIM_NOTICES, [self.prefix, owner, str(max(limit, 0)), str(lease_ms)])
         return [Claimed(_text(flat[i]), bytes(flat[i + 1]), int(flat[i + 2] or 0)) for i in range(0, len(flat), 3)]
 
     async def notice_sent(self, notice_id: str) -> None:
         self._redis()
         async with self._errors:
-            await self._outcome(args=[self.prefix, notice_id, "", "sent", "0", ""])
+            await self._lane.run(_NOTICE_OUTCOME, [self.prefix, notice_id, "", "sent", "0", ""])
 
     async def notice_failed(self, notice_id: str, owner: str, retry_in_s: float | None, error: str) -> None:
         retry = None if retry_in_s is None else check_ttl(retry_in_s, "retry_in_s", allow_zero=True)
         outcome = "failed" if retry is None else "retry"
         self._redis()
         async with self._errors:
-            await self._outcome(args=[self.prefix, notice_id, owner, outcome, str(round((retry or 0) * 1000)), error])
+            await self._lane.run(_NOTICE_OUTCOME, [self.prefix, notice_id, owner, outcome, str(round((retry or 0) * 1000)), error])
 
     async def outbox_depth(self) -> int:
         async with self._errors:
@@ -434,6 +440,7 @@ class RedisStore:
         client, self._client = self._client, None
         if client is not None:
             async with self._errors:
+                await self._lane.close()
                 await client.aclose()
 
 

@@ -152,7 +152,8 @@ return out
 # tokens_tat ..." (epoch s, two per scope, after the claim: one reply element, not two per
 # scope, since each costs the client a parse), or {0, refusal, figures..., now, clocks...}
 # with requests tat, tokens tat and in flight per scope as checked. A run's first call adds
-# the run to store first (CREATE_RUN's nine arguments) after the scopes: {2} if it exists.
+# the run to store first (CREATE_RUN's nine arguments) after the scopes: {2, stored body} if
+# it exists (the caller goes on with the stored run without a look-up of its own).
 #
 # Each scope's clocks are a hash `rate:<scope>` (r, t). The calls in flight of the claim's own
 # team scope ('team:' .. team) are the team's live reservations, which `held:<team>` lists
@@ -166,7 +167,7 @@ local p, team, period, amount, budget, ttl, rid, retention, run, max_turns, max_
 -- A run's first call: the run (CREATE_RUN's nine arguments after the scopes) is stored
 -- first, in this step.
 local at = 16 + tonumber(ARGV[15])
-if #ARGV >= at + 8 and create(p, at) == 0 then return {2} end
+if #ARGV >= at + 8 and create(p, at) == 0 then return {2, redis.call('HGET', p .. 'run:' .. ARGV[at], 'body')} end
 local now = now_ms()
 reclaim(p, team, now, retention)
 local own, specs = 'team:' .. team, {}

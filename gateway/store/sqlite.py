@@ -121,6 +121,8 @@ _FIGURES: Final = (
 class SqliteStore:
     """The store in one SQLite file; several processes may open the same file."""
 
+    lookup_in_admission = False  # a look-up is cheap here
+
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
         self._errors = Translate(self.path)

@@ -214,6 +214,34 @@ async def test_a_run_changed_on_one_replica_is_seen_by_the_other_at_its_next_cal
     assert status == 429 and body["error"]["type"] == "max_turns_exceeded", body
 
 
+async def test_a_call_of_a_run_this_replica_never_loaded_is_judged_on_the_stored_run(
+        pair: Pair, session: aiohttp.ClientSession) -> None:
+    # On Redis a call whose run this process has not cached is admitted without a look-up
+    # (its admission stores a new run or reports the stored one): the stored run must still
+    # decide, its turns, its policy against X-Policy, and a server-side policy's loop.
+    async def call(proc: Proc, run_id: str, **headers: str) -> tuple[int, dict[str, str], Any]:
+        return await request(session, "POST", f"{proc.url}/v1/chat/completions", body=chat_body("scripted-plan"),
+                             headers={"X-Run-Id": run_id, **headers})
+
+    passing = f"blind-{uuid.uuid4().hex[:8]}"
+    status, headers, _ = await call(pair.a, passing)
+    assert status == 200 and headers["X-Run-Turns"] == "1"
+    status, headers, _ = await call(pair.b, passing)  # B never saw this run
+    assert status == 200 and headers["X-Run-Turns"] == "2"
+
+    served = f"blind-{uuid.uuid4().hex[:8]}"
+    status, headers, body = await call(pair.a, served, **{"X-Policy": "files"})
+    assert status == 200, body
+    turns = int(headers["X-Run-Turns"])
+    status, _, body = await call(pair.b, served, **{"X-Policy": "passthrough"})
+    assert status == 400 and body["error"]["code"] == "policy_mismatch", body
+    status, headers, body = await call(pair.b, served)  # the team's default policy is pass-through
+    assert status == 200, body
+    assert int(headers["X-Run-Turns"]) > turns  # the files policy's loop ran it, as on A
+    assert [e["type"] for e in await events(session, pair.a.url, served)].count("run_resumed") == 1
+    assert [e["type"] for e in pair.trace_file("b", served)].count("run_resumed") == 1
+
+
 async def test_a_strict_team_budget_holds_across_replicas(pair: Pair, session: aiohttp.ClientSession) -> None:
     budget = 8 * storm_turn_cost()
     replicas = [pair.a, pair.b] * 20

@@ -1,12 +1,18 @@
-"""Redis specifics: key prefixes isolate deployments, and ledger records do not pile up."""
+"""Redis specifics: key prefixes isolate deployments, ledger records do not pile up, and the
+store's own round trips (`redis_wire.Lane`) survive a script flush and never reuse a
+connection whose reply is late."""
 
 from __future__ import annotations
 
+import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.harness.state import RunState
-from gateway.store.base import EXPIRED_RETENTION_S
+from gateway.store.base import EXPIRED_RETENTION_S, Booking, Claim, Figures
+from gateway.store.errors import RunExists
 from gateway.store.redis import RedisStore, redact
+from gateway.store.redis_wire import Script
 
 
 async def test_prefixes_keep_two_deployments_apart(redis_url: str) -> None:
@@ -48,3 +54,66 @@ def test_redact_hides_only_the_password() -> None:
     assert redact("redis://user:pw@host:6379/0") == "redis://user:***@host:6379/0"
     assert redact("redis://:pw@host/1") == "redis://:***@host/1"
     assert redact("redis://host:6379/0") == "redis://host:6379/0"
+
+
+async def test_after_script_flush_the_next_call_books_exactly_once(redis_url: str) -> None:
+    """SCRIPT FLUSH (as a restarted server forgets its scripts): the store's next admission
+    and turn are NOSCRIPT, load their script and run once, neither lost nor run twice."""
+    store = RedisStore(redis_url, prefix="flush:")
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        run = RunState.new("m", [], run_id="run_f", team="demo")
+        await client.script_flush()
+        grant = await store.admit(Claim("demo", "total", 0.05, 1.0, run_id="run_f", max_turns=5, create=run))
+        assert grant.reservation_id is not None
+        assert await store.figures("demo", "total", "run_f") == Figures(0.0, 0.05, 0, 1, 0.0, 0.05)
+        await client.script_flush()
+        run.turns, run.cost_usd = 1, 0.01
+        assert await store.commit_turn(run, [{"type": "turn"}], Booking("demo", "total", 0.01,
+                                                                        grant.reservation_id)) == (0.01, 0.0)
+        loaded = await store.load_run("run_f")
+        assert loaded is not None and (loaded.revision, loaded.turns, loaded.cost_usd) == (1, 1, 0.01)
+        assert [e["type"] for _, e in await store.events("run_f")] == ["turn"]
+    finally:
+        await client.aclose()
+        await store.close()
+
+
+async def test_a_call_that_timed_out_leaves_no_reply_for_the_next(redis_url: str) -> None:
+    """A round trip past `timeout_s` is a StoreError, and its connection is never reused:
+    the late reply (here, of a script that keeps the server busy longer) is not read as the
+    answer to the next call."""
+    store = RedisStore(redis_url, prefix="late:", timeout_s=1.0)
+    try:
+        await store.create_run(RunState.new("m", [], run_id="run_l", team="demo"))
+        busy = Script("local function us() local t = redis.call('TIME') return t[1] * 1000000 + t[2] end\n"
+                      "local stop = us() + 1300000\n"
+                      "while us() < stop do end\n"
+                      "return 'late'")  # 1.3 s: past the deadline, and over well within the next one
+        with pytest.raises(RedisTimeoutError, match="Timeout"):
+            await store._lane.run(busy, [])
+        loaded = await store.load_run("run_l")  # waits for the busy script, then gets its own answer
+        assert loaded is not None and loaded.run_id == "run_l"
+    finally:
+        await store.close()
+
+
+async def test_an_admission_that_finds_its_new_run_stored_reports_it(redis_url: str) -> None:
+    """`lookup_in_admission`: a call's run is not looked up first, so an admission whose new
+    run is stored already must hand back the stored run (and write nothing)."""
+    store = RedisStore(redis_url, prefix="found:")
+    try:
+        assert store.lookup_in_admission
+        stored = RunState.new("m", [{"role": "user", "content": "first"}], run_id="run_s", team="demo")
+        await store.create_run(stored)
+        stored.turns = 3
+        await store.save_run(stored)
+        again = RunState.new("m", [{"role": "user", "content": "second"}], run_id="run_s", team="demo")
+        with pytest.raises(RunExists) as refused:
+            await store.admit(Claim("demo", "total", 0.05, 1.0, run_id="run_s", create=again))
+        found = refused.value.stored
+        assert found is not None and (found.revision, found.turns, found.messages) == (
+            1, 3, [{"role": "user", "content": "first"}])
+        assert await store.team_spend("demo", "total") == (0.0, 0.0)  # nothing held
+    finally:
+        await store.close()

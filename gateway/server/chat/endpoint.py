@@ -16,7 +16,7 @@ from gateway.server.chat.server_side import handle_server_side
 from gateway.server.http.chat_request import parse_chat_request
 from gateway.server.http.errors import NotFound
 from gateway.server.http.validation import read_body
-from gateway.server.runs.keying import resolve_call
+from gateway.server.runs.keying import ServerSideRun, resolve_call
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -33,5 +33,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     request[ctx.RUN] = call.run
     if call.policy.server_side:
         return await handle_server_side(request, call)
-    return await pass_through(request, call)
+    try:
+        return await pass_through(request, call)
+    except ServerSideRun:  # a blind call's run is stored under a server-side policy
+        return await handle_server_side(request, call)
 

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Mapping
 
 from aiohttp import web
 
+from gateway.harness.state import RunState
 from gateway.providers.reply import ParsedReply
 from gateway.providers.failover import RoutedCall
 from gateway.providers.upstream import UpstreamReply
@@ -41,11 +42,15 @@ def _check_open(call: Call) -> None:
                        f"with POST /v1/runs/{run.public_id}/resume to go on", code="run_cancelled")
 
 
-async def _reload(request: web.Request, call: Call) -> None:
+async def _reload(request: web.Request, call: Call, stored: RunState | None = None) -> None:
     """Go on with the stored run instead of `call.run` (a cached copy that may be out of date,
-    or a new run that a concurrent first call stored first), and check that it takes calls."""
-    await join_created(request.app[ctx.STORE], request.app[ctx.POLICIES], call)
-    request[ctx.RUN] = call.run
+    a new run that a concurrent first call stored first, or a blind call's run, `stored`
+    as its admission found it), and check that it takes calls."""
+    try:
+        await join_created(request.app[ctx.STORE], request.app[ctx.POLICIES], call, stored,
+                           request.headers.get("X-Policy") or None)
+    finally:
+        request[ctx.RUN] = call.run
     _check_open(call)
 
 
@@ -61,8 +66,8 @@ async def admit(request: web.Request, call: Call) -> Admission:
     try:
         try:
             adm = await governor.admit_turn(call.run, call.team, ask, create=not call.stored)
-        except RunExists:  # a concurrent first call of this run id stored it first
-            await _reload(request, call)
+        except RunExists as exc:  # stored already (a blind call's run, or a concurrent first call's)
+            await _reload(request, call, exc.stored)
             adm = await governor.admit_turn(call.run, call.team, ask)
         except LimitExceeded:
             if not call.cached:

@@ -64,6 +64,14 @@ class Call:
     cached: bool = False
     """True when `run` came from this process's `RunCache`, not from the store: its admission
     must find the stored revision equal (`passthrough.admit`)."""
+    blind: bool = False
+    """True when `run` is new because the store was not asked (`Store.lookup_in_admission`):
+    its admission stores it, or finds the stored run (`join_created`)."""
+
+
+class ServerSideRun(Exception):
+    """A blind call (`Call.blind`) found its run stored under a server-side policy: the
+    endpoint hands the call to the run's loop instead."""
 
 
 def run_id_from(headers: Mapping[str, str]) -> str | None:
@@ -84,7 +92,10 @@ async def resolve_call(store: Store, policies: PolicyRegistry, team: TeamConfig,
     With `defer_create`, a new run of a pass-through policy is not stored here but by its
     first admission, in the same store step (`Call.stored` False; see `join_created`).
     With `cache`, a pass-through run this process booked last is taken from it instead of
-    the store (`Call.cached`; its admission checks it against the stored revision)."""
+    the store (`Call.cached`; its admission checks it against the stored revision). With
+    `defer_create` and a store whose `lookup_in_admission`, a run that is not cached is not
+    loaded either when the call would start a pass-through run (`Call.blind`): its
+    admission stores it or finds the stored one."""
     given = run_id_from(headers)
     run_id = scoped_run_id(team.name, given) if given is not None else None  # ids are per team
     wanted = headers.get("X-Policy") or None
@@ -96,12 +107,18 @@ async def resolve_call(store: Store, policies: PolicyRegistry, team: TeamConfig,
             policy = None  # refused: the stored run decides it, and its figures go with the error
         if policy is not None and not policy.server_side:
             return Call(team, policy, run, False, chat, route, cached=True)
+    if run_id is not None and defer_create and store.lookup_in_admission:
+        try:
+            policy = _new_run_policy(policies, team, wanted)
+        except ApiError:
+            policy = None  # not a new run's policy: only a stored run can take the call
+        if policy is not None and not policy.server_side:
+            return Call(team, policy, _new_run(team, policy, chat, run_id), True, chat, route, stored=False,
+                        blind=True)
     run = await store.load_run(run_id) if run_id is not None else None
     if run is None:
         policy = _new_run_policy(policies, team, wanted)
-        run = RunState.new(chat.model, list(chat.messages), run_id=run_id or scoped_run_id(team.name, new_run_id()),
-                           team=team.name,
-                           policy=policy.name, policy_version=policy.version, limits=policy.limits)
+        run = _new_run(team, policy, chat, run_id or scoped_run_id(team.name, new_run_id()))
         if defer_create and not policy.server_side:
             return Call(team, policy, run, True, chat, route, stored=False)
         try:
@@ -112,26 +129,42 @@ async def resolve_call(store: Store, policies: PolicyRegistry, team: TeamConfig,
             if loaded is None:
                 raise
             run = loaded
+    return Call(team, _stored_run_policy(policies, team, run, wanted), run, False, chat, route)
+
+
+def _new_run(team: TeamConfig, policy: Policy, chat: ChatRequest, run_id: str) -> RunState:
+    return RunState.new(chat.model, list(chat.messages), run_id=run_id, team=team.name, policy=policy.name,
+                        policy_version=policy.version, limits=policy.limits)
+
+
+def _stored_run_policy(policies: PolicyRegistry, team: TeamConfig, run: RunState, wanted: str | None) -> Policy:
+    """`_existing_run_policy`; a refusal of the caller's own run carries its figures."""
     try:
-        policy = _existing_run_policy(policies, team, run, wanted)
+        return _existing_run_policy(policies, team, run, wanted)
     except ApiError as exc:
-        if run.team == team.name:  # the caller's own run: its figures go with the error
+        if run.team == team.name:
             exc.headers.update(run_headers(run))
         raise
-    return Call(team, policy, run, False, chat, route)
 
 
-async def join_created(store: Store, policies: PolicyRegistry, call: Call) -> None:
-    """A concurrent first call stored `call`'s new run first (RunExists), or `call`'s cached
-    run was out of date: go on with the stored run, as a call to an existing run (its policy
-    checked as `resolve_call` does)."""
-    loaded = await store.load_run(call.run.run_id)
+async def join_created(store: Store, policies: PolicyRegistry, call: Call, stored: RunState | None = None,
+                       wanted: str | None = None) -> None:
+    """A concurrent first call stored `call`'s new run first (RunExists), `call`'s cached run
+    was out of date, or a blind call's run was stored (RunExists, `stored`: the run as the
+    admission read it): go on with the stored run, as a call to an existing run (its policy
+    checked as `resolve_call` does, against X-Policy `wanted` for a blind call).
+    ServerSideRun when a blind call's run is a server-side one."""
+    loaded = stored if stored is not None else await store.load_run(call.run.run_id)
     if loaded is None:
         if call.cached:
             raise NotFound(f"run {call.run.public_id} not found", code="run_not_found", param="X-Run-Id")
         raise RunExists(call.run.run_id)
-    call.policy = _existing_run_policy(policies, call.team, loaded, None)
-    call.run, call.created, call.stored, call.cached = loaded, False, True, False
+    blind = call.blind
+    call.policy = _stored_run_policy(policies, call.team, loaded, wanted) if blind else _existing_run_policy(
+        policies, call.team, loaded, None)
+    call.run, call.created, call.stored, call.cached, call.blind = loaded, False, True, False, False
+    if blind and call.policy.server_side:
+        raise ServerSideRun(loaded.run_id)
 
 
 def _new_run_policy(policies: PolicyRegistry, team: TeamConfig, wanted: str | None) -> Policy:
