@@ -44,7 +44,7 @@ async def test_tokens_are_counted_before_and_reconciled_at_booking(store: Store)
 
 
 async def test_a_key_and_its_team_reconcile_their_tokens_each(store: Store) -> None:
-    # The Redis store keeps a team scope's clocks with its ledger and a key's on their own.
+    # Two scopes of one call (a key and its team) each reconcile their own clocks.
     team = RateLimit("team:demo", HOUR, tokens=1000)
     key = RateLimit("key:k1", HOUR, tokens=500)
     first = await store.admit(claim(key, team, tokens=100))
