@@ -99,8 +99,8 @@ class _Translate:
     """Turns client errors (connection refused, timeouts) into StoreError naming the server.
 
     A lost connection also drops the idle connections (the store's lane's and the pool's):
-    they were opened to the same server and are as dead as this one, so after a restart of Redis the next calls connect
-    afresh instead of each failing once on a stale socket.
+    they were opened to the same server and are as dead as this one, so after a restart of
+    Redis the next calls connect afresh instead of each failing once on a stale socket.
     """
 
     def __init__(self, url: str, store: RedisStore) -> None:
@@ -169,8 +169,9 @@ class RedisStore:
         body = orjson.dumps(stamped_body(state, revision, now))
         self._redis()
         async with self._errors:
-            result: list[Any] = await self._lane.run(_SAVE_RUN, [self.prefix, state.run_id, str(state.revision), str(revision), state.status, state.team, body,
-                      str(state.turns), str(to_micros(state.cost_usd, "cost_usd"))])
+            result: list[Any] = await self._lane.run(_SAVE_RUN, [
+                self.prefix, state.run_id, str(state.revision), str(revision), state.status, state.team, body,
+                str(state.turns), str(to_micros(state.cost_usd, "cost_usd"))])
         self._check_saved(state, result)
         state.revision = revision
         state.updated_at = now
@@ -215,7 +216,8 @@ class RedisStore:
         wanted = "" if policies is None else "|" + "|".join(sorted(set(policies))) + "|"
         self._redis()
         async with self._errors:
-            flat: list[bytes] = await self._lane.run(_LIST_RUNS, [self.prefix, team or "", status or "", str(limit), wanted])
+            flat: list[bytes] = await self._lane.run(
+                _LIST_RUNS, [self.prefix, team or "", status or "", str(limit), wanted])
         return [parse_run(flat[i].decode(), flat[i + 1]) for i in range(0, len(flat), 2)]
 
     async def append_events(self, run_id: str, events: list[Event]) -> None:
@@ -399,7 +401,8 @@ class RedisStore:
         lease_ms = max(1, math.ceil(check_ttl(lease_s, "lease_s", allow_zero=False) * 1000))
         self._redis()
         async with self._errors:
-            flat: list[Any] = await self._lane.run(_CLAIM_NOTICES, [self.prefix, owner, str(max(limit, 0)), str(lease_ms)])
+            flat: list[Any] = await self._lane.run(
+                _CLAIM_NOTICES, [self.prefix, owner, str(max(limit, 0)), str(lease_ms)])
         return [Claimed(_text(flat[i]), bytes(flat[i + 1]), int(flat[i + 2] or 0)) for i in range(0, len(flat), 3)]
 
     async def notice_sent(self, notice_id: str) -> None:
@@ -412,7 +415,8 @@ class RedisStore:
         outcome = "failed" if retry is None else "retry"
         self._redis()
         async with self._errors:
-            await self._lane.run(_NOTICE_OUTCOME, [self.prefix, notice_id, owner, outcome, str(round((retry or 0) * 1000)), error])
+            await self._lane.run(
+                _NOTICE_OUTCOME, [self.prefix, notice_id, owner, outcome, str(round((retry or 0) * 1000)), error])
 
     async def outbox_depth(self) -> int:
         async with self._errors:
