@@ -47,18 +47,10 @@ from gateway.policy.executors import ToolEnv, compile_options  # noqa: E402
 from gateway.policy.registry import PolicyRegistry  # noqa: E402
 from tests.policy.conftest import Events, FnModel, answer, tool_call, turns  # noqa: E402
 from tests.policy.test_agent import CHILD, PARENT, Saved, is_child  # noqa: E402
+from tests.policy.test_executors import TOOLS as PY_TOOLS  # noqa: E402  (tools slow and slow_sync)
+from tests.support.upstreams import never_answering  # noqa: E402
 
 TARGET_MS = 50.0
-PY_TOOLS = """
-name: py
-tools:
-  - name: slow
-    description: Works until stopped.
-    executor: {python: "tests.policy.sample_tools:wait_for_stop"}
-  - name: slow_sync
-    description: Works until stopped, in a thread.
-    executor: {python: "tests.policy.sample_tools:sync_wait_for_stop"}
-"""
 HTTP_TOOL = """
 name: web
 tools:
@@ -143,7 +135,7 @@ def policy_case(folder: Path, text: str, policy: str, tool: str, *, sub_run: boo
     return case
 
 
-def http_case(folder: Path, port: int, seen: list[str], session: aiohttp.ClientSession) -> Case:
+def http_case(folder: Path, port: int, seen: list[object], session: aiohttp.ClientSession) -> Case:
     (folder / "web.yaml").write_text(HTTP_TOOL.format(port=port).lstrip("\n"))
     registry = PolicyRegistry(folder)
     registry.load()
@@ -174,15 +166,9 @@ def line(name: str, values: list[float]) -> str:
 
 async def main_async(runs: int) -> int:
     release = asyncio.Event()
-    seen: list[str] = []
-
-    async def hang(request: web.Request) -> web.Response:
-        seen.append("hang started")
-        await release.wait()
-        return web.Response(text="late")
-
+    seen: list[object] = []
     app = web.Application()
-    app.router.add_post("/hang", hang)
+    app.router.add_post("/hang", never_answering(seen, release))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

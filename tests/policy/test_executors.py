@@ -21,6 +21,7 @@ from gateway.harness.state import Message
 from gateway.policy.executors import ToolEnv, compile_options
 from gateway.policy.registry import PolicyRegistry
 from tests.policy.conftest import Events, FnModel, WriteFile, answer, new_state, tool_call, tool_messages, turns
+from tests.support.upstreams import never_answering
 
 TOOLS = """
 name: py
@@ -150,15 +151,10 @@ async def tool_server(aiohttp_server: Callable[..., Any]) -> AsyncIterator[tuple
     async def fail(request: web.Request) -> web.Response:
         return web.Response(status=500, text="boom: the database is down " + "x" * 400)
 
-    async def hang(request: web.Request) -> web.Response:
-        seen.append("hang started")
-        await release.wait()
-        return web.Response(text="late")
-
     app = web.Application()
     app.router.add_post("/echo", echo)
     app.router.add_post("/fail", fail)
-    app.router.add_post("/hang", hang)
+    app.router.add_post("/hang", never_answering(seen, release))
     server = await aiohttp_server(app)
     yield server, seen
     release.set()

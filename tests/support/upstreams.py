@@ -22,6 +22,18 @@ from tests.support.procs import free_port
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def never_answering(seen: list[object], release: asyncio.Event) -> Handler:
+    """A handler that notes "hang started" in `seen` and answers only once `release` is set:
+    an http tool's server that never answers (until the test lets it)."""
+
+    async def hang(request: web.Request) -> web.Response:
+        seen.append("hang started")
+        await release.wait()
+        return web.Response(text="late")
+
+    return hang
+
+
 def chat_app(handler: Handler) -> web.Application:
     """An app answering `POST /v1/chat/completions` with `handler`."""
     app = web.Application()
