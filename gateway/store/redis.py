@@ -277,7 +277,8 @@ class RedisStore:
     async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
         self._redis()
         async with self._errors:
-            result: list[Any] = await self._lane.run(_FIGURES, [self.prefix, team, period, run_id or "", _RETENTION_MS])
+            result: list[Any] = await self._lane.run(
+                _FIGURES, [self.prefix, team, period, run_id or "", _RETENTION_MS])
         return _figures(result)
 
     async def renew(self, reservation_ids: Sequence[str], ttl_s: float) -> None:
