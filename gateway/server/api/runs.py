@@ -54,7 +54,8 @@ from gateway.server.runs.auto_resume import (
 from gateway.server.runs.cancels import RunBusy, cancel_event
 from gateway.server.runs.continuations import resume_with
 from gateway.server.runs.driver import Prepare
-from gateway.server.runs.keying import update_run
+from gateway.server.runs.booking import append_trace_file
+from gateway.server.runs.keying import commit_run, stop_run, update_run
 from gateway.server.runs.tracelog import TraceWriter, asked_at
 
 CANCEL_WAIT_S: Final = 5.0
@@ -340,19 +341,20 @@ async def _cancel_undriven(app: web.Application, run: RunState, reason: str, by:
         raise Conflict(f"run {run.public_id} is not running (status {run.status}); nothing to cancel",
                        code="run_not_running")
     dropped = _waiting_decision(run)
-    # The trace first, then the run: a follower that sees the run stopped has its last lines.
-    writer = TraceWriter(store, run.run_id, trace_file=app[ctx.CONFIG].trace_file)
-    writer(cancel_event(run.run_id, reason, by))
-    if dropped is not None:
-        Tracer(run.run_id, writer)("approval_dropped", callId=dropped.call_id, toolName=dropped.tool_name,
-                                   args=dropped.args, reason=reason, by=by)
-    Tracer(run.run_id, writer)("run_stopped", status="interrupted", reason="cancelled", turns=run.turns,
-                               costUsd=round(run.cost_usd, 9), detail=reason)
-    await writer.flush()
 
-    def change(state: RunState) -> None:
-        state.status, state.reason = "interrupted", "cancelled"
-        state.interruption = Interruption("cancelled", reason=reason)
+    def trace(r: RunState) -> list[Event]:
+        lines: list[Event] = [cancel_event(r.run_id, reason, by)]
+        if dropped is not None:
+            lines.append(Tracer(r.run_id)("approval_dropped", callId=dropped.call_id, toolName=dropped.tool_name,
+                                          args=dropped.args, reason=reason, by=by))
+        lines.append(Tracer(r.run_id)("run_stopped", status="interrupted", reason="cancelled", turns=r.turns,
+                                      costUsd=round(r.cost_usd, 9), detail=reason))
+        return lines
 
-    return await update_run(store, run, change)
+    # The lines and the stopped run in one store step: a reader that sees `run_stopped` finds
+    # the run stopped (and may resume it at once).
+    run, lines, _ = await commit_run(store, run, stop_run("interrupted", "cancelled",
+                                                          Interruption("cancelled", reason=reason)), trace, None)
+    append_trace_file(app[ctx.CONFIG].trace_file, lines)
+    return run
 

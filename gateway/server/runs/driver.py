@@ -4,8 +4,9 @@
 can be taken over), reloads the run, compiles the tools of the policy *version* the run
 started under, and runs the harness loop with:
 
-- `checkpoint` = write the buffered trace, then `store.save_run` (optimistic revision):
-  every state change is durable before the next model call or tool run;
+- `checkpoint` = the buffered trace and the state in one store step (`TraceWriter.commit`,
+  optimistic revision): every state change is durable before the next model call or tool
+  run, and a line announcing it (`approval_required`, `run_stopped`) is never read before it;
 - `on_event` = the run's `TraceWriter` (store, trace file, metrics, the caller's listeners);
 - a `CancelScope` registered in `ActiveRuns` (the cancel route and a client that went
   away press it), and a watcher for cancel requests written by other replicas.
@@ -197,9 +198,7 @@ class RunDriver:
         if self.metrics is not None:
             writer.listeners.append(_MetricsListener(self.metrics, state, policy))
 
-        async def checkpoint(s: RunState) -> None:
-            await writer.flush()
-            await self.store.save_run(s)
+        checkpoint = writer.commit
 
         try:
             env = ToolEnv(session=self.session, model=model, model_name=state.model, price_for=self.price_for,

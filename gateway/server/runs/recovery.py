@@ -154,9 +154,8 @@ class Sweeper:
         writer = TraceWriter(self.store, run.run_id, trace_file=self.trace_file)
         Tracer(run.run_id, writer)("run_stopped", status="interrupted", reason=CRASHED, turns=run.turns,
                                    costUsd=round(run.cost_usd, 9), detail=detail)
-        await writer.flush()
         run.status, run.reason, run.interruption = "interrupted", CRASHED, Interruption("crashed", reason=detail)
-        await self.store.save_run(run)
+        await writer.commit(run)
 
     def _resume(self, run: RunState, report: SweepReport) -> None:
         # The lease decides who drives: `drive` takes it (or raises RunBusy) before loading the run.

@@ -1,10 +1,13 @@
-"""A run's trace on its way to the store: buffered, in order, flushed before every save.
+"""A run's trace on its way to the store: buffered, in order, written with every save.
 
 The loop emits trace lines synchronously (`options.on_event`); the store is async. The
 writer keeps the lines in order, hands each one at once to in-process listeners (metrics,
 the SSE progress of the request), and writes them to the store (and the optional trace
-file) in the background and, at the latest, before the run's next checkpoint, so the
-saved trace never lags the saved state.
+file) in the background and, at the latest, in the same store step as the run's next
+checkpoint (`commit`), so the saved trace never lags the saved state. A line that
+announces a state someone acts on (`ANNOUNCING`: a person decides after
+`approval_required`, a client resumes after `run_stopped`) is never written ahead of that
+state: the background writer stops before it, and the checkpoint writes it with the state.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Final
 
 from gateway.harness.state import RunState
 from gateway.store import tracefile
@@ -21,6 +25,10 @@ from gateway.store.base import Event, Store
 log = logging.getLogger(__name__)
 
 Listener = Callable[[Event], None]
+
+ANNOUNCING: Final = frozenset({"approval_required", "run_stopped"})
+"""Trace lines that readers act on at once (decide, resume): written only with the run's
+state that they announce, never before it."""
 
 
 class TraceWriter:
@@ -57,22 +65,37 @@ class TraceWriter:
             await self._wake.wait()
             self._wake.clear()
             try:
-                await self.flush()
-            except Exception:  # kept in the buffer: the next checkpoint's flush retries and raises
+                await self._write(ahead=True)
+            except Exception:  # kept in the buffer: the next checkpoint retries and raises
                 log.exception("cannot write the trace of run %s yet", self.run_id)
 
     async def flush(self) -> None:
-        """Write every buffered line, in order; concurrent flushes queue behind each other."""
+        """Write every buffered line, in order; concurrent writes queue behind each other."""
+        await self._write(ahead=False)
+
+    async def commit(self, state: RunState) -> None:
+        """Save `state` and every buffered line in one store step (`Store.commit_turn`)."""
+        await self._write(ahead=False, state=state)
+
+    async def _write(self, *, ahead: bool, state: RunState | None = None) -> None:
+        """The buffered lines (`ahead`: only those before the first `ANNOUNCING` one), with
+        `state` when given, in one store step."""
         async with self._lock:
-            if not self._buffer:
+            n = len(self._buffer)
+            if ahead:
+                n = next((i for i, e in enumerate(self._buffer) if e.get("type") in ANNOUNCING), n)
+            if not n and state is None:
                 return
-            batch, self._buffer = self._buffer, []
+            batch, self._buffer = self._buffer[:n], self._buffer[n:]
             try:
-                await self.store.append_events(self.run_id, batch)
+                if state is None:
+                    await self.store.append_events(self.run_id, batch)
+                else:
+                    await self.store.commit_turn(state, batch)
             except BaseException:
                 self._buffer[:0] = batch
                 raise
-            if self.trace_file is not None:
+            if self.trace_file is not None and batch:
                 _append_lines(self.trace_file, batch)
 
     async def close(self) -> None:
