@@ -13,6 +13,7 @@ import gc
 import logging
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -75,6 +76,7 @@ def serve_command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"gateway: {exc}", file=sys.stderr)
         return 2
+    read_at = time.time()  # the policy files are read from here on
     try:
         config = load_config(args.config)
         host = args.host or config.server.host
@@ -97,6 +99,6 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"gateway: serving on {_self_url(host, port)} (config {config.path}, store {config.store.kind}); "
               f"console at {_self_url(host, port)}/console/", file=sys.stderr, flush=True)
     # web.run_app, with parser errors (oversized headers) in the OpenAI shape
-    run(app, host, port, reuse_port=worker is not None, ready=signal_ready(getattr(args, "ready_fd", None)),
-        loop=getattr(args, "loop", "auto"))
+    ready = signal_ready(getattr(args, "ready_fd", None), worker, read_at)
+    run(app, host, port, reuse_port=worker is not None, ready=ready, loop=getattr(args, "loop", "auto"))
     return 0

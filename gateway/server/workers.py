@@ -16,8 +16,12 @@ there, and whichever worker a scrape lands on answers for all of them (docs/metr
 Lifecycle (docs/config.md, "Workers"):
 - SIGTERM or SIGINT to the supervisor: SIGTERM to every worker, which drains and stops as
   a single gateway does; a worker still alive after `STOP_GRACE_S` is killed.
-- SIGHUP to the supervisor: forwarded to every worker (each reloads its policies); a
-  POST /v1/admin/reload that one worker served sends it one (`reload_every_worker`).
+- SIGHUP to the supervisor: forwarded to every worker that serves (each reloads its
+  policies); a worker still starting gets it once it serves (before, it would have no
+  handler yet, and the signal would kill it). A POST /v1/admin/reload that one worker served
+  sends the supervisor one (`reload_every_worker`) and answers once every worker has read
+  the policy files again since the call came: each worker notes when it last read them in a
+  file of the supervisor's folder (`mark_reloaded`).
 - A worker that dies after it was serving is started again (same index, so it releases
   what its previous life held); one that fails before it serves (a bad store, a port
   taken) stops the whole server with its exit code, since a restart would fail alike.
@@ -27,6 +31,7 @@ Lifecycle (docs/config.md, "Workers"):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import logging
@@ -54,6 +59,12 @@ READY = b"r"
 PR_SET_PDEATHSIG = 1
 SHARED_KEY_ENV = "GATEWAY_WORKERS_KEY"
 """The key the workers share for the built-in scripted mount (random per supervisor)."""
+RELOADS_ENV = "GATEWAY_WORKERS_RELOADS"
+"""The folder where each worker notes when it last read the policy files (`mark_reloaded`)."""
+COUNT_ENV = "GATEWAY_WORKERS_COUNT"
+RELOAD_WAIT_S = 15.0
+"""How long POST /v1/admin/reload waits for the other workers (one may be restarting)."""
+RELOAD_POLL_S = 0.01
 
 
 def parse_workers(value: str) -> int:
@@ -96,12 +107,15 @@ def die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def signal_ready(fd: int | None) -> Callable[[], None] | None:
-    """In a worker: the callback that tells the supervisor it listens (once)."""
+def signal_ready(fd: int | None, index: int | None = None, read_at: float = 0.0) -> Callable[[], None] | None:
+    """In a worker: the callback that tells the supervisor it listens (once), having read
+    the policy files at `read_at` (`mark_reloaded`)."""
     if fd is None:
         return None
 
     def ready() -> None:
+        if index is not None:
+            mark_reloaded(index, read_at)
         with contextlib.suppress(OSError):
             os.write(fd, READY)
             os.close(fd)
@@ -109,11 +123,43 @@ def signal_ready(fd: int | None) -> Callable[[], None] | None:
     return ready
 
 
-def reload_every_worker() -> None:
-    """In a worker that reloaded its policies (POST /v1/admin/reload): SIGHUP to the
-    supervisor, which forwards it to every worker, so all of them serve the new set."""
+def mark_reloaded(index: int, read_at: float) -> None:
+    """In a worker: it serves the policy files as they were at `read_at` (or later); written
+    whole or not at all."""
+    folder = os.environ.get(RELOADS_ENV)
+    if not folder:
+        return
+    path = os.path.join(folder, str(index))
+    with contextlib.suppress(OSError):
+        with open(path + ".tmp", "w", encoding="ascii") as out:
+            out.write(repr(read_at))
+        os.replace(path + ".tmp", path)
+
+
+def _read_since(folder: str, index: int) -> float:
+    try:
+        with open(os.path.join(folder, str(index)), encoding="ascii") as f:
+            return float(f.read())
+    except (OSError, ValueError):
+        return 0.0
+
+
+async def reload_every_worker(since: float) -> tuple[int, int]:
+    """In a worker that reloaded its policies (POST /v1/admin/reload) from files read at
+    `since` or later: SIGHUP to the supervisor, which forwards it to every worker, then wait
+    (`RELOAD_WAIT_S` at most) until each has read the files since then. (workers, how many did)."""
+    folder, count = os.environ.get(RELOADS_ENV), int(os.environ.get(COUNT_ENV) or 0)
     with contextlib.suppress(OSError):
         os.kill(os.getppid(), signal.SIGHUP)
+    if not folder or count < 1:
+        return count, 0
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + RELOAD_WAIT_S
+    while True:
+        done = sum(1 for i in range(count) if _read_since(folder, i) >= since)
+        if done == count or loop.time() > deadline:
+            return count, done
+        await asyncio.sleep(RELOAD_POLL_S)  # polling the other processes' notes: no channel back to them
 
 
 @dataclass
@@ -122,6 +168,7 @@ class _Worker:
     popen: subprocess.Popen[bytes] | None = None
     ready_fd: int | None = None
     serving: bool = False
+    reload_due: bool = False  # a SIGHUP came while it was starting: sent once it serves
     deaths: int = 0
     restart_at: float | None = None
     started_at: float = field(default_factory=time.monotonic)
@@ -136,7 +183,11 @@ class Supervisor:
         self.host = host
         self.port = port
         self.workers = [_Worker(i) for i in range(count)]
-        self.metrics_dir = tempfile.mkdtemp(prefix="gateway-metrics-")
+        self.folder = tempfile.mkdtemp(prefix="gateway-workers-")
+        self.metrics_dir = os.path.join(self.folder, "metrics")
+        self.reloads_dir = os.path.join(self.folder, "reloads")
+        os.mkdir(self.metrics_dir)
+        os.mkdir(self.reloads_dir)
         self.key = secrets.token_urlsafe(32)
         self.selector = selectors.DefaultSelector()
         self.stopping = False
@@ -147,6 +198,8 @@ class Supervisor:
         env = dict(os.environ)
         env["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir
         env[SHARED_KEY_ENV] = self.key
+        env[RELOADS_ENV] = self.reloads_dir
+        env[COUNT_ENV] = str(self.count)
         args = [sys.executable, "-m", "gateway", "serve", *self.argv, "--worker-index", str(w.index),
                 "--ready-fd", str(write_fd)]
         try:
@@ -154,6 +207,7 @@ class Supervisor:
         finally:
             os.close(write_fd)
         w.ready_fd, w.serving, w.restart_at, w.started_at = read_fd, False, None, time.monotonic()
+        w.reload_due = False  # it reads the policy files as they are now
         self.selector.register(read_fd, selectors.EVENT_READ, w)
 
     def _forget_pipe(self, w: _Worker) -> None:
@@ -170,6 +224,9 @@ class Supervisor:
         self._forget_pipe(w)
         if data == READY:
             w.serving = True
+            if w.reload_due and w.popen is not None:
+                w.reload_due = False
+                w.popen.send_signal(signal.SIGHUP)
             if all(x.serving for x in self.workers):
                 print(f"gateway: {self.count} workers serving on port {self.port}", file=sys.stderr, flush=True)
 
@@ -208,10 +265,14 @@ class Supervisor:
             if w.popen is not None and w.popen.poll() is None:
                 w.popen.send_signal(signal.SIGTERM)
 
-    def forward(self, signum: int) -> None:
+    def reload(self) -> None:
+        """SIGHUP to every worker that serves; one still starting gets it when it serves."""
         for w in self.workers:
             if w.popen is not None and w.popen.poll() is None:
-                w.popen.send_signal(signum)
+                if w.serving:
+                    w.popen.send_signal(signal.SIGHUP)
+                else:
+                    w.reload_due = True
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT (or a worker that cannot start); returns the exit code."""
@@ -236,7 +297,7 @@ class Supervisor:
             self.selector.close()
             os.close(wake_r)
             os.close(wake_w)
-            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+            shutil.rmtree(self.folder, ignore_errors=True)
         return self.exit_code
 
     def _loop(self, wake_r: int, pending: list[int]) -> None:
@@ -255,7 +316,7 @@ class Supervisor:
                 if signum in (signal.SIGTERM, signal.SIGINT):
                     self.stop()
                 elif signum == signal.SIGHUP:
-                    self.forward(signal.SIGHUP)
+                    self.reload()
             for w in self.workers:
                 if w.popen is not None and w.popen.poll() is not None:
                     self._reap(w)

@@ -16,13 +16,16 @@ included. SIGHUP does the same reload (`gateway.server.main`); both log the resu
 A reload is per process: replicas each hold their own copy of the policy set, so reload
 every replica (this route on each, or a SIGHUP to each). The workers of one
 `gateway serve --workers N` reload together: the one that served this route has the
-supervisor forward a SIGHUP to all of them.
+supervisor forward a SIGHUP to all of them, and answers once every worker serves the
+files as they were when the call came (at most `workers.RELOAD_WAIT_S`); its answer then
+says how many did: `"workers": {"count": N, "reloaded": K}`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -34,14 +37,12 @@ from gateway.policy.decl import Policy
 from gateway.policy.errors import PolicyError
 from gateway.policy.registry import PolicyRegistry, ReloadResult
 from gateway.server import context as ctx
-from gateway.server.workers import reload_every_worker
+from gateway.server.workers import RELOAD_WAIT_S, mark_reloaded, reload_every_worker
 from gateway.server.http.errors import BadRequest, Forbidden
 
 log = logging.getLogger("gateway")
 
 RELOAD_PATH = "/v1/admin/reload"
-
-
 
 
 def team_check(config: Config) -> Callable[[Mapping[str, Policy]], Sequence[PolicyError]]:
@@ -70,7 +71,10 @@ async def reload_in_thread(app: web.Application, by: str) -> ReloadResult:
 def reload_policies(app: web.Application, by: str) -> ReloadResult:
     """Reload the app's policy folder (checked against the config) and log what happened."""
     registry = app[ctx.POLICIES]
+    read_at = time.time()  # no later than the reload reads the files
     result = registry.reload(check=team_check(app[ctx.CONFIG]))
+    if ctx.WORKER in app:
+        mark_reloaded(app[ctx.WORKER], read_at)
     if result.ok:
         log.warning("policies reloaded by %s: %s (changed: %s)", by, _versions(registry, result.loaded),
                     _versions(registry, result.changed) or "none")
@@ -107,6 +111,7 @@ async def post_reload(request: web.Request) -> web.Response:
         admins = ", ".join(t.name for t in app[ctx.CONFIG].teams if t.admin) or "none configured"
         raise Forbidden(f"team '{team.name}' may not reload policies: only teams with admin: true in the config "
                         f"may (admin teams: {admins})", code="not_an_admin")
+    asked_at = time.time()
     result = await reload_in_thread(app, by=f"team {team.name}")
     body = reload_json(app[ctx.POLICIES], result)
     if not result.ok:
@@ -117,5 +122,8 @@ async def post_reload(request: web.Request) -> web.Response:
         error.extra.update(body)
         raise error
     if ctx.WORKER in app:  # one of `--workers N`: the others reload too
-        reload_every_worker()
+        count, reloaded = await reload_every_worker(asked_at)
+        body["workers"] = {"count": count, "reloaded": reloaded}
+        if reloaded < count:
+            log.warning("policy reload: %d of %d workers confirmed within %.0f s", reloaded, count, RELOAD_WAIT_S)
     return web.Response(body=orjson.dumps(body), content_type="application/json")
