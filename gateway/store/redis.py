@@ -24,6 +24,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+try:
+    from redis.maint_notifications import MaintNotificationsConfig
+except ImportError:  # redis-py before 7: no such notifications, nothing to turn off
+    _PLAIN_POOL: dict[str, Any] = {}
+else:
+    # Their default ("auto") makes the pool skip its check of an idle connection before use
+    # (`ensure_connection`), so one the server closed (a restart, a failover) was used as it
+    # was, and with no retries the first call after the restart was refused with a 503.
+    _PLAIN_POOL = {"maint_notifications_config": MaintNotificationsConfig(enabled=False)}
+
 from gateway.harness.state import RunState
 from gateway.store import redis_lua
 from gateway.store.base import (
@@ -136,7 +146,8 @@ class RedisStore:
         # client's default retries multiply the deadline, and a command that timed out may
         # have run (a booking sent twice would be booked twice).
         self._client: aioredis.Redis | None = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
+            **_PLAIN_POOL)
         # The scripts (every call's round trips) go through a lane of their own, with the same
         # deadline and no retries either (redis_wire); the client serves the other commands.
         self._lane = Lane(self._client.connection_pool, timeout_s)

@@ -1,8 +1,12 @@
 """Redis specifics: key prefixes isolate deployments, ledger records do not pile up, and the
-store's own round trips (`redis_wire.Lane`) survive a script flush and never reuse a
-connection whose reply is late."""
+store's own round trips (`redis_wire.Lane`) survive a script flush and a restarted server,
+and never reuse a connection whose reply is late."""
 
 from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
@@ -13,6 +17,7 @@ from gateway.store.base import EXPIRED_RETENTION_S, Booking, Claim, Figures
 from gateway.store.errors import RunExists
 from gateway.store.redis import RedisStore, redact
 from gateway.store.redis_wire import Script
+from tests.store.conftest import _start_redis
 
 
 async def test_prefixes_keep_two_deployments_apart(redis_url: str) -> None:
@@ -117,3 +122,33 @@ async def test_an_admission_that_finds_its_new_run_stored_reports_it(redis_url: 
         assert await store.team_spend("demo", "total") == (0.0, 0.0)  # nothing held
     finally:
         await store.close()
+
+
+async def test_after_the_server_restarted_the_first_calls_are_served(tmp_path: Path) -> None:
+    """Idle connections the server closed (a restart, a failover) are connected again before
+    use, the lane's and the client's: nothing was sent on them, so the call is not refused
+    with a 503 while the server is up again. (redis-py 8's pool skips that check while its
+    maintenance notifications are "auto", the default; the store turns them off.)"""
+    exe = shutil.which("redis-server")
+    assert exe is not None
+    proc, port = _start_redis(exe, tmp_path)
+    store = RedisStore(f"redis://127.0.0.1:{port}/0", prefix="restart:", timeout_s=5.0)
+    try:
+        await store.create_run(RunState.new("m", [], run_id="run_r", team="demo"))
+        await asyncio.gather(*(store.load_run("run_r") for _ in range(3)))  # idle connections
+        await asyncio.gather(*(store.events("run_r") for _ in range(3)))  # the client's own
+        proc.terminate()
+        proc.wait()
+        proc, _ = _start_redis(exe, tmp_path, port=port)
+        idle = list(store._lane._idle) + list(store._redis().connection_pool._available_connections)
+        assert len(idle) == 6
+        async with asyncio.timeout(10):  # the loop reads their EOF, as a serving gateway's does between calls
+            while not all(c._reader is not None and c._reader.at_eof() for c in idle):
+                await asyncio.sleep(0)
+        for _ in range(4):
+            assert await store.load_run("run_r") is None  # the new server has no data; no error
+            assert await store.events("run_r") == []
+    finally:
+        await store.close()
+        proc.kill()
+        proc.wait()
