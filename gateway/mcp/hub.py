@@ -110,8 +110,9 @@ def _progress_label(progress: float, total: float | None, message: str | None) -
 class _Connection:
     """The session of one server, on the hub's loop."""
 
-    def __init__(self, config: McpServerConfig) -> None:
+    def __init__(self, config: McpServerConfig, changed: Callable[[], None]) -> None:
         self.config = config
+        self._changed = changed  # the hub's watchers: health moved (up, down, stopped, a start)
         self.state: State = "idle"
         self.error: str | None = None
         self.starts = 0
@@ -179,6 +180,7 @@ class _Connection:
                 self._client = client
                 self.state, self.error = "up", None
                 self.starts += 1
+                self._changed()
                 if not ready.done():
                     ready.set_result(client)
                 await stop.wait()
@@ -199,6 +201,7 @@ class _Connection:
         self.failures += 1
         self._in_a_row += 1
         self._retry_at = time.monotonic() + min(BACKOFF_FIRST_S * 2 ** (self._in_a_row - 1), BACKOFF_MAX_S)
+        self._changed()
 
     def _died(self, reason: str, client: Client) -> None:
         """The server of `client` went away: tear its session down; the next use starts it
@@ -268,6 +271,7 @@ class _Connection:
 
     async def stop(self) -> None:
         self.state = "stopped"
+        self._changed()
         if self._stop is not None:
             self._stop.set()
         if self._runner is not None:
@@ -284,6 +288,20 @@ class McpHub:
         self._thread: threading.Thread | None = None
         self._connections: dict[tuple[Any, ...], _Connection] = {}
         self._closed = False
+        self._watchers: list[Callable[[], None]] = []
+
+    def watch(self, changed: Callable[[], None]) -> None:
+        """Call `changed()` whenever a server's health moves or a server is first asked
+        about (from the hub's thread or the asker's, never holding the hub's lock: it may
+        read `health()`)."""
+        self._watchers.append(changed)
+
+    def _changed(self) -> None:
+        for changed in self._watchers:
+            try:
+                changed()
+            except Exception:  # a watcher's failure must not take a session down
+                log.exception("an MCP health watcher failed")
 
     def _ensure_loop(self) -> asyncio.AbstractEventLoop:
         with self._guard:
@@ -299,9 +317,11 @@ class McpHub:
     def _connection(self, config: McpServerConfig) -> _Connection:
         with self._guard:
             conn = self._connections.get(config.key)
-            if conn is None:
-                conn = self._connections[config.key] = _Connection(config)
-            return conn
+            if conn is not None:
+                return conn
+            conn = self._connections[config.key] = _Connection(config, self._changed)
+        self._changed()
+        return conn
 
     def _submit(self, work: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(work, self._ensure_loop())
