@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal, Required, TypedDict, cast, get_args
 
 import orjson
@@ -267,8 +267,18 @@ class RunState:
         return cls.from_json(data)
 
     def copy(self) -> RunState:
-        return replace(self, messages=list(self.messages), decisions=dict(self.decisions), per_turn=list(self.per_turn),
-                       failed_calls=list(self.failed_calls), model_call_ids=list(self.model_call_ids))
+        """A copy whose lists and dicts are its own (their items are shared: messages are
+        replaced, never edited). Field by field, not `dataclasses.replace`, which runs
+        `__init__` and a getattr per field: a pass-through call makes three copies."""
+        new = object.__new__(RunState)
+        fields = new.__dict__
+        fields.update(self.__dict__)
+        fields["messages"] = list(self.messages)
+        fields["decisions"] = dict(self.decisions)
+        fields["per_turn"] = list(self.per_turn)
+        fields["failed_calls"] = list(self.failed_calls)
+        fields["model_call_ids"] = list(self.model_call_ids)
+        return new
 
 
 def upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:

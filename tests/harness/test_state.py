@@ -7,7 +7,15 @@ from pathlib import Path
 import orjson
 import pytest
 
-from gateway.harness.state import DEFAULT_MAX_TOOL_CALLS, SCHEMA_VERSION, RunState, StateError, own_calls, pending
+from gateway.harness.state import (
+    DEFAULT_MAX_TOOL_CALLS,
+    SCHEMA_VERSION,
+    Decision,
+    RunState,
+    StateError,
+    own_calls,
+    pending,
+)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -81,3 +89,19 @@ def test_own_calls_names_missing_and_repeated_ids_uniquely() -> None:
     assert all(isinstance(i, str) and i.startswith("call_") for i in (ids[0], ids[2], ids[3], ids[4]))
     assert len(set(ids)) == 5 and state.model_call_ids[-5:] == ids
     assert reply["tool_calls"][0].get("id") is None  # the reply itself is not changed in place
+
+
+def test_a_copy_is_equal_and_its_lists_and_dicts_are_its_own() -> None:
+    run = RunState.loads((FIXTURES / f"run_v{SCHEMA_VERSION}.json").read_bytes())
+    run.decisions["c1"] = Decision("approve", by="ops")  # the copy must not share the dict
+    assert run.messages and run.decisions and run.per_turn
+    saved = run.dumps()
+    copy = run.copy()
+    assert copy == run and type(copy) is RunState and copy is not run and copy.dumps() == saved
+    copy.messages.append({"role": "assistant", "content": "yes"})
+    copy.per_turn.clear()
+    copy.decisions.clear()
+    copy.failed_calls.append("c9")
+    copy.model_call_ids.append("c9")
+    copy.turns += 5
+    assert run.dumps() == saved  # the original is untouched
