@@ -155,6 +155,7 @@ async def _stream(request: web.Request, run_id: str, prepare: Prepare, start: St
     task = asyncio.ensure_future(drive_watched(request, run_id, prepare, start, client, [queue.put_nowait]))
     sse: SSEStream | None = None
     gone = False
+    event: Event | None = None  # the last line of the drive (where a follow after a pause starts)
     try:
         while not (task.done() and queue.empty()):
             if queue.empty():
@@ -201,7 +202,7 @@ async def _stream(request: web.Request, run_id: str, prepare: Prepare, start: St
             return _client_closed()
     if drive.driven and waits_for_decision(state) and resumes_on_decision(request.app[ctx.DRIVER].policy_of(state)):
         try:  # paused for a decision that resumes the run: stay open, answer when it stops
-            drive = await _follow_paused(request, sse, drive)
+            drive = await _follow_paused(request, sse, drive, event)
         except ClientGone:
             return sse.response
         state = request[ctx.RUN] = drive.state
@@ -213,14 +214,15 @@ async def _stream(request: web.Request, run_id: str, prepare: Prepare, start: St
     return sse.response
 
 
-async def _follow_paused(request: web.Request, sse: SSEStream, paused: Drive) -> Drive:
+async def _follow_paused(request: web.Request, sse: SSEStream, paused: Drive, last: Event | None) -> Drive:
     """Follow a run that paused on an approval of an `on_decision: resume` policy until it
     stops for good, wherever it is driven; the Drive to answer with (its usage: this call's
-    drive plus what the run spent after the pause)."""
+    drive plus what the run spent after the pause). The stream showed the drive's lines up
+    to `last`; whatever the store has after that one is shown next."""
     driver = request.app[ctx.DRIVER]
     store = driver.store
     state = paused.state
-    seen = await store.events(state.run_id)
+    after = _stored_seq(await store.events(state.run_id), last)
 
     async def emit(seq: int, event: Event) -> None:
         comment = progress_comment(event)
@@ -233,8 +235,20 @@ async def _follow_paused(request: web.Request, sse: SSEStream, paused: Drive) ->
     def policy_of(run: RunState) -> Policy | None:
         return driver.policies.for_run(run.policy, run.policy_version)
 
-    final = await follow_until_stopped(store, policy_of, state, seen[-1][0] if seen else 0, emit, keepalive)
+    final = await follow_until_stopped(store, policy_of, state, after, emit, keepalive)
     usage = paused.usage + Usage(final.usage.prompt_tokens - state.usage.prompt_tokens,
                                  final.usage.completion_tokens - state.usage.completion_tokens)
     answer_ = last_answer(final)
     return Drive(Outcome(final, "stopped", answer_), usage)
+
+
+def _stored_seq(stored: list[tuple[int, Event]], last: Event | None) -> int:
+    """The sequence number `last` (a line the stream showed) was stored under; the last one
+    stored when it is not found. Not simply the last one: the decision, and the lines of
+    the drive it resumed, may be stored already (a client that decides on seeing
+    `approval_required` can be that fast), and they must be shown too."""
+    if last is not None:
+        for seq, event in reversed(stored):
+            if event.get("ts") == last.get("ts") and event.get("type") == last.get("type"):
+                return seq
+    return stored[-1][0] if stored else 0
