@@ -25,21 +25,22 @@ import pytest
 import yaml
 
 from tests.server.served import DEMO, OPS, OTHER, Served, auth, chat_body, get_run, poll, request, write_config
-from tests.support.procs import free_port, start_gateway
+from tests.support.procs import START_TIMEOUT_S, free_port, start_gateway
 
 How = Literal["http", "sighup"]
 
 
-def start_served(folder: Path) -> Served:
-    """The served.py gateway, with team ops marked `admin: true`."""
-    folder.mkdir(parents=True)
+def start_served(folder: Path, *args: str, timeout: float = START_TIMEOUT_S) -> Served:
+    """The served.py gateway, with team ops marked `admin: true` (`args`: more `serve` flags)."""
+    folder.mkdir(parents=True, exist_ok=True)
     port = free_port()
     path = write_config(folder, port)
     config = yaml.safe_load(path.read_text())
     for team in config["teams"]:
         team["admin"] = team["name"] == "ops"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    proc = start_gateway(["serve", "--config", str(path)], "/healthz", port, folder / "gateway-1.log")
+    proc = start_gateway(["serve", "--config", str(path), *args], "/healthz", port, folder / "gateway-1.log",
+                         timeout=timeout)
     return Served(folder, port, proc)
 
 

@@ -17,24 +17,17 @@ from typing import Any
 
 import aiohttp
 import pytest
-import yaml
 
-from tests.server.served import OPS, chat_body, get_run, request, write_config
+from tests.policy.test_reload_http import start_served
+from tests.server.served import OPS, chat_body, get_run, request
 from tests.server.test_workers import wait_until, workers_of
-from tests.support.procs import START_TIMEOUT_S, Proc, free_port, start_gateway
+from tests.support.procs import START_TIMEOUT_S, Proc
 
 
 @pytest.fixture
 def two(tmp_path: Path) -> Iterator[Proc]:
     """The served.py gateway (its policies, the scripted upstream, SQLite) with 2 workers, ops an admin."""
-    port = free_port()
-    path = write_config(tmp_path, port)
-    config = yaml.safe_load(path.read_text())
-    for team in config["teams"]:
-        team["admin"] = team["name"] == "ops"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    proc = start_gateway(["serve", "--config", str(path), "--workers", "2"], "/healthz", port,
-                         tmp_path / "gateway.log", timeout=120)
+    proc = start_served(tmp_path, "--workers", "2", timeout=120).proc
     try:
         wait_until(lambda: len(workers_of(proc)) == 2 and "2 workers serving" in proc.output(), START_TIMEOUT_S)
         yield proc
