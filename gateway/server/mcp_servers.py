@@ -33,7 +33,9 @@ def setup(app: web.Application) -> None:
     if app[ctx.METRICS].multiprocess_dir is None:
         app[ctx.METRICS].registry.register(HealthCollector(hub))
     else:
-        hub.watch(SharedHealth(hub).sync)
+        shared = SharedHealth(hub)
+        hub.watch(shared.sync)
+        shared.sync()  # the servers the policies' load started already
 
 
 def labelled(health: Iterable[ServerHealth]) -> Iterator[tuple[str, ServerHealth]]:

@@ -272,3 +272,39 @@ async def _gone(pid: int) -> bool:
 
 async def _logged(log: Path, event: str, tag: str) -> dict[str, Any] | None:
     return next((e for e in server_log(log) if e["event"] == event and e.get("tag") == tag), None)
+
+
+async def test_with_two_workers_the_mcp_health_metrics_count_every_worker(shared_gateway: Gateway, mcp_log: Path,
+                                                                         session: aiohttp.ClientSession) -> None:
+    """Each worker runs its own copy of each server: whichever worker a scrape lands on, it
+    shows `up` 1 while the server is up in a worker, and the starts and failures of all."""
+    port = free_port()
+    env = {"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = start_gateway(["serve", "--config", str(shared_gateway.folder / "config.yaml"), "--port", str(port),
+                          "--workers", "2"], "/healthz", port, shared_gateway.folder / "gateway-workers.log",
+                         env=env, timeout=2 * START_TIMEOUT_S)
+    try:
+        await poll(lambda: _logged_text(proc, "2 workers serving"), timeout=2 * START_TIMEOUT_S)
+        two = Gateway(shared_gateway.folder, port, proc)
+        run_id, _ = await run_plan(two, "tests", ("t_crash", {"tag": "two-workers"}),
+                                   ("t_lookup", {"key": "after"}))
+        crashed, after = await tool_results(session, two, run_id)
+        assert crashed.startswith("Error: the MCP server 'tests' stopped") and after == "value of after"
+
+        def figure(text: str, name: str) -> float:
+            line = next(x for x in text.splitlines() if x.startswith(name + '{server="tests"} '))
+            return float(line.rsplit(" ", 1)[1])
+
+        for _ in range(6):  # fresh connections: the scrapes land on either worker
+            status, _, text = await request(session, "GET", f"{two.url}/metrics")
+            assert status == 200
+            assert figure(text, "gateway_mcp_server_up") == 1.0
+            assert figure(text, "gateway_mcp_server_failures_total") == 1.0
+            # each worker started it to discover its tools; the crashed one once more
+            assert figure(text, "gateway_mcp_server_starts_total") == 3.0
+    finally:
+        proc.stop()
+
+
+async def _logged_text(proc: Proc, text: str) -> bool:
+    return text in proc.output()
