@@ -68,7 +68,7 @@ from gateway.store.sqlite_schema import (
     connect,
     migrate,
 )
-from gateway.store.sqlite_rates import RatePlan, rate_plan, spent
+from gateway.store.sqlite_rates import ADMIT_ARGS, RatePlan, numbered, rate_plan, spent
 from gateway.store.sqlite_wal import Checkpointer
 
 __all__ = ["MIGRATIONS", "SqliteStore", "connect", "migrate"]
@@ -129,7 +129,7 @@ class SqliteStore:
         self._conn: sqlite3.Connection | None = connect(self.path)
         self._reclaim_due: dict[str, float] = {}
         self._held: dict[str, float] = {}  # reservations this store made and nobody settled yet -> expiry
-        self._admit_sql = _ADMIT.format(clocks="", values="")  # without rate limits
+        self._admit_sql = numbered(_ADMIT.format(clocks="", values=""), ADMIT_ARGS)  # without rate limits
         self._rate_plans: dict[tuple[RateLimit, ...], RatePlan] = {}  # by the claim's rate scopes
         self._clock_rows: set[str] = set()  # scopes whose ledger row (the clocks) this store made sure of
         self.notice_rule: NoticeRule | None = None
@@ -401,13 +401,9 @@ class SqliteStore:
         return (await self.admit(Claim(team, period, amount_usd, budget_usd, ttl_s=ttl_s))).reservation_id
 
     async def admit(self, claim: Claim) -> Grant:
-        params: dict[str, Any] = {
-            "team": claim.team, "period": claim.period, "amount": to_micros(claim.amount_usd, "amount_usd"),
-            "budget": optional_micros(claim.budget_usd, "budget_usd"), "run": claim.run_id,
-            "max_turns": claim.max_turns, "max_in_flight": claim.max_in_flight,
-            "run_budget": optional_micros(claim.run_budget_usd, "run_budget_usd"), "owner": claim.owner,
-            "tokens": claim.tokens, "scopes": None,
-        }
+        amount = to_micros(claim.amount_usd, "amount_usd")
+        budget = optional_micros(claim.budget_usd, "budget_usd")
+        run_budget = optional_micros(claim.run_budget_usd, "run_budget_usd")
         sql, plan = self._admit_sql, None
         missing: tuple[tuple[str], ...] = ()
         if claim.rates:
@@ -417,7 +413,6 @@ class SqliteStore:
                     self._rate_plans.clear()
                 plan = self._rate_plans[claim.rates] = rate_plan(claim.rates, _ADMIT)
             sql = plan.sql
-            params.update(plan.params)
             if not self._clock_rows.issuperset(plan.clocked):
                 missing = tuple((scope,) for scope in plan.clocked if scope not in self._clock_rows)
         ttl = check_ttl(claim.ttl_s, "ttl_s", allow_zero=True)
@@ -436,8 +431,12 @@ class SqliteStore:
                 db.executemany("INSERT OR IGNORE INTO ledger (team, period, spent_micros) VALUES (?, '', 0)", missing)
                 self._clock_rows.update(scope for scope, in missing)
             rid = new_reservation_id()
-            params.update(id=rid, now=now, expires=now + ttl)  # this call's own dict: no copy
-            cursor = db.execute(sql, params)
+            args: tuple[Any, ...] = (rid, claim.team, claim.period, amount, now + ttl, claim.run_id, claim.owner,
+                                     None if plan is None else plan.scopes, now, claim.max_turns,
+                                     claim.max_in_flight, run_budget, budget)  # ADMIT_ARGS
+            if plan is not None and plan.args is not None:
+                args += (claim.tokens, *plan.args)
+            cursor = db.execute(sql, args)
             returning = plan is not None and plan.clocked
             rows = cursor.fetchall() if returning else None  # all: it ends the statement (and its write)
             inserted = bool(rows) if rows is not None else cursor.rowcount == 1
