@@ -46,7 +46,8 @@ class RatePlan:
     """The admission statement for one set of scopes (numbered parameters: `ADMIT_ARGS`, then
     `args`), its `scopes` argument (the scopes whose calls in flight the reservation counts
     in), the scopes whose clocks it spends (their ledger rows must exist), and where in its
-    RETURNING row each scope's clocks are (None: a scope without clocks)."""
+    RETURNING row (which ends with the run's revision) each scope's clocks are (None: a
+    scope without clocks)."""
 
     sql: str
     scopes: str | None
@@ -57,9 +58,10 @@ class RatePlan:
     read_at: tuple[int | None, ...]
 
 
-def rate_plan(rates: Sequence[RateLimit], admit: str) -> RatePlan:
+def rate_plan(rates: Sequence[RateLimit], admit: str, revision: str) -> RatePlan:
     """The plan for `rates`; `admit` is the statement without rate limits (parameters by
-    name, `ADMIT_ARGS`), with `{clocks}` and `{values}` where the reservation's clock columns go."""
+    name, `ADMIT_ARGS`), with `{clocks}` and `{values}` where the reservation's clock columns
+    go; `revision` the expression its RETURNING row ends with (the run's revision)."""
     clocked = [r for r in rates if r.requests is not None or r.tokens is not None]
     if len(clocked) > CLOCK_SCOPES:
         raise ValueError(f"the sqlite store keeps the clocks of {CLOCK_SCOPES} rate scopes per claim, "
@@ -95,9 +97,8 @@ def rate_plan(rates: Sequence[RateLimit], admit: str) -> RatePlan:
     if clocked:
         columns += ", tokens, admitted_at"
         values += ", :tokens, :now"
-    sql = admit.format(clocks=columns, values=values) + "".join(checks)
-    if returning:
-        sql += " RETURNING " + ", ".join(returning)
+    sql = admit.format(clocks=columns, values=values) + "".join(checks) + " RETURNING " + ", ".join(
+        [*returning, revision])
     scopes = "".join(scope_tag(r.scope) for r in rates if r.max_in_flight is not None) or None
     # The driver wants as many arguments as the highest number: none past ADMIT_ARGS when the
     # statement uses none (scopes without any limit).
