@@ -4,7 +4,7 @@ set of rate scopes.
 A claim's rate scopes (a key's and its team's) come from config and are the same for every
 call of a team, so the statement is shaped once per set (`rate_plan`): it names only the
 conditions the scopes have (a scope with a request limit alone is not checked for tokens or
-calls in flight), binds their figures from a dict made once, and reads back only the
+calls in flight), binds their figures from a tuple made once, and reads back only the
 clocks the answer's `x-ratelimit-*` headers show. Sets of the same shape share one SQL
 text, so the driver's statement cache holds one prepared statement per shape, however
 many teams and keys have limits.
@@ -12,6 +12,7 @@ many teams and keys have limits.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -26,38 +27,56 @@ _FITS: Final = " AND MAX({clock}, :now) + {cost} - :now <= :w{i} + " + repr(RATE
 """A GCRA check (`base.fits`) of the i-th scope's clock, in SQL."""
 
 
+ADMIT_ARGS: Final = ("id", "team", "period", "amount", "expires", "run", "owner", "scopes", "now", "max_turns",
+                     "max_in_flight", "run_budget", "budget")
+"""The arguments of the admission statement without rate limits, in the order of its numbered
+parameters (?1, ?2, ...); a plan's statement takes the call's counted tokens next, then its
+own figures (`RatePlan.args`). A tuple binds faster than a dict of names, for which the
+driver makes a str of every parameter's name to look it up (about 2 us per limited call)."""
+
+
+def numbered(sql: str, names: Sequence[str]) -> str:
+    """`sql` with each `:name` parameter replaced by its number in `names` (?1 for the first)."""
+    index = {name: i for i, name in enumerate(names, 1)}
+    return re.sub(r":(\w+)", lambda m: f"?{index[m.group(1)]}", sql)
+
+
 @dataclass(frozen=True)
 class RatePlan:
-    """The admission statement for one set of scopes, its figures as bound parameters, the
-    scopes whose clocks it spends (their ledger rows must exist), and where in its
-    RETURNING row each scope's clocks are (None: a scope without clocks)."""
+    """The admission statement for one set of scopes (numbered parameters: `ADMIT_ARGS`, then
+    `args`), its `scopes` argument (the scopes whose calls in flight the reservation counts
+    in), the scopes whose clocks it spends (their ledger rows must exist), and where in its
+    RETURNING row (which ends with the run's revision) each scope's clocks are (None: a
+    scope without clocks)."""
 
     sql: str
-    params: dict[str, Any]
+    scopes: str | None
+    args: tuple[Any, ...] | None
+    """The plan's figures, bound after ADMIT_ARGS and the call's counted tokens; None: the
+    statement takes neither."""
     clocked: tuple[str, ...]
     read_at: tuple[int | None, ...]
 
 
-def rate_plan(rates: Sequence[RateLimit], admit: str) -> RatePlan:
-    """The plan for `rates`; `admit` is the statement without rate limits, with `{clocks}` and
-    `{values}` where the reservation's clock columns go."""
+def rate_plan(rates: Sequence[RateLimit], admit: str, revision: str) -> RatePlan:
+    """The plan for `rates`; `admit` is the statement without rate limits (parameters by
+    name, `ADMIT_ARGS`), with `{clocks}` and `{values}` where the reservation's clock columns
+    go; `revision` the expression its RETURNING row ends with (the run's revision)."""
     clocked = [r for r in rates if r.requests is not None or r.tokens is not None]
     if len(clocked) > CLOCK_SCOPES:
         raise ValueError(f"the sqlite store keeps the clocks of {CLOCK_SCOPES} rate scopes per claim, "
                          f"got {len(clocked)}")
-    params: dict[str, Any] = {"scopes": "".join(scope_tag(r.scope) for r in rates if r.max_in_flight is not None)
-                              or None}
+    params: dict[str, Any] = {}
     checks: list[str] = []
     returning: list[str] = []
     read_at: list[int | None] = []
+    columns = values = ""
     for i, r in enumerate(rates):
         requests_clock, tokens_clock = (_CLOCK.format(kind=kind, i=i) for kind in ("requests", "tokens"))
         if r.requests_s is not None:
             checks.append(_FITS.format(clock=requests_clock, cost=f":rs{i}", i=i))
-            params[f"rs{i}"] = r.requests_s
         if r.tokens_s is not None:
             checks.append(_FITS.format(clock=tokens_clock, cost=f":tokens * :ts{i}", i=i))
-            params[f"ts{i}"] = r.tokens_s
         if r.max_in_flight is not None:
             checks.append(f" AND (SELECT COUNT(*) FROM reservations WHERE instr(scopes, :tag{i}) > 0 AND {LIVE})"
                           f" < :mif{i}")
@@ -65,24 +84,27 @@ def rate_plan(rates: Sequence[RateLimit], admit: str) -> RatePlan:
         if r in clocked:
             # RETURNING reports the clocks as the statement found them (SQLite's RETURNING
             # does not see the trigger's changes); `spent` adds what the trigger added.
+            # The trigger (sqlite_schema) spends these clocks in the INSERT itself: the
+            # reservation's clock columns take the scope and its figures (NULL: no such limit).
+            x = "ab"[len(returning) // 2]
             read_at.append(len(returning))
             returning += [requests_clock, tokens_clock]
-            params.update({f"s{i}": r.scope, f"w{i}": r.window_s})
+            columns += f", clock_{x}, requests_s_{x}, tokens_s_{x}"
+            values += f", :s{i}, :rs{i}, :ts{i}"
+            params.update({f"s{i}": r.scope, f"w{i}": r.window_s, f"rs{i}": r.requests_s, f"ts{i}": r.tokens_s})
         else:
             read_at.append(None)
-    columns = values = ""
-    for x, r in zip("ab", clocked, strict=False):
-        # The trigger (sqlite_schema) spends these clocks in the INSERT itself.
-        columns += f", clock_{x}, requests_s_{x}, tokens_s_{x}"
-        values += f", :clock_{x}, :requests_s_{x}, :tokens_s_{x}"
-        params.update({f"clock_{x}": r.scope, f"requests_s_{x}": r.requests_s, f"tokens_s_{x}": r.tokens_s})
     if clocked:
         columns += ", tokens, admitted_at"
         values += ", :tokens, :now"
-    sql = admit.format(clocks=columns, values=values) + "".join(checks)
-    if returning:
-        sql += " RETURNING " + ", ".join(returning)
-    return RatePlan(sql, params, tuple(r.scope for r in clocked), tuple(read_at))
+    sql = admit.format(clocks=columns, values=values) + "".join(checks) + " RETURNING " + ", ".join(
+        [*returning, revision])
+    scopes = "".join(scope_tag(r.scope) for r in rates if r.max_in_flight is not None) or None
+    # The driver wants as many arguments as the highest number: none past ADMIT_ARGS when the
+    # statement uses none (scopes without any limit).
+    args = tuple(params.values()) if params or ":tokens" in sql else None
+    return RatePlan(numbered(sql, (*ADMIT_ARGS, "tokens", *params)), scopes, args,
+                    tuple(r.scope for r in clocked), tuple(read_at))
 
 
 def spent(plan: RatePlan, rates: Sequence[RateLimit], row: Sequence[float] | None, now: float,

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Final, TypeVar
 
 from aiohttp import web
+from multidict import istr
 
 from gateway.config.rates import RateLimits
 from gateway.config.settings import TeamConfig
@@ -39,9 +40,9 @@ async def show(request: web.Request, response: web.StreamResponse) -> None:
     """`on_response_prepare`: a governed call's answer carries its rate-limit headers (those
     a refusal set already, with its own figures, stay)."""
     shown = request.get(SHOWN)
-    if shown and shown[0]:
+    if shown is not None:  # `keep` sets it only for a call with rate limits
         out = response.headers
-        if "x-ratelimit-limit-requests" in out or "x-ratelimit-limit-tokens" in out:
+        if _LIMIT_REQUESTS in out or _LIMIT_TOKENS in out:
             for name, value in pairs(*shown):
                 out.setdefault(name, value)
         else:
@@ -104,35 +105,47 @@ def headers(rates: Sequence[RateLimit], states: Sequence[RateState]) -> dict[str
     return dict(pairs(rates, states))
 
 
+_LIMIT_REQUESTS, _REMAINING_REQUESTS, _RESET_REQUESTS, _LIMIT_TOKENS, _REMAINING_TOKENS, _RESET_TOKENS = (
+    istr(f"x-ratelimit-{what}-{kind}") for kind in ("requests", "tokens") for what in ("limit", "remaining", "reset"))
+"""The headers' names, made once as `istr` (aiohttp's header dicts skip folding their case)."""
+
+
 def pairs(rates: Sequence[RateLimit], states: Sequence[RateState]) -> list[tuple[str, str]]:
     """`headers` as (name, value) pairs, in that order. Built for every answer of a limited
-    team: one pass over the scopes, no helper calls but the reset's format."""
-    requests: tuple[int, int, float] | None = None  # (limit, remaining, seconds to reset)
-    tokens: tuple[int, int, float] | None = None
+    team: one pass over the scopes, no helper calls but the reset's format past a second."""
+    requests_left = tokens_left = -1  # the tightest scope's remaining (-1: no scope has the kind)
+    requests_limit = tokens_limit = 0
+    requests_ahead = tokens_ahead = 0.0  # its clock's lead on now (the seconds to a full bucket)
     for limit, state in zip(rates, states, strict=True):
-        now = state.now
-        room = limit.window_s + RATE_SLACK_S
-        if limit.requests is not None and limit.requests_s is not None:
-            tat = state.requests_tat
-            ahead = tat - now if tat > now else 0.0  # the clock's lead on now
-            left = math.floor((room - ahead) / limit.requests_s)
-            left = limit.requests if left > limit.requests else left if left > 0 else 0
-            if requests is None or left < requests[1]:
-                requests = (limit.requests, left, ahead)
-        if limit.tokens is not None and limit.tokens_s is not None:
-            tat = state.tokens_tat
-            ahead = tat - now if tat > now else 0.0
-            left = math.floor((room - ahead) / limit.tokens_s)
-            left = limit.tokens if left > limit.tokens else left if left > 0 else 0
-            if tokens is None or left < tokens[1]:
-                tokens = (limit.tokens, left, ahead)
+        per = limit.requests_s
+        if per is not None:
+            ahead = state.requests_tat - state.now
+            if ahead < 0.0:
+                ahead = 0.0
+            left = math.floor((limit.window_s + RATE_SLACK_S - ahead) / per)
+            cap = limit.requests or 0
+            left = cap if left > cap else left if left > 0 else 0
+            if requests_left < 0 or left < requests_left:
+                requests_limit, requests_left, requests_ahead = cap, left, ahead
+        per = limit.tokens_s
+        if per is not None:
+            ahead = state.tokens_tat - state.now
+            if ahead < 0.0:
+                ahead = 0.0
+            left = math.floor((limit.window_s + RATE_SLACK_S - ahead) / per)
+            cap = limit.tokens or 0
+            left = cap if left > cap else left if left > 0 else 0
+            if tokens_left < 0 or left < tokens_left:
+                tokens_limit, tokens_left, tokens_ahead = cap, left, ahead
     out: list[tuple[str, str]] = []
-    if requests is not None:
-        out += (("x-ratelimit-limit-requests", str(requests[0])), ("x-ratelimit-remaining-requests", str(requests[1])),
-                ("x-ratelimit-reset-requests", duration(requests[2])))
-    if tokens is not None:
-        out += (("x-ratelimit-limit-tokens", str(tokens[0])), ("x-ratelimit-remaining-tokens", str(tokens[1])),
-                ("x-ratelimit-reset-tokens", duration(tokens[2])))
+    if requests_left >= 0:
+        ms = math.ceil(requests_ahead * 1000)
+        out += ((_LIMIT_REQUESTS, str(requests_limit)), (_REMAINING_REQUESTS, str(requests_left)),
+                (_RESET_REQUESTS, (f"{ms}ms" if ms > 0 else "0ms") if ms < 1000 else duration(requests_ahead)))
+    if tokens_left >= 0:
+        ms = math.ceil(tokens_ahead * 1000)
+        out += ((_LIMIT_TOKENS, str(tokens_limit)), (_REMAINING_TOKENS, str(tokens_left)),
+                (_RESET_TOKENS, (f"{ms}ms" if ms > 0 else "0ms") if ms < 1000 else duration(tokens_ahead)))
     return out
 
 
