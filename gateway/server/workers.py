@@ -124,10 +124,11 @@ def signal_ready(fd: int | None, index: int | None = None, read_at: float = 0.0)
 
 
 def mark_reloaded(index: int, read_at: float) -> None:
-    """In a worker: it serves the policy files as they were at `read_at` (or later); written
-    whole or not at all."""
+    """In a worker, on its event loop: it serves the policy files as they were at `read_at`
+    (or later). Written whole or not at all, and never back to an earlier time (two reloads
+    may end in either order)."""
     folder = os.environ.get(RELOADS_ENV)
-    if not folder:
+    if not folder or _read_since(folder, index) >= read_at:
         return
     path = os.path.join(folder, str(index))
     with contextlib.suppress(OSError):

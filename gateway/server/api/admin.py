@@ -64,17 +64,19 @@ def team_check(config: Config) -> Callable[[Mapping[str, Policy]], Sequence[Poli
 
 async def reload_in_thread(app: web.Application, by: str) -> ReloadResult:
     """`reload_policies` off the event loop: a reload may start MCP servers and list their
-    tools, which must not stall every request in flight."""
-    return await asyncio.to_thread(reload_policies, app, by)
+    tools, which must not stall every request in flight. A worker of `--workers N` then
+    notes that it serves the files as they were when this began."""
+    read_at = time.time()
+    result = await asyncio.to_thread(reload_policies, app, by)
+    if ctx.WORKER in app:
+        mark_reloaded(app[ctx.WORKER], read_at)
+    return result
 
 
 def reload_policies(app: web.Application, by: str) -> ReloadResult:
     """Reload the app's policy folder (checked against the config) and log what happened."""
     registry = app[ctx.POLICIES]
-    read_at = time.time()  # no later than the reload reads the files
     result = registry.reload(check=team_check(app[ctx.CONFIG]))
-    if ctx.WORKER in app:
-        mark_reloaded(app[ctx.WORKER], read_at)
     if result.ok:
         log.warning("policies reloaded by %s: %s (changed: %s)", by, _versions(registry, result.loaded),
                     _versions(registry, result.changed) or "none")
