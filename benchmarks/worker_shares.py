@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.proxy_overhead import gateway_config, load  # noqa: E402
 from tests.store.conftest import _start_redis  # noqa: E402
-from tests.support.procs import free_port, wait_http  # noqa: E402
+from tests.support.procs import Proc, free_port, wait_http  # noqa: E402
 
 
 def cores_seconds(pids: list[int]) -> float:
@@ -90,12 +90,7 @@ def measure(workers: int, store: str, calls: int) -> None:
               f"load generator {used[2]:.2f}{extra}", flush=True)
     finally:
         for proc in reversed(procs):
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            Proc(proc, "", folder / "unused.log").stop()
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -105,47 +105,49 @@ def headers(rates: Sequence[RateLimit], states: Sequence[RateState]) -> dict[str
     return dict(pairs(rates, states))
 
 
-_LIMIT_REQUESTS, _REMAINING_REQUESTS, _RESET_REQUESTS, _LIMIT_TOKENS, _REMAINING_TOKENS, _RESET_TOKENS = (
-    istr(f"x-ratelimit-{what}-{kind}") for kind in ("requests", "tokens") for what in ("limit", "remaining", "reset"))
-"""The headers' names, made once as `istr` (aiohttp's header dicts skip folding their case)."""
+_REQUEST_NAMES, _TOKEN_NAMES = (
+    (istr(f"x-ratelimit-limit-{kind}"), istr(f"x-ratelimit-remaining-{kind}"), istr(f"x-ratelimit-reset-{kind}"))
+    for kind in ("requests", "tokens"))
+"""The headers' names (limit, remaining, reset) per kind, made once as `istr` (aiohttp's
+header dicts skip folding their case)."""
+_LIMIT_REQUESTS, _LIMIT_TOKENS = _REQUEST_NAMES[0], _TOKEN_NAMES[0]
+
+
+Tightest = tuple[int, int, float]
+"""A kind's figures on the answer: (limit, remaining, seconds until its bucket is full)."""
+
+
+def _tighter(best: Tightest | None, cap: int, per: float, ahead: float, window_s: float) -> Tightest:
+    """`best`, or the clock `ahead` of now (per call or token `per` seconds) if it leaves less."""
+    if ahead < 0.0:
+        ahead = 0.0
+    left = math.floor((window_s + RATE_SLACK_S - ahead) / per)
+    left = cap if left > cap else left if left > 0 else 0
+    return (cap, left, ahead) if best is None or left < best[1] else best
+
+
+def _shown(names: tuple[istr, istr, istr], figures: Tightest) -> tuple[tuple[str, str], ...]:
+    ms = math.ceil(figures[2] * 1000)
+    reset = (f"{ms}ms" if ms > 0 else "0ms") if ms < 1000 else duration(figures[2])
+    return (names[0], str(figures[0])), (names[1], str(figures[1])), (names[2], reset)
 
 
 def pairs(rates: Sequence[RateLimit], states: Sequence[RateState]) -> list[tuple[str, str]]:
     """`headers` as (name, value) pairs, in that order. Built for every answer of a limited
-    team: one pass over the scopes, no helper calls but the reset's format past a second."""
-    requests_left = tokens_left = -1  # the tightest scope's remaining (-1: no scope has the kind)
-    requests_limit = tokens_limit = 0
-    requests_ahead = tokens_ahead = 0.0  # its clock's lead on now (the seconds to a full bucket)
+    team: one pass over the scopes, the reset's format inline below a second."""
+    requests: Tightest | None = None
+    tokens: Tightest | None = None
     for limit, state in zip(rates, states, strict=True):
-        per = limit.requests_s
-        if per is not None:
-            ahead = state.requests_tat - state.now
-            if ahead < 0.0:
-                ahead = 0.0
-            left = math.floor((limit.window_s + RATE_SLACK_S - ahead) / per)
-            cap = limit.requests or 0
-            left = cap if left > cap else left if left > 0 else 0
-            if requests_left < 0 or left < requests_left:
-                requests_limit, requests_left, requests_ahead = cap, left, ahead
-        per = limit.tokens_s
-        if per is not None:
-            ahead = state.tokens_tat - state.now
-            if ahead < 0.0:
-                ahead = 0.0
-            left = math.floor((limit.window_s + RATE_SLACK_S - ahead) / per)
-            cap = limit.tokens or 0
-            left = cap if left > cap else left if left > 0 else 0
-            if tokens_left < 0 or left < tokens_left:
-                tokens_limit, tokens_left, tokens_ahead = cap, left, ahead
+        if limit.requests_s is not None:
+            requests = _tighter(requests, limit.requests or 0, limit.requests_s, state.requests_tat - state.now,
+                                limit.window_s)
+        if limit.tokens_s is not None:
+            tokens = _tighter(tokens, limit.tokens or 0, limit.tokens_s, state.tokens_tat - state.now, limit.window_s)
     out: list[tuple[str, str]] = []
-    if requests_left >= 0:
-        ms = math.ceil(requests_ahead * 1000)
-        out += ((_LIMIT_REQUESTS, str(requests_limit)), (_REMAINING_REQUESTS, str(requests_left)),
-                (_RESET_REQUESTS, (f"{ms}ms" if ms > 0 else "0ms") if ms < 1000 else duration(requests_ahead)))
-    if tokens_left >= 0:
-        ms = math.ceil(tokens_ahead * 1000)
-        out += ((_LIMIT_TOKENS, str(tokens_limit)), (_REMAINING_TOKENS, str(tokens_left)),
-                (_RESET_TOKENS, (f"{ms}ms" if ms > 0 else "0ms") if ms < 1000 else duration(tokens_ahead)))
+    if requests is not None:
+        out += _shown(_REQUEST_NAMES, requests)
+    if tokens is not None:
+        out += _shown(_TOKEN_NAMES, tokens)
     return out
 
 
