@@ -12,8 +12,11 @@ A WAL can only restart from its beginning once a checkpoint has copied all of it
 steady stream of writes a background pass never catches up, and the WAL would grow without
 end. So when it reaches `FENCE_FRAMES` frames, the store holds its next writes (they await;
 the loop goes on serving) while one pass copies everything, then lets them go; the first
-of them restarts the WAL. Between fences at least `FENCE_WRITES` writes pass, so a WAL that
-another process keeps busy costs at most a short wait now and then.
+of them restarts the WAL. Other processes writing the same file (workers, replicas) are
+held too, for the end of that pass only: it finishes with a RESTART checkpoint, which waits
+for their transactions and keeps new ones out while it copies the last frames (their
+writes wait in SQLite's busy handler, milliseconds). Between fences at least
+`FENCE_WRITES` writes pass.
 """
 
 from __future__ import annotations
@@ -87,14 +90,21 @@ class Checkpointer:
     def _pass(self, fenced: bool) -> None:
         before = self.writes
         try:
-            _busy, frames, copied = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            busy, frames, copied = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            if fenced:
+                # The fence holds this process's writes only: other processes on the file
+                # (`--workers`, replicas) keep writing, and no pass would ever copy the WAL
+                # whole. RESTART holds every writer of the file (their busy handlers wait)
+                # while it copies the few frames the PASSIVE pass left, and makes the next
+                # write restart the WAL.
+                busy, frames, copied = self._conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
         except sqlite3.Error:  # the next pass tries again; the WAL keeps every commit meanwhile
             log.exception("sqlite store %s: WAL checkpoint failed", self.path)
             return
         self.passes += 1
         # `frames` is the WAL's length when the pass began. All of it copied with no write
-        # since (or held by a fence): the next write restarts the WAL from its beginning.
-        done = frames == copied and (fenced or self.writes == before)
+        # since (or held by a fence, or by RESTART): the next write restarts the WAL.
+        done = not busy and frames == copied and (fenced or self.writes == before)
         self.frames = 0 if done else int(frames)
 
     def _lift(self, loop: asyncio.AbstractEventLoop, fence: asyncio.Future[None]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import shutil
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from gateway.harness.state import RunState
 from gateway.store import sqlite as sqlite_store
 from gateway.store import sqlite_wal
 from gateway.store.sqlite import SqliteStore
+from tests.support.procs import ROOT
 
 
 def main_file_has_run(db: Path, copy: Path, run_id: str) -> bool:
@@ -78,3 +81,47 @@ async def test_a_write_waits_out_a_fence(tmp_path: Path, monkeypatch: pytest.Mon
         assert [e["type"] for _, e in await store.events("run_a")] == ["after the fence"]
     finally:
         await store.close()
+
+
+WRITER = """
+import asyncio, os, sys
+from gateway.store import sqlite as sqlite_store, sqlite_wal
+from gateway.store.sqlite import SqliteStore
+sqlite_wal.FENCE_FRAMES, sqlite_wal.FENCE_WRITES, sqlite_store.JOURNAL_SIZE_LIMIT = 64, 20, 0
+path, name, writes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+async def main() -> None:
+    store = SqliteStore(path)
+    largest = 0
+    try:
+        for n in range(writes):
+            await store.append_events(name, [{"type": "tick", "n": n}])
+            await asyncio.sleep(0.0005)  # a gateway's call works between its writes: not a tight write loop
+            if n % 50 == 0:
+                largest = max(largest, os.path.getsize(path + "-wal"))
+        print(largest, store._wal.fences, flush=True)
+    finally:
+        await store.close()
+
+asyncio.run(main())
+"""
+
+
+def test_two_processes_writing_at_once_still_restart_the_wal(tmp_path: Path) -> None:
+    """`--workers` on SQLite: a fence holds only its own process's writes, so the other
+    process's kept the WAL from ever being copied whole and it grew without end (580 MB in
+    a one-minute soak). The fenced pass holds every writer of the file for its last frames."""
+    db = tmp_path / "g.db"
+    SqliteStore(db)  # the schema, before both start
+    writes = 5000
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(db), f"p{i}", str(writes)], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    largest = max(int(out[0]) for out in outs)
+    assert all(int(out[1]) >= 3 for out in outs), outs  # each process fenced several times
+    # 10,000 commits of at least a page each: a WAL that never restarted holds them all
+    assert largest < 2 * writes * 4096 / 10, largest
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert conn.execute("SELECT COUNT(*) FROM events").fetchone()[0] == 2 * writes
