@@ -15,8 +15,8 @@ the loop goes on serving) while one pass copies everything, then lets them go; t
 of them restarts the WAL. Other processes writing the same file (workers, replicas) are
 held too, for the end of that pass only: it finishes with a RESTART checkpoint, which waits
 for their transactions and keeps new ones out while it copies the last frames (their
-writes wait in SQLite's busy handler, milliseconds). Between fences at least
-`FENCE_WRITES` writes pass.
+writes wait in SQLite's busy handler: milliseconds, `RESTART_WAIT_S` at most). Between
+fences at least `FENCE_WRITES` writes pass.
 """
 
 from __future__ import annotations
@@ -35,6 +35,11 @@ FENCE_FRAMES: Final = 8192
 """WAL frames (pages of 4 KiB) past which writes are held for one complete pass (32 MiB)."""
 FENCE_WRITES: Final = 1000
 """Writes that pass between two fences, whatever happens."""
+RESTART_WAIT_S: Final = 0.1
+"""How long a fenced pass's RESTART waits for other processes' transactions. It holds off
+their writers meanwhile (a transaction held open elsewhere, say a person's sqlite3 shell,
+would otherwise stall every writer for the whole busy timeout); past it, the fence lifts
+and a later one tries again."""
 
 
 class Checkpointer:
@@ -56,6 +61,7 @@ class Checkpointer:
         self._fence_request: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
         self._wake = threading.Event()
         self._closing = False
+        self._busy_timeout_s = busy_timeout_s
         self._conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
         self._thread = threading.Thread(target=self._run, name=f"sqlite-checkpointer:{path}", daemon=True)
         self._thread.start()
@@ -97,7 +103,11 @@ class Checkpointer:
                 # whole. RESTART holds every writer of the file (their busy handlers wait)
                 # while it copies the few frames the PASSIVE pass left, and makes the next
                 # write restart the WAL.
-                busy, frames, copied = self._conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
+                self._conn.execute(f"PRAGMA busy_timeout = {int(RESTART_WAIT_S * 1000)}")
+                try:
+                    busy, frames, copied = self._conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
+                finally:
+                    self._conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_s * 1000)}")
         except sqlite3.Error:  # the next pass tries again; the WAL keeps every commit meanwhile
             log.exception("sqlite store %s: WAL checkpoint failed", self.path)
             return
