@@ -14,15 +14,18 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
-from gateway.config.settings import ConfigError, load_config
+from gateway.config.settings import Config, ConfigError, load_config
 from gateway.server.api.admin import reload_in_thread
-from gateway.server.app import build_app
+from gateway.server.app import build_app, process_owner
 from gateway.server.http.listener import run
 from gateway.server.workers import parse_workers, shared_key, signal_ready, supervise
+from gateway.store import StoreConfigError, StoreError, open_store
+
+log = logging.getLogger("gateway")
 
 GC_YOUNG_THRESHOLD = 20_000
 """Allocations between two young-generation collections (CPython's default is 700): a call
@@ -45,6 +48,31 @@ def _self_url(host: str, port: int) -> str:
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _release_previous_workers(config: Config, host: str, count: int) -> Callable[[int], None]:
+    """For the supervisor: give back the reservations and leases the workers of this
+    server's previous life held (each worker does it for its own index when it starts,
+    but the first to serve would refuse a resume with `run_busy` meanwhile)."""
+
+    def release(port: int) -> None:
+        async def each_worker() -> int:
+            store = open_store(config.store.options)
+            try:
+                url = _self_url(host, port)
+                return sum([await store.release_owner(process_owner(url, i)) for i in range(count)])
+            finally:
+                await store.close()
+
+        try:
+            released = asyncio.run(each_worker())
+        except (StoreError, StoreConfigError) as exc:  # each worker tries again for its own
+            log.warning("could not release what the previous workers held: %s", exc)
+            return
+        if released:
+            log.warning("released %d reservations left by this server's previous workers", released)
+
+    return release
 
 
 async def _reload_on_sighup(app: web.Application) -> AsyncIterator[None]:
@@ -87,7 +115,7 @@ def serve_command(args: argparse.Namespace) -> int:
                                   f"--workers {workers} needs a store the workers share (sqlite or redis); the "
                                   "memory store lives in one process")
             argv = ["--config", str(args.config), "--loop", getattr(args, "loop", "auto")]
-            return supervise(argv, workers, host, port)
+            return supervise(argv, workers, host, port, _release_previous_workers(config, host, workers))
         app = build_app(config, self_url=_self_url(host, port) if port else None, worker=worker,
                         scripted_key=shared_key() if worker is not None else None)
     except ConfigError as exc:

@@ -25,6 +25,9 @@ Lifecycle (docs/config.md, "Workers"):
 - A worker that dies after it was serving is started again (same index, so it releases
   what its previous life held); one that fails before it serves (a bad store, a port
   taken) stops the whole server with its exit code, since a restart would fail alike.
+  Before the first worker starts, what every worker of a previous life of this server
+  held is released (`before`, `gateway.server.main`): a call that lands on worker J is not
+  refused for a lease that worker I held when the whole server was killed.
 - The supervisor dying (even SIGKILL) kills its workers (PR_SET_PDEATHSIG on Linux), so
   nothing keeps serving the port behind a dead parent.
 """
@@ -342,8 +345,10 @@ class Supervisor:
             self._forget_pipe(w)
 
 
-def supervise(argv: list[str], count: int, host: str, port: int) -> int:
-    """Reserve the port, run `count` workers until stopped; the exit code."""
+def supervise(argv: list[str], count: int, host: str, port: int,
+              before: Callable[[int], None] | None = None) -> int:
+    """Reserve the port, call `before(port)` (the port bound), run `count` workers until
+    stopped; the exit code."""
     try:
         holder = reserve_port(host, port)
     except OSError as exc:
@@ -351,4 +356,6 @@ def supervise(argv: list[str], count: int, host: str, port: int) -> int:
         return 1
     with holder:
         bound = int(holder.getsockname()[1])
+        if before is not None:
+            before(bound)
         return Supervisor([*argv, "--host", host, "--port", str(bound)], count, host, bound).run()

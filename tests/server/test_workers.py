@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -166,3 +168,27 @@ def test_a_killed_supervisor_takes_its_workers_with_it(own_two: Proc) -> None:
     assert len(kids) == 2
     own_two.kill()
     wait_until(lambda: not any(alive(pid) for pid in kids))
+
+
+def test_what_the_previous_workers_held_is_released_before_any_worker_serves(tmp_path: Path,
+                                                                              upstream: Upstream) -> None:
+    """A whole 2-worker server killed and started again: the leases its workers held are
+    given back by the supervisor before it starts any worker, so the first worker to serve
+    does not refuse a resume with run_busy for a lease its sibling held (each worker only
+    releases its own, once it has started)."""
+    port = free_port()
+    config = write_config(tmp_path / "gw", port, upstream.url, {"kind": "sqlite", "path": "./gateway.db"})
+    db = tmp_path / "gw" / "gateway.db"
+    SqliteStore(db)  # the schema
+    host = socket.gethostname()
+    with sqlite3.connect(db) as conn:  # as a killed server's workers left them
+        conn.executemany("INSERT INTO leases (run_id, owner, expires_at) VALUES (?, ?, ?)",
+                         [(f"adm/run{i}", f"{host}/http://127.0.0.1:{port}/worker{i}", time.time() + 3600)
+                          for i in range(2)])
+    proc = start_gateway(["serve", "--config", str(config), "--workers", "2"], "/healthz", port,
+                         tmp_path / "gateway.log", timeout=120)
+    try:
+        with sqlite3.connect(db) as conn:  # one worker answers; the other may still be starting
+            assert conn.execute("SELECT run_id, owner FROM leases").fetchall() == []
+    finally:
+        proc.stop()
