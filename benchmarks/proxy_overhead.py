@@ -477,8 +477,8 @@ def gateway_pids(gw: Proc) -> list[int]:
     return kids or [gw.popen.pid]
 
 
-IDLE = ("select (selectors", "_run_once (asyncio", "run_forever", "epoll", "run (gateway/server/http/listener",
-        "Condition.wait (threading")
+IDLE = ("select (selectors", "EpollSelector.select (selectors", "_run_once (asyncio", "run_forever", "epoll",
+        "run (gateway/server/http/listener", "Condition.wait (threading")
 """Leaf frames of a process (or thread) that is waiting, not working."""
 
 
