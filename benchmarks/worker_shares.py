@@ -26,7 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.proxy_overhead import gateway_config, load  # noqa: E402
+from benchmarks.proxy_overhead import gateway_config, gateway_pids, load  # noqa: E402
 from tests.store.conftest import _start_redis  # noqa: E402
 from tests.support.procs import Proc, free_port, wait_http  # noqa: E402
 
@@ -39,11 +39,6 @@ def cores_seconds(pids: list[int]) -> float:
             fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
             ticks += int(fields[11]) + int(fields[12])
     return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(p) for p in path.read_text().split()] if path.exists() else []
 
 
 def measure(workers: int, store: str, calls: int) -> None:
@@ -71,11 +66,7 @@ def measure(workers: int, store: str, calls: int) -> None:
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/healthz", gw, 120, folder / "gateway.log")
         wait_http(f"http://127.0.0.1:{up_port}/healthz", up, 60, folder / "upstream.log")
-        served = [gw.pid] if workers == 1 else children(gw.pid)
-        deadline = time.monotonic() + 120
-        while len(served) < workers and time.monotonic() < deadline:  # every worker up, not just one
-            time.sleep(0.1)  # polling the process table
-            served = children(gw.pid)
+        served = gateway_pids(Proc(gw, url, folder / "gateway.log"))  # the supervisor starts every worker at once
         asyncio.run(load(url, 32, 2000, "same run"))  # warm: connections, caches
         others = [redis.pid] if redis is not None else []
         before = cores_seconds([up.pid]), cores_seconds(served), time.process_time(), cores_seconds(others)
