@@ -33,11 +33,19 @@ end
 local function pushed(tat, now, n, per)
   return string.format('%.6f', math.max(tonumber(tat or '0'), now) + tonumber(n) * tonumber(per))
 end
--- {spent, reserved, turns or false, cost, in_flight, held} of a team's period and a run.
-local function figures(p, team, period, run, now)
-  local l = redis.call('HMGET', p .. 'ledger:' .. team, 'spent:' .. period, 'reserved:' .. period)
+-- {spent, reserved, turns or false, cost, in_flight, held, clocks} of a team's period and a
+-- run; with `clocks`, the team's own rate clocks (`own_clocks`) are read in the same HMGET.
+local function figures(p, team, period, run, now, clocks)
+  local ledger = p .. 'ledger:' .. team
+  local l
+  if clocks then
+    l = redis.call('HMGET', ledger, 'spent:' .. period, 'reserved:' .. period, 'rate:r', 'rate:t')
+  else
+    l = redis.call('HMGET', ledger, 'spent:' .. period, 'reserved:' .. period)
+  end
   local spent, reserved = l[1] or '0', l[2] or '0'
-  if run == '' then return {spent, reserved, false, '0', 0, 0} end
+  local own = clocks and {l[3], l[4]} or false
+  if run == '' then return {spent, reserved, false, '0', 0, 0, own} end
   local r = redis.call('HMGET', p .. 'run:' .. run, 'turns', 'cost')
   local slots = p .. 'slots:' .. run
   redis.call('ZREMRANGEBYSCORE', slots, '-inf', string.format('%d', now))
@@ -46,7 +54,13 @@ local function figures(p, team, period, run, now)
   for _, rid in ipairs(ids) do
     held = held + tonumber(redis.call('HGET', p .. 'res:' .. rid, 'amount') or '0')
   end
-  return {spent, reserved, r[1] or false, r[2] or '0', #ids, held}
+  return {spent, reserved, r[1] or false, r[2] or '0', #ids, held, own}
+end
+-- A team's own rate clocks {r, t} as `figures` read them from its ledger, or, when the ledger
+-- has none yet, from `rate:team:NAME`, where versions before 2026-12 kept them.
+local function own_clocks(p, f, scope)
+  if f[7][1] or f[7][2] then return f[7] end
+  return redis.call('HMGET', p .. 'rate:' .. scope, 'r', 't')
 end
 -- Reservations whose expiry passed: their process is presumed dead, give the money back.
 -- The record stays (state expired) for a while so that a late settle still books the spend.
@@ -155,11 +169,13 @@ return out
 # the run to store first (CREATE_RUN's nine arguments) after the scopes: {2, stored body} if
 # it exists (the caller goes on with the stored run without a look-up of its own).
 #
-# Each scope's clocks are a hash `rate:<scope>` (r, t). The calls in flight of the claim's own
-# team scope ('team:' .. team) are the team's live reservations, which `held:<team>` lists
-# already (reclaim, above, takes the expired ones out): counted there (ZCARD), they cost no
-# set of their own to add to and remove from on every call. Other scopes (a key's) keep a
-# set `inflight:<scope>`.
+# The claim's own team scope ('team:' .. team) lives in what the budget check reads and
+# writes already: its clocks are fields of the team's ledger hash (`rate:r`, `rate:t`), read
+# in the same HMGET as the budget and written in the same HSET as the reservation; its
+# calls in flight are the team's live reservations, which `held:<team>` lists already
+# (reclaim, above, takes the expired ones out): counted there (ZCARD), they cost no set of
+# their own to add to and remove from on every call. Other scopes (a key's) keep their
+# clocks in a hash `rate:<scope>` (r, t) and a set `inflight:<scope>`.
 ADMIT: Final = _HELPERS + _CREATE + """
 local p, team, period, amount, budget, ttl, rid, retention, run, max_turns, max_in_flight, run_budget, owner =
   ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11],
@@ -170,15 +186,16 @@ local at = 16 + tonumber(ARGV[15])
 if #ARGV >= at + 8 and create(p, at) == 0 then return {2, redis.call('HGET', p .. 'run:' .. ARGV[at], 'body')} end
 local now = now_ms()
 reclaim(p, team, now, retention)
-local own, specs = 'team:' .. team, {}
+local own, specs, with_own = 'team:' .. team, {}, false
 for i = 16, at - 1 do
   local window, rs, ts, mif, scope = string.match(ARGV[i], '^(%S+) (%S+) (%S+) (%S+) (.+)$')
   if rs == '-' then rs = '' end
   if ts == '-' then ts = '' end
   if mif == '-' then mif = '' end
   specs[#specs + 1] = {scope, tonumber(window), rs, ts, mif}
+  if scope == own then with_own = true end
 end
-local f = figures(p, team, period, run, now)
+local f = figures(p, team, period, run, now, with_own)
 local refused = nil
 if run ~= '' and not f[3] then refused = 'run_missing'
 elseif max_turns ~= '' and tonumber(f[3]) + f[5] >= tonumber(max_turns) then refused = 'max_turns'
@@ -189,7 +206,7 @@ end
 local tokens, nows, clocks, scopes = tonumber(ARGV[14]), now / 1000, {}, ''
 for _, spec in ipairs(specs) do
   local scope, window, rs, ts, mif = spec[1], spec[2], spec[3], spec[4], spec[5]
-  local c = redis.call('HMGET', p .. 'rate:' .. scope, 'r', 't')
+  local c = scope == own and own_clocks(p, f, scope) or redis.call('HMGET', p .. 'rate:' .. scope, 'r', 't')
   local rt, tt, inflight, listed = tonumber(c[1] or '0'), tonumber(c[2] or '0'), 0, false
   if mif ~= '' then
     -- Those still held: reclaim (above) took the team's expired ones out already, so
@@ -220,13 +237,15 @@ if refused then
   return out
 end
 local expires = string.format('%d', now + tonumber(ttl))
-local shown = string.format('%.6f', nows)
+local shown, own_r, own_t = string.format('%.6f', nows), nil, nil
 for _, c in ipairs(clocks) do
   local rt, tt = c[2], c[3]
   if c[5] ~= '' then rt = math.max(rt, nows) + tonumber(c[5]) end
   if c[6] ~= '' then tt = math.max(tt, nows) + tokens * tonumber(c[6]) end
   local r, t = string.format('%.6f', rt), string.format('%.6f', tt)
-  if c[5] ~= '' or c[6] ~= '' then
+  if c[1] == own then
+    own_r, own_t = r, t
+  elseif c[5] ~= '' or c[6] ~= '' then
     redis.call('HSET', p .. 'rate:' .. c[1], 'r', r, 't', t)
   end
   if c[7] then redis.call('ZADD', p .. 'inflight:' .. c[1], expires, rid) end
@@ -236,7 +255,12 @@ local out = {1, shown}
 redis.call('HSET', p .. 'res:' .. rid, 'team', team, 'period', period, 'amount', ARGV[4], 'state', 'held',
            'run', run, 'owner', owner, 'scopes', scopes)
 redis.call('ZADD', p .. 'held:' .. team, expires, rid)
-redis.call('HINCRBY', p .. 'ledger:' .. team, 'reserved:' .. period, ARGV[4])
+if own_r then  -- the team's clocks and its reservation in one write of its ledger
+  redis.call('HSET', p .. 'ledger:' .. team, 'reserved:' .. period, string.format('%d', tonumber(f[2]) + amount),
+             'rate:r', own_r, 'rate:t', own_t)
+else
+  redis.call('HINCRBY', p .. 'ledger:' .. team, 'reserved:' .. period, ARGV[4])
+end
 if run ~= '' then
   redis.call('ZADD', p .. 'slots:' .. run, expires, rid)
   out[#out + 1] = redis.call('HGET', p .. 'run:' .. run, 'revision')  -- Grant.run_revision
@@ -282,18 +306,30 @@ local function settle(p, rid, actual, first, last, at_ms)
   local rk = p .. 'res:' .. rid
   local r = redis.call('HMGET', rk, 'team', 'period', 'amount', 'state', 'run', 'owner', 'scopes')
   if not r[1] then return 0 end
-  local ledger, now = p .. 'ledger:' .. r[1], at_ms / 1000
+  local ledger, now, own, own_n, own_per = p .. 'ledger:' .. r[1], at_ms / 1000, 'team:' .. r[1], nil, nil
   for i = first, last do
     local n, per, scope = string.match(ARGV[i], '^(%S+) (%S+) (.+)$')
-    local key = p .. 'rate:' .. scope
-    redis.call('HSET', key, 't', pushed(redis.call('HGET', key, 't'), now, n, per))
+    if scope == own then  -- on the ledger (ADMIT): pushed below, in the ledger's one write
+      own_n, own_per = n, per
+    else
+      local key = p .. 'rate:' .. scope
+      redis.call('HSET', key, 't', pushed(redis.call('HGET', key, 't'), now, n, per))
+    end
   end
-  if r[4] == 'held' then
-    redis.call('HINCRBY', ledger, 'reserved:' .. r[2], neg(r[3]))
-    redis.call('ZREM', p .. 'held:' .. r[1], rid)
+  local held = r[4] == 'held'
+  if held then redis.call('ZREM', p .. 'held:' .. r[1], rid) end
+  if own_n then  -- one read and one write of the ledger instead of two increments
+    local l = redis.call('HMGET', ledger, 'reserved:' .. r[2], 'spent:' .. r[2], 'rate:t')
+    local tat = l[3] or redis.call('HGET', p .. 'rate:' .. own, 't')  -- clocks of before 2026-12
+    local reserved = tonumber(l[1] or '0') - (held and tonumber(r[3]) or 0)
+    redis.call('HSET', ledger, 'reserved:' .. r[2], string.format('%d', reserved),
+               'spent:' .. r[2], string.format('%d', tonumber(l[2] or '0') + tonumber(actual)),
+               'rate:t', pushed(tat, now, own_n, own_per))
+  else
+    if held then redis.call('HINCRBY', ledger, 'reserved:' .. r[2], neg(r[3])) end
+    redis.call('HINCRBY', ledger, 'spent:' .. r[2], actual)
   end
   unslot(p, rid, r[5], r[6], r[7])
-  redis.call('HINCRBY', ledger, 'spent:' .. r[2], actual)
   redis.call('DEL', rk)
   return 1
 end
@@ -453,8 +489,8 @@ elseif actual ~= '0' then
   redis.call('HINCRBY', p .. 'ledger:' .. team, 'spent:' .. period, actual)
 end
 reclaim(p, team, now, retention)
-local ledger = p .. 'ledger:' .. team
-return {1, redis.call('HGET', ledger, 'spent:' .. period) or '0', redis.call('HGET', ledger, 'reserved:' .. period) or '0'}
+local l = redis.call('HMGET', p .. 'ledger:' .. team, 'spent:' .. period, 'reserved:' .. period)
+return {1, l[1] or '0', l[2] or '0'}
 """
 
 # KEYS[2]: the set of the lease keys `owner` took (RELEASE_OWNER frees them after a restart).

@@ -59,6 +59,22 @@ async def test_a_key_and_its_team_reconcile_their_tokens_each(store: Store) -> N
     assert (await store.admit(claim(team, tokens=500))).reservation_id is not None
 
 
+async def test_a_reconciled_booking_books_its_spend_and_frees_its_hold_exactly(store: Store) -> None:
+    # The team's clocks and its ledger are written together (Redis: one write of the ledger):
+    # the money figures move as without rate limits.
+    limit = RateLimit("team:demo", HOUR, requests=100, tokens=100_000, max_in_flight=10)
+    held = [await store.admit(Claim("demo", "total", 0.25, 10.0, rates=(limit,), tokens=100)) for _ in range(3)]
+    assert await store.team_spend("demo", "total") == (0.0, 0.75)
+    await store.settle(held[0].reservation_id or "", 0.125, [TokenCharge("team:demo", 400, limit.tokens_s or 0)])
+    await store.settle(held[1].reservation_id or "", 0.0, [TokenCharge("team:demo", -100, limit.tokens_s or 0)])
+    assert await store.team_spend("demo", "total") == (0.125, 0.25)
+    # 300 counted, then +400 and -100 at booking: the clock (well ahead of now) moved by 300
+    # tokens, and 1 more for the next claim.
+    after = await store.admit(Claim("demo", "total", 0.0, 10.0, rates=(limit,), tokens=1))
+    assert after.rates[0].tokens_tat - held[2].rates[0].tokens_tat == pytest.approx(HOUR * 301 / 100_000)
+    assert await store.team_spend("demo", "total") == (0.125, 0.25)
+
+
 async def test_a_booking_gives_back_tokens_counted_too_many(store: Store) -> None:
     from gateway.harness.state import RunState
     limit = RateLimit("team:demo", HOUR, tokens=1000)

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.harness.state import RunState
-from gateway.store.base import EXPIRED_RETENTION_S, Booking, Claim, Figures
+from gateway.store.base import EXPIRED_RETENTION_S, Booking, Claim, Figures, RateLimit, TokenCharge
 from gateway.store.errors import RunExists
 from gateway.store.redis import RedisStore, redact
 from gateway.store.redis_wire import Script
@@ -50,6 +50,31 @@ async def test_reservation_records_are_deleted_or_expire(redis_url: str) -> None
         ttl_ms = await client.pttl(f"{prefix}res:{dead}")
         assert 0 < ttl_ms <= EXPIRED_RETENTION_S * 1000  # kept for a late settle, then gone
         assert await client.zcard(f"{prefix}held:demo") == 0
+    finally:
+        await client.aclose()
+        await store.close()
+
+
+async def test_a_teams_clocks_kept_by_an_older_version_still_count(redis_url: str) -> None:
+    # Before 2026-12 a team's clocks were a hash `rate:team:NAME`; now they are fields of its
+    # ledger. The first claim and the first booking after the upgrade start from the old ones.
+    prefix = "upgrade-clocks:"
+    store = RedisStore(redis_url, prefix=prefix)
+    client = aioredis.Redis.from_url(redis_url)
+    limit = RateLimit("team:demo", 3600.0, requests=10, tokens=1000)
+    try:
+        now = float((await client.time())[0])
+        await client.hset(f"{prefix}rate:team:demo", mapping={"r": repr(now + 3240.0), "t": repr(now + 3600.0 * 0.9)})
+        assert (await store.admit(Claim("demo", "total", rates=(limit,), tokens=101))).refused == "rate_limit"
+        grant = await store.admit(Claim("demo", "total", rates=(limit,), tokens=100))  # the 10th request
+        assert grant.reservation_id is not None
+        assert (await store.admit(Claim("demo", "total", rates=(limit,)))).refused == "rate_limit"
+        assert (await client.hmget(f"{prefix}ledger:demo", ["rate:r", "rate:t"]))[0] is not None
+        await client.hdel(f"{prefix}ledger:demo", "rate:t")  # as if an older replica had admitted it
+        await client.hset(f"{prefix}rate:team:demo", "t", repr(now + 3600.0 * 0.5))
+        await store.settle(grant.reservation_id, 0.0, [TokenCharge("team:demo", 100, 3.6)])
+        pushed = float((await client.hget(f"{prefix}ledger:demo", "rate:t")) or 0)
+        assert pushed >= now + 3600.0 * 0.5 + 360.0
     finally:
         await client.aclose()
         await store.close()
