@@ -9,6 +9,7 @@ store's clocks into OpenAI's `x-ratelimit-*` headers, and a refusal into a 429
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Final, TypeVar
@@ -86,7 +87,10 @@ def counts_tokens(rates: Sequence[RateLimit]) -> bool:
 
 def duration(seconds: float) -> str:
     """OpenAI's reset format: "20ms", "1s", "1.5s", "6m0s", "1h2m3s"."""
-    ms = math.ceil(seconds * 1000)
+    return _duration_ms(math.ceil(seconds * 1000))
+
+
+def _duration_ms(ms: int) -> str:
     if ms < 1000:  # the usual reset of a limit far from reached
         return f"{ms}ms" if ms > 0 else "0ms"
     hours, rest = divmod(ms, 3_600_000)
@@ -113,8 +117,8 @@ header dicts skip folding their case)."""
 _LIMIT_REQUESTS, _LIMIT_TOKENS = _REQUEST_NAMES[0], _TOKEN_NAMES[0]
 
 
-Tightest = tuple[int, int, float]
-"""A kind's figures on the answer: (limit, remaining, seconds until its bucket is full)."""
+Tightest = tuple[int, int, int]
+"""A kind's figures on the answer: (limit, remaining, milliseconds until its bucket is full)."""
 
 
 def _tighter(best: Tightest | None, cap: int, per: float, ahead: float, window_s: float) -> Tightest:
@@ -123,18 +127,24 @@ def _tighter(best: Tightest | None, cap: int, per: float, ahead: float, window_s
         ahead = 0.0
     left = math.floor((window_s + RATE_SLACK_S - ahead) / per)
     left = cap if left > cap else left if left > 0 else 0
-    return (cap, left, ahead) if best is None or left < best[1] else best
+    return (cap, left, math.ceil(ahead * 1000)) if best is None or left < best[1] else best
 
 
 def _shown(names: tuple[istr, istr, istr], figures: Tightest) -> tuple[tuple[str, str], ...]:
-    ms = math.ceil(figures[2] * 1000)
-    reset = (f"{ms}ms" if ms > 0 else "0ms") if ms < 1000 else duration(figures[2])
-    return (names[0], str(figures[0])), (names[1], str(figures[1])), (names[2], reset)
+    return (names[0], str(figures[0])), (names[1], str(figures[1])), (names[2], _duration_ms(figures[2]))
 
 
-def pairs(rates: Sequence[RateLimit], states: Sequence[RateState]) -> list[tuple[str, str]]:
+@functools.lru_cache(maxsize=4096)
+def _made(requests: Tightest | None, tokens: Tightest | None) -> tuple[tuple[str, str], ...]:
+    """The pairs that show these figures. A limit far from reached shows the same few figures
+    call after call (its whole window left, reset in a millisecond or two): made once."""
+    return (_shown(_REQUEST_NAMES, requests) if requests is not None else ()) + (
+        _shown(_TOKEN_NAMES, tokens) if tokens is not None else ())
+
+
+def pairs(rates: Sequence[RateLimit], states: Sequence[RateState]) -> tuple[tuple[str, str], ...]:
     """`headers` as (name, value) pairs, in that order. Built for every answer of a limited
-    team: one pass over the scopes, the reset's format inline below a second."""
+    team: one pass over the scopes for the figures, then their strings, made once (`_made`)."""
     requests: Tightest | None = None
     tokens: Tightest | None = None
     for limit, state in zip(rates, states, strict=True):
@@ -143,12 +153,7 @@ def pairs(rates: Sequence[RateLimit], states: Sequence[RateState]) -> list[tuple
                                 limit.window_s)
         if limit.tokens_s is not None:
             tokens = _tighter(tokens, limit.tokens or 0, limit.tokens_s, state.tokens_tat - state.now, limit.window_s)
-    out: list[tuple[str, str]] = []
-    if requests is not None:
-        out += _shown(_REQUEST_NAMES, requests)
-    if tokens is not None:
-        out += _shown(_TOKEN_NAMES, tokens)
-    return out
+    return _made(requests, tokens)
 
 
 def refused(rates: Sequence[RateLimit], states: Sequence[RateState], tokens: int) -> RateLimited:
