@@ -484,7 +484,14 @@ def _num(value: float | None) -> str:
 
 def _charges(tokens: Sequence[TokenCharge]) -> list[str]:
     """The scripts' token charges: one argument each, "tokens seconds-per-token scope"."""
-    return [f"{c.tokens} {c.tokens_s!r} {c.scope}" for c in tokens]
+    return [str(c.tokens) + _charge_tail(c.tokens_s, c.scope) for c in tokens]
+
+
+@functools.lru_cache(maxsize=1024)
+def _charge_tail(tokens_s: float, scope: str) -> str:
+    """A charge's argument after its tokens, the same for every booking of a scope: the
+    float's repr is the dear part, made once."""
+    return f" {tokens_s!r} {scope}"
 
 
 def _granted(claim: Claim, raw: bytes | str) -> tuple[RateState, ...]:
@@ -492,6 +499,8 @@ def _granted(claim: Claim, raw: bytes | str) -> tuple[RateState, ...]:
     each scope after the claim (in flight is not read on a grant: 0)."""
     parts = raw.split()
     now = float(parts[0])
+    if len(claim.rates) == 1:  # a team's limits alone, the usual claim: no loop to set up
+        return (RateState(claim.rates[0].scope, now, float(parts[1]), float(parts[2])),)
     return tuple([RateState(r.scope, now, float(parts[2 * i + 1]), float(parts[2 * i + 2]))
                   for i, r in enumerate(claim.rates)])
 
