@@ -14,7 +14,6 @@ transaction (`sqlite_batch`).
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import sqlite3
 import time
@@ -110,19 +109,12 @@ _ADMIT: Final = (
 _REVISION: Final = "(SELECT revision FROM runs WHERE id = :run)"
 """The run's stored revision, read back by the admission's RETURNING (`Grant.run_revision`):
 a statement less than a SELECT after it (3 us a call)."""
-@functools.lru_cache(maxsize=8)
-def _book_charging(scopes: int) -> str:
-    """A booking that reconciles the tokens of `scopes` scopes (`TokenCharge`) in one
-    statement: the spend on the team's period row, and each scope's token clock pushed from
-    now (?1) on its own row (the scope, period ''), as `_book` and an UPDATE of each clock
-    would. The scopes' rows exist (the admission's plan made them); a missing one would be
-    made with the charge alone as its clock, a moment after the epoch: its window all free."""
-    rows = "".join(f", (?{5 + 2 * i}, '', 0, ?{6 + 2 * i})" for i in range(scopes))
-    return ("INSERT INTO ledger (team, period, spent_micros, tokens_tat) VALUES (?2, ?3, ?4, NULL)" + rows
-            + " ON CONFLICT (team, period) DO UPDATE SET spent_micros = spent_micros + excluded.spent_micros,"
-              " tokens_tat = CASE WHEN excluded.tokens_tat IS NULL THEN tokens_tat"
-              " ELSE MAX(COALESCE(tokens_tat, 0), ?1) + excluded.tokens_tat END")
-_READ_CLOCK: Final = "SELECT requests_tat, tokens_tat FROM ledger WHERE team = ? AND period = ''"
+
+_READ_CLOCK: Final = "SELECT requests_tat, tokens_tat FROM reservations WHERE id = ?"
+_CLOCK_ROW: Final = ("INSERT OR IGNORE INTO reservations (id, team, period, amount_micros, expires_at, state)"
+                     " VALUES (?1, ?1, '', 0, 0, 'clock')")
+"""A scope's clock row (sqlite_schema: a row of the reservations table, id = the scope)."""
+_CHARGE_TOKENS: Final = "UPDATE reservations SET tokens_tat = MAX(COALESCE(tokens_tat, 0), ?) + ? * ? WHERE id = ?"
 _FIGURES: Final = (
     "SELECT (SELECT COALESCE(SUM(spent_micros), 0) FROM ledger WHERE team = :team AND period = :period),"
     f" (SELECT COALESCE(SUM(amount_micros), 0) FROM reservations WHERE team = :team AND period = :period AND {_LIVE}),"
@@ -146,7 +138,7 @@ class SqliteStore:
         plain = _ADMIT.format(clocks="", values="")  # without rate limits: with a run, and without
         self._admit_sql = (numbered(plain + " RETURNING " + _REVISION, ADMIT_ARGS), numbered(plain, ADMIT_ARGS))
         self._rate_plans: dict[tuple[RateLimit, ...], RatePlan] = {}  # by the claim's rate scopes
-        self._clock_rows: set[str] = set()  # scopes whose ledger row (the clocks) this store made sure of
+        self._clock_rows: set[str] = set()  # scopes whose clock row this store made sure of
         self.notice_rule: NoticeRule | None = None
         self._batch = WriteBatch(self._db, self._translate, (StaleRun, RunNotFound, RunExists, AlreadyBooked))
         try:
@@ -443,7 +435,7 @@ class SqliteStore:
                 self._reclaim(db, claim.team, now)
                 due = now + RECLAIM_EVERY_S
             if missing:  # once per scope and store: the row the clocks live in
-                db.executemany("INSERT OR IGNORE INTO ledger (team, period, spent_micros) VALUES (?, '', 0)", missing)
+                db.executemany(_CLOCK_ROW, missing)
                 self._clock_rows.update(scope for scope, in missing)
             rid = new_reservation_id()
             args: tuple[Any, ...] = (rid, claim.team, claim.period, amount, now + ttl, claim.run_id, claim.owner,
@@ -556,17 +548,12 @@ class SqliteStore:
     def _settle(cls, db: sqlite3.Connection, reservation_id: str, actual: int,
                 tokens: Sequence[TokenCharge] = ()) -> None:
         rows = db.execute("DELETE FROM reservations WHERE id = ? RETURNING team, period", (reservation_id,)).fetchall()
-        if not rows:  # already settled or released: nothing more to book
-            return
-        if not tokens:
+        if rows:  # else already settled or released: nothing more to book
             cls._book(db, rows[0][0], rows[0][1], actual)
-            return
-        # The spend and the token clocks in one statement (a row each): one statement less
-        # on every booking of a limited call.
-        args: list[Any] = [time.time(), rows[0][0], rows[0][1], actual]
-        for c in tokens:
-            args += (c.scope, c.tokens * c.tokens_s)
-        db.execute(_book_charging(len(tokens)), args)
+            if tokens:  # the clock rows are on the page the DELETE wrote (sqlite_schema)
+                now = time.time()
+                for c in tokens:  # one or two: execute spares executemany's iterator
+                    db.execute(_CHARGE_TOKENS, (now, c.tokens, c.tokens_s, c.scope))
 
     @staticmethod
     def _book(db: sqlite3.Connection, team: str, period: str, micros: int) -> None:
@@ -638,7 +625,7 @@ class SqliteStore:
 
     async def prune_ledgers(self, ended_before: float) -> int:
         def step(db: sqlite3.Connection) -> int:
-            rows = db.execute("SELECT team, period FROM ledger WHERE period != ''").fetchall()  # '': rate clocks
+            rows = db.execute("SELECT team, period FROM ledger WHERE period != ''").fetchall()  # '': clocks, before 2026-12
             old = [(team, period) for team, period in rows if period_ended(period, ended_before)]
             db.executemany("DELETE FROM ledger WHERE team = ? AND period = ?", old)
             return len(old)

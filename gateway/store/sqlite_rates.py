@@ -22,7 +22,8 @@ from gateway.store.sqlite_schema import LIVE
 
 CLOCK_SCOPES: Final = 2
 """A reservation spends the clocks of at most two scopes (its columns `clock_a`, `clock_b`)."""
-_CLOCK: Final = "(SELECT COALESCE({kind}_tat, 0) FROM ledger WHERE team = :s{i} AND period = '')"
+_CLOCK: Final = "(SELECT COALESCE({kind}_tat, 0) FROM reservations WHERE id = :s{i})"
+"""A scope's clock: its row of the reservations table (sqlite_schema: on the admission's page)."""
 _FITS: Final = " AND MAX({clock}, :now) + {cost} - :now <= :w{i} + " + repr(RATE_SLACK_S)
 """A GCRA check (`base.fits`) of the i-th scope's clock, in SQL."""
 
@@ -45,7 +46,7 @@ def numbered(sql: str, names: Sequence[str]) -> str:
 class RatePlan:
     """The admission statement for one set of scopes (numbered parameters: `ADMIT_ARGS`, then
     `args`), its `scopes` argument (the scopes whose calls in flight the reservation counts
-    in), the scopes whose clocks it spends (their ledger rows must exist), and where in its
+    in), the scopes whose clocks it spends (their clock rows must exist), and where in its
     RETURNING row (which ends with the run's revision) each scope's clocks are (None: a
     scope without clocks)."""
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from gateway.harness.state import RunState
+from gateway.store.base import Claim, RateLimit
 from gateway.store.errors import StoreError
 from gateway.store.sqlite import MIGRATIONS, SqliteStore
 from gateway.store.sqlite_schema import BUSY_TIMEOUT_S
@@ -172,6 +173,38 @@ async def test_an_older_file_gets_only_the_missing_migrations(tmp_path: Path) ->
     finally:
         await store.close()
     assert user_version(db) == len(MIGRATIONS)
+
+
+async def test_rate_clocks_and_held_reservations_survive_the_move_onto_the_reservations_page(
+        tmp_path: Path) -> None:
+    # Before 2026-12 a scope's clocks were a ledger row (period ''); they move into the
+    # reservations table, which is made again: what it held, and the clocks, are kept.
+    db = tmp_path / "clocks.db"
+    moved = next(i for i, sql in enumerate(MIGRATIONS) if "reservations_v3" in sql)
+    now = time.time()
+    with sqlite3.connect(db) as conn:
+        for sql in MIGRATIONS[:moved]:
+            conn.execute(sql)
+        conn.execute(f"PRAGMA user_version = {moved}")
+        conn.execute("INSERT INTO ledger (team, period, spent_micros, requests_tat, tokens_tat)"
+                     " VALUES ('team:demo', '', 0, ?, ?)", (now + 3600.0 * 9 / 10, now))
+        conn.execute("INSERT INTO reservations (id, team, period, amount_micros, expires_at, owner, scopes)"
+                     " VALUES ('res_old', 'demo', 'total', 250000, ?, 'p1', '|team:demo|')", (now + 600,))
+    store = SqliteStore(db)
+    limit = RateLimit("team:demo", 3600.0, requests=10, max_in_flight=5)
+    try:
+        assert await store.team_spend("demo", "total") == (0.0, 0.25)
+        first = await store.admit(Claim("demo", "total", rates=(limit,)))  # 9 spent before, 1 in flight
+        assert first.reservation_id is not None
+        refused = await store.admit(Claim("demo", "total", rates=(limit,)))  # the 11th request
+        assert refused.refused == "rate_limit" and refused.rates[0].in_flight == 2  # the old one counts
+        await store.settle("res_old", 0.25)
+        assert await store.team_spend("demo", "total") == (0.25, 0.0)
+    finally:
+        await store.close()
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM ledger WHERE period = ''").fetchone()[0] == 0
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
 async def test_reopening_an_up_to_date_file_changes_nothing(tmp_path: Path) -> None:
