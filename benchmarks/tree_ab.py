@@ -8,7 +8,13 @@ the gateway process used (the least noisy figure on a loaded machine), its own t
 (`gateway_overhead_seconds`), p50 latency and req/s. It prints, per cell, the median over
 rounds of this tree's figure as a ratio to the base's taken right next to it.
 
-Run: `.venv/bin/python benchmarks/tree_ab.py --base /tmp/main-tree [--rounds 5] [--requests 300]`.
+With `--limits`, the cell is instead proxy_overhead's `--limits` one for each tree: c=1
+same-run calls alternating a plain one and one of a team with rate limits on a routed model
+("both"), on one connection; per round and tree, the median over its pairs of the CPU the
+gateway's serving thread (and redis-server, on Redis) spent on "both" minus on the plain
+call, and the same for latency; printed per tree, with this tree's as a ratio to the base's.
+
+Run: `.venv/bin/python benchmarks/tree_ab.py --base /tmp/main-tree [--rounds 5] [--requests 300] [--limits]`.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +36,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from proxy_overhead import gateway_config, load, mean_between, own_time  # noqa: E402
+from proxy_overhead import (  # noqa: E402
+    LIMIT_VARIANTS,
+    CpuClock,
+    RawConnection,
+    gateway_config,
+    gateway_pids,
+    load,
+    mean_between,
+    own_time,
+    request_head,
+    run_ids,
+)
 
 from tests.store.conftest import _start_redis  # noqa: E402
 from tests.support.procs import Proc, free_port, start_gateway  # noqa: E402
@@ -37,9 +55,10 @@ from tests.support.procs import Proc, free_port, start_gateway  # noqa: E402
 MODES = ("same run", "new run")
 
 
-def start(tree: Path, name: str, folder: Path, upstream: str, store: dict[str, Any] | None) -> Proc:
+def start(tree: Path, name: str, folder: Path, upstream: str, store: dict[str, Any] | None,
+          limits: bool = False) -> Proc:
     port = free_port()
-    config = gateway_config(folder / name, port, upstream, True, store=store)
+    config = gateway_config(folder / name, port, upstream, True, store=store, limits=limits)
     # fresh: a gateway forked from the test zygote runs the code the zygote imported (this
     # tree's), whatever `tree` is; a new interpreter imports `tree`'s own.
     return start_gateway(["serve", "--config", str(config)], "/healthz", port, folder / name / "gateway.log",
@@ -70,6 +89,48 @@ async def cell(base: Proc, this: Proc, mode: str, c: int, n: int, rounds: int) -
     return out
 
 
+async def limits_pairs(gw: Proc, helpers: list[int], n: int) -> tuple[float, float]:
+    """`n` pairs (plain, "both") on one connection: the medians of "both" minus plain, CPU
+    (us: the gateway's serving thread and `helpers`) and latency (ms)."""
+    clock = CpuClock(gateway_pids(gw) + helpers)
+    conn = await RawConnection.open(gw.url)
+    ids = {name: run_ids("same run", i) for i, name in enumerate(("off", "both"))}
+    cpu: dict[str, list[float]] = {"off": [], "both": []}
+    ms: dict[str, list[float]] = {"off": [], "both": []}
+    try:
+        for i in range(n):
+            for name in (("off", "both") if i % 2 == 0 else ("both", "off")):
+                key, body = LIMIT_VARIANTS[name]
+                head = request_head("/v1/chat/completions", body, next(ids[name]), key)
+                before, started = clock(), time.perf_counter()
+                if await conn.post(head, body) != 200:
+                    raise RuntimeError(f"{gw.url} refused a {name} call")
+                ms[name].append((time.perf_counter() - started) * 1000)
+                cpu[name].append((clock() - before) / 1000)
+    finally:
+        conn.close()
+        clock.close()
+    return (statistics.median(b - a for a, b in zip(cpu["off"], cpu["both"], strict=True)),
+            statistics.median(b - a for a, b in zip(ms["off"], ms["both"], strict=True)))
+
+
+async def limits_cell(base: Proc, this: Proc, helpers: list[int], n: int, rounds: int) -> str:
+    out: dict[str, list[tuple[float, float]]] = {base.url: [], this.url: []}
+    for gw in (base, this):
+        await limits_pairs(gw, helpers, max(50, n // 5))  # warm
+    for i in range(rounds):
+        for gw in ((base, this) if i % 2 == 0 else (this, base)):
+            out[gw.url].append(await limits_pairs(gw, helpers, n))
+    parts = []
+    for tag, gw in (("base", base), ("this", this)):
+        cpu = [c for c, _ in out[gw.url]]
+        ms = [m for _, m in out[gw.url]]
+        parts.append(f"{tag} both +{statistics.median(cpu):.1f} us [{min(cpu):.1f}-{max(cpu):.1f}] "
+                     f"+{statistics.median(ms):.3f} ms")
+    ratios = [t[0] / b[0] for b, t in zip(out[base.url], out[this.url], strict=True) if b[0] > 0]
+    return " | ".join(parts) + (f" | cpu x{statistics.median(ratios):.2f}" if ratios else "")
+
+
 def stop_redis(popen: subprocess.Popen[bytes]) -> None:
     popen.kill()
     popen.wait()
@@ -83,10 +144,12 @@ async def main_async(args: argparse.Namespace) -> None:
         up = start_gateway(["scripted", "--port", str(up_port)], "/healthz", up_port, folder / "upstream.log")
         running.callback(up.stop)
         stores: dict[str, dict[str, Any] | None] = {"sqlite": None}
+        helpers: dict[str, list[int]] = {}  # what serves a store's gateway besides itself
         exe = shutil.which("redis-server")
         if exe is not None and not args.sqlite_only:
             redis_proc, redis_port = _start_redis(exe, folder)
             running.callback(stop_redis, redis_proc)
+            helpers["redis"] = [redis_proc.pid]
             stores["redis"] = {"kind": "redis", "url": f"redis://127.0.0.1:{redis_port}/0"}
         print(f"this tree ({ROOT}) / base ({base_tree}); median [min-max] over {args.rounds} alternating rounds; "
               f"load {os.getloadavg()[0]:.1f}")
@@ -94,9 +157,14 @@ async def main_async(args: argparse.Namespace) -> None:
             gws = []
             for tree, tag in ((base_tree, "base"), (ROOT, "this")):
                 s = None if spec is None else {**spec, "prefix": f"ab-{tag}:"}
-                gw = start(tree, f"{store}-{tag}", folder, up.url + "/v1", s)
+                gw = start(tree, f"{store}-{tag}", folder, up.url + "/v1", s, limits=args.limits)
                 running.callback(gw.stop)
                 gws.append(gw)
+            if args.limits:
+                print(f"{store:<7} same run  c=1   limits/routes "
+                      f"{await limits_cell(gws[0], gws[1], helpers.get(store, []), args.requests, args.rounds)}",
+                      flush=True)
+                continue
             for c in (1, 32):
                 for mode in MODES:
                     n = args.requests * (2 if c == 32 else 1)
@@ -113,6 +181,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=300, help="calls per round at c=1 (twice at c=32)")
     parser.add_argument("--sqlite-only", action="store_true")
+    parser.add_argument("--limits", action="store_true", help="the cost of rate limits and route selection instead")
     asyncio.run(main_async(parser.parse_args()))
 
 
