@@ -113,7 +113,10 @@ asyncio.run(main())
 def test_two_processes_writing_at_once_still_restart_the_wal(tmp_path: Path) -> None:
     """`--workers` on SQLite: a fence holds only its own process's writes, so the other
     process's kept the WAL from ever being copied whole and it grew without end (580 MB in
-    a one-minute soak). The fenced pass holds every writer of the file for its last frames."""
+    a one-minute soak). The fenced pass holds every writer of the file for its last frames.
+    This guards the WAL from growing without end; the milder growth this short run showed
+    before the fix (6-7 MB) overlaps with what a loaded machine gives after it, so the soak
+    (`benchmarks/soak.py` with GATEWAY_TEST_WORKERS=2) is where that shows."""
     db = tmp_path / "g.db"
     SqliteStore(db)  # the schema, before both start
     writes = 5000
@@ -123,8 +126,11 @@ def test_two_processes_writing_at_once_still_restart_the_wal(tmp_path: Path) -> 
     assert [p.returncode for p in procs] == [0, 0]
     largest = max(int(out[0]) for out in outs)
     assert all(int(out[1]) >= 3 for out in outs), outs  # each process fenced several times
-    # 10,000 commits of at least a page each: a WAL that never restarted holds them all
-    assert largest < 2 * writes * 4096 / 10, largest
+    # 10,000 commits of at least a page each: a WAL that never restarted holds them all (40
+    # MB and more). Restarting, it peaks at what the writers add between two of the thread's
+    # passes: 0.6-1.5 MB on an idle machine, up to 7.6 MB on one loaded with other tests
+    # (the thread gets its core late), so the bound leaves room for that.
+    assert largest < 2 * writes * 4096 / 4, largest
     with sqlite3.connect(db) as conn:
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert conn.execute("SELECT COUNT(*) FROM events").fetchone()[0] == 2 * writes
