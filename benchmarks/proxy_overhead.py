@@ -366,35 +366,10 @@ class Bench:
         """c=1 same-run calls rotating over `LIMIT_VARIANTS` on one connection: each
         combination's p50 and per-round difference against the plain one ("off")."""
         gw = self.gateways[store]
-        ids = {name: run_ids("same run", i) for i, name in enumerate(LIMIT_VARIANTS)}
-        times: dict[str, list[float]] = {name: [] for name in LIMIT_VARIANTS}
-        cpu: dict[str, list[float]] = {name: [] for name in LIMIT_VARIANTS}
-        warm = max(50, self.args.requests // 10)
-        conn = await RawConnection.open(gw.url)
-        clock = CpuClock(gateway_pids(gw) + self.helpers.get(store, []))
-        try:
-            names = list(LIMIT_VARIANTS)
-            orders = williams(len(names))
-            for round_ in range(warm + self.args.requests):
-                # A call's CPU carries a little of the call before it (background writes, the
-                # allocator): the rounds' orders make each combination follow each other equally
-                # often, so that share cancels out of the differences.
-                for name in (names[i] for i in orders[round_ % len(orders)]):
-                    key, body = LIMIT_VARIANTS[name]
-                    head = request_head("/v1/chat/completions", body, next(ids[name]), key)
-                    cpu_before = clock()
-                    started = time.perf_counter()
-                    status = await conn.post(head, body)
-                    elapsed = time.perf_counter() - started
-                    cpu_spent = clock() - cpu_before
-                    if status != 200:
-                        raise RuntimeError(f"{gw.url} answered {status} ({name})")
-                    if round_ >= warm:
-                        times[name].append(elapsed * 1000)
-                        cpu[name].append(cpu_spent / 1000)
-        finally:
-            conn.close()
-            clock.close()
+        names = list(LIMIT_VARIANTS)
+        orders = [[names[i] for i in order] for order in williams(len(names))]
+        times, cpu = await rotated(gw, self.helpers.get(store, []), orders, self.args.requests,
+                                   max(50, self.args.requests // 10))
         cell = self.cell(f"{store:<7} same run   c=1   limits/routes")
         base = statistics.median(times["off"])
         cell.add("off p50 ms", base)
@@ -443,6 +418,41 @@ class Bench:
         if self.args.compare_loops and profile is None:
             for c in (1, 32):
                 await self.loop_cell(c)
+
+
+async def rotated(gw: Proc, helpers: list[int], orders: list[list[str]], rounds: int,
+                  warm: int = 0) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """c=1 same-run calls of `LIMIT_VARIANTS` on one connection, round after round in the
+    orders given (round i: orders[i % len]): each name's latencies (ms) and the CPU (us) the
+    gateway's serving thread and `helpers` spent on each, from the `warm`-th round on."""
+    names = sorted({name for order in orders for name in order})
+    ids = {name: run_ids("same run", i) for i, name in enumerate(names)}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    conn = await RawConnection.open(gw.url)
+    clock = CpuClock(gateway_pids(gw) + helpers)
+    try:
+        for round_ in range(warm + rounds):
+            # A call's CPU carries a little of the call before it (background writes, the
+            # allocator): orders that make each name follow each other equally often cancel
+            # that share out of the differences.
+            for name in orders[round_ % len(orders)]:
+                key, body = LIMIT_VARIANTS[name]
+                head = request_head("/v1/chat/completions", body, next(ids[name]), key)
+                cpu_before = clock()
+                started = time.perf_counter()
+                status = await conn.post(head, body)
+                elapsed = time.perf_counter() - started
+                cpu_spent = clock() - cpu_before
+                if status != 200:
+                    raise RuntimeError(f"{gw.url} answered {status} ({name})")
+                if round_ >= warm:
+                    times[name].append(elapsed * 1000)
+                    cpu[name].append(cpu_spent / 1000)
+    finally:
+        conn.close()
+        clock.close()
+    return times, cpu
 
 
 class sampling:

@@ -28,7 +28,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from proxy_overhead import (  # noqa: E402
-    LIMIT_VARIANTS,
-    CpuClock,
-    RawConnection,
-    gateway_config,
-    gateway_pids,
-    load,
-    mean_between,
-    own_time,
-    request_head,
-    run_ids,
-)
+from proxy_overhead import gateway_config, load, mean_between, own_time, rotated  # noqa: E402
 
 from tests.store.conftest import _start_redis  # noqa: E402
 from tests.support.procs import Proc, free_port, start_gateway  # noqa: E402
@@ -90,26 +78,9 @@ async def cell(base: Proc, this: Proc, mode: str, c: int, n: int, rounds: int) -
 
 
 async def limits_pairs(gw: Proc, helpers: list[int], n: int) -> tuple[float, float]:
-    """`n` pairs (plain, "both") on one connection: the medians of "both" minus plain, CPU
-    (us: the gateway's serving thread and `helpers`) and latency (ms)."""
-    clock = CpuClock(gateway_pids(gw) + helpers)
-    conn = await RawConnection.open(gw.url)
-    ids = {name: run_ids("same run", i) for i, name in enumerate(("off", "both"))}
-    cpu: dict[str, list[float]] = {"off": [], "both": []}
-    ms: dict[str, list[float]] = {"off": [], "both": []}
-    try:
-        for i in range(n):
-            for name in (("off", "both") if i % 2 == 0 else ("both", "off")):
-                key, body = LIMIT_VARIANTS[name]
-                head = request_head("/v1/chat/completions", body, next(ids[name]), key)
-                before, started = clock(), time.perf_counter()
-                if await conn.post(head, body) != 200:
-                    raise RuntimeError(f"{gw.url} refused a {name} call")
-                ms[name].append((time.perf_counter() - started) * 1000)
-                cpu[name].append((clock() - before) / 1000)
-    finally:
-        conn.close()
-        clock.close()
+    """`n` pairs (plain, "both", in alternating order) on one connection: the medians of
+    "both" minus plain, CPU (us: the gateway's serving thread and `helpers`) and latency (ms)."""
+    ms, cpu = await rotated(gw, helpers, [["off", "both"], ["both", "off"]], n)
     return (statistics.median(b - a for a, b in zip(cpu["off"], cpu["both"], strict=True)),
             statistics.median(b - a for a, b in zip(ms["off"], ms["both"], strict=True)))
 
