@@ -45,7 +45,6 @@ from gateway.store.base import (
     new_reservation_id,
     optional_micros,
     parse_run,
-    scope_tag,
     stamped_body,
     to_micros,
 )
@@ -68,7 +67,8 @@ from gateway.store.sqlite_schema import (
     connect,
     migrate,
 )
-from gateway.store.sqlite_rates import ADMIT_ARGS, RatePlan, numbered, rate_plan, spent
+from gateway.store.sqlite_rates import ADMIT_ARGS, RatePlan, in_flight_arg, numbered, rate_plan, spent
+from gateway.store.sqlite_rates import in_flight as count_in_flight
 from gateway.store.sqlite_wal import Checkpointer
 
 __all__ = ["MIGRATIONS", "SqliteStore", "connect", "migrate"]
@@ -479,8 +479,8 @@ class SqliteStore:
         row = db.execute(_READ_CLOCK, (limit.scope,)).fetchone()
         in_flight = 0
         if limit.max_in_flight is not None:
-            in_flight = int(db.execute(f"SELECT COUNT(*) FROM reservations WHERE instr(scopes, :tag) > 0 AND {_LIVE}",
-                                       {"tag": scope_tag(limit.scope), "now": now}).fetchone()[0])
+            in_flight = int(db.execute("SELECT " + count_in_flight(limit.scope, ":arg"),
+                                       {"arg": in_flight_arg(limit.scope), "now": now}).fetchone()[0])
         requests_tat, tokens_tat = row or (0.0, 0.0)
         return RateState(limit.scope, now, requests_tat or 0.0, tokens_tat or 0.0, in_flight)
 

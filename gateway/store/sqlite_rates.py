@@ -79,9 +79,8 @@ def rate_plan(rates: Sequence[RateLimit], admit: str, revision: str) -> RatePlan
         if r.tokens_s is not None:
             checks.append(_FITS.format(clock=tokens_clock, cost=f":tokens * :ts{i}", i=i))
         if r.max_in_flight is not None:
-            checks.append(f" AND (SELECT COUNT(*) FROM reservations WHERE instr(scopes, :tag{i}) > 0 AND {LIVE})"
-                          f" < :mif{i}")
-            params.update({f"mif{i}": r.max_in_flight, f"tag{i}": scope_tag(r.scope)})
+            checks.append(f" AND {in_flight(r.scope, f':tag{i}')} < :mif{i}")
+            params.update({f"mif{i}": r.max_in_flight, f"tag{i}": in_flight_arg(r.scope)})
         if r in clocked:
             # RETURNING reports the clocks as the statement found them (SQLite's RETURNING
             # does not see the trigger's changes); `spent` adds what the trigger added.
@@ -100,12 +99,30 @@ def rate_plan(rates: Sequence[RateLimit], admit: str, revision: str) -> RatePlan
         values += ", :tokens, :now"
     sql = admit.format(clocks=columns, values=values) + "".join(checks) + " RETURNING " + ", ".join(
         [*returning, revision])
-    scopes = "".join(scope_tag(r.scope) for r in rates if r.max_in_flight is not None) or None
+    scopes = "".join(scope_tag(r.scope) for r in rates if r.max_in_flight is not None and not _team(r.scope)) or None
     # The driver wants as many arguments as the highest number: none past ADMIT_ARGS when the
     # statement uses none (scopes without any limit).
     args = tuple(params.values()) if params or ":tokens" in sql else None
     return RatePlan(numbered(sql, (*ADMIT_ARGS, "tokens", *params)), scopes, args,
                     tuple(r.scope for r in clocked), tuple(read_at))
+
+
+def _team(scope: str) -> bool:
+    return scope.startswith("team:")
+
+
+def in_flight(scope: str, param: str) -> str:
+    """The SQL that counts a scope's calls in flight, its argument bound as `param`
+    (`in_flight_arg`): a team's are its held reservations (read in its index), a key's those
+    whose `scopes` name it."""
+    if _team(scope):
+        return f"(SELECT COUNT(*) FROM reservations WHERE team = {param} AND {LIVE})"
+    return f"(SELECT COUNT(*) FROM reservations WHERE instr(scopes, {param}) > 0 AND {LIVE})"
+
+
+def in_flight_arg(scope: str) -> str:
+    """`in_flight`'s argument for `scope`: the team's name, or the key's tag in `scopes`."""
+    return scope[5:] if _team(scope) else scope_tag(scope)
 
 
 def spent(plan: RatePlan, rates: Sequence[RateLimit], row: Sequence[float] | None, now: float,
