@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple, Protocol
 
 from gateway.harness.state import STATUSES, RunState, StateError
@@ -66,6 +66,9 @@ class RateLimit:
     when the clock, pushed forward by its cost from no earlier than now, stays within
     `window_s` of now. `max_in_flight` caps the scope's live reservations. None: no such
     limit. `scope` is a store key ("team:NAME", "key:DIGEST").
+
+    `spends`: how many requests one claim of this limit spends (`spending`): a process takes
+    the requests of its next calls ahead with one claim (gateway.server.runs.allowances).
     """
 
     scope: str
@@ -73,20 +76,34 @@ class RateLimit:
     requests: int | None = None
     tokens: int | None = None
     max_in_flight: int | None = None
+    spends: int = 1
     # Derived once (they are read several times on every limited call), not compared.
     requests_s: float | None = field(default=None, init=False, compare=False)
     tokens_s: float | None = field(default=None, init=False, compare=False)
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "requests_s", None if self.requests is None else self.window_s / self.requests)
+        object.__setattr__(self, "requests_s",
+                           None if self.requests is None else self.window_s / self.requests * self.spends)
         object.__setattr__(self, "tokens_s", None if self.tokens is None else self.window_s / self.tokens)
         # A claim's rates key the stores' caches (statements, arguments) on every call: hash once.
         object.__setattr__(self, "_hash", hash((self.scope, self.window_s, self.requests, self.tokens,
-                                                self.max_in_flight)))
+                                                self.max_in_flight, self.spends)))
 
     def __hash__(self) -> int:
         return self._hash
+
+    def spending(self, requests: int) -> RateLimit:
+        """This limit for a claim that spends `requests` requests of it (0 and more), not one:
+        `requests_s` is their cost together."""
+        return self if requests == self.spends else replace(self, spends=requests)
+
+    def in_flight_only(self) -> RateLimit | None:
+        """This limit without its clocks: what a claim whose request and tokens were taken
+        ahead still checks (its calls in flight); None when there is nothing to check."""
+        if self.max_in_flight is None:
+            return None
+        return RateLimit(self.scope, self.window_s, max_in_flight=self.max_in_flight)
 
 
 class RateState(NamedTuple):
@@ -119,6 +136,16 @@ def rate_refusal(limit: RateLimit, state: RateState, tokens: int) -> RateKind | 
 def fits(tat: float, now: float, cost_s: float, window_s: float) -> bool:
     """GCRA: a cost of `cost_s` on a clock at `tat` stays within the window."""
     return max(tat, now) + cost_s - now <= window_s + RATE_SLACK_S
+
+
+class ClockPush(NamedTuple):
+    """Seconds to move a scope's clocks by, from no earlier than now (negative: back), for
+    `Store.push_clocks`: what a process gives back of the requests and tokens it took ahead
+    and did not use."""
+
+    scope: str
+    requests_s: float
+    tokens_s: float
 
 
 class TokenCharge(NamedTuple):
@@ -294,6 +321,11 @@ class Store(Protocol):
         Idempotent: settling twice, or after release, books nothing more. A reservation that
         expired is still booked (the money was spent), for EXPIRED_RETENTION_S.
         """
+        ...
+
+    async def push_clocks(self, pushes: Sequence[ClockPush]) -> None:
+        """Move each scope's rate clocks by its seconds (`ClockPush`), from no earlier than
+        now: max(clock, now) + seconds; a kind pushed by 0 is left as it is."""
         ...
 
     async def release(self, reservation_id: str) -> None:

@@ -23,6 +23,7 @@ from gateway.store.base import (
     Grant,
     Ledger,
     RateState,
+    ClockPush,
     TokenCharge,
     check_list_args,
     check_ttl,
@@ -347,6 +348,16 @@ class MemoryStore:
             key = (r.team, r.period)
             self._spent[key] = self._spent.get(key, 0) + actual
             self._charge_tokens(tokens)
+
+    async def push_clocks(self, pushes: Sequence[ClockPush]) -> None:
+        self._check_open()
+        now = time.time()
+        for push in pushes:
+            clock = self._clocks.setdefault(push.scope, [0.0, 0.0])
+            if push.requests_s:
+                clock[0] = max(clock[0], now) + push.requests_s
+            if push.tokens_s:
+                clock[1] = max(clock[1], now) + push.tokens_s
 
     async def release(self, reservation_id: str) -> None:
         self._check_open()

@@ -49,6 +49,7 @@ from gateway.store.base import (
     RateLimit,
     RateState,
     Refusal,
+    ClockPush,
     TokenCharge,
     check_list_args,
     check_ttl,
@@ -83,6 +84,7 @@ _RENEW: Final = Script(redis_lua.RENEW)
 _RELEASE_OWNER: Final = Script(redis_lua.RELEASE_OWNER)
 _SETTLE: Final = Script(redis_lua.SETTLE)
 _RELEASE: Final = Script(redis_lua.RELEASE)
+_PUSH_CLOCKS: Final = Script(redis_lua.PUSH_CLOCKS)
 _TEAM_SPEND: Final = Script(redis_lua.TEAM_SPEND)
 _ACQUIRE_LEASE: Final = Script(redis_lua.ACQUIRE_LEASE, keys=2)
 _RELEASE_LEASE: Final = Script(redis_lua.RELEASE_LEASE, keys=2)
@@ -310,6 +312,14 @@ class RedisStore:
         self._redis()
         async with self._errors:
             await self._lane.run(_SETTLE, [self.prefix, reservation_id, str(actual), *_charges(tokens)])
+
+    async def push_clocks(self, pushes: Sequence[ClockPush]) -> None:
+        self._redis()
+        if not pushes:
+            return
+        async with self._errors:
+            await self._lane.run(_PUSH_CLOCKS, [self.prefix, *(f"{p.requests_s!r} {p.tokens_s!r} {p.scope}"
+                                                               for p in pushes)])
 
     async def release(self, reservation_id: str) -> None:
         self._redis()

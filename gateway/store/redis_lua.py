@@ -340,6 +340,29 @@ SETTLE: Final = _HELPERS + _SETTLE + """
 return settle(ARGV[1], ARGV[2], ARGV[3], 4, #ARGV, #ARGV >= 4 and now_ms() or 0)
 """
 
+# Moves rate clocks (ARGV[2..]: "requests-seconds tokens-seconds scope", 0: leave that one)
+# from no earlier than now (Store.push_clocks): a key's in `rate:<scope>`, a team's own on its
+# ledger, as ADMIT keeps them (read from `rate:team:NAME` while the ledger has none yet).
+PUSH_CLOCKS: Final = _HELPERS + """
+local p, now = ARGV[1], now_ms() / 1000
+for i = 2, #ARGV do
+  local rs, ts, scope = string.match(ARGV[i], '^(%S+) (%S+) (.+)$')
+  local key, r, t = p .. 'rate:' .. scope, 'r', 't'
+  local c = redis.call('HMGET', key, r, t)
+  if string.sub(scope, 1, 5) == 'team:' then  -- both clocks written to the ledger, as ADMIT does
+    key, r, t = p .. 'ledger:' .. string.sub(scope, 6), 'rate:r', 'rate:t'
+    local own = redis.call('HMGET', key, r, t)
+    if own[1] or own[2] then c = own end
+  end
+  local nr, nt = c[1], c[2]
+  if tonumber(rs) ~= 0 then nr = pushed(c[1], now, rs, 1) end
+  if tonumber(ts) ~= 0 then nt = pushed(c[2], now, ts, 1) end
+  if nr then redis.call('HSET', key, r, nr) end
+  if nt then redis.call('HSET', key, t, nt) end
+end
+return 1
+"""
+
 _RELEASE: Final = """
 local function release(p, rid)
   local rk = p .. 'res:' .. rid

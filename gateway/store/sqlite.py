@@ -37,6 +37,7 @@ from gateway.store.base import (
     Ledger,
     RateLimit,
     RateState,
+    ClockPush,
     TokenCharge,
     check_list_args,
     check_ttl,
@@ -115,6 +116,11 @@ _CLOCK_ROW: Final = ("INSERT OR IGNORE INTO reservations (id, team, period, amou
                      " VALUES (?1, ?1, '', 0, 0, 'clock')")
 """A scope's clock row (sqlite_schema: a row of the reservations table, id = the scope)."""
 _CHARGE_TOKENS: Final = "UPDATE reservations SET tokens_tat = MAX(COALESCE(tokens_tat, 0), ?) + ? * ? WHERE id = ?"
+_PUSH_CLOCKS: Final = (
+    "UPDATE reservations SET"
+    " requests_tat = CASE WHEN ?2 = 0 THEN requests_tat ELSE MAX(COALESCE(requests_tat, 0), ?1) + ?2 END,"
+    " tokens_tat = CASE WHEN ?3 = 0 THEN tokens_tat ELSE MAX(COALESCE(tokens_tat, 0), ?1) + ?3 END"
+    " WHERE id = ?4 AND state = 'clock'")
 _FIGURES: Final = (
     "SELECT (SELECT COALESCE(SUM(spent_micros), 0) FROM ledger WHERE team = :team AND period = :period),"
     f" (SELECT COALESCE(SUM(amount_micros), 0) FROM reservations WHERE team = :team AND period = :period AND {_LIVE}),"
@@ -562,6 +568,11 @@ class SqliteStore:
             " ON CONFLICT (team, period) DO UPDATE SET spent_micros = spent_micros + excluded.spent_micros",
             (team, period, micros),
         )
+
+    async def push_clocks(self, pushes: Sequence[ClockPush]) -> None:
+        now = time.time()
+        rows = [(now, p.requests_s, p.tokens_s, p.scope) for p in pushes]  # no clock row: nothing to push
+        await self._write(lambda db: db.executemany(_PUSH_CLOCKS, rows), atomic=True)
 
     async def release(self, reservation_id: str) -> None:
         self._held.pop(reservation_id, None)

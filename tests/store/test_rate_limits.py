@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from gateway.store.base import Booking, Claim, RateLimit, Store, TokenCharge, fits
+from gateway.store.base import Booking, Claim, ClockPush, RateLimit, Store, TokenCharge, fits
 from tests.store.conftest import Stores
 
 HOUR = 3600.0  # a window long enough that nothing refills during a test
@@ -152,3 +152,31 @@ async def test_the_window_refills(store: Store) -> None:
     while (await store.admit(claim(limit))).reservation_id is None:  # refilled at 4 per second
         assert asyncio.get_running_loop().time() < deadline
         await asyncio.sleep(0.05)
+
+
+async def test_a_claim_spends_the_requests_it_takes_ahead_and_pushed_clocks_give_them_back(stores: Stores) -> None:
+    # A process takes 5 requests with one claim (its call's and 4 ahead), on a team's clock
+    # and a key's; the other replica sees them spent. It gives 3 back with push_clocks.
+    taker, other = stores.open(), stores.open()
+    team, key = RateLimit("team:demo", HOUR, requests=10), RateLimit("key:k1", HOUR, requests=8)
+    granted = await taker.admit(claim(key.spending(5), team.spending(5)))
+    assert granted.reservation_id is not None
+    assert [s.requests_tat - s.now for s in granted.rates] == pytest.approx([HOUR * 5 / 8, HOUR * 5 / 10])
+    assert (await other.admit(claim(key.spending(4), team))).refused == "rate_limit"  # 5 + 4 > 8
+    assert (await other.admit(claim(team.spending(6)))).refused == "rate_limit"  # 5 + 6 > 10
+    await taker.push_clocks([ClockPush("key:k1", -3 * (key.requests_s or 0), 0.0),
+                             ClockPush("team:demo", -3 * (team.requests_s or 0), 0.0)])
+    # 2 of each spent: the key has 6 left, the team 8.
+    assert (await other.admit(claim(key.spending(7), team.spending(7)))).refused == "rate_limit"
+    assert (await other.admit(claim(key.spending(6), team.spending(6)))).reservation_id is not None
+    assert (await other.admit(claim(team.spending(3)))).refused == "rate_limit"
+    assert (await other.admit(claim(team.spending(2)))).reservation_id is not None
+
+
+async def test_pushed_clocks_move_each_kind_on_its_own(store: Store) -> None:
+    limit = RateLimit("team:demo", HOUR, requests=10, tokens=1000)
+    assert (await store.admit(claim(limit.spending(4), tokens=600))).reservation_id is not None
+    await store.push_clocks([ClockPush("team:demo", 0.0, -200 * (limit.tokens_s or 0))])  # tokens only
+    assert (await store.admit(claim(limit.spending(6), tokens=601))).refused == "rate_limit"  # 1000 - 400
+    assert (await store.admit(claim(limit.spending(7), tokens=1))).refused == "rate_limit"  # 10 - 4
+    assert (await store.admit(claim(limit.spending(6), tokens=600))).reservation_id is not None
