@@ -193,7 +193,7 @@ for i = 16, at - 1 do
   if ts == '-' then ts = '' end
   if mif == '-' then mif = '' end
   specs[#specs + 1] = {scope, tonumber(window), rs, ts, mif}
-  if scope == own then with_own = true end
+  if scope == own and (rs ~= '' or ts ~= '') then with_own = true end  -- its clocks: on the ledger
 end
 local f = figures(p, team, period, run, now, with_own)
 local refused = nil
@@ -206,7 +206,10 @@ end
 local tokens, nows, clocks, scopes = tonumber(ARGV[14]), now / 1000, {}, ''
 for _, spec in ipairs(specs) do
   local scope, window, rs, ts, mif = spec[1], spec[2], spec[3], spec[4], spec[5]
-  local c = scope == own and own_clocks(p, f, scope) or redis.call('HMGET', p .. 'rate:' .. scope, 'r', 't')
+  local c = {false, false}  -- a scope without clocks (max_in_flight alone) reads none
+  if rs ~= '' or ts ~= '' then
+    c = scope == own and own_clocks(p, f, scope) or redis.call('HMGET', p .. 'rate:' .. scope, 'r', 't')
+  end
   local rt, tt, inflight, listed = tonumber(c[1] or '0'), tonumber(c[2] or '0'), 0, false
   if mif ~= '' then
     -- Those still held: reclaim (above) took the team's expired ones out already, so
@@ -243,7 +246,7 @@ for _, c in ipairs(clocks) do
   if c[5] ~= '' then rt = math.max(rt, nows) + tonumber(c[5]) end
   if c[6] ~= '' then tt = math.max(tt, nows) + tokens * tonumber(c[6]) end
   local r, t = string.format('%.6f', rt), string.format('%.6f', tt)
-  if c[1] == own then
+  if c[1] == own and (c[5] ~= '' or c[6] ~= '') then
     own_r, own_t = r, t
   elseif c[5] ~= '' or c[6] ~= '' then
     redis.call('HSET', p .. 'rate:' .. c[1], 'r', r, 't', t)
