@@ -126,14 +126,16 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     except StoreError as exc:  # the store may be back later: its holds then expire on their own
         log.warning("cannot release this gateway's earlier reservations: %s", exc)
     keeper = asyncio.ensure_future(governor.keep_alive())
+    giver = asyncio.ensure_future(governor.give_back_idle())
     replayer = asyncio.ensure_future(_replay_spool_forever(app))
     try:
         yield
     finally:
-        for task in (keeper, replayer):
+        for task in (keeper, giver, replayer):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await governor.give_back(0.0)  # what it took ahead of calls it will not serve
         await session.close()
         await store.close()
 

@@ -27,7 +27,9 @@ Rate limits of the caller's key and team (`rate_limits`) are claimed in the same
 step: one request and the counted prompt against each scope's buckets, and a slot of its
 calls in flight (the reservation itself, so it is released, renewed and expired with it);
 the booking reconciles the tokens with the real usage. A refusal is `RateLimited` (429,
-retryable), never a stop of the run.
+retryable), never a stop of the run. Far from its limits, a call's request and tokens come
+from what an earlier claim of this process took ahead (`allowances`), and its claim only
+checks its calls in flight.
 
 Tokens are counted only where they change a decision: teams with a budget or a token
 limit, and strict runs. A pass-through call of a team without either counts nothing here.
@@ -50,6 +52,7 @@ from gateway.harness.state import RunState, public_run_id
 from gateway.harness.usage import Price, Usage
 from gateway.server.http.errors import Conflict, LimitExceeded
 from gateway.server.runs import rate_limits
+from gateway.server.runs.allowances import FRESH_S, Allowances
 from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
     Booking,
@@ -72,6 +75,8 @@ MARGIN_USD = 2e-6
 """Kept off a strict clamp so float dust never turns an affordable reservation into a refusal."""
 
 Clock = Callable[[], datetime]
+Claims = Callable[[float, tuple[RateLimit, ...], int], Claim]
+"""An admission's claim for an amount, the rate limits its store step spends and its tokens."""
 
 
 def _utc_now() -> datetime:
@@ -144,6 +149,7 @@ class Governor:
         self._live: set[str] = set()  # reservations of calls in flight here (renewed)
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self._rates: dict[tuple[str, str | None], tuple[RateLimit, ...]] = {}  # by team and key scope
+        self.allowances = Allowances()
 
     def rates(self, team: TeamConfig) -> tuple[RateLimit, ...]:
         """The rate limits a call of `team` claims (its key's and the team's), built once."""
@@ -199,11 +205,11 @@ class Governor:
 
         pending = [run] if create else []
 
-        def claim(amount: float) -> Claim:  # only the first claim stores the new run
+        def claim(amount: float, rates: tuple[RateLimit, ...], tokens: int) -> Claim:
             return Claim(team.name, adm.period or "", amount, team.budget_usd, run_id=run.run_id,
                          max_turns=limits.max_turns, max_in_flight=self.defaults.max_calls_in_flight_per_run,
-                         run_budget_usd=run_budget, owner=self.owner, ttl_s=self.ttl_s, rates=adm.rates,
-                         tokens=adm.counted_tokens, create=pending.pop() if pending else None)
+                         run_budget_usd=run_budget, owner=self.owner, ttl_s=self.ttl_s, rates=rates,
+                         tokens=tokens, create=pending.pop() if pending else None)  # only the first stores the run
 
         await self._admit(adm, ask, claim, run_budget)
         return adm
@@ -213,15 +219,15 @@ class Governor:
         """Admit one model call of a server-side run (its loop checks the run's own caps)."""
         adm = Admission(self, run_id, team, strict, n=ask.n, period=self.period(team), rates=self.rates(team))
 
-        def claim(amount: float) -> Claim:
+        def claim(amount: float, rates: tuple[RateLimit, ...], tokens: int) -> Claim:
             return Claim(team.name, adm.period or "", amount, team.budget_usd, owner=self.owner, ttl_s=self.ttl_s,
-                         rates=adm.rates, tokens=adm.counted_tokens)
+                         rates=rates, tokens=tokens)
 
         run_left = run_remaining_usd if strict else None
         await self._admit(adm, ask, claim, None, run_left)
         return adm
 
-    async def _admit(self, adm: Admission, ask: Ask, claim: Callable[[float], Claim], run_budget: float | None,
+    async def _admit(self, adm: Admission, ask: Ask, claim: Claims, run_budget: float | None,
                      run_left: float | None = None) -> None:
         team = adm.team
         limited = bool(adm.rates) and rate_limits.counts_tokens(adm.rates)
@@ -237,20 +243,48 @@ class Governor:
         allowance = ask.max_tokens or self.defaults.output_allowance_tokens
         if not adm.strict:
             amount = ask.price.cost(Usage(prompt, allowance * ask.n)) if team.budget_usd is not None else 0.0
-            self._close_on_refusal(adm, await self.store.admit(claim(amount)), ask, prompt, allowance)
+            self._close_on_refusal(adm, await self._claim(adm, claim, amount), ask, prompt, allowance)
             adm.allowed_completion = None if ask.max_tokens is None else ask.max_tokens * ask.n
             return
         figures = await self.store.figures(team.name, adm.period or "", adm.run_id if run_budget is not None else None)
         for _ in range(RESERVE_ATTEMPTS):
             out = self._strict_output(adm, ask, prompt, allowance, figures, run_budget, run_left)
             adm.max_tokens = out
-            grant = await self.store.admit(claim(ask.price.cost(Usage(prompt, out * ask.n))))
+            grant = await self._claim(adm, claim, ask.price.cost(Usage(prompt, out * ask.n)))
             if grant.reservation_id is not None or grant.refused not in ("run_budget", "team_budget"):
                 self._close_on_refusal(adm, grant, ask, prompt, out)
                 adm.allowed_completion = out * ask.n
                 return
             figures = grant.figures  # a concurrent call got there first: clamp again
         raise self._refusal(adm, "team_budget", figures, ask, prompt, 1)
+
+    async def _claim(self, adm: Admission, claim: Claims, amount: float) -> Grant:
+        """One store step of the admission: the claim, its rate limits spent from this
+        process's allowance where it holds them (`allowances`); a rate refusal of a claim
+        that used the allowance is tried once more as the plain claim, which alone decides."""
+        if not adm.rates:
+            return await self.store.admit(claim(amount, (), 0))
+        now = time.time()
+        take = self.allowances.take(adm.rates, adm.counted_tokens, now)
+        if take is None:  # nothing to take ahead: the claim as it is
+            grant = await self.store.admit(claim(amount, adm.rates, adm.counted_tokens))
+            adm.rate_states = grant.rates
+            return grant
+        try:
+            grant = await self.store.admit(claim(amount, take.rates, take.tokens))
+            if grant.reservation_id is None:
+                self.allowances.refused(take)
+                if grant.refused != "rate_limit" or take.plain:
+                    return grant
+                take = self.allowances.plain(adm.rates, adm.counted_tokens)
+                grant = await self.store.admit(claim(amount, take.rates, take.tokens))
+                if grant.reservation_id is None:
+                    return grant
+        except BaseException:  # cancelled or failed: nothing of it is held here
+            self.allowances.refused(take)
+            raise
+        adm.rate_states = self.allowances.granted(take, grant.rates, now)
+        return grant
 
     def _strict_output(self, adm: Admission, ask: Ask, prompt: int, allowance: int, figures: Figures,
                        run_budget: float | None, run_left: float | None) -> int:
@@ -278,8 +312,6 @@ class Governor:
         adm.reservation = grant.reservation_id
         adm.run_revision = grant.run_revision
         self._live.add(grant.reservation_id)
-        if adm.rates:
-            adm.rate_states = grant.rates
 
     def _refusal(self, adm: Admission, why: str, figures: Figures, ask: Ask, prompt: int, out: int,
                  run_left: float | None = None) -> Exception:
@@ -328,7 +360,7 @@ class Governor:
             return
         if adm.reservation is not None:
             await self.store.settle(adm.reservation, actual_usd,
-                                    rate_limits.charges(adm.rates, adm.counted_tokens, tokens))
+                                    self.allowances.charges(adm.rates, adm.counted_tokens, tokens))
         elif actual_usd > 0:
             await self.store.charge(adm.team.name, adm.period or self.period(adm.team), actual_usd)
 
@@ -341,7 +373,7 @@ class Governor:
         if adm.reservation is None and actual_usd <= 0:
             return None
         return Booking(adm.team.name, adm.period or self.period(adm.team), actual_usd, adm.reservation,
-                       tokens=rate_limits.charges(adm.rates, adm.counted_tokens, tokens))
+                       tokens=self.allowances.charges(adm.rates, adm.counted_tokens, tokens))
 
     async def book(self, booking: Booking) -> None:
         """Book on its own what a failed `commit_turn` did not (settle is idempotent)."""
@@ -392,6 +424,22 @@ class Governor:
             released = await self.store.release_owner(self.owner)
             if released:
                 log.info("released %d reservations left by this gateway's previous process", released)
+
+    async def give_back(self, idle_s: float = FRESH_S) -> None:
+        """Give back to the store's clocks what this process took ahead of its calls and has
+        not used for `idle_s` (everything with 0: it stops)."""
+        pushes = self.allowances.idle(time.time(), idle_s)
+        if pushes:
+            try:
+                await self.store.push_clocks(pushes)
+            except StoreError as exc:  # what they held comes back as the scopes' buckets fill
+                log.warning("cannot give back %d rate clocks taken ahead: %s", len(pushes), exc)
+
+    async def give_back_idle(self) -> None:
+        """`give_back` every FRESH_S (runs until cancelled)."""
+        while True:
+            await asyncio.sleep(FRESH_S)
+            await self.give_back()
 
     async def keep_alive(self) -> None:
         """Renew the holds of calls in flight every third of their ttl (runs until cancelled)."""
