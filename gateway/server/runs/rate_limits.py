@@ -145,6 +145,8 @@ def _made(requests: Tightest | None, tokens: Tightest | None) -> tuple[tuple[str
 def pairs(rates: Sequence[RateLimit], states: Sequence[RateState]) -> tuple[tuple[str, str], ...]:
     """`headers` as (name, value) pairs, in that order. Built for every answer of a limited
     team: one pass over the scopes for the figures, then their strings, made once (`_made`)."""
+    if len(rates) == 1 and len(states) == 1:
+        return _one(rates[0], states[0])
     requests: Tightest | None = None
     tokens: Tightest | None = None
     for limit, state in zip(rates, states, strict=True):
@@ -153,6 +155,29 @@ def pairs(rates: Sequence[RateLimit], states: Sequence[RateState]) -> tuple[tupl
                                 limit.window_s)
         if limit.tokens_s is not None:
             tokens = _tighter(tokens, limit.tokens or 0, limit.tokens_s, state.tokens_tat - state.now, limit.window_s)
+    return _made(requests, tokens)
+
+
+def _one(limit: RateLimit, state: RateState) -> tuple[tuple[str, str], ...]:
+    """`pairs` of a call with one scope (a team's limits alone, the usual case) in one
+    function: `_tighter`'s figures, inline (every answer of a limited team pays for each call)."""
+    requests = tokens = None
+    per = limit.requests_s
+    if per is not None:
+        ahead = state.requests_tat - state.now
+        if ahead < 0.0:
+            ahead = 0.0
+        cap = limit.requests or 0
+        left = math.floor((limit.window_s + RATE_SLACK_S - ahead) / per)
+        requests = (cap, cap if left > cap else left if left > 0 else 0, math.ceil(ahead * 1000))
+    per = limit.tokens_s
+    if per is not None:
+        ahead = state.tokens_tat - state.now
+        if ahead < 0.0:
+            ahead = 0.0
+        cap = limit.tokens or 0
+        left = math.floor((limit.window_s + RATE_SLACK_S - ahead) / per)
+        tokens = (cap, cap if left > cap else left if left > 0 else 0, math.ceil(ahead * 1000))
     return _made(requests, tokens)
 
 
