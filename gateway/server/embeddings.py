@@ -105,7 +105,7 @@ async def create_embeddings(request: web.Request) -> web.Response:
     except LimitExceeded as exc:
         raise (await refuse(request, call, exc) if call is not None else exc) from None
     async with adm:
-        keep_rate_clocks(request, adm.rates, adm.rate_states)
+        keep_rate_clocks(request, adm.rate_headers)
         upstream = app[ctx.UPSTREAMS][route.upstream]
         reply = await upstream.embed(raw, upstream.headers(request.headers))
         request[ctx.UPSTREAM_SECONDS] = reply.seconds

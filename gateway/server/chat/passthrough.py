@@ -103,7 +103,7 @@ async def governed(request: web.Request, call: Call) -> AsyncIterator[tuple[Admi
         await _reload(request, call)  # the cached run may be out of date: the stored one decides
     metrics = request.app[ctx.METRICS]
     async with await admit(request, call) as adm:
-        keep_rate_clocks(request, adm.rates, adm.rate_states)
+        keep_rate_clocks(request, adm.rate_headers)
         metrics.run_active(1)
         routed = routed_call(request.app, call.route, call.chat.model)
         try:

@@ -69,12 +69,16 @@ class Allowance:
     def __post_init__(self) -> None:
         self.clocked = self.limits_requests or self.limits_tokens
 
-    def shown(self, now: float) -> tuple[RateState, ...]:
-        """The clocks as if this process held nothing ahead: what its answers' headers show."""
-        if len(self.states) == 1:  # one scope (a team's limits alone): no loop to set up
+    def shown(self, now: float) -> rate_limits.Pairs:
+        """The x-ratelimit-* headers of the clocks as if this process held nothing ahead."""
+        if len(self.states) == 1:  # one scope (a team's limits alone): no clocks to make
             limit, state = self.rates[0], self.states[0]
-            return (RateState(state.scope, now, state.requests_tat - self.requests * (limit.requests_s or 0.0),
-                              state.tokens_tat - self.tokens * (limit.tokens_s or 0.0)),)
+            return rate_limits.one_scope(limit, state.requests_tat - self.requests * (limit.requests_s or 0.0),
+                                         state.tokens_tat - self.tokens * (limit.tokens_s or 0.0), now)
+        return rate_limits.pairs(self.rates, self.clocks(now))
+
+    def clocks(self, now: float) -> tuple[RateState, ...]:
+        """The clocks as if this process held nothing ahead."""
         out = []
         for limit, state in zip(self.rates, self.states, strict=True):
             out.append(RateState(state.scope, now, state.requests_tat - self.requests * (limit.requests_s or 0.0),
@@ -164,7 +168,7 @@ class Allowances:
             return 0, 0
         requests = MAX_SPARE
         room_t: float = math.inf
-        for limit, state in zip(a.rates, a.shown(now), strict=True):
+        for limit, state in zip(a.rates, a.clocks(now), strict=True):
             if limit.requests_s is not None:
                 room = int(_room(state.requests_tat, now, limit.requests_s, limit.window_s))
                 requests = min(requests, room // SHARE if room >= 2 * SHARE else 0)
@@ -180,9 +184,9 @@ class Allowances:
                 spare_t = max(0, want - a.tokens - a.asked_tokens)
         return spare_r, spare_t
 
-    def granted(self, take: Take, states: Sequence[RateState], now: float) -> tuple[RateState, ...]:
+    def granted(self, take: Take, states: Sequence[RateState], now: float) -> rate_limits.Pairs:
         """A claim of `take` was granted, its clocks now `states` (empty: it spent none):
-        hold what it took ahead; returns the clocks its answer shows."""
+        hold what it took ahead; returns the x-ratelimit-* headers its answer shows."""
         a = take.allowance
         if take.local:
             return a.shown(now)
@@ -208,20 +212,23 @@ class Allowances:
         """The claim of one call as without allowances (after a refusal of one with)."""
         return Take(self._allowance(rates), rates, tokens)
 
-    def charges(self, rates: tuple[RateLimit, ...], counted: int, actual: int | None) -> tuple[TokenCharge, ...]:
+    @staticmethod
+    def charges(a: Allowance | None, rates: tuple[RateLimit, ...], counted: int,
+                actual: int | None) -> tuple[TokenCharge, ...]:
         """What a booking reconciles on the store's token clocks: the tokens used beyond those
-        counted, less what the allowance of `rates` pays for (tokens used below the count go
-        back to the store's clocks, as without allowances)."""
+        counted, less what the allowance `a` (the call's, if it was admitted through one) pays
+        for; tokens used below the count go back to the store's clocks, as without allowances."""
         if actual is None or not rates:
             return ()
-        a = self._by_rates.get(rates)
         if a is not None and a.limits_tokens:
             a.per_call = actual if not a.per_call else a.per_call * 0.8 + actual * 0.2
             more = actual - counted
+            if 0 < more <= a.tokens:  # all of it paid ahead: nothing to book on the clocks
+                a.tokens -= more
+                return ()
             if more > 0 and a.tokens > 0:
-                paid = min(more, a.tokens)
-                a.tokens -= paid
-                counted += paid
+                counted += a.tokens
+                a.tokens = 0
         return rate_limits.charges(rates, counted, actual)
 
     def idle(self, now: float, idle_s: float = FRESH_S) -> list[ClockPush]:

@@ -52,7 +52,7 @@ from gateway.harness.state import RunState, public_run_id
 from gateway.harness.usage import Price, Usage
 from gateway.server.http.errors import Conflict, LimitExceeded
 from gateway.server.runs import rate_limits
-from gateway.server.runs.allowances import FRESH_S, Allowances
+from gateway.server.runs.allowances import FRESH_S, Allowance, Allowances
 from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
     Booking,
@@ -60,7 +60,6 @@ from gateway.store.base import (
     Figures,
     Grant,
     RateLimit,
-    RateState,
     Store,
 )
 from gateway.store.errors import StoreError
@@ -113,8 +112,10 @@ class Admission:
     rates: tuple[RateLimit, ...] = ()
     counted_tokens: int = 0
     """What the rate limits counted for the call before it ran (its prompt); booked against real usage."""
-    rate_states: tuple[RateState, ...] = ()
-    """The rate clocks as the admission left them (`rate_limits.headers` shows them)."""
+    rate_headers: rate_limits.Pairs = ()
+    """The x-ratelimit-* headers of the clocks as the admission left them."""
+    allowance: Allowance | None = None
+    """The rate allowance the call was admitted through (its booking's tokens are paid from it)."""
     run_revision: int | None = None
     """The run's stored revision when it was admitted (`Grant.run_revision`)."""
 
@@ -268,7 +269,8 @@ class Governor:
         take = self.allowances.take(adm.rates, adm.counted_tokens, now)
         if take is None:  # nothing to take ahead: the claim as it is
             grant = await self.store.admit(claim(amount, adm.rates, adm.counted_tokens))
-            adm.rate_states = grant.rates
+            if grant.reservation_id is not None:
+                adm.rate_headers = rate_limits.pairs(adm.rates, grant.rates)
             return grant
         try:
             grant = await self.store.admit(claim(amount, take.rates, take.tokens))
@@ -283,7 +285,8 @@ class Governor:
         except BaseException:  # cancelled or failed: nothing of it is held here
             self.allowances.refused(take)
             raise
-        adm.rate_states = self.allowances.granted(take, grant.rates, now)
+        adm.rate_headers = self.allowances.granted(take, grant.rates, now)
+        adm.allowance = take.allowance
         return grant
 
     def _strict_output(self, adm: Admission, ask: Ask, prompt: int, allowance: int, figures: Figures,
@@ -360,7 +363,7 @@ class Governor:
             return
         if adm.reservation is not None:
             await self.store.settle(adm.reservation, actual_usd,
-                                    self.allowances.charges(adm.rates, adm.counted_tokens, tokens))
+                                    self.allowances.charges(adm.allowance, adm.rates, adm.counted_tokens, tokens))
         elif actual_usd > 0:
             await self.store.charge(adm.team.name, adm.period or self.period(adm.team), actual_usd)
 
@@ -373,7 +376,7 @@ class Governor:
         if adm.reservation is None and actual_usd <= 0:
             return None
         return Booking(adm.team.name, adm.period or self.period(adm.team), actual_usd, adm.reservation,
-                       tokens=self.allowances.charges(adm.rates, adm.counted_tokens, tokens))
+                       tokens=self.allowances.charges(adm.allowance, adm.rates, adm.counted_tokens, tokens))
 
     async def book(self, booking: Booking) -> None:
         """Book on its own what a failed `commit_turn` did not (settle is idempotent)."""

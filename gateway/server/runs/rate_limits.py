@@ -26,15 +26,17 @@ T = TypeVar("T")
 IN_FLIGHT_RETRY_S = 1.0
 """What a refusal for calls in flight asks the client to wait (no clock says when one ends)."""
 
-SHOWN: Final = web.RequestKey("rate_limit_clocks", tuple[tuple[RateLimit, ...], tuple[RateState, ...]])
-"""The rate limits of the call's admission and its clocks, shown on its answer (`show`)."""
+Pairs = tuple[tuple[str, str], ...]
+"""Headers as (name, value) pairs, in order."""
+SHOWN: Final = web.RequestKey("rate_limit_headers", Pairs)
+"""The x-ratelimit-* headers of the call's admission, shown on its answer (`show`)."""
 
 
-def keep(request: web.Request, rates: tuple[RateLimit, ...], states: tuple[RateState, ...]) -> None:
-    """Remember a governed call's rate clocks for its answer's headers (`show`); nothing at
-    all for a team without rate limits."""
-    if rates:
-        request[SHOWN] = (rates, states)
+def keep(request: web.Request, shown: Pairs) -> None:
+    """Remember a governed call's rate-limit headers (`pairs` of its admission's clocks) for
+    its answer (`show`); nothing at all for a team without rate limits."""
+    if shown:
+        request[SHOWN] = shown
 
 
 async def show(request: web.Request, response: web.StreamResponse) -> None:
@@ -44,10 +46,10 @@ async def show(request: web.Request, response: web.StreamResponse) -> None:
     if shown is not None:  # `keep` sets it only for a call with rate limits
         out = response.headers
         if _LIMIT_REQUESTS in out or _LIMIT_TOKENS in out:
-            for name, value in pairs(*shown):
+            for name, value in shown:
                 out.setdefault(name, value)
         else:
-            out.extend(pairs(*shown))  # one call: every answer of a limited team pays for this
+            out.extend(shown)  # one call: every answer of a limited team pays for this
 
 
 async def waiting(admit: Callable[[], Awaitable[T]], wait_s: float) -> T:
@@ -142,7 +144,7 @@ def _made(requests: Tightest | None, tokens: Tightest | None) -> tuple[tuple[str
         _shown(_TOKEN_NAMES, tokens) if tokens is not None else ())
 
 
-def pairs(rates: Sequence[RateLimit], states: Sequence[RateState]) -> tuple[tuple[str, str], ...]:
+def pairs(rates: Sequence[RateLimit], states: Sequence[RateState]) -> Pairs:
     """`headers` as (name, value) pairs, in that order. Built for every answer of a limited
     team: one pass over the scopes for the figures, then their strings, made once (`_made`)."""
     if len(rates) == 1 and len(states) == 1:
@@ -158,13 +160,18 @@ def pairs(rates: Sequence[RateLimit], states: Sequence[RateState]) -> tuple[tupl
     return _made(requests, tokens)
 
 
-def _one(limit: RateLimit, state: RateState) -> tuple[tuple[str, str], ...]:
-    """`pairs` of a call with one scope (a team's limits alone, the usual case) in one
-    function: `_tighter`'s figures, inline (every answer of a limited team pays for each call)."""
+def _one(limit: RateLimit, state: RateState) -> Pairs:
+    """`pairs` of a call with one scope (a team's limits alone, the usual case)."""
+    return one_scope(limit, state.requests_tat, state.tokens_tat, state.now)
+
+
+def one_scope(limit: RateLimit, requests_tat: float, tokens_tat: float, now: float) -> Pairs:
+    """`pairs` of one scope's clocks, in one function: `_tighter`'s figures, inline (every
+    answer of a limited team pays for each call)."""
     requests = tokens = None
     per = limit.requests_s
     if per is not None:
-        ahead = state.requests_tat - state.now
+        ahead = requests_tat - now
         if ahead < 0.0:
             ahead = 0.0
         cap = limit.requests or 0
@@ -172,7 +179,7 @@ def _one(limit: RateLimit, state: RateState) -> tuple[tuple[str, str], ...]:
         requests = (cap, cap if left > cap else left if left > 0 else 0, math.ceil(ahead * 1000))
     per = limit.tokens_s
     if per is not None:
-        ahead = state.tokens_tat - state.now
+        ahead = tokens_tat - now
         if ahead < 0.0:
             ahead = 0.0
         cap = limit.tokens or 0
