@@ -45,7 +45,7 @@ from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-s
 from tests.support.procs import START_TIMEOUT_S, Proc, free_port, start_gateway
 
 LIMITED, QUICK, NARROW, KEYED, WAITS, STOPS = "sk-lim", "sk-quick", "sk-narrow", "sk-keyed", "sk-waits", "sk-stops"
-ONCE, PLAIN, TOKENS = "sk-once", "sk-plain", "sk-tokens"
+ONCE, PLAIN, TOKENS, SMALL = "sk-once", "sk-plain", "sk-tokens", "sk-small"
 COMPLETION = 10
 """Completion tokens the counting upstream bills per call."""
 
@@ -73,6 +73,7 @@ def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, An
             {"name": "waits", "keys": [WAITS], **team, "rate_limits": {"requests_per_second": 1}},
             {"name": "stops", "keys": [STOPS], **team, "rate_limits": {"requests_per_minute": 1}},
             {"name": "once", "keys": [ONCE], **team, "rate_limits": {"requests_per_minute": 1}},
+            {"name": "small", "keys": [SMALL], **team, "rate_limits": {"tokens_per_minute": 50}},
         ],
     }
     path = folder / "config.yaml"
@@ -181,6 +182,22 @@ async def test_calls_in_flight_are_capped_and_a_slot_frees_when_a_call_ends(
     assert refused["error"]["type"] == "in_flight" and "max_in_flight" in refused["error"]["message"]
     status, _, _ = await chat(session, single, NARROW, {"model": "fast", "messages": TASK})
     assert status == 200  # both slots came back when their calls ended
+
+
+async def test_a_prompt_larger_than_a_whole_window_is_refused_for_good(
+        single: Proc, upstream: Upstream, session: aiohttp.ClientSession) -> None:
+    long = [{"role": "user", "content": "lorem ipsum " * 40}]
+    prompt = get_counter().count_request(long)
+    assert prompt > 50
+    status, headers, reply = await chat(session, single, SMALL, {"model": "small", "messages": long})
+    assert status == 429 and reply["error"]["code"] == "rate_limit_exceeded" and reply["error"]["type"] == "tokens"
+    assert lower(headers)["x-should-retry"] == "false" and "retry-after" not in lower(headers)
+    assert f"it counts {prompt} tokens" in reply["error"]["message"], reply
+    assert "whole limit of 50 tokens per minute" in reply["error"]["message"], reply
+    assert upstream.calls["small"] == 0
+    # A prompt that fits is admitted: the refusal spent nothing of the window.
+    status, _, reply = await chat(session, single, SMALL, {"model": "small", "messages": TASK})
+    assert status == 200, reply
 
 
 async def test_a_key_is_held_to_its_own_limits_and_its_teams(single: Proc, upstream: Upstream,

@@ -110,6 +110,8 @@ class Admission:
     allowed_completion: int | None = None
     closed: bool = field(default=False)
     rates: tuple[RateLimit, ...] = ()
+    token_cap: int | None = None
+    """The fewest tokens one of `rates` allows per window (None: no limit of tokens)."""
     counted_tokens: int = 0
     """What the rate limits counted for the call before it ran (its prompt); booked against real usage."""
     rate_headers: rate_limits.Pairs = ()
@@ -149,17 +151,22 @@ class Governor:
         self._periods: dict[tuple[object, ...], str] = {}
         self._live: set[str] = set()  # reservations of calls in flight here (renewed)
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
-        self._rates: dict[tuple[str, str | None], tuple[RateLimit, ...]] = {}  # by team and key scope
+        # by team and key scope: the rate limits, and the fewest tokens one of them allows per window
+        self._rates: dict[tuple[str, str | None], tuple[tuple[RateLimit, ...], int | None]] = {}
         self.allowances = Allowances()
 
     def rates(self, team: TeamConfig) -> tuple[RateLimit, ...]:
         """The rate limits a call of `team` claims (its key's and the team's), built once."""
+        return self._limits(team)[0]
+
+    def _limits(self, team: TeamConfig) -> tuple[tuple[RateLimit, ...], int | None]:
         if team.rate_limits is None and team.caller is None:
-            return ()
+            return (), None
         key = (team.name, None if team.caller is None else team.caller.scope)
         found = self._rates.get(key)
         if found is None:
-            found = self._rates[key] = rate_limits.claims(team)
+            rates = rate_limits.claims(team)
+            found = self._rates[key] = rates, min((r.tokens for r in rates if r.tokens is not None), default=None)
         return found
 
     def period(self, team: TeamConfig) -> str:
@@ -201,7 +208,9 @@ class Governor:
             raise LimitExceeded("budget_exceeded",
                                 f"run {run.run_id} spent ${run.cost_usd:.6f} of its ${limits.max_budget_usd:.6f} "
                                 "budget; nothing was forwarded")
-        adm = Admission(self, run.run_id, team, strict, n=ask.n, period=self.period(team), rates=self.rates(team))
+        rates, token_cap = self._limits(team)
+        adm = Admission(self, run.run_id, team, strict, n=ask.n, period=self.period(team), rates=rates,
+                        token_cap=token_cap)
         run_budget = limits.max_budget_usd if strict else None
 
         pending = [run] if create else []
@@ -218,7 +227,9 @@ class Governor:
     async def admit_call(self, run_id: str, team: TeamConfig, strict: bool, ask: Ask,
                          run_remaining_usd: float | None) -> Admission:
         """Admit one model call of a server-side run (its loop checks the run's own caps)."""
-        adm = Admission(self, run_id, team, strict, n=ask.n, period=self.period(team), rates=self.rates(team))
+        rates, token_cap = self._limits(team)
+        adm = Admission(self, run_id, team, strict, n=ask.n, period=self.period(team), rates=rates,
+                        token_cap=token_cap)
 
         def claim(amount: float, rates: tuple[RateLimit, ...], tokens: int) -> Claim:
             return Claim(team.name, adm.period or "", amount, team.budget_usd, owner=self.owner, ttl_s=self.ttl_s,
@@ -231,13 +242,13 @@ class Governor:
     async def _admit(self, adm: Admission, ask: Ask, claim: Claims, run_budget: float | None,
                      run_left: float | None = None) -> None:
         team = adm.team
-        limited = bool(adm.rates) and rate_limits.counts_tokens(adm.rates)
+        limited = adm.token_cap is not None  # a limit of tokens: the prompt is counted against it
         counts = adm.strict or team.budget_usd is not None or limited
         prompt = self.counter.count_request(ask.messages, ask.tools) if counts else 0
         adm.prompt_tokens = prompt if counts else None
         if limited:
             adm.counted_tokens = prompt
-            too_large = rate_limits.too_large(adm.rates, prompt)
+            too_large = rate_limits.too_large(adm.rates, prompt) if prompt > (adm.token_cap or 0) else None
             if too_large is not None:
                 adm.closed = True
                 raise too_large

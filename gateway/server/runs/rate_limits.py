@@ -80,13 +80,6 @@ def _claim(scope: str, limits: RateLimits) -> RateLimit:
     return RateLimit(scope, limits.window_s, limits.requests, limits.tokens, limits.max_in_flight)
 
 
-def counts_tokens(rates: Sequence[RateLimit]) -> bool:
-    for r in rates:  # a loop, not any(generator): asked on every call of a limited team
-        if r.tokens is not None:
-            return True
-    return False
-
-
 def duration(seconds: float) -> str:
     """OpenAI's reset format: "20ms", "1s", "1.5s", "6m0s", "1h2m3s"."""
     return _duration_ms(math.ceil(seconds * 1000))
