@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Collection, Sequence
 from types import TracebackType
-from typing import Any, Final, cast
+from typing import Any, Final, NamedTuple, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import orjson
@@ -271,9 +271,11 @@ class RedisStore:
         rid = new_reservation_id()
         args: list[Any] = [self.prefix, claim.team, claim.period, str(amount), _opt(budget), str(ttl_ms), rid, _RETENTION_MS,
                 claim.run_id or "", _opt(claim.max_turns), _opt(claim.max_in_flight), _opt(run_budget), claim.owner,
-                str(claim.tokens), str(len(claim.rates))]
-        if claim.rates:
-            args += _rate_args(claim.rates)
+                str(claim.tokens)]
+        scopes = _scopes(claim.rates, claim.team) if claim.rates else _NO_SCOPES
+        args += scopes.head
+        if scopes.args:
+            args += scopes.args
         if claim.create is not None:
             args += _run_fields(claim.create)
         self._redis()
@@ -281,11 +283,11 @@ class RedisStore:
             result: list[Any] = await self._lane.run(_ADMIT, args)
         if int(result[0]) == 1:
             revision = None if claim.run_id is None else int(result[2])
-            return Grant(rid, rates=_granted(claim, result[1]) if claim.rates else (), run_revision=revision)
+            return Grant(rid, rates=_granted(claim, scopes, result[1]) if claim.rates else (), run_revision=revision)
         if int(result[0]) == 2 and claim.create is not None:
             run_id = claim.create.run_id
             raise RunExists(run_id, None if result[1] is None else parse_run(run_id, result[1]))
-        return Grant(None, cast(Refusal, _text(result[1])), _figures(result[2:8]), _clocks(claim, result[8:]))
+        return Grant(None, cast(Refusal, _text(result[1])), _figures(result[2:8]), _clocks(claim, scopes, result[8:]))
 
     async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
         self._redis()
@@ -504,22 +506,61 @@ def _charge_tail(tokens_s: float, scope: str) -> str:
     return f" {tokens_s!r} {scope}"
 
 
-def _granted(claim: Claim, raw: bytes | str) -> tuple[RateState, ...]:
+class _Scopes(NamedTuple):
+    """A claim's rate scopes as ADMIT takes them: `head` its arguments 15 and 16 (how many
+    scope arguments, the own team's max_in_flight when that is all its scope checks, ''
+    else), `args` one per other scope (`_rate_args`), `own` the index in the claim's rates of
+    the scope in argument 16 (None: none)."""
+
+    head: tuple[str, str]
+    args: tuple[bytes, ...]
+    own: int | None
+
+
+_NO_SCOPES: Final = _Scopes(("0", ""), (), None)
+
+
+@functools.lru_cache(maxsize=1024)
+def _scopes(rates: tuple[RateLimit, ...], team: str) -> _Scopes:
+    """`_Scopes` of a claim of `team` (one per team and key, and per allowance's check)."""
+    own = next((i for i, r in enumerate(rates) if r.scope == "team:" + team and r.requests is None
+                and r.tokens is None and r.max_in_flight is not None), None)
+    others = tuple(r for i, r in enumerate(rates) if i != own)
+    return _Scopes((str(len(others)), "" if own is None else str(rates[own].max_in_flight)), _rate_args(others), own)
+
+
+def _granted(claim: Claim, scopes: _Scopes, raw: bytes | str) -> tuple[RateState, ...]:
     """The clocks of a grant: ADMIT's one string, the server's clock then the two clocks of
-    each scope after the claim (in flight is not read on a grant: 0)."""
+    each scope argument after the claim (in flight is not read on a grant: 0); the own team
+    scope of argument 16 has no clocks."""
     parts = raw.split()
     now = float(parts[0])
-    if len(claim.rates) == 1:  # a team's limits alone, the usual claim: no loop to set up
-        return (RateState(claim.rates[0].scope, now, float(parts[1]), float(parts[2])),)
-    return tuple([RateState(r.scope, now, float(parts[2 * i + 1]), float(parts[2 * i + 2]))
-                  for i, r in enumerate(claim.rates)])
+    rates = claim.rates
+    if len(rates) == 1:  # a team's limits alone, the usual claim: no loop to set up
+        if scopes.own is not None:
+            return (RateState(rates[0].scope, now),)
+        return (RateState(rates[0].scope, now, float(parts[1]), float(parts[2])),)
+    out, at = [], 1
+    for i, r in enumerate(rates):
+        if i == scopes.own:
+            out.append(RateState(r.scope, now))
+        else:
+            out.append(RateState(r.scope, now, float(parts[at]), float(parts[at + 1])))
+            at += 2
+    return tuple(out)
 
 
-def _clocks(claim: Claim, raw: list[Any]) -> tuple[RateState, ...]:
-    """The server's clock, then the scopes' clocks ADMIT returns (three values per scope)."""
+def _clocks(claim: Claim, scopes: _Scopes, raw: list[Any]) -> tuple[RateState, ...]:
+    """The server's clock, then the scopes' clocks ADMIT returns (three values per scope, the
+    own team scope of argument 16 first)."""
     now = float(_text(raw[0]))
-    return tuple(RateState(r.scope, now, float(_text(raw[3 * i + 1])), float(_text(raw[3 * i + 2])),
-                           int(raw[3 * i + 3])) for i, r in enumerate(claim.rates))
+    order = [i for i in range(len(claim.rates)) if i == scopes.own] + [
+        i for i in range(len(claim.rates)) if i != scopes.own]
+    out: list[RateState | None] = [None] * len(claim.rates)
+    for at, i in enumerate(order):
+        out[i] = RateState(claim.rates[i].scope, now, float(_text(raw[3 * at + 1])), float(_text(raw[3 * at + 2])),
+                           int(raw[3 * at + 3]))
+    return tuple(s for s in out if s is not None)
 
 
 def _text(value: Any) -> str:

@@ -159,13 +159,17 @@ return out
 
 # A Claim: checked (run exists, turn cap, calls in flight, run budget, team budget; '' = no
 # such condition; then each rate scope, base.rate_refusal: ARGV[14] the claim's tokens,
-# ARGV[15] how many scopes, then one argument each, "window s per-request per-token
+# ARGV[15] how many scopes, ARGV[16] the max_in_flight of the claim's own team scope when
+# that is all the scope checks (the claim of a call whose request and tokens were taken
+# ahead: counted as below, with no scope argument, clocks or reply of its own; '' = none),
+# then one argument each, "window s per-request per-token
 # max-in-flight scope" ('-': no such limit; one argument rather than five, since the client
 # spends more on each argument than the script on splitting it) and held at once. Returns
 # {1, clocks, run revision (with a run)} on a grant, clocks one string "now requests_tat
 # tokens_tat ..." (epoch s, two per scope, after the claim: one reply element, not two per
 # scope, since each costs the client a parse), or {0, refusal, figures..., now, clocks...}
-# with requests tat, tokens tat and in flight per scope as checked. A run's first call adds
+# with requests tat, tokens tat and in flight per scope as checked (ARGV[16]'s scope first).
+# A run's first call adds
 # the run to store first (CREATE_RUN's nine arguments) after the scopes: {2, stored body} if
 # it exists (the caller goes on with the stored run without a look-up of its own).
 #
@@ -182,12 +186,12 @@ local p, team, period, amount, budget, ttl, rid, retention, run, max_turns, max_
   ARGV[12], ARGV[13]
 -- A run's first call: the run (CREATE_RUN's nine arguments after the scopes) is stored
 -- first, in this step.
-local at = 16 + tonumber(ARGV[15])
+local at = 17 + tonumber(ARGV[15])
 if #ARGV >= at + 8 and create(p, at) == 0 then return {2, redis.call('HGET', p .. 'run:' .. ARGV[at], 'body')} end
 local now = now_ms()
 reclaim(p, team, now, retention)
 local own, specs, with_own = 'team:' .. team, {}, false
-for i = 16, at - 1 do
+for i = 17, at - 1 do
   local window, rs, ts, mif, scope = string.match(ARGV[i], '^(%S+) (%S+) (%S+) (%S+) (.+)$')
   if rs == '-' then rs = '' end
   if ts == '-' then ts = '' end
@@ -204,6 +208,11 @@ elseif run_budget ~= '' and tonumber(f[4]) + f[6] + amount > tonumber(run_budget
 elseif budget ~= '' and tonumber(f[1]) + tonumber(f[2]) + amount > tonumber(budget) then refused = 'team_budget'
 end
 local tokens, nows, clocks, scopes = tonumber(ARGV[14]), now / 1000, {}, ''
+local own_mif, own_inflight = ARGV[16], 0
+if own_mif ~= '' then
+  own_inflight = redis.call('ZCARD', p .. 'held:' .. team)
+  if not refused and own_inflight >= tonumber(own_mif) then refused = 'rate_limit' end
+end
 for _, spec in ipairs(specs) do
   local scope, window, rs, ts, mif = spec[1], spec[2], spec[3], spec[4], spec[5]
   local c = {false, false}  -- a scope without clocks (max_in_flight alone) reads none
@@ -232,6 +241,11 @@ for _, spec in ipairs(specs) do
 end
 if refused then
   local out = {0, refused, f[1], f[2], f[3] or '0', f[4], f[5], string.format('%d', f[6]), string.format('%.6f', nows)}
+  if own_mif ~= '' then
+    out[#out + 1] = '0'
+    out[#out + 1] = '0'
+    out[#out + 1] = own_inflight
+  end
   for _, c in ipairs(clocks) do
     out[#out + 1] = string.format('%.6f', c[2])
     out[#out + 1] = string.format('%.6f', c[3])
