@@ -105,6 +105,9 @@ _ADMIT: Final = (
     " AND (:budget IS NULL OR (SELECT COALESCE(SUM(spent_micros), 0) FROM ledger WHERE team = :team AND period = :period)"
     "      + (SELECT COALESCE(SUM(amount_micros), 0) FROM reservations"
     f"         WHERE team = :team AND period = :period AND {_LIVE}) + :amount <= :budget)"
+    # The team's calls in flight when that is all its rate limits check (a call whose request
+    # and tokens were taken ahead): checked here, so that such a call shares this statement.
+    f" AND (:team_in_flight IS NULL OR {count_in_flight('team:', ':team')} < :team_in_flight)"
 )
 """Checks every condition of a `Claim` and holds it, in one statement (atomic on its own)."""
 _REVISION: Final = "(SELECT revision FROM runs WHERE id = :run)"
@@ -417,7 +420,7 @@ class SqliteStore:
         amount = to_micros(claim.amount_usd, "amount_usd")
         budget = optional_micros(claim.budget_usd, "budget_usd")
         run_budget = optional_micros(claim.run_budget_usd, "run_budget_usd")
-        sql, plan = self._admit_sql[claim.run_id is None], None
+        sql, plan, team_in_flight = self._admit_sql[claim.run_id is None], None, None
         missing: tuple[tuple[str], ...] = ()
         if claim.rates:
             plan = self._rate_plans.get(claim.rates)
@@ -425,10 +428,14 @@ class SqliteStore:
                 if len(self._rate_plans) >= MAX_RATE_PLANS:  # claims made up by hand, not from config
                     self._rate_plans.clear()
                 plan = self._rate_plans[claim.rates] = rate_plan(claim.rates, _ADMIT, _REVISION)
-            sql = plan.sql
+            if plan.own_team == claim.team:
+                team_in_flight = plan.own_in_flight  # the statement without rate limits checks it
+            else:
+                sql = plan.sql
             if not self._clock_rows.issuperset(plan.clocked):
                 missing = tuple((scope,) for scope in plan.clocked if scope not in self._clock_rows)
         ttl = check_ttl(claim.ttl_s, "ttl_s", allow_zero=True)
+        returning = claim.run_id is not None or (plan is not None and team_in_flight is None)
         granted: list[tuple[str, float]] = []
         create = None if claim.create is None else self._inserter(claim.create)
 
@@ -446,11 +453,10 @@ class SqliteStore:
             rid = new_reservation_id()
             args: tuple[Any, ...] = (rid, claim.team, claim.period, amount, now + ttl, claim.run_id, claim.owner,
                                      None if plan is None else plan.scopes, now, claim.max_turns,
-                                     claim.max_in_flight, run_budget, budget)  # ADMIT_ARGS
-            if plan is not None and plan.args is not None:
+                                     claim.max_in_flight, run_budget, budget, team_in_flight)  # ADMIT_ARGS
+            if plan is not None and plan.args is not None and team_in_flight is None:
                 args += (claim.tokens, *plan.args)
             cursor = db.execute(sql, args)
-            returning = plan is not None or claim.run_id is not None
             rows = cursor.fetchall() if returning else None  # all: it ends the statement (and its write)
             inserted = bool(rows) if rows is not None else cursor.rowcount == 1
             self._reclaim_due[claim.team] = min(due, now + ttl) if inserted else due

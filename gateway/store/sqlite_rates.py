@@ -29,7 +29,7 @@ _FITS: Final = " AND MAX({clock}, :now) + {cost} - :now <= :w{i} + " + repr(RATE
 
 
 ADMIT_ARGS: Final = ("id", "team", "period", "amount", "expires", "run", "owner", "scopes", "now", "max_turns",
-                     "max_in_flight", "run_budget", "budget")
+                     "max_in_flight", "run_budget", "budget", "team_in_flight")
 """The arguments of the admission statement without rate limits, in the order of its numbered
 parameters (?1, ?2, ...); a plan's statement takes the call's counted tokens next, then its
 own figures (`RatePlan.args`). A tuple binds faster than a dict of names, for which the
@@ -57,6 +57,11 @@ class RatePlan:
     statement takes neither."""
     clocked: tuple[str, ...]
     read_at: tuple[int | None, ...]
+    own_team: str | None = None
+    """When the plan's one scope is a team's calls in flight and nothing else (the claim of a
+    call whose request and tokens were taken ahead): that team. A claim of that team binds
+    `team_in_flight` of the admission without rate limits instead (`own_in_flight`)."""
+    own_in_flight: int | None = None
 
 
 def rate_plan(rates: Sequence[RateLimit], admit: str, revision: str) -> RatePlan:
@@ -103,8 +108,10 @@ def rate_plan(rates: Sequence[RateLimit], admit: str, revision: str) -> RatePlan
     # The driver wants as many arguments as the highest number: none past ADMIT_ARGS when the
     # statement uses none (scopes without any limit).
     args = tuple(params.values()) if params or ":tokens" in sql else None
+    own = rates[0] if len(rates) == 1 and not clocked and _team(rates[0].scope) else None
     return RatePlan(numbered(sql, (*ADMIT_ARGS, "tokens", *params)), scopes, args,
-                    tuple(r.scope for r in clocked), tuple(read_at))
+                    tuple(r.scope for r in clocked), tuple(read_at), None if own is None else own.scope[5:],
+                    None if own is None else own.max_in_flight)
 
 
 def _team(scope: str) -> bool:
