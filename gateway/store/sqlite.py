@@ -471,6 +471,8 @@ class SqliteStore:
             revision = None if row is None or claim.run_id is None else int(row[-1])  # RETURNING ends with it
             if plan is None:
                 return Grant(rid, run_revision=revision)
+            if team_in_flight is not None:  # one scope, no clocks
+                return Grant(rid, rates=(RateState(claim.rates[0].scope, now),), run_revision=revision)
             return Grant(rid, rates=spent(plan, claim.rates, row, now, claim.tokens), run_revision=revision)
 
         try:
