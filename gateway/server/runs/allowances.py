@@ -62,6 +62,8 @@ class Allowance:
     used_at: float = 0.0
     per_call: float = 0.0
     """Tokens a call of these scopes really uses, on average (0: none booked yet)."""
+    no_spare_until: float = 0.0
+    """The last clocks left too little room to take anything ahead: not asked again until then."""
     limits_requests: bool = False
     limits_tokens: bool = False
     clocked: bool = False
@@ -131,9 +133,11 @@ class Allowances:
     def take(self, rates: tuple[RateLimit, ...], tokens: int, now: float) -> Take | None:
         """The claim of one call of `rates` counted for `tokens`: from the allowance what it
         holds (while fresh), from the store the rest plus, far from the limits, some spare.
-        None when the scopes have no clocks (`max_in_flight` alone): nothing to take ahead."""
+        None when there is nothing to take ahead, and the call claims its limits as they are:
+        its scopes have no clocks (`max_in_flight` alone), or are near a limit and nothing is
+        held (until `no_spare_until`, when a claim through the allowance looks again)."""
         a = self._by_rates.get(rates) or self._allowance(rates)
-        if not a.clocked:
+        if not a.clocked or (now < a.no_spare_until and not a.requests and not a.tokens):
             return None
         fresh = bool(a.states) and now - a.taken_at < FRESH_S
         own_r = 1 if fresh and a.limits_requests and a.requests >= 1 else 0
@@ -145,11 +149,19 @@ class Allowances:
         a.used_at = now
         if not need_r and not need_t:
             return Take(a, a.checked, 0, own_r, own_t)
-        spare_r, spare_t = self._spare(a, tokens, now)
+        if now < a.no_spare_until:  # near a limit: the claims go one by one for a while
+            spare_r = spare_t = 0
+        else:
+            spare_r, spare_t = self._spare(a, tokens, now)
+            if not spare_r and not spare_t and a.states:
+                a.no_spare_until = now + FRESH_S
         a.asked_requests += spare_r
         a.asked_tokens += spare_t
         n_r = (0 if own_r else 1) + spare_r
-        claimed = tuple(self._spends(r, n_r) if r.requests_s is not None else r for r in rates)
+        if n_r == 1:  # one request, as without allowances: the limits as they are
+            claimed = rates
+        else:
+            claimed = tuple(self._spends(r, n_r) if r.requests_s is not None else r for r in rates)
         return Take(a, claimed, tokens - own_t + spare_t, own_r, own_t, spare_r, spare_t)
 
     def _spends(self, limit: RateLimit, requests: int) -> RateLimit:
@@ -168,12 +180,14 @@ class Allowances:
             return 0, 0
         requests = MAX_SPARE
         room_t: float = math.inf
-        for limit, state in zip(a.rates, a.clocks(now), strict=True):
+        for limit, state in zip(a.rates, a.states, strict=True):  # the clocks as if nothing were held
             if limit.requests_s is not None:
-                room = int(_room(state.requests_tat, now, limit.requests_s, limit.window_s))
+                room = int(_room(state.requests_tat - a.requests * limit.requests_s, now, limit.requests_s,
+                                 limit.window_s))
                 requests = min(requests, room // SHARE if room >= 2 * SHARE else 0)
             if limit.tokens_s is not None:
-                room_t = min(room_t, _room(state.tokens_tat, now, limit.tokens_s, limit.window_s) / SHARE)
+                room_t = min(room_t, _room(state.tokens_tat - a.tokens * limit.tokens_s, now, limit.tokens_s,
+                                           limit.window_s) / SHARE)
         spare_r = max(0, requests - a.requests - a.asked_requests) if a.limits_requests else 0
         spare_t = 0
         if a.limits_tokens:
