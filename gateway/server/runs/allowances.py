@@ -62,6 +62,8 @@ class Allowance:
     used_at: float = 0.0
     per_call: float = 0.0
     """Tokens a call of these scopes really uses, on average (0: none booked yet)."""
+    full: rate_limits.Pairs | None = None
+    """The headers of a full bucket (of one scope): the same whatever the time."""
     no_spare_until: float = 0.0
     """The last clocks left too little room to take anything ahead: not asked again until then."""
     limits_requests: bool = False
@@ -75,8 +77,13 @@ class Allowance:
         """The x-ratelimit-* headers of the clocks as if this process held nothing ahead."""
         if len(self.states) == 1:  # one scope (a team's limits alone): no clocks to make
             limit, state = self.rates[0], self.states[0]
-            return rate_limits.one_scope(limit, state.requests_tat - self.requests * (limit.requests_s or 0.0),
-                                         state.tokens_tat - self.tokens * (limit.tokens_s or 0.0), now)
+            requests_tat = state.requests_tat - self.requests * (limit.requests_s or 0.0)
+            tokens_tat = state.tokens_tat - self.tokens * (limit.tokens_s or 0.0)
+            if requests_tat <= now and tokens_tat <= now:  # a full bucket: the same headers whenever
+                if self.full is None:
+                    self.full = rate_limits.one_scope(limit, now, now, now)
+                return self.full
+            return rate_limits.one_scope(limit, requests_tat, tokens_tat, now)
         return rate_limits.pairs(self.rates, self.clocks(now))
 
     def clocks(self, now: float) -> tuple[RateState, ...]:
