@@ -159,25 +159,12 @@ def _one(limit: RateLimit, state: RateState) -> Pairs:
 
 
 def one_scope(limit: RateLimit, requests_tat: float, tokens_tat: float, now: float) -> Pairs:
-    """`pairs` of one scope's clocks, in one function: `_tighter`'s figures, inline (every
-    answer of a limited team pays for each call)."""
-    requests = tokens = None
-    per = limit.requests_s
-    if per is not None:
-        ahead = requests_tat - now
-        if ahead < 0.0:
-            ahead = 0.0
-        cap = limit.requests or 0
-        left = math.floor((limit.window_s + RATE_SLACK_S - ahead) / per)
-        requests = (cap, cap if left > cap else left if left > 0 else 0, math.ceil(ahead * 1000))
-    per = limit.tokens_s
-    if per is not None:
-        ahead = tokens_tat - now
-        if ahead < 0.0:
-            ahead = 0.0
-        cap = limit.tokens or 0
-        left = math.floor((limit.window_s + RATE_SLACK_S - ahead) / per)
-        tokens = (cap, cap if left > cap else left if left > 0 else 0, math.ceil(ahead * 1000))
+    """`pairs` of one scope's clocks, with no loop to set up (every answer of a limited team
+    that is not served a full bucket's headers makes these)."""
+    requests = None if limit.requests_s is None else _tighter(None, limit.requests or 0, limit.requests_s,
+                                                              requests_tat - now, limit.window_s)
+    tokens = None if limit.tokens_s is None else _tighter(None, limit.tokens or 0, limit.tokens_s,
+                                                          tokens_tat - now, limit.window_s)
     return _made(requests, tokens)
 
 
