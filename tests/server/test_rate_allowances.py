@@ -82,8 +82,10 @@ def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, An
 def start(folder: Path, upstream_url: str, store: dict[str, Any]) -> Proc:
     port = free_port()
     config = write_config(folder, port, upstream_url, store)
-    return start_gateway(["serve", "--config", str(config)], "/healthz", port, folder / "gateway.log",
-                         timeout=START_TIMEOUT_S)
+    # One process per replica, whatever GATEWAY_TEST_WORKERS says: each process holds its own
+    # allowance, and the headers test reads one process's view of the clocks.
+    return start_gateway(["serve", "--config", str(config), "--workers", "1"], "/healthz", port,
+                         folder / "gateway.log", timeout=START_TIMEOUT_S)
 
 
 class Clocks:
