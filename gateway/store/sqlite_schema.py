@@ -9,6 +9,7 @@ across every process that opens the same file.
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 from types import TracebackType
 from typing import Final
@@ -218,6 +219,22 @@ def migrate(conn: sqlite3.Connection, path: str) -> int:
     return target
 
 
+def _wal(conn: sqlite3.Connection) -> str:
+    """Switch the file to WAL journaling (kept in the file: a no-op once done); returns the mode.
+
+    Two processes opening a new file at once (replicas started together) both switch it, and
+    SQLite refuses the one that finds the other's lock at once, without the busy timeout
+    (about one start in five, with three): it is tried again for as long as that timeout."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            return str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)  # the other process holds the file for the few ms its switch takes
+
+
 def connect(path: str) -> sqlite3.Connection:
     """Open `path` in WAL mode with the durability and locking this store relies on."""
     if path == ":memory:" or path.startswith("file:"):
@@ -230,7 +247,7 @@ def connect(path: str) -> sqlite3.Connection:
     with Translate(path):
         conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
         try:
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            mode = _wal(conn)
             if str(mode).lower() != "wal":
                 raise StoreError(f"sqlite store {path}: cannot use WAL journaling here (got {mode!r})")
             conn.execute("PRAGMA synchronous = NORMAL")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import signal
 import sqlite3
 import statistics
@@ -10,6 +11,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -349,3 +351,32 @@ async def test_runs_stored_before_run_ids_were_per_team_are_found_under_their_te
         await store.save_run(run)  # and it is saved under its new id
     finally:
         await store.close()
+
+
+def _open_at_the_barrier(path: str, barrier: Any, out: Any) -> None:
+    from gateway.store.sqlite_schema import connect
+
+    barrier.wait()
+    try:
+        connect(path).close()
+        out.put("ok")
+    except StoreError as exc:
+        out.put(str(exc))
+
+
+def test_replicas_that_open_a_new_file_at_once_all_open(tmp_path: Path) -> None:
+    # Replicas started together all open the file that does not exist yet: each switches it to
+    # WAL, which SQLite refused at once (no busy timeout) to whoever found another's lock,
+    # and the gateway exited "database is locked" at start in about one process of five.
+    ctx = multiprocessing.get_context("fork")
+    results: list[str] = []
+    for round_ in range(6):
+        path = str(tmp_path / f"new-{round_}.db")
+        barrier, out = ctx.Barrier(6), ctx.Queue()
+        procs = [ctx.Process(target=_open_at_the_barrier, args=(path, barrier, out)) for _ in range(6)]
+        for proc in procs:
+            proc.start()
+        results += [out.get(timeout=60) for _ in procs]
+        for proc in procs:
+            proc.join(timeout=60)
+    assert results == ["ok"] * 36, [r for r in results if r != "ok"]
