@@ -107,6 +107,14 @@ class Clocks:
             client.close()
         return float(r or 0.0), float(t or 0.0)
 
+    async def after_call(self, session: aiohttp.ClientSession, proc: Proc, key: str, body: dict[str, Any],
+                         kind: int) -> float:
+        """One call of `body` (its model is the team's name), then that team's clock `kind`
+        (0: requests, 1: tokens)."""
+        status, _, reply = await chat(session, proc, key, body)
+        assert status == 200, reply
+        return self.read(body["model"])[kind]
+
     async def settled(self, team: str, kind: int, expected: float, deadline_s: float = 10 * FRESH_S) -> float:
         """The clock once it reads `expected` (what the replicas give back when idle), or its
         last reading when it has not by the deadline."""
@@ -148,9 +156,7 @@ async def test_what_a_replica_takes_ahead_is_spent_at_once_and_given_back_exactl
     a, b, clocks = replicas
     body = {"model": "ahead", "messages": TASK}
     per = 60 / REQUESTS_PER_MINUTE
-    status, _, _ = await chat(session, a, AHEAD, body)
-    assert status == 200
-    first = clocks.read("ahead")[0]  # one request from a fresh bucket: now + per
+    first = await clocks.after_call(session, a, AHEAD, body, 0)  # one request from a fresh bucket: now + per
     for i in range(19):
         status, _, reply = await chat(session, (b, a)[i % 2], AHEAD, body)
         assert status == 200, reply
@@ -166,9 +172,7 @@ async def test_a_small_limit_is_never_taken_ahead(replicas: tuple[Proc, Proc, Cl
     a, b, clocks = replicas
     body = {"model": "near", "messages": TASK}
     per = 60 / NEAR_PER_MINUTE
-    status, _, _ = await chat(session, a, NEAR, body)
-    assert status == 200
-    first = clocks.read("near")[0]
+    first = await clocks.after_call(session, a, NEAR, body, 0)
     for i in range(9):
         status, _, reply = await chat(session, (b, a)[i % 2], NEAR, body)
         assert status == 200, reply
@@ -181,9 +185,7 @@ async def test_tokens_beyond_those_counted_are_paid_from_the_allowance_and_book_
     a, b, clocks = replicas
     body = {"model": "ahead-tokens", "messages": TASK}
     per = 60 / TOKENS_PER_MINUTE
-    status, _, reply = await chat(session, a, TOKENS, body)
-    assert status == 200, reply
-    first = clocks.read("ahead-tokens")[1]  # the first call's tokens, reconciled at its booking
+    first = await clocks.after_call(session, a, TOKENS, body, 1)  # its tokens, reconciled at its booking
     billed = 0
     for i in range(11):
         status, _, reply = await chat(session, (a, b)[i % 2], TOKENS, body)
