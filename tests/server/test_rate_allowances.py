@@ -31,6 +31,7 @@ import pytest
 import redis
 import yaml
 
+from gateway.config.rates import key_scope
 from gateway.server.runs.allowances import FRESH_S, MAX_SPARE
 from tests.server.test_admission import (  # noqa: F401  (session, upstream: the fixtures of the admission tests)
     TASK,
@@ -45,6 +46,8 @@ from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-s
 from tests.support.procs import START_TIMEOUT_S, Proc, free_port, start_gateway
 
 AHEAD, TOKENS, STORM, WARM, NEAR = "sk-ahead", "sk-ahead-tokens", "sk-ahead-storm", "sk-warm", "sk-near"
+KEYED = "sk-ahead-keyed"
+"""A key with limits of its own (256 a minute) in a team with its own (512 a minute)."""
 REQUESTS_PER_MINUTE = 256
 """A request costs 234 ms of the clock: a replica takes 3 ahead (1/64 of the room)."""
 TOKENS_PER_MINUTE = 6_000
@@ -72,6 +75,8 @@ def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, An
              "rate_limits": {"requests_per_minute": STORM_PER_MINUTE}},
             {"name": "warm", "keys": [WARM], **team},
             {"name": "near", "keys": [NEAR], **team, "rate_limits": {"requests_per_minute": NEAR_PER_MINUTE}},
+            {"name": "keyed", "keys": [{"key": KEYED, "rate_limits": {"requests_per_minute": 256}}], **team,
+             "rate_limits": {"requests_per_minute": 512}},
         ],
     }
     path = folder / "config.yaml"
@@ -94,15 +99,19 @@ class Clocks:
     def __init__(self, store: dict[str, Any], folder: Path) -> None:
         self.store, self.folder = store, folder
 
-    def read(self, team: str) -> tuple[float, float]:
+    def read(self, team: str, scope: str | None = None) -> tuple[float, float]:
+        """The clocks of `team`'s own scope, or of `scope` (a key's)."""
         if self.store["kind"] == "sqlite":
             with sqlite3.connect(self.folder / "a" / "gateway.db") as db:
                 row = db.execute("SELECT requests_tat, tokens_tat FROM reservations WHERE id = ?",
-                                 ("team:" + team,)).fetchone()
+                                 (scope or "team:" + team,)).fetchone()
             return (float(row[0] or 0.0), float(row[1] or 0.0)) if row else (0.0, 0.0)
         client = redis.Redis.from_url(self.store["url"])
         try:
-            r, t = client.hmget(self.store["prefix"] + "ledger:" + team, "rate:r", "rate:t")
+            if scope is None:
+                r, t = client.hmget(self.store["prefix"] + "ledger:" + team, "rate:r", "rate:t")
+            else:
+                r, t = client.hmget(self.store["prefix"] + "rate:" + scope, "r", "t")
         finally:
             client.close()
         return float(r or 0.0), float(t or 0.0)
@@ -136,7 +145,7 @@ def replicas(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     else:
         url = request.getfixturevalue("redis_url")
         store = {"kind": "redis", "url": url, "prefix": f"ah-{uuid.uuid4().hex[:8]}:"}
-    for model in ("ahead", "ahead-tokens", "ahead-storm", "near"):
+    for model in ("ahead", "ahead-tokens", "ahead-storm", "near", "keyed"):
         upstream.delay_s[model] = 0.0  # calls far quicker than the clock moves per call
     with two_replicas(start, folder, upstream.url, store) as (a, b):
         # A first call costs a new process more than the clock moves: made on another team.
@@ -165,6 +174,28 @@ async def test_what_a_replica_takes_ahead_is_spent_at_once_and_given_back_exactl
     assert ahead >= first + 20 * per - 1e-5, (ahead - first) / per
     given_back = await clocks.settled("ahead", 0, first + 19 * per)
     assert abs(given_back - (first + 19 * per)) < 1e-5, ((given_back - first) / per, (ahead - first) / per)
+
+
+async def test_a_keys_and_its_teams_clocks_are_taken_ahead_together_and_given_back_exactly(
+        replicas: tuple[Proc, Proc, Clocks], session: aiohttp.ClientSession) -> None:
+    a, b, clocks = replicas
+    body = {"model": "keyed", "messages": TASK}
+    scope = key_scope(KEYED)
+    status, _, reply = await chat(session, a, KEYED, body)
+    assert status == 200, reply
+    team_first, key_first = clocks.read("keyed")[0], clocks.read("keyed", scope)[0]
+    for i in range(19):
+        status, _, reply = await chat(session, (b, a)[i % 2], KEYED, body)
+        assert status == 200, reply
+    team_per, key_per = 60 / 512, 60 / 256
+    # Both scopes' clocks took the same requests ahead (the key's room decides how many).
+    team_ahead = (clocks.read("keyed")[0] - team_first) / team_per
+    key_ahead = (clocks.read("keyed", scope)[0] - key_first) / key_per
+    assert team_ahead > 19.5 and abs(team_ahead - key_ahead) < 1e-3, (team_ahead, key_ahead)
+    team = await clocks.settled("keyed", 0, team_first + 19 * team_per)
+    key = clocks.read("keyed", scope)[0]
+    assert abs(team - (team_first + 19 * team_per)) < 1e-5, (team - team_first) / team_per
+    assert abs(key - (key_first + 19 * key_per)) < 1e-5, (key - key_first) / key_per
 
 
 async def test_a_small_limit_is_never_taken_ahead(replicas: tuple[Proc, Proc, Clocks],
