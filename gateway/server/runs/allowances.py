@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Final, NamedTuple
 
 from gateway.server.runs import rate_limits
-from gateway.store.base import RATE_SLACK_S, ClockPush, RateLimit, RateState, TokenCharge
+from gateway.store.base import ClockPush, RateLimit, RateState, TokenCharge
 
 SHARE: Final = 64
 """A process takes ahead at most 1/SHARE of a scope's room, and only when that is two
@@ -76,9 +76,8 @@ class Allowance:
     def shown(self, now: float) -> rate_limits.Pairs:
         """The x-ratelimit-* headers of the clocks as if this process held nothing ahead."""
         if len(self.states) == 1:  # one scope (a team's limits alone): no clocks to make
-            limit, state = self.rates[0], self.states[0]
-            requests_tat = state.requests_tat - self.requests * (limit.requests_s or 0.0)
-            tokens_tat = state.tokens_tat - self.tokens * (limit.tokens_s or 0.0)
+            limit = self.rates[0]
+            requests_tat, tokens_tat = self.unheld(limit, self.states[0])
             if requests_tat <= now and tokens_tat <= now:  # a full bucket: the same headers whenever
                 if self.full is None:
                     self.full = rate_limits.one_scope(limit, now, now, now)
@@ -88,11 +87,13 @@ class Allowance:
 
     def clocks(self, now: float) -> tuple[RateState, ...]:
         """The clocks as if this process held nothing ahead."""
-        out = []
-        for limit, state in zip(self.rates, self.states, strict=True):
-            out.append(RateState(state.scope, now, state.requests_tat - self.requests * (limit.requests_s or 0.0),
-                                 state.tokens_tat - self.tokens * (limit.tokens_s or 0.0)))
-        return tuple(out)
+        return tuple(RateState(state.scope, now, *self.unheld(limit, state))
+                     for limit, state in zip(self.rates, self.states, strict=True))
+
+    def unheld(self, limit: RateLimit, state: RateState) -> tuple[float, float]:
+        """A scope's (requests, tokens) clocks of `states` without what this process holds."""
+        return (state.requests_tat - self.requests * (limit.requests_s or 0.0),
+                state.tokens_tat - self.tokens * (limit.tokens_s or 0.0))
 
 
 class Take(NamedTuple):
@@ -187,14 +188,13 @@ class Allowances:
             return 0, 0
         requests = MAX_SPARE
         room_t: float = math.inf
-        for limit, state in zip(a.rates, a.states, strict=True):  # the clocks as if nothing were held
+        for limit, state in zip(a.rates, a.states, strict=True):
+            requests_tat, tokens_tat = a.unheld(limit, state)
             if limit.requests_s is not None:
-                room = int(_room(state.requests_tat - a.requests * limit.requests_s, now, limit.requests_s,
-                                 limit.window_s))
+                room = int(rate_limits.room(limit.requests_s, requests_tat - now, limit.window_s))
                 requests = min(requests, room // SHARE if room >= 2 * SHARE else 0)
             if limit.tokens_s is not None:
-                room_t = min(room_t, _room(state.tokens_tat - a.tokens * limit.tokens_s, now, limit.tokens_s,
-                                           limit.window_s) / SHARE)
+                room_t = min(room_t, rate_limits.room(limit.tokens_s, tokens_tat - now, limit.window_s) / SHARE)
         spare_r = max(0, requests - a.requests - a.asked_requests) if a.limits_requests else 0
         spare_t = 0
         if a.limits_tokens:
@@ -225,9 +225,8 @@ class Allowances:
         a = take.allowance
         a.requests += take.own_requests
         a.tokens += take.own_tokens
-        if not take.local:
-            a.asked_requests -= take.spare_requests
-            a.asked_tokens -= take.spare_tokens
+        a.asked_requests -= take.spare_requests
+        a.asked_tokens -= take.spare_tokens
 
     def plain(self, rates: tuple[RateLimit, ...], tokens: int) -> Take:
         """The claim of one call as without allowances (after a refusal of one with)."""
@@ -265,8 +264,3 @@ class Allowances:
                         out.append(ClockPush(limit.scope, requests_s, tokens_s))
                 a.requests = a.tokens = 0
         return out
-
-
-def _room(tat: float, now: float, per: float, window_s: float) -> float:
-    """Requests (or tokens) of `per` seconds each that fit on a clock at `tat`."""
-    return max(0.0, (window_s + RATE_SLACK_S - max(tat - now, 0.0)) / per)

@@ -116,13 +116,19 @@ Tightest = tuple[int, int, int]
 """A kind's figures on the answer: (limit, remaining, milliseconds until its bucket is full)."""
 
 
-def _tighter(best: Tightest | None, cap: int, per: float, ahead: float, window_s: float) -> Tightest:
-    """`best`, or the clock `ahead` of now (per call or token `per` seconds) if it leaves less."""
+def room(per: float, ahead: float, window_s: float) -> float:
+    """How many calls (or tokens) of `per` seconds each still fit on a clock `ahead` of now."""
     if ahead < 0.0:
         ahead = 0.0
-    left = math.floor((window_s + RATE_SLACK_S - ahead) / per)
-    left = cap if left > cap else left if left > 0 else 0
-    return (cap, left, math.ceil(ahead * 1000)) if best is None or left < best[1] else best
+    left = (window_s + RATE_SLACK_S - ahead) / per
+    return left if left > 0.0 else 0.0
+
+
+def _tighter(best: Tightest | None, cap: int, per: float, ahead: float, window_s: float) -> Tightest:
+    """`best`, or the clock `ahead` of now (per call or token `per` seconds) if it leaves less."""
+    left = math.floor(room(per, ahead, window_s))
+    left = cap if left > cap else left
+    return (cap, left, math.ceil(ahead * 1000) if ahead > 0.0 else 0) if best is None or left < best[1] else best
 
 
 def _shown(names: tuple[istr, istr, istr], figures: Tightest) -> tuple[tuple[str, str], ...]:
@@ -141,7 +147,7 @@ def pairs(rates: Sequence[RateLimit], states: Sequence[RateState]) -> Pairs:
     """`headers` as (name, value) pairs, in that order. Built for every answer of a limited
     team: one pass over the scopes for the figures, then their strings, made once (`_made`)."""
     if len(rates) == 1 and len(states) == 1:
-        return _one(rates[0], states[0])
+        return one_scope(rates[0], states[0].requests_tat, states[0].tokens_tat, states[0].now)
     requests: Tightest | None = None
     tokens: Tightest | None = None
     for limit, state in zip(rates, states, strict=True):
@@ -151,11 +157,6 @@ def pairs(rates: Sequence[RateLimit], states: Sequence[RateState]) -> Pairs:
         if limit.tokens_s is not None:
             tokens = _tighter(tokens, limit.tokens or 0, limit.tokens_s, state.tokens_tat - state.now, limit.window_s)
     return _made(requests, tokens)
-
-
-def _one(limit: RateLimit, state: RateState) -> Pairs:
-    """`pairs` of a call with one scope (a team's limits alone, the usual case)."""
-    return one_scope(limit, state.requests_tat, state.tokens_tat, state.now)
 
 
 def one_scope(limit: RateLimit, requests_tat: float, tokens_tat: float, now: float) -> Pairs:
