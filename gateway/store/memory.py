@@ -18,12 +18,12 @@ from gateway.store.base import (
     EXPIRED_RETENTION_S,
     Booking,
     Claim,
+    ClockPush,
     Event,
     Figures,
     Grant,
     Ledger,
     RateState,
-    ClockPush,
     TokenCharge,
     check_list_args,
     check_ttl,
@@ -302,10 +302,16 @@ class MemoryStore:
         return RateState(scope, now, clock[0], clock[1], in_flight)
 
     def _charge_tokens(self, tokens: Sequence[TokenCharge]) -> None:
+        self._push([ClockPush(c.scope, 0.0, c.tokens * c.tokens_s) for c in tokens])
+
+    def _push(self, pushes: Sequence[ClockPush]) -> None:
         now = time.time()
-        for charge in tokens:
-            clock = self._clocks.setdefault(charge.scope, [0.0, 0.0])
-            clock[1] = max(clock[1], now) + charge.tokens * charge.tokens_s
+        for push in pushes:
+            clock = self._clocks.setdefault(push.scope, [0.0, 0.0])
+            if push.requests_s:
+                clock[0] = max(clock[0], now) + push.requests_s
+            if push.tokens_s:
+                clock[1] = max(clock[1], now) + push.tokens_s
 
     async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
         self._check_open()
@@ -351,13 +357,7 @@ class MemoryStore:
 
     async def push_clocks(self, pushes: Sequence[ClockPush]) -> None:
         self._check_open()
-        now = time.time()
-        for push in pushes:
-            clock = self._clocks.setdefault(push.scope, [0.0, 0.0])
-            if push.requests_s:
-                clock[0] = max(clock[0], now) + push.requests_s
-            if push.tokens_s:
-                clock[1] = max(clock[1], now) + push.tokens_s
+        self._push(pushes)
 
     async def release(self, reservation_id: str) -> None:
         self._check_open()

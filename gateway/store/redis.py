@@ -42,6 +42,7 @@ from gateway.store.base import (
     PRUNE_BATCH,
     Booking,
     Claim,
+    ClockPush,
     Event,
     Figures,
     Grant,
@@ -49,7 +50,6 @@ from gateway.store.base import (
     RateLimit,
     RateState,
     Refusal,
-    ClockPush,
     TokenCharge,
     check_list_args,
     check_ttl,
@@ -554,13 +554,13 @@ def _clocks(claim: Claim, scopes: _Scopes, raw: list[Any]) -> tuple[RateState, .
     """The server's clock, then the scopes' clocks ADMIT returns (three values per scope, the
     own team scope of argument 16 first)."""
     now = float(_text(raw[0]))
-    order = [i for i in range(len(claim.rates)) if i == scopes.own] + [
-        i for i in range(len(claim.rates)) if i != scopes.own]
-    out: list[RateState | None] = [None] * len(claim.rates)
-    for at, i in enumerate(order):
-        out[i] = RateState(claim.rates[i].scope, now, float(_text(raw[3 * at + 1])), float(_text(raw[3 * at + 2])),
-                           int(raw[3 * at + 3]))
-    return tuple(s for s in out if s is not None)
+    own = scopes.own
+
+    def at(i: int) -> int:  # where the i-th scope's three values start
+        return 3 * (i if own is None else 0 if i == own else i + (i < own)) + 1
+
+    return tuple(RateState(r.scope, now, float(_text(raw[at(i)])), float(_text(raw[at(i) + 1])), int(raw[at(i) + 2]))
+                 for i, r in enumerate(claim.rates))
 
 
 def _text(value: Any) -> str:

@@ -31,13 +31,13 @@ from gateway.store.base import (
     PRUNE_BATCH,
     Booking,
     Claim,
+    ClockPush,
     Event,
     Figures,
     Grant,
     Ledger,
     RateLimit,
     RateState,
-    ClockPush,
     TokenCharge,
     check_list_args,
     check_ttl,
@@ -68,7 +68,15 @@ from gateway.store.sqlite_schema import (
     connect,
     migrate,
 )
-from gateway.store.sqlite_rates import ADMIT_ARGS, RatePlan, in_flight_arg, numbered, rate_plan, spent
+from gateway.store.sqlite_rates import (
+    ADMIT_ARGS,
+    RatePlan,
+    in_flight_arg,
+    numbered,
+    rate_plan,
+    spent,
+    team_in_flight,
+)
 from gateway.store.sqlite_rates import in_flight as count_in_flight
 from gateway.store.sqlite_wal import Checkpointer
 
@@ -107,7 +115,7 @@ _ADMIT: Final = (
     f"         WHERE team = :team AND period = :period AND {_LIVE}) + :amount <= :budget)"
     # The team's calls in flight when that is all its rate limits check (a call whose request
     # and tokens were taken ahead): checked here, so that such a call shares this statement.
-    f" AND (:team_in_flight IS NULL OR {count_in_flight('team:', ':team')} < :team_in_flight)"
+    f" AND (:team_in_flight IS NULL OR {team_in_flight(':team')} < :team_in_flight)"
 )
 """Checks every condition of a `Claim` and holds it, in one statement (atomic on its own)."""
 _REVISION: Final = "(SELECT revision FROM runs WHERE id = :run)"
@@ -118,12 +126,13 @@ _READ_CLOCK: Final = "SELECT requests_tat, tokens_tat FROM reservations WHERE id
 _CLOCK_ROW: Final = ("INSERT OR IGNORE INTO reservations (id, team, period, amount_micros, expires_at, state)"
                      " VALUES (?1, ?1, '', 0, 0, 'clock')")
 """A scope's clock row (sqlite_schema: a row of the reservations table, id = the scope)."""
-_CHARGE_TOKENS: Final = "UPDATE reservations SET tokens_tat = MAX(COALESCE(tokens_tat, 0), ?) + ? * ? WHERE id = ?"
 _PUSH_CLOCKS: Final = (
     "UPDATE reservations SET"
     " requests_tat = CASE WHEN ?2 = 0 THEN requests_tat ELSE MAX(COALESCE(requests_tat, 0), ?1) + ?2 END,"
     " tokens_tat = CASE WHEN ?3 = 0 THEN tokens_tat ELSE MAX(COALESCE(tokens_tat, 0), ?1) + ?3 END"
     " WHERE id = ?4 AND state = 'clock'")
+"""Moves a scope's clocks (`Store.push_clocks`, and a booking's token reconcile): ?1 now, ?2
+and ?3 the seconds to push each kind by (0: left as it is), ?4 the scope."""
 _FIGURES: Final = (
     "SELECT (SELECT COALESCE(SUM(spent_micros), 0) FROM ledger WHERE team = :team AND period = :period),"
     f" (SELECT COALESCE(SUM(amount_micros), 0) FROM reservations WHERE team = :team AND period = :period AND {_LIVE}),"
@@ -567,7 +576,7 @@ class SqliteStore:
             if tokens:  # the clock rows are on the page the DELETE wrote (sqlite_schema)
                 now = time.time()
                 for c in tokens:  # one or two: execute spares executemany's iterator
-                    db.execute(_CHARGE_TOKENS, (now, c.tokens, c.tokens_s, c.scope))
+                    db.execute(_PUSH_CLOCKS, (now, 0.0, c.tokens * c.tokens_s, c.scope))
 
     @staticmethod
     def _book(db: sqlite3.Connection, team: str, period: str, micros: int) -> None:

@@ -123,8 +123,13 @@ def in_flight(scope: str, param: str) -> str:
     (`in_flight_arg`): a team's are its held reservations (read in its index), a key's those
     whose `scopes` name it."""
     if _team(scope):
-        return f"(SELECT COUNT(*) FROM reservations WHERE team = {param} AND {LIVE})"
+        return team_in_flight(param)
     return f"(SELECT COUNT(*) FROM reservations WHERE instr(scopes, {param}) > 0 AND {LIVE})"
+
+
+def team_in_flight(param: str) -> str:
+    """The SQL that counts the calls in flight of the team named by `param`: its held reservations."""
+    return f"(SELECT COUNT(*) FROM reservations WHERE team = {param} AND {LIVE})"
 
 
 def in_flight_arg(scope: str) -> str:
