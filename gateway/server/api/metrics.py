@@ -18,6 +18,7 @@ from aiohttp.typedefs import Handler
 
 from gateway.server import context as ctx
 from gateway.server.http.errors import ApiError, Unauthorized, from_http_exception
+from gateway.server.http import request_headers
 
 METRICS_APP: web.AppKey[web.Application] = web.AppKey("metrics_main_app", web.Application)
 """In the separate listener's app: the gateway app whose metrics it serves."""
@@ -70,6 +71,7 @@ async def _separate_metrics(request: web.Request) -> web.Response:
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The separate listener answers its errors in the OpenAI shape too."""
     try:
+        request_headers.check(request.raw_headers)
         return await handler(request)
     except ApiError as exc:
         return exc.response()
