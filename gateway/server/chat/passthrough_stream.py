@@ -55,11 +55,13 @@ EventKind = Literal["chunk", "usage_only", "done", "error", "malformed", "other"
 
 
 class Reassembly:
-    """The reply rebuilt from chunk deltas (choice 0), its finish reason and usage."""
+    """The reply rebuilt from chunk deltas (choice 0), its finish reason and usage; of the
+    other choices (`n` > 1), only their text, to count what the upstream wrote."""
 
     def __init__(self) -> None:
         self.content: list[str] = []
         self.calls: dict[int, dict[str, Any]] = {}
+        self.other_text: dict[int, list[str]] = {}
         self.finish: str | None = None
         self.usage: Usage | None = None
         self.chunks = 0
@@ -88,9 +90,30 @@ class Reassembly:
             return "usage_only" if isinstance(usage, dict) else "other"
         self.chunks += 1
         for choice in choices if isinstance(choices, list) else ():
-            if isinstance(choice, dict) and choice.get("index", 0) == 0:
-                self._choice(choice)
+            if isinstance(choice, dict):
+                index = choice.get("index", 0)
+                if index == 0:
+                    self._choice(choice)
+                elif isinstance(index, int) and not isinstance(index, bool):
+                    self._other(index, choice)
         return "chunk"
+
+    def _other(self, index: int, choice: Mapping[str, Any]) -> None:
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            return
+        text = self.other_text.setdefault(index, [])
+        if isinstance(delta.get("content"), str):
+            text.append(delta["content"])
+        parts = delta.get("tool_calls")
+        for part in parts if isinstance(parts, list) else ():
+            function = part.get("function") if isinstance(part, dict) else None
+            if isinstance(function, dict):
+                text += [v for v in (function.get("name"), function.get("arguments")) if isinstance(v, str)]
+
+    def others(self) -> tuple[Message, ...]:
+        """The other choices' text, as messages to count."""
+        return tuple({"role": "assistant", "content": "".join(self.other_text[i])} for i in sorted(self.other_text))
 
     def _choice(self, choice: Mapping[str, Any]) -> None:
         # The chunk was forwarded as it came (the client judges it); only well-typed
@@ -261,4 +284,4 @@ async def _charge_received(request: web.Request, call: Call, adm: Admission, got
         await request.app[ctx.GOVERNOR].release(adm)
         return None
     return await book_turn(request, call, adm, reported=got.usage, message=got.message(), finish=finish,
-                           routed=routed, repairs=repairs)
+                           routed=routed, repairs=repairs, others=got.others())
