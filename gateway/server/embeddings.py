@@ -1,7 +1,9 @@
 """`POST /v1/embeddings`: forwarded to the model's upstream and paid from the budgets.
 
-The call is admitted by the governor like a server-side model call (`admit_call`: a hold on
-the team's budget for the input tokens at `price_in`, strict clamps when strict) and, with an `X-Run-Id`, against the run's budget; it is not a
+The call goes to the route's first deployment, asked for that deployment's `model` when it
+names one, at that deployment's `price_in`. It is admitted by the governor like a
+server-side model call (`admit_call`: a hold on the team's budget for the input tokens,
+strict clamps when strict) and, with an `X-Run-Id`, against the run's budget; it is not a
 turn (turn caps count model turns). The actual cost is booked on the team's ledger and,
 with a run, on the run (its cost and usage, an `embeddings` trace line) in one store step:
 the upstream's `usage.prompt_tokens`, checked by the rule every booking follows
@@ -94,7 +96,9 @@ async def create_embeddings(request: web.Request) -> web.Response:
     if route is None:
         raise NotFound(f"model '{model}' is not routed by this gateway (see GET /v1/models)", code="model_not_found",
                        param="model")
-    price = Price(route.price.input_per_million, 0.0)
+    deployment = route.plan.groups[0].deployments[0]
+    price = Price(deployment.price.input_per_million, 0.0)
+    sent = raw if deployment.model is None else orjson.dumps({**body, "model": deployment.model})
     call: Call | None = None
     if run_id_from(request.headers) is not None:
         chat = ChatRequest(raw, body, model, messages, None, False, False, None, "max_tokens")
@@ -108,8 +112,8 @@ async def create_embeddings(request: web.Request) -> web.Response:
         raise (await refuse(request, call, exc) if call is not None else exc) from None
     async with adm:
         keep_rate_clocks(request, adm.rate_headers)
-        upstream = app[ctx.UPSTREAMS][route.upstream]
-        reply = await upstream.embed(raw, upstream.headers(request.headers))
+        upstream = app[ctx.UPSTREAMS][deployment.upstream]
+        reply = await upstream.embed(sent, upstream.headers(request.headers))
         request[ctx.UPSTREAM_SECONDS] = reply.seconds
         metrics = app[ctx.METRICS]
         metrics.on_upstream(upstream.name, model, reply.seconds)

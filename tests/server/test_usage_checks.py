@@ -11,6 +11,7 @@ team's $0.05 budget is never locked out by the lie.
 And an upstream that ignores `max_tokens` (a strict run clamps it to 5; the upstream writes
 some 3,000 tokens and says so) is booked at what it wrote, the gateway's count of the
 reply, not at the 5 it was allowed: the money was spent upstream (docs/limits.md).
+Embeddings honour a route's `deployments[].model`: the upstream is asked for that name.
 """
 
 from __future__ import annotations
@@ -263,3 +264,11 @@ async def test_an_upstream_that_ignores_max_tokens_is_booked_for_what_it_wrote(g
     assert run.cost_usd == pytest.approx(PRICE.cost(Usage(run.usage.prompt_tokens, written)), abs=1e-9)
     assert not [e for e in trace(gateway, run_id, WIDE) if e["type"] == "usage_clamped"]  # it told the truth
 
+
+async def test_embeddings_ask_the_upstream_for_the_deployments_model(gateway: Proc,
+                                                                    upstream: tuple[str, list[str]]) -> None:
+    asked = upstream[1]
+    start = len(asked)
+    async with sdk(gateway) as client:
+        await client.embeddings.create(model="emb-alias", input="hello")
+    assert asked[start:] == ["emb-real"]
