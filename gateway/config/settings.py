@@ -278,6 +278,10 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(str(file), "", "file not found") from None
     except OSError as exc:
         raise ConfigError(str(file), "", f"cannot read the file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        bad = exc.object[exc.start:exc.start + 1]
+        raise ConfigError(str(file), "", f"not UTF-8 text (byte {exc.start} is {bad!r}): is it the config "
+                                         "file?") from None
     try:
         data = parse_yaml(text, lambda loader: loader.get_single_data())
     except yaml.YAMLError as exc:
