@@ -125,6 +125,8 @@ class StoreConfig:
     url: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
     timeout_s: float = DEFAULT_STORE_TIMEOUT_S
+    allow_eviction: bool = False
+    """Redis: start even when the server may evict keys (`maxmemory-policy` other than noeviction)."""
 
 
 @dataclass(frozen=True)
@@ -358,10 +360,11 @@ def _store(at: Field, base: Path) -> StoreConfig:
     if resolved is not None:
         options["path"] = resolved
     timeout = at.get("timeout_s").optional_number(DEFAULT_STORE_TIMEOUT_S, positive=True)
+    allow_eviction = at.get("allow_eviction").optional_bool(False)
     if kind == "redis":
         options["timeout_s"] = timeout
     return StoreConfig(kind=kind, path=resolved, url=at.get("url").optional_str_or_none(), options=options,
-                       timeout_s=timeout)
+                       timeout_s=timeout, allow_eviction=allow_eviction)
 
 
 def _optional_path(at: Field, base: Path) -> Path | None:

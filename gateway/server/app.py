@@ -54,6 +54,7 @@ from gateway.server.runs import rate_limits, retention, runtime
 from gateway.server.runs.booking import replay_spool
 from gateway.server.runs.governor import Governor
 from gateway.server.runs.run_cache import RunCache
+from gateway.server.store_check import check_store
 from gateway.store import Store, StoreConfigError, StoreError, open_store
 from gateway.store.spool import Spool
 from gateway.tokens import get_counter
@@ -117,6 +118,7 @@ def open_configured_store(config: Config) -> Store:
 async def _resources(app: web.Application) -> AsyncIterator[None]:
     config = app[ctx.CONFIG]
     store = app[ctx.STORE]
+    await check_store(store, config.store)  # before anything of it is used: a StartError ends the start
     session = new_session()
     app[ctx.SESSION] = session
     owner = process_owner(app.get(ctx.SELF_URL), app.get(ctx.WORKER))
