@@ -30,13 +30,8 @@ from gateway.server import context as ctx
 from gateway.server.chat import server_side
 from gateway.server.chat.answers import Answer
 from gateway.server.chat.passthrough import chat_body, complete_and_book, governed
-from gateway.server.chat.passthrough_stream import (
-    ChatOutlet,
-    EventKind,
-    Reassembly,
-    event_data,
-    stream_through,
-)
+from gateway.server.chat.passthrough_stream import stream_through
+from gateway.server.chat.stream_events import ChatOutlet, EventKind, Reassembly, event_data
 from gateway.server.http.chat_request import ChatRequest
 from gateway.server.http.errors import InvalidField, NotFound
 from gateway.server.http.headers import run_headers
