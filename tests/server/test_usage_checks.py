@@ -31,7 +31,7 @@ from gateway.harness.usage import Price, Usage
 from gateway.tokens import get_counter
 from tests.server.test_responses import load_run
 from tests.support.procs import ROOT, Proc, free_port, start_gateway
-from tests.support.upstreams import in_thread
+from tests.support.upstreams import in_thread, responses_stream
 
 KEY, WIDE = "sk-test", "sk-wide"
 PRICE = Price(2.0, 12.0)
@@ -83,18 +83,12 @@ async def responses(request: web.Request) -> web.StreamResponse:
              "output": [item], "usage": {"input_tokens": LIE, "output_tokens": 1, "total_tokens": LIE + 1}}
     if not body.get("stream"):
         return web.json_response(final)
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await response.prepare(request)
-    events = [{"type": "response.created", "response": {**final, "output": []}},
-              {"type": "response.output_item.added", "output_index": 0, "item": {**item, "content": []}},
-              {"type": "response.output_text.delta", "output_index": 0, "content_index": 0, "delta": "ok"},
-              {"type": "response.output_item.done", "output_index": 0, "item": item},
-              {"type": "response.completed", "response": final}]
-    for n, event in enumerate(events):
-        await response.write(b"event: " + event["type"].encode() + b"\ndata: "
-                             + orjson.dumps({**event, "sequence_number": n}) + b"\n\n")
-    await response.write_eof()
-    return response
+    return await responses_stream(request, [
+        {"type": "response.created", "response": {**final, "output": []}},
+        {"type": "response.output_item.added", "output_index": 0, "item": {**item, "content": []}},
+        {"type": "response.output_text.delta", "output_index": 0, "content_index": 0, "delta": "ok"},
+        {"type": "response.output_item.done", "output_index": 0, "item": item},
+        {"type": "response.completed", "response": final}])
 
 
 async def embeddings(request: web.Request) -> web.Response:

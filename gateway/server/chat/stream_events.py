@@ -36,19 +36,27 @@ class Reassembly:
         self.chunks = 0
         self.last: dict[str, Any] | None = None  # the chunk fed last (an outlet may translate it)
 
-    def feed(self, event: bytes) -> EventKind:
+    def decoded(self, event: bytes, done: bytes | None = None) -> dict[str, Any] | EventKind:
+        """An SSE event's JSON object (kept as `last`), or what else it is: no data (`other`),
+        the `done` marker, or data that is not a JSON object (`malformed`)."""
         data = event_data(event)
         if data is None:
             return "other"
-        if data == b"[DONE]":
+        if done is not None and data == done:
             return "done"
         try:
-            chunk = orjson.loads(data)
+            parsed = orjson.loads(data)
         except orjson.JSONDecodeError:
             return "malformed"
-        if not isinstance(chunk, dict):
+        if not isinstance(parsed, dict):
             return "malformed"
-        self.last = chunk
+        self.last = parsed
+        return parsed
+
+    def feed(self, event: bytes) -> EventKind:
+        chunk = self.decoded(event, b"[DONE]")
+        if not isinstance(chunk, dict):
+            return chunk
         if "error" in chunk and "choices" not in chunk:
             return "error"
         usage = chunk.get("usage")
