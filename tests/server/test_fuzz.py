@@ -351,6 +351,7 @@ ODD_BYTES = st.sampled_from([b"\xff", b"\x80", b"\xc3", b"\xc3\x28", b"\xed\xa0\
                              b"\x00", b"\x01", b"\x7f", b"\t", b"\r", "é".encode(), "é".encode("latin-1"), b"\xe2\x82",
                              "\u2028".encode(), b";", b"=", b","])
 NO_NEWLINE = st.binary(max_size=24).map(lambda b: b.replace(b"\n", b"").replace(b"\r", b""))
+SOME_BYTES = st.binary(min_size=1, max_size=4).map(lambda b: b.replace(b"\n", b""))
 UTF8 = st.text(max_size=6).map(lambda t: t.encode().replace(b"\n", b"").replace(b"\r", b""))
 """Valid UTF-8 of any character: passes the edge, so the handlers behind it read it."""
 
@@ -364,8 +365,7 @@ def header_value(draw: st.DrawFn, name: bytes) -> bytes:
     value = GOOD[name]
     for _ in range(draw(st.integers(1, 3))):
         at = draw(st.integers(0, len(value)))
-        value = value[:at] + draw(st.one_of(ODD_BYTES, UTF8, st.binary(min_size=1, max_size=4).filter(
-            lambda b: b"\n" not in b))) + value[at:]
+        value = value[:at] + draw(st.one_of(ODD_BYTES, UTF8, SOME_BYTES)) + value[at:]
     return value
 
 
@@ -381,11 +381,12 @@ def header_cases(draw: st.DrawFn, routes: list[Route]) -> tuple[Route, list[tupl
         headers[name] = draw(header_value(name))
     pairs = list(headers.items())
     if draw(st.integers(0, 19)) == 0:  # a header whose name is not a token
-        pairs.append((draw(st.binary(min_size=1, max_size=8).filter(lambda b: b"\n" not in b and b":" not in b)),
-                      b"x"))
+        name = draw(st.binary(min_size=1, max_size=8)).replace(b"\n", b"").replace(b":", b"")
+        pairs.append((name or b"\x80", b"x"))
     return route, pairs
 
 
+@pytest.mark.timeout(400)  # 2,000 requests: ~30 s alone, several times that beside the whole suite on 2 cores
 def test_fuzz_header_bytes(client: Client, runs: dict[str, str]) -> None:
     """Header values (and a few names) of every byte, on every route: no 5xx, every error in
     the OpenAI shape, and nothing but ordinary lines in the gateway's log."""
