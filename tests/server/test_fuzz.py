@@ -404,7 +404,7 @@ def test_fuzz_header_bytes(client: Client, runs: dict[str, str]) -> None:
     check()
     assert client.sent - sent >= HEADER_EXAMPLES
     got = {status: n - before.get(status, 0) for status, n in client.statuses.items()}
-    assert got.get(400, 0) > 200 and got.get(401, 0) > 100 and got.get(200, 0) > 100, got
+    assert got.get(400, 0) > 200 and got.get(401, 0) > 40 and got.get(200, 0) > 50, got  # edge and past it
     with client.log.open("rb") as log:
         log.seek(log_from)
         written = log.read().decode(errors="replace")
