@@ -125,6 +125,8 @@ class StoreConfig:
     url: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
     timeout_s: float = DEFAULT_STORE_TIMEOUT_S
+    allow_eviction: bool = False
+    """Redis: start even when the server may evict keys (`maxmemory-policy` other than noeviction)."""
 
 
 @dataclass(frozen=True)
@@ -278,6 +280,10 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(str(file), "", "file not found") from None
     except OSError as exc:
         raise ConfigError(str(file), "", f"cannot read the file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        bad = exc.object[exc.start:exc.start + 1]
+        raise ConfigError(str(file), "", f"not UTF-8 text (byte {exc.start} is {bad!r}): is it the config "
+                                         "file?") from None
     try:
         data = parse_yaml(text, lambda loader: loader.get_single_data())
     except yaml.YAMLError as exc:
@@ -354,10 +360,11 @@ def _store(at: Field, base: Path) -> StoreConfig:
     if resolved is not None:
         options["path"] = resolved
     timeout = at.get("timeout_s").optional_number(DEFAULT_STORE_TIMEOUT_S, positive=True)
+    allow_eviction = at.get("allow_eviction").optional_bool(False)
     if kind == "redis":
         options["timeout_s"] = timeout
     return StoreConfig(kind=kind, path=resolved, url=at.get("url").optional_str_or_none(), options=options,
-                       timeout_s=timeout)
+                       timeout_s=timeout, allow_eviction=allow_eviction)
 
 
 def _optional_path(at: Field, base: Path) -> Path | None:

@@ -54,6 +54,7 @@ from gateway.server.runs import rate_limits, retention, runtime
 from gateway.server.runs.booking import replay_spool
 from gateway.server.runs.governor import Governor
 from gateway.server.runs.run_cache import RunCache
+from gateway.server.store_check import check_store
 from gateway.store import Store, StoreConfigError, StoreError, open_store
 from gateway.store.spool import Spool
 from gateway.tokens import get_counter
@@ -87,6 +88,9 @@ def routed_models(config: Config) -> list[tuple[str, str]]:
 def load_policies(config: Config, mcp: McpHub | None = None) -> PolicyRegistry:
     """Load `policies_dir` (MCP tools discovered through `mcp`) and check every team's
     policies exist; ConfigError otherwise."""
+    if not config.policies_dir.is_dir():
+        problem = "is not a folder" if config.policies_dir.exists() else "does not exist"
+        raise ConfigError(str(config.path), "policies_dir", f"{config.policies_dir} {problem}")
     registry = PolicyRegistry(config.policies_dir, mcp)
     try:
         registry.load()
@@ -101,7 +105,8 @@ def load_policies(config: Config, mcp: McpHub | None = None) -> PolicyRegistry:
     return registry
 
 
-def _open_store(config: Config) -> Store:
+def open_configured_store(config: Config) -> Store:
+    """The config's store, opened; ConfigError (one line naming `store`) when it cannot be."""
     try:
         return open_store(config.store.options)
     except StoreConfigError as exc:  # its message starts with the field (store.url: ...)
@@ -113,6 +118,7 @@ def _open_store(config: Config) -> Store:
 async def _resources(app: web.Application) -> AsyncIterator[None]:
     config = app[ctx.CONFIG]
     store = app[ctx.STORE]
+    await check_store(store, config.store)  # before anything of it is used: a StartError ends the start
     session = new_session()
     app[ctx.SESSION] = session
     owner = process_owner(app.get(ctx.SELF_URL), app.get(ctx.WORKER))
@@ -198,7 +204,7 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
     app[ctx.KEYRING] = KeyRing(config.teams)
     app[ctx.METRICS] = Metrics((name for name, _ in routed_models(config)), config.upstreams,
                                ((w.name, sorted(w.events)) for w in config.webhooks))
-    app[ctx.STORE] = _open_store(config)
+    app[ctx.STORE] = open_configured_store(config)
     app[ctx.SPOOL] = Spool(config.spool_file)
     app[ctx.RUN_CACHE] = RunCache()
     if self_url is not None:

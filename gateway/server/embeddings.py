@@ -1,11 +1,15 @@
 """`POST /v1/embeddings`: forwarded to the model's upstream and paid from the budgets.
 
-The call is admitted by the governor like a server-side model call (`admit_call`: a hold on
-the team's budget for the input tokens at `price_in`, strict clamps when strict) and, with
-an `X-Run-Id`, against the run's budget; it is not a turn (turn caps count model turns).
-The actual cost (the upstream's `usage.prompt_tokens`, or the gateway's count) is booked on
-the team's ledger and, with a run, on the run (its cost and usage, an `embeddings` trace
-line) in one store step. The upstream's body goes back as it came (plus the `run` object).
+The call goes to the route's first deployment, asked for that deployment's `model` when it
+names one, at that deployment's `price_in`. It is admitted by the governor like a
+server-side model call (`admit_call`: a hold on the team's budget for the input tokens,
+strict clamps when strict) and, with an `X-Run-Id`, against the run's budget; it is not a
+turn (turn caps count model turns). The actual cost is booked on the team's ledger and,
+with a run, on the run (its cost and usage, an `embeddings` trace line) in one store step:
+the upstream's `usage.prompt_tokens`, checked by the rule every booking follows
+(`replies.checked_usage`: a count beyond belief is booked at the gateway's own, with a
+`usage_clamped` line and metric), or the gateway's count when it reports none. The
+upstream's body goes back as it came (plus the `run` object).
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from aiohttp import web
 
 from gateway.config.settings import TeamConfig
 from gateway.harness.state import Message, RunState
-from gateway.harness.trace import Tracer
-from gateway.harness.usage import Price, Usage
+from gateway.harness.trace import Tracer, usage_clamped
+from gateway.harness.usage import Price
 from gateway.server import context as ctx
 from gateway.server.http.chat_request import ChatRequest
 from gateway.server.http.errors import (
@@ -36,7 +40,7 @@ from gateway.server.runs.booking import append_trace_file, refuse
 from gateway.server.runs.governor import Admission, Ask
 from gateway.server.runs.keying import Call, commit_run, resolve_call, run_id_from
 from gateway.server.runs.rate_limits import keep as keep_rate_clocks
-from gateway.server.runs.replies import with_run
+from gateway.server.runs.replies import CheckedUsage, checked_usage, embeddings_usage_of, with_run
 from gateway.store.base import Event
 
 FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
@@ -92,7 +96,9 @@ async def create_embeddings(request: web.Request) -> web.Response:
     if route is None:
         raise NotFound(f"model '{model}' is not routed by this gateway (see GET /v1/models)", code="model_not_found",
                        param="model")
-    price = Price(route.price.input_per_million, 0.0)
+    deployment = route.plan.groups[0].deployments[0]
+    price = Price(deployment.price.input_per_million, 0.0)
+    sent = raw if deployment.model is None else orjson.dumps({**body, "model": deployment.model})
     call: Call | None = None
     if run_id_from(request.headers) is not None:
         chat = ChatRequest(raw, body, model, messages, None, False, False, None, "max_tokens")
@@ -106,21 +112,22 @@ async def create_embeddings(request: web.Request) -> web.Response:
         raise (await refuse(request, call, exc) if call is not None else exc) from None
     async with adm:
         keep_rate_clocks(request, adm.rate_headers)
-        upstream = app[ctx.UPSTREAMS][route.upstream]
-        reply = await upstream.embed(raw, upstream.headers(request.headers))
+        upstream = app[ctx.UPSTREAMS][deployment.upstream]
+        reply = await upstream.embed(sent, upstream.headers(request.headers))
         request[ctx.UPSTREAM_SECONDS] = reply.seconds
-        app[ctx.METRICS].on_upstream(upstream.name, model, reply.seconds)
-        usage = reply.data.get("usage")
-        prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-        if not isinstance(prompt, int) or prompt < 0:
-            prompt = token_count if token_count is not None else app[ctx.COUNTER].count_request(messages)
-        spent = Usage(prompt, 0)
+        metrics = app[ctx.METRICS]
+        metrics.on_upstream(upstream.name, model, reply.seconds)
+        checked = checked_usage(embeddings_usage_of(reply.data.get("usage")), counter=app[ctx.COUNTER],
+                                messages=messages, tools=None, replies=None, body_bytes=len(raw),
+                                allowed_completion=0, n=1, counted_prompt=token_count)
+        metrics.on_usage_clamped(upstream.name, checked.clamped)
+        spent = checked.usage
         cost = price.cost(spent)
-        app[ctx.METRICS].on_spend(team.name, model, spent, cost)
+        metrics.on_spend(team.name, model, spent, cost)
         if call is None:
             await governor.settle(adm, cost, spent.total_tokens)
             return web.Response(body=reply.raw, content_type="application/json")
-        run = await _book_on_run(app, call.run, adm, spent, cost, model)
+        run = await _book_on_run(app, call.run, adm, checked, cost, model, upstream.name)
         request[ctx.RUN] = run
         headers = run_headers(run, await governor.team_remaining(team))
         return web.Response(body=with_run(reply.raw, run.summary()), content_type="application/json", headers=headers)
@@ -140,16 +147,23 @@ async def _admit(app: web.Application, call: Call | None, team: TeamConfig, ask:
     return await governor.admit_call(run.run_id, team, strict, ask, left)
 
 
-async def _book_on_run(app: web.Application, run: RunState, adm: Admission, spent: Usage, cost: float,
-                       model: str) -> RunState:
-    """The cost on the run and the team's ledger, and the trace line, in one store step."""
+async def _book_on_run(app: web.Application, run: RunState, adm: Admission, checked: CheckedUsage, cost: float,
+                       model: str, upstream: str) -> RunState:
+    """The cost on the run and the team's ledger, and the trace lines, in one store step."""
+    spent = checked.usage
+
     def change(state: RunState) -> None:
         state.usage = state.usage + spent
         state.cost_usd += cost
 
     def trace(state: RunState) -> list[Event]:
-        return [Tracer(state.run_id)("embeddings", model=model, prompt_tokens=spent.prompt_tokens,
-                                     costUsd=round(state.cost_usd, 9))]
+        line = Tracer(state.run_id)
+        lines: list[Event] = []
+        if checked.reported is not None:
+            lines.append(line("usage_clamped", **usage_clamped(upstream, checked.reported, spent)))
+        lines.append(line("embeddings", model=model, prompt_tokens=spent.prompt_tokens,
+                          costUsd=round(state.cost_usd, 9)))
+        return lines
 
     governor = app[ctx.GOVERNOR]
     booking = governor.booking(adm, cost, spent.total_tokens)

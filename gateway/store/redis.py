@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 try:
@@ -154,6 +154,19 @@ class RedisStore:
         # deadline and no retries either (redis_wire); the client serves the other commands.
         self._lane = Lane(self._client.connection_pool, timeout_s)
         self.notice_rule: NoticeRule | None = None
+
+    async def server_settings(self, *names: str) -> dict[str, str] | None:
+        """The server's own settings of these names (CONFIG GET), or None when it refuses
+        CONFIG (managed Redis offerings often do); StoreError when it cannot be reached."""
+        client = self._redis()
+        found: dict[str, str] = {}
+        async with self._errors:
+            try:
+                for name in names:
+                    found.update({_text(k): _text(v) for k, v in (await client.config_get(name)).items()})
+            except ResponseError:  # unknown, renamed or forbidden command: not an outage
+                return None
+        return found
 
     def _redis(self) -> aioredis.Redis:
         if self._client is None:

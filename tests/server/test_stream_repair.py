@@ -17,7 +17,7 @@ from gateway.config.settings import UpstreamConfig
 from gateway.providers.repair import repair_completion, tool_schemas
 from gateway.providers.scripted import Ask, stream_chunks
 from gateway.providers.upstream import Upstream
-from gateway.server.chat.passthrough_stream import ChatOutlet, Reassembly
+from gateway.server.chat.stream_events import ChatOutlet, Reassembly
 from gateway.server.chat.stream_repair import StreamRepair
 from gateway.tools.catalog import FILE_TOOLS
 

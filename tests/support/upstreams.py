@@ -14,7 +14,9 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
+import orjson
 from aiohttp import web
 
 from tests.support.procs import free_port
@@ -32,6 +34,17 @@ def never_answering(seen: list[object], release: asyncio.Event) -> Handler:
         return web.Response(text="late")
 
     return hang
+
+
+async def responses_stream(request: web.Request, events: list[dict[str, Any]]) -> web.StreamResponse:
+    """A Responses-API upstream's stream: each event typed and numbered, as OpenAI sends them."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for n, event in enumerate(events):
+        await response.write(b"event: " + event["type"].encode() + b"\ndata: "
+                             + orjson.dumps({**event, "sequence_number": n}) + b"\n\n")
+    await response.write_eof()
+    return response
 
 
 def chat_app(handler: Handler) -> web.Application:

@@ -137,6 +137,6 @@ async def complete_and_book(request: web.Request, call: Call, adm: Admission, ro
     request[ctx.UPSTREAM_SECONDS] = reply.seconds
     request.app[ctx.METRICS].on_upstream(upstream.name, call.chat.model, reply.seconds)
     booked = await book_turn(request, call, adm, reported=parsed.usage, message=parsed.message,
-                             finish=parsed.finish_reason, routed=routed,
-                             repairs=reply.repairs)
+                             finish=parsed.finish_reason, routed=routed, repairs=reply.repairs,
+                             others=parsed.others)
     return reply, parsed, booked

@@ -30,13 +30,8 @@ from gateway.server import context as ctx
 from gateway.server.chat import server_side
 from gateway.server.chat.answers import Answer
 from gateway.server.chat.passthrough import chat_body, complete_and_book, governed
-from gateway.server.chat.passthrough_stream import (
-    ChatOutlet,
-    EventKind,
-    Reassembly,
-    event_data,
-    stream_through,
-)
+from gateway.server.chat.passthrough_stream import stream_through
+from gateway.server.chat.stream_events import ChatOutlet, EventKind, Reassembly
 from gateway.server.http.chat_request import ChatRequest
 from gateway.server.http.errors import InvalidField, NotFound
 from gateway.server.http.headers import run_headers
@@ -213,16 +208,9 @@ class NativeReassembly(Reassembly):
     """A native upstream's typed events read into the reply the run books (as chat chunks are)."""
 
     def feed(self, event: bytes) -> EventKind:
-        data = event_data(event)
-        if data is None:
-            return "other"
-        try:
-            parsed = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return "malformed"
+        parsed = self.decoded(event)
         if not isinstance(parsed, dict):
-            return "malformed"
-        self.last = parsed
+            return parsed
         kind = parsed.get("type")
         if kind == "response.output_text.delta":
             self.content.append(str(parsed.get("delta") or ""))

@@ -97,11 +97,9 @@ class UpstreamModel:
                 raise
             message = parsed.message
             checked = checked_usage(parsed.usage, counter=self.counter, messages=request.messages,
-                                    tools=request.tools or None, message=message,
-                                    body_bytes=len(sent[-1]),
+                                    tools=request.tools or None, replies=[message], body_bytes=len(sent[-1]),
                                     allowed_completion=adm.allowed_completion, n=1, counted_prompt=adm.prompt_tokens)
-            if checked.reported is not None:
-                self.metrics.on_usage_clamped(upstream.name, checked.clamped)
+            self.metrics.on_usage_clamped(upstream.name, checked.clamped)
             usage = checked.usage
             assert routed.answer is not None
             cost = routed.answer.price.cost(usage)
