@@ -303,7 +303,7 @@ class RunDriver:
     async def refresh_approvals(self, team: str) -> int:
         """Recount the team's runs waiting for a person (the gauge survives restarts this way)."""
         runs = await self.store.list_runs(team=team, status="interrupted", limit=10_000)
-        count = sum(1 for r in runs if r.interruption is not None and r.interruption.type == "approval")
+        count = sum(1 for r in runs if r.waits_for_decision)
         if self.metrics is not None:
             self.metrics.set_approvals_pending(team, count)
         return count

@@ -311,9 +311,15 @@
     const grid = el("div", { className: "grid card", id: "run-facts" },
       facts.map(([k, v]) => el("div", { dataset: { fact: k } }, el("span", { text: k }), el("b", { text: v }))));
     const error = run.error ? el("p", { className: "error", text: run.error }) : null;
-    const waiting = run.interruption && run.interruption.type === "approval"
-      ? el("p", {}, "Waits for a decision on ", el("code", { text: run.interruption.tool_name }), " — see the ",
-        el("a", { href: "#/inbox", text: "inbox" }), ".") : null;
+    const asked = run.interruption && run.interruption.type === "approval" ? run.interruption : null;
+    let waiting = null;
+    if (asked && asked.waiting_for === "decision") {
+      waiting = el("p", { id: "waiting" }, "Waits for a decision on ", el("code", { text: asked.tool_name }),
+        " — see the ", el("a", { href: "#/inbox", text: "inbox" }), ".");
+    } else if (asked) {
+      waiting = el("p", { id: "waiting" }, (asked.decision === "approve" ? "Approved: " : "Rejected: "),
+        el("code", { text: asked.tool_name }), "; waits to be resumed by its team.");
+    }
 
     const actions = el("div", { className: "actions card" });
     const cancel = el("button", { type: "button", id: "cancel", text: "Cancel run" });
