@@ -6,6 +6,7 @@ an `X-Run-Id`, against the run's budget; it is not a turn (turn caps count model
 The actual cost (the upstream's `usage.prompt_tokens`, or the gateway's count) is booked on
 the team's ledger and, with a run, on the run (its cost and usage, an `embeddings` trace
 line) in one store step. The upstream's body goes back as it came (plus the `run` object).
+A client that leaves before the answer stops the upstream call; its input, counted, is booked.
 """
 
 from __future__ import annotations
@@ -23,13 +24,16 @@ from gateway.harness.trace import Tracer
 from gateway.harness.usage import Price, Usage
 from gateway.server import context as ctx
 from gateway.server.http.chat_request import ChatRequest
+from gateway.providers.upstream import UpstreamReply
 from gateway.server.http.errors import (
+    ClientLeft,
     InvalidField,
     InvalidJSON,
     LimitExceeded,
     NotFound,
 )
 from gateway.server.http.headers import run_headers
+from gateway.server.http.leaving import upstream_wait
 from gateway.server.http.validation import kind as _kind
 from gateway.server.http.validation import read_body
 from gateway.server.runs.booking import append_trace_file, refuse
@@ -107,10 +111,16 @@ async def create_embeddings(request: web.Request) -> web.Response:
     async with adm:
         keep_rate_clocks(request, adm.rate_headers)
         upstream = app[ctx.UPSTREAMS][route.upstream]
-        reply = await upstream.embed(raw, upstream.headers(request.headers))
-        request[ctx.UPSTREAM_SECONDS] = reply.seconds
-        app[ctx.METRICS].on_upstream(upstream.name, model, reply.seconds)
-        usage = reply.data.get("usage")
+        reply: UpstreamReply | None = None
+        try:
+            with upstream_wait(request):
+                reply = await upstream.embed(raw, upstream.headers(request.headers))
+        except ClientLeft:  # the upstream call was stopped: its input was sent, so it is booked
+            pass
+        else:
+            request[ctx.UPSTREAM_SECONDS] = reply.seconds
+            app[ctx.METRICS].on_upstream(upstream.name, model, reply.seconds)
+        usage = reply.data.get("usage") if reply is not None else None
         prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         if not isinstance(prompt, int) or prompt < 0:
             prompt = token_count if token_count is not None else app[ctx.COUNTER].count_request(messages)
@@ -119,9 +129,14 @@ async def create_embeddings(request: web.Request) -> web.Response:
         app[ctx.METRICS].on_spend(team.name, model, spent, cost)
         if call is None:
             await governor.settle(adm, cost, spent.total_tokens)
+        else:
+            call.run = await _book_on_run(app, call.run, adm, spent, cost, model)
+            request[ctx.RUN] = call.run
+        if reply is None:
+            raise ClientLeft()
+        if call is None:
             return web.Response(body=reply.raw, content_type="application/json")
-        run = await _book_on_run(app, call.run, adm, spent, cost, model)
-        request[ctx.RUN] = run
+        run = call.run
         headers = run_headers(run, await governor.team_remaining(team))
         return web.Response(body=with_run(reply.raw, run.summary()), content_type="application/json", headers=headers)
 

@@ -10,7 +10,9 @@ the middleware.
 
 aiohttp has no option for the class of its per-connection `RequestHandler`, so
 `GatewayRunner` gives the `Server` it builds a subclass whose connections use
-`JsonErrorHandler`; `run(app, host, port)` is `web.run_app` with that runner.
+`JsonErrorHandler` (which also reports a lost connection to `leaving`, so a call waiting
+for its upstream stops when its client goes); `run(app, host, port)` is `web.run_app`
+with that runner.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from gateway.server.http.errors import ApiError, InternalError
+from gateway.server.http.leaving import client_left
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,14 @@ def parser_error(status: int, exc: BaseException | None) -> ApiError:
 
 
 class JsonErrorHandler(RequestHandler):
-    """aiohttp's connection handler, answering parser errors in the OpenAI error shape."""
+    """aiohttp's connection handler, answering parser errors in the OpenAI error shape, and
+    telling the request in progress when its client's connection is lost (`leaving`)."""
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        request = self._current_request
+        super().connection_lost(exc)
+        if request is not None:
+            client_left(request)
 
     def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
