@@ -245,9 +245,6 @@ class Metrics:
     def set_approvals_pending(self, team: str, count: int) -> None:
         self.approvals_pending.labels(team).set(count)
 
-    def approvals_pending_delta(self, team: str, delta: int) -> None:
-        self.approvals_pending.labels(team).inc(delta)
-
     def run_active(self, delta: int) -> None:
         self.runs_active.inc(delta)
 

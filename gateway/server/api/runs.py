@@ -227,7 +227,7 @@ async def post_approval(request: web.Request) -> web.Response:
         args=waiting.args if waiting else None, decision=decision.decision, reason=decision.reason,
         by=decision.by, expired=late)
     await writer.flush()
-    await app[ctx.DRIVER].refresh_approvals(run.team)
+    app[ctx.DRIVER].approvals_changed()
     after_decision(app[BACKGROUND], run, policy, resume_with(None, None, RESUMED_BY))
     return _json({"run": run_json(run), "decision": {"call_id": call_id, **decision.to_json(), "expired": late}},
                  run=run)
@@ -288,7 +288,7 @@ async def post_cancel(request: web.Request) -> web.Response:
                 finally:
                     await store.release_lease(run.run_id, driver.owner)
                 request[ctx.RUN] = run
-                await driver.refresh_approvals(run.team)
+                driver.approvals_changed()
                 return _json({"run": run_json(run), "cancel": "done"}, run=run)
     except RunBusy:  # a drive started here meanwhile: stop it
         driver.active.cancel(run.run_id, reason, team.name)

@@ -14,8 +14,8 @@ A `Sweeper` runs once when the gateway starts and then every `period_s` (half of
 - a run of an `approval: {on_decision: resume}` policy whose decided call was never
   driven (the deciding replica died) is resumed.
 - a run waiting for a decision past its policy's `approval.expires_after_s` gets the
-  expiry's rejection (as when someone decides late), traced `approval_expired`, and the
-  team's `gateway_approvals_pending` is recounted; under `on_decision: resume` the run
+  expiry's rejection (as when someone decides late), traced `approval_expired` (the
+  approvals gauge is recounted at the next scrape); under `on_decision: resume` the run
   then goes on (the model reads the rejection).
 
 Each change is made while holding the run's lease (and its `ActiveRuns` claim), and
@@ -210,5 +210,5 @@ class Sweeper:
                     await self.store.release_lease(run.run_id, driver.owner)
         except (RunBusy, StaleRun, ApprovalError):
             return
-        await driver.refresh_approvals(run.team)
+        driver.approvals_changed()
 
