@@ -15,18 +15,27 @@ pair), both scraped by one real Prometheus (the shipped scrape config, two targe
 from __future__ import annotations
 
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.metrics.prom import Prometheus, start_prometheus
+from gateway.store.periods import period_key
+from tests.metrics.dashboards import metric_names, panel_queries
+from tests.metrics.prom import JOB, Prometheus, start_prometheus
 from tests.server.served import OPS, chat_body, poll, request
 from tests.server.test_replicas import Pair, start_pair
 from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
 
+STORE_WIDE = frozenset({"gateway_team_spend_usd", "gateway_team_budget_remaining_usd", "gateway_approvals_pending",
+                        "gateway_webhook_outbox_depth"})
+"""Gauges every replica reads from the shared store (docs/metrics.md, Scope)."""
+SELECTOR = re.compile(r"\b(gateway_[a-z0-9_]+)\b(\{[^}]*\})?")
 
 
 @dataclass
@@ -97,3 +106,62 @@ async def test_every_replica_reports_the_approvals_pending_in_the_store(
     status, _, body = await request(session, "POST", f"{pair.a.url}/v1/runs/{run_id}/resume", body={})
     assert status == 200 and body["run"]["status"] == "completed", body
     await pending_on_both(session, pair, 0.0)  # before: B, where it paused, said 1 for ever
+
+
+def wait_both_scraped(prom: Prometheus, after: float) -> None:
+    """Until Prometheus holds a scrape of each replica that started after `after`."""
+    def probe() -> bool | None:
+        result = prom.query(f'timestamp(up{{job="{JOB}"}})')
+        if len(result) != 2 or any(float(r["value"][1]) <= after for r in result):
+            return None
+        assert all(float(r["value"][1]) > 0 for r in result)
+        return True
+    prom.wait_for("a scrape of both replicas", probe, timeout=60)
+
+
+def one_copy(expr: str) -> str:
+    """`expr` over the store-wide gauges with their replicas' copies merged into one."""
+    def merged(match: re.Match[str]) -> str:
+        name, matchers = match.group(1), match.group(2) or ""
+        return f"(max without (instance) ({name}{matchers}))" if name in STORE_WIDE else match.group(0)
+    return SELECTOR.sub(merged, expr)
+
+
+def by_labels(result: list[dict[str, Any]]) -> dict[tuple[tuple[str, str], ...], list[float]]:
+    out: dict[tuple[tuple[str, str], ...], list[float]] = {}
+    for series in result:
+        key = tuple(sorted((k, v) for k, v in series["metric"].items() if k not in ("instance", "job")))
+        out.setdefault(key, []).append(float(series["value"][1]))
+    return out
+
+
+async def test_dashboards_show_one_copy_of_each_store_wide_gauge(stack: Stack, session: aiohttp.ClientSession) -> None:
+    pair, prom = stack.pair, stack.prom
+    status, _, body = await request(session, "POST", f"{pair.a.url}/v1/chat/completions",
+                                    body=chat_body("scripted-plan"), headers={"X-Policy": "passthrough"})
+    assert status == 200, body
+    await pause(session, pair.b.url)  # one call waits: a figure a sum over replicas would double
+
+    store = pair.store()
+    try:
+        spent, _ = await store.team_spend("demo", period_key("month", datetime.now(UTC)))  # demo's default period
+    finally:
+        await store.close()
+    assert spent > 0
+    settled = time.time()
+    wait_both_scraped(prom, settled)
+
+    panels = [q for q in panel_queries() if metric_names(q.expr) and metric_names(q.expr) <= STORE_WIDE]
+    assert {q.panel for q in panels} >= {"Team spend vs remaining budget", "Team budget used", "Approvals pending"}
+    for q in panels:
+        shown = by_labels(prom.query(q.expr))
+        truth = by_labels(prom.query(one_copy(q.expr)))
+        doubled = {k: v for k, v in shown.items() if len(v) > 1}
+        assert not doubled, f"{q.name}: one series per replica: {doubled}\n{q.expr}"
+        assert shown == truth, f"{q.name} shows {shown}, one copy of each gauge gives {truth}\n{q.expr}"
+
+    [spend] = [q for q in panels if q.panel == "Team spend vs remaining budget" and "spend" in q.expr]
+    [demo] = [v for k, v in by_labels(prom.query(spend.expr)).items() if ("team", "demo") in k]
+    assert demo == [pytest.approx(spent)]
+    [approvals] = [q for q in panels if q.panel == "Approvals pending"]
+    assert [v for k, v in by_labels(prom.query(approvals.expr)).items() if ("team", "demo") in k] == [[1.0]]
