@@ -180,8 +180,9 @@
     clear(outcome);
     if (info.decision) {
       const verb = info.decision === "approve" ? "approved" : "rejected";
-      outcome.append(el("span", { className: "verdict " + info.decision, text: verb + " by " + info.by }),
-        info.reason ? el("span", { className: "meta", text: " — " + info.reason }) : null);
+      // a DOM append() writes null as the text "null": a decision without a reason adds nothing
+      outcome.append(el("span", { className: "verdict " + info.decision, text: verb + " by " + info.by }));
+      if (info.reason) outcome.append(el("span", { className: "meta", text: " — " + info.reason }));
     } else {
       outcome.append(el("span", { className: "verdict", text: "no longer waiting (run " + info.status + ")" }));
     }
