@@ -228,9 +228,9 @@ async def post_approval(request: web.Request) -> web.Response:
         by=decision.by, expired=late)
     await writer.flush()
     app[ctx.DRIVER].approvals_changed()
-    after_decision(app[BACKGROUND], run, policy, resume_with(None, None, RESUMED_BY))
-    return _json({"run": run_json(run), "decision": {"call_id": call_id, **decision.to_json(), "expired": late}},
-                 run=run)
+    resumes = after_decision(app[BACKGROUND], run, policy, resume_with(None, None, RESUMED_BY))
+    return _json({"run": run_json(run), "decision": {"call_id": call_id, **decision.to_json(), "expired": late},
+                  "run_resumes_on_decision": resumes}, run=run)
 
 
 async def post_resume(request: web.Request) -> web.StreamResponse:
