@@ -26,7 +26,7 @@ import aiohttp
 import pytest
 
 from gateway.store.periods import period_key
-from tests.metrics.dashboards import metric_names, panel_queries
+from tests.metrics.dashboards import load_dashboards, metric_names, panel_queries, substitute, variables
 from tests.metrics.prom import JOB, Prometheus, start_prometheus
 from tests.server.served import OPS, chat_body, poll, request
 from tests.server.test_replicas import Pair, start_pair
@@ -165,3 +165,35 @@ async def test_dashboards_show_one_copy_of_each_store_wide_gauge(stack: Stack, s
     assert demo == [pytest.approx(spent)]
     [approvals] = [q for q in panels if q.panel == "Approvals pending"]
     assert [v for k, v in by_labels(prom.query(approvals.expr)).items() if ("team", "demo") in k] == [[1.0]]
+
+
+QUIET_TEAM = {"team": "thrifty", "policy": "passthrough"}
+"""A team (with its one policy) no test of this module sends traffic for."""
+QUIET_POLICY = {"policy": "files_auto"}
+"""A server-side policy no test of this module runs (for panels filtered by policy only)."""
+COUNTER_PANELS = ("Stop reasons", "Stop reasons over time (runs per minute)", "Cost by team and model (USD per hour)",
+                  "Tokens by team, model and kind (per second)", "Turns by team, policy and model (per minute)",
+                  "Tool calls by outcome (per minute)", "Tool calls in range by outcome")
+
+
+def test_counter_panels_read_zero_before_any_traffic_of_theirs(stack: Stack) -> None:
+    """The counters' label sets the config knows are exported at 0 from the start, so a
+    panel of a quiet team or policy reads 0, not "No data" (before: absent until first
+    observed)."""
+    quiet = [q for q in panel_queries() if q.panel in COUNTER_PANELS]
+    assert {q.panel for q in quiet} == set(COUNTER_PANELS)
+    dashboards = load_dashboards()
+    for q in quiet:
+        [values] = [variables(d) for d in dashboards.values() if d["title"] == q.dashboard]
+        quiet_ones = QUIET_TEAM if "$team" in q.raw else QUIET_POLICY
+        expr = substitute(q.raw, {**values, **quiet_ones})
+
+        def zeros(expr: str = expr) -> list[float] | None:
+            found = [float(series["value"][1]) for series in stack.prom.query(expr)]
+            return found or None
+
+        try:
+            found = stack.prom.wait_for(f"{q.name} has data", zeros, timeout=30)
+        except TimeoutError:
+            raise AssertionError(f"{q.name}: no data for {quiet_ones}\n{expr}") from None
+        assert set(found) == {0.0}, (q.name, found)
