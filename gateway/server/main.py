@@ -50,6 +50,12 @@ def _self_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def _banner(config: Config, host: str, port: int, what: str) -> str:
+    """The line `serve` prints once it listens: where, on which config and store, the console."""
+    url = _self_url(host, port)
+    return f"gateway: {what} on {url} (config {config.path}, store {config.store.kind}); console at {url}/console/"
+
+
 def _release_previous_workers(config: Config, host: str, count: int) -> Callable[[int], None]:
     """For the supervisor: give back the reservations and leases the workers of this
     server's previous life held (each worker does it for its own index when it starts,
@@ -115,7 +121,8 @@ def serve_command(args: argparse.Namespace) -> int:
                                   f"--workers {workers} needs a store the workers share (sqlite or redis); the "
                                   "memory store lives in one process")
             argv = ["--config", str(args.config), "--loop", getattr(args, "loop", "auto")]
-            return supervise(argv, workers, host, port, _release_previous_workers(config, host, workers))
+            return supervise(argv, workers, host, port, _release_previous_workers(config, host, workers),
+                             lambda bound: _banner(config, host, bound, f"{workers} workers serving"))
         app = build_app(config, self_url=_self_url(host, port) if port else None, worker=worker,
                         scripted_key=shared_key() if worker is not None else None)
     except ConfigError as exc:
@@ -124,8 +131,7 @@ def serve_command(args: argparse.Namespace) -> int:
     app.cleanup_ctx.append(_reload_on_sighup)
     app.on_startup.append(_settle_heap)  # runs after the cleanup contexts have set up
     if worker is None:
-        print(f"gateway: serving on {_self_url(host, port)} (config {config.path}, store {config.store.kind}); "
-              f"console at {_self_url(host, port)}/console/", file=sys.stderr, flush=True)
+        print(_banner(config, host, port, "serving"), file=sys.stderr, flush=True)
     # web.run_app, with parser errors (oversized headers) in the OpenAI shape
     ready = signal_ready(getattr(args, "ready_fd", None), worker, read_at)
     run(app, host, port, reuse_port=worker is not None, ready=ready, loop=getattr(args, "loop", "auto"))
