@@ -15,9 +15,7 @@ Arming costs one entry in the request's dict: no task, no timer, no polling.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
+from types import TracebackType
 from typing import Final
 
 from aiohttp import web
@@ -25,14 +23,39 @@ from aiohttp import web
 from gateway.server.http.errors import ClientLeft
 
 
-@dataclass
-class _Watch:
-    task: asyncio.Task[object]
-    armed: bool = True
-    fired: bool = False
+class upstream_wait:  # noqa: N801  (used as a function: `with upstream_wait(request):`)
+    """Wait for an upstream inside this block: if the client leaves meanwhile, the await in
+    progress is cancelled and the block raises `ClientLeft` (a client gone before the
+    block is entered raises it at once). A class, not a generator: it is on every call."""
+
+    __slots__ = ("request", "task", "armed", "fired")
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.task: asyncio.Task[object] | None = None
+        self.armed = False
+        self.fired = False
+
+    def __enter__(self) -> None:
+        if gone(self.request):
+            raise ClientLeft()
+        self.task = asyncio.current_task()
+        self.armed = True
+        self.request[WATCH] = self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.armed = False
+        if not self.fired:
+            return
+        assert self.task is not None
+        if kind is not None and issubclass(kind, asyncio.CancelledError):
+            if self.task.uncancel() > 0:  # cancelled for another reason too (a shutdown): that one wins
+                return
+            raise ClientLeft() from None
+        self.task.uncancel()  # the awaited call swallowed the cancel and ended: take it back
 
 
-WATCH: Final = web.RequestKey("client_watch", _Watch)
+WATCH: Final = web.RequestKey("client_watch", upstream_wait)
 
 
 def gone(request: web.BaseRequest) -> bool:
@@ -41,37 +64,10 @@ def gone(request: web.BaseRequest) -> bool:
     return transport is None or transport.is_closing()
 
 
-@contextlib.contextmanager
-def upstream_wait(request: web.Request) -> Iterator[None]:
-    """Wait for an upstream inside this block: if the client leaves meanwhile, the await in
-    progress is cancelled and the block raises `ClientLeft` (a client gone before the
-    block is entered raises it at once)."""
-    if gone(request):
-        raise ClientLeft()
-    task = asyncio.current_task()
-    assert task is not None
-    watch = _Watch(task)
-    request[WATCH] = watch
-    taken = False  # the cancellation `client_left` asked for was taken back
-    try:
-        yield
-    except asyncio.CancelledError:
-        if not watch.fired:
-            raise
-        taken = True
-        if task.uncancel() > 0:  # cancelled for another reason too (a shutdown): that one wins
-            raise
-        raise ClientLeft() from None
-    finally:
-        watch.armed = False
-        if watch.fired and not taken:  # the awaited call swallowed the cancel and ended: take it back
-            task.uncancel()
-
-
 def client_left(request: web.BaseRequest) -> None:
     """The client's connection is lost: stop the upstream wait its handler is in, if any
     (called by the listener; a request in no such block is left alone)."""
     watch = request.get(WATCH)
-    if watch is not None and watch.armed and not watch.fired:
+    if watch is not None and watch.armed and not watch.fired and watch.task is not None:
         watch.fired = True
         watch.task.cancel("client left")
