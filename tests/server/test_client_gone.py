@@ -35,6 +35,7 @@ from gateway.harness.usage import Price, Usage
 from gateway.server.runs.replies import counted_usage
 from gateway.store.sqlite import SqliteStore
 from gateway.tokens import get_counter
+from tests.server.served import poll
 from tests.support.procs import ROOT, START_TIMEOUT_S, Proc, free_port, start_gateway
 from tests.support.upstreams import chat_app, in_thread
 
@@ -147,17 +148,6 @@ def headers(mode: str, run_id: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {KEYS[mode]}", "X-Run-Id": run_id}
 
 
-async def until(check: Any, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        await asyncio.sleep(0.02)
-
-
 async def leave(session: aiohttp.ClientSession, gw: Gateway, upstream: Holding, mode: str, run_id: str) -> None:
     """Send a call and leave: a non-streamed one once the upstream has it, a streamed one
     after its first chunk (the connection closes; nothing waits for an answer)."""
@@ -181,7 +171,7 @@ async def leave(session: aiohttp.ClientSession, gw: Gateway, upstream: Holding, 
     if stream:
         await asyncio.wait_for(got_first.wait(), ADMIT_WITHIN_S)
     else:
-        await until(lambda: _true(upstream.arrived[model] >= 1), ADMIT_WITHIN_S)
+        await poll(lambda: _true(upstream.arrived[model] >= 1), timeout=ADMIT_WITHIN_S)
     task.cancel()  # aiohttp closes the connection of a request it gives up
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -207,7 +197,7 @@ async def next_call_admitted(session: aiohttp.ClientSession, gw: Gateway, mode: 
         run: dict[str, Any] = body["run"]
         return run
 
-    found: dict[str, Any] = await until(attempt, ADMIT_WITHIN_S)
+    found: dict[str, Any] = await poll(attempt, timeout=ADMIT_WITHIN_S)
     return found
 
 
@@ -228,7 +218,7 @@ async def test_a_client_that_leaves_frees_its_slot_and_its_upstream_call(
     await leave(session, gateway, upstream, mode, run_id)
 
     next_run = await next_call_admitted(session, gateway, mode)  # before the fix: 429 until the upstream answers
-    await until(lambda: _true(upstream.closed[f"hang-{mode}"] == 1), ADMIT_WITHIN_S)
+    await poll(lambda: _true(upstream.closed[f"hang-{mode}"] == 1), timeout=ADMIT_WITHIN_S)
 
     run, spent, reserved = await stored(gateway, mode, run_id)
     message = {"role": "assistant", "content": FIRST_CHUNK if mode == "stream" else None}
