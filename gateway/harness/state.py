@@ -32,6 +32,10 @@ RESUMABLE: frozenset[Status] = frozenset({"running", "max_turns_exceeded", "budg
                                           "max_tool_calls_exceeded", "max_duration_exceeded", "interrupted"})
 InterruptionType = Literal["approval", "max_turns", "max_budget", "max_tool_calls", "max_duration", "cancelled",
                            "crashed", "rate_limited"]
+WaitingFor = Literal["decision", "resume"]
+"""What a stopped, resumable run waits for: a person's `decision` on the call it stopped
+at, or a `resume` (its owner's `POST /v1/runs/{id}/resume`, the client's next call, or,
+under `approval: {on_decision: resume}`, the gateway itself)."""
 
 class Message(TypedDict, total=False):
     """One chat message as the wire carries it (system, user, assistant or tool); checked at
@@ -156,6 +160,43 @@ class RunState:
         return self.status in RESUMABLE
 
     @property
+    def waits_for_decision(self) -> bool:
+        """Stopped on a call nobody has decided yet."""
+        i = self.interruption
+        return (self.status == "interrupted" and i is not None and i.type == "approval"
+                and i.call_id not in self.decisions)
+
+    @property
+    def decided(self) -> bool:
+        """Stopped on a call that a person (or the expiry) has decided since: it waits for a
+        resume. A decision never makes a run `running`; only a drive does, under the run's
+        lease, so a `running` server-side run is always one that a process drives (or that
+        waits for its client's tool results) and recovery may treat it so."""
+        i = self.interruption
+        return (self.status == "interrupted" and i is not None and i.type == "approval"
+                and i.call_id in self.decisions)
+
+    @property
+    def waiting_for(self) -> WaitingFor | None:
+        """What the run waits for before it goes on (None: it is running, or ended for good)."""
+        if self.status == "running" or not self.resumable:
+            return None
+        return "decision" if self.waits_for_decision else "resume"
+
+    def interruption_json(self) -> dict[str, Any] | None:
+        """`interruption` as the API shows it: what it waits for, and the verdict once decided."""
+        i = self.interruption
+        if i is None:
+            return None
+        out = i.to_json()
+        if i.type == "approval" and i.call_id in self.decisions:
+            out["decision"] = self.decisions[i.call_id].decision
+        waiting = self.waiting_for
+        if waiting is not None:
+            out["waiting_for"] = waiting
+        return out
+
+    @property
     def approved(self) -> list[str]:
         return [cid for cid, d in self.decisions.items() if d.decision == "approve"]
 
@@ -179,7 +220,7 @@ class RunState:
             "turns": self.turns,
             "cost_usd": round(self.cost_usd, 9),
             "usage": self.usage.to_json(),
-            "interruption": self.interruption.to_json() if self.interruption else None,
+            "interruption": self.interruption_json(),
         }
 
     def to_json(self) -> dict[str, Any]:

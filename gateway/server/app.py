@@ -47,7 +47,7 @@ from gateway.server.http.auth import KeyRing
 from gateway.server.http.errors import NotFound, StoreUnavailable
 from gateway.server.http.middleware import gateway_middleware
 from gateway.server.http.sse import STREAMS_END, end_streams
-from gateway.server.metrics import Metrics
+from gateway.server.metrics import KnownPolicy, Metrics
 from gateway.server.notify import delivery as notify_delivery
 from gateway.server.responses import endpoint as responses
 from gateway.server.runs import rate_limits, retention, runtime
@@ -82,6 +82,15 @@ def routed_models(config: Config) -> list[tuple[str, str]]:
             if name not in seen and config.route(name) is route:
                 seen.add(name)
                 out.append((name, route.upstream))
+    return out
+
+
+def known_policies(config: Config, registry: PolicyRegistry) -> dict[str, list[KnownPolicy]]:
+    """Team -> the policies it may use, as the metrics' zero series need them."""
+    out: dict[str, list[KnownPolicy]] = {}
+    for team in config.teams:
+        policies = [registry.get(name) for name in team.policies]
+        out[team.name] = [KnownPolicy(p.name, tuple(t.name for t in p.tools)) for p in policies if p is not None]
     return out
 
 
@@ -204,6 +213,7 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
     app[ctx.KEYRING] = KeyRing(config.teams)
     app[ctx.METRICS] = Metrics((name for name, _ in routed_models(config)), config.upstreams,
                                ((w.name, sorted(w.events)) for w in config.webhooks))
+    app[ctx.METRICS].start_at_zero(known_policies(config, app[ctx.POLICIES]))
     app[ctx.STORE] = open_configured_store(config)
     app[ctx.SPOOL] = Spool(config.spool_file)
     app[ctx.RUN_CACHE] = RunCache()

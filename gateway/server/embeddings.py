@@ -9,7 +9,8 @@ with a run, on the run (its cost and usage, an `embeddings` trace line) in one s
 the upstream's `usage.prompt_tokens`, checked by the rule every booking follows
 (`replies.checked_usage`: a count beyond belief is booked at the gateway's own, with a
 `usage_clamped` line and metric), or the gateway's count when it reports none. The
-upstream's body goes back as it came (plus the `run` object).
+upstream's body goes back as it came (plus the `run` object). A client that leaves before
+the answer stops the upstream call; its input, counted, is booked.
 """
 
 from __future__ import annotations
@@ -27,13 +28,16 @@ from gateway.harness.trace import Tracer, usage_clamped
 from gateway.harness.usage import Price
 from gateway.server import context as ctx
 from gateway.server.http.chat_request import ChatRequest
+from gateway.providers.upstream import UpstreamReply
 from gateway.server.http.errors import (
+    ClientLeft,
     InvalidField,
     InvalidJSON,
     LimitExceeded,
     NotFound,
 )
 from gateway.server.http.headers import run_headers
+from gateway.server.http.leaving import upstream_wait
 from gateway.server.http.validation import kind as _kind
 from gateway.server.http.validation import read_body
 from gateway.server.runs.booking import append_trace_file, refuse
@@ -113,11 +117,18 @@ async def create_embeddings(request: web.Request) -> web.Response:
     async with adm:
         keep_rate_clocks(request, adm.rate_headers)
         upstream = app[ctx.UPSTREAMS][deployment.upstream]
-        reply = await upstream.embed(sent, upstream.headers(request.headers))
-        request[ctx.UPSTREAM_SECONDS] = reply.seconds
+        reply: UpstreamReply | None = None
         metrics = app[ctx.METRICS]
-        metrics.on_upstream(upstream.name, model, reply.seconds)
-        checked = checked_usage(embeddings_usage_of(reply.data.get("usage")), counter=app[ctx.COUNTER],
+        try:
+            with upstream_wait(request):
+                reply = await upstream.embed(sent, upstream.headers(request.headers))
+        except ClientLeft:  # the upstream call was stopped: its input was sent, so it is booked
+            pass
+        else:
+            request[ctx.UPSTREAM_SECONDS] = reply.seconds
+            metrics.on_upstream(upstream.name, model, reply.seconds)
+        reported = embeddings_usage_of(reply.data.get("usage")) if reply is not None else None
+        checked = checked_usage(reported, counter=app[ctx.COUNTER],
                                 messages=messages, tools=None, replies=None, body_bytes=len(raw),
                                 allowed_completion=0, n=1, counted_prompt=token_count)
         metrics.on_usage_clamped(upstream.name, checked.clamped)
@@ -126,9 +137,14 @@ async def create_embeddings(request: web.Request) -> web.Response:
         metrics.on_spend(team.name, model, spent, cost)
         if call is None:
             await governor.settle(adm, cost, spent.total_tokens)
+        else:
+            call.run = await _book_on_run(app, call.run, adm, checked, cost, model, upstream.name)
+            request[ctx.RUN] = call.run
+        if reply is None:
+            raise ClientLeft()
+        if call is None:
             return web.Response(body=reply.raw, content_type="application/json")
-        run = await _book_on_run(app, call.run, adm, checked, cost, model, upstream.name)
-        request[ctx.RUN] = run
+        run = call.run
         headers = run_headers(run, await governor.team_remaining(team))
         return web.Response(body=with_run(reply.raw, run.summary()), content_type="application/json", headers=headers)
 

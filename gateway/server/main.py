@@ -50,6 +50,12 @@ def _self_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def _banner(config: Config, host: str, port: int, what: str) -> str:
+    """The line `serve` prints once it listens: where, on which config and store, the console."""
+    url = _self_url(host, port)
+    return f"gateway: {what} on {url} (config {config.path}, store {config.store.kind}); console at {url}/console/"
+
+
 def _release_previous_workers(config: Config, host: str, count: int) -> Callable[[int], None]:
     """For the supervisor: give back the reservations and leases the workers of this
     server's previous life held (each worker does it for its own index when it starts,
@@ -122,7 +128,8 @@ def serve_command(args: argparse.Namespace) -> int:
                                   "memory store lives in one process")
             argv = ["--config", str(args.config), "--loop", getattr(args, "loop", "auto")]
             return supervise(argv, workers, host, port, _release_previous_workers(config, host, workers),
-                             also_listen=config.metrics.listen)
+                             also_listen=config.metrics.listen,
+                             banner=lambda bound: _banner(config, host, bound, f"{workers} workers serving"))
         # The port first: nothing is opened, and no store state touched, for a gateway that cannot serve.
         sockets = listen_sockets(host, port, reuse_port=worker is not None)
         port = bound_port(sockets)
@@ -143,8 +150,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
     def ready() -> None:
         if worker is None:
-            print(f"gateway: serving on {_self_url(host, port)} (config {config.path}, store {config.store.kind}); "
-                  f"console at {_self_url(host, port)}/console/", file=sys.stderr, flush=True)
+            print(_banner(config, host, port, "serving"), file=sys.stderr, flush=True)
         if signal is not None:
             signal()
 

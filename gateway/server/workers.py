@@ -230,6 +230,8 @@ class Supervisor:
         self.selector = selectors.DefaultSelector()
         self.stopping = False
         self.exit_code = 0
+        self.banner = f"gateway: {count} workers serving on port {port}"
+        """Printed each time every worker serves (again)."""
 
     def _spawn(self, w: _Worker) -> None:
         read_fd, write_fd = os.pipe()
@@ -268,7 +270,7 @@ class Supervisor:
                 w.reload_due = False
                 w.popen.send_signal(signal.SIGHUP)
             if all(x.serving for x in self.workers):
-                print(f"gateway: {self.count} workers serving on port {self.port}", file=sys.stderr, flush=True)
+                print(self.banner, file=sys.stderr, flush=True)
 
     def _reap(self, w: _Worker) -> None:
         """A worker exited: restart it, or stop everything if it never served."""
@@ -386,10 +388,12 @@ class Supervisor:
 
 
 def supervise(argv: list[str], count: int, host: str, port: int,
-              before: Callable[[int], None] | None = None, also_listen: tuple[str, int] | None = None) -> int:
+              before: Callable[[int], None] | None = None, also_listen: tuple[str, int] | None = None,
+              banner: Callable[[int], str] | None = None) -> int:
     """Reserve the port (and `also_listen`, the metrics listener's address, which every
     worker listens on too), call `before(port)` (the port bound), run `count` workers until
-    stopped; the exit code. A port in use is one line and exit 2, before any worker starts."""
+    stopped; the exit code. A port in use is one line and exit 2, before any worker starts.
+    `banner(port)` is printed once every worker serves."""
     with contextlib.ExitStack() as held:
         try:
             holder = held.enter_context(reserve_port(host, port))
@@ -401,4 +405,7 @@ def supervise(argv: list[str], count: int, host: str, port: int,
         bound = int(holder.getsockname()[1])
         if before is not None:
             before(bound)
-        return Supervisor([*argv, "--host", host, "--port", str(bound)], count, host, bound).run()
+        supervisor = Supervisor([*argv, "--host", host, "--port", str(bound)], count, host, bound)
+        if banner is not None:
+            supervisor.banner = banner(bound)
+        return supervisor.run()

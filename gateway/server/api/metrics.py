@@ -47,7 +47,7 @@ def _authorize(app: web.Application, request: web.Request) -> None:
 async def _exposition(app: web.Application, request: web.Request) -> web.Response:
     """The metrics, in OpenMetrics (with run-id exemplars) for a scraper that asks for it
     (Prometheus does), else Prometheus text. Team ledger gauges are read at scrape time
-    (shared by replicas)."""
+    (shared by replicas), and so are the calls waiting for a decision (`PendingApprovals`)."""
     _authorize(app, request)
     registry = app[ctx.METRICS]
     governor = app[ctx.GOVERNOR]
@@ -55,6 +55,7 @@ async def _exposition(app: web.Application, request: web.Request) -> web.Respons
         spent, reserved = await app[ctx.STORE].team_spend(team.name, governor.period(team))
         remaining = None if team.budget_usd is None else team.budget_usd - spent - reserved
         registry.set_team_budget(team.name, spent, remaining)
+    await app[ctx.DRIVER].approvals.refresh()
     body, content_type = registry.exposition(request.headers.get("Accept"))
     return web.Response(body=body, headers={"Content-Type": content_type, "Vary": "Accept"})
 

@@ -227,10 +227,10 @@ async def post_approval(request: web.Request) -> web.Response:
         args=waiting.args if waiting else None, decision=decision.decision, reason=decision.reason,
         by=decision.by, expired=late)
     await writer.flush()
-    await app[ctx.DRIVER].refresh_approvals(run.team)
-    after_decision(app[BACKGROUND], run, policy, resume_with(None, None, RESUMED_BY))
-    return _json({"run": run_json(run), "decision": {"call_id": call_id, **decision.to_json(), "expired": late}},
-                 run=run)
+    app[ctx.DRIVER].approvals_changed()
+    resumes = after_decision(app[BACKGROUND], run, policy, resume_with(None, None, RESUMED_BY))
+    return _json({"run": run_json(run), "decision": {"call_id": call_id, **decision.to_json(), "expired": late},
+                  "run_resumes_on_decision": resumes}, run=run)
 
 
 async def post_resume(request: web.Request) -> web.StreamResponse:
@@ -276,7 +276,7 @@ async def post_cancel(request: web.Request) -> web.Response:
         await driver.active.wait_stopped(run.run_id, CANCEL_WAIT_S)
         run = await _reload(app, run)
         return _json({"run": run_json(run), "cancel": "done"}, run=run)
-    if run.status != "running" and _waiting_decision(run) is None:
+    if not _cancellable(run):
         raise Conflict(f"run {run.public_id} is not running (status {run.status}); nothing to cancel",
                        code="run_not_running")
     store = app[ctx.STORE]
@@ -288,7 +288,7 @@ async def post_cancel(request: web.Request) -> web.Response:
                 finally:
                     await store.release_lease(run.run_id, driver.owner)
                 request[ctx.RUN] = run
-                await driver.refresh_approvals(run.team)
+                driver.approvals_changed()
                 return _json({"run": run_json(run), "cancel": "done"}, run=run)
     except RunBusy:  # a drive started here meanwhile: stop it
         driver.active.cancel(run.run_id, reason, team.name)
@@ -325,19 +325,21 @@ async def _reload(app: web.Application, run: RunState) -> RunState:
 
 def _waiting_decision(run: RunState) -> Interruption | None:
     """The approval an interrupted run waits for, if it waits for one still undecided."""
-    waiting = run.interruption
-    if run.status == "interrupted" and waiting is not None and waiting.type == "approval" \
-            and waiting.call_id not in run.decisions:
-        return waiting
-    return None
+    return run.interruption if run.waits_for_decision else None
+
+
+def _cancellable(run: RunState) -> bool:
+    """Running, or stopped on a call (decided or not) that would let it go on."""
+    return run.status == "running" or run.waits_for_decision or run.decided
 
 
 async def _cancel_undriven(app: web.Application, run: RunState, reason: str, by: str) -> RunState:
-    """A run nobody drives: `running` (it waits for client tools, or its replica died) or
-    waiting for a decision. A pending approval is dropped: nobody can decide it any more,
-    and a later resume asks again (the call is still pending in the transcript)."""
+    """A run nobody drives: `running` (it waits for client tools, or its replica died),
+    waiting for a decision, or decided and waiting for its resume (the decision stays: a
+    later resume acts on it). A pending approval is dropped: nobody can decide it any
+    more, and a later resume asks again (the call is still pending in the transcript)."""
     store = app[ctx.STORE]
-    if run.status != "running" and _waiting_decision(run) is None:
+    if not _cancellable(run):
         raise Conflict(f"run {run.public_id} is not running (status {run.status}); nothing to cancel",
                        code="run_not_running")
     dropped = _waiting_decision(run)

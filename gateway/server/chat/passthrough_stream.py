@@ -8,8 +8,10 @@ with o200k_base. The turn is booked before `data: [DONE]`, preceded by an SSE co
 `: run {...}` with the run's figures (OpenAI clients skip comments).
 
 A stream the upstream cuts (or that stalls past the timeout) is charged for what was
-received and ends with an OpenAI-shaped `data: {"error": ...}` event, without [DONE]; a
-client that goes away is charged the same way. Nothing received: nothing is charged.
+received and ends with an OpenAI-shaped `data: {"error": ...}` event, without [DONE];
+nothing received: nothing is charged. A client that goes away stops the upstream call at
+once (`http.leaving`: its connection is closed, the admission's slot and reservation
+freed) and is charged the prompt its upstream was sent plus what was received.
 A turn the store cannot take once the stream is open is spooled (booked when the store is
 back) and the stream ends as usual; a refusal about the run itself (deleted, changed
 elsewhere) ends it with that error event instead of [DONE].
@@ -38,8 +40,9 @@ from gateway.providers.repair import Repair
 from gateway.server import context as ctx
 from gateway.server.chat.stream_events import ChatOutlet, Reassembly
 from gateway.server.chat.stream_repair import StreamRepair
-from gateway.server.http.errors import ApiError, from_store_error, upstream_failed
+from gateway.server.http.errors import ApiError, ClientLeft, from_store_error, upstream_failed
 from gateway.server.http.headers import run_headers
+from gateway.server.http.leaving import gone, upstream_wait
 from gateway.server.http.sse import SSE_HEADERS
 from gateway.server.runs.booking import Booked, book_turn
 from gateway.server.runs.forwarding import Body, open_stream
@@ -68,46 +71,52 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, route
     client_gone = False
     upstream_name = call.route.upstream
     try:
-        async with open_stream(routed, body, client_headers, path) as opened:
-            upstream_name = opened.answer.upstream.name
-            repair = StreamRepair.of(opened.answer.upstream, call.chat.tools, call.chat.n)
-            metrics.on_ttft(upstream_name, call.chat.model, time.perf_counter() - started)
-            start_headers = run_headers(call.run)
-            start_headers["X-Run-Status"] = "running"
-            response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **start_headers})
-            await response.prepare(request)
-            head = out.start()
-            if head:
-                await response.write(head)
-            async for event in opened.events():
-                kind = got.feed(event)
-                if kind == "done":
-                    break
-                if kind == "malformed":  # never passed on: the client's parser would choke on it
-                    failure = UpstreamError("upstream_malformed", f"upstream '{upstream_name}' sent a "
-                                            f"chunk that is not JSON: {event[:80]!r}", upstream_name, 200)
-                    opened.outcome = "malformed"
-                    break
-                data = repair.pass_on(kind, event, got, out) if repair is not None else out.event(kind, event, got.last)
-                try:
-                    if data:
-                        await response.write(data)
-                except (ConnectionError, RuntimeError):
-                    client_gone = True
-                    break
-                if kind == "error" and (repair is None or repair.parse_error is None):  # not dropped by the repair
-                    failure = UpstreamError("upstream_error", f"upstream '{upstream_name}' sent an error "
-                                            "in the stream", upstream_name, 200)
-                    opened.outcome = "malformed"
-                    break
+        with upstream_wait(request):
+            async with open_stream(routed, body, client_headers, path) as opened:
+                upstream_name = opened.answer.upstream.name
+                repair = StreamRepair.of(opened.answer.upstream, call.chat.tools, call.chat.n)
+                metrics.on_ttft(upstream_name, call.chat.model, time.perf_counter() - started)
+                start_headers = run_headers(call.run)
+                start_headers["X-Run-Status"] = "running"
+                response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **start_headers})
+                await response.prepare(request)
+                head = out.start()
+                if head:
+                    await response.write(head)
+                async for event in opened.events():
+                    kind = got.feed(event)
+                    if kind == "done":
+                        break
+                    if kind == "malformed":  # never passed on: the client's parser would choke on it
+                        failure = UpstreamError("upstream_malformed", f"upstream '{upstream_name}' sent a "
+                                                f"chunk that is not JSON: {event[:80]!r}", upstream_name, 200)
+                        opened.outcome = "malformed"
+                        break
+                    data = repair.pass_on(kind, event, got, out) if repair is not None else out.event(kind, event, got.last)
+                    try:
+                        if data:
+                            await response.write(data)
+                    except (ConnectionError, RuntimeError):
+                        client_gone = True
+                        break
+                    if kind == "error" and (repair is None or repair.parse_error is None):  # not dropped by the repair
+                        failure = UpstreamError("upstream_error", f"upstream '{upstream_name}' sent an error "
+                                                "in the stream", upstream_name, 200)
+                        opened.outcome = "malformed"
+                        break
+    except ClientLeft:  # the upstream call was stopped: book what it was sent and what came back
+        if response is None:
+            await charge_received(request, call, adm, got, "client_disconnected", routed, left=True)
+            raise
+        client_gone = True
     except UpstreamError as exc:
         if response is None:  # nothing sent yet: an ordinary error answer (the admission releases)
             raise
         failure = exc
-    except BaseException:  # cancelled: by a client that left (aiohttp may cancel the handler) or a shutdown
-        transport = request.transport
-        gone = transport is None or transport.is_closing()
-        await _charge_received(request, call, adm, got, "client_disconnected" if gone else "cancelled", routed)
+    except BaseException:  # cancelled: a shutdown
+        left = gone(request)
+        await charge_received(request, call, adm, got, "client_disconnected" if left else "cancelled", routed,
+                              left=left)
         raise
     seconds = time.perf_counter() - started
     request[ctx.UPSTREAM_SECONDS] = seconds
@@ -118,8 +127,8 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, route
     finish = got.finish or ("client_disconnected" if client_gone else "cut" if failure else "stop")
     unbooked: ApiError | None = None
     try:
-        booked = await _charge_received(request, call, adm, got, finish, routed,
-                                        repair.repairs if repair is not None else ())
+        booked = await charge_received(request, call, adm, got, finish, routed,
+                                       repair.repairs if repair is not None else (), left=client_gone)
     except StoreError as exc:  # the stream is open: it ends with the store's error, not a cut
         log.warning("run %s: the streamed turn could not be saved: %s", call.run.run_id, exc)
         booked, unbooked = None, from_store_error(exc)
@@ -143,10 +152,14 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, route
     return response
 
 
-async def _charge_received(request: web.Request, call: Call, adm: Admission, got: Reassembly,
-                           finish: str, routed: RoutedCall, repairs: Sequence[Repair] = ()) -> Booked | None:
-    """Book what was received as the turn (counted if the upstream gave no usage), or release."""
-    if got.chunks == 0 and got.usage is None:
+async def charge_received(request: web.Request, call: Call, adm: Admission, got: Reassembly,
+                          finish: str, routed: RoutedCall, repairs: Sequence[Repair] = (), *,
+                          left: bool = False) -> Booked | None:
+    """Book what was received as the turn (counted if the upstream gave no usage), or
+    release the call when nothing can be charged. A call whose client `left` while an
+    upstream had its request is charged at least that request's prompt (counted with
+    o200k_base), received or not: the upstream was sent it (docs/limits.md)."""
+    if got.chunks == 0 and got.usage is None and not (left and routed.sent_to is not None):
         await request.app[ctx.GOVERNOR].release(adm)
         return None
     return await book_turn(request, call, adm, reported=got.usage, message=got.message(), finish=finish,

@@ -14,6 +14,8 @@ Handlers raise; one middleware renders. The tree (HTTP status, `error.type`):
     ├── Conflict                     409 conflict_error (a run that cannot take calls now;
     │                                    x-should-retry: false, but true on run_busy)
     ├── PayloadTooLarge              413 invalid_request_error, code body_too_large
+    ├── ClientLeft                   499 client_closed_request, code client_disconnected (nginx's
+    │                                    499: the client closed its connection first; nobody reads it)
     ├── LimitExceeded                429 max_turns_exceeded | budget_exceeded | team_budget_exceeded
     │                                    | max_duration_exceeded
     │                                    (+ header x-should-retry: false, + top-level `run`)
@@ -171,6 +173,18 @@ class PayloadTooLarge(ApiError):
         got = f" ({size} bytes)" if size is not None else ""
         super().__init__(f"request body is too large{got}: the limit is {limit} bytes (server.max_body_bytes)",
                          code="body_too_large")
+
+
+class ClientLeft(ApiError):
+    """The client closed its connection while the call waited for its upstream
+    (`gateway.server.http.leaving`): the upstream call was stopped. Answered 499 for the
+    log and `gateway_requests_total`; nobody is there to read it."""
+
+    status = 499
+    type = "client_closed_request"
+
+    def __init__(self, message: str = "the client closed its connection before the answer") -> None:
+        super().__init__(message, code="client_disconnected")
 
 
 class LimitExceeded(ApiError):

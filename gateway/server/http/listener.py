@@ -10,7 +10,10 @@ the middleware.
 
 aiohttp has no option for the class of its per-connection `RequestHandler`, so
 `GatewayRunner` gives the `Server` it builds a subclass whose connections use
-`JsonErrorHandler`; `run(app, sockets)` is `web.run_app` with that runner.
+`JsonErrorHandler` (which also reports a lost connection to `leaving`, so a call waiting
+for its upstream stops when its client goes); `run(app, sockets)` is `web.run_app` with
+that runner, and says on stderr, once stopped, how long the graceful stop took and how
+many requests it let finish.
 
 The listening sockets are bound first (`listen_sockets`), before the app is built or
 started: a port in use is one line (`StartError`, exit 2) before anything else happens.
@@ -25,7 +28,10 @@ import asyncio
 import contextlib
 import errno
 import logging
+import os
 import socket
+import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -34,7 +40,9 @@ from aiohttp.http_exceptions import BadHttpMessage, LineTooLong, PayloadEncoding
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
+from gateway.config.settings import SCRIPTED_PREFIX
 from gateway.server.http.errors import ApiError, InternalError
+from gateway.server.http.leaving import client_left
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +123,24 @@ def bound_port(sockets: Sequence[socket.socket]) -> int:
 
 
 class JsonErrorHandler(RequestHandler):
-    """aiohttp's connection handler, answering parser errors in the OpenAI error shape."""
+    """aiohttp's connection handler, answering parser errors in the OpenAI error shape, and
+    telling the request in progress when its client's connection is lost (`leaving`)."""
+
+    @property
+    def handling(self) -> bool:
+        """A request of this connection is being answered."""
+        return self._current_request is not None
+
+    @property
+    def path(self) -> str:
+        """The path of the request being answered ("" when none is)."""
+        return self._current_request.path if self._current_request is not None else ""
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        request = self._current_request
+        super().connection_lost(exc)
+        if request is not None:
+            client_left(request)
 
     def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -150,16 +175,33 @@ class GatewayRunner(web.AppRunner):
 async def _serve(app: web.Application, sockets: Sequence[socket.socket],
                  ready: Callable[[], None] | None) -> None:
     runner = GatewayRunner(app, handle_signals=True, access_log=None)
+    serving = False
     try:
         await runner.setup()
         for sock in sockets:
             await web.SockSite(runner, sock).start()
+        serving = True
         if ready is not None:
             ready()
         while True:
             await asyncio.sleep(3600)
     finally:
+        busy = in_flight(runner)
+        started = time.monotonic()
         await runner.cleanup()
+        if serving:
+            print(f"gateway: stopped (pid {os.getpid()}) in {time.monotonic() - started:.1f} s, having drained "
+                  f"{busy} request{'' if busy == 1 else 's'} in flight", file=sys.stderr, flush=True)
+
+
+def in_flight(runner: web.AppRunner) -> int:
+    """Requests being answered by the runner's connections now (not those of the scripted
+    upstream's mount: it answers the gateway's own calls, already counted)."""
+    server = runner.server
+    if server is None:
+        return 0
+    return sum(1 for c in server.connections if isinstance(c, JsonErrorHandler) and c.handling
+               and not c.path.startswith(SCRIPTED_PREFIX))
 
 
 def new_loop(kind: LoopKind = "auto") -> asyncio.AbstractEventLoop:

@@ -149,7 +149,8 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
                     others: Sequence[Message] = ()) -> Booked:
     """Settle, save and trace one turn in one store step; returns the updated run.
 
-    The turn costs the price of the deployment that answered `routed` (else the route's),
+    The turn costs the price of the deployment that answered `routed` (or that had the
+    request when its client left; else the route's),
     and its trace carries the call's `upstream_attempt` lines.
 
     The usage booked is the upstream's `reported` one unless it is absent or beyond belief
@@ -165,7 +166,7 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
                             replies=[message, *others], body_bytes=len(chat.raw),
                             allowed_completion=adm.allowed_completion, n=chat.n, counted_prompt=adm.prompt_tokens)
     usage = checked.usage
-    answer = routed.answer if routed is not None else None
+    answer = routed.sent_to if routed is not None else None
     price, upstream = (answer.price, answer.upstream.name) if answer is not None else (call.route.price,
                                                                                           call.route.upstream)
     cost = price.cost(usage)

@@ -62,6 +62,7 @@ from gateway.server.http.errors import (
 )
 from gateway.server.metrics import Metrics
 from gateway.server.runs.cancels import ActiveRuns, RunBusy, watch_remote_cancel
+from gateway.server.runs.pending_approvals import PendingApprovals
 from gateway.server.runs.tracelog import Listener, TraceWriter
 from gateway.store.base import Event, Store
 from gateway.store.errors import StoreError
@@ -132,6 +133,7 @@ class RunDriver:
         self.cancel_poll_s = cancel_poll_s
         self.store_deadline_s = store_deadline_s
         self.active = ActiveRuns()
+        self.approvals = PendingApprovals(store, metrics)
 
     def policy_of(self, state: RunState) -> Policy:
         """The run's policy (`PolicyRegistry.for_run`); PolicyGone when none is loaded."""
@@ -170,7 +172,7 @@ class RunDriver:
             try:
                 drive = await self._drive(run_id, scope, writer, prepare, client, start)
                 if _waits_for_approval(drive.state) and drive.driven:
-                    await self.refresh_approvals(drive.state.team)
+                    self.approvals_changed()
                 return drive
             finally:
                 if self.metrics is not None:
@@ -300,13 +302,10 @@ class RunDriver:
         await checkpoint(state)
         return Outcome(state, "stopped")
 
-    async def refresh_approvals(self, team: str) -> int:
-        """Recount the team's runs waiting for a person (the gauge survives restarts this way)."""
-        runs = await self.store.list_runs(team=team, status="interrupted", limit=10_000)
-        count = sum(1 for r in runs if r.interruption is not None and r.interruption.type == "approval")
-        if self.metrics is not None:
-            self.metrics.set_approvals_pending(team, count)
-        return count
+    def approvals_changed(self) -> None:
+        """A call started or stopped waiting for a person here: `gateway_approvals_pending`
+        is recounted from the store at the next scrape (`PendingApprovals`)."""
+        self.approvals.changed()
 
 
 def _log_failure(task: asyncio.Future[None]) -> None:

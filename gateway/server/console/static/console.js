@@ -180,8 +180,9 @@
     clear(outcome);
     if (info.decision) {
       const verb = info.decision === "approve" ? "approved" : "rejected";
-      outcome.append(el("span", { className: "verdict " + info.decision, text: verb + " by " + info.by }),
-        info.reason ? el("span", { className: "meta", text: " — " + info.reason }) : null);
+      // a DOM append() writes null as the text "null": a decision without a reason adds nothing
+      outcome.append(el("span", { className: "verdict " + info.decision, text: verb + " by " + info.by }));
+      if (info.reason) outcome.append(el("span", { className: "meta", text: " — " + info.reason }));
     } else {
       outcome.append(el("span", { className: "verdict", text: "no longer waiting (run " + info.status + ")" }));
     }
@@ -311,9 +312,15 @@
     const grid = el("div", { className: "grid card", id: "run-facts" },
       facts.map(([k, v]) => el("div", { dataset: { fact: k } }, el("span", { text: k }), el("b", { text: v }))));
     const error = run.error ? el("p", { className: "error", text: run.error }) : null;
-    const waiting = run.interruption && run.interruption.type === "approval"
-      ? el("p", {}, "Waits for a decision on ", el("code", { text: run.interruption.tool_name }), " — see the ",
-        el("a", { href: "#/inbox", text: "inbox" }), ".") : null;
+    const asked = run.interruption && run.interruption.type === "approval" ? run.interruption : null;
+    let waiting = null;
+    if (asked && asked.waiting_for === "decision") {
+      waiting = el("p", { id: "waiting" }, "Waits for a decision on ", el("code", { text: asked.tool_name }),
+        " — see the ", el("a", { href: "#/inbox", text: "inbox" }), ".");
+    } else if (asked) {
+      waiting = el("p", { id: "waiting" }, (asked.decision === "approve" ? "Approved: " : "Rejected: "),
+        el("code", { text: asked.tool_name }), "; waits to be resumed by its team.");
+    }
 
     const actions = el("div", { className: "actions card" });
     const cancel = el("button", { type: "button", id: "cancel", text: "Cancel run" });
