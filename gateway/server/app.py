@@ -30,13 +30,14 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from gateway.config.settings import SCRIPTED_PREFIX, Config, ConfigError
+from gateway.config.upstreams import require_upstreams
 from gateway.config.webhooks import require_secrets
 from gateway.mcp.hub import McpHub
 from gateway.policy.errors import PolicySetError
 from gateway.policy.registry import PolicyRegistry
 from gateway.providers.scenarios import model_names
 from gateway.providers.scripted import scripted_app
-from gateway.providers.upstream import new_session
+from gateway.providers.transport import new_session
 from gateway.server import console, embeddings, mcp_servers, openapi
 from gateway.server import context as ctx
 from gateway.server.api import admin
@@ -136,6 +137,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await governor.give_back(0.0)  # what it took ahead of calls it will not serve
+        await app[ctx.UPSTREAMS].close()  # the sessions of upstreams with tls or a proxy
         await session.close()
         await store.close()
 
@@ -186,6 +188,7 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
     share one `scripted_key` (a call to the mount may land on any of them); else a random
     key of this process's own."""
     require_secrets(str(config.path), config.webhooks)  # before anything is opened
+    require_upstreams(str(config.path), config.upstreams)
     app = web.Application(middlewares=[gateway_middleware], client_max_size=config.server.max_body_bytes)
     app[ctx.CONFIG] = config
     app[ctx.MCP] = McpHub()

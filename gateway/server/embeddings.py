@@ -1,4 +1,7 @@
-"""`POST /v1/embeddings`: forwarded to the model's upstream and paid from the budgets.
+"""`POST /v1/embeddings`: routed like a chat call and paid from the budgets.
+
+The call goes over the model's route (`runs.forwarding.routed_call`): its deployments, the
+model name each is asked for (`deployments[].model`), retries and fallbacks, as for chat.
 
 The call is admitted by the governor like a server-side model call (`admit_call`: a hold on
 the team's budget for the input tokens at `price_in`, strict clamps when strict) and, with
@@ -10,6 +13,7 @@ line) in one store step. The upstream's body goes back as it came (plus the `run
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +25,8 @@ from gateway.config.settings import TeamConfig
 from gateway.harness.state import Message, RunState
 from gateway.harness.trace import Tracer
 from gateway.harness.usage import Price, Usage
+from gateway.providers.errors import UpstreamError
+from gateway.providers.upstream import Upstream, UpstreamReply
 from gateway.server import context as ctx
 from gateway.server.http.chat_request import ChatRequest
 from gateway.server.http.errors import (
@@ -33,6 +39,7 @@ from gateway.server.http.headers import run_headers
 from gateway.server.http.validation import kind as _kind
 from gateway.server.http.validation import read_body
 from gateway.server.runs.booking import append_trace_file, refuse
+from gateway.server.runs.forwarding import attempt_events, routed_call, trace_unbooked
 from gateway.server.runs.governor import Admission, Ask
 from gateway.server.runs.keying import Call, commit_run, resolve_call, run_id_from
 from gateway.server.runs.rate_limits import keep as keep_rate_clocks
@@ -106,8 +113,20 @@ async def create_embeddings(request: web.Request) -> web.Response:
         raise (await refuse(request, call, exc) if call is not None else exc) from None
     async with adm:
         keep_rate_clocks(request, adm.rate_headers)
-        upstream = app[ctx.UPSTREAMS][route.upstream]
-        reply = await upstream.embed(raw, upstream.headers(request.headers))
+        routed = routed_call(app, route, model)
+
+        async def send(upstream: Upstream, asked: str) -> UpstreamReply:
+            sent = raw if asked == model else orjson.dumps({**body, "model": asked})
+            return await upstream.embed(sent, upstream.headers(request.headers), asked)
+
+        try:
+            reply, answer = await routed.complete(send)
+        except UpstreamError:
+            if call is not None:
+                await asyncio.shield(trace_unbooked(app, routed, call.run.run_id))
+            raise
+        upstream = answer.upstream
+        price = Price(answer.price.input_per_million, 0.0)  # booked at the price of the deployment that answered
         request[ctx.UPSTREAM_SECONDS] = reply.seconds
         app[ctx.METRICS].on_upstream(upstream.name, model, reply.seconds)
         usage = reply.data.get("usage")
@@ -120,7 +139,8 @@ async def create_embeddings(request: web.Request) -> web.Response:
         if call is None:
             await governor.settle(adm, cost, spent.total_tokens)
             return web.Response(body=reply.raw, content_type="application/json")
-        run = await _book_on_run(app, call.run, adm, spent, cost, model)
+        routed.traced = True
+        run = await _book_on_run(app, call.run, adm, spent, cost, model, attempt_events(call.run.run_id, routed.attempts))
         request[ctx.RUN] = run
         headers = run_headers(run, await governor.team_remaining(team))
         return web.Response(body=with_run(reply.raw, run.summary()), content_type="application/json", headers=headers)
@@ -141,15 +161,16 @@ async def _admit(app: web.Application, call: Call | None, team: TeamConfig, ask:
 
 
 async def _book_on_run(app: web.Application, run: RunState, adm: Admission, spent: Usage, cost: float,
-                       model: str) -> RunState:
-    """The cost on the run and the team's ledger, and the trace line, in one store step."""
+                       model: str, attempts: list[Event]) -> RunState:
+    """The cost on the run and the team's ledger, and the trace lines (the call's upstream
+    attempts, then `embeddings`), in one store step."""
     def change(state: RunState) -> None:
         state.usage = state.usage + spent
         state.cost_usd += cost
 
     def trace(state: RunState) -> list[Event]:
-        return [Tracer(state.run_id)("embeddings", model=model, prompt_tokens=spent.prompt_tokens,
-                                     costUsd=round(state.cost_usd, 9))]
+        return [*attempts, Tracer(state.run_id)("embeddings", model=model, prompt_tokens=spent.prompt_tokens,
+                                                costUsd=round(state.cost_usd, 9))]
 
     governor = app[ctx.GOVERNOR]
     booking = governor.booking(adm, cost, spent.total_tokens)

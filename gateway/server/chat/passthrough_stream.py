@@ -32,6 +32,7 @@ from typing import Any, Literal
 import orjson
 from aiohttp import web
 
+from gateway.config.upstreams import Endpoint
 from gateway.harness.state import Message
 from gateway.harness.usage import Usage
 from gateway.providers.errors import UpstreamError
@@ -163,10 +164,10 @@ class ChatOutlet:
 
 async def stream_through(request: web.Request, call: Call, adm: Admission, routed: RoutedCall, body: Body,
                          client_headers: Mapping[str, str], outlet: ChatOutlet | None = None,
-                         got: Reassembly | None = None, path: str = "/chat/completions") -> web.StreamResponse:
+                         got: Reassembly | None = None, endpoint: Endpoint = "chat") -> web.StreamResponse:
     """Forward a streamed call; see the module docstring for what happens on failures.
-    `got` reads the upstream's events (a subclass reads another wire), `path` is where they
-    are asked for. The client's response starts with the upstream's first event: until
+    `got` reads the upstream's events (a subclass reads another wire), `endpoint` is the
+    upstream API they are asked of (chat, or responses for a native Responses upstream). The client's response starts with the upstream's first event: until
     then a failure is retried on the route (`RoutedCall.stream`), never after."""
     out = outlet or ChatOutlet(call.chat.include_usage)
     app = request.app
@@ -179,7 +180,7 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, route
     client_gone = False
     upstream_name = call.route.upstream
     try:
-        async with open_stream(routed, body, client_headers, path) as opened:
+        async with open_stream(routed, body, client_headers, endpoint) as opened:
             upstream_name = opened.answer.upstream.name
             repair = StreamRepair.of(opened.answer.upstream, call.chat.tools, call.chat.n)
             metrics.on_ttft(upstream_name, call.chat.model, time.perf_counter() - started)

@@ -284,7 +284,7 @@ async def _native(request: web.Request, call: Call, exchange: Exchange, adm: Adm
 
     if req.stream:
         return await stream_through(request, call, adm, routed, raw, request.headers,
-                                    NativeOutlet(request, call, exchange), NativeReassembly(), "/responses")
+                                    NativeOutlet(request, call, exchange), NativeReassembly(), "responses")
     reply, upstream = await respond(routed, raw, request.headers)
     request[ctx.UPSTREAM_SECONDS] = reply.seconds
     request.app[ctx.METRICS].on_upstream(upstream.name, call.chat.model, reply.seconds)
