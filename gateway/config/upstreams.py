@@ -14,6 +14,7 @@
         path: {chat: /chat/completions, embeddings: /embeddings, responses: /responses, models: /models}
         tls: {ca_file: ./certs/ca.pem, cert_file: ./certs/gw.pem, key_file: ./certs/gw.key}
         proxy: http://proxy.corp.example:3128    # else HTTPS_PROXY / HTTP_PROXY unless NO_PROXY; false: never
+        discover_models: true                    # GET /v1/models lists what it serves at {base_url}/models
 
 What reading the config cannot check without making `gateway trace` or `gateway prune`
 fail for an operator who may not read the gateway's key files (TLS files, variables marked
@@ -209,6 +210,7 @@ class UpstreamConfig:
     `proxy_from`); None: direct. May hold credentials: never logged."""
     proxy_from: str | None = None
     """Where `proxy` came from: "proxy" (the config) or the variable's name (HTTPS_PROXY, ...)."""
+    discover_models: bool = False
 
     def api_key(self) -> str | None:
         """Read at call time, so a missing variable fails the call, not the start."""
@@ -258,7 +260,7 @@ def require_upstreams(file: str, upstreams: Mapping[str, UpstreamConfig]) -> Non
 def _upstream(at: Field, base: Path) -> UpstreamConfig:
     at.keys_only({"name", "kind", "base_url", "api_key_env", "timeout_s", "api", "connect_timeout_s",
                   "first_byte_timeout_s", "tool_repair", "max_tokens", "auth", "headers", "query", "path",
-                  "api_version", "tls", "proxy"})
+                  "api_version", "tls", "proxy", "discover_models"})
     name = at.get("name").required().nonempty_str()
     kind: UpstreamKind = at.get("kind").choice(("scripted", "openai", "local", "azure"), "openai")
     local, azure = kind == "local", kind == "azure"
@@ -275,6 +277,11 @@ def _upstream(at: Field, base: Path) -> UpstreamConfig:
     elif not version_at.missing:
         version_at.fail(f"is for kind azure; for a {kind} upstream add it to query (query: {{api-version: ...}})")
     paths = _paths(at.get("path"), AZURE_PATHS if azure else Paths())
+    discover_at = at.get("discover_models")
+    discover = discover_at.optional_bool(False)
+    if discover and paths.models is None:
+        discover_at.fail("kind azure lists base models, not your deployments; set path.models if this upstream "
+                         "has a list of the names it serves")
     tls = _tls(at.get("tls"), base, base_url)
     proxy, proxy_from = _proxy(at.get("proxy"), base_url)
     return UpstreamConfig(
@@ -286,7 +293,7 @@ def _upstream(at: Field, base: Path) -> UpstreamConfig:
         tool_repair=at.get("tool_repair").optional_bool(local),
         max_tokens=_max_tokens(at.get("max_tokens"), LOCAL_MAX_TOKENS if local else None),
         auth=auth, headers=_headers(at.get("headers"), auth), query=query, paths=paths, tls=tls,
-        proxy=proxy, proxy_from=proxy_from,
+        proxy=proxy, proxy_from=proxy_from, discover_models=discover,
     )
 
 

@@ -58,6 +58,10 @@ upstream never sees them."""
 
 UNREACHABLE = (aiohttp.ClientConnectionError, aiohttp.ClientHttpProxyError)
 """Failures to reach the upstream at all (a proxy's refusal to open a tunnel is a response error)."""
+MAX_MODELS = 1000
+"""Model names taken from one upstream's list (`list_models`); the rest are left out."""
+MAX_MODELS_BYTES = 1 << 20
+"""The largest model list read from an upstream."""
 MAX_MODEL_NAME = 256
 MAX_ERROR_DETAIL = 8192
 """The most bytes of an upstream's `innererror` passed on with a content-filter refusal."""
@@ -374,6 +378,46 @@ class Upstream:
                 resp.release()  # fully read: the connection goes back to the pool
             else:
                 resp.close()  # abandoned mid-body: the connection cannot be reused
+
+    async def list_models(self, timeout_s: float) -> list[str]:
+        """The model names the upstream lists at its models path (`GET {base_url}/models`, the
+        OpenAI list shape), at most MAX_MODELS of them from at most MAX_MODELS_BYTES; an
+        UpstreamError when it cannot be asked or answers something else."""
+        url = self.url("models")
+        headers = self.headers()
+        del headers["Content-Type"]
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, self.config.connect_timeout_s))
+        try:
+            async with self._request("GET", url, headers=headers, timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise self._status_error(resp.status, await resp.content.read(4096))
+                if (resp.content_length or 0) > MAX_MODELS_BYTES:
+                    raise self._malformed(f"its model list is larger than {MAX_MODELS_BYTES} bytes")
+                raw = bytearray()
+                async for chunk in resp.content.iter_chunked(65536):
+                    raw += chunk
+                    if len(raw) > MAX_MODELS_BYTES:
+                        raise self._malformed(f"its model list is larger than {MAX_MODELS_BYTES} bytes")
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+            raise self.timeout("its model list", timeout_s) from None
+        except UNREACHABLE as exc:
+            raise self._unreachable(exc) from None
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise self._malformed("its model list is not JSON") from None
+        items = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(items, list):
+            raise self._malformed("its model list has no data array")
+        names: list[str] = []
+        for item in items:
+            name = item.get("id") if isinstance(item, dict) else None
+            if (isinstance(name, str) and 0 < len(name) <= MAX_MODEL_NAME and name.isprintable()
+                    and name not in names):
+                names.append(name)
+                if len(names) == MAX_MODELS:
+                    break
+        return names
 
     def parse(self, reply: UpstreamReply) -> ParsedReply:
         """Choice 0 of a reply, checked (`gateway.providers.reply`): 502 upstream_malformed

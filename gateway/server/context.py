@@ -16,6 +16,8 @@ from gateway.config.settings import SCRIPTED_PREFIX, Config, ModelRoute, Upstrea
 from gateway.harness.state import RunState
 from gateway.mcp.hub import McpHub
 from gateway.policy.registry import PolicyRegistry
+from gateway.providers.discovery import TIMEOUT_S as DISCOVERY_TIMEOUT_S
+from gateway.providers.discovery import ModelDiscovery
 from gateway.providers.failover import AttemptSink, RoutedCall
 from gateway.providers.routing import Router
 from gateway.providers.transport import Sessions
@@ -39,7 +41,7 @@ def uses_mount(upstream: UpstreamConfig) -> bool:
 
 
 class Upstreams:
-    """The configured upstreams by name, their sessions and the router; a
+    """The configured upstreams by name, their sessions, their model lists and the router; a
     `scripted` one is this server's own mount, whose address is known once the server
     listens (set by `serve`, or learnt from the first request).
 
@@ -59,9 +61,15 @@ class Upstreams:
             self._by_name[name] = Upstream(u, way.session, self._scripted_base,
                                            scripted_key if uses_mount(u) else None, way.proxy, way.proxy_headers)
         self.router = Router()  # every deployment's health in this process (cooldowns, calls in flight)
+        self.discovery = ModelDiscovery(self._list_models)
+
+    async def _list_models(self, name: str) -> list[str]:
+        upstream = self._by_name[name]
+        return await upstream.list_models(min(DISCOVERY_TIMEOUT_S, upstream.config.timeout_s))
 
     async def close(self) -> None:
         """Close what this set of upstreams opened (not the shared session)."""
+        await self.discovery.close()
         await self.sessions.close()
 
     def _scripted_base(self) -> str | None:

@@ -1,4 +1,4 @@
-"""`upstreams[]`'s auth, headers, query, path, kind azure, tls and proxy:
+"""`upstreams[]`'s auth, headers, query, path, kind azure, tls, proxy and discover_models:
 read as documented, every mistake one line naming the field (docs/config.md, docs/upstreams.md)."""
 
 from __future__ import annotations
@@ -44,13 +44,13 @@ def test_auth_kinds_headers_query_and_paths(tmp_path: Path) -> None:
                 "headers": {"OpenAI-Organization": "org-1", "X-Secret": {"env": "SECRET_VAR", "required": True}},
                 "query": {"tenant": "t1"}, "path": "/v2/{model}/chat"},
                {"name": "n", "base_url": "http://127.0.0.1:9/v1", "auth": {"kind": "none"},
-                "headers": {"Authorization": {"env": "BASIC_AUTH"}}}).upstreams
+                "headers": {"Authorization": {"env": "BASIC_AUTH"}}, "discover_models": True}).upstreams
     h, n = ups["h"], ups["n"]
     assert (h.auth, h.api_key_env) == (Auth("header", "X-Api-Key", required=True), "H_KEY")
     assert h.headers == (("OpenAI-Organization", "org-1"), ("X-Secret", EnvValue("SECRET_VAR", True)))
     assert "org-1" not in repr(h) and "SECRET_VAR" not in repr(h)  # config reprs never show header values
     assert h.query == (("tenant", "t1"),) and h.paths.chat == "/v2/{model}/chat"
-    assert h.paths.embeddings == "/embeddings" and n.auth.kind == "none"
+    assert h.paths.embeddings == "/embeddings" and n.discover_models and n.auth.kind == "none"
     assert n.headers == (("Authorization", EnvValue("BASIC_AUTH")),)
 
 
@@ -94,12 +94,15 @@ ERRORS = [
     (_upstream(proxy="socks5://p:1080"), "upstreams[1].proxy", "http:// or https:// proxy"),
     (_upstream(proxy="http://p:1080/path"), "upstreams[1].proxy", "without a path"),
     (_upstream(proxy="http://p:99999"), "upstreams[1].proxy", "valid port"),
+    (_upstream(discover_models="yes"), "upstreams[1].discover_models", "true or false"),
     (lambda d: d["upstreams"].append({**AZURE, "api_key_env": None}), "upstreams[1].api_key_env",
      "required for kind azure"),
     (lambda d: d["upstreams"].append({**AZURE, "base_url": "https://r.openai.azure.com/openai/"}),
      "upstreams[1].base_url", "without /openai"),
     (lambda d: d["upstreams"].append({**AZURE, "query": {"api-version": "x"}}), "upstreams[1].query",
      "give it there"),
+    (lambda d: d["upstreams"].append({**AZURE, "discover_models": True}), "upstreams[1].discover_models",
+     "not your deployments"),
     (lambda d: d["upstreams"].append({**AZURE, "api_version": None}) or d["upstreams"][-1].update(
         api_version=20241021), "upstreams[1].api_version", "quote it"),
     (lambda d: d["upstreams"][0].update(proxy="http://p:3128"), "upstreams[0].proxy", "needs a base_url"),
@@ -232,4 +235,4 @@ def test_the_shipped_config_s_commented_upstreams_are_valid_uncommented(tmp_path
     data["upstreams"] += examples
     config = load_config(write_config(tmp_path, data))
     assert config.upstreams["azure"].auth == Auth("header", "api-key")
-    assert config.upstreams["internal"].proxy is not None
+    assert config.upstreams["vllm"].discover_models and config.upstreams["internal"].proxy is not None
