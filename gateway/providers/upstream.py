@@ -24,7 +24,6 @@ import email.utils
 import errno
 import functools
 import os
-import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -121,8 +120,10 @@ def connection_problem(exc: BaseException) -> str:
         why = getattr(cert, "verify_message", None) or getattr(cert, "reason", None) or "not trusted"
         return (f"the TLS certificate of {exc.host}:{exc.port} is not trusted ({str(why).lower()}); "
                 "tls.ca_file names the CA that signed it")
-    if isinstance(exc, (aiohttp.ClientConnectorSSLError, aiohttp.ClientSSLError)) or _ssl_alert(exc):
-        return f"the TLS handshake failed ({_ssl_words(exc)}){_client_cert_hint(exc)}"
+    if isinstance(exc, aiohttp.ClientConnectorSSLError):
+        reason = getattr(exc.os_error, "reason", None) or "no reason given"
+        return (f"the TLS handshake with {exc.host}:{exc.port} failed ({str(reason).lower().replace('_', ' ')}); "
+                "is it an https:// server?")
     if isinstance(exc, aiohttp.ClientConnectorError):
         return f"cannot connect to {exc.host}:{exc.port}"
     if isinstance(exc, aiohttp.ServerDisconnectedError):
@@ -130,30 +131,6 @@ def connection_problem(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror.lower()
     return "the connection failed"
-
-
-def _ssl_alert(exc: BaseException) -> bool:
-    """An SSL error that surfaced after the handshake (TLS 1.3 sends a refused client
-    certificate's alert with the server's first data)."""
-    return any(isinstance(e, ssl.SSLError) for e in (exc, exc.__cause__, exc.__context__)) or (
-        isinstance(exc, OSError) and "[SSL" in str(exc.strerror or ""))
-
-
-def _ssl_words(exc: BaseException) -> str:
-    for e in (exc, exc.__cause__, exc.__context__):
-        if isinstance(e, ssl.SSLError) and e.reason:
-            return str(e.reason).lower().replace("_", " ")
-    text = str(getattr(exc, "strerror", "") or "")
-    if "[SSL: " in text:  # "[SSL: TLSV13_ALERT_CERTIFICATE_REQUIRED] tlsv13 alert ... (_ssl.c:2580)"
-        return text.partition("[SSL: ")[2].partition("]")[0].lower().replace("_", " ")
-    return "no details"
-
-
-def _client_cert_hint(exc: BaseException) -> str:
-    words = _ssl_words(exc)
-    if "certificate required" in words or "handshake failure" in words or "bad certificate" in words:
-        return "; the server may want a client certificate (tls.cert_file, tls.key_file)"
-    return ""
 
 
 def _dropped(exc: BaseException) -> bool:

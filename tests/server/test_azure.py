@@ -81,12 +81,18 @@ async def post(gateway: Proc, path: str, body: dict[str, Any], run_id: str) -> t
         return resp.status, dict(resp.headers), await resp.read()
 
 
+async def ask(gateway: Proc, model: str, content: str, run_id: str,
+              **extra: Any) -> tuple[int, dict[str, str], bytes]:
+    """POST one user message as a chat completion."""
+    return await post(gateway, "/v1/chat/completions",
+                      {"model": model, "messages": [{"role": "user", "content": content}], **extra}, run_id)
+
+
 async def test_chat_goes_to_the_deployment_with_key_and_version_and_azure_fields_pass_unchanged(
         gateway: Proc, fake: tuple[azure.FakeAzure, str]) -> None:
     resource, _ = fake
     before = len(resource.calls)
-    status, headers, raw = await post(gateway, "/v1/chat/completions",
-                                      {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, "az-plain")
+    status, headers, raw = await ask(gateway, "gpt-4o", "hi", "az-plain")
     assert status == 200, raw
     body = orjson.loads(raw)
     assert body["choices"][0]["message"]["content"] == "Hello from gpt4o-prod."
@@ -102,9 +108,7 @@ async def test_a_stream_passes_azure_s_choiceless_first_chunk_and_filter_results
         gateway: Proc, fake: tuple[azure.FakeAzure, str]) -> None:
     resource, _ = fake
     before = len(resource.calls)
-    status, _, raw = await post(gateway, "/v1/chat/completions",
-                                {"model": "gpt4o-prod", "stream": True,
-                                 "messages": [{"role": "user", "content": "FILTER_ANSWER please"}]}, "az-stream")
+    status, _, raw = await ask(gateway, "gpt4o-prod", "FILTER_ANSWER please", "az-stream", stream=True)
     assert status == 200, raw
     events = [e for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
     chunks = [orjson.loads(e[6:]) for e in events if e != b"data: [DONE]"]
@@ -121,9 +125,7 @@ async def test_a_stream_passes_azure_s_choiceless_first_chunk_and_filter_results
 
 
 async def test_an_answer_cut_by_the_filter_is_passed_on_and_booked(gateway: Proc) -> None:
-    status, _, raw = await post(gateway, "/v1/chat/completions",
-                                {"model": "gpt-4o", "messages": [{"role": "user", "content": "FILTER_ANSWER"}]},
-                                "az-cut")
+    status, _, raw = await ask(gateway, "gpt-4o", "FILTER_ANSWER", "az-cut")
     body = orjson.loads(raw)
     assert status == 200 and body["choices"][0]["finish_reason"] == "content_filter"
     assert body["choices"][0]["content_filter_results"] == azure.ANSWER_FILTERED
@@ -162,9 +164,7 @@ async def test_a_429_s_retry_after_ms_is_waited_for_by_the_route_s_retry(
 
 
 async def test_a_429_past_the_route_s_retries_tells_the_client_how_long_to_wait(gateway: Proc) -> None:
-    status, headers, raw = await post(gateway, "/v1/chat/completions",
-                                      {"model": "gpt4o-prod", "messages": [{"role": "user", "content": "THROTTLE 2"}]},
-                                      "az-throttled-2")
+    status, headers, raw = await ask(gateway, "gpt4o-prod", "THROTTLE 2", "az-throttled-2")
     error = orjson.loads(raw)["error"]
     assert status == 502 and error["code"] == "upstream_status" and "answered 429" in error["message"]
     assert headers["retry-after-ms"] == str(azure.RETRY_AFTER_MS) and headers["Retry-After"] == "1"
@@ -236,21 +236,18 @@ async def test_a_header_variable_that_is_not_set_fails_that_call_naming_it(
         gateway: Proc, fake: tuple[azure.FakeAzure, str]) -> None:
     resource, _ = fake
     before = len(resource.calls)
-    status, _, raw = await post(gateway, "/v1/chat/completions",
-                                {"model": "unset-model", "messages": [{"role": "user", "content": "hi"}]}, "az-unset")
+    status, _, raw = await ask(gateway, "unset-model", "hi", "az-unset")
     error = orjson.loads(raw)["error"]
     assert status == 502 and error["code"] == "upstream_misconfigured"
     assert error["message"] == ("upstream 'azure_unset': environment variable GW_TEST_NEVER_SET (header X-Missing) "
                                 "is not set")
     assert len(resource.calls) == before  # nothing was sent
-    ok, _, _ = await post(gateway, "/v1/chat/completions",
-                          {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, "az-unset-2")
+    ok, _, _ = await ask(gateway, "gpt-4o", "hi", "az-unset-2")
     assert ok == 200  # the gateway and its other upstreams serve on
 
 
 async def test_a_wrong_key_is_azure_s_401_named(gateway: Proc) -> None:
-    status, _, raw = await post(gateway, "/v1/chat/completions",
-                                {"model": "wrong-key", "messages": [{"role": "user", "content": "hi"}]}, "az-wrong")
+    status, _, raw = await ask(gateway, "wrong-key", "hi", "az-wrong")
     error = orjson.loads(raw)["error"]
     assert status == 502 and error["code"] == "upstream_status"
     assert error["message"].startswith("upstream 'azure_wrong_key' answered 401: Access denied")
@@ -261,10 +258,8 @@ async def test_secrets_from_the_environment_are_nowhere_but_at_the_upstream(
     resource, _ = fake
     # calls that succeed, fail, stream and refuse, so every path has written what it writes
     for content, stream in (("hi", False), ("hi", True), ("FILTER_PROMPT", False), ("THROTTLE secrets", False)):
-        await post(gateway, "/v1/chat/completions", {"model": "gpt-4o", "stream": stream,
-                                                     "messages": [{"role": "user", "content": content}]}, "az-secret")
-    await post(gateway, "/v1/chat/completions", {"model": "wrong-key", "messages": [{"role": "user",
-                                                                                   "content": "hi"}]}, "az-secret")
+        await ask(gateway, "gpt-4o", content, "az-secret", stream=stream)
+    await ask(gateway, "wrong-key", "hi", "az-secret")
     assert any(c["headers"].get("x-tenant-secret") == TENANT_SECRET for c in resource.calls)  # it was sent
     async with aiohttp.ClientSession() as session, session.get(gateway.url + "/metrics") as resp:
         metrics = await resp.read()

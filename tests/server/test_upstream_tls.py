@@ -17,7 +17,7 @@ from aiohttp import web
 from gateway.config.settings import load_config
 from gateway.providers.scripted import scripted_app
 from gateway.server import context as ctx
-from tests.server.conftest import KEY, Gateway, MakeGateway, config_data, write_config
+from tests.server.conftest import KEY, CountingUpstream, Gateway, MakeGateway, config_data, write_config
 from tests.support.certs import Pki, make_pki
 from tests.support.upstreams import serving_app
 
@@ -77,6 +77,15 @@ async def test_a_private_ca_is_trusted_only_when_configured(make_gateway: MakeGa
     unchecked = await make_gateway(**routed(https, tls={"verify": False}))
     status, _, _ = await unchecked.chat(CHAT, run_id="tls-3")
     assert status == 200
+
+
+async def test_tls_to_a_plain_http_server_names_the_failed_handshake(make_gateway: MakeGateway,
+                                                                     counting_upstream: CountingUpstream) -> None:
+    gw = await make_gateway(**routed(counting_upstream.base_url.replace("http://", "https://")))
+    status, _, body = await gw.chat(CHAT, run_id="tls-plain")
+    assert status == 502 and body["error"]["code"] == "upstream_unreachable"
+    assert "the TLS handshake with 127.0.0.1:" in body["error"]["message"]
+    assert "failed (wrong version number); is it an https:// server?" in body["error"]["message"]
 
 
 async def test_mutual_tls_is_refused_without_the_client_certificate_and_served_with_it(
