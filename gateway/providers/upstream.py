@@ -171,7 +171,7 @@ class Upstream:
         self._key_env = config.api_key_env if config.auth.kind != "none" else None
         self._key_header, self._key_prefix = config.auth.header, config.auth.prefix
         self._scripted = config.kind == "scripted"
-        self._https = (config.base_url or "").startswith("https://")
+        self._tls = config.tls is not None  # a private endpoint: a dropped connection may be a refused client
         # Non-streamed: connect, then the first byte, then the whole answer, each bounded.
         # Streamed: connect, then the longest silence between events (`timeout_s`); the first
         # event's deadline (`first_byte_timeout_s`) is kept by the caller that reads it.
@@ -407,7 +407,7 @@ class Upstream:
 
     def _unreachable(self, exc: BaseException) -> UpstreamError:
         problem = connection_problem(exc)
-        if self._https and _dropped(exc):  # TLS 1.3 refuses a client certificate after the handshake: no words
+        if self._tls and _dropped(exc):  # TLS 1.3 refuses a client certificate after the handshake: no words
             problem += ("; an HTTPS server that wants a client certificate refuses a missing or untrusted one so "
                         "(tls.cert_file, tls.key_file)")
         return UpstreamError("upstream_unreachable", f"upstream '{self.name}' is unreachable: {problem}", self.name)
