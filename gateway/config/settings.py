@@ -15,6 +15,8 @@ Settings beyond the first contract's shape (all in docs/config.md):
   refusal. Some clients (Vercel's `ai` SDK, litellm's `num_retries`) retry a 429 whatever
   `x-should-retry` says; another status stops them at the first refusal. `error.type` and
   `error.code` name the refusal either way.
+- `upstreams[]`: read by `gateway.config.upstreams` (auth, headers, query, path, kind azure,
+  tls, proxy, discover_models; docs/upstreams.md).
 - `upstreams[].api` (default `chat`): `responses` for an upstream that speaks the Responses
   API natively: `POST /v1/responses` calls are sent to its `/responses` (the whole
   conversation, `store: false`) instead of being translated to chat completions; chat
@@ -57,6 +59,7 @@ import yaml
 from gateway.config.fields import ConfigError, Field
 from gateway.harness.usage import Price
 from gateway.config.rates import KeyLimits, RateLimits, key_scope, parse_rate_limits
+from gateway.config.upstreams import UpstreamConfig, UpstreamKind, parse_upstreams
 from gateway.config.yamlfile import parse as parse_yaml
 from gateway.config.webhooks import WebhookConfig, parse_public_url, parse_webhooks
 from gateway.providers.routing import Breaker, Deployment, Group, RoutePlan
@@ -64,11 +67,9 @@ from gateway.providers.routing import Breaker, Deployment, Group, RoutePlan
 __all__ = [
     "Config", "ConfigError", "Defaults", "MetricsConfig", "ModelRoute", "RetentionConfig", "ServerConfig", "StoreConfig",
     "TeamConfig",
-    "UpstreamConfig", "load_config", "parse_config",
+    "UpstreamConfig", "UpstreamKind", "load_config", "parse_config",
 ]
 
-UpstreamKind = Literal["scripted", "openai", "local"]
-UpstreamApi = Literal["chat", "responses"]
 BudgetPeriod = Literal["day", "month", "total"]
 BudgetMode = Literal["turn", "strict"]
 
@@ -76,13 +77,6 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 TEAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 DEFAULT_OUTPUT_ALLOWANCE = 4096
 DEFAULT_CALLS_IN_FLIGHT_PER_RUN = 64
-DEFAULT_UPSTREAM_TIMEOUT_S = 60.0
-LOCAL_TIMEOUT_S = 180.0
-"""A `local` upstream's per-call deadline unless `timeout_s` says otherwise (a CPU model's
-capped answer fits well inside it, even on a loaded machine)."""
-LOCAL_MAX_TOKENS = 512
-"""A `local` upstream's `max_tokens` cap unless `max_tokens` says otherwise."""
-DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_RETRIES = 2
 """`retries` of a route that names `deployments` or `fallbacks` (the single-`upstream` form: 0)."""
 MAX_RETRIES = 10
@@ -127,28 +121,6 @@ class StoreConfig:
     timeout_s: float = DEFAULT_STORE_TIMEOUT_S
     allow_eviction: bool = False
     """Redis: start even when the server may evict keys (`maxmemory-policy` other than noeviction)."""
-
-
-@dataclass(frozen=True)
-class UpstreamConfig:
-    """One upstream. A `scripted` upstream is this gateway's own /scripted/v1 mount."""
-
-    name: str
-    kind: UpstreamKind = "openai"
-    base_url: str | None = None
-    api_key_env: str | None = None
-    timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
-    api: UpstreamApi = "chat"
-    # Tool-call repair (gateway.providers.repair) of every reply, streamed or not; on by default for kind local.
-    tool_repair: bool = False
-    # The most completion tokens any call may ask for (lower asks pass unchanged); None: no cap.
-    max_tokens: int | None = None
-    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
-    first_byte_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
-
-    def api_key(self) -> str | None:
-        """Read at call time, so a missing variable fails the call, not the start."""
-        return os.environ.get(self.api_key_env) if self.api_key_env else None
 
 
 @dataclass(frozen=True)
@@ -300,7 +272,7 @@ def parse_config(data: Any, file: Path) -> Config:
     root = Field(str(file), "", data if data is not None else {})
     root.keys_only({"server", "store", "policies_dir", "runs_dir", "trace_file", "spool_file", "upstreams", "models",
                     "teams", "defaults", "metrics", "retention", "webhooks"})
-    upstreams = _upstreams(root.get("upstreams"))
+    upstreams = parse_upstreams(root.get("upstreams"), base)
     store = _store(root.get("store"), base)
     server = _server(root.get("server"))
     metrics = _metrics(root.get("metrics"))
@@ -375,49 +347,6 @@ def _optional_path(at: Field, base: Path) -> Path | None:
 def _default_runs_dir(store: StoreConfig, base: Path) -> Path:
     """`runs/` next to the SQLite file (a store without a file: next to the config)."""
     return (Path(store.path).parent if store.path else base) / "runs"
-
-
-def _upstreams(section: Field) -> dict[str, UpstreamConfig]:
-    out: dict[str, UpstreamConfig] = {}
-    for at in section.required().list_of():
-        at.keys_only({"name", "kind", "base_url", "api_key_env", "timeout_s", "api", "connect_timeout_s",
-                      "first_byte_timeout_s", "tool_repair", "max_tokens"})
-        name = at.get("name").required().nonempty_str()
-        if name in out:
-            at.get("name").fail(f"upstream '{name}' is defined twice")
-        kind: UpstreamKind = at.get("kind").choice(("scripted", "openai", "local"), "openai")
-        local = kind == "local"
-        base_url = at.get("base_url").optional_str_or_none()
-        if kind != "scripted":
-            if base_url is None:
-                at.get("base_url").fail(f"is required for an upstream of kind {kind} (e.g. http://127.0.0.1:8081/v1)")
-            elif not base_url.startswith(("http://", "https://")):
-                at.get("base_url").fail(f"must start with http:// or https://, got {base_url!r}")
-        timeout = at.get("timeout_s").optional_number(LOCAL_TIMEOUT_S if local else DEFAULT_UPSTREAM_TIMEOUT_S,
-                                                      positive=True)
-        out[name] = UpstreamConfig(
-            name=name, kind=kind, base_url=base_url.rstrip("/") if base_url else None,
-            api_key_env=at.get("api_key_env").optional_str_or_none(),
-            timeout_s=timeout,
-            api=at.get("api").choice(("chat", "responses"), "chat"),
-            connect_timeout_s=min(timeout, at.get("connect_timeout_s").optional_number(DEFAULT_CONNECT_TIMEOUT_S,
-                                                                                       positive=True)),
-            first_byte_timeout_s=min(timeout, at.get("first_byte_timeout_s").optional_number(timeout, positive=True)),
-            tool_repair=at.get("tool_repair").optional_bool(local),
-            max_tokens=_max_tokens(at.get("max_tokens"), LOCAL_MAX_TOKENS if local else None),
-        )
-    if not out:
-        section.fail("at least one upstream is required")
-    return out
-
-
-def _max_tokens(at: Field, default: int | None) -> int | None:
-    """`max_tokens`: a whole number >= 1, or null for no cap."""
-    if at.missing:
-        return default
-    if at.value is None:
-        return None
-    return at.optional_int(1, low=1, high=1_000_000)
 
 
 def _models(section: Field, upstreams: Mapping[str, UpstreamConfig]) -> tuple[ModelRoute, ...]:

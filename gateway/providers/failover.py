@@ -50,7 +50,8 @@ def outcome_of(exc: UpstreamError) -> Outcome:
             return "rate_limited"
         return "server_error" if status is not None and status >= 500 else "denied"
     return {"upstream_unreachable": "unreachable", "upstream_timeout": "timeout", "upstream_rejected": "rejected",
-            "upstream_cut": "cut", "upstream_misconfigured": "misconfigured"}.get(code or "", "malformed")  # type: ignore[return-value]
+            "content_filter": "rejected", "upstream_cut": "cut",
+            "upstream_misconfigured": "misconfigured"}.get(code or "", "malformed")  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fnmatch
 import hashlib
 import hmac
 import logging
@@ -30,21 +29,22 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from gateway.config.settings import SCRIPTED_PREFIX, Config, ConfigError
+from gateway.config.upstreams import require_upstreams
 from gateway.config.webhooks import require_secrets
 from gateway.mcp.hub import McpHub
 from gateway.policy.errors import PolicySetError
 from gateway.policy.registry import PolicyRegistry
-from gateway.providers.scenarios import model_names
 from gateway.providers.scripted import scripted_app
-from gateway.providers.upstream import new_session
+from gateway.providers.transport import new_session
 from gateway.server import console, embeddings, mcp_servers, openapi
+from gateway.server.models import get_model, list_models, routed_models
 from gateway.server import context as ctx
 from gateway.server.api import admin
 from gateway.server.api import metrics as metrics_route
 from gateway.server.api import runs as runs_api
 from gateway.server.chat import endpoint as chat
 from gateway.server.http.auth import KeyRing
-from gateway.server.http.errors import NotFound, StoreUnavailable
+from gateway.server.http.errors import StoreUnavailable
 from gateway.server.http.middleware import gateway_middleware
 from gateway.server.http.sse import STREAMS_END, end_streams
 from gateway.server.metrics import KnownPolicy, Metrics
@@ -62,28 +62,6 @@ from gateway.tokens import get_counter
 SPOOL_REPLAY_S = 1.0
 
 log = logging.getLogger(__name__)
-
-def routed_models(config: Config) -> list[tuple[str, str]]:
-    """(model, upstream) for every model the config routes by name; a glob on the scripted
-    upstream lists the scripted scenarios it matches (other globs cannot be listed)."""
-    out: list[tuple[str, str]] = []
-    seen: set[str] = set()
-    scripted = model_names()
-    for route in config.models:
-        upstream = config.upstreams[route.upstream]
-        if not route.is_glob:
-            names = [route.match]
-        elif upstream.kind == "scripted":
-            names = [m for m in scripted if fnmatch.fnmatchcase(m, route.match)]
-        else:
-            names = []
-        for name in names:
-            # first match wins: a name an earlier route already took is not this route's
-            if name not in seen and config.route(name) is route:
-                seen.add(name)
-                out.append((name, route.upstream))
-    return out
-
 
 def known_policies(config: Config, registry: PolicyRegistry) -> dict[str, list[KnownPolicy]]:
     """Team -> the policies it may use, as the metrics' zero series need them."""
@@ -151,6 +129,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await governor.give_back(0.0)  # what it took ahead of calls it will not serve
+        await app[ctx.UPSTREAMS].close()  # the sessions of upstreams with tls or a proxy
         await session.close()
         await store.close()
 
@@ -201,6 +180,7 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
     share one `scripted_key` (a call to the mount may land on any of them); else a random
     key of this process's own."""
     require_secrets(str(config.path), config.webhooks)  # before anything is opened
+    require_upstreams(str(config.path), config.upstreams)
     app = web.Application(middlewares=[gateway_middleware], client_max_size=config.server.max_body_bytes)
     app[ctx.CONFIG] = config
     app[ctx.MCP] = McpHub()
@@ -239,34 +219,6 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
         app[ctx.SCRIPTED_KEY] = scripted_key or secrets.token_urlsafe(32)
         app.add_subapp(SCRIPTED_PREFIX, scripted_app(guard=_scripted_guard(app[ctx.KEYRING], app[ctx.SCRIPTED_KEY])))
     return app
-
-
-async def list_models(request: web.Request) -> web.Response:
-    """The models this gateway routes, in the OpenAI list shape (auth required)."""
-    app = request.app
-    app[ctx.KEYRING].authenticate(request)
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": upstream}
-            for name, upstream in routed_models(app[ctx.CONFIG])]
-    return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
-
-
-async def get_model(request: web.Request) -> web.Response:
-    """One routed model (the SDKs' `models.retrieve`); 404 in the OpenAI shape otherwise."""
-    app = request.app
-    app[ctx.KEYRING].authenticate(request)
-    name = request.match_info["model"]
-    for model, upstream in routed_models(app[ctx.CONFIG]):
-        if model == name:
-            break
-    else:
-        route = app[ctx.CONFIG].route(name)
-        # a glob on the scripted upstream routes only its scenarios (all listed above)
-        if route is None or app[ctx.CONFIG].upstreams[route.upstream].kind == "scripted":
-            raise NotFound(f"model '{name}' is not routed by this gateway (see GET /v1/models)",
-                           code="model_not_found", param="model")
-        upstream = route.upstream
-    data = {"id": name, "object": "model", "created": 0, "owned_by": upstream}
-    return web.Response(body=orjson.dumps(data), content_type="application/json")
 
 
 async def healthz(request: web.Request) -> web.Response:

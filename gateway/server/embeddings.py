@@ -1,20 +1,23 @@
-"""`POST /v1/embeddings`: forwarded to the model's upstream and paid from the budgets.
+"""`POST /v1/embeddings`: routed like a chat call and paid from the budgets.
 
-The call goes to the route's first deployment, asked for that deployment's `model` when it
-names one, at that deployment's `price_in`. It is admitted by the governor like a
-server-side model call (`admit_call`: a hold on the team's budget for the input tokens,
-strict clamps when strict) and, with an `X-Run-Id`, against the run's budget; it is not a
-turn (turn caps count model turns). The actual cost is booked on the team's ledger and,
-with a run, on the run (its cost and usage, an `embeddings` trace line) in one store step:
-the upstream's `usage.prompt_tokens`, checked by the rule every booking follows
-(`replies.checked_usage`: a count beyond belief is booked at the gateway's own, with a
-`usage_clamped` line and metric), or the gateway's count when it reports none. The
-upstream's body goes back as it came (plus the `run` object). A client that leaves before
-the answer stops the upstream call; its input, counted, is booked.
+The call goes over the model's route (`runs.forwarding.routed_call`): its deployments, the
+model name each is asked for (`deployments[].model`), retries and fallbacks, as for chat.
+It is admitted by the governor like a server-side model call (`admit_call`: a hold on the
+team's budget for the input tokens, strict clamps when strict) and, with an `X-Run-Id`,
+against the run's budget; it is not a turn (turn caps count model turns). The actual cost,
+at the `price_in` of the deployment that answered, is booked on the team's ledger and, with
+a run, on the run (its cost and usage, the call's `upstream_attempt` lines and an
+`embeddings` one) in one store step: the upstream's `usage.prompt_tokens`, checked by the
+rule every booking follows (`replies.checked_usage`: a count beyond belief is booked at the
+gateway's own, with a `usage_clamped` line and metric), or the gateway's count when it
+reports none. The upstream's body goes back as it came (plus the `run` object). A client
+that leaves before the answer stops the upstream call; its input, counted, is booked at the
+price of the deployment that had it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable
 from typing import Any
@@ -26,9 +29,10 @@ from gateway.config.settings import TeamConfig
 from gateway.harness.state import Message, RunState
 from gateway.harness.trace import Tracer, usage_clamped
 from gateway.harness.usage import Price
+from gateway.providers.errors import UpstreamError
+from gateway.providers.upstream import Upstream, UpstreamReply
 from gateway.server import context as ctx
 from gateway.server.http.chat_request import ChatRequest
-from gateway.providers.upstream import UpstreamReply
 from gateway.server.http.errors import (
     ClientLeft,
     InvalidField,
@@ -41,6 +45,7 @@ from gateway.server.http.leaving import upstream_wait
 from gateway.server.http.validation import kind as _kind
 from gateway.server.http.validation import read_body
 from gateway.server.runs.booking import append_trace_file, refuse
+from gateway.server.runs.forwarding import attempt_events, routed_call, trace_unbooked
 from gateway.server.runs.governor import Admission, Ask
 from gateway.server.runs.keying import Call, commit_run, resolve_call, run_id_from
 from gateway.server.runs.rate_limits import keep as keep_rate_clocks
@@ -100,9 +105,7 @@ async def create_embeddings(request: web.Request) -> web.Response:
     if route is None:
         raise NotFound(f"model '{model}' is not routed by this gateway (see GET /v1/models)", code="model_not_found",
                        param="model")
-    deployment = route.plan.groups[0].deployments[0]
-    price = Price(deployment.price.input_per_million, 0.0)
-    sent = raw if deployment.model is None else orjson.dumps({**body, "model": deployment.model})
+    price = Price(route.price.input_per_million, 0.0)  # the hold covers whichever deployment answers
     call: Call | None = None
     if run_id_from(request.headers) is not None:
         chat = ChatRequest(raw, body, model, messages, None, False, False, None, "max_tokens")
@@ -116,15 +119,28 @@ async def create_embeddings(request: web.Request) -> web.Response:
         raise (await refuse(request, call, exc) if call is not None else exc) from None
     async with adm:
         keep_rate_clocks(request, adm.rate_headers)
-        upstream = app[ctx.UPSTREAMS][deployment.upstream]
-        reply: UpstreamReply | None = None
+        routed = routed_call(app, route, model)
         metrics = app[ctx.METRICS]
+
+        async def send(upstream: Upstream, asked: str) -> UpstreamReply:
+            sent = raw if asked == model else orjson.dumps({**body, "model": asked})
+            return await upstream.embed(sent, upstream.headers(request.headers), asked)
+
+        reply: UpstreamReply | None = None
         try:
             with upstream_wait(request):
-                reply = await upstream.embed(sent, upstream.headers(request.headers))
-        except ClientLeft:  # the upstream call was stopped: its input was sent, so it is booked
-            pass
-        else:
+                reply, answer = await routed.complete(send)
+        except ClientLeft:  # the upstream call was stopped: an input it was sent is booked
+            if routed.sent_to is None:
+                raise
+            answer = routed.sent_to
+        except UpstreamError:
+            if call is not None:
+                await asyncio.shield(trace_unbooked(app, routed, call.run.run_id))
+            raise
+        upstream = answer.upstream
+        price = Price(answer.price.input_per_million, 0.0)  # booked at the price of the deployment that answered
+        if reply is not None:
             request[ctx.UPSTREAM_SECONDS] = reply.seconds
             metrics.on_upstream(upstream.name, model, reply.seconds)
         reported = embeddings_usage_of(reply.data.get("usage")) if reply is not None else None
@@ -138,7 +154,9 @@ async def create_embeddings(request: web.Request) -> web.Response:
         if call is None:
             await governor.settle(adm, cost, spent.total_tokens)
         else:
-            call.run = await _book_on_run(app, call.run, adm, checked, cost, model, upstream.name)
+            routed.traced = True
+            call.run = await _book_on_run(app, call.run, adm, checked, cost, model, upstream.name,
+                                          attempt_events(call.run.run_id, routed.attempts))
             request[ctx.RUN] = call.run
         if reply is None:
             raise ClientLeft()
@@ -164,8 +182,10 @@ async def _admit(app: web.Application, call: Call | None, team: TeamConfig, ask:
 
 
 async def _book_on_run(app: web.Application, run: RunState, adm: Admission, checked: CheckedUsage, cost: float,
-                       model: str, upstream: str) -> RunState:
-    """The cost on the run and the team's ledger, and the trace lines, in one store step."""
+                       model: str, upstream: str, attempts: list[Event]) -> RunState:
+    """The cost on the run and the team's ledger, and the trace lines (the call's upstream
+    attempts, a `usage_clamped` line when the usage was not believed, then `embeddings`), in
+    one store step."""
     spent = checked.usage
 
     def change(state: RunState) -> None:
@@ -174,7 +194,7 @@ async def _book_on_run(app: web.Application, run: RunState, adm: Admission, chec
 
     def trace(state: RunState) -> list[Event]:
         line = Tracer(state.run_id)
-        lines: list[Event] = []
+        lines: list[Event] = [*attempts]
         if checked.reported is not None:
             lines.append(line("usage_clamped", **usage_clamped(upstream, checked.reported, spent)))
         lines.append(line("embeddings", model=model, prompt_tokens=spent.prompt_tokens,

@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 import orjson
 from aiohttp import web
 
+from gateway.config.upstreams import Endpoint
 from gateway.providers.errors import UpstreamError
 from gateway.providers.failover import RoutedCall
 from gateway.providers.repair import Repair
@@ -55,10 +56,10 @@ log = logging.getLogger(__name__)
 
 async def stream_through(request: web.Request, call: Call, adm: Admission, routed: RoutedCall, body: Body,
                          client_headers: Mapping[str, str], outlet: ChatOutlet | None = None,
-                         got: Reassembly | None = None, path: str = "/chat/completions") -> web.StreamResponse:
+                         got: Reassembly | None = None, endpoint: Endpoint = "chat") -> web.StreamResponse:
     """Forward a streamed call; see the module docstring for what happens on failures.
-    `got` reads the upstream's events (a subclass reads another wire), `path` is where they
-    are asked for. The client's response starts with the upstream's first event: until
+    `got` reads the upstream's events (a subclass reads another wire), `endpoint` is the
+    upstream API they are asked of (chat, or responses for a native Responses upstream). The client's response starts with the upstream's first event: until
     then a failure is retried on the route (`RoutedCall.stream`), never after."""
     out = outlet or ChatOutlet(call.chat.include_usage)
     app = request.app
@@ -72,7 +73,7 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, route
     upstream_name = call.route.upstream
     try:
         with upstream_wait(request):
-            async with open_stream(routed, body, client_headers, path) as opened:
+            async with open_stream(routed, body, client_headers, endpoint) as opened:
                 upstream_name = opened.answer.upstream.name
                 repair = StreamRepair.of(opened.answer.upstream, call.chat.tools, call.chat.n)
                 metrics.on_ttft(upstream_name, call.chat.model, time.perf_counter() - started)

@@ -24,7 +24,9 @@ Handlers raise; one middleware renders. The tree (HTTP status, `error.type`):
     │                                    x-should-retry: true; false for a call too large
     │                                    for the limit)
     ├── UpstreamFailed               502 upstream_error | 504 upstream_timeout | the upstream's 4xx
-    │                                    (from providers.errors.UpstreamError, + `upstream`)
+    │                                    (from providers.errors.UpstreamError, + `upstream`;
+    │                                    + retry-after(-ms) when the upstream asked for a wait;
+    │                                    code content_filter: + param, innererror as the upstream gave)
     ├── StoreUnavailable             503 server_error, code store_unavailable
     │                                    (+ headers retry-after, x-should-retry: true)
     └── InternalError                500 server_error
@@ -44,6 +46,7 @@ Requests aiohttp refuses before routing get the same shape from gateway.server.h
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -219,15 +222,28 @@ class UpstreamFailed(ApiError):
     def __init__(self, exc: UpstreamError) -> None:
         if exc.code == "upstream_timeout":
             status = 504
-        elif exc.code == "upstream_rejected" and exc.upstream_status is not None and 400 <= exc.upstream_status < 500:
+        elif (exc.code in ("upstream_rejected", "content_filter") and exc.upstream_status is not None
+              and 400 <= exc.upstream_status < 500):
             status = exc.upstream_status
         else:
             status = 502
-        super().__init__(exc.message, code=exc.code, status=status,
+        detail = exc.detail or {}
+        headers: dict[str, str] = {}
+        if exc.retry_after_s is not None:  # what the upstream (or the route's cooldown) asked to wait
+            headers = {"retry-after-ms": str(int(exc.retry_after_s * 1000)),
+                       "retry-after": str(max(1, math.ceil(exc.retry_after_s)))}
+        super().__init__(exc.message, code=exc.code, status=status, param=detail.get("param"), headers=headers,
                          type="upstream_timeout" if status == 504 else "upstream_error")
+        self.innererror = detail.get("innererror")
         self.upstream = exc.upstream
         self.upstream_status = exc.upstream_status
         self.extra["upstream"] = {"name": exc.upstream, "status": exc.upstream_status}
+
+    def body(self) -> dict[str, Any]:
+        out = super().body()
+        if self.innererror is not None:  # a content filter's verdict, as the upstream gave it (Azure's shape)
+            out["error"]["innererror"] = self.innererror
+        return out
 
 
 def upstream_failed(exc: UpstreamError) -> ApiError:

@@ -31,7 +31,7 @@ from gateway.server.chat import server_side
 from gateway.server.chat.answers import Answer
 from gateway.server.chat.passthrough import awaiting_upstream, chat_body, complete_and_book, governed
 from gateway.server.chat.passthrough_stream import stream_through
-from gateway.server.chat.stream_events import ChatOutlet, EventKind, Reassembly, event_data
+from gateway.server.chat.stream_events import ChatOutlet, EventKind, Reassembly
 from gateway.server.http.chat_request import ChatRequest
 from gateway.server.http.errors import InvalidField, NotFound
 from gateway.server.http.headers import run_headers
@@ -272,7 +272,7 @@ async def _native(request: web.Request, call: Call, exchange: Exchange, adm: Adm
 
     if req.stream:
         return await stream_through(request, call, adm, routed, raw, request.headers,
-                                    NativeOutlet(request, call, exchange), NativeReassembly(), "/responses")
+                                    NativeOutlet(request, call, exchange), NativeReassembly(), "responses")
     reply, upstream = await awaiting_upstream(request, call, adm, routed, respond(routed, raw, request.headers))
     request[ctx.UPSTREAM_SECONDS] = reply.seconds
     request.app[ctx.METRICS].on_upstream(upstream.name, call.chat.model, reply.seconds)
