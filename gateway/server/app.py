@@ -43,7 +43,7 @@ from gateway.server.api import admin
 from gateway.server.api import metrics as metrics_route
 from gateway.server.api import runs as runs_api
 from gateway.server.chat import endpoint as chat
-from gateway.server.http.auth import KeyRing
+from gateway.server.http.auth import SYNC_S, KeyRing
 from gateway.server.http.errors import NotFound, StoreUnavailable
 from gateway.server.http.middleware import gateway_middleware
 from gateway.server.http.sse import STREAMS_END, end_streams
@@ -125,13 +125,21 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         await governor.start()
     except StoreError as exc:  # the store may be back later: its holds then expire on their own
         log.warning("cannot release this gateway's earlier reservations: %s", exc)
+    keyring = app[ctx.KEYRING]
+    try:
+        await keyring.sync()  # every key the store has, before the first call
+    except StoreError as exc:
+        log.warning("cannot read the store's keys yet (retried every %.2f s): %s", SYNC_S, exc)
     keeper = asyncio.ensure_future(governor.keep_alive())
     giver = asyncio.ensure_future(governor.give_back_idle())
     replayer = asyncio.ensure_future(_replay_spool_forever(app))
+    syncer = asyncio.ensure_future(keyring.keep_synced())
+    toucher = asyncio.ensure_future(keyring.keep_touching())
     try:
         yield
     finally:
-        for task in (keeper, giver, replayer):
+        await keyring.flush_used()
+        for task in (keeper, giver, replayer, syncer, toucher):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -195,10 +203,10 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
         app[ctx.MCP].close()  # the servers discovery started
         raise
     app[ctx.COUNTER] = get_counter()
-    app[ctx.KEYRING] = KeyRing(config.teams)
     app[ctx.METRICS] = Metrics((name for name, _ in routed_models(config)), config.upstreams,
                                ((w.name, sorted(w.events)) for w in config.webhooks))
     app[ctx.STORE] = _open_store(config)
+    app[ctx.KEYRING] = KeyRing(config.teams, app[ctx.STORE])
     app[ctx.SPOOL] = Spool(config.spool_file)
     app[ctx.RUN_CACHE] = RunCache()
     if self_url is not None:
@@ -212,8 +220,7 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
     app[STREAMS_END] = asyncio.Event()
     app.on_shutdown.append(end_streams)
     app.on_shutdown.append(runtime.stop_runs)
-    if any(t.rate_limits is not None or t.key_limits for t in config.teams):
-        app.on_response_prepare.append(rate_limits.show)  # answers carry their x-ratelimit-* headers
+    app.on_response_prepare.append(rate_limits.show)  # answers carry their x-ratelimit-* headers (keys may have limits)
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
     metrics_route.setup(app)

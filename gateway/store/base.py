@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple, Protocol
 
 from gateway.harness.state import STATUSES, RunState, StateError
 from gateway.harness.trace import Event as Event  # the store keeps trace lines
+from gateway.store.audit import AuditEntry, AuditRecord
 from gateway.store.errors import StoreError
+from gateway.store.keys import ConsoleSession, KeyRecord
 from gateway.store.outbox import Claimed, Notice, NoticeRule
 
 Ledger = tuple[float, float]
@@ -406,6 +408,75 @@ class Store(Protocol):
     async def prune_outbox(self, done_before: float) -> int:
         """Retention: forget notices delivered or given up before `done_before` (epoch
         seconds), except those whose budget `period` has not ended by then. Returns how many."""
+        ...
+
+    # --- keys, console sessions and the audit log (gateway.store.keys, gateway.store.audit) ---
+
+    async def put_key(self, record: KeyRecord, expected_revision: int | None,
+                      audit: Sequence[AuditEntry] = ()) -> KeyRecord:
+        """Write a key record whole, and `audit`'s entries, in one step: all of it or nothing.
+
+        `expected_revision` None: a new key (KeyExists if its id is taken); else the stored
+        record's revision must equal it (StaleKey; KeyNotFound when there is none). The store
+        gives the record the next revision of its one key counter (shared by every key, so
+        `keys_since` finds every write) and returns it as stored. A key's `team` never changes.
+        """
+        ...
+
+    async def get_key(self, key_id: str) -> KeyRecord | None:
+        """The stored key (with its `last_used_at`), or None."""
+        ...
+
+    async def list_keys(self, team: str | None = None, *, after: str = "", limit: int = 100) -> list[KeyRecord]:
+        """Keys in id order (creation order: `keys.new_key_id`) after the id `after`, of one
+        team or of all; at most `limit`."""
+        ...
+
+    async def keys_since(self, revision: int) -> tuple[list[KeyRecord], int]:
+        """The keys written after `revision` (any order) and the store's last key revision
+        (0 when no key was ever written). With nothing new, one cheap read: every process
+        calls it about four times a second to keep its keyring current."""
+        ...
+
+    async def touch_keys(self, used: Mapping[str, float]) -> None:
+        """Set `last_used_at` of these keys (epoch s; never moved back), without a revision:
+        a coarse figure, written by each process at most once a minute."""
+        ...
+
+    async def put_session(self, session: ConsoleSession, audit: Sequence[AuditEntry] = ()) -> None:
+        """Store a console session (by `id_hash`, never the id) with `audit`'s entries, in one step."""
+        ...
+
+    async def get_session(self, id_hash: str) -> ConsoleSession | None:
+        """The session, or None (never stored, deleted, or past `expires_at`)."""
+        ...
+
+    async def touch_session(self, id_hash: str, idle_until: float) -> None:
+        """Push back a session's idle expiry (never moved back)."""
+        ...
+
+    async def delete_session(self, id_hash: str, audit: Sequence[AuditEntry] = ()) -> bool:
+        """End a session, with `audit`'s entries, in one step; True if it was stored."""
+        ...
+
+    async def prune_sessions(self, now: float) -> int:
+        """Retention: forget sessions past their idle or absolute expiry; returns how many."""
+        ...
+
+    async def append_audit(self, entries: Sequence[AuditEntry]) -> list[AuditRecord]:
+        """Number and chain `entries` after the last record (`gateway.store.audit.chain`) and
+        store them, in one step; returns them as stored. Durable once it returns."""
+        ...
+
+    async def audit_log(self, *, after_seq: int = 0, limit: int = 100, since: float | None = None,
+                        action: str | None = None, team: str | None = None) -> list[AuditRecord]:
+        """Records in order (`seq`) after `after_seq`, at or after `since` (epoch s), of one
+        `action`, concerning or made by one `team` (`audit.matches`); at most `limit`."""
+        ...
+
+    async def prune_audit(self, before: float) -> int:
+        """Retention: forget records written before `before` (epoch s), oldest first, always
+        keeping the newest (the next record chains after it). Returns how many."""
         ...
 
     async def close(self) -> None:

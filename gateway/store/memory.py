@@ -7,12 +7,13 @@ mutates a loaded run cannot reach into the store, and unserializable data fails 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import orjson
 
 from gateway.harness.state import RunState
+from gateway.store.audit import GENESIS, AuditEntry, AuditRecord, chain, matches
 from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
     EXPIRED_RETENTION_S,
@@ -37,11 +38,15 @@ from gateway.store.base import (
 )
 from gateway.store.errors import (
     AlreadyBooked,
+    KeyExists,
+    KeyNotFound,
     RunExists,
     RunNotFound,
+    StaleKey,
     StaleRun,
     StoreError,
 )
+from gateway.store.keys import ConsoleSession, KeyRecord
 from gateway.store.outbox import Claimed, Notice, NoticeRule, check_notices
 from gateway.store.periods import ended_before as period_ended
 
@@ -103,6 +108,12 @@ class MemoryStore:
         self._response_times: dict[str, float] = {}
         self._outbox: dict[str, _Outgoing] = {}
         self.notice_rule: NoticeRule | None = None
+        self._keys: dict[str, KeyRecord] = {}
+        self._key_used: dict[str, float] = {}
+        self._key_revision = 0
+        self._sessions: dict[str, ConsoleSession] = {}
+        self._audit: list[AuditRecord] = []
+        self._audit_head = (0, GENESIS)
         self._closed = False
 
     def _check_open(self) -> None:
@@ -428,6 +439,99 @@ class MemoryStore:
             self._responses.pop(rid, None)
             del self._response_times[rid]
         return len(old)
+
+    # --- keys, sessions, audit ------------------------------------------------------------
+
+    async def put_key(self, record: KeyRecord, expected_revision: int | None,
+                      audit: Sequence[AuditEntry] = ()) -> KeyRecord:
+        self._check_open()
+        stored = self._keys.get(record.id)
+        if expected_revision is None:
+            if stored is not None:
+                raise KeyExists(record.id)
+        elif stored is None:
+            raise KeyNotFound(record.id)
+        elif stored.revision != expected_revision:
+            raise StaleKey(record.id, expected_revision, stored.revision)
+        self._key_revision += 1
+        saved = replace(record, revision=self._key_revision, last_used_at=None)
+        self._keys[record.id] = saved
+        self._append_audit(audit)
+        return replace(saved, last_used_at=self._key_used.get(record.id))
+
+    async def get_key(self, key_id: str) -> KeyRecord | None:
+        self._check_open()
+        stored = self._keys.get(key_id)
+        return None if stored is None else replace(stored, last_used_at=self._key_used.get(key_id))
+
+    async def list_keys(self, team: str | None = None, *, after: str = "", limit: int = 100) -> list[KeyRecord]:
+        self._check_open()
+        ids = sorted(i for i, k in self._keys.items() if i > after and (team is None or k.team == team))
+        return [replace(self._keys[i], last_used_at=self._key_used.get(i)) for i in ids[:max(limit, 0)]]
+
+    async def keys_since(self, revision: int) -> tuple[list[KeyRecord], int]:
+        self._check_open()
+        return [k for k in self._keys.values() if k.revision > revision], self._key_revision
+
+    async def touch_keys(self, used: Mapping[str, float]) -> None:
+        self._check_open()
+        for key_id, at in used.items():
+            if key_id in self._keys:
+                self._key_used[key_id] = max(at, self._key_used.get(key_id, 0.0))
+
+    async def put_session(self, session: ConsoleSession, audit: Sequence[AuditEntry] = ()) -> None:
+        self._check_open()
+        self._sessions[session.id_hash] = session
+        self._append_audit(audit)
+
+    async def get_session(self, id_hash: str) -> ConsoleSession | None:
+        self._check_open()
+        found = self._sessions.get(id_hash)
+        return found if found is not None and found.expires_at > time.time() else None
+
+    async def touch_session(self, id_hash: str, idle_until: float) -> None:
+        self._check_open()
+        found = self._sessions.get(id_hash)
+        if found is not None and idle_until > found.idle_until:
+            self._sessions[id_hash] = replace(found, idle_until=idle_until)
+
+    async def delete_session(self, id_hash: str, audit: Sequence[AuditEntry] = ()) -> bool:
+        self._check_open()
+        found = self._sessions.pop(id_hash, None) is not None
+        self._append_audit(audit)
+        return found
+
+    async def prune_sessions(self, now: float) -> int:
+        self._check_open()
+        old = [h for h, s in self._sessions.items() if not s.live(now)]
+        for h in old:
+            del self._sessions[h]
+        return len(old)
+
+    def _append_audit(self, entries: Sequence[AuditEntry]) -> list[AuditRecord]:
+        if not entries:
+            return []
+        records = chain(*self._audit_head, entries, time.time())
+        self._audit.extend(records)
+        self._audit_head = (records[-1].seq, records[-1].hash)
+        return records
+
+    async def append_audit(self, entries: Sequence[AuditEntry]) -> list[AuditRecord]:
+        self._check_open()
+        return self._append_audit(entries)
+
+    async def audit_log(self, *, after_seq: int = 0, limit: int = 100, since: float | None = None,
+                        action: str | None = None, team: str | None = None) -> list[AuditRecord]:
+        self._check_open()
+        found = [r for r in self._audit if r.seq > after_seq and matches(r, since, action, team)]
+        return found[:max(limit, 0)]
+
+    async def prune_audit(self, before: float) -> int:
+        self._check_open()
+        keep_from = next((i for i, r in enumerate(self._audit) if r.at >= before), len(self._audit))
+        keep_from = min(keep_from, len(self._audit) - 1) if self._audit else 0
+        del self._audit[:keep_from]
+        return keep_from
 
     async def close(self) -> None:
         self._closed = True

@@ -589,3 +589,144 @@ for _, id in ipairs(ids) do
 end
 return {pruned, kept, #ids}
 """
+
+# --- keys, console sessions, the audit log ---------------------------------------------------
+
+_AUDIT: Final = """
+-- The audit entries of a step (gateway.store.audit), chained by the caller after the head it
+-- read: ARGV[at] the head's seq the caller chained after ('' when there are no entries),
+-- ARGV[at + 1] how many, then (seq, record) pairs, then the last record's hash. `audit_ok`
+-- refuses a step whose head moved meanwhile (the caller chains again and retries).
+local function audit_ok(p, at)
+  if ARGV[at] == '' then return true end
+  local head = redis.call('GET', p .. 'audit:head')
+  local seq = head and tonumber(string.match(head, '^(%d+)')) or 0
+  return seq == tonumber(ARGV[at])
+end
+local function audit_write(p, at)
+  local n = tonumber(ARGV[at + 1])
+  if n == 0 then return end
+  for i = 0, n - 1 do
+    redis.call('ZADD', p .. 'audit', ARGV[at + 2 + 2 * i], ARGV[at + 3 + 2 * i])
+  end
+  redis.call('SET', p .. 'audit:head', ARGV[at + 2 * n] .. ' ' .. ARGV[at + 2 + 2 * n])
+end
+"""
+
+# A key record written whole: ARGV[2] id, [3] team, [4] the expected revision ('' for a new
+# key), [5] body, then the audit entries from ARGV[6]. {1, revision, last_used} when written;
+# {0} the id is taken; {2} no such key; {3, stored revision} stale; {-1} the audit head moved.
+PUT_KEY: Final = _AUDIT + """
+local p, id, team, expected, body = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+if not audit_ok(p, 6) then return {-1} end
+local key = p .. 'key:' .. id
+local cur = redis.call('HMGET', key, 'revision', 'last_used')
+if expected == '' then
+  if cur[1] then return {0} end
+else
+  if not cur[1] then return {2} end
+  if cur[1] ~= expected then return {3, cur[1]} end
+end
+local rev = redis.call('INCR', p .. 'keys:revision')
+redis.call('HSET', key, 'body', body, 'revision', rev, 'team', team)
+redis.call('ZADD', p .. 'keys:rev', rev, id)
+redis.call('ZADD', p .. 'keys:ids', 0, id)
+redis.call('ZADD', p .. 'keys:team:' .. team, 0, id)
+audit_write(p, 6)
+return {1, rev, cur[2] or ''}
+"""
+
+# The keys written after revision ARGV[2]: {last revision, revision, body, last_used, ...}.
+KEYS_SINCE: Final = """
+local p = ARGV[1]
+local out = {redis.call('GET', p .. 'keys:revision') or '0'}
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', p .. 'keys:rev', '(' .. ARGV[2], '+inf')) do
+  local r = redis.call('HMGET', p .. 'key:' .. id, 'revision', 'body', 'last_used')
+  if r[2] then
+    out[#out + 1] = r[1]
+    out[#out + 1] = r[2]
+    out[#out + 1] = r[3] or ''
+  end
+end
+return out
+"""
+
+# Up to ARGV[4] keys after id ARGV[3] ('' from the first), of team ARGV[2] ('': every team):
+# {revision, body, last_used, ...} in id order.
+LIST_KEYS: Final = """
+local p, team, after, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local index = p .. 'keys:ids'
+if team ~= '' then index = p .. 'keys:team:' .. team end
+local from = '-'
+if after ~= '' then from = '(' .. after end
+local out = {}
+for _, id in ipairs(redis.call('ZRANGEBYLEX', index, from, '+', 'LIMIT', 0, limit)) do
+  local r = redis.call('HMGET', p .. 'key:' .. id, 'revision', 'body', 'last_used')
+  if r[2] then
+    out[#out + 1] = r[1]
+    out[#out + 1] = r[2]
+    out[#out + 1] = r[3] or ''
+  end
+end
+return out
+"""
+
+# last_used of keys: ARGV[2..] "epoch-seconds id" pairs, never moved back, no revision.
+TOUCH_KEYS: Final = """
+local p = ARGV[1]
+for i = 2, #ARGV do
+  local at, id = string.match(ARGV[i], '^(%S+) (.+)$')
+  local key = p .. 'key:' .. id
+  if redis.call('EXISTS', key) == 1 then
+    local cur = tonumber(redis.call('HGET', key, 'last_used') or '0')
+    if tonumber(at) > cur then redis.call('HSET', key, 'last_used', at) end
+  end
+end
+return 1
+"""
+
+# A console session: ARGV[2] id hash, [3] body, [4] idle until, [5] expires at (ms), then
+# the audit entries from ARGV[6]. {1}, or {-1}: the audit head moved.
+PUT_SESSION: Final = _AUDIT + """
+local p = ARGV[1]
+if not audit_ok(p, 6) then return {-1} end
+local key = p .. 'session:' .. ARGV[2]
+redis.call('HSET', key, 'body', ARGV[3], 'idle_until', ARGV[4])
+redis.call('PEXPIREAT', key, ARGV[5])
+audit_write(p, 6)
+return {1}
+"""
+
+# A session ended: ARGV[2] id hash, then the audit entries from ARGV[3]. {1, found} or {-1}.
+DELETE_SESSION: Final = _AUDIT + """
+local p = ARGV[1]
+if not audit_ok(p, 3) then return {-1} end
+local found = redis.call('DEL', p .. 'session:' .. ARGV[2])
+audit_write(p, 3)
+return {1, found}
+"""
+
+# Audit entries alone (ARGV[2..], as above): {1} or {-1}.
+APPEND_AUDIT: Final = _AUDIT + """
+local p = ARGV[1]
+if not audit_ok(p, 2) then return {-1} end
+audit_write(p, 2)
+return {1}
+"""
+
+# Retention: records before ARGV[2] (epoch s), oldest first, in batches of ARGV[3], keeping the
+# newest; returns how many were removed in this batch.
+PRUNE_AUDIT: Final = """
+local p, before, batch = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local key = p .. 'audit'
+local total = redis.call('ZCARD', key)
+if total <= 1 then return 0 end
+local n = 0
+for _, rec in ipairs(redis.call('ZRANGE', key, 0, math.min(batch, total - 1) - 1)) do
+  local at = tonumber(string.match(rec, '"at":([-+.%deE]+)'))
+  if not at or at >= before then break end
+  redis.call('ZREM', key, rec)
+  n = n + 1
+end
+return n
+"""

@@ -17,7 +17,8 @@ import asyncio
 import logging
 import sqlite3
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -25,6 +26,7 @@ from typing import Any, Final, TypeVar
 import orjson
 
 from gateway.harness.state import STATUSES, RunState
+from gateway.store.audit import GENESIS, AuditEntry, AuditRecord, chain
 from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
     EXPIRED_RETENTION_S,
@@ -51,11 +53,15 @@ from gateway.store.base import (
 )
 from gateway.store.errors import (
     AlreadyBooked,
+    KeyExists,
+    KeyNotFound,
     RunExists,
     RunNotFound,
+    StaleKey,
     StaleRun,
     StoreError,
 )
+from gateway.store.keys import ConsoleSession, KeyRecord
 from gateway.store.outbox import Claimed, Notice, NoticeRule, check_notices
 from gateway.store.periods import ended_before as period_ended
 from gateway.store.sqlite_batch import Step, WriteBatch
@@ -158,7 +164,8 @@ class SqliteStore:
         self._rate_plans: dict[tuple[RateLimit, ...], RatePlan] = {}  # by the claim's rate scopes
         self._clock_rows: set[str] = set()  # scopes whose clock row this store made sure of
         self.notice_rule: NoticeRule | None = None
-        self._batch = WriteBatch(self._db, self._translate, (StaleRun, RunNotFound, RunExists, AlreadyBooked))
+        self._batch = WriteBatch(self._db, self._translate, (StaleRun, RunNotFound, RunExists, AlreadyBooked,
+                                                             KeyExists, KeyNotFound, StaleKey))
         try:
             with self._errors:
                 self._conn.execute("PRAGMA wal_autocheckpoint = 0")  # the checkpointer's thread does it
@@ -692,6 +699,135 @@ class SqliteStore:
             return int(db.execute("DELETE FROM responses WHERE created_at < ?", (created_before,)).rowcount)
 
         return await self._write(step, atomic=False)
+
+    # --- keys, sessions, audit ------------------------------------------------------------
+
+    async def put_key(self, record: KeyRecord, expected_revision: int | None,
+                      audit: Sequence[AuditEntry] = ()) -> KeyRecord:
+        body = record.stored()
+
+        def step(db: sqlite3.Connection) -> tuple[int, float | None]:
+            row = db.execute("SELECT revision, last_used_at FROM keys WHERE id = ?", (record.id,)).fetchone()
+            if expected_revision is None and row is not None:
+                raise KeyExists(record.id)
+            if expected_revision is not None:
+                if row is None:
+                    raise KeyNotFound(record.id)
+                if int(row[0]) != expected_revision:
+                    raise StaleKey(record.id, expected_revision, int(row[0]))
+            revision = int(db.execute("SELECT COALESCE(MAX(revision), 0) FROM keys").fetchone()[0]) + 1
+            db.execute("INSERT INTO keys (id, team, revision, body) VALUES (?, ?, ?, ?) ON CONFLICT (id) DO UPDATE"
+                       " SET revision = excluded.revision, body = excluded.body", (record.id, record.team, revision,
+                                                                                    body))
+            self._insert_audit(db, audit)
+            return revision, None if row is None else row[1]
+
+        revision, used = await self._write(step, atomic=True)
+        return replace(record, revision=revision, last_used_at=used)
+
+    async def get_key(self, key_id: str) -> KeyRecord | None:
+        with self._errors:
+            row = self._db().execute("SELECT revision, body, last_used_at FROM keys WHERE id = ?",
+                                     (key_id,)).fetchone()
+        return None if row is None else KeyRecord.from_stored(row[1], int(row[0]), row[2])
+
+    async def list_keys(self, team: str | None = None, *, after: str = "", limit: int = 100) -> list[KeyRecord]:
+        sql = "SELECT revision, body, last_used_at FROM keys WHERE id > ?"
+        params: list[Any] = [after]
+        if team is not None:
+            sql += " AND team = ?"
+            params.append(team)
+        with self._errors:
+            rows = self._db().execute(sql + " ORDER BY id LIMIT ?", (*params, max(limit, 0))).fetchall()
+        return [KeyRecord.from_stored(body, int(rev), used) for rev, body, used in rows]
+
+    async def keys_since(self, revision: int) -> tuple[list[KeyRecord], int]:
+        with self._errors:
+            db = self._db()
+            last = int(db.execute("SELECT COALESCE(MAX(revision), 0) FROM keys").fetchone()[0])
+            if last <= revision:
+                return [], last
+            rows = db.execute("SELECT revision, body, last_used_at FROM keys WHERE revision > ?",
+                              (revision,)).fetchall()
+        return [KeyRecord.from_stored(body, int(rev), used) for rev, body, used in rows], last
+
+    async def touch_keys(self, used: Mapping[str, float]) -> None:
+        rows = [(at, key_id) for key_id, at in used.items()]
+        if not rows:
+            return
+        await self._write(lambda db: db.executemany(
+            "UPDATE keys SET last_used_at = MAX(COALESCE(last_used_at, 0), ?) WHERE id = ?", rows), atomic=True)
+
+    async def put_session(self, session: ConsoleSession, audit: Sequence[AuditEntry] = ()) -> None:
+        row = (session.id_hash, session.key_id, session.idle_until, session.expires_at, session.stored())
+
+        def step(db: sqlite3.Connection) -> None:
+            db.execute("INSERT OR REPLACE INTO console_sessions (id_hash, key_id, idle_until, expires_at, body)"
+                       " VALUES (?, ?, ?, ?, ?)", row)
+            self._insert_audit(db, audit)
+
+        await self._write(step, atomic=True)
+
+    async def get_session(self, id_hash: str) -> ConsoleSession | None:
+        with self._errors:
+            row = self._db().execute("SELECT body, idle_until FROM console_sessions WHERE id_hash = ? AND expires_at > ?",
+                                     (id_hash, time.time())).fetchone()
+        return None if row is None else ConsoleSession.from_stored(id_hash, row[0], row[1])
+
+    async def touch_session(self, id_hash: str, idle_until: float) -> None:
+        await self._write(lambda db: db.execute(
+            "UPDATE console_sessions SET idle_until = MAX(idle_until, ?) WHERE id_hash = ?", (idle_until, id_hash)),
+            atomic=False)
+
+    async def delete_session(self, id_hash: str, audit: Sequence[AuditEntry] = ()) -> bool:
+        def step(db: sqlite3.Connection) -> bool:
+            found = db.execute("DELETE FROM console_sessions WHERE id_hash = ?", (id_hash,)).rowcount == 1
+            self._insert_audit(db, audit)
+            return found
+
+        return await self._write(step, atomic=True)
+
+    async def prune_sessions(self, now: float) -> int:
+        return await self._write(lambda db: int(db.execute(
+            "DELETE FROM console_sessions WHERE idle_until <= ? OR expires_at <= ?", (now, now)).rowcount),
+            atomic=False)
+
+    @staticmethod
+    def _insert_audit(db: sqlite3.Connection, entries: Sequence[AuditEntry]) -> list[AuditRecord]:
+        if not entries:
+            return []
+        head = db.execute("SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1").fetchone()
+        records = chain(int(head[0]) if head else 0, str(head[1]) if head else GENESIS, entries, time.time())
+        db.executemany("INSERT INTO audit (seq, at, action, team, actor_team, hash, body) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                       [(r.seq, r.at, r.action, r.team, r.actor_team, r.hash, r.stored()) for r in records])
+        return records
+
+    async def append_audit(self, entries: Sequence[AuditEntry]) -> list[AuditRecord]:
+        if not entries:
+            return []
+        return await self._write(lambda db: self._insert_audit(db, entries), atomic=True)
+
+    async def audit_log(self, *, after_seq: int = 0, limit: int = 100, since: float | None = None,
+                        action: str | None = None, team: str | None = None) -> list[AuditRecord]:
+        sql = "SELECT body FROM audit WHERE seq > ?"
+        params: list[Any] = [after_seq]
+        if since is not None:
+            sql += " AND at >= ?"
+            params.append(since)
+        if action is not None:
+            sql += " AND action = ?"
+            params.append(action)
+        if team is not None:
+            sql += " AND (team = ? OR actor_team = ?)"
+            params += [team, team]
+        with self._errors:
+            rows = self._db().execute(sql + " ORDER BY seq LIMIT ?", (*params, max(limit, 0))).fetchall()
+        return [AuditRecord.from_stored(body) for body, in rows]
+
+    async def prune_audit(self, before: float) -> int:
+        return await self._write(lambda db: int(db.execute(
+            "DELETE FROM audit WHERE at < ? AND seq < (SELECT MAX(seq) FROM audit)", (before,)).rowcount),
+            atomic=False)
 
     async def close(self) -> None:
         self._wal.close()  # first: the last connection to close checkpoints and removes the WAL

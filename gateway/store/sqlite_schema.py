@@ -145,6 +145,19 @@ MIGRATIONS: Final[tuple[str, ...]] = (
                                   tokens_tat)
         WHERE id = NEW.clock_b;
     END""",
+    # Keys as records (gateway.store.keys): the whole record as JSON, the revision every
+    # process reads the changes since, the team for lists; last use beside it (no revision).
+    """CREATE TABLE keys (id TEXT PRIMARY KEY, team TEXT NOT NULL, revision INTEGER NOT NULL, body BLOB NOT NULL,
+        last_used_at REAL) WITHOUT ROWID""",
+    "CREATE INDEX keys_revision ON keys (revision)",
+    "CREATE INDEX keys_team ON keys (team, id)",
+    # Console sessions, by the hash of their id.
+    """CREATE TABLE console_sessions (id_hash TEXT PRIMARY KEY, key_id TEXT NOT NULL, idle_until REAL NOT NULL,
+        expires_at REAL NOT NULL, body BLOB NOT NULL) WITHOUT ROWID""",
+    # The audit log, numbered and chained (gateway.store.audit).
+    """CREATE TABLE audit (seq INTEGER PRIMARY KEY, at REAL NOT NULL, action TEXT NOT NULL, team TEXT NOT NULL,
+        actor_team TEXT NOT NULL, hash TEXT NOT NULL, body BLOB NOT NULL)""",
+    "CREATE INDEX audit_at ON audit (at)",
 )
 
 BUSY_TIMEOUT_S: Final = 10.0

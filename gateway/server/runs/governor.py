@@ -73,6 +73,9 @@ RESERVE_ATTEMPTS = 8
 MARGIN_USD = 2e-6
 """Kept off a strict clamp so float dust never turns an affordable reservation into a refusal."""
 
+MAX_VIEWS = 4096
+"""Views of teams (one per key) whose rate limits the governor keeps built."""
+
 Clock = Callable[[], datetime]
 Claims = Callable[[float, tuple[RateLimit, ...], int], Claim]
 """An admission's claim for an amount, the rate limits its store step spends and its tokens."""
@@ -152,7 +155,7 @@ class Governor:
         self._live: set[str] = set()  # reservations of calls in flight here (renewed)
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         # by team and key scope: the rate limits, and the fewest tokens one of them allows per window
-        self._rates: dict[tuple[str, str | None], tuple[tuple[RateLimit, ...], int | None]] = {}
+        self._rates: dict[int, tuple[TeamConfig, tuple[RateLimit, ...], int | None]] = {}
         self.allowances = Allowances()
 
     def rates(self, team: TeamConfig) -> tuple[RateLimit, ...]:
@@ -160,14 +163,20 @@ class Governor:
         return self._limits(team)[0]
 
     def _limits(self, team: TeamConfig) -> tuple[tuple[RateLimit, ...], int | None]:
-        if team.rate_limits is None and team.caller is None:
+        caller = team.caller
+        if team.rate_limits is None and (caller is None or caller.limits is None):
             return (), None
-        key = (team.name, None if team.caller is None else team.caller.scope)
-        found = self._rates.get(key)
-        if found is None:
-            rates = rate_limits.claims(team)
-            found = self._rates[key] = rates, min((r.tokens for r in rates if r.tokens is not None), default=None)
-        return found
+        # By the view itself (the keyring makes one per key and record revision, and keeps
+        # it): an int to hash, where the limits' own dataclasses would be hashed field by field.
+        found = self._rates.get(id(team))
+        if found is not None and found[0] is team:
+            return found[1], found[2]
+        rates = rate_limits.claims(team)
+        cap = min((r.tokens for r in rates if r.tokens is not None), default=None)
+        if len(self._rates) >= MAX_VIEWS:
+            self._rates.clear()
+        self._rates[id(team)] = (team, rates, cap)
+        return rates, cap
 
     def period(self, team: TeamConfig) -> str:
         """The team's ledger key now (rolls over with the clock)."""
