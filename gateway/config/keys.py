@@ -21,8 +21,8 @@ from typing import Literal
 from gateway.config.rates import RateLimits
 
 KeySource = Literal["config", "store"]
-USER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@:+\-]{0,127}")
-"""A call's user: 1-128 letters, digits and `_ . @ : + -`, starting with a letter or digit."""
+USER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@:+=/\-]{0,127}")
+"""A call's user: 1-128 letters, digits and `_ . @ : + = / -`, starting with a letter or digit."""
 MAX_GLOBS = 64
 MAX_GLOB_CHARS = 200
 

@@ -570,7 +570,7 @@ def _config_key(at: Field) -> ConfigKey:
     user_at = at.get("user")
     user = user_at.optional_str_or_none()
     if user is not None and check_user(user) is None:
-        user_at.fail("must be 1-128 letters, digits, '_', '.', '@', ':', '+' or '-', starting with a letter or digit")
+        user_at.fail("must be 1-128 letters, digits, '_', '.', '@', ':', '+', '=', '/' or '-', starting with a letter or digit")
     return ConfigKey(key, name=at.get("name").optional_str(""), user=user, models=model_globs(at.get("models")),
                      budget_usd=at.get("budget_usd").optional_number_or_none(nonnegative=True),
                      budget_period=at.get("budget_period").choice(BUDGET_PERIODS, "month"),

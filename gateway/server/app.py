@@ -46,6 +46,7 @@ from gateway.server.chat import endpoint as chat
 from gateway.server.http.auth import SYNC_S, KeyRing
 from gateway.server.http.errors import NotFound, StoreUnavailable
 from gateway.server.http.middleware import gateway_middleware
+from gateway.server.http.scope import may_use_model
 from gateway.server.http.sse import STREAMS_END, end_streams
 from gateway.server.metrics import Metrics
 from gateway.server.notify import delivery as notify_delivery
@@ -235,17 +236,20 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
 async def list_models(request: web.Request) -> web.Response:
     """The models this gateway routes, in the OpenAI list shape (auth required)."""
     app = request.app
-    app[ctx.KEYRING].authenticate(request)
+    team = app[ctx.KEYRING].authenticate(request)
     data = [{"id": name, "object": "model", "created": 0, "owned_by": upstream}
-            for name, upstream in routed_models(app[ctx.CONFIG])]
+            for name, upstream in routed_models(app[ctx.CONFIG]) if may_use_model(team, name)]
     return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
 
 
 async def get_model(request: web.Request) -> web.Response:
     """One routed model (the SDKs' `models.retrieve`); 404 in the OpenAI shape otherwise."""
     app = request.app
-    app[ctx.KEYRING].authenticate(request)
+    team = app[ctx.KEYRING].authenticate(request)
     name = request.match_info["model"]
+    if not may_use_model(team, name):
+        raise NotFound(f"model '{name}' is not one this key may use (see GET /v1/models)", code="model_not_found",
+                       param="model")
     for model, upstream in routed_models(app[ctx.CONFIG]):
         if model == name:
             break

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple, Protocol
@@ -51,6 +52,8 @@ class Booking:
     reservation is still stored, so a booking replayed after an outage books exactly once."""
     tokens: tuple[TokenCharge, ...] = ()
     """Token clocks to reconcile, with the settle of `reservation_id` (once, like it)."""
+    attribution: Attribution | None = None
+    """Without a reservation: whose spend the charge is (with one, the reservation's own)."""
 
 
 RATE_SLACK_S = 1e-6
@@ -160,6 +163,56 @@ class TokenCharge(NamedTuple):
     tokens_s: float
 
 
+class Hold(NamedTuple):
+    """A budget besides the team's that a `Claim` holds its amount against, in the same step:
+    a key's (`kind` "key", `scope` "key:<id>") or a user's ("user", "user:<team>:<user>").
+    Each scope keeps a ledger of its own per `period`, as a team does (scopes contain ':',
+    which no team name may); a grant holds the claim's whole amount on each."""
+
+    kind: Literal["key", "user"]
+    scope: str
+    period: str
+    budget_usd: float
+
+    @property
+    def tag(self) -> str:
+        """How a reservation lists the holds it counts in ("|key:key_x#2026-12|")."""
+        return f"|{self.scope}#{self.period}|"
+
+
+class Attribution(NamedTuple):
+    """Who a booked call's spend belongs to, besides its team (`Store.spend`): the key's id,
+    the call's user, the model asked for, the run's policy ('' for none)."""
+
+    key: str = ""
+    user: str = ""
+    model: str = ""
+    policy: str = ""
+
+    def encoded(self) -> str:
+        return "\x1f".join(part.replace("\x1f", " ") for part in self)
+
+    @classmethod
+    def decoded(cls, raw: str | None) -> Attribution:
+        if not raw:
+            return cls()
+        parts = raw.split("\x1f")
+        return cls(*parts[:4]) if len(parts) >= 4 else cls()
+
+
+class SpendRow(NamedTuple):
+    """What one day's bookings spent, for one team, key, user, model and policy (micro-dollars, exact)."""
+
+    day: str
+    team: str
+    key: str
+    user: str
+    model: str
+    policy: str
+    cost_micros: int
+    calls: int
+
+
 @dataclass(frozen=True)
 class Claim:
     """What one admitted model call holds until its turn is booked or the call is released.
@@ -179,6 +232,11 @@ class Claim:
     would store it, in the same store step: one write instead of two for a run's first call.
     RunExists when the id is taken (then nothing is written or held); the run stays stored
     when the claim itself is refused, as if `create_run` had come first.
+
+    `holds`: the key's and the user's budgets (`Hold`), each checked like the team's (its
+    period's spend plus the amounts its live reservations hold plus this one within its
+    budget) and held in the same step. `attribution` goes with the reservation: its booking
+    adds the spend to the day's `SpendRow` of the team and this attribution.
     """
 
     team: str
@@ -196,11 +254,15 @@ class Claim:
     tokens: int = 0
     """The tokens the call is counted for before it runs (its prompt)."""
     create: RunState | None = None
+    holds: tuple[Hold, ...] = ()
+    attribution: Attribution | None = None
 
 
-Refusal = Literal["max_turns", "busy", "run_budget", "team_budget", "run_missing", "rate_limit"]
-"""Why `admit` held nothing: the run's turn cap, its calls in flight, its budget, the team's
-budget, a run that is not stored, or a rate limit of one of the claim's scopes."""
+Refusal = Literal["max_turns", "busy", "run_budget", "key_budget", "user_budget", "team_budget", "run_missing",
+                  "rate_limit"]
+"""Why `admit` held nothing: the run's turn cap, its calls in flight, its budget, a hold's
+budget (the key's, the user's), the team's budget, a run that is not stored, or a rate limit
+of one of the claim's scopes. Checked in this order (a run that is not stored first)."""
 
 
 @dataclass(frozen=True)
@@ -213,6 +275,8 @@ class Figures:
     run_in_flight: int = 0
     run_cost_usd: float = 0.0
     run_held_usd: float = 0.0
+    holds: tuple[tuple[float, float], ...] = ()
+    """(spent, reserved) USD of each of the claim's `holds`, in order, in their periods."""
 
 
 @dataclass(frozen=True)
@@ -302,7 +366,8 @@ class Store(Protocol):
         with `lookup_in_admission`, the exception carries the stored run (`stored`)."""
         ...
 
-    async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
+    async def figures(self, team: str, period: str, run_id: str | None = None,
+                      holds: Sequence[Hold] = ()) -> Figures:
         """The figures `admit` checks, now (a strict admission sizes its clamp from them)."""
         ...
 
@@ -317,8 +382,9 @@ class Store(Protocol):
         ...
 
     async def settle(self, reservation_id: str, actual_usd: float, tokens: Sequence[TokenCharge] = ()) -> None:
-        """Turn a reservation into spending of `actual_usd` (more or less than reserved), and
-        reconcile the `tokens` clocks with what the call really used.
+        """Turn a reservation into spending of `actual_usd` (more or less than reserved) on its
+        team's ledger and on the ledgers of its holds, add it to the day's `SpendRow` of its
+        attribution, and reconcile the `tokens` clocks with what the call really used.
 
         Idempotent: settling twice, or after release, books nothing more. A reservation that
         expired is still booked (the money was spent), for EXPIRED_RETENTION_S.
@@ -338,8 +404,19 @@ class Store(Protocol):
         """(spent, reserved) USD of the team in the period; expired reservations not counted."""
         ...
 
-    async def charge(self, team: str, period: str, amount_usd: float) -> None:
-        """Book spending without a reservation (sub-run roll-ups, spend already incurred)."""
+    async def charge(self, team: str, period: str, amount_usd: float, attribution: Attribution | None = None) -> None:
+        """Book spending without a reservation (sub-run roll-ups, spend already incurred), and
+        add it to the day's `SpendRow` of `attribution` (None: the team's alone)."""
+        ...
+
+    async def spend(self, first_day: str, last_day: str, team: str | None = None) -> list[SpendRow]:
+        """The spend rows of the days from `first_day` to `last_day` (UTC, "YYYY-MM-DD",
+        both included), of one team or all. Every booking of a ledger adds to one row (its
+        day is the booking's), so a team's rows over a budget period sum to its ledger."""
+        ...
+
+    async def prune_spend(self, before_day: str) -> int:
+        """Retention: forget the spend rows of days before `before_day`; returns how many days."""
         ...
 
     async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
@@ -510,6 +587,9 @@ def judge(claim: Claim, figures: Figures, run_exists: bool, rates: Sequence[Rate
                                              + to_micros(figures.run_held_usd, "run_held_usd") + amount
                                              > to_micros(claim.run_budget_usd, "run_budget_usd")):
         return "run_budget"
+    for hold, (spent, reserved) in zip(claim.holds, figures.holds, strict=True):
+        if to_micros(spent, "spent") + to_micros(reserved, "reserved") + amount > to_micros(hold.budget_usd, "budget"):
+            return "key_budget" if hold.kind == "key" else "user_budget"
     if claim.budget_usd is not None and (to_micros(figures.spent_usd, "spent_usd")
                                          + to_micros(figures.reserved_usd, "reserved_usd") + amount
                                          > to_micros(claim.budget_usd, "budget_usd")):
@@ -517,6 +597,11 @@ def judge(claim: Claim, figures: Figures, run_exists: bool, rates: Sequence[Rate
     if any(rate_refusal(limit, state, claim.tokens) for limit, state in zip(claim.rates, rates, strict=True)):
         return "rate_limit"
     return None
+
+
+def spend_day(epoch_s: float) -> str:
+    """The UTC day of a booking, as `SpendRow.day`."""
+    return time.strftime("%Y-%m-%d", time.gmtime(epoch_s))
 
 
 def optional_micros(usd: float | None, what: str) -> int | None:

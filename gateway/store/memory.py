@@ -16,6 +16,10 @@ from gateway.harness.state import RunState
 from gateway.store.audit import GENESIS, AuditEntry, AuditRecord, chain, matches
 from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
+    Attribution,
+    Hold,
+    SpendRow,
+    spend_day,
     EXPIRED_RETENTION_S,
     Booking,
     Claim,
@@ -75,6 +79,8 @@ class _Reservation:
     run_id: str | None = None
     owner: str = ""
     scopes: tuple[str, ...] = ()
+    holds: tuple[tuple[str, str], ...] = ()  # (scope, period) of each budget it holds against
+    attribution: Attribution | None = None
 
     def live(self, now: float) -> bool:
         return not self.expired and self.expires_at > now
@@ -104,6 +110,7 @@ class MemoryStore:
         self._reservations: dict[str, _Reservation] = {}
         self._leases: dict[str, tuple[str, float]] = {}
         self._responses: dict[str, tuple[str, bytes]] = {}
+        self._spend: dict[tuple[str, str, Attribution], list[int]] = {}  # (day, team, who) -> [micros, calls]
         self._clocks: dict[str, list[float]] = {}  # rate scope -> [requests tat, tokens tat]
         self._response_times: dict[str, float] = {}
         self._outbox: dict[str, _Outgoing] = {}
@@ -170,7 +177,7 @@ class MemoryStore:
         if booking.reservation_id is not None:
             self._settle(booking.reservation_id, actual, booking.tokens)
         elif actual:
-            self._spent[(booking.team, booking.period)] = self._spent.get((booking.team, booking.period), 0) + actual
+            self._book(booking.team, booking.period, actual, booking.attribution)
         return await self.team_spend(booking.team, booking.period)
 
     async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100,
@@ -271,12 +278,16 @@ class MemoryStore:
     def _reserved(self, team: str, period: str, now: float) -> int:
         return sum(r.amount for r in self._reservations.values() if r.team == team and r.period == period and r.live(now))
 
-    def _figures(self, team: str, period: str, run_id: str | None, now: float) -> tuple[Figures, _StoredRun | None]:
+    def _figures(self, team: str, period: str, run_id: str | None, now: float,
+                 holds: Sequence[Hold] = ()) -> tuple[Figures, _StoredRun | None]:
         run = None if run_id is None else self._runs.get(run_id)
         slots = [] if run_id is None else [r for r in self._reservations.values() if r.run_id == run_id and r.live(now)]
+        held = tuple((from_micros(self._spent.get((h.scope, h.period), 0)), from_micros(sum(
+            r.amount for r in self._reservations.values() if (h.scope, h.period) in r.holds and r.live(now))))
+            for h in holds)
         figures = Figures(from_micros(self._spent.get((team, period), 0)), from_micros(self._reserved(team, period, now)),
                           run.turns if run else 0, len(slots), from_micros(run.cost) if run else 0.0,
-                          from_micros(sum(r.amount for r in slots)))
+                          from_micros(sum(r.amount for r in slots)), held)
         return figures, run
 
     async def admit(self, claim: Claim) -> Grant:
@@ -289,7 +300,7 @@ class MemoryStore:
             await self.create_run(claim.create)
         now = time.time()
         self._reclaim(claim.team, now)
-        figures, run = self._figures(claim.team, claim.period, claim.run_id, now)
+        figures, run = self._figures(claim.team, claim.period, claim.run_id, now, claim.holds)
         rates = tuple(self._rate_state(limit.scope, now, limit.max_in_flight is not None) for limit in claim.rates)
         refused = judge(claim, figures, run is not None, rates)
         if refused is not None:
@@ -297,7 +308,9 @@ class MemoryStore:
         rid = new_reservation_id()
         self._reservations[rid] = _Reservation(claim.team, claim.period, amount, now + ttl, run_id=claim.run_id,
                                                owner=claim.owner, scopes=tuple(
-                                                   r.scope for r in claim.rates if r.max_in_flight is not None))
+                                                   r.scope for r in claim.rates if r.max_in_flight is not None),
+                                               holds=tuple((h.scope, h.period) for h in claim.holds),
+                                               attribution=claim.attribution)
         for limit in claim.rates:
             clock = self._clocks.setdefault(limit.scope, [0.0, 0.0])
             if limit.requests_s is not None:
@@ -324,9 +337,10 @@ class MemoryStore:
             if push.tokens_s:
                 clock[1] = max(clock[1], now) + push.tokens_s
 
-    async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
+    async def figures(self, team: str, period: str, run_id: str | None = None,
+                      holds: Sequence[Hold] = ()) -> Figures:
         self._check_open()
-        return self._figures(team, period, run_id, time.time())[0]
+        return self._figures(team, period, run_id, time.time(), holds)[0]
 
     async def renew(self, reservation_ids: Sequence[str], ttl_s: float) -> None:
         self._check_open()
@@ -362,9 +376,16 @@ class MemoryStore:
     def _settle(self, reservation_id: str, actual: int, tokens: Sequence[TokenCharge] = ()) -> None:
         r = self._reservations.pop(reservation_id, None)
         if r is not None:
-            key = (r.team, r.period)
-            self._spent[key] = self._spent.get(key, 0) + actual
+            self._book(r.team, r.period, actual, r.attribution)
+            for scope, period in r.holds:
+                self._spent[(scope, period)] = self._spent.get((scope, period), 0) + actual
             self._charge_tokens(tokens)
+
+    def _book(self, team: str, period: str, actual: int, attribution: Attribution | None) -> None:
+        self._spent[(team, period)] = self._spent.get((team, period), 0) + actual
+        row = self._spend.setdefault((spend_day(time.time()), team, attribution or Attribution()), [0, 0])
+        row[0] += actual
+        row[1] += 1
 
     async def push_clocks(self, pushes: Sequence[ClockPush]) -> None:
         self._check_open()
@@ -379,10 +400,21 @@ class MemoryStore:
         now = time.time()
         return from_micros(self._spent.get((team, period), 0)), from_micros(self._reserved(team, period, now))
 
-    async def charge(self, team: str, period: str, amount_usd: float) -> None:
+    async def charge(self, team: str, period: str, amount_usd: float, attribution: Attribution | None = None) -> None:
         self._check_open()
-        amount = to_micros(amount_usd, "amount_usd")
-        self._spent[(team, period)] = self._spent.get((team, period), 0) + amount
+        self._book(team, period, to_micros(amount_usd, "amount_usd"), attribution)
+
+    async def spend(self, first_day: str, last_day: str, team: str | None = None) -> list[SpendRow]:
+        self._check_open()
+        return [SpendRow(day, t, *who, micros, calls) for (day, t, who), (micros, calls) in sorted(self._spend.items())
+                if first_day <= day <= last_day and (team is None or t == team)]
+
+    async def prune_spend(self, before_day: str) -> int:
+        self._check_open()
+        old = [k for k in self._spend if k[0] < before_day]
+        for k in old:
+            del self._spend[k]
+        return len({k[0] for k in old})
 
     async def prune_runs(self, updated_before: float, *, events_only: bool = False) -> int:
         self._check_open()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from datetime import UTC, datetime
 import functools
 import math
 import random
@@ -42,6 +43,10 @@ from gateway.store import redis_lua
 from gateway.store.audit import GENESIS, AuditEntry, AuditRecord, chain, matches
 from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
+    Attribution,
+    Hold,
+    SpendRow,
+    spend_day,
     EXPIRED_RETENTION_S,
     PRUNE_BATCH,
     Booking,
@@ -102,6 +107,7 @@ _APPEND_EVENTS: Final = Script(redis_lua.APPEND_EVENTS)
 _CLAIM_NOTICES: Final = Script(redis_lua.CLAIM_NOTICES)
 _NOTICE_OUTCOME: Final = Script(redis_lua.NOTICE_OUTCOME)
 _PUT_KEY: Final = Script(redis_lua.PUT_KEY)
+_CHARGE: Final = Script(redis_lua.CHARGE)
 _KEYS_SINCE: Final = Script(redis_lua.KEYS_SINCE)
 _LIST_KEYS: Final = Script(redis_lua.LIST_KEYS)
 _TOUCH_KEYS: Final = Script(redis_lua.TOUCH_KEYS)
@@ -297,6 +303,10 @@ class RedisStore:
         args += scopes.head
         if scopes.args:
             args += scopes.args
+        args.append("" if claim.attribution is None else claim.attribution.encoded())
+        args.append(str(len(claim.holds)))
+        if claim.holds:
+            args += [f"{h.kind} {to_micros(h.budget_usd, 'budget')} {h.period} {h.scope}" for h in claim.holds]
         if claim.create is not None:
             args += _run_fields(claim.create)
         self._redis()
@@ -308,14 +318,18 @@ class RedisStore:
         if int(result[0]) == 2 and claim.create is not None:
             run_id = claim.create.run_id
             raise RunExists(run_id, None if result[1] is None else parse_run(run_id, result[1]))
-        return Grant(None, cast(Refusal, _text(result[1])), _figures(result[2:8]), _clocks(claim, scopes, result[8:]))
+        tail = len(result) - 2 * len(claim.holds)
+        return Grant(None, cast(Refusal, _text(result[1])), _figures(result[2:8], result[tail:]),
+                     _clocks(claim, scopes, result[8:tail]))
 
-    async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
+    async def figures(self, team: str, period: str, run_id: str | None = None,
+                      holds: Sequence[Hold] = ()) -> Figures:
         self._redis()
         async with self._errors:
             result: list[Any] = await self._lane.run(
-                _FIGURES, [self.prefix, team, period, run_id or "", _RETENTION_MS])
-        return _figures(result)
+                _FIGURES, [self.prefix, team, period, run_id or "", _RETENTION_MS,
+                           *(f"{h.period} {h.scope}" for h in holds)])
+        return _figures(result[:6], result[6:])
 
     async def renew(self, reservation_ids: Sequence[str], ttl_s: float) -> None:
         if not reservation_ids:
@@ -355,10 +369,44 @@ class RedisStore:
             spent, reserved = await self._lane.run(_TEAM_SPEND, [self.prefix, team, period, _RETENTION_MS])
         return from_micros(int(spent)), from_micros(int(reserved))
 
-    async def charge(self, team: str, period: str, amount_usd: float) -> None:
+    async def charge(self, team: str, period: str, amount_usd: float, attribution: Attribution | None = None) -> None:
         amount = to_micros(amount_usd, "amount_usd")
+        self._redis()
         async with self._errors:
-            await self._redis().hincrby(self._key("ledger", team), f"spent:{period}", amount)
+            await self._lane.run(_CHARGE, [self.prefix, team, period, str(amount),
+                                           "" if attribution is None else attribution.encoded()])
+
+    async def spend(self, first_day: str, last_day: str, team: str | None = None) -> list[SpendRow]:
+        client = self._redis()
+        first, last = _day_number(first_day), _day_number(last_day)
+        out: list[SpendRow] = []
+        async with self._errors:
+            days = await client.zrangebyscore(f"{self.prefix}spend:days", first, last)
+            for raw_day in days:
+                day = int(_text(raw_day))
+                fields = await client.hgetall(f"{self.prefix}spend:{day}")
+                name = spend_day(day * 86_400.0)
+                figures: dict[str, list[int]] = {}
+                for raw_field, value in fields.items():
+                    kind, _, who = _text(raw_field).partition(":")
+                    figures.setdefault(who, [0, 0])[0 if kind == "c" else 1] = int(value)
+                for who, (micros, calls) in sorted(figures.items()):
+                    row_team, _, attr = who.partition("\x1f")
+                    if team is None or row_team == team:
+                        out.append(SpendRow(name, row_team, *Attribution.decoded(attr), micros, calls))
+        return out
+
+    async def prune_spend(self, before_day: str) -> int:
+        client = self._redis()
+        async with self._errors:
+            days = await client.zrangebyscore(f"{self.prefix}spend:days", "-inf", f"({_day_number(before_day)}")
+            for raw_day in days:
+                day = _text(raw_day)
+                async with client.pipeline(transaction=True) as pipe:
+                    pipe.delete(f"{self.prefix}spend:{day}")
+                    pipe.zrem(f"{self.prefix}spend:days", day)
+                    await pipe.execute()
+        return len(days)
 
     async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
         ttl_ms = max(1, math.ceil(check_ttl(ttl_s, "ttl_s", allow_zero=False) * 1000))
@@ -763,11 +811,19 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _figures(raw: list[Any]) -> Figures:
-    """{spent, reserved, turns, cost, in_flight, held} of the Lua scripts (micros as integers)."""
+def _figures(raw: list[Any], holds: list[Any] = []) -> Figures:  # noqa: B006 - read only
+    """{spent, reserved, turns, cost, in_flight, held} of the Lua scripts (micros as integers),
+    and the holds' spent and reserved after them."""
     spent, reserved, turns, cost, in_flight, held = (_text(v) for v in raw)
     return Figures(from_micros(int(spent)), from_micros(int(reserved)), int(turns or 0), int(in_flight),
-                   from_micros(int(cost)), from_micros(int(held)))
+                   from_micros(int(cost)), from_micros(int(held)),
+                   tuple((from_micros(int(_text(holds[i]))), from_micros(int(_text(holds[i + 1]))))
+                         for i in range(0, len(holds), 2)))
+
+
+def _day_number(day: str) -> int:
+    """A spend row's day ("YYYY-MM-DD") as the days since the epoch its Redis hash is named by."""
+    return int(datetime.strptime(day, "%Y-%m-%d").replace(tzinfo=UTC).timestamp() // 86_400)
 
 
 def _run_fields(state: RunState) -> list[str | bytes]:

@@ -21,7 +21,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final, TypeVar, cast
 
 import orjson
 
@@ -29,6 +29,10 @@ from gateway.harness.state import STATUSES, RunState
 from gateway.store.audit import GENESIS, AuditEntry, AuditRecord, chain
 from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
+    Attribution,
+    Hold,
+    SpendRow,
+    spend_day,
     EXPIRED_RETENTION_S,
     PRUNE_BATCH,
     Booking,
@@ -104,10 +108,23 @@ never counts an expired reservation, marked or not."""
 
 
 _LIVE: Final = LIVE
+_NOBODY: Final = Attribution()
+_DAYS: dict[int, str] = {}
+
+
+def _day() -> str:
+    """Today (UTC) as a spend row's day, formatted once a day."""
+    now = time.time()
+    n = int(now // 86_400)
+    day = _DAYS.get(n)
+    if day is None:
+        _DAYS.clear()
+        day = _DAYS[n] = spend_day(now)
+    return day
 _ADMIT: Final = (
-    "INSERT INTO reservations (id, team, period, amount_micros, expires_at, run_id, owner, scopes"
+    "INSERT INTO reservations (id, team, period, amount_micros, expires_at, run_id, owner, scopes, budgets, attrib"
     "{clocks})"
-    " SELECT :id, :team, :period, :amount, :expires, :run, :owner, :scopes{values}"
+    " SELECT :id, :team, :period, :amount, :expires, :run, :owner, :scopes, :budgets, :attrib{values}"
     " WHERE (:run IS NULL OR EXISTS (SELECT 1 FROM runs WHERE id = :run))"
     " AND (:max_turns IS NULL OR (SELECT turns FROM runs WHERE id = :run)"
     f"      + (SELECT COUNT(*) FROM reservations WHERE run_id = :run AND {_LIVE}) < :max_turns)"
@@ -122,8 +139,25 @@ _ADMIT: Final = (
     # The team's calls in flight when that is all its rate limits check (a call whose request
     # and tokens were taken ahead): checked here, so that such a call shares this statement.
     f" AND (:team_in_flight IS NULL OR {team_in_flight(':team')} < :team_in_flight)"
+    "{holds}"
 )
 """Checks every condition of a `Claim` and holds it, in one statement (atomic on its own)."""
+_HOLD: Final = (
+    " AND (SELECT COALESCE(SUM(spent_micros), 0) FROM ledger WHERE team = :hs{i} AND period = :hp{i})"
+    " + (SELECT COALESCE(SUM(amount_micros), 0) FROM reservations WHERE instr(budgets, :ht{i}) > 0 AND "
+    + _LIVE.replace("{", "{{").replace("}", "}}") + ") + :amount <= :hb{i}")
+"""A hold's budget check (base.Hold): its ledger row (team = its scope) and the live
+reservations that list it in `budgets` (a scan of the calls in flight, as a key's calls in
+flight are counted)."""
+
+
+def _admit_template(holds: int) -> str:
+    """The admission statement for a claim with `holds` holds (`{clocks}`, `{values}` left for the rate plan)."""
+    return _ADMIT.replace("{holds}", "".join(_HOLD.format(i=i) for i in range(holds)))
+
+
+def _hold_names(holds: int) -> tuple[str, ...]:
+    return tuple(f"{k}{i}" for i in range(holds) for k in ("hs", "hp", "ht", "hb"))
 _REVISION: Final = "(SELECT revision FROM runs WHERE id = :run)"
 """The run's stored revision, read back by the admission's RETURNING (`Grant.run_revision`):
 a statement less than a SELECT after it (3 us a call)."""
@@ -147,6 +181,15 @@ _FIGURES: Final = (
     f" (SELECT COALESCE(SUM(amount_micros), 0) FROM reservations WHERE run_id = :run AND {_LIVE})"
 )
 
+_HOLD_FIGURES: Final = (
+    "SELECT (SELECT COALESCE(SUM(spent_micros), 0) FROM ledger WHERE team = :scope AND period = :period),"
+    f" (SELECT COALESCE(SUM(amount_micros), 0) FROM reservations WHERE instr(budgets, :tag) > 0 AND {_LIVE})")
+_SPEND: Final = (
+    "INSERT INTO spend (day, team, key_id, user, model, policy, cost_micros, calls) VALUES (?, ?, ?, ?, ?, ?, ?, 1)"
+    " ON CONFLICT (day, team, key_id, user, model, policy) DO UPDATE"
+    " SET cost_micros = cost_micros + excluded.cost_micros, calls = calls + 1")
+"""A booking's spend added to its day's row (base.SpendRow)."""
+
 
 class SqliteStore:
     """The store in one SQLite file; several processes may open the same file."""
@@ -159,9 +202,8 @@ class SqliteStore:
         self._conn: sqlite3.Connection | None = connect(self.path)
         self._reclaim_due: dict[str, float] = {}
         self._held: dict[str, float] = {}  # reservations this store made and nobody settled yet -> expiry
-        plain = _ADMIT.format(clocks="", values="")  # without rate limits: with a run, and without
-        self._admit_sql = (numbered(plain + " RETURNING " + _REVISION, ADMIT_ARGS), numbered(plain, ADMIT_ARGS))
-        self._rate_plans: dict[tuple[RateLimit, ...], RatePlan] = {}  # by the claim's rate scopes
+        self._plain: dict[tuple[bool, int], str] = {}  # without rate limits: by (without a run, holds)
+        self._rate_plans: dict[tuple[tuple[RateLimit, ...], int], RatePlan] = {}  # by rate scopes and holds
         self._clock_rows: set[str] = set()  # scopes whose clock row this store made sure of
         self.notice_rule: NoticeRule | None = None
         self._batch = WriteBatch(self._db, self._translate, (StaleRun, RunNotFound, RunExists, AlreadyBooked,
@@ -288,7 +330,7 @@ class SqliteStore:
             if booking.reservation_id is not None:
                 self._settle(db, booking.reservation_id, actual, booking.tokens)
             elif actual:
-                self._book(db, booking.team, booking.period, actual)
+                self._book(db, booking.team, booking.period, actual, booking.attribution)
             return self._spend(db, booking.team, booking.period)
 
         try:
@@ -436,14 +478,18 @@ class SqliteStore:
         amount = to_micros(claim.amount_usd, "amount_usd")
         budget = optional_micros(claim.budget_usd, "budget_usd")
         run_budget = optional_micros(claim.run_budget_usd, "run_budget_usd")
-        sql, plan, team_in_flight = self._admit_sql[claim.run_id is None], None, None
+        holds = len(claim.holds)
+        shape = (claim.run_id is None, holds)
+        sql = self._plain.get(shape) or self._plain_sql(*shape)
+        plan, team_in_flight = None, None
         missing: tuple[tuple[str], ...] = ()
         if claim.rates:
-            plan = self._rate_plans.get(claim.rates)
+            plan = self._rate_plans.get((claim.rates, holds))
             if plan is None:
                 if len(self._rate_plans) >= MAX_RATE_PLANS:  # claims made up by hand, not from config
                     self._rate_plans.clear()
-                plan = self._rate_plans[claim.rates] = rate_plan(claim.rates, _ADMIT, _REVISION)
+                plan = self._rate_plans[(claim.rates, holds)] = rate_plan(
+                    claim.rates, _admit_template(holds), _REVISION, (*ADMIT_ARGS, *_hold_names(holds)))
             if plan.own_team == claim.team:
                 team_in_flight = plan.own_in_flight  # the statement without rate limits checks it
             else:
@@ -454,6 +500,11 @@ class SqliteStore:
         returning = claim.run_id is not None or (plan is not None and team_in_flight is None)
         granted: list[tuple[str, float]] = []
         create = None if claim.create is None else self._inserter(claim.create)
+        attrib = None if claim.attribution is None else claim.attribution.encoded()
+        budgets, held = None, cast(tuple[Any, ...], ())
+        if claim.holds:
+            budgets = "".join(h.tag for h in claim.holds)
+            held = tuple(v for h in claim.holds for v in (h.scope, h.period, h.tag, to_micros(h.budget_usd, "budget")))
 
         def step(db: sqlite3.Connection) -> Grant:
             if create is not None:  # first, so that a taken id refuses before anything is written
@@ -469,7 +520,10 @@ class SqliteStore:
             rid = new_reservation_id()
             args: tuple[Any, ...] = (rid, claim.team, claim.period, amount, now + ttl, claim.run_id, claim.owner,
                                      None if plan is None else plan.scopes, now, claim.max_turns,
-                                     claim.max_in_flight, run_budget, budget, team_in_flight)  # ADMIT_ARGS
+                                     claim.max_in_flight, run_budget, budget, team_in_flight, budgets,
+                                     attrib)  # ADMIT_ARGS
+            if held:
+                args += held
             if plan is not None and plan.args is not None and team_in_flight is None:
                 args += (claim.tokens, *plan.args)
             cursor = db.execute(sql, args)
@@ -479,7 +533,7 @@ class SqliteStore:
             if not inserted:
                 # Why, from figures read right after; another process may have moved them
                 # since (then "busy": a retry may pass).
-                figures, run_exists = self._figures(db, claim.team, claim.period, claim.run_id, now)
+                figures, run_exists = self._figures(db, claim.team, claim.period, claim.run_id, now, claim.holds)
                 rates = tuple(self._rate_state(db, r, now) for r in claim.rates)
                 return Grant(None, judge(claim, figures, run_exists, rates) or "busy", figures, rates)
             granted.append((rid, now + ttl))
@@ -504,6 +558,13 @@ class SqliteStore:
             self._held[grant.reservation_id] = granted[0][1]
         return grant
 
+    def _plain_sql(self, without_run: bool, holds: int) -> str:
+        """The admission statement of a claim without rate limits (numbered), made once per shape."""
+        plain = _admit_template(holds).format(clocks="", values="")
+        sql = numbered(plain if without_run else plain + " RETURNING " + _REVISION, (*ADMIT_ARGS, *_hold_names(holds)))
+        self._plain[(without_run, holds)] = sql
+        return sql
+
     @staticmethod
     def _rate_state(db: sqlite3.Connection, limit: RateLimit, now: float) -> RateState:
         row = db.execute(_READ_CLOCK, (limit.scope,)).fetchone()
@@ -514,17 +575,21 @@ class SqliteStore:
         requests_tat, tokens_tat = row or (0.0, 0.0)
         return RateState(limit.scope, now, requests_tat or 0.0, tokens_tat or 0.0, in_flight)
 
-    async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
+    async def figures(self, team: str, period: str, run_id: str | None = None,
+                      holds: Sequence[Hold] = ()) -> Figures:
         with self._errors:
-            return self._figures(self._db(), team, period, run_id, time.time())[0]
+            return self._figures(self._db(), team, period, run_id, time.time(), holds)[0]
 
     @staticmethod
     def _figures(db: sqlite3.Connection, team: str, period: str, run_id: str | None,
-                 now: float) -> tuple[Figures, bool]:
+                 now: float, holds: Sequence[Hold] = ()) -> tuple[Figures, bool]:
         spent, reserved, turns, cost, in_flight, held = db.execute(_FIGURES, {
             "team": team, "period": period, "run": run_id, "now": now}).fetchone()
+        of_holds = tuple(
+            (from_micros(int(s)), from_micros(int(r))) for s, r in (db.execute(_HOLD_FIGURES, {
+                "scope": h.scope, "period": h.period, "tag": h.tag, "now": now}).fetchone() for h in holds))
         figures = Figures(from_micros(int(spent)), from_micros(int(reserved)), int(turns or 0), int(in_flight),
-                          from_micros(int(cost or 0)), from_micros(int(held)))
+                          from_micros(int(cost or 0)), from_micros(int(held)), of_holds)
         return figures, turns is not None
 
     async def renew(self, reservation_ids: Sequence[str], ttl_s: float) -> None:
@@ -577,16 +642,30 @@ class SqliteStore:
     @classmethod
     def _settle(cls, db: sqlite3.Connection, reservation_id: str, actual: int,
                 tokens: Sequence[TokenCharge] = ()) -> None:
-        rows = db.execute("DELETE FROM reservations WHERE id = ? RETURNING team, period", (reservation_id,)).fetchall()
+        rows = db.execute("DELETE FROM reservations WHERE id = ? RETURNING team, period, budgets, attrib",
+                          (reservation_id,)).fetchall()
         if rows:  # else already settled or released: nothing more to book
-            cls._book(db, rows[0][0], rows[0][1], actual)
+            team, period, budgets, attrib = rows[0]
+            cls._book(db, team, period, actual, Attribution.decoded(attrib))
+            if budgets:
+                for tag in budgets.strip("|").split("||"):
+                    scope, _, hold_period = tag.rpartition("#")
+                    cls._ledger(db, scope, hold_period, actual)
             if tokens:  # the clock rows are on the page the DELETE wrote (sqlite_schema)
                 now = time.time()
                 for c in tokens:  # one or two: execute spares executemany's iterator
                     db.execute(_PUSH_CLOCKS, (now, 0.0, c.tokens * c.tokens_s, c.scope))
 
+    @classmethod
+    def _book(cls, db: sqlite3.Connection, team: str, period: str, micros: int,
+              attribution: Attribution | None) -> None:
+        """A team's booking: its ledger, and the day's spend row of `attribution`."""
+        cls._ledger(db, team, period, micros)
+        who = attribution or _NOBODY
+        db.execute(_SPEND, (_day(), team, who.key, who.user, who.model, who.policy, micros))
+
     @staticmethod
-    def _book(db: sqlite3.Connection, team: str, period: str, micros: int) -> None:
+    def _ledger(db: sqlite3.Connection, team: str, period: str, micros: int) -> None:
         db.execute(
             "INSERT INTO ledger (team, period, spent_micros) VALUES (?, ?, ?)"
             " ON CONFLICT (team, period) DO UPDATE SET spent_micros = spent_micros + excluded.spent_micros",
@@ -617,9 +696,27 @@ class SqliteStore:
         ).fetchone()
         return from_micros(int(spent)), from_micros(int(reserved))
 
-    async def charge(self, team: str, period: str, amount_usd: float) -> None:
+    async def charge(self, team: str, period: str, amount_usd: float, attribution: Attribution | None = None) -> None:
         amount = to_micros(amount_usd, "amount_usd")
-        await self._write(lambda db: self._book(db, team, period, amount), atomic=False)
+        await self._write(lambda db: self._book(db, team, period, amount, attribution), atomic=True)
+
+    async def spend(self, first_day: str, last_day: str, team: str | None = None) -> list[SpendRow]:
+        sql = ("SELECT day, team, key_id, user, model, policy, cost_micros, calls FROM spend WHERE day >= ? AND day <= ?")
+        params: list[Any] = [first_day, last_day]
+        if team is not None:
+            sql += " AND team = ?"
+            params.append(team)
+        with self._errors:
+            rows = self._db().execute(sql + " ORDER BY day", params).fetchall()
+        return [SpendRow(str(d), str(t), str(k), str(u), str(m), str(p), int(c), int(n)) for d, t, k, u, m, p, c, n in rows]
+
+    async def prune_spend(self, before_day: str) -> int:
+        def step(db: sqlite3.Connection) -> int:
+            days = int(db.execute("SELECT COUNT(DISTINCT day) FROM spend WHERE day < ?", (before_day,)).fetchone()[0])
+            db.execute("DELETE FROM spend WHERE day < ?", (before_day,))
+            return days
+
+        return await self._write(step, atomic=True)
 
     async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
         ttl = check_ttl(ttl_s, "ttl_s", allow_zero=False)

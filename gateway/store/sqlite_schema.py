@@ -158,6 +158,14 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     """CREATE TABLE audit (seq INTEGER PRIMARY KEY, at REAL NOT NULL, action TEXT NOT NULL, team TEXT NOT NULL,
         actor_team TEXT NOT NULL, hash TEXT NOT NULL, body BLOB NOT NULL)""",
     "CREATE INDEX audit_at ON audit (at)",
+    # Budgets besides the team's a reservation holds against (base.Hold: '|key:k#2026-12|user:t:u#2026-12|'),
+    # whose ledgers are rows of `ledger` (team = the hold's scope, which no team name can be),
+    # and whose spend it is (base.Attribution, encoded): its booking adds to the day's `spend` row.
+    "ALTER TABLE reservations ADD COLUMN budgets TEXT",
+    "ALTER TABLE reservations ADD COLUMN attrib TEXT",
+    """CREATE TABLE spend (day TEXT NOT NULL, team TEXT NOT NULL, key_id TEXT NOT NULL, user TEXT NOT NULL,
+        model TEXT NOT NULL, policy TEXT NOT NULL, cost_micros INTEGER NOT NULL, calls INTEGER NOT NULL,
+        PRIMARY KEY (day, team, key_id, user, model, policy)) WITHOUT ROWID""",
 )
 
 BUSY_TIMEOUT_S: Final = 10.0

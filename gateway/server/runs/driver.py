@@ -277,7 +277,7 @@ class RunDriver:
         """Save a run the loop could not finish: a refused call or a failed upstream."""
         if isinstance(exc, LimitExceeded):
             state.status, state.reason, state.interruption = limit_stop(exc.kind)
-            if exc.kind == "team_budget_exceeded":
+            if exc.kind in ("team_budget_exceeded", "key_budget_exceeded", "user_budget_exceeded"):
                 state.error = exc.message
         elif isinstance(exc, RateLimited):  # waited defaults.rate_limit_wait_s already: resume it later
             state.status, state.reason = "interrupted", "rate_limited"
