@@ -40,6 +40,7 @@ from gateway.providers.upstream import new_session
 from gateway.server import console, embeddings, mcp_servers, openapi
 from gateway.server import context as ctx
 from gateway.server.api import admin
+from gateway.server.api import keys as admin_keys
 from gateway.server.api import metrics as metrics_route
 from gateway.server.api import runs as runs_api
 from gateway.server.chat import endpoint as chat
@@ -289,6 +290,12 @@ ROUTES: Final[tuple[tuple[str, str, Handler], ...]] = (
     ("POST", "/v1/runs/{id}/resume", runs_api.post_resume),
     ("POST", "/v1/runs/{id}/cancel", runs_api.post_cancel),
     ("POST", admin.RELOAD_PATH, admin.post_reload),
+    ("POST", "/v1/admin/keys", admin_keys.create_key),
+    ("GET", "/v1/admin/keys", admin_keys.list_keys),
+    ("GET", "/v1/admin/keys/{id}", admin_keys.get_key),
+    ("PATCH", "/v1/admin/keys/{id}", admin_keys.update_key),
+    ("DELETE", "/v1/admin/keys/{id}", admin_keys.revoke_key),
+    ("POST", "/v1/admin/keys/{id}/rotate", admin_keys.rotate_key),
     ("GET", "/healthz", healthz),
     ("GET", "/openapi.json", openapi.openapi_json),
 )

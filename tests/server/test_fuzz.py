@@ -1,4 +1,5 @@
-"""Property-based fuzzing of one real gateway process: chat bodies and the runs API.
+"""Property-based fuzzing of one real gateway process: chat bodies, the runs API and the
+admin API (keys, spend, audit).
 
 Mostly-valid chat bodies with mutated fields (wrong types, huge integers, deep nesting,
 odd tool calls and tools), under the `passthrough` and `files` policies, streamed and
@@ -27,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.served import DEMO, OPS, OTHER, Served
+from tests.server.served import DEMO, KEYS, OPS, OTHER, Served
 
 CLASS_NAME = re.compile(rb"\b[A-Z][A-Za-z]*(Error|Exception)\b|Traceback")
 # The examples are derandomized (the same ones every run); a deeper run raises the counts,
@@ -35,6 +36,7 @@ CLASS_NAME = re.compile(rb"\b[A-Z][A-Za-z]*(Error|Exception)\b|Traceback")
 SCALE = float(os.environ.get("GATEWAY_FUZZ_SCALE", "1"))
 CHAT_EXAMPLES = int(500 * SCALE)
 RUNS_EXAMPLES = int(250 * SCALE)
+ADMIN_EXAMPLES = int(250 * SCALE)
 FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False,
                 suppress_health_check=list(HealthCheck))
 
@@ -267,3 +269,63 @@ def test_fuzz_runs_api(client: Client, runs: dict[str, str]) -> None:
 
     check()
     assert client.sent - before >= RUNS_EXAMPLES
+
+
+# --- admin API: keys ---------------------------------------------------------------------------
+
+KEY_FIELDS = ["team", "name", "user", "models", "policies", "budget_usd", "budget_period", "rate_limits",
+              "expires_at", "expires_in_s", "metadata", "manage_keys", "grace_s", "colour"]
+GOOD_KEY: dict[str, Any] = {"team": "demo", "name": "fuzz", "user": "ana", "models": ["scripted-*"],
+                            "policies": ["passthrough"], "budget_usd": 1.0, "budget_period": "week",
+                            "rate_limits": {"requests_per_minute": 60}, "expires_in_s": 3600,
+                            "metadata": {"owner": "ana"}, "manage_keys": False, "grace_s": 1}
+
+
+@pytest.fixture(scope="module")
+def key_ids(client: Client) -> list[str]:
+    """Two keys of team demo, issued by its key manager."""
+    made = []
+    for _ in range(2):
+        status, data = client.send("POST", "/v1/admin/keys", orjson.dumps({"team": "demo", "name": "seed"}), key=KEYS)
+        assert status == 201, data
+        made.append(orjson.loads(data)["id"])
+    return made
+
+
+@st.composite
+def admin_cases(draw: st.DrawFn, ids: list[str]) -> tuple[str, str, bytes | None, str | None]:
+    key = draw(st.sampled_from([KEYS, KEYS, KEYS, DEMO, OTHER, "sk-nope", None]))
+    route = draw(st.sampled_from(["create", "create", "list", "get", "patch", "patch", "rotate", "revoke"]))
+    key_id = quote(draw(st.one_of(st.sampled_from(ids), TEXT, st.just("cfg_" + "0" * 24))), safe="")
+    if route == "list":
+        query = {k: draw(NUMBERISH if k == "limit" else TEXT) for k in draw(st.sets(st.sampled_from(
+            ["team", "user", "include_revoked", "after", "limit"])))}
+        return "GET", "/v1/admin/keys?" + urlencode(query), None, key
+    if route == "get":
+        return "GET", f"/v1/admin/keys/{key_id}", None, key
+    if route == "revoke":
+        return "DELETE", f"/v1/admin/keys/{key_id}", None, key
+    body: dict[str, Any] = {"team": "demo", "name": "fuzz"} if route == "create" else {}
+    for name in draw(st.sets(st.sampled_from(KEY_FIELDS), max_size=4)):
+        body[name] = copy.deepcopy(draw(st.one_of(st.just(GOOD_KEY.get(name, 1)), ODD)))
+    raw = json.dumps(body).encode() if draw(st.integers(0, 9)) else draw(st.sampled_from(
+        [b"", b"[]", b"{", b"null", b"\"x\"", b"{\"name\": " + b"[" * 300 + b"]" * 300 + b"}"]))
+    if route == "create":
+        return "POST", "/v1/admin/keys", raw, key
+    if route == "rotate":
+        return "POST", f"/v1/admin/keys/{key_id}/rotate", raw, key
+    return "PATCH", f"/v1/admin/keys/{key_id}", raw, key
+
+
+def test_fuzz_admin_keys_api(client: Client, key_ids: list[str]) -> None:
+    before, created = client.sent, client.statuses.get(201, 0)
+
+    @settings(FUZZ, max_examples=ADMIN_EXAMPLES)
+    @given(admin_cases(key_ids))
+    def check(case: tuple[str, str, bytes | None, str | None]) -> None:
+        method, path, body, key = case
+        client.send(method, path, body, key=key)
+
+    check()
+    assert client.sent - before >= ADMIN_EXAMPLES
+    assert client.statuses.get(201, 0) > created  # some fuzzed bodies were valid keys
