@@ -63,7 +63,7 @@ def _scope_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parsers(sub: Any) -> None:
-    """The `keys` subcommand and its own (called by `gateway.cli`)."""
+    """The `keys`, `spend` and `audit` subcommands (called by `gateway.cli`)."""
     common = _common()
     keys = sub.add_parser("keys", help="issue, list, change, rotate and revoke keys (admin API)")
     actions = keys.add_subparsers(dest="keys_command", required=True)
@@ -84,6 +84,19 @@ def add_parsers(sub: Any) -> None:
     rotate.add_argument("id", help="the key's id")
     rotate.add_argument("--grace", type=float, default=0.0, metavar="SECONDS",
                         help="the old secret keeps working this long (default 0, at most 7 days)")
+
+    spend = sub.add_parser("spend", parents=[common], help="what was spent, grouped (GET /v1/spend)")
+    spend.add_argument("--group-by", default="team,key,model", help="of team, key, user, model, policy, day "
+                                                                    "(default %(default)s)")
+    spend.add_argument("--from", dest="first", help="first day (YYYY-MM-DD, UTC; default 29 days before --to)")
+    spend.add_argument("--to", dest="last", help="last day (default today)")
+    spend.add_argument("--team", help="one team's (admins; a team sees its own)")
+
+    audit = sub.add_parser("audit", parents=[common], help="the audit log (admin teams)")
+    audit.add_argument("verify", nargs="?", choices=["verify"], help="check the whole log's hash chain")
+    audit.add_argument("--since", type=float, metavar="EPOCH", help="records at or after this time")
+    audit.add_argument("--action", help="one action (key.created, approval.decided, ...)")
+    audit.add_argument("--team", help="acts about or by one team")
 
 
 
@@ -225,3 +238,75 @@ def render_key(key: Mapping[str, Any]) -> str:
     if key.get("metadata"):
         lines.append(f"metadata  {json.dumps(key['metadata'], ensure_ascii=False)}")
     return "".join(_safe(line) + "\n" for line in lines)
+
+
+def spend_command(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    """`gateway spend`: GET /v1/spend as a table (or its JSON)."""
+    try:
+        query = {k: v for k, v in (("group_by", args.group_by), ("from", args.first), ("to", args.last),
+                                   ("team", args.team)) if v}
+        answer = _client(args)._call("GET", "/v1/spend?" + urlencode(query))
+        out.write(_dumps(answer) if args.json else render_spend(answer))
+    except CliError as exc:
+        print(f"gateway spend: {exc}", file=sys.stderr)
+        return exc.code
+    return 0
+
+
+def render_spend(answer: Mapping[str, Any]) -> str:
+    groups = [str(g) for g in answer.get("group_by") or []]
+    columns = [*groups, *(["key_name"] if "key" in groups else [])]
+    rows: list[tuple[str, ...]] = [(*(c.upper() for c in columns), "CALLS", "COST_USD")]
+    for entry in answer.get("data") or []:
+        rows.append((*(str(entry.get(c) or "-") for c in columns), str(entry.get("calls")),
+                     f"{int(entry.get('cost_micros') or 0) / 1_000_000:.6f}"))
+    rows.append(("TOTAL", *([""] * (len(columns) - 1)), str(answer.get("calls")),
+                 f"{int(answer.get('total_micros') or 0) / 1_000_000:.6f}"))
+    head = f"spend from {answer.get('from')} to {answer.get('to')} (UTC days)\n"
+    return _safe(head, keep_newlines=True) + _table(rows)
+
+
+def audit_command(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    """`gateway audit [verify]`: the audit log as lines (or JSON), or a check of its chain."""
+    try:
+        client = _client(args)
+        query: dict[str, Any] = {} if args.verify else {k: v for k, v in (
+            ("since", args.since), ("action", args.action), ("team", args.team)) if v is not None}
+        records: list[dict[str, Any]] = []
+        after = 0
+        while True:
+            page = client._call("GET", "/v1/admin/audit?" + urlencode({**query, "after": after, "limit": 1000}))
+            records += [r for r in page.get("data") or [] if isinstance(r, dict)]
+            if not page.get("has_more") or not page.get("next_after"):
+                break
+            after = int(page["next_after"])
+        if args.verify:
+            from gateway.store.audit import AuditRecord, verify  # not at import: `gateway --help` stays fast
+
+            checked, problem = verify(AuditRecord.from_stored(json.dumps(r)) for r in records)
+            if problem is not None:
+                raise CliError(f"the audit log does not verify: {problem} ({checked} records checked before it)")
+            first = records[0]["seq"] if records else "-"
+            out.write(f"ok: {checked} records, {first} to {records[-1]['seq'] if records else '-'}, each chained "
+                      "to the one before\n")
+        else:
+            out.write(_dumps({"object": "list", "data": records}) if args.json else render_audit(records))
+    except (CliError, KeyError, ValueError, TypeError) as exc:
+        if not isinstance(exc, CliError):
+            exc = CliError(f"the gateway answered an audit record this command cannot read: {exc}")
+        print(f"gateway audit: {exc}", file=sys.stderr)
+        return exc.code
+    return 0
+
+
+def render_audit(records: Sequence[Mapping[str, Any]]) -> str:
+    if not records:
+        return "No audit records.\n"
+    rows = [("SEQ", "AT (UTC)", "ACTOR", "ACTION", "TARGET", "DETAILS")]
+    for r in records:
+        actor = r.get("actor") or {}
+        who = f"{actor.get('team') or 'gateway'}/{actor.get('key_id') or '-'}"
+        rows.append((str(r.get("seq")), time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(r.get("at") or 0))),
+                     who, str(r.get("action")), str(r.get("target")),
+                     json.dumps(r.get("details") or {}, ensure_ascii=False)[:120]))
+    return _table(rows)

@@ -27,6 +27,8 @@ COMMANDS: dict[str, str] = {
     "prune": "gateway.server.runs.retention:prune_command",
     "approvals": "gateway.approvals_cli:approvals_command",
     "keys": "gateway.admin_cli:keys_command",
+    "spend": "gateway.admin_cli:spend_command",
+    "audit": "gateway.admin_cli:audit_command",
 }
 
 

@@ -209,6 +209,8 @@ class RetentionConfig:
       keeping this many old files (trace.jsonl.1 ...).
     - `outbox_days`: webhook notices delivered or given up this long ago (a budget
       threshold's notice is kept until its period ended, so it is never sent twice).
+    - `spend_days`: spend rows of days this long ago (`GET /v1/spend`); `audit_days`: audit
+      records this long ago (default: kept; the newest record is always kept).
     """
 
     runs_days: float | None = 30.0
@@ -218,6 +220,8 @@ class RetentionConfig:
     trace_file_keep: int = 5
     interval_s: float = 3600.0
     outbox_days: float | None = 7.0
+    spend_days: float | None = 400.0
+    audit_days: float | None = None
 
 
 @dataclass(frozen=True)
@@ -226,6 +230,19 @@ class Defaults:
     max_calls_in_flight_per_run: int = DEFAULT_CALLS_IN_FLIGHT_PER_RUN
     rate_limit_wait_s: float = DEFAULT_RATE_LIMIT_WAIT_S
     """How long, in all, a server-side model turn waits for its rate limits before the run stops."""
+
+
+DEFAULT_SESSION_IDLE_S = 8 * 3600.0
+DEFAULT_SESSION_MAX_S = 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class ConsoleConfig:
+    """`console:` how long a web console session lasts: `session_idle_s` without a request,
+    `session_max_s` in all since sign-in (docs/console.md#signing-in)."""
+
+    session_idle_s: float = DEFAULT_SESSION_IDLE_S
+    session_max_s: float = DEFAULT_SESSION_MAX_S
 
 
 @dataclass(frozen=True)
@@ -255,6 +272,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     webhooks: tuple[WebhookConfig, ...] = ()
+    console: ConsoleConfig = field(default_factory=ConsoleConfig)
     _routes: dict[str, ModelRoute | None] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def route(self, model: str) -> ModelRoute | None:
@@ -300,7 +318,7 @@ def parse_config(data: Any, file: Path) -> Config:
     base = file.resolve().parent
     root = Field(str(file), "", data if data is not None else {})
     root.keys_only({"server", "store", "policies_dir", "runs_dir", "trace_file", "spool_file", "upstreams", "models",
-                    "teams", "defaults", "metrics", "retention", "webhooks"})
+                    "teams", "defaults", "metrics", "retention", "webhooks", "console"})
     upstreams = _upstreams(root.get("upstreams"))
     store = _store(root.get("store"), base)
     server = _server(root.get("server"))
@@ -324,7 +342,20 @@ def parse_config(data: Any, file: Path) -> Config:
         metrics=metrics,
         retention=_retention(root.get("retention")),
         webhooks=parse_webhooks(root.get("webhooks"), [t.name for t in teams]),
+        console=_console(root.get("console")),
     )
+
+
+def _console(at: Field) -> ConsoleConfig:
+    if at.missing or at.value is None:
+        return ConsoleConfig()
+    at.keys_only({"session_idle_s", "session_max_s"})
+    idle = at.get("session_idle_s").optional_number(DEFAULT_SESSION_IDLE_S, positive=True)
+    most = at.get("session_max_s").optional_number(DEFAULT_SESSION_MAX_S, positive=True)
+    if idle > most:
+        at.get("session_idle_s").fail(f"is longer than session_max_s ({most:g}): a session ends at session_max_s "
+                                      "whatever its use")
+    return ConsoleConfig(idle, most)
 
 
 def _server(at: Field) -> ServerConfig:
@@ -621,7 +652,7 @@ def _retention(at: Field) -> RetentionConfig:
     if at.missing:
         return base
     at.keys_only({"runs_days", "events_days", "ledger_days", "trace_file_max_mb", "trace_file_keep", "interval_s",
-                  "outbox_days"})
+                  "outbox_days", "spend_days", "audit_days"})
     return RetentionConfig(
         runs_days=_days(at.get("runs_days"), base.runs_days),
         events_days=_days(at.get("events_days"), base.events_days),
@@ -630,4 +661,6 @@ def _retention(at: Field) -> RetentionConfig:
         trace_file_keep=at.get("trace_file_keep").optional_int(base.trace_file_keep, low=0),
         interval_s=at.get("interval_s").optional_number(base.interval_s, positive=True),
         outbox_days=_days(at.get("outbox_days"), base.outbox_days),
+        spend_days=_days(at.get("spend_days"), base.spend_days),
+        audit_days=_days(at.get("audit_days"), base.audit_days),
     )

@@ -41,6 +41,7 @@ from gateway.server import console, embeddings, mcp_servers, openapi
 from gateway.server import context as ctx
 from gateway.server.api import admin
 from gateway.server.api import keys as admin_keys
+from gateway.server.api import spend
 from gateway.server.api import metrics as metrics_route
 from gateway.server.api import runs as runs_api
 from gateway.server.chat import endpoint as chat
@@ -296,6 +297,8 @@ ROUTES: Final[tuple[tuple[str, str, Handler], ...]] = (
     ("PATCH", "/v1/admin/keys/{id}", admin_keys.update_key),
     ("DELETE", "/v1/admin/keys/{id}", admin_keys.revoke_key),
     ("POST", "/v1/admin/keys/{id}/rotate", admin_keys.rotate_key),
+    ("GET", "/v1/admin/audit", spend.get_audit),
+    ("GET", "/v1/spend", spend.get_spend),
     ("GET", "/healthz", healthz),
     ("GET", "/openapi.json", openapi.openapi_json),
 )

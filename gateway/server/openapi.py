@@ -183,6 +183,25 @@ OPERATIONS: Final[dict[tuple[str, str], Operation]] = {
     ("POST", "/v1/admin/keys/{id}/rotate"): Operation(
         "A new secret for the key; the old one works for grace_s more seconds", "keys", ROTATE_BODY,
         parameters=[KEY_ID], errors=(400, 401, 403, 404, 409, 413)),
+    ("GET", "/v1/admin/audit"): Operation(
+        "The audit log, oldest first (admin teams)", "audit",
+        parameters=[{"name": "since", "in": "query", "required": False, "schema": {"type": "number", "minimum": 0}},
+                    *({"name": n, "in": "query", "required": False, "schema": {"type": "string", "maxLength": 64}}
+                      for n in ("action", "team")),
+                    {"name": "after", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 0}},
+                    {"name": "limit", "in": "query", "required": False,
+                     "schema": {"type": "integer", "minimum": 1, "maximum": 1000}}],
+        errors=(400, 401, 403)),
+    ("GET", "/v1/spend"): Operation(
+        "Spend grouped by team, key, user, model, policy or day (a team sees its own; admins every team's)",
+        "spend", ok=("application/json", "text/csv"),
+        parameters=[{"name": "group_by", "in": "query", "required": False, "schema": {"type": "string"},
+                     "description": "comma-separated: team, key, user, model, policy, day"},
+                    *({"name": n, "in": "query", "required": False,
+                       "schema": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}} for n in ("from", "to")),
+                    {"name": "team", "in": "query", "required": False, "schema": {"type": "string", "maxLength": 64}},
+                    {"name": "format", "in": "query", "required": False, "schema": {"enum": ["json", "csv"]}}],
+        errors=(400, 401, 403)),
     ("GET", "/metrics"): Operation("Prometheus metrics (OpenMetrics with run-id exemplars when asked)", "operations",
                                    auth=False, ok=("text/plain", "application/openmetrics-text"), errors=(401,)),
     ("GET", "/healthz"): Operation("200 when the store answers, 503 otherwise", "operations", auth=False,

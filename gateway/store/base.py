@@ -323,8 +323,10 @@ class Store(Protocol):
         """
         ...
 
-    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None) -> Ledger | None:
-        """Save `state`, append `events` and book `booking` as one step: all of it or nothing.
+    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None,
+                          audit: Sequence[AuditEntry] = ()) -> Ledger | None:
+        """Save `state`, append `events`, book `booking` and record `audit` (the administrative
+        act the save is, gateway.store.audit) as one step: all of it or nothing.
 
         The save is `save_run`'s (StaleRun or RunNotFound, and then nothing at all is written;
         on success `state.revision` and `state.updated_at` are updated in place), the events are

@@ -166,12 +166,14 @@ class MemoryStore:
         state.revision += 1
         state.updated_at = now
 
-    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None) -> Ledger | None:
+    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None,
+                          audit: Sequence[AuditEntry] = ()) -> Ledger | None:
         actual = 0 if booking is None else to_micros(booking.actual_usd, "actual_usd")
         rid = None if booking is None else booking.reservation_id
         if booking is not None and booking.if_held and rid is not None and rid not in self._reservations:
             raise AlreadyBooked(rid)
         self._save(state, events)
+        self._append_audit(audit)
         if booking is None:
             return None
         if booking.reservation_id is not None:

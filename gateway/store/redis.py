@@ -225,7 +225,8 @@ class RedisStore:
         if int(result[0]) == 2:
             raise StaleRun(state.run_id, state.revision, int(result[1]))
 
-    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None) -> Ledger | None:
+    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None,
+                          audit: Sequence[AuditEntry] = ()) -> Ledger | None:
         actual = 0 if booking is None else to_micros(booking.actual_usd, "actual_usd")
         now = time.time()
         revision = state.revision + 1
@@ -238,11 +239,15 @@ class RedisStore:
             flag = "2" if booking.if_held and booking.reservation_id else "1"
             args += [flag, booking.reservation_id or "", str(actual), booking.team, booking.period, _RETENTION_MS]
         charges = () if booking is None else booking.tokens
-        args += [str(len(events)), *(orjson.dumps(e) for e in events), str(len(charges)), *_charges(charges),
-                 *self._notice_args(state.run_id, events)]
+        args += [str(len(events)), *(orjson.dumps(e) for e in events), str(len(charges)), *_charges(charges)]
+        notices = self._notice_args(state.run_id, events)
         self._redis()
-        async with self._errors:
-            result: list[Any] = await self._lane.run(_COMMIT_TURN, args)
+
+        async def run(audited: list[Any]) -> list[Any]:
+            async with self._errors:
+                return cast(list[Any], await self._lane.run(_COMMIT_TURN, [*args, *audited, *notices]))
+
+        result, _ = await self._audited(audit, run)
         self._check_saved(state, result, None if booking is None else booking.reservation_id)
         state.revision = revision
         state.updated_at = now

@@ -102,6 +102,27 @@ local function reclaim(p, team, now, retention)
 end
 """
 
+_AUDIT: Final = """
+-- The audit entries of a step (gateway.store.audit), chained by the caller after the head it
+-- read: ARGV[at] the head's seq the caller chained after ('' when there are no entries),
+-- ARGV[at + 1] how many, then (seq, record) pairs, then the last record's hash. `audit_ok`
+-- refuses a step whose head moved meanwhile (the caller chains again and retries).
+local function audit_ok(p, at)
+  if ARGV[at] == '' then return true end
+  local head = redis.call('GET', p .. 'audit:head')
+  local seq = head and tonumber(string.match(head, '^(%d+)')) or 0
+  return seq == tonumber(ARGV[at])
+end
+local function audit_write(p, at)
+  local n = tonumber(ARGV[at + 1])
+  if n == 0 then return end
+  for i = 0, n - 1 do
+    redis.call('ZADD', p .. 'audit', ARGV[at + 2 + 2 * i], ARGV[at + 3 + 2 * i])
+  end
+  redis.call('SET', p .. 'audit:head', ARGV[at + 2 * n] .. ' ' .. ARGV[at + 2 + 2 * n])
+end
+"""
+
 _CREATE: Final = """
 -- Stores a new run from 9 arguments starting at ARGV[i]: id, team, status, created, revision,
 -- body, turns, cost, policy (never changed: LIST_RUNS filters on it). Returns 0 (nothing
@@ -567,22 +588,28 @@ return 1
 # booking (settle a reservation, or charge the period); returns
 # {1, spent, reserved} of the booking's ledger after it ({1} without a booking). Booking
 # flag '2' (if_held): {3} and nothing written unless the reservation is still stored.
-# ARGV[17 + n]: how many token charges follow the events (one argument each, as SETTLE's), then the notices.
-COMMIT_TURN: Final = _HELPERS + _SAVE + _SETTLE + _ENQUEUE + """
+# ARGV[17 + n]: how many token charges follow the events (one argument each, as SETTLE's), then
+# the step's audit entries (_AUDIT: {-1} and nothing written when the audit head moved), then the notices.
+COMMIT_TURN: Final = _HELPERS + _SAVE + _SETTLE + _ENQUEUE + _AUDIT + """
 local p, id = ARGV[1], ARGV[2]
+local n = tonumber(ARGV[16])
+local charges = 18 + n
+local audit_at = charges + tonumber(ARGV[17 + n])
+local na = tonumber(ARGV[audit_at + 1])
+local notices = audit_at + 2
+if na > 0 then notices = notices + 2 * na + 1 end
+if not audit_ok(p, audit_at) then return {-1} end
 if ARGV[10] == '2' and redis.call('EXISTS', p .. 'res:' .. ARGV[11]) == 0 then return {3} end
 local refused = save(p, id, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9])
 if refused then return refused end
 local book, rid, actual, team, period, retention = ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[14], ARGV[15]
-local n = tonumber(ARGV[16])
 if n > 0 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, 17, 16 + n)) end
-local charges = 18 + n
-local notices = charges + tonumber(ARGV[17 + n])
 local now = now_ms()  -- once: the script is one atomic step
 enqueue(p, notices, now)
+audit_write(p, audit_at)
 if book == '0' then return {1} end
 if rid ~= '' then
-  settle(p, rid, actual, charges, notices - 1, now)
+  settle(p, rid, actual, charges, audit_at - 1, now)
 elseif actual ~= '0' then
   redis.call('HINCRBY', p .. 'ledger:' .. team, 'spent:' .. period, actual)
   spend(p, team, '', actual, now)  -- (no reservation: the team's row alone; the commit takes no attribution)
@@ -651,26 +678,6 @@ return {pruned, kept, #ids}
 
 # --- keys, console sessions, the audit log ---------------------------------------------------
 
-_AUDIT: Final = """
--- The audit entries of a step (gateway.store.audit), chained by the caller after the head it
--- read: ARGV[at] the head's seq the caller chained after ('' when there are no entries),
--- ARGV[at + 1] how many, then (seq, record) pairs, then the last record's hash. `audit_ok`
--- refuses a step whose head moved meanwhile (the caller chains again and retries).
-local function audit_ok(p, at)
-  if ARGV[at] == '' then return true end
-  local head = redis.call('GET', p .. 'audit:head')
-  local seq = head and tonumber(string.match(head, '^(%d+)')) or 0
-  return seq == tonumber(ARGV[at])
-end
-local function audit_write(p, at)
-  local n = tonumber(ARGV[at + 1])
-  if n == 0 then return end
-  for i = 0, n - 1 do
-    redis.call('ZADD', p .. 'audit', ARGV[at + 2 + 2 * i], ARGV[at + 3 + 2 * i])
-  end
-  redis.call('SET', p .. 'audit:head', ARGV[at + 2 * n] .. ' ' .. ARGV[at + 2 + 2 * n])
-end
-"""
 
 # A key record written whole: ARGV[2] id, [3] team, [4] the expected revision ('' for a new
 # key), [5] body, then the audit entries from ARGV[6]. {1, revision, last_used} when written;

@@ -307,7 +307,8 @@ class SqliteStore:
                 raise RunNotFound(state.run_id)
             raise StaleRun(state.run_id, state.revision, int(row[0]))
 
-    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None) -> Ledger | None:
+    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None,
+                          audit: Sequence[AuditEntry] = ()) -> Ledger | None:
         actual = 0 if booking is None else to_micros(booking.actual_usd, "actual_usd")
         now = time.time()
         revision = state.revision + 1
@@ -325,6 +326,8 @@ class SqliteStore:
                 self._insert_events(db, state.run_id, encoded)
             if notices:
                 self._insert_notices(db, notices)
+            if audit:
+                self._insert_audit(db, audit)
             if booking is None:
                 return None
             if booking.reservation_id is not None:

@@ -73,3 +73,18 @@ def test_refusals_are_the_gateways_words(served: Served) -> None:
     assert done.returncode == 2 and "nothing to change" in done.stderr
     done = cli(served, "keys", "create", "--team", "demo", "--name", "x", "--meta", "novalue")
     assert done.returncode == 2 and "KEY=VALUE" in done.stderr
+
+
+async def test_spend_prints_the_table_of_the_teams_own_spend(served: Served, session: aiohttp.ClientSession) -> None:
+    status, _, body = await request(session, "POST", f"{served.url}/v1/chat/completions",
+                                    body=chat_body("scripted-plan", user="ana"))
+    assert status == 200, body
+    done = cli(served, "spend", "--group-by", "user,model", key=DEMO)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[1].split() == ["USER", "MODEL", "CALLS", "COST_USD"]
+    assert any(line.split()[:2] == ["ana", "scripted-plan"] for line in lines) and lines[-1].startswith("TOTAL")
+    as_json = orjson.loads(cli(served, "spend", "--json", key=DEMO).stdout)
+    assert as_json["team"] == "demo" and as_json["total_micros"] > 0
+    refused = cli(served, "audit", key=DEMO)
+    assert refused.returncode == 1 and "HTTP 403" in refused.stderr

@@ -329,3 +329,32 @@ def test_fuzz_admin_keys_api(client: Client, key_ids: list[str]) -> None:
     check()
     assert client.sent - before >= ADMIN_EXAMPLES
     assert client.statuses.get(201, 0) > created  # some fuzzed bodies were valid keys
+
+
+# --- spend and the audit log -----------------------------------------------------------------
+
+@st.composite
+def report_cases(draw: st.DrawFn) -> tuple[str, str | None]:
+    key = draw(st.sampled_from([DEMO, KEYS, OTHER, "sk-nope", None]))
+    if draw(st.booleans()):
+        names = ["group_by", "from", "to", "team", "format"]
+        values = st.one_of(TEXT, st.sampled_from(["team,key", "day", "model,user,policy", "2026-12-01", "2026-02-30",
+                                                   "1999-01-01", "csv", "json", "demo", "x" * 100]))
+        query = {k: draw(values) for k in draw(st.sets(st.sampled_from(names)))}
+        return "/v1/spend?" + urlencode(query), key
+    query = {k: draw(NUMBERISH if k in ("since", "after", "limit") else TEXT)
+             for k in draw(st.sets(st.sampled_from(["since", "action", "team", "after", "limit"])))}
+    return "/v1/admin/audit?" + urlencode(query), key
+
+
+def test_fuzz_spend_and_audit_queries(client: Client) -> None:
+    before = client.sent
+
+    @settings(FUZZ, max_examples=int(120 * SCALE))
+    @given(report_cases())
+    def check(case: tuple[str, str | None]) -> None:
+        path, key = case
+        client.send("GET", path, key=key)
+
+    check()
+    assert client.sent - before >= int(120 * SCALE)

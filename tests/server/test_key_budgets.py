@@ -205,3 +205,33 @@ async def test_models_outside_the_allow_lists_are_refused_before_anything_is_cou
     assert listed == {NARROW: ["allowed-one", "other"], WIDE_KEY: ["allowed-one"], KEYED: ["allowed-one", "other"]}
     async with session.get(f"{proc.url}/v1/models/other", headers={"Authorization": f"Bearer {WIDE_KEY}"}) as resp:
         assert resp.status == 404
+
+
+async def test_the_spend_api_totals_equal_the_ledgers(deployment: Deployment, session: aiohttp.ClientSession) -> None:
+    proc = deployment.procs[0]
+    status, _, reply = await chat(session, proc, USERS, {"model": "spend-x", "messages": TASK, "max_tokens": PER_CALL},
+                                  {"X-Gateway-User": "dora"})
+    assert status == 200, reply
+    store = deployment.store()
+    try:
+        for team, key in (("kb", KEYED), ("ub", USERS)):
+            async with session.get(f"{proc.url}/v1/spend?group_by=key,user,model,policy,day",
+                                   headers={"Authorization": f"Bearer {key}"}) as resp:
+                assert resp.status == 200
+                body = await resp.json()
+            spent, _ = await store.team_spend(team, "total")
+            assert body["team"] == team and body["total_micros"] == round(spent * 1_000_000) > 0
+            assert sum(e["cost_micros"] for e in body["data"]) == body["total_micros"]
+            assert all(e["policy"] == "passthrough" for e in body["data"])
+        async with session.get(f"{proc.url}/v1/spend?group_by=user,model&format=csv",
+                               headers={"Authorization": f"Bearer {USERS}"}) as resp:
+            assert resp.status == 200 and resp.content_type == "text/csv"
+            lines = (await resp.text()).splitlines()
+        assert lines[0] == "user,model,cost_usd,calls" and any(line.startswith("dora,spend-x,") for line in lines)
+        async with session.get(f"{proc.url}/v1/spend?team=kb", headers={"Authorization": f"Bearer {USERS}"}) as resp:
+            assert resp.status == 403  # a team sees its own spend only
+        async with session.get(f"{proc.url}/v1/spend?group_by=colour",
+                               headers={"Authorization": f"Bearer {USERS}"}) as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["param"] == "group_by"
+    finally:
+        await store.close()

@@ -14,7 +14,7 @@ applies the same change again, so concurrent calls of one run never lose a turn.
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -41,6 +41,7 @@ from gateway.server.http.errors import (
 )
 from gateway.server.http.headers import run_headers
 from gateway.server.runs.run_cache import RunCache
+from gateway.store.audit import AuditEntry
 from gateway.store.base import Booking, Event, Ledger, Store
 from gateway.store.errors import RunExists, StaleRun
 
@@ -216,14 +217,17 @@ async def update_run(store: Store, run: RunState, change: Callable[[RunState], N
 
 async def commit_run(store: Store, run: RunState, change: Callable[[RunState], None],
                      trace: Callable[[RunState], list[Event]], booking: Booking | None,
-                     attempts: int = UPDATE_ATTEMPTS) -> tuple[RunState, list[Event], Ledger | None]:
-    """Apply `change`, then save it with `trace(run)`'s lines and `booking` in one store step;
-    on a concurrent save, reload and do it again. Returns the run, the lines and the ledger."""
+                     attempts: int = UPDATE_ATTEMPTS,
+                     audit: Callable[[RunState], Sequence[AuditEntry]] | None = None,
+                     ) -> tuple[RunState, list[Event], Ledger | None]:
+    """Apply `change`, then save it with `trace(run)`'s lines, `booking` and `audit(run)`'s
+    records (the act the change is) in one store step; on a concurrent save, reload and do it
+    again. Returns the run, the lines and the ledger."""
 
     async def commit(r: RunState) -> tuple[RunState, list[Event], Ledger | None]:
         change(r)
         events = trace(r)
-        return r, events, await store.commit_turn(r, events, booking)
+        return r, events, await store.commit_turn(r, events, booking, audit=() if audit is None else audit(r))
 
     return await _retrying(store, run, commit, attempts)
 
