@@ -88,3 +88,25 @@ async def test_spend_prints_the_table_of_the_teams_own_spend(served: Served, ses
     assert as_json["team"] == "demo" and as_json["total_micros"] > 0
     refused = cli(served, "audit", key=DEMO)
     assert refused.returncode == 1 and "HTTP 403" in refused.stderr
+
+
+async def test_a_server_side_runs_turns_are_held_to_and_spent_by_the_key_that_started_it(
+        served: Served, session: aiohttp.ClientSession) -> None:
+    status, _, tight = await request(session, "POST", f"{served.url}/v1/admin/keys", key=KEYS,
+                                     body={"team": "demo", "name": "tight", "budget_usd": 0.000001})
+    assert status == 201, tight
+    status, _, body = await request(session, "POST", f"{served.url}/v1/chat/completions", key=tight["key"],
+                                    body=chat_body("scripted-plan"), headers={"X-Policy": "files"})
+    assert status == 200 and body["run"]["status"] == "budget_exceeded", body  # a server-side run, stopped
+    assert body["run"]["reason"] == "key_budget"
+    status, _, roomy = await request(session, "POST", f"{served.url}/v1/admin/keys", key=KEYS,
+                                     body={"team": "demo", "name": "roomy", "budget_usd": 1.0, "user": "sam"})
+    status, _, body = await request(session, "POST", f"{served.url}/v1/chat/completions", key=roomy["key"],
+                                    body=chat_body("scripted-plan"), headers={"X-Policy": "files"})
+    assert status == 200 and body["run"]["status"] == "completed" and body["run"]["turns"] == 3, body
+    status, _, spent = await request(session, "GET", f"{served.url}/v1/spend?group_by=key,user,policy", key=DEMO)
+    row = next(r for r in spent["data"] if r["key"] == roomy["id"])
+    assert row["user"] == "sam" and row["policy"] == "files" and row["calls"] == 3
+    assert abs(row["cost_usd"] - body["run"]["cost_usd"]) < 1e-6
+    status, _, shown = await request(session, "GET", f"{served.url}/v1/admin/keys/{roomy['id']}", key=KEYS)
+    assert abs(shown["budget"]["spent_usd"] - body["run"]["cost_usd"]) < 1e-6
