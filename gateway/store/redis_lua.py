@@ -703,38 +703,36 @@ return {1, rev, cur[2] or ''}
 """
 
 # The keys written after revision ARGV[2]: {last revision, revision, body, last_used, ...}.
-KEYS_SINCE: Final = """
-local p = ARGV[1]
-local out = {redis.call('GET', p .. 'keys:revision') or '0'}
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', p .. 'keys:rev', '(' .. ARGV[2], '+inf')) do
-  local r = redis.call('HMGET', p .. 'key:' .. id, 'revision', 'body', 'last_used')
-  if r[2] then
-    out[#out + 1] = r[1]
-    out[#out + 1] = r[2]
-    out[#out + 1] = r[3] or ''
+_KEY_ROWS: Final = """
+-- Each stored key of `ids` as (revision, body, last_used) appended to `out`.
+local function key_rows(p, ids, out)
+  for _, id in ipairs(ids) do
+    local r = redis.call('HMGET', p .. 'key:' .. id, 'revision', 'body', 'last_used')
+    if r[2] then
+      out[#out + 1] = r[1]
+      out[#out + 1] = r[2]
+      out[#out + 1] = r[3] or ''
+    end
   end
+  return out
 end
-return out
+"""
+
+KEYS_SINCE: Final = _KEY_ROWS + """
+local p = ARGV[1]
+local ids = redis.call('ZRANGEBYSCORE', p .. 'keys:rev', '(' .. ARGV[2], '+inf')
+return key_rows(p, ids, {redis.call('GET', p .. 'keys:revision') or '0'})
 """
 
 # Up to ARGV[4] keys after id ARGV[3] ('' from the first), of team ARGV[2] ('': every team):
 # {revision, body, last_used, ...} in id order.
-LIST_KEYS: Final = """
+LIST_KEYS: Final = _KEY_ROWS + """
 local p, team, after, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local index = p .. 'keys:ids'
 if team ~= '' then index = p .. 'keys:team:' .. team end
 local from = '-'
 if after ~= '' then from = '(' .. after end
-local out = {}
-for _, id in ipairs(redis.call('ZRANGEBYLEX', index, from, '+', 'LIMIT', 0, limit)) do
-  local r = redis.call('HMGET', p .. 'key:' .. id, 'revision', 'body', 'last_used')
-  if r[2] then
-    out[#out + 1] = r[1]
-    out[#out + 1] = r[2]
-    out[#out + 1] = r[3] or ''
-  end
-end
-return out
+return key_rows(p, redis.call('ZRANGEBYLEX', index, from, '+', 'LIMIT', 0, limit), {})
 """
 
 # last_used of keys: ARGV[2..] "epoch-seconds id" pairs, never moved back, no revision.

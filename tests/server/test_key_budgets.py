@@ -17,10 +17,11 @@ bills calls of known cost.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +87,8 @@ def start(folder: Path, upstream_url: str, store: dict[str, Any], workers: int =
 
 
 class Deployment:
-    """Two processes on one store (replicas on Redis, or workers of one SQLite gateway), and a
-    view of that store for the test."""
+    """Two processes on one store (replicas on Redis, or workers of one SQLite gateway), the
+    store's settings, the folder everything is in, and views of that store for the test."""
 
     def __init__(self, procs: tuple[Proc, Proc], store: dict[str, Any], folder: Path) -> None:
         self.procs = procs
@@ -100,22 +101,35 @@ class Deployment:
         return SqliteStore(self.spec["path"])
 
 
-@pytest.fixture(scope="module", params=["redis", "sqlite-workers"])
-def deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-               upstream: Upstream) -> Iterator[Deployment]:
-    folder = tmp_path_factory.mktemp(f"kb-{request.param}")
+Starter = Callable[..., Proc]
+"""`start(folder, upstream_url, store, workers=1)` of a test module."""
+
+
+@contextlib.contextmanager
+def deployed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, starter: Starter,
+             upstream_url: str) -> Iterator[Deployment]:
+    """The module's deployment for `request.param`: "redis" (two replicas on one redis-server)
+    or "sqlite-workers" (one gateway with `--workers 2` on a SQLite file)."""
+    folder = tmp_path_factory.mktemp(str(request.param))
     if request.param == "redis":
         store: dict[str, Any] = {"kind": "redis", "url": request.getfixturevalue("redis_url"),
-                                 "prefix": f"kb-{uuid.uuid4().hex[:8]}:"}
-        with two_replicas(start, folder, upstream.url, store) as (a, b):
+                                 "prefix": f"d-{uuid.uuid4().hex[:8]}:"}
+        with two_replicas(starter, folder, upstream_url, store) as (a, b):
             yield Deployment((a, b), store, folder)
         return
     store = {"kind": "sqlite", "path": str(folder / "gateway.db")}
-    proc = start(folder / "one", upstream.url, store, workers=2)
+    proc = starter(folder / "one", upstream_url, store, workers=2)
     try:
         yield Deployment((proc, proc), store, folder)  # the kernel spreads the calls over both workers
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module", params=["redis", "sqlite-workers"])
+def deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+               upstream: Upstream) -> Iterator[Deployment]:
+    with deployed(request, tmp_path_factory, start, upstream.url) as d:
+        yield d
 
 
 async def storm(session: aiohttp.ClientSession, d: Deployment, key: str, model: str, **extra: Any

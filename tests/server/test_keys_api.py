@@ -37,6 +37,7 @@ from tests.server.test_admission import (  # noqa: F401  (session, upstream: the
     upstream,
     write_policies,
 )
+from tests.server.test_key_budgets import Deployment, deployed
 from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
 from tests.support.procs import START_TIMEOUT_S, Proc, free_port, start_gateway
 
@@ -75,27 +76,11 @@ def start(folder: Path, upstream_url: str, store: dict[str, Any], workers: int =
                          folder / "gateway.log", timeout=START_TIMEOUT_S)
 
 
-class Deployment:
-    def __init__(self, procs: tuple[Proc, Proc], store: dict[str, Any], folders: list[Path]) -> None:
-        self.procs, self.store, self.folders = procs, store, folders
-
-
 @pytest.fixture(scope="module", params=["redis", "sqlite-workers"])
 def deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
                upstream: Upstream) -> Iterator[Deployment]:
-    folder = tmp_path_factory.mktemp(f"keys-{request.param}")
-    if request.param == "redis":
-        store: dict[str, Any] = {"kind": "redis", "url": request.getfixturevalue("redis_url"),
-                                 "prefix": f"keys-{uuid.uuid4().hex[:8]}:"}
-        with two_replicas(start, folder, upstream.url, store) as (a, b):
-            yield Deployment((a, b), store, [folder])
-        return
-    store = {"kind": "sqlite", "path": str(folder / "gateway.db")}
-    proc = start(folder / "one", upstream.url, store, workers=2)
-    try:
-        yield Deployment((proc, proc), store, [folder])  # the kernel spreads calls over both workers
-    finally:
-        proc.stop()
+    with deployed(request, tmp_path_factory, start, upstream.url) as d:
+        yield d
 
 
 async def api(session: aiohttp.ClientSession, proc: Proc, key: str, method: str, path: str,
@@ -184,14 +169,13 @@ async def test_no_secret_is_written_to_the_store_logs_trace_or_metrics(
     async with session.get(a.url + "/metrics") as resp:
         metrics = await resp.text()
     blobs: list[tuple[str, bytes]] = [("metrics", metrics.encode())]
-    for folder in deployment.folders:
-        for path in folder.rglob("*"):
-            if path.is_file():
-                blobs.append((str(path), path.read_bytes()))  # logs, trace file, SQLite file and WAL
-    if deployment.store["kind"] == "redis":
-        client = redis.Redis.from_url(deployment.store["url"])
+    for path in deployment.folder.rglob("*"):
+        if path.is_file():
+            blobs.append((str(path), path.read_bytes()))  # logs, trace file, SQLite file and WAL
+    if deployment.spec["kind"] == "redis":
+        client = redis.Redis.from_url(deployment.spec["url"])
         try:
-            for key in client.scan_iter(match=deployment.store["prefix"] + "*"):
+            for key in client.scan_iter(match=deployment.spec["prefix"] + "*"):
                 blobs.append((key.decode(), client.dump(key) or b""))
         finally:
             client.close()
