@@ -79,11 +79,21 @@ def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, An
     return path
 
 
-def start(folder: Path, upstream_url: str, store: dict[str, Any], workers: int = 1) -> Proc:
-    port = free_port()
-    config = write_config(folder, port, upstream_url, store)
-    return start_gateway(["serve", "--config", str(config), "--workers", str(workers)], "/healthz", port,
-                         folder / "gateway.log", timeout=START_TIMEOUT_S)
+def starter(write: Callable[[Path, int, str, dict[str, Any]], Path]) -> Starter:
+    """A module's `start`: a gateway of the config `write(folder, port, upstream_url, store)` makes."""
+
+    def start(folder: Path, upstream_url: str, store: dict[str, Any], workers: int = 1) -> Proc:
+        port = free_port()
+        config = write(folder, port, upstream_url, store)
+        return start_gateway(["serve", "--config", str(config), "--workers", str(workers)], "/healthz", port,
+                             folder / "gateway.log", timeout=START_TIMEOUT_S)
+
+    return start
+
+
+Starter = Callable[..., Proc]
+"""`start(folder, upstream_url, store, workers=1)` of a test module."""
+start = starter(write_config)
 
 
 class Deployment:
@@ -99,10 +109,6 @@ class Deployment:
         if self.spec["kind"] == "redis":
             return RedisStore(self.spec["url"], self.spec["prefix"])
         return SqliteStore(self.spec["path"])
-
-
-Starter = Callable[..., Proc]
-"""`start(folder, upstream_url, store, workers=1)` of a test module."""
 
 
 @contextlib.contextmanager

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,13 +32,12 @@ from tests.server.test_admission import (  # noqa: F401  (session, upstream: the
     Upstream,
     chat,
     session,
-    two_replicas,
     upstream,
     write_policies,
 )
-from tests.server.test_key_budgets import Deployment, deployed
+from tests.server.test_key_budgets import Deployment, deployed, starter
 from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
-from tests.support.procs import START_TIMEOUT_S, Proc, free_port, start_gateway
+from tests.support.procs import Proc
 
 ADMIN, DEMO, MANAGER, OTHER = "sk-ops-admin", "sk-demo-plain", "sk-demo-manager", "sk-other"
 WITHIN_S = 1.0
@@ -69,11 +67,7 @@ def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, An
     return path
 
 
-def start(folder: Path, upstream_url: str, store: dict[str, Any], workers: int = 1) -> Proc:
-    port = free_port()
-    config = write_config(folder, port, upstream_url, store)
-    return start_gateway(["serve", "--config", str(config), "--workers", str(workers)], "/healthz", port,
-                         folder / "gateway.log", timeout=START_TIMEOUT_S)
+start = starter(write_config)
 
 
 @pytest.fixture(scope="module", params=["redis", "sqlite-workers"])
