@@ -41,6 +41,7 @@ def st() -> str:
     return exe
 
 
+@pytest.mark.timeout(300)  # the run's own deadline (below): ~30 operations take 20 s alone, minutes on a loaded machine
 @pytest.mark.parametrize("key", [DEMO, None, KEYS], ids=["team-key", "no-key", "key-manager"])
 def test_every_operation_answers_within_the_document(gateway: Served, key: str | None, tmp_path: Path) -> None:
     args = [st(), "run", f"{gateway.proc.url}/openapi.json", "--checks", CHECKS, "--seed", "20261201", "--no-color"]
