@@ -162,3 +162,16 @@ async def test_audit_retention_keeps_the_newest_record_and_the_chain_continues(s
     more = await store.append_audit([entry()])
     assert more[0].seq == 4 and more[0].prev == old[-1].hash
     assert verify(await store.audit_log())[1] is None
+
+
+async def test_a_runs_audit_record_is_written_with_its_save_or_not_at_all(stores: Stores) -> None:
+    from gateway.store.errors import StaleRun
+    from tests.store.test_admit import new_run
+
+    a, b = stores.open(), stores.open()
+    run = await new_run(a)
+    stale = run.copy()
+    await a.commit_turn(run, [], audit=[entry("approval.decided", target="run_a")])
+    with pytest.raises(StaleRun):  # b's copy is older: nothing of the step is written, its record neither
+        await b.commit_turn(stale, [], audit=[entry("run.cancelled", target="run_a")])
+    assert [r.action for r in await b.audit_log()] == ["approval.decided"]
