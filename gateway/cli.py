@@ -27,6 +27,9 @@ COMMANDS: dict[str, str] = {
     "trace": "gateway.trace_view:trace_command",
     "prune": "gateway.server.runs.retention:prune_command",
     "approvals": "gateway.approvals_cli:approvals_command",
+    "keys": "gateway.admin_cli:keys_command",
+    "spend": "gateway.admin_cli:spend_command",
+    "audit": "gateway.admin_cli:audit_command",
 }
 
 
@@ -107,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     from gateway import approvals_cli  # stdlib only: cheap to import
 
     approvals_cli.add_parser(sub)
+    from gateway import admin_cli  # stdlib only, like approvals_cli
+
+    admin_cli.add_parsers(sub)
     return parser
 
 

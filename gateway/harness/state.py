@@ -16,10 +16,12 @@ import orjson
 
 from gateway.harness.usage import Usage
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """v2: `model_call_ids` (the calls the gateway's own model turns made: the only ones it
 runs), `tool_calls` (tool executions so far), `started_at` (the first drive), and the
-limits `max_tool_calls` and `max_duration_s`."""
+limits `max_tool_calls` and `max_duration_s`. v3: `key_id` and `user`, the key and the user
+that started the run (a server-side run's turns are held to their budgets and spent in their
+name)."""
 
 DEFAULT_MAX_TOOL_CALLS = 100
 """Tool executions a run may make when its policy names no `max_tool_calls`: there is
@@ -140,6 +142,8 @@ class RunState:
     started_at: float | None = None  # its first drive (limits.max_duration_s counts from here)
     error: str | None = None
     parent_run_id: str | None = None
+    key_id: str = ""  # the key that started the run ('' for runs stored before v3)
+    user: str | None = None  # the user its first call named
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     revision: int = 0
@@ -247,6 +251,8 @@ class RunState:
             "tool_calls": self.tool_calls,
             "started_at": self.started_at,
             "error": self.error,
+            "key_id": self.key_id,
+            "user": self.user,
             "messages": self.messages,
             "created_at": self.created_at,
             "updated_at": self.updated_at,
@@ -263,6 +269,8 @@ class RunState:
         version = data.get("version")
         if version == 1:
             data = upgrade_v1(data)
+        elif version == 2:
+            data = {**data, "version": SCHEMA_VERSION}  # v3 only adds key_id and user: none known
         elif version != SCHEMA_VERSION:
             raise StateError(f"run schema version {version!r} is not supported (this gateway reads 1 to "
                              f"{SCHEMA_VERSION})")
@@ -292,6 +300,8 @@ class RunState:
                 tool_calls=int(data.get("tool_calls") or 0),
                 started_at=_optional_float(data.get("started_at")),
                 error=data.get("error"),
+                key_id=str(data.get("key_id") or ""),
+                user=data.get("user"),
                 created_at=float(data.get("created_at", 0.0)),
                 updated_at=float(data.get("updated_at", 0.0)),
                 revision=int(data.get("revision", 0)),

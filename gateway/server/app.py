@@ -40,12 +40,15 @@ from gateway.server import console, embeddings, mcp_servers, openapi
 from gateway.server.models import get_model, list_models, routed_models
 from gateway.server import context as ctx
 from gateway.server.api import admin
+from gateway.server.api import keys as admin_keys
+from gateway.server.api import spend
 from gateway.server.api import metrics as metrics_route
 from gateway.server.api import runs as runs_api
 from gateway.server.chat import endpoint as chat
-from gateway.server.http.auth import KeyRing
+from gateway.server.http.auth import SYNC_S, KeyRing
 from gateway.server.http.errors import StoreUnavailable
 from gateway.server.http.middleware import gateway_middleware
+from gateway.server.http.scope import may_use_model
 from gateway.server.http.sse import STREAMS_END, end_streams
 from gateway.server.metrics import KnownPolicy, Metrics
 from gateway.server.notify import delivery as notify_delivery
@@ -118,13 +121,21 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         await governor.start()
     except StoreError as exc:  # the store may be back later: its holds then expire on their own
         log.warning("cannot release this gateway's earlier reservations: %s", exc)
+    keyring = app[ctx.KEYRING]
+    try:
+        await keyring.sync()  # every key the store has, before the first call
+    except StoreError as exc:
+        log.warning("cannot read the store's keys yet (retried every %.2f s): %s", SYNC_S, exc)
     keeper = asyncio.ensure_future(governor.keep_alive())
     giver = asyncio.ensure_future(governor.give_back_idle())
     replayer = asyncio.ensure_future(_replay_spool_forever(app))
+    syncer = asyncio.ensure_future(keyring.keep_synced())
+    toucher = asyncio.ensure_future(keyring.keep_touching())
     try:
         yield
     finally:
-        for task in (keeper, giver, replayer):
+        await keyring.flush_used()
+        for task in (keeper, giver, replayer, syncer, toucher):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -190,11 +201,11 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
         app[ctx.MCP].close()  # the servers discovery started
         raise
     app[ctx.COUNTER] = get_counter()
-    app[ctx.KEYRING] = KeyRing(config.teams)
     app[ctx.METRICS] = Metrics((name for name, _ in routed_models(config)), config.upstreams,
                                ((w.name, sorted(w.events)) for w in config.webhooks))
     app[ctx.METRICS].start_at_zero(known_policies(config, app[ctx.POLICIES]))
     app[ctx.STORE] = open_configured_store(config)
+    app[ctx.KEYRING] = KeyRing(config.teams, app[ctx.STORE])
     app[ctx.SPOOL] = Spool(config.spool_file)
     app[ctx.RUN_CACHE] = RunCache()
     if self_url is not None:
@@ -208,8 +219,7 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
     app[STREAMS_END] = asyncio.Event()
     app.on_shutdown.append(end_streams)
     app.on_shutdown.append(runtime.stop_runs)
-    if any(t.rate_limits is not None or t.key_limits for t in config.teams):
-        app.on_response_prepare.append(rate_limits.show)  # answers carry their x-ratelimit-* headers
+    app.on_response_prepare.append(rate_limits.show)  # answers carry their x-ratelimit-* headers (keys may have limits)
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
     metrics_route.setup(app)
@@ -246,6 +256,14 @@ ROUTES: Final[tuple[tuple[str, str, Handler], ...]] = (
     ("POST", "/v1/runs/{id}/resume", runs_api.post_resume),
     ("POST", "/v1/runs/{id}/cancel", runs_api.post_cancel),
     ("POST", admin.RELOAD_PATH, admin.post_reload),
+    ("POST", "/v1/admin/keys", admin_keys.create_key),
+    ("GET", "/v1/admin/keys", admin_keys.list_keys),
+    ("GET", "/v1/admin/keys/{id}", admin_keys.get_key),
+    ("PATCH", "/v1/admin/keys/{id}", admin_keys.update_key),
+    ("DELETE", "/v1/admin/keys/{id}", admin_keys.revoke_key),
+    ("POST", "/v1/admin/keys/{id}/rotate", admin_keys.rotate_key),
+    ("GET", "/v1/admin/audit", spend.get_audit),
+    ("GET", "/v1/spend", spend.get_spend),
     ("GET", "/healthz", healthz),
     ("GET", "/openapi.json", openapi.openapi_json),
 )

@@ -43,6 +43,7 @@ from gateway.server.http.errors import (
 from gateway.server.http.headers import run_headers
 from gateway.server.http.leaving import upstream_wait
 from gateway.server.http.validation import kind as _kind
+from gateway.server.http.scope import call_user, require_model
 from gateway.server.http.validation import read_body
 from gateway.server.runs.booking import append_trace_file, refuse
 from gateway.server.runs.forwarding import attempt_events, routed_call, trace_unbooked
@@ -105,14 +106,16 @@ async def create_embeddings(request: web.Request) -> web.Response:
     if route is None:
         raise NotFound(f"model '{model}' is not routed by this gateway (see GET /v1/models)", code="model_not_found",
                        param="model")
+    require_model(team, model)
+    user = call_user(team, body, request.headers)
     price = Price(route.price.input_per_million, 0.0)  # the hold covers whichever deployment answers
     call: Call | None = None
     if run_id_from(request.headers) is not None:
         chat = ChatRequest(raw, body, model, messages, None, False, False, None, "max_tokens")
-        call = await resolve_call(app[ctx.STORE], app[ctx.POLICIES], team, request.headers, chat, route)
+        call = await resolve_call(app[ctx.STORE], app[ctx.POLICIES], team, request.headers, chat, route, user=user)
         request[ctx.RUN] = call.run
     governor = app[ctx.GOVERNOR]
-    ask = Ask(price, messages, None, 1)
+    ask = Ask(price, messages, None, 1, model=model, user=user, policy="" if call is None else call.policy.name)
     try:
         adm = await _admit(app, call, team, ask)
     except LimitExceeded as exc:

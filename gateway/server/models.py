@@ -22,6 +22,7 @@ from gateway.config.settings import Config, ModelRoute
 from gateway.providers.scenarios import model_names
 from gateway.server import context as ctx
 from gateway.server.http.errors import NotFound
+from gateway.server.http.scope import may_use_model
 
 __all__ = ["get_model", "list_models", "routed_models"]
 
@@ -85,23 +86,26 @@ def _model(name: str, upstream: str) -> dict[str, object]:
 async def list_models(request: web.Request) -> web.Response:
     """The models this gateway routes, in the OpenAI list shape (auth required)."""
     app = request.app
-    app[ctx.KEYRING].authenticate(request)
+    team = app[ctx.KEYRING].authenticate(request)
     listed = routed_models(app[ctx.CONFIG])
     seen = {name for name, _ in listed}
     for name, upstream in await discovered_models(app):
         if name not in seen:
             seen.add(name)
             listed.append((name, upstream))
-    data = [_model(name, upstream) for name, upstream in listed]
+    data = [_model(name, upstream) for name, upstream in listed if may_use_model(team, name)]
     return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
 
 
 async def get_model(request: web.Request) -> web.Response:
     """One routed model (the SDKs' `models.retrieve`); 404 in the OpenAI shape otherwise."""
     app = request.app
-    app[ctx.KEYRING].authenticate(request)
+    team = app[ctx.KEYRING].authenticate(request)
     config = app[ctx.CONFIG]
     name = request.match_info["model"]
+    if not may_use_model(team, name):
+        raise NotFound(f"model '{name}' is not one this key may use (see GET /v1/models)", code="model_not_found",
+                       param="model")
     for model, upstream in routed_models(config):
         if model == name:
             return web.Response(body=orjson.dumps(_model(name, upstream)), content_type="application/json")

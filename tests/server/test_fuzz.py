@@ -1,4 +1,5 @@
-"""Property-based fuzzing of one real gateway process: chat bodies, the runs API, header bytes.
+"""Property-based fuzzing of one real gateway process: chat bodies, the runs API, header
+bytes and the admin API (keys, spend, audit).
 
 Mostly-valid chat bodies with mutated fields (wrong types, huge integers, deep nesting,
 odd tool calls and tools), under the `passthrough` and `files` policies, streamed and
@@ -33,7 +34,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.served import DEMO, OPS, OTHER, Served
+from tests.server.served import DEMO, KEYS, OPS, OTHER, Served
 from tests.support import rawhttp
 
 CLASS_NAME = re.compile(rb"\b[A-Z][A-Za-z]*(Error|Exception)\b|Traceback")
@@ -43,6 +44,7 @@ SCALE = float(os.environ.get("GATEWAY_FUZZ_SCALE", "1"))
 CHAT_EXAMPLES = int(500 * SCALE)
 RUNS_EXAMPLES = int(250 * SCALE)
 HEADER_EXAMPLES = int(2000 * SCALE)
+ADMIN_EXAMPLES = int(250 * SCALE)
 FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False,
                 suppress_health_check=list(HealthCheck))
 
@@ -440,3 +442,92 @@ def test_a_header_that_is_not_utf8_is_refused_at_the_edge(client: Client, method
     with client.log.open("rb") as log:
         log.seek(log_from)
         assert b"Traceback" not in log.read()
+
+
+# --- admin API: keys ---------------------------------------------------------------------------
+
+KEY_FIELDS = ["team", "name", "user", "models", "policies", "budget_usd", "budget_period", "rate_limits",
+              "expires_at", "expires_in_s", "metadata", "manage_keys", "grace_s", "colour"]
+GOOD_KEY: dict[str, Any] = {"team": "demo", "name": "fuzz", "user": "ana", "models": ["scripted-*"],
+                            "policies": ["passthrough"], "budget_usd": 1.0, "budget_period": "week",
+                            "rate_limits": {"requests_per_minute": 60}, "expires_in_s": 3600,
+                            "metadata": {"owner": "ana"}, "manage_keys": False, "grace_s": 1}
+
+
+@pytest.fixture(scope="module")
+def key_ids(client: Client) -> list[str]:
+    """Two keys of team demo, issued by its key manager."""
+    made = []
+    for _ in range(2):
+        status, data = client.send("POST", "/v1/admin/keys", orjson.dumps({"team": "demo", "name": "seed"}), key=KEYS)
+        assert status == 201, data
+        made.append(orjson.loads(data)["id"])
+    return made
+
+
+@st.composite
+def admin_cases(draw: st.DrawFn, ids: list[str]) -> tuple[str, str, bytes | None, str | None]:
+    key = draw(st.sampled_from([KEYS, KEYS, KEYS, DEMO, OTHER, "sk-nope", None]))
+    route = draw(st.sampled_from(["create", "create", "list", "get", "patch", "patch", "rotate", "revoke"]))
+    key_id = quote(draw(st.one_of(st.sampled_from(ids), TEXT, st.just("cfg_" + "0" * 24))), safe="")
+    if route == "list":
+        query = {k: draw(NUMBERISH if k == "limit" else TEXT) for k in draw(st.sets(st.sampled_from(
+            ["team", "user", "include_revoked", "after", "limit"])))}
+        return "GET", "/v1/admin/keys?" + urlencode(query), None, key
+    if route == "get":
+        return "GET", f"/v1/admin/keys/{key_id}", None, key
+    if route == "revoke":
+        return "DELETE", f"/v1/admin/keys/{key_id}", None, key
+    body: dict[str, Any] = {"team": "demo", "name": "fuzz"} if route == "create" else {}
+    for name in draw(st.sets(st.sampled_from(KEY_FIELDS), max_size=4)):
+        body[name] = copy.deepcopy(draw(st.one_of(st.just(GOOD_KEY.get(name, 1)), ODD)))
+    raw = json.dumps(body).encode() if draw(st.integers(0, 9)) else draw(st.sampled_from(
+        [b"", b"[]", b"{", b"null", b"\"x\"", b"{\"name\": " + b"[" * 300 + b"]" * 300 + b"}"]))
+    if route == "create":
+        return "POST", "/v1/admin/keys", raw, key
+    if route == "rotate":
+        return "POST", f"/v1/admin/keys/{key_id}/rotate", raw, key
+    return "PATCH", f"/v1/admin/keys/{key_id}", raw, key
+
+
+def test_fuzz_admin_keys_api(client: Client, key_ids: list[str]) -> None:
+    before, created = client.sent, client.statuses.get(201, 0)
+
+    @settings(FUZZ, max_examples=ADMIN_EXAMPLES)
+    @given(admin_cases(key_ids))
+    def check(case: tuple[str, str, bytes | None, str | None]) -> None:
+        method, path, body, key = case
+        client.send(method, path, body, key=key)
+
+    check()
+    assert client.sent - before >= ADMIN_EXAMPLES
+    assert client.statuses.get(201, 0) > created  # some fuzzed bodies were valid keys
+
+
+# --- spend and the audit log -----------------------------------------------------------------
+
+@st.composite
+def report_cases(draw: st.DrawFn) -> tuple[str, str | None]:
+    key = draw(st.sampled_from([DEMO, KEYS, OTHER, "sk-nope", None]))
+    if draw(st.booleans()):
+        names = ["group_by", "from", "to", "team", "format"]
+        values = st.one_of(TEXT, st.sampled_from(["team,key", "day", "model,user,policy", "2026-12-01", "2026-02-30",
+                                                   "1999-01-01", "csv", "json", "demo", "x" * 100]))
+        query = {k: draw(values) for k in draw(st.sets(st.sampled_from(names)))}
+        return "/v1/spend?" + urlencode(query), key
+    query = {k: draw(NUMBERISH if k in ("since", "after", "limit") else TEXT)
+             for k in draw(st.sets(st.sampled_from(["since", "action", "team", "after", "limit"])))}
+    return "/v1/admin/audit?" + urlencode(query), key
+
+
+def test_fuzz_spend_and_audit_queries(client: Client) -> None:
+    before = client.sent
+
+    @settings(FUZZ, max_examples=int(120 * SCALE))
+    @given(report_cases())
+    def check(case: tuple[str, str | None]) -> None:
+        path, key = case
+        client.send("GET", path, key=key)
+
+    check()
+    assert client.sent - before >= int(120 * SCALE)

@@ -33,6 +33,9 @@ def exit_sentence(state: RunState) -> str:
     if state.status == "budget_exceeded":
         if state.reason == "team_budget":
             return "The run stopped: its team's budget cannot pay for another turn."
+        if state.reason in ("key_budget", "user_budget"):
+            whose = "key's" if state.reason == "key_budget" else "user's"
+            return f"The run stopped: its {whose} budget cannot pay for another turn."
         budget = limits.max_budget_usd or 0.0
         return f"The run stopped: it spent ${state.cost_usd:.6f} and reached its budget of ${budget:.2f}."
     if state.status == "interrupted" and i is not None:

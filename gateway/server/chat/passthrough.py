@@ -66,7 +66,7 @@ async def admit(request: web.Request, call: Call) -> Admission:
     from a cached run is judged again on the stored run when its admission refuses, or finds
     the stored revision different (the admission is then given back first)."""
     chat = call.chat
-    ask = Ask(call.route.price, chat.messages, chat.tools, chat.max_tokens, chat.n)
+    ask = Ask(call.route.price, chat.messages, chat.tools, chat.max_tokens, chat.n, chat.model, call.user)
     app = request.app
     governor = app[ctx.GOVERNOR]
     try:

@@ -17,7 +17,7 @@ Handlers raise; one middleware renders. The tree (HTTP status, `error.type`):
     ├── ClientLeft                   499 client_closed_request, code client_disconnected (nginx's
     │                                    499: the client closed its connection first; nobody reads it)
     ├── LimitExceeded                429 max_turns_exceeded | budget_exceeded | team_budget_exceeded
-    │                                    | max_duration_exceeded
+    │                                    | key_budget_exceeded | user_budget_exceeded | max_duration_exceeded
     │                                    (+ header x-should-retry: false, + top-level `run`)
     ├── RateLimited                  429 requests | tokens | in_flight, code rate_limit_exceeded
     │                                    (+ retry-after, retry-after-ms, x-ratelimit-*,
@@ -59,12 +59,15 @@ from gateway.store.errors import RunExists, RunNotFound, StaleRun, StoreError
 
 log = logging.getLogger(__name__)
 
-LimitKind = Literal["max_turns_exceeded", "budget_exceeded", "team_budget_exceeded", "max_duration_exceeded"]
+LimitKind = Literal["max_turns_exceeded", "budget_exceeded", "team_budget_exceeded", "key_budget_exceeded",
+                    "user_budget_exceeded", "max_duration_exceeded"]
 
 _LIMIT_STOPS: dict[str, tuple[Status, str, InterruptionType]] = {
     "max_turns_exceeded": ("max_turns_exceeded", "max_turns", "max_turns"),
     "budget_exceeded": ("budget_exceeded", "max_budget", "max_budget"),
     "team_budget_exceeded": ("budget_exceeded", "team_budget", "max_budget"),
+    "key_budget_exceeded": ("budget_exceeded", "key_budget", "max_budget"),
+    "user_budget_exceeded": ("budget_exceeded", "user_budget", "max_budget"),
     "max_duration_exceeded": ("max_duration_exceeded", "max_duration", "max_duration"),
 }
 

@@ -58,6 +58,7 @@ from gateway.server.runs import continuations
 from gateway.server.runs.booking import Booked, book_turn
 from gateway.server.runs.driver import FromClient, StartKind
 from gateway.server.runs.governor import Admission
+from gateway.server.http.scope import call_user, require_model
 from gateway.server.runs.keying import Call, resolve_call, run_id_from
 from gateway.store.errors import StoreError
 
@@ -107,6 +108,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if route is None:
         raise NotFound(f"model '{req.model}' is not routed by this gateway (see GET /v1/models)",
                        code="model_not_found", param="model")
+    require_model(team, req.model)
+    user = call_user(team, body, request.headers)
     headers: CIMultiDict[str] = CIMultiDict(request.headers)
     earlier: list[Message] = []
     chained: str | None = None  # the run this response continues, when no X-Run-Id says
@@ -126,7 +129,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     chat_body = req.chat_body(messages, stream=req.stream)
     chat = ChatRequest(orjson.dumps(chat_body), chat_body, req.model, messages, req.chat_tools(), req.stream, False,
                        req.max_output_tokens, "max_tokens")
-    call = await resolve_call(app[ctx.STORE], app[ctx.POLICIES], team, headers, chat, route)
+    call = await resolve_call(app[ctx.STORE], app[ctx.POLICIES], team, headers, chat, route, user=user)
     request[ctx.RUN] = call.run
     if call.policy.server_side:
         return await _server_side(request, call, Exchange(req, earlier))

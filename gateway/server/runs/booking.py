@@ -62,7 +62,7 @@ async def refuse(request: web.Request, call: Call, exc: LimitExceeded) -> LimitE
     status, reason, interruption = limit_stop(exc.kind)
     run = call.run
     if (run.status, run.reason) != (status, reason):
-        detail = exc.message if reason == "team_budget" else None
+        detail = exc.message if reason in ("team_budget", "key_budget", "user_budget") else None
 
         def trace(r: RunState) -> list[Event]:
             return [Tracer(r.run_id)("run_stopped", status=status, reason=reason, turns=r.turns,

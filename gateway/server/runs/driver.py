@@ -64,6 +64,7 @@ from gateway.server.metrics import Metrics
 from gateway.server.runs.cancels import ActiveRuns, RunBusy, watch_remote_cancel
 from gateway.server.runs.pending_approvals import PendingApprovals
 from gateway.server.runs.tracelog import Listener, TraceWriter
+from gateway.store.audit import AuditEntry
 from gateway.store.base import Event, Store
 from gateway.store.errors import StoreError
 
@@ -72,6 +73,18 @@ log = logging.getLogger(__name__)
 StartKind = Literal["run_started", "run_resumed"]
 INTERNAL_ERROR = "the gateway failed while driving the run; see its log"
 Prepare = Callable[[RunState, Policy], "StartSetup | None"]
+
+
+@dataclass(frozen=True)
+class Audited:
+    """A `Prepare` that is an administrative act (a resume with raised limits): its audit
+    records are written with the first save of the drive it starts (gateway.server.audit)."""
+
+    prepare: Prepare
+    audit: tuple[AuditEntry, ...]
+
+    def __call__(self, state: RunState, policy: Policy) -> StartSetup | None:
+        return self.prepare(state, policy)
 """Changes a call makes to the run before it is driven (append tool results, raise limits).
 
 Runs under the lease on the freshly loaded run; returns the fields of the start event
@@ -192,8 +205,10 @@ class RunDriver:
             raise NotFound(f"run {public_run_id(run_id)} not found", code="run_not_found")
         policy = self.policy_of(state)
         fields = prepare(state, policy) if prepare is not None else None
+        if isinstance(prepare, Audited):
+            writer.audit(prepare.audit)
         if prepare is not None and fields is None:  # nothing to drive (it waits for a person): keep what the call added
-            await self.store.save_run(state)
+            await writer.commit(state)
             return Drive(Outcome(state, "stopped", last_answer(state)), Usage(), driven=False)
         usage_before = state.usage
         model = self.model_for(state)
@@ -279,7 +294,7 @@ class RunDriver:
         """Save a run the loop could not finish: a refused call or a failed upstream."""
         if isinstance(exc, LimitExceeded):
             state.status, state.reason, state.interruption = limit_stop(exc.kind)
-            if exc.kind == "team_budget_exceeded":
+            if exc.kind in ("team_budget_exceeded", "key_budget_exceeded", "user_budget_exceeded"):
                 state.error = exc.message
         elif isinstance(exc, RateLimited):  # waited defaults.rate_limit_wait_s already: resume it later
             state.status, state.reason = "interrupted", "rate_limited"
