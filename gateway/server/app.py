@@ -48,7 +48,6 @@ from gateway.server.chat import endpoint as chat
 from gateway.server.http.auth import SYNC_S, KeyRing
 from gateway.server.http.errors import StoreUnavailable
 from gateway.server.http.middleware import gateway_middleware
-from gateway.server.http.scope import may_use_model
 from gateway.server.http.sse import STREAMS_END, end_streams
 from gateway.server.metrics import KnownPolicy, Metrics
 from gateway.server.notify import delivery as notify_delivery
