@@ -1,8 +1,9 @@
-"""Fixtures of the store tests: a real redis-server, and one Store per backend.
+"""Fixtures of the store tests: a real redis-server, a real PostgreSQL, and one Store per backend.
 
 The contract suite runs once per backend through `stores` (memory, a SQLite file in
-tmp_path, a real redis-server). `stores.open()` gives another view of the same data
-(a second SQLite connection, a second Redis client), which is how two replicas see it.
+tmp_path, a real redis-server, a real PostgreSQL cluster). `stores.open()` gives another
+view of the same data (a second SQLite connection, a second Redis client, a second
+PostgreSQL pool), which is how two replicas see it.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ import redis
 
 from gateway.store.base import Store
 from gateway.store.memory import MemoryStore
+from gateway.store.postgres import PostgresStore
 from gateway.store.redis import RedisStore
 from gateway.store.sqlite import SqliteStore
+from tests.support import postgres
 from tests.support.procs import free_port
 
-Backend = Literal["memory", "sqlite", "redis"]
-BACKENDS: tuple[Backend, ...] = ("memory", "sqlite", "redis")
+Backend = Literal["memory", "sqlite", "redis", "postgres"]
+BACKENDS: tuple[Backend, ...] = ("memory", "sqlite", "redis", "postgres")
 STORE_TIMEOUT_S = 10.0
 """The Redis views' command deadline in these tests."""
 
@@ -79,6 +82,13 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         proc.wait()
 
 
+@pytest.fixture(scope="session")
+def postgres_dsn() -> str:
+    """The session's throwaway PostgreSQL cluster (tests/support/postgres.py), shared by the
+    workers; each test takes a schema of its own."""
+    return postgres.dsn()
+
+
 class Stores:
     """Opens stores of one backend over the same data, and closes them all at teardown."""
 
@@ -87,6 +97,7 @@ class Stores:
         self.path = tmp_path / "store.db"
         self.redis_url = redis_url
         self.prefix = f"test-{uuid.uuid4().hex[:12]}:"  # isolates this test's keys on the shared server
+        self.schema = postgres.new_schema()  # the same on the shared PostgreSQL
         self._memory = MemoryStore()
         self._opened: list[Store] = []
 
@@ -96,6 +107,9 @@ class Stores:
             store = self._memory  # one process: every "view" is the same object
         elif self.backend == "sqlite":
             store = SqliteStore(self.path)
+        elif self.backend == "postgres":
+            assert self.redis_url is not None  # the DSN, for this backend
+            store = PostgresStore(self.redis_url, self.schema, timeout_s=STORE_TIMEOUT_S, pool_max=32)
         else:
             assert self.redis_url is not None
             # These tests judge what the store decides, not its deadlines (tests/faults freeze a
@@ -113,6 +127,8 @@ class Stores:
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> tuple[Backend, str | None]:
     kind: Backend = request.param
+    if kind == "postgres":
+        return kind, request.getfixturevalue("postgres_dsn")
     return kind, (request.getfixturevalue("redis_url") if kind == "redis" else None)
 
 
