@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from gateway.harness.state import Decision, Limits, RunState, pending
+from gateway.harness.state import Decision, Interruption, Limits, RunState, pending
 
 
 class ApprovalError(ValueError):
@@ -59,13 +59,25 @@ def decide(state: RunState, call_id: str, decision: Decision) -> None:
         state.status, state.reason, state.interruption = "running", None, None
 
 
+def waiting_for(state: RunState) -> Interruption | None:
+    """The request an interrupted run waits for a person on, nobody having decided it yet: a
+    call (`approval`) or a limit (`limit`, see `limit_requests`); None when it waits for none."""
+    waiting = state.interruption
+    if state.status == "interrupted" and waiting is not None and waiting.type in ("approval", "limit") \
+            and waiting.call_id not in state.decisions:
+        return waiting
+    return None
+
+
 def resume(state: RunState, limits: Limits | None = None) -> None:
     """Make a stopped-but-resumable run `running` again, optionally with raised limits."""
     if not state.resumable:
         raise ApprovalError(f"run {state.public_id} ended with status {state.status} and cannot be resumed")
-    interruption = state.interruption
-    if interruption is not None and interruption.type == "approval" and interruption.call_id not in state.decisions:
-        raise ApprovalError(f"run {state.public_id} waits for a decision on call {interruption.call_id}")
+    waiting = waiting_for(state)
+    if waiting is not None:
+        what = f"call {waiting.call_id}" if waiting.type == "approval" else \
+            f"its {waiting.limit} (limit request {waiting.call_id})"
+        raise ApprovalError(f"run {state.public_id} waits for a decision on {what}")
     if limits is not None:
         state.limits = limits
     state.status, state.reason, state.interruption, state.error = "running", None, None, None
