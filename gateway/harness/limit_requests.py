@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Final
 
 from gateway.harness.approvals import ApprovalError
+from gateway.harness.trace import Event, Tracer
 from gateway.harness.options import LimitAsk, Stop, StopReason
 from gateway.harness.state import (
     Amounts,
@@ -99,6 +100,14 @@ class Reached:
 def plain(amounts: Amounts) -> dict[str, float]:
     """Figures by limit as a trace line or an answer carries them."""
     return {str(name): value for name, value in amounts.items()}
+
+
+def reached_line(tracer: Tracer, reached: Reached, grants: int) -> Event:
+    """The `limit_reached` line of `reached` (`grants`: the grants the run had before)."""
+    waiting = reached.stop.interruption
+    return tracer("limit_reached", callId=waiting.call_id if reached.asked and waiting else None,
+                  limit=reached.limit, used=reached.used, cap=reached.cap, grant=plain(reached.grant), grants=grants,
+                  asked=reached.asked, detail=reached.stop.detail)
 
 
 def new_request_id() -> str:

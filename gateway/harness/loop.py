@@ -340,9 +340,7 @@ async def _stop(state: RunState, stop: Stop, options: RunOptions, trace: Tracer,
         reached = limit_requests.reached(state, stop, options.limit_ask, options.clock())
         if reached is not None:
             stop = reached.stop
-            trace("limit_reached", callId=stop.interruption.call_id if reached.asked and stop.interruption else None,
-                  limit=reached.limit, used=reached.used, cap=reached.cap, grant=limit_requests.plain(reached.grant),
-                  grants=len(state.grants), asked=reached.asked, detail=stop.detail)
+            limit_requests.reached_line(trace, reached, len(state.grants))
     state.status, state.reason, state.interruption = stop.status, stop.reason, stop.interruption
     if stop.status == "failed" and state.error is None:
         state.error = stop.detail

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextvars import ContextVar, Token
 from typing import Any
 
@@ -144,6 +144,10 @@ class Metrics:
                                     multiprocess_mode="mostrecent")
         self.approvals_pending = Gauge("gateway_approvals_pending", "Calls waiting for a person's decision.",
                                        ["team"], registry=r, multiprocess_mode="mostrecent")
+        self.limit_requests = Counter(
+            "gateway_limit_requests_total",
+            "Limits that ask a person (on_exceed: ask), by policy, limit and outcome (asked, exhausted: reached with "
+            "no grant left, granted, rejected, expired).", ["policy", "limit", "outcome"], registry=r)
         self.runs_active = Gauge("gateway_runs_active", "Runs with a call in progress (summed over the live workers).",
                                  registry=r, multiprocess_mode="livesum")
         self.turns_per_run = Histogram("gateway_turns_per_run", "Turns of a run when it stops.", ["team", "policy"],
@@ -241,6 +245,22 @@ class Metrics:
         self._child(self.runs_stopped, team, policy, status, _code(reason)).inc(1, exemplar)
         self._child(self.turns_per_run, team, policy).observe(turns, exemplar)
         self._child(self.cost_per_run, team, policy).observe(cost_usd, exemplar)
+
+    def on_limit_lines(self, policy: str, events: Iterable[Mapping[str, Any]]) -> None:
+        """`gateway_limit_requests_total` from the trace lines of limit requests: `limit_reached`
+        (asked, or exhausted: no grant left), `limit_granted`, `limit_rejected` (rejected, or
+        expired); other lines are ignored. Every path that writes those lines counts here."""
+        for event in events:
+            kind = event.get("type")
+            if kind == "limit_reached":
+                outcome = "asked" if event.get("asked") else "exhausted"
+            elif kind == "limit_granted":
+                outcome = "granted"
+            elif kind == "limit_rejected":
+                outcome = "expired" if event.get("expired") else "rejected"
+            else:
+                continue
+            self._child(self.limit_requests, policy, _code(str(event.get("limit"))), outcome).inc()
 
     def set_approvals_pending(self, team: str, count: int) -> None:
         self.approvals_pending.labels(team).set(count)

@@ -1,7 +1,7 @@
 """Runs that continue after a decision: policy option `approval: {on_decision: resume}`.
 
 With it, the gateway resumes a server-side run itself as soon as the call it waits for
-is decided (by a person, or by expiry): the replica that recorded the decision starts a
+is decided (by a person, or by expiry), or its limit request granted: the replica that recorded the decision starts a
 drive in the background (`BackgroundDrives.spawn`), and the run's lease decides who
 drives (another replica already holding it means this one stands down). Should the
 deciding replica die before it drives, recovery on any replica finds the run `running`,
@@ -26,6 +26,8 @@ from typing import Final
 
 from aiohttp import web
 
+from gateway.harness.approvals import waiting_for
+from gateway.harness.limit_requests import decided_grant
 from gateway.harness.state import RunState, pending
 from gateway.policy.decl import Policy
 from gateway.providers.errors import UpstreamError
@@ -51,15 +53,15 @@ def resumes_on_decision(policy: Policy | None) -> bool:
 
 
 def waits_for_decision(run: RunState) -> bool:
-    """The run is stopped on a call nobody has decided yet."""
-    waiting = run.interruption
-    return (run.status == "interrupted" and waiting is not None and waiting.type == "approval"
-            and waiting.call_id not in run.decisions)
+    """The run is stopped on a call, or a limit request, nobody has decided yet."""
+    return waiting_for(run) is not None
 
 
 def continues_by_itself(run: RunState, policy: Policy | None) -> bool:
-    """Still going, as a follower sees it: running, or waiting for a decision that resumes it."""
-    return run.status == "running" or (waits_for_decision(run) and resumes_on_decision(policy))
+    """Still going, as a follower sees it: running, or waiting for a decision (or, granted
+    more of a limit, for the drive) that resumes it."""
+    return run.status == "running" or (
+        (waits_for_decision(run) or decided_grant(run)) and resumes_on_decision(policy))
 
 
 def decided_undriven(run: RunState, policy: Policy | None) -> bool:
@@ -122,9 +124,10 @@ BACKGROUND: Final = web.AppKey("background_drives", BackgroundDrives)
 def after_decision(drives: BackgroundDrives, run: RunState, policy: Policy | None, prepare: Prepare) -> bool:
     """Resume `run` in the background if its policy says so and nothing is left to decide.
 
-    `run` is the run as saved with the decision; `prepare` is the resume to apply (its
-    `by` names the decision). True when a drive was started."""
-    if not resumes_on_decision(policy) or run.status != "running":
+    `run` is the run as saved with the decision (`running`, or granted more of a limit);
+    `prepare` is the resume to apply (its `by` names the decision). True when a drive was
+    started."""
+    if not resumes_on_decision(policy) or not (run.status == "running" or decided_grant(run)):
         return False
     drives.spawn(run.run_id, prepare, busy_wait_s=drives.driver.lease_ttl_s)
     return True

@@ -8,7 +8,8 @@ answer with the run as it is, e.g. it still waits for a person).
 - `start`: a new run's first call (the policy's system prompt if the client sent none);
 - `continue_chat`: a later chat call with the same X-Run-Id: tool results for the calls
   handed to the client (hybrid), or a new user message on a stopped run;
-- `resume_with`: POST /v1/runs/{id}/resume, optionally with raised limits.
+- `resume_with`: POST /v1/runs/{id}/resume, optionally with raised limits;
+- `resume_granted`: the gateway's own resume after a limit request was granted.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from gateway.harness.approvals import ApprovalError, resume
+from gateway.harness.approvals import ApprovalError, resume, waiting_for
+from gateway.harness.limit_requests import decided_grant
 from gateway.harness.state import Message, RunState, pending
 from gateway.harness.trace import RunResumedSetup, RunStartedSetup
 from gateway.policy.decl import Policy
@@ -66,8 +68,7 @@ def refuse_unanswered_calls(messages: list[Message]) -> None:
 
 
 def _waiting_approval(state: RunState) -> bool:
-    i = state.interruption
-    return state.status == "interrupted" and i is not None and i.type == "approval" and i.call_id not in state.decisions
+    return waiting_for(state) is not None
 
 
 def _client_calls(state: RunState, policy: Policy) -> list[dict[str, Any]]:
@@ -134,6 +135,9 @@ def continue_chat(messages: list[Message], model: str) -> Prepare:
         fields: RunResumedSetup = {"by": "client", "toolResults": len(results)}
         if _waiting_approval(state):
             return None
+        if decided_grant(state):  # granted more of a limit: the call goes on with it
+            _reopen(state)
+            return fields
         if state.status == "running":
             owed = [str(c.get("id")) for c in _client_calls(state, policy)]
             if owed and not results:
@@ -149,6 +153,21 @@ def continue_chat(messages: list[Message], model: str) -> Prepare:
             fields["messages"] = len(added)
         _reopen(state)
         return fields
+
+    return prepare
+
+
+def resume_granted(by: str) -> Prepare:
+    """The drive after a grant (`on_decision: resume`): once, whichever replica takes the
+    lease first; refused (409) when the run no longer waits for it (driven already)."""
+
+    def prepare(state: RunState, policy: Policy) -> RunResumedSetup:
+        if not decided_grant(state):
+            raise Conflict(f"run {state.public_id} does not wait to go on after a grant (status {state.status})",
+                           code="run_not_resumable")
+        resume(state)
+        return {"by": by, "maxTurns": state.limits.max_turns, "maxBudgetUsd": state.limits.max_budget_usd,
+                "maxToolCalls": state.limits.max_tool_calls, "maxDurationS": state.limits.max_duration_s}
 
     return prepare
 

@@ -41,6 +41,7 @@ from typing import Any, Literal
 import aiohttp
 
 from gateway.config.settings import DEFAULT_LEASE_TTL_S, DEFAULT_STORE_TIMEOUT_S
+from gateway.harness.approvals import waiting_for
 from gateway.harness.execute import CancelScope
 from gateway.harness.loop import Outcome, run
 from gateway.harness.model import Model
@@ -301,9 +302,10 @@ class RunDriver:
         return Outcome(state, "stopped")
 
     async def refresh_approvals(self, team: str) -> int:
-        """Recount the team's runs waiting for a person (the gauge survives restarts this way)."""
+        """Recount the team's runs waiting for a person, on a call or a limit request (the
+        gauge survives restarts this way)."""
         runs = await self.store.list_runs(team=team, status="interrupted", limit=10_000)
-        count = sum(1 for r in runs if r.interruption is not None and r.interruption.type == "approval")
+        count = sum(1 for r in runs if waiting_for(r) is not None)
         if self.metrics is not None:
             self.metrics.set_approvals_pending(team, count)
         return count
@@ -315,7 +317,7 @@ def _log_failure(task: asyncio.Future[None]) -> None:
 
 
 def _waits_for_approval(state: RunState) -> bool:
-    return state.interruption is not None and state.interruption.type == "approval"
+    return waiting_for(state) is not None
 
 
 def _minus(a: Usage, b: Usage) -> Usage:
@@ -347,6 +349,8 @@ class _MetricsListener:
             m.on_tool(self.policy, str(event.get("toolName")), "deduped")
         elif event["type"] == "tool_denied":
             m.on_tool(self.policy, str(event.get("toolName")), "denied")
+        elif event["type"] in ("limit_reached", "limit_granted", "limit_rejected") and event["runId"] == s.run_id:
+            m.on_limit_lines(self.policy, (event,))
         elif event["type"] == "run_stopped" and event["runId"] == s.run_id:
             m.on_run_stopped(s.team, self.policy, str(event.get("status")), str(event.get("reason")),
                              int(event.get("turns") or 0), float(event.get("costUsd") or 0.0))

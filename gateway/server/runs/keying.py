@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from gateway.config.settings import ModelRoute, TeamConfig
+from gateway.harness.approvals import waiting_for
 from gateway.harness.state import (
     Interruption,
     Message,
@@ -240,6 +241,8 @@ def add_turn(*, model: str, usage: Usage, cost_usd: float, transcript: list[Mess
         run.count_turn(usage, cost_usd)
         if transcript is not None:
             run.messages = transcript
+        if waiting_for(run) is not None:  # a call admitted before a limit request was made: it stays asked
+            return
         # A final answer completes the run; a further call (the client's loop went on) reopens it.
         if completed:
             run.status, run.reason, run.interruption = "completed", "completed", None

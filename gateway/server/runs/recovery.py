@@ -13,7 +13,10 @@ A `Sweeper` runs once when the gateway starts and then every `period_s` (half of
 - a run waiting for a decision past its policy's `approval.expires_after_s` gets the
   expiry's rejection (as when someone decides late), traced `approval_expired`, and the
   team's `gateway_approvals_pending` is recounted; under `on_decision: resume` the run
-  then goes on (the model reads the rejection).
+  then goes on (the model reads the rejection). A limit request (`on_exceed: ask`) that
+  expires ends the run as the limit does (`limit_rejected`, `by: "approval-expiry"`).
+- a run granted more of a limit under `on_decision: resume` whose drive never came (the
+  granting replica died) is resumed, once.
 
 Each change is made while holding the run's lease (and its `ActiveRuns` claim), and
 saved with the run's revision: two replicas sweeping at once never change a run twice.
@@ -31,14 +34,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from gateway.harness.approvals import ApprovalError, decide
+from gateway.harness.approvals import ApprovalError, decide, waiting_for
+from gateway.harness.limit_requests import decided_grant
 from gateway.harness.state import Interruption, RunState, pending
 from gateway.harness.trace import Tracer
 from gateway.policy.approval import EXPIRED_BY, expired, expiry_decision
 from gateway.policy.decl import Policy
-from gateway.server.runs.auto_resume import RESUMED_BY, BackgroundDrives, after_decision, decided_undriven
+from gateway.server.runs import limit_requests
+from gateway.server.runs.auto_resume import (
+    RESUMED_BY,
+    BackgroundDrives,
+    after_decision,
+    decided_undriven,
+    resumes_on_decision,
+)
 from gateway.server.runs.cancels import RunBusy
-from gateway.server.runs.continuations import resume_with
+from gateway.server.runs.continuations import resume_granted, resume_with
 from gateway.server.runs.driver import PolicyGone, RunDriver
 from gateway.server.runs.tracelog import TraceWriter, asked_at
 from gateway.store.errors import StaleRun, StoreError
@@ -80,10 +91,26 @@ class Sweeper:
         driven = policies.names_where(lambda p: p.server_side)
         for run in await self.store.list_runs(status="running", limit=scan, policies=driven):
             await self._recover(run, report)
-        expiring = policies.names_where(lambda p: p.approval.expires_after_s is not None)
-        for run in await self.store.list_runs(status="interrupted", limit=scan, policies=expiring):
-            await self._expire(run, report)
+        waiting = policies.names_where(lambda p: p.approval.expires_after_s is not None or (
+            p.limit_ask is not None and resumes_on_decision(p)))
+        for run in await self.store.list_runs(status="interrupted", limit=scan, policies=waiting):
+            if decided_grant(run):
+                self._resume_granted(run, report)
+            else:
+                await self._expire(run, report)
         return report
+
+    def _resume_granted(self, run: RunState, report: SweepReport) -> None:
+        """A run granted more of a limit under `on_decision: resume` whose drive never came
+        (the granting replica died first): resume it, once (the lease decides who drives;
+        `resume_granted` refuses a run driven since)."""
+        policy = self._policy(run)
+        if not resumes_on_decision(policy) or run.run_id in self.driver.active:
+            return
+        if time.time() - run.updated_at < self.driver.lease_ttl_s:
+            return  # just decided: the deciding replica is about to drive it
+        self.drives.spawn(run.run_id, resume_granted(RECOVERED_BY))
+        report.resumed.append(run.run_id)
 
     async def run_forever(self, stop: asyncio.Event) -> None:
         """Sweep every `period_s` until `stop` is set; a failing store is retried next period."""
@@ -163,10 +190,8 @@ class Sweeper:
         report.resumed.append(run.run_id)
 
     async def _expire(self, run: RunState, report: SweepReport) -> None:
-        waiting = run.interruption
-        if waiting is None or waiting.type != "approval" or waiting.call_id is None:
-            return
-        if waiting.call_id in run.decisions:
+        waiting = waiting_for(run)
+        if waiting is None or waiting.call_id is None:
             return
         policy = self._policy(run)
         if policy is None or policy.approval.expires_after_s is None:
@@ -182,6 +207,10 @@ class Sweeper:
                 try:
                     fresh = await self.store.load_run(run.run_id)
                     if fresh is None or fresh.revision != run.revision:
+                        return
+                    if waiting.type == "limit":  # the run ends as the limit does
+                        await limit_requests.expire(self.store, fresh, policy, self.trace_file, driver.metrics)
+                        report.expired.append(run.run_id)
                         return
                     decision = expiry_decision(policy.approval)
                     decide(fresh, waiting.call_id, decision)

@@ -133,7 +133,67 @@
 
   // --- inbox ---------------------------------------------------------------------------
 
+  const LIMIT_WORDS = { max_turns: "turns", max_budget_usd: "USD", max_tool_calls: "tool calls", max_duration_s: "seconds" };
+
+  function limitCard(item) {
+    // A limit request (on_exceed: ask): the limit, what was used, a grant the approver may change.
+    const reason = el("input", { className: "reason", type: "text", maxlength: 2000, placeholder: "reason (recorded; the run's answer says it when rejecting)" });
+    const approve = el("button", { className: "approve", type: "button", text: "Grant" });
+    const reject = el("button", { className: "reject", type: "button", text: "Reject" });
+    const expiry = el("span", { className: "expiry", text: left(item.expires_at) });
+    const inputs = {};
+    const grantRows = Object.entries(item.grant || {}).map(([name, amount]) => {
+      const whole = name === "max_turns" || name === "max_tool_calls";
+      const input = el("input", { type: "number", className: "grant", min: whole ? 1 : 0, step: whole ? 1 : "any",
+        value: amount, dataset: { limit: name } });
+      inputs[name] = input;
+      const room = item.room && typeof item.room[name] === "number" ? " (at most " + item.room[name] + " more: max_total)" : "";
+      return el("label", { className: "grant-row" }, "+ ", input, " " + (LIMIT_WORDS[name] || name) + " of " + name + room);
+    });
+    const used = item.limit === "max_budget_usd" ? usd(item.used) + " of " + usd(item.cap) + " spent"
+      : item.used + " of " + item.cap + " " + (LIMIT_WORDS[item.limit] || "") + " used";
+    const card = el("article", { className: "card pending limit", dataset: { key: item.key, limit: item.limit } },
+      el("div", { className: "head" },
+        el("span", { className: "tool", text: "limit " + item.limit }),
+        el("a", { href: runHash(item.team, item.run_id), text: "run " + item.run_id }),
+        el("span", { className: "meta", text: "team " + item.team + " · policy " + item.policy + " · model " +
+          item.model + " · " + item.turns + " turns · " + usd(item.cost_usd) + " spent so far · " + item.grants + " grant(s) before" }),
+        expiry),
+      el("div", { className: "label", text: "reached" }),
+      el("div", { className: "used", text: used }),
+      el("div", { className: "label", text: "grant (edit to grant less or more)" }),
+      el("div", { className: "grants" }, grantRows),
+      el("div", { className: "label", text: "asked by" }),
+      el("div", { className: "rule", text: item.rule }),
+      item.last_user !== null ? el("div", { className: "label", text: "last user message" }) : null,
+      item.last_user !== null ? el("div", { className: "msg user", text: item.last_user }) : null,
+      el("div", { className: "label", text: "what the run was doing" }),
+      el("div", { className: "msg assistant", text: item.assistant || "(nothing yet)" }),
+      el("div", { className: "actions" }, approve, reason, reject),
+      el("div", { className: "outcome" }));
+    card._expiry = () => { expiry.textContent = left(item.expires_at); };
+    const decide = async (decision) => {
+      approve.disabled = reject.disabled = true;
+      const body = { call_id: item.call_id, decision, reason: reason.value };
+      if (decision === "approve") {
+        body.grant = {};
+        for (const [name, input] of Object.entries(inputs)) if (input.value !== "") body.grant[name] = Number(input.value);
+      }
+      try {
+        await call(runPath(item, "/approvals"), { method: "POST", body });
+        toast((decision === "approve" ? "Granted more to run " : "Rejected more for run ") + item.run_id);
+      } catch (e) {
+        approve.disabled = reject.disabled = false;
+        toast(e.message, true);
+      }
+    };
+    approve.addEventListener("click", () => decide("approve"));
+    reject.addEventListener("click", () => decide("reject"));
+    return card;
+  }
+
   function inboxCard(item) {
+    if (item.kind === "limit") return limitCard(item);
     const reason = el("input", { className: "reason", type: "text", maxlength: 2000, placeholder: "reason (sent to the model when rejecting)" });
     const approve = el("button", { className: "approve", type: "button", text: "Approve" });
     const reject = el("button", { className: "reject", type: "button", text: "Reject" });
@@ -179,7 +239,8 @@
     const outcome = card.querySelector(".outcome");
     clear(outcome);
     if (info.decision) {
-      const verb = info.decision === "approve" ? "approved" : "rejected";
+      const granted = card.classList.contains("limit");
+      const verb = info.decision === "approve" ? (granted ? "granted" : "approved") : "rejected";
       outcome.append(el("span", { className: "verdict " + info.decision, text: verb + " by " + info.by }),
         info.reason ? el("span", { className: "meta", text: " — " + info.reason }) : null);
     } else {
@@ -311,13 +372,16 @@
     const grid = el("div", { className: "grid card", id: "run-facts" },
       facts.map(([k, v]) => el("div", { dataset: { fact: k } }, el("span", { text: k }), el("b", { text: v }))));
     const error = run.error ? el("p", { className: "error", text: run.error }) : null;
-    const waiting = run.interruption && run.interruption.type === "approval"
-      ? el("p", {}, "Waits for a decision on ", el("code", { text: run.interruption.tool_name }), " — see the ",
+    const asks = run.interruption && (run.interruption.type === "approval" || run.interruption.type === "limit") &&
+      !(run.decisions && run.decisions[run.interruption.call_id]);
+    const waiting = asks
+      ? el("p", {}, "Waits for a decision on ", el("code", { text: run.interruption.type === "limit"
+        ? "more " + run.interruption.limit : run.interruption.tool_name }), " — see the ",
         el("a", { href: "#/inbox", text: "inbox" }), ".") : null;
 
     const actions = el("div", { className: "actions card" });
     const cancel = el("button", { type: "button", id: "cancel", text: "Cancel run" });
-    cancel.disabled = !(run.status === "running" || (run.interruption && run.interruption.type === "approval"));
+    cancel.disabled = !(run.status === "running" || asks);
     cancel.addEventListener("click", async () => {
       cancel.disabled = true;
       try { await call(runPath(ref, "/cancel"), { method: "POST", body: { reason: "cancelled from the console" } }); toast("Cancelled run " + id); }
@@ -364,7 +428,7 @@
 
   function followRun(ref, run, after) {
     if (state.runSource) { state.runSource.close(); state.runSource = null; }
-    const live = run.status === "running" || (run.interruption && run.interruption.type === "approval");
+    const live = run.status === "running" || (run.interruption && (run.interruption.type === "approval" || run.interruption.type === "limit"));
     if (!live) return;
     const source = new EventSource(runPath(ref, "/events") + "&follow=1&after=" + after);
     state.runSource = source;
