@@ -15,7 +15,7 @@ from gateway.harness.approvals import ApprovalError, resume, waiting_for
 from gateway.harness.loop import run
 from gateway.harness.model import LimitReached, ModelReply, ModelRequest
 from gateway.harness.options import LimitAsk, RunOptions
-from gateway.harness.state import Decision, Limits, RunState
+from gateway.harness.state import Decision, Limits, Message, RunState
 from gateway.harness.trace import EventList
 from tests.harness.fakes import Recorder, ScriptModel, call, text
 
@@ -23,8 +23,8 @@ ASK = LimitAsk(approvers=("ops",), grant={"max_turns": 3, "max_tool_calls": 5}, 
                max_total={"max_turns": 9})
 
 
-def plan(turn: int, _: str) -> dict[str, object]:
-    return call(f"c{turn + 1}", "list_files") if turn < 4 else text("done")  # type: ignore[return-value]
+def plan(turn: int, _: str) -> Message:
+    return call(f"c{turn + 1}", "list_files") if turn < 4 else text("done")
 
 
 def state(limits: Limits = Limits(max_turns=2)) -> RunState:
@@ -85,7 +85,7 @@ async def test_after_max_grants_the_limit_stops_the_run_without_asking() -> None
                              reopen=True)
     s = (await run(s, model, options(events))).state
     assert (s.status, s.reason, s.turns) == ("max_turns_exceeded", "max_turns", 3)
-    assert "limits.ask.max_grants" in (events.of("run_stopped")[-1].get("detail") or "")
+    assert "limits.ask.max_grants" in str(events.of("run_stopped")[-1].get("detail"))
     assert [e["asked"] for e in events.of("limit_reached")] == [True, True, False]  # type: ignore[typeddict-item]
 
 
@@ -102,7 +102,7 @@ async def test_max_total_cuts_the_proposed_grant_and_then_stops_the_run() -> Non
     events = EventList()
     again = await run(out.state, ScriptModel(plan), options(events))
     assert again.state.status == "max_turns_exceeded"
-    assert "limits.ask.max_total" in (events.of("run_stopped")[-1].get("detail") or "")
+    assert "limits.ask.max_total" in str(events.of("run_stopped")[-1].get("detail"))
 
 
 async def test_a_limit_the_grant_does_not_name_stops_as_before() -> None:

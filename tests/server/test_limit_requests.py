@@ -209,11 +209,12 @@ async def limit_counts(session: aiohttp.ClientSession, served: Served, policy: s
     return out
 
 
-async def inbox(served: Served, key: str = OPS) -> list[dict[str, Any]]:
+async def inbox(url: str, key: str = OPS) -> list[dict[str, Any]]:
+    """The console inbox of `key`'s team at gateway `url` (signed in as the page does)."""
     async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as client:
-        async with client.post(f"{served.url}/console/session", json={"key": key}) as resp:
+        async with client.post(f"{url}/console/session", json={"key": key}) as resp:
             assert resp.status == 200, await resp.text()
-        async with client.get(f"{served.url}/console/api/inbox") as resp:
+        async with client.get(f"{url}/console/api/inbox") as resp:
             assert resp.status == 200, await resp.text()
             items: list[dict[str, Any]] = (await resp.json())["data"]
     return items
@@ -240,14 +241,14 @@ async def test_a_streamed_run_pauses_at_its_cap_is_granted_from_the_cli_and_comp
         "type": "limit", "limit": "max_turns", "used": 2, "cap": 2, "grant": {"max_turns": ASK_GRANT_TURNS}}
     request_id = waiting["call_id"]
 
-    [item] = [i for i in await inbox(served) if i["run_id"] == "grant-me"]
+    [item] = [i for i in await inbox(served.url) if i["run_id"] == "grant-me"]
     assert (item["kind"], item["limit"], item["used"], item["cap"], item["grant"]) == (
         "limit", "max_turns", 2, 2, {"max_turns": ASK_GRANT_TURNS})
     assert item["call_id"] == request_id and item["cost_usd"] == run["cost_usd"] > 0 and item["turns"] == 2
     assert item["assistant"] == 'read_file({"path":"errors.log"})'  # what it was doing: the call it made last
     assert item["last_user"] == TASK[0]["content"] and item["run_resumes_on_decision"] is True
     assert "asks ops" in item["rule"]
-    assert not [i for i in await inbox(served, DEMO) if i["run_id"] == "grant-me"]  # the owner decides nothing
+    assert not [i for i in await inbox(served.url, DEMO) if i["run_id"] == "grant-me"]  # the owner decides nothing
 
     listed = cli(served, "list")
     assert listed.returncode == 0, listed.stderr
@@ -327,7 +328,7 @@ async def test_a_budget_that_asks_pauses_before_the_call_that_would_pass_it(
     assert run["status"] == "completed" and run["limits"]["max_budget_usd"] == pytest.approx(BUDGET + 0.01)
     store = SqliteStore(str(served.folder / "gateway.db"))
     try:
-        spent, reserved = await store.team_spend("asker", period_key("total", None))  # type: ignore[arg-type]
+        spent, reserved = await store.team_spend("asker", period_key("total", None))
     finally:
         await store.close()
     assert reserved == 0 and spent == pytest.approx(run["cost_usd"], abs=1e-6)  # the ledger is the run's cost

@@ -1,0 +1,131 @@
+"""Limit requests across two replicas on one real redis-server (test_replicas.py's pair).
+
+A run started by a streamed call on replica B pauses at its turn cap (`max_turns: 2,
+on_exceed: ask, on_decision: resume`), shows in the inbox and `gateway approvals` of
+replica A, is granted 3 more turns there, and completes by itself, B's paused call
+answering. A grant whose replica died before driving it is driven by a recovery sweep,
+once; under `on_decision: wait` a granted run waits for its owner however many sweeps
+pass (it is never taken for crashed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from gateway.harness import limit_requests
+from gateway.harness.state import Decision, scoped_run_id
+from tests.server.served import DEMO, OPS, PLAN_ANSWER, chat_body, events, get_run, poll, request
+from tests.server.test_limit_requests import inbox, streamed
+from tests.server.test_replicas import LEASE_TTL_S, Pair, session, start_pair  # noqa: F401  (fixtures)
+from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
+from tests.support.procs import ROOT, run_gateway
+
+
+def asking(on_decision: str) -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((ROOT / "policies" / "files.yaml").read_text())
+    data["limits"].update(max_turns=2, on_exceed="ask", ask={"grant": {"max_turns": 3}})
+    data["approval"]["on_decision"] = on_decision
+    return data
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Pair]:  # noqa: F811
+    started = start_pair(tmp_path_factory.mktemp("limit_replicas"), redis_url,
+                         {"files_ask": asking("resume"), "files_ask_wait": asking("wait")})
+    yield started
+    started.a.stop()
+    started.b.stop()
+
+
+async def test_granted_on_a_the_run_paused_on_b_completes_by_itself(pair: Pair,
+                                                                    session: aiohttp.ClientSession) -> None:
+    run_id = f"ask-{uuid.uuid4().hex[:8]}"
+    paused = asyncio.ensure_future(streamed(session, pair.b.url, "files_ask", run_id))
+
+    async def asked() -> dict[str, Any] | None:
+        status, _, run = await request(session, "GET", f"{pair.a.url}/v1/runs/{run_id}")
+        return run if status == 200 and run["reason"] == "limit" else None
+
+    run = await poll(asked, timeout=30)
+    assert run["turns"] == 2 and run["interruption"]["limit"] == "max_turns"
+    request_id = run["interruption"]["call_id"]
+    assert [i["kind"] for i in await inbox(pair.a.url) if i["run_id"] == run_id] == ["limit"]
+    env = {**os.environ, "GATEWAY_URL": pair.a.url, "GATEWAY_KEY": OPS}
+    listed = await asyncio.to_thread(run_gateway, ["approvals", "list"], env=env)
+    assert any(r.startswith(f"demo/{run_id} ") and request_id in r for r in listed.stdout.splitlines()), listed
+
+    granted = await asyncio.to_thread(run_gateway, ["approvals", "approve", f"demo/{run_id}", request_id,
+                                                    "--grant", "max_turns=3"], env=env)
+    assert granted.returncode == 0, granted.stderr
+    content, comments = await asyncio.wait_for(paused, timeout=30)
+    assert content == PLAN_ANSWER, comments
+    run = await get_run(session, pair.b.url, run_id)
+    assert run["status"] == "completed" and run["turns"] <= 5 and run["limits"]["max_turns"] == 5
+    trace = await events(session, pair.a.url, run_id)
+    assert [e["by"] for e in trace if e["type"] == "run_resumed"] == ["gateway-on-decision"]
+    assert Counter(e["callId"] for e in trace if e["type"] == "tool_start") == {"c1": 1, "c2": 1}
+    granted_line = next(e for e in trace if e["type"] == "limit_granted")
+    assert (granted_line["by"], granted_line["before"], granted_line["after"]) == (
+        "ops", {"max_turns": 2}, {"max_turns": 5})
+
+
+async def grant_in_store(pair: Pair, run_id: str) -> None:
+    """What a replica that died right after recording a grant leaves: granted, undriven."""
+    store = pair.store()
+    try:
+        state = await store.load_run(scoped_run_id("demo", run_id))
+        assert state is not None and state.interruption is not None and state.interruption.call_id is not None
+        limit_requests.grant(state, state.interruption.call_id, Decision("approve", "", "ops"), {"max_turns": 3},
+                             time.time(), reopen=False)
+        await store.save_run(state)
+    finally:
+        await store.close()
+
+
+async def test_a_grant_whose_replica_died_before_driving_is_driven_by_recovery_once(
+        pair: Pair, session: aiohttp.ClientSession) -> None:
+    status, headers, body = await request(session, "POST", f"{pair.a.url}/v1/chat/completions",
+                                          body=chat_body("scripted-plan"), headers={"X-Policy": "files_ask"})
+    assert status == 200 and body["run"]["reason"] == "limit", body
+    run_id = headers["X-Run-Id"]
+    await grant_in_store(pair, run_id)
+
+    async def completed() -> dict[str, Any] | None:
+        run = await get_run(session, pair.a.url, run_id)
+        return run if run["status"] == "completed" else None
+
+    run = await poll(completed, timeout=10 * LEASE_TTL_S + 10)  # the sweep waits one lease TTL, then resumes
+    assert run["turns"] == 3
+    trace = await events(session, pair.a.url, run_id)
+    assert [e["by"] for e in trace if e["type"] == "run_resumed"] == ["gateway-recovery"]
+
+
+async def test_a_granted_run_that_waits_for_its_owner_is_never_taken_for_crashed(
+        pair: Pair, session: aiohttp.ClientSession) -> None:
+    status, headers, body = await request(session, "POST", f"{pair.b.url}/v1/chat/completions",
+                                          body=chat_body("scripted-plan"), headers={"X-Policy": "files_ask_wait"})
+    assert status == 200 and body["run"]["reason"] == "limit", body
+    run_id = headers["X-Run-Id"]
+    request_id = body["run"]["interruption"]["call_id"]
+    status, _, answer = await request(session, "POST", f"{pair.a.url}/v1/runs/{run_id}/approvals", key=OPS,
+                                      body={"call_id": request_id, "decision": "approve"})
+    assert status == 200, answer
+    # Sweeps run every LEASE_TTL_S / 2 on both replicas; a granted run left alone this long
+    # is past every sweep's wait (one lease TTL) several times over.
+    await asyncio.sleep(4 * LEASE_TTL_S)
+    run = await get_run(session, pair.a.url, run_id)
+    assert (run["status"], run["reason"]) == ("interrupted", "limit") and request_id in run["decisions"]
+    assert not [e for e in await events(session, pair.a.url, run_id) if e["type"] == "run_resumed"]
+    status, _, body = await request(session, "POST", f"{pair.b.url}/v1/runs/{run_id}/resume", key=DEMO, body={})
+    assert status == 200 and body["run"]["status"] == "completed" and body["run"]["turns"] == 3, body
+    assert body["choices"][0]["message"]["content"] == PLAN_ANSWER
