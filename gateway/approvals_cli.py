@@ -215,7 +215,9 @@ def render_decision(answer: dict[str, Any]) -> str:
         if decision.get("decision") == "approve":
             raised = ", ".join(f"{k} {_num((decision.get('before') or {}).get(k))} -> {_num(v)}"
                                for k, v in (decision.get("after") or {}).items())
-            text = f"granted more to run {rid}: {raised}; the run is {run.get('status')}"
+            after = "its next call is admitted" if run.get("status") == "running" else \
+                "it goes on by itself (approval.on_decision: resume) or when its owner resumes it"
+            text = f"granted more to run {rid}: {raised}; {after}"
         else:
             note = " (the request had expired)" if decision.get("expired") else ""
             text = f"rejected more {decision.get('limit')} for run {rid}{note}; the run is {run.get('status')}"
