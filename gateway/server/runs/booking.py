@@ -20,6 +20,7 @@ from typing import Any, cast
 
 from aiohttp import web
 
+from gateway.harness.approvals import waiting_for
 from gateway.harness.state import Message, RunState
 from gateway.harness.trace import RepairFields, Tracer, UpstreamAttemptFields
 from gateway.harness.usage import Usage
@@ -62,7 +63,8 @@ async def refuse(request: web.Request, call: Call, exc: LimitExceeded) -> LimitE
     app = request.app
     status, reason, interruption = limit_stop(exc.kind)
     run = call.run
-    if not isinstance(exc, LimitApprovalPending) and (run.status, run.reason) != (status, reason):
+    asked = isinstance(exc, LimitApprovalPending) or waiting_for(run) is not None  # it stays asked
+    if not asked and (run.status, run.reason) != (status, reason):
         detail = exc.message if reason == "team_budget" else None
 
         def trace(r: RunState) -> list[Event]:

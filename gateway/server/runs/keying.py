@@ -255,9 +255,12 @@ def add_turn(*, model: str, usage: Usage, cost_usd: float, transcript: list[Mess
 
 def stop_run(status: Status, reason: str, interruption: Interruption | None,
              error: str | None = None) -> Callable[[RunState], None]:
-    """The change a refused call makes: the run takes the refusal's status."""
+    """The change a refused call makes: the run takes the refusal's status (unless it waits
+    for a person: a limit request stays asked until someone decides it)."""
 
     def change(run: RunState) -> None:
+        if waiting_for(run) is not None and reason != "cancelled":
+            return
         run.status, run.reason, run.interruption, run.error = status, reason, interruption, error
 
     return change
