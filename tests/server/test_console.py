@@ -103,6 +103,16 @@ async def start_destructive(session: aiohttp.ClientSession, served: Served, run_
     assert status == 200 and body["run"]["status"] == "interrupted", body
 
 
+async def completed(session: aiohttp.ClientSession, served: Served, run_id: str) -> dict[str, Any]:
+    """The run once it completed."""
+    async def check() -> dict[str, Any] | None:
+        run = await get_run(session, served.url, run_id)
+        return run if run["status"] == "completed" else None
+
+    found: dict[str, Any] = await poll(check, timeout=UI_TIMEOUT_MS / 1000)
+    return found
+
+
 async def test_an_approver_decides_in_the_console_and_runs_go_on_by_themselves(
         served: Served, session: aiohttp.ClientSession, browser: Browser) -> None:
     page = await sign_in(browser, served.url, OPS)
@@ -126,11 +136,7 @@ async def test_an_approver_decides_in_the_console_and_runs_go_on_by_themselves(
     decided = page.locator("#decided-list article", has_text="run console-approve")
     await expect(decided.locator(".verdict")).to_have_text("approved by ops")
 
-    async def completed() -> dict[str, Any] | None:  # nobody calls resume: the gateway does
-        run = await get_run(session, served.url, "console-approve")
-        return run if run["status"] == "completed" else None
-
-    run = await poll(completed, timeout=UI_TIMEOUT_MS / 1000)
+    run = await completed(session, served, "console-approve")  # nobody calls resume: the gateway does
     assert run["transcript"][-1]["content"] == "Deleted access.log to free space."
     assert served.deleted("console-approve") == ["access.log"]
 
@@ -209,11 +215,7 @@ async def test_an_approver_grants_a_run_more_turns_in_the_console_and_it_goes_on
     decided = page.locator("#decided-list article", has_text="run console-grant")
     await expect(decided.locator(".verdict")).to_have_text("granted by ops")
 
-    async def completed() -> dict[str, Any] | None:  # nobody calls resume: the gateway does
-        run = await get_run(session, served.url, "console-grant")
-        return run if run["status"] == "completed" else None
-
-    run = await poll(completed, timeout=UI_TIMEOUT_MS / 1000)
+    run = await completed(session, served, "console-grant")  # nobody calls resume: the gateway does
     assert run["turns"] == 3 and run["limits"]["max_turns"] == 3
     assert [(g["by"], g["grant"]) for g in run["grants"]] == [("ops", {"max_turns": 1})]
 

@@ -16,7 +16,7 @@ import asyncio
 import os
 import subprocess
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,6 @@ from tests.server.served import (
     PLAN_ANSWER,
     TASK,
     Served,
-    auth,
     chat_body,
     events,
     get_run,
@@ -45,7 +44,7 @@ from tests.server.served import (
     request,
     write_config,
 )
-from tests.server.test_auto_resume import sse_lines
+from tests.server.test_auto_resume import streamed_chat
 from tests.support.procs import free_port, run_gateway, start_gateway
 
 ALLOWANCE = 100
@@ -170,32 +169,22 @@ async def decide(session: aiohttp.ClientSession, served: Served, run_id: str, bo
     return status, answer
 
 
-async def settled(session: aiohttp.ClientSession, served: Served, run_id: str, key: str = DEMO) -> dict[str, Any]:
+async def settled(session: aiohttp.ClientSession, url: str, run_id: str, key: str = DEMO,
+                  timeout: float = 30) -> dict[str, Any]:
     """The run once it stopped for good (not running, not about to go on after a grant)."""
     async def check() -> dict[str, Any] | None:
-        run = await get_run(session, served.url, run_id, key)
+        run = await get_run(session, url, run_id, key)
         going = run["status"] == "running" or (run["status"] == "interrupted" and run["interruption"]["type"] == "limit"
                                                and run["interruption"]["call_id"] in run["decisions"])
         return None if going else run
 
-    found: dict[str, Any] = await poll(check, timeout=30)
+    found: dict[str, Any] = await poll(check, timeout=timeout)
     return found
 
 
 async def streamed(session: aiohttp.ClientSession, url: str, policy: str, run_id: str) -> tuple[str, list[str]]:
-    """A streamed chat call starting a run: (its answer, its progress comments)."""
-    body = chat_body("scripted-plan", stream=True)
-    content, comments = "", []
-    async with session.post(f"{url}/v1/chat/completions", data=orjson.dumps(body),
-                            headers=auth(**{"X-Policy": policy, "X-Run-Id": run_id})) as resp:
-        assert resp.status == 200, await resp.text()
-        async for field, value in sse_lines(resp):
-            if field == "comment":
-                comments.append(value)
-            elif field == "data" and value != "[DONE]":
-                chunk = orjson.loads(value)
-                content += "".join(c["delta"].get("content") or "" for c in chunk["choices"])
-    return content, comments
+    """A streamed chat call starting a scripted-plan run: (its answer, its progress comments)."""
+    return await streamed_chat(session, url, run_id, policy, "scripted-plan")
 
 
 async def limit_counts(session: aiohttp.ClientSession, served: Served, policy: str) -> dict[str, float]:
@@ -218,12 +207,6 @@ async def inbox(url: str, key: str = OPS) -> list[dict[str, Any]]:
             assert resp.status == 200, await resp.text()
             items: list[dict[str, Any]] = (await resp.json())["data"]
     return items
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def test_a_streamed_run_pauses_at_its_cap_is_granted_from_the_cli_and_completes_by_itself(
@@ -324,7 +307,7 @@ async def test_a_budget_that_asks_pauses_before_the_call_that_would_pass_it(
     status, body = await decide(session, served, "budget-ask", {"call_id": waiting["call_id"], "decision": "approve"},
                                 team="asker")
     assert status == 200, body
-    run = await settled(session, served, "budget-ask", ASKER)
+    run = await settled(session, served.url, "budget-ask", ASKER)
     assert run["status"] == "completed" and run["limits"]["max_budget_usd"] == pytest.approx(BUDGET + 0.01)
     store = SqliteStore(str(served.folder / "gateway.db"))
     try:
@@ -370,7 +353,7 @@ async def test_after_max_grants_the_limit_stops_the_run_without_asking(
     status, body = await decide(session, served, "once", {"call_id": run["interruption"]["call_id"],
                                                           "decision": "approve"})
     assert status == 200, body
-    run = await settled(session, served, "once")
+    run = await settled(session, served.url, "once")
     assert (run["status"], run["turns"], len(run["grants"])) == ("max_turns_exceeded", 2, 1)
     last = [e for e in await events(session, served.url, "once") if e["type"] == "limit_reached"]
     assert [e["asked"] for e in last] == [True, False]
@@ -392,7 +375,7 @@ async def test_max_total_bounds_every_grant_and_then_stops_the_run(
     assert (await get_run(session, served.url, "total"))["limits"]["max_turns"] == 1  # nothing changed
     status, body = await decide(session, served, "total", {"call_id": request_id, "decision": "approve"})
     assert status == 200, body
-    run = await settled(session, served, "total")
+    run = await settled(session, served.url, "total")
     assert (run["status"], run["turns"], run["limits"]["max_turns"]) == ("max_turns_exceeded", 2, 2)
     assert "limits.ask.max_total" in [e for e in await events(session, served.url, "total")
                                       if e["type"] == "run_stopped"][-1]["detail"]
@@ -407,7 +390,7 @@ async def test_the_owner_grants_its_own_run_only_when_the_policy_names_it(
     status, body = await decide(session, served, "self", {"call_id": run["interruption"]["call_id"],
                                                           "decision": "approve"}, key=DEMO)
     assert status == 200 and body["decision"]["by"] == "demo", body
-    assert (await settled(session, served, "self"))["status"] == "completed"
+    assert (await settled(session, served.url, "self"))["status"] == "completed"
 
 
 async def test_an_expired_limit_request_ends_the_run_as_the_limit_does(

@@ -25,7 +25,7 @@ import yaml
 from gateway.harness import limit_requests
 from gateway.harness.state import Decision, scoped_run_id
 from tests.server.served import DEMO, OPS, PLAN_ANSWER, chat_body, events, get_run, poll, request
-from tests.server.test_limit_requests import inbox, streamed
+from tests.server.test_limit_requests import inbox, settled, streamed
 from tests.server.test_replicas import LEASE_TTL_S, Pair, session, start_pair  # noqa: F401  (fixtures)
 from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
 from tests.support.procs import ROOT, run_gateway
@@ -92,31 +92,29 @@ async def grant_in_store(pair: Pair, run_id: str) -> None:
         await store.close()
 
 
+async def paused(session: aiohttp.ClientSession, url: str, policy: str) -> tuple[str, dict[str, Any]]:
+    """A new scripted-plan run that paused at its turn cap: (its id, its run object)."""
+    status, headers, body = await request(session, "POST", f"{url}/v1/chat/completions",
+                                          body=chat_body("scripted-plan"), headers={"X-Policy": policy})
+    assert status == 200 and body["run"]["reason"] == "limit", body
+    return headers["X-Run-Id"], body["run"]
+
+
 async def test_a_grant_whose_replica_died_before_driving_is_driven_by_recovery_once(
         pair: Pair, session: aiohttp.ClientSession) -> None:
-    status, headers, body = await request(session, "POST", f"{pair.a.url}/v1/chat/completions",
-                                          body=chat_body("scripted-plan"), headers={"X-Policy": "files_ask"})
-    assert status == 200 and body["run"]["reason"] == "limit", body
-    run_id = headers["X-Run-Id"]
+    run_id, _ = await paused(session, pair.a.url, "files_ask")
     await grant_in_store(pair, run_id)
 
-    async def completed() -> dict[str, Any] | None:
-        run = await get_run(session, pair.a.url, run_id)
-        return run if run["status"] == "completed" else None
-
-    run = await poll(completed, timeout=10 * LEASE_TTL_S + 10)  # the sweep waits one lease TTL, then resumes
-    assert run["turns"] == 3
+    run = await settled(session, pair.a.url, run_id, timeout=10 * LEASE_TTL_S + 10)  # a sweep waits a lease TTL
+    assert run["status"] == "completed" and run["turns"] == 3
     trace = await events(session, pair.a.url, run_id)
     assert [e["by"] for e in trace if e["type"] == "run_resumed"] == ["gateway-recovery"]
 
 
 async def test_a_granted_run_that_waits_for_its_owner_is_never_taken_for_crashed(
         pair: Pair, session: aiohttp.ClientSession) -> None:
-    status, headers, body = await request(session, "POST", f"{pair.b.url}/v1/chat/completions",
-                                          body=chat_body("scripted-plan"), headers={"X-Policy": "files_ask_wait"})
-    assert status == 200 and body["run"]["reason"] == "limit", body
-    run_id = headers["X-Run-Id"]
-    request_id = body["run"]["interruption"]["call_id"]
+    run_id, run = await paused(session, pair.b.url, "files_ask_wait")
+    request_id = run["interruption"]["call_id"]
     status, _, answer = await request(session, "POST", f"{pair.a.url}/v1/runs/{run_id}/approvals", key=OPS,
                                       body={"call_id": request_id, "decision": "approve"})
     assert status == 200, answer

@@ -172,16 +172,24 @@
       el("div", { className: "actions" }, approve, reason, reject),
       el("div", { className: "outcome" }));
     card._expiry = () => { expiry.textContent = left(item.expires_at); };
+    wireDecision(item, approve, reject, reason, (body) => {
+      if (body.decision !== "approve") return "Rejected more for run " + item.run_id;
+      body.grant = {};
+      for (const [name, input] of Object.entries(inputs)) if (input.value !== "") body.grant[name] = Number(input.value);
+      return "Granted more to run " + item.run_id;
+    });
+    return card;
+  }
+
+  function wireDecision(item, approve, reject, reason, shape) {
+    // The card's buttons post the decision (`shape` adds to the body and says what to toast).
     const decide = async (decision) => {
       approve.disabled = reject.disabled = true;
       const body = { call_id: item.call_id, decision, reason: reason.value };
-      if (decision === "approve") {
-        body.grant = {};
-        for (const [name, input] of Object.entries(inputs)) if (input.value !== "") body.grant[name] = Number(input.value);
-      }
+      const done = shape(body);
       try {
         await call(runPath(item, "/approvals"), { method: "POST", body });
-        toast((decision === "approve" ? "Granted more to run " : "Rejected more for run ") + item.run_id);
+        toast(done);
       } catch (e) {
         approve.disabled = reject.disabled = false;
         toast(e.message, true);
@@ -189,7 +197,6 @@
     };
     approve.addEventListener("click", () => decide("approve"));
     reject.addEventListener("click", () => decide("reject"));
-    return card;
   }
 
   function inboxCard(item) {
@@ -216,19 +223,8 @@
       el("div", { className: "actions" }, approve, reason, reject),
       el("div", { className: "outcome" }));
     card._expiry = () => { expiry.textContent = left(item.expires_at); };
-    const decide = async (decision) => {
-      approve.disabled = reject.disabled = true;
-      try {
-        await call(runPath(item, "/approvals"), {
-          method: "POST", body: { call_id: item.call_id, decision, reason: reason.value } });
-        toast((decision === "approve" ? "Approved " : "Rejected ") + item.tool + " of run " + item.run_id);
-      } catch (e) {
-        approve.disabled = reject.disabled = false;
-        toast(e.message, true);
-      }
-    };
-    approve.addEventListener("click", () => decide("approve"));
-    reject.addEventListener("click", () => decide("reject"));
+    wireDecision(item, approve, reject, reason, (body) =>
+      (body.decision === "approve" ? "Approved " : "Rejected ") + item.tool + " of run " + item.run_id);
     return card;
   }
 
