@@ -210,21 +210,26 @@ class Sweeper:
                         return
                     if waiting.type == "limit":  # the run ends as the limit does
                         await limit_requests.expire(self.store, fresh, policy, self.trace_file, driver.metrics)
-                        report.expired.append(run.run_id)
-                        return
-                    decision = expiry_decision(policy.approval)
-                    decide(fresh, waiting.call_id, decision)
-                    writer = TraceWriter(self.store, run.run_id, trace_file=self.trace_file)
-                    Tracer(run.run_id, writer)(
-                        "approval_expired", callId=waiting.call_id, toolName=waiting.tool_name, args=waiting.args,
-                        decision=decision.decision, reason=decision.reason, by=EXPIRED_BY, expired=True)
-                    await writer.flush()
-                    await self.store.save_run(fresh)
+                    else:
+                        await self._expire_call(fresh, waiting, policy)
                     report.expired.append(run.run_id)
-                    after_decision(self.drives, fresh, policy, resume_with(None, None, RESUMED_BY))
                 finally:
                     await self.store.release_lease(run.run_id, driver.owner)
         except (RunBusy, StaleRun, ApprovalError):
             return
         await driver.refresh_approvals(run.team)
+
+    async def _expire_call(self, run: RunState, waiting: Interruption, policy: Policy) -> None:
+        """The expiry's rejection of the call `run` waits for; under `on_decision: resume`
+        the run then goes on (its model reads the rejection)."""
+        assert waiting.call_id is not None
+        decision = expiry_decision(policy.approval)
+        decide(run, waiting.call_id, decision)
+        writer = TraceWriter(self.store, run.run_id, trace_file=self.trace_file)
+        Tracer(run.run_id, writer)(
+            "approval_expired", callId=waiting.call_id, toolName=waiting.tool_name, args=waiting.args,
+            decision=decision.decision, reason=decision.reason, by=EXPIRED_BY, expired=True)
+        await writer.flush()
+        await self.store.save_run(run)
+        after_decision(self.drives, run, policy, resume_with(None, None, RESUMED_BY))
 
