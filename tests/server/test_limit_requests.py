@@ -198,6 +198,13 @@ async def limit_counts(session: aiohttp.ClientSession, served: Served, policy: s
     return out
 
 
+async def pending_gauge(session: aiohttp.ClientSession, served: Served, team: str = "demo") -> float:
+    async with session.get(f"{served.url}/metrics") as resp:
+        text = await resp.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(f'gateway_approvals_pending{{team="{team}"}}'))
+
+
 async def inbox(url: str, key: str = OPS) -> list[dict[str, Any]]:
     """The console inbox of `key`'s team at gateway `url` (signed in as the page does)."""
     async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as client:
@@ -444,9 +451,12 @@ async def test_a_passthrough_run_is_refused_until_a_grant_and_16_concurrent_call
     status, _, body = await passthrough_call(session, served, "pt_ask", "pt-burst")
     assert status == 429 and body["error"]["code"] == "limit_approval_pending" and body["run"]["turns"] == 2
 
+    waiting = await pending_gauge(session, served)
+    assert waiting >= 1  # the request counts among the team's approvals pending
     status, body = await decide(session, served, "pt-burst", {"call_id": run["interruption"]["call_id"],
                                                               "decision": "approve"})
     assert status == 200 and body["run"]["status"] == "running", body
+    assert await pending_gauge(session, served) == waiting - 1
     second = await burst()
     assert sorted(s for s, _, _ in second) == [200] * ASK_GRANT_TURNS + [429] * (16 - ASK_GRANT_TURNS)
     run = await get_run(session, served.url, "pt-burst")

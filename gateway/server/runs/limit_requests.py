@@ -157,6 +157,7 @@ async def ask_passthrough(app: web.Application, call: Call, exc: LimitExceeded) 
                                attempt.cost_usd)
         call.run = attempt
         if reached.asked:
+            await app[ctx.DRIVER].refresh_approvals(attempt.team)
             return pending_refusal(app, attempt, call.policy)
         return LimitExceeded(exc.kind, reached.stop.detail)
     raise Conflict(f"run {run.public_id} is being changed by too many calls at once; retry", code="run_contended",
