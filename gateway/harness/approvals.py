@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from gateway.harness.state import Decision, Interruption, Limits, RunState, pending
+from gateway.harness.state import Decision, Limits, RunState, pending
 
 
 class ApprovalError(ValueError):
@@ -45,7 +45,12 @@ def denial_text(name: str, args: Any, reason: str) -> str:
 
 
 def decide(state: RunState, call_id: str, decision: Decision) -> None:
-    """Record a verdict on the call the run is waiting for; the run becomes `running`."""
+    """Record a verdict on a call the run is waiting for.
+
+    The run stays `interrupted` (its `waiting_for` turns from `decision` to `resume`): it
+    goes on when it is resumed (by its owner, its client's next call, or the gateway under
+    `on_decision: resume`), which makes it `running` under the run's lease. Recovery takes
+    a `running` server-side run nobody drives for a crash, so no decision may make one."""
     interruption = state.interruption
     if state.status != "interrupted" or interruption is None or interruption.type != "approval":
         raise ApprovalError(f"run {state.public_id} is not waiting for an approval (status {state.status})")
@@ -55,25 +60,13 @@ def decide(state: RunState, call_id: str, decision: Decision) -> None:
     if call_id in state.decisions:
         raise ApprovalError(f"call {call_id!r} was already decided")
     state.decisions[call_id] = decision
-    if interruption.call_id == call_id:
-        state.status, state.reason, state.interruption = "running", None, None
-
-
-def waiting_for(state: RunState) -> Interruption | None:
-    """The request an interrupted run waits for a person on, nobody having decided it yet: a
-    call (`approval`) or a limit (`limit`, see `limit_requests`); None when it waits for none."""
-    waiting = state.interruption
-    if state.status == "interrupted" and waiting is not None and waiting.type in ("approval", "limit") \
-            and waiting.call_id not in state.decisions:
-        return waiting
-    return None
 
 
 def resume(state: RunState, limits: Limits | None = None) -> None:
     """Make a stopped-but-resumable run `running` again, optionally with raised limits."""
     if not state.resumable:
         raise ApprovalError(f"run {state.public_id} ended with status {state.status} and cannot be resumed")
-    waiting = waiting_for(state)
+    waiting = state.waiting_request
     if waiting is not None:
         what = f"call {waiting.call_id}" if waiting.type == "approval" else \
             f"its {waiting.limit} (limit request {waiting.call_id})"

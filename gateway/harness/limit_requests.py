@@ -8,8 +8,10 @@ no limit passes `max_total`). After `max_grants` grants, or when the limit reach
 room left under `max_total`, the stop stands, as under `on_exceed: stop`.
 
 A decision is data, as for a call (`approvals.py`): `grant` raises exactly the limits the
-grant names and records who, when, and each limit before and after (`RunState.grants`);
-`refuse` ends the run with the limit's own status, the person's words in its interruption.
+grant names and records who, when, and each limit before and after (`RunState.grants`),
+and, like a call's decision, leaves the run `interrupted` until a resume drives it
+(`RunState.decided`, `waiting_for: resume`); `refuse` ends the run with the limit's own
+status, the person's words in its interruption.
 """
 
 from __future__ import annotations
@@ -149,12 +151,11 @@ def waiting_limit(state: RunState, call_id: str) -> Interruption:
     return waiting
 
 
-def grant(state: RunState, call_id: str, decision: Decision, amounts: Amounts, at: float, *,
-          reopen: bool) -> LimitGrant:
-    """Raise the run's limits by `amounts` (approved as `decision`) and record it. With
-    `reopen` the run is `running` at once (a pass-through run: the client's next call goes
-    on); without, it stays `interrupted`, decided, until a resume drives it (its owner's, or
-    the gateway's under `on_decision: resume`)."""
+def grant(state: RunState, call_id: str, decision: Decision, amounts: Amounts, at: float) -> LimitGrant:
+    """Raise the run's limits by `amounts` (approved as `decision`) and record it. As after a
+    call's decision (`approvals.decide`), the run stays `interrupted`, decided (`waiting_for:
+    resume`), until a resume drives it: its owner's, its client's next call, or the gateway's
+    under `on_decision: resume`."""
     waiting_limit(state, call_id)
     before: Amounts = {n: cap for n in amounts if (cap := state.limits.value(n)) is not None}
     state.limits = state.limits.raised(amounts)
@@ -162,8 +163,6 @@ def grant(state: RunState, call_id: str, decision: Decision, amounts: Amounts, a
     record = LimitGrant(call_id, decision.by, at, dict(amounts), before, after, decision.reason)
     state.grants.append(record)
     state.decisions[call_id] = decision
-    if reopen:
-        state.status, state.reason, state.interruption, state.error = "running", None, None, None
     return record
 
 
@@ -188,11 +187,3 @@ def refuse(state: RunState, call_id: str, decision: Decision) -> None:
     state.interruption = Interruption(kind, reason=refusal_text(waiting.limit, waiting.cap, decision.reason,
                                                                 decision.by))
 
-
-def decided_grant(state: RunState) -> bool:
-    """The run waits on a limit request that was granted: the next drive goes on."""
-    waiting = state.interruption
-    if state.status != "interrupted" or waiting is None or waiting.type != "limit":
-        return False
-    decision = state.decisions.get(waiting.call_id or "")
-    return decision is not None and decision.decision == "approve"

@@ -16,12 +16,13 @@ import orjson
 
 from gateway.harness.usage import Usage
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """v2: `model_call_ids` (the calls the gateway's own model turns made: the only ones it
 runs), `tool_calls` (tool executions so far), `started_at` (the first drive), and the
-limits `max_tool_calls` and `max_duration_s`. v3: limit requests (`on_exceed: ask`): an
-interruption of type `limit` (`limit`, `used`, `cap`, `grant`) and `grants`, the limits a
-person raised."""
+limits `max_tool_calls` and `max_duration_s`. v3: `key_id` and `user`, the key and the user
+that started the run (a server-side run's turns are held to their budgets and spent in their
+name). v4: limit requests (`on_exceed: ask`): an interruption of type `limit` (`limit`,
+`used`, `cap`, `grant`) and `grants`, the limits a person raised."""
 
 DEFAULT_MAX_TOOL_CALLS = 100
 """Tool executions a run may make when its policy names no `max_tool_calls`: there is
@@ -34,6 +35,13 @@ RESUMABLE: frozenset[Status] = frozenset({"running", "max_turns_exceeded", "budg
                                           "max_tool_calls_exceeded", "max_duration_exceeded", "interrupted"})
 InterruptionType = Literal["approval", "limit", "max_turns", "max_budget", "max_tool_calls", "max_duration",
                            "cancelled", "crashed", "rate_limited"]
+ASKING: frozenset[InterruptionType] = frozenset({"approval", "limit"})
+"""Interruptions that ask a person to decide: a call (`approval`) or a limit request (`limit`).
+Both follow one rule (`RunState.waits_for_decision`, `decided`, `waiting_for`)."""
+WaitingFor = Literal["decision", "resume"]
+"""What a stopped, resumable run waits for: a person's `decision` on the call (or limit
+request) it stopped at, or a `resume` (its owner's `POST /v1/runs/{id}/resume`, the client's
+next call, or, under `approval: {on_decision: resume}`, the gateway itself)."""
 LimitName = Literal["max_turns", "max_budget_usd", "max_tool_calls", "max_duration_s"]
 """The limits of a run a person may raise (`Limits` fields; a policy's `limits.ask.grant`)."""
 LIMIT_NAMES: tuple[LimitName, ...] = get_args(LimitName)
@@ -205,6 +213,8 @@ class RunState:
     grants: list[LimitGrant] = field(default_factory=list)  # limits people raised (on_exceed: ask)
     error: str | None = None
     parent_run_id: str | None = None
+    key_id: str = ""  # the key that started the run ('' for runs stored before v3)
+    user: str | None = None  # the user its first call named
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     revision: int = 0
@@ -223,6 +233,52 @@ class RunState:
     @property
     def resumable(self) -> bool:
         return self.status in RESUMABLE
+
+    @property
+    def waits_for_decision(self) -> bool:
+        """Stopped on a call (or a limit request) nobody has decided yet."""
+        return self.waiting_request is not None
+
+    @property
+    def waiting_request(self) -> Interruption | None:
+        """The call (`approval`) or limit request (`limit`) the run is stopped on, nobody
+        having decided it yet; None when it waits for no decision."""
+        i = self.interruption
+        if self.status == "interrupted" and i is not None and i.type in ASKING and i.call_id not in self.decisions:
+            return i
+        return None
+
+    @property
+    def decided(self) -> bool:
+        """Stopped on a call (or a limit request) that a person (or the expiry) has decided
+        since: it waits for a resume. A decision never makes a run `running`; only a drive
+        does, under the run's lease (a pass-through run's: its client's next call), so a
+        `running` server-side run is always one that a process drives (or that waits for its
+        client's tool results) and recovery may treat it so. (A rejected limit request ends
+        the run as the limit does: a decided limit request is a granted one.)"""
+        i = self.interruption
+        return (self.status == "interrupted" and i is not None and i.type in ASKING
+                and i.call_id in self.decisions)
+
+    @property
+    def waiting_for(self) -> WaitingFor | None:
+        """What the run waits for before it goes on (None: it is running, or ended for good)."""
+        if self.status == "running" or not self.resumable:
+            return None
+        return "decision" if self.waits_for_decision else "resume"
+
+    def interruption_json(self) -> dict[str, Any] | None:
+        """`interruption` as the API shows it: what it waits for, and the verdict once decided."""
+        i = self.interruption
+        if i is None:
+            return None
+        out = i.to_json()
+        if i.type in ASKING and i.call_id in self.decisions:
+            out["decision"] = self.decisions[i.call_id].decision
+        waiting = self.waiting_for
+        if waiting is not None:
+            out["waiting_for"] = waiting
+        return out
 
     @property
     def approved(self) -> list[str]:
@@ -260,7 +316,7 @@ class RunState:
             "turns": self.turns,
             "cost_usd": round(self.cost_usd, 9),
             "usage": self.usage.to_json(),
-            "interruption": self.interruption.to_json() if self.interruption else None,
+            "interruption": self.interruption_json(),
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -288,6 +344,8 @@ class RunState:
             "started_at": self.started_at,
             "grants": [g.to_json() for g in self.grants],
             "error": self.error,
+            "key_id": self.key_id,
+            "user": self.user,
             "messages": self.messages,
             "created_at": self.created_at,
             "updated_at": self.updated_at,
@@ -304,7 +362,7 @@ class RunState:
         version = data.get("version")
         if version == 1:
             data = upgrade_v1(data)
-        elif version == 2:  # v3 only added fields, each with a default
+        elif version in (2, 3):  # v3 added key_id and user (none known), v4 limit requests: defaults
             data = {**data, "version": SCHEMA_VERSION}
         elif version != SCHEMA_VERSION:
             raise StateError(f"run schema version {version!r} is not supported (this gateway reads 1 to "
@@ -336,6 +394,8 @@ class RunState:
                 started_at=_optional_float(data.get("started_at")),
                 grants=[LimitGrant.from_json(g) for g in data.get("grants") or ()],
                 error=data.get("error"),
+                key_id=str(data.get("key_id") or ""),
+                user=data.get("user"),
                 created_at=float(data.get("created_at", 0.0)),
                 updated_at=float(data.get("updated_at", 0.0)),
                 revision=int(data.get("revision", 0)),
@@ -368,7 +428,7 @@ class RunState:
 
 
 def upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
-    """A v1 run in the current shape (v2's fields made up as below; v3's have defaults).
+    """A v1 run in the current shape (v2's fields made up as below; later ones have defaults).
 
     v1 recorded no origin of tool calls. A v1 run's assistant tool calls after its first
     turn were made by its model (a server-side run appends only model replies; a

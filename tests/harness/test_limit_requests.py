@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.harness import limit_requests
-from gateway.harness.approvals import ApprovalError, resume, waiting_for
+from gateway.harness.approvals import ApprovalError, resume
 from gateway.harness.loop import run
 from gateway.harness.model import LimitReached, ModelReply, ModelRequest
 from gateway.harness.options import LimitAsk, RunOptions
@@ -41,7 +41,7 @@ async def test_the_turn_cap_asks_a_person_and_a_grant_lets_the_run_finish() -> N
     out = await run(state(), model, options(events))
     s = out.state
     assert (s.status, s.reason, s.turns) == ("interrupted", "limit", 2)
-    waiting = waiting_for(s)
+    waiting = s.waiting_request
     assert waiting is not None and waiting.type == "limit" and waiting.limit == "max_turns"
     assert (waiting.used, waiting.cap, waiting.grant) == (2, 2, {"max_turns": 3, "max_tool_calls": 5})
     assert waiting.call_id is not None and waiting.call_id.startswith("lim_")
@@ -51,11 +51,12 @@ async def test_the_turn_cap_asks_a_person_and_a_grant_lets_the_run_finish() -> N
 
     with pytest.raises(ApprovalError, match="waits for a decision on its max_turns"):
         resume(s)  # nobody raises the cap by resuming while a person is asked
-    record = limit_requests.grant(s, waiting.call_id, Decision("approve", "ok", "ops"), {"max_turns": 3}, 5.0,
-                                  reopen=False)
+    record = limit_requests.grant(s, waiting.call_id, Decision("approve", "ok", "ops"), {"max_turns": 3}, 5.0)
     assert (record.before, record.after, record.by) == ({"max_turns": 2}, {"max_turns": 5}, "ops")
     assert s.limits.max_turns == 5 and s.limits.max_tool_calls == 100  # exactly what the grant names
-    assert s.status == "interrupted" and limit_requests.decided_grant(s) and waiting_for(s) is None
+    # as after a call's decision: decided, still interrupted, waiting for the resume that drives it
+    assert s.status == "interrupted" and s.decided and s.waiting_request is None and s.waiting_for == "resume"
+    assert s.interruption_json() is not None and s.interruption_json()["decision"] == "approve"  # type: ignore[index]
     resume(s)
     out = await run(s, model, options(events))
     assert out.state.status == "completed" and out.state.turns == 5 and len(out.state.grants) == 1
@@ -63,7 +64,7 @@ async def test_the_turn_cap_asks_a_person_and_a_grant_lets_the_run_finish() -> N
 
 async def test_a_rejection_ends_the_run_as_the_limit_does_with_the_reason() -> None:
     out = await run(state(), ScriptModel(plan), options(EventList()))
-    waiting = waiting_for(out.state)
+    waiting = out.state.waiting_request
     assert waiting is not None and waiting.call_id is not None
     limit_requests.refuse(out.state, waiting.call_id, Decision("reject", "enough for today", "ops"))
     s = out.state
@@ -79,10 +80,10 @@ async def test_after_max_grants_the_limit_stops_the_run_without_asking() -> None
     s = state(Limits(max_turns=1))
     for n in range(2):
         s = (await run(s, model, options(events))).state
-        waiting = waiting_for(s)
+        waiting = s.waiting_request
         assert waiting is not None and waiting.call_id is not None, s.reason
-        limit_requests.grant(s, waiting.call_id, Decision("approve", by="ops"), {"max_turns": 1}, float(n),
-                             reopen=True)
+        limit_requests.grant(s, waiting.call_id, Decision("approve", by="ops"), {"max_turns": 1}, float(n))
+        resume(s)
     s = (await run(s, model, options(events))).state
     assert (s.status, s.reason, s.turns) == ("max_turns_exceeded", "max_turns", 3)
     assert "limits.ask.max_grants" in str(events.of("run_stopped")[-1].get("detail"))
@@ -93,11 +94,11 @@ async def test_max_total_cuts_the_proposed_grant_and_then_stops_the_run() -> Non
     s = state(Limits(max_turns=8))
     s.turns = 8
     out = await run(s, ScriptModel(plan), options(EventList()))
-    waiting = waiting_for(out.state)
+    waiting = out.state.waiting_request
     assert waiting is not None and waiting.grant == {"max_turns": 1, "max_tool_calls": 5}  # 8 + 1 = max_total 9
     assert waiting.call_id is not None
-    limit_requests.grant(out.state, waiting.call_id, Decision("approve", by="ops"), {"max_turns": 1}, 0.0,
-                         reopen=True)
+    limit_requests.grant(out.state, waiting.call_id, Decision("approve", by="ops"), {"max_turns": 1}, 0.0)
+    resume(out.state)
     out.state.turns = 9
     events = EventList()
     again = await run(out.state, ScriptModel(plan), options(events))
@@ -114,7 +115,7 @@ async def test_the_tool_cap_asks_before_the_tool_that_would_pass_it() -> None:
     rec = Recorder()
     opts = RunOptions(tools={"list_files": rec.tool("list_files")}, dedupe="off", limit_ask=ASK)
     out = await run(state(Limits(max_turns=20, max_tool_calls=2)), ScriptModel(plan), opts)
-    waiting = waiting_for(out.state)
+    waiting = out.state.waiting_request
     assert waiting is not None and waiting.limit == "max_tool_calls" and len(rec.runs) == 2
 
 
@@ -135,7 +136,7 @@ async def test_a_budget_that_asks_pauses_before_the_call_that_could_pass_it() ->
     model = Pricey()
     out = await run(state(Limits(max_turns=20, max_budget_usd=0.25)), model, options(EventList(), ask))
     assert model.requests[0].fit_budget is True
-    waiting = waiting_for(out.state)
+    waiting = out.state.waiting_request
     assert waiting is not None and waiting.limit == "max_budget_usd" and waiting.cap == 0.25
     assert out.state.cost_usd == 0.0 and "$0.01" in (waiting.reason or "")
     plain = await run(state(Limits(max_turns=20, max_budget_usd=0.25)), Pricey(), options(EventList(), None))

@@ -455,7 +455,11 @@ async def test_a_passthrough_run_is_refused_until_a_grant_and_16_concurrent_call
     assert waiting >= 1  # the request counts among the team's approvals pending
     status, body = await decide(session, served, "pt-burst", {"call_id": run["interruption"]["call_id"],
                                                               "decision": "approve"})
-    assert status == 200 and body["run"]["status"] == "running", body
+    # as after a call's decision: still interrupted, decided; the client's next call is its resume
+    assert status == 200 and body["run"]["status"] == "interrupted", body
+    assert (body["run"]["interruption"]["decision"], body["run"]["interruption"]["waiting_for"]) == (
+        "approve", "resume"), body
+    assert body["run_resumes_on_decision"] is False  # a pass-through run: its client drives it
     assert await pending_gauge(session, served) == waiting - 1
     second = await burst()
     assert sorted(s for s, _, _ in second) == [200] * ASK_GRANT_TURNS + [429] * (16 - ASK_GRANT_TURNS)

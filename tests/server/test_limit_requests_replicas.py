@@ -86,7 +86,7 @@ async def grant_in_store(pair: Pair, run_id: str) -> None:
         state = await store.load_run(scoped_run_id("demo", run_id))
         assert state is not None and state.interruption is not None and state.interruption.call_id is not None
         limit_requests.grant(state, state.interruption.call_id, Decision("approve", "", "ops"), {"max_turns": 3},
-                             time.time(), reopen=False)
+                             time.time())
         await store.save_run(state)
     finally:
         await store.close()

@@ -1,18 +1,21 @@
 """Runs that continue after a decision: policy option `approval: {on_decision: resume}`.
 
-With it, the gateway resumes a server-side run itself as soon as the call it waits for
-is decided (by a person, or by expiry), or its limit request granted: the replica that recorded the decision starts a
+With it, the gateway resumes a server-side run itself as soon as the call (or the limit
+request, `on_exceed: ask`) it waits for is decided (by a person, or by expiry; a rejected
+limit request ends the run instead): the replica that recorded the decision starts a
 drive in the background (`BackgroundDrives.spawn`), and the run's lease decides who
 drives (another replica already holding it means this one stands down). Should the
-deciding replica die before it drives, recovery on any replica finds the run `running`,
-decided and undriven, and resumes it (`decided_undriven`), whatever the policy's
-`recovery` says: a person said yes (or no), so going on is what they asked for.
+deciding replica die before it drives, recovery on any replica finds the run decided and
+undriven (still `interrupted`: a decision never makes a run `running`, only a drive
+does), and resumes it (`decided_undriven`), whatever the policy's `recovery` says: a
+person said yes (or no), so going on is what they asked for.
 
 Clients waiting on such a run see it go on: `GET /v1/runs/{id}/events?follow=1` keeps
 following while it waits for the decision (`continues_by_itself`), and a streamed chat
 call that paused on the approval stays open and answers when the run stops
-(`follow_until_stopped`). The default (`on_decision: wait`) is unchanged: the run waits
-for `POST /v1/runs/{id}/resume` or its client's next call.
+(`follow_until_stopped`). The default (`on_decision: wait`): the decided run stays
+`interrupted` (`waiting_for: resume`) until `POST /v1/runs/{id}/resume` or its client's
+next call.
 """
 
 from __future__ import annotations
@@ -26,13 +29,13 @@ from typing import Final
 
 from aiohttp import web
 
-from gateway.harness.approvals import waiting_for
-from gateway.harness.limit_requests import decided_grant
 from gateway.harness.state import RunState, pending
+from gateway.harness.trace import StartSetup
 from gateway.policy.decl import Policy
 from gateway.providers.errors import UpstreamError
-from gateway.server.http.errors import ApiError
+from gateway.server.http.errors import ApiError, Conflict
 from gateway.server.runs.cancels import RunBusy
+from gateway.server.runs.continuations import resume_with
 from gateway.server.runs.driver import Prepare, RunDriver
 from gateway.store.base import Event, Store
 from gateway.store.errors import StoreError
@@ -53,22 +56,39 @@ def resumes_on_decision(policy: Policy | None) -> bool:
 
 
 def waits_for_decision(run: RunState) -> bool:
-    """The run is stopped on a call, or a limit request, nobody has decided yet."""
-    return waiting_for(run) is not None
+    """The run is stopped on a call (or a limit request) nobody has decided yet."""
+    return run.waits_for_decision
 
 
 def continues_by_itself(run: RunState, policy: Policy | None) -> bool:
-    """Still going, as a follower sees it: running, or waiting for a decision (or, granted
-    more of a limit, for the drive) that resumes it."""
-    return run.status == "running" or (
-        (waits_for_decision(run) or decided_grant(run)) and resumes_on_decision(policy))
+    """Still going, as a follower sees it: running, or stopped on a call (or a limit request)
+    whose decision (still to come, or just recorded) resumes it."""
+    return run.status == "running" or ((run.waits_for_decision or run.decided) and resumes_on_decision(policy))
 
 
 def decided_undriven(run: RunState, policy: Policy | None) -> bool:
-    """A `running` run of an on-decision policy with a decided call still pending: the
-    decision was recorded, the drive that should follow it has not run it yet."""
-    return (run.status == "running" and resumes_on_decision(policy)
-            and any(str(c.get("id")) in run.decisions for c in pending(run)))
+    """A run of an on-decision policy whose call was decided and that no drive has resumed
+    yet (the deciding replica died first). A run saved `running` with a decided call still
+    pending is one too: that is how gateways before 2026-12 saved a decision."""
+    if not resumes_on_decision(policy):
+        return False
+    return run.decided or (run.status == "running" and any(str(c.get("id")) in run.decisions for c in pending(run)))
+
+
+def resume_decided(by: str) -> Prepare:
+    """The gateway's own resume of a decided run (`after_decision`, and recovery's
+    `decided_undriven`): once, whichever replica takes the lease first. The run is read
+    under the lease; one no longer waiting for this resume (driven since, cancelled,
+    stopped again) is refused with 409 and left as it is."""
+    resume = resume_with(None, None, by)
+
+    def prepare(state: RunState, policy: Policy) -> StartSetup | None:
+        if not decided_undriven(state, policy):
+            raise Conflict(f"run {state.public_id} does not wait to go on after a decision (status {state.status})",
+                           code="run_not_resumable")
+        return resume(state, policy)
+
+    return prepare
 
 
 @dataclass(frozen=True)
@@ -124,10 +144,9 @@ BACKGROUND: Final = web.AppKey("background_drives", BackgroundDrives)
 def after_decision(drives: BackgroundDrives, run: RunState, policy: Policy | None, prepare: Prepare) -> bool:
     """Resume `run` in the background if its policy says so and nothing is left to decide.
 
-    `run` is the run as saved with the decision (`running`, or granted more of a limit);
-    `prepare` is the resume to apply (its `by` names the decision). True when a drive was
-    started."""
-    if not resumes_on_decision(policy) or not (run.status == "running" or decided_grant(run)):
+    `run` is the run as saved with the decision; `prepare` is the resume to apply (its
+    `by` names the decision). True when a drive was started."""
+    if not resumes_on_decision(policy) or not run.decided:
         return False
     drives.spawn(run.run_id, prepare, busy_wait_s=drives.driver.lease_ttl_s)
     return True

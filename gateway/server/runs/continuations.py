@@ -8,8 +8,7 @@ answer with the run as it is, e.g. it still waits for a person).
 - `start`: a new run's first call (the policy's system prompt if the client sent none);
 - `continue_chat`: a later chat call with the same X-Run-Id: tool results for the calls
   handed to the client (hybrid), or a new user message on a stopped run;
-- `resume_with`: POST /v1/runs/{id}/resume, optionally with raised limits;
-- `resume_granted`: the gateway's own resume after a limit request was granted.
+- `resume_with`: POST /v1/runs/{id}/resume, optionally with raised limits.
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from gateway.harness.approvals import ApprovalError, resume, waiting_for
-from gateway.harness.limit_requests import decided_grant
+from gateway.harness.approvals import ApprovalError, resume
 from gateway.harness.state import Message, RunState, pending
 from gateway.harness.trace import RunResumedSetup, RunStartedSetup
 from gateway.policy.decl import Policy
@@ -65,10 +63,6 @@ def refuse_unanswered_calls(messages: list[Message]) -> None:
                                "tool calls its own model turns made, so a call in your history is never run; "
                                "answer it with a tool message (tool_call_id) or drop it", "unanswered_tool_call")
         return
-
-
-def _waiting_approval(state: RunState) -> bool:
-    return waiting_for(state) is not None
 
 
 def _client_calls(state: RunState, policy: Policy) -> list[dict[str, Any]]:
@@ -133,11 +127,10 @@ def continue_chat(messages: list[Message], model: str) -> Prepare:
         state.messages.extend(results)
         state.model = model
         fields: RunResumedSetup = {"by": "client", "toolResults": len(results)}
-        if _waiting_approval(state):
+        if state.waits_for_decision:
             return None
-        if decided_grant(state):  # granted more of a limit: the call goes on with it
+        if state.decided:  # this call is the resume the decided run waits for
             _reopen(state)
-            return fields
         if state.status == "running":
             owed = [str(c.get("id")) for c in _client_calls(state, policy)]
             if owed and not results:
@@ -153,21 +146,6 @@ def continue_chat(messages: list[Message], model: str) -> Prepare:
             fields["messages"] = len(added)
         _reopen(state)
         return fields
-
-    return prepare
-
-
-def resume_granted(by: str) -> Prepare:
-    """The drive after a grant (`on_decision: resume`): once, whichever replica takes the
-    lease first; refused (409) when the run no longer waits for it (driven already)."""
-
-    def prepare(state: RunState, policy: Policy) -> RunResumedSetup:
-        if not decided_grant(state):
-            raise Conflict(f"run {state.public_id} does not wait to go on after a grant (status {state.status})",
-                           code="run_not_resumable")
-        resume(state)
-        return {"by": by, "maxTurns": state.limits.max_turns, "maxBudgetUsd": state.limits.max_budget_usd,
-                "maxToolCalls": state.limits.max_tool_calls, "maxDurationS": state.limits.max_duration_s}
 
     return prepare
 

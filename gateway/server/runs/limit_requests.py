@@ -10,9 +10,10 @@ this module:
   the calls that come while the run waits.
 - `decide`: an approver's verdict (`POST /v1/runs/{id}/approvals`). A grant is checked
   against `max_total`, then the decision, the raised limits and the `limit_granted` line
-  (the audit of who raised what, from what to what) are saved in one store step, with the
-  webhook notices they cause; a rejection ends the run as the limit does (`limit_rejected`
-  and `run_stopped` in the same step). A decision sent after `approval.expires_after_s` is
+  (who raised what, from what to what) are saved in one store step, with the webhook
+  notices they cause; the run stays `interrupted`, decided, until its resume (as after a
+  call's decision). A rejection ends the run as the limit does (`limit_rejected` and
+  `run_stopped` in the same step). A decision sent after `approval.expires_after_s` is
   recorded as the expiry's rejection.
 - `expire`: the expiry's rejection made by the recovery sweep.
 Each path counts its lines in `gateway_limit_requests_total` (`Metrics.on_limit_lines`).
@@ -27,7 +28,7 @@ from typing import Any, Final
 from aiohttp import web
 
 from gateway.harness import limit_requests as requests
-from gateway.harness.approvals import ApprovalError, waiting_for
+from gateway.harness.approvals import ApprovalError
 from gateway.harness.options import LimitAsk, Stop
 from gateway.harness.state import Amounts, Decision, Interruption, LimitGrant, LimitName, RunState
 from gateway.harness.trace import Event, Tracer
@@ -64,7 +65,7 @@ def approvers(policy: Policy | None) -> tuple[str, ...]:
 
 def waits_on_limit(run: RunState) -> Interruption | None:
     """The limit request the run waits for, nobody having decided it yet."""
-    waiting = waiting_for(run)
+    waiting = run.waiting_request
     return waiting if waiting is not None and waiting.type == "limit" else None
 
 
@@ -128,7 +129,7 @@ async def ask_passthrough(app: web.Application, call: Call, exc: LimitExceeded) 
         if run.limits != judged:
             call.run = run
             return None
-        if run.status not in ("running", "completed"):  # stopped at a limit already (a person said no)
+        if run.status not in ("running", "completed") and not run.decided:  # stopped at it (a person said no)
             call.run = run
             return exc
         status, reason, kind = requests.LIMIT_STOPS[name]
@@ -157,7 +158,7 @@ async def ask_passthrough(app: web.Application, call: Call, exc: LimitExceeded) 
                                attempt.cost_usd)
         call.run = attempt
         if reached.asked:
-            await app[ctx.DRIVER].refresh_approvals(attempt.team)
+            app[ctx.DRIVER].approvals_changed()
             return pending_refusal(app, attempt, call.policy)
         return LimitExceeded(exc.kind, reached.stop.detail)
     raise Conflict(f"run {run.public_id} is being changed by too many calls at once; retry", code="run_contended",
@@ -204,7 +205,7 @@ def decision_json(call_id: str, decision: Decision, expired_: bool, limit: Limit
 
 async def decide(app: web.Application, run: RunState, policy: Policy, by: str, call_id: str, verdict: str,
                  reason: str, given: Amounts | None) -> tuple[RunState, dict[str, Any]]:
-    """Record an approver's verdict on limit request `call_id` in one store step (see the
+    """Record approver `by`'s verdict on limit request `call_id` in one store step (see the
     module's docstring); returns the run as saved and the decision's JSON."""
     store = app[ctx.STORE]
     asked = await asked_at(store, run, call_id)
@@ -228,7 +229,7 @@ async def decide(app: web.Application, run: RunState, policy: Policy, by: str, c
             requests.refuse(state, call_id, decision)
             return
         amounts = checked_grant(state, waiting, policy.limit_ask, given)
-        made.append(requests.grant(state, call_id, decision, amounts, now, reopen=not policy.server_side))
+        made.append(requests.grant(state, call_id, decision, amounts, now))
 
     def trace(state: RunState) -> list[Event]:
         return _decision_lines(state, call_id, limit[0], decision, made[0] if made else None, late)

@@ -8,20 +8,21 @@ A `Sweeper` runs once when the gateway starts and then every `period_s` (half of
   a whole lease TTL is either resumed (policy `recovery: resume`) or stopped as
   `interrupted` with reason `crashed` (the default), so its owner sees it and may resume
   it. A run that waits for its client's tool results is between calls, like any
-  pass-through run: left alone. A run of an `approval: {on_decision: resume}` policy
-  whose decided call was never driven (the deciding replica died) is resumed.
+  pass-through run: left alone. This rests on one rule: only a drive makes a server-side
+  run `running`, under its lease (a decision, a grant, a cancel leave it stopped, saying
+  what it waits for), so `running` with a free lease means its driver died.
+- a run of an `approval: {on_decision: resume}` policy whose decided call (or granted
+  limit request) was never driven (the deciding replica died) is resumed, once.
 - a run waiting for a decision past its policy's `approval.expires_after_s` gets the
-  expiry's rejection (as when someone decides late), traced `approval_expired`, and the
-  team's `gateway_approvals_pending` is recounted; under `on_decision: resume` the run
+  expiry's rejection (as when someone decides late), traced `approval_expired` (the
+  approvals gauge is recounted at the next scrape); under `on_decision: resume` the run
   then goes on (the model reads the rejection). A limit request (`on_exceed: ask`) that
   expires ends the run as the limit does (`limit_rejected`, `by: "approval-expiry"`).
-- a run granted more of a limit under `on_decision: resume` whose drive never came (the
-  granting replica died) is resumed, once.
 
 Each change is made while holding the run's lease (and its `ActiveRuns` claim), and
 saved with the run's revision: two replicas sweeping at once never change a run twice.
 A sweep reads at most `scan` runs of each status, newest first, and only runs of the policies
-it could act on (server-side ones; ones whose approvals expire).
+it could act on (server-side ones; ones whose approvals expire or resume their runs).
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from gateway.harness.approvals import ApprovalError, decide, waiting_for
-from gateway.harness.limit_requests import decided_grant
+from gateway.harness.approvals import ApprovalError, decide
 from gateway.harness.state import Interruption, RunState, pending
 from gateway.harness.trace import Tracer
 from gateway.policy.approval import EXPIRED_BY, expired, expiry_decision
@@ -46,11 +46,12 @@ from gateway.server.runs.auto_resume import (
     BackgroundDrives,
     after_decision,
     decided_undriven,
+    resume_decided,
     resumes_on_decision,
 )
 from gateway.server.runs.cancels import RunBusy
-from gateway.server.runs.continuations import resume_granted, resume_with
-from gateway.server.runs.driver import PolicyGone, RunDriver
+from gateway.server.runs.continuations import resume_with
+from gateway.server.runs.driver import PolicyGone, Prepare, RunDriver
 from gateway.server.runs.tracelog import TraceWriter, asked_at
 from gateway.store.errors import StaleRun, StoreError
 
@@ -91,26 +92,14 @@ class Sweeper:
         driven = policies.names_where(lambda p: p.server_side)
         for run in await self.store.list_runs(status="running", limit=scan, policies=driven):
             await self._recover(run, report)
-        waiting = policies.names_where(lambda p: p.approval.expires_after_s is not None or (
-            p.limit_ask is not None and resumes_on_decision(p)))
+        waiting = policies.names_where(lambda p: p.approval.expires_after_s is not None or resumes_on_decision(p))
         for run in await self.store.list_runs(status="interrupted", limit=scan, policies=waiting):
-            if decided_grant(run):
-                self._resume_granted(run, report)
-            else:
-                await self._expire(run, report)
+            if decided_undriven(run, self._policy(run)):
+                if time.time() - run.updated_at >= self.driver.lease_ttl_s:  # else its decider is starting it
+                    self._resume(run, report, resume_decided(RECOVERED_BY))
+                continue
+            await self._expire(run, report)
         return report
-
-    def _resume_granted(self, run: RunState, report: SweepReport) -> None:
-        """A run granted more of a limit under `on_decision: resume` whose drive never came
-        (the granting replica died first): resume it, once (the lease decides who drives;
-        `resume_granted` refuses a run driven since)."""
-        policy = self._policy(run)
-        if not resumes_on_decision(policy) or run.run_id in self.driver.active:
-            return
-        if time.time() - run.updated_at < self.driver.lease_ttl_s:
-            return  # just decided: the deciding replica is about to drive it
-        self.drives.spawn(run.run_id, resume_granted(RECOVERED_BY))
-        report.resumed.append(run.run_id)
 
     async def run_forever(self, stop: asyncio.Event) -> None:
         """Sweep every `period_s` until `stop` is set; a failing store is retried next period."""
@@ -184,13 +173,13 @@ class Sweeper:
         run.status, run.reason, run.interruption = "interrupted", CRASHED, Interruption("crashed", reason=detail)
         await writer.commit(run)
 
-    def _resume(self, run: RunState, report: SweepReport) -> None:
+    def _resume(self, run: RunState, report: SweepReport, prepare: Prepare | None = None) -> None:
         # The lease decides who drives: `drive` takes it (or raises RunBusy) before loading the run.
-        self.drives.spawn(run.run_id, resume_with(None, None, RECOVERED_BY))
+        self.drives.spawn(run.run_id, prepare or resume_with(None, None, RECOVERED_BY))
         report.resumed.append(run.run_id)
 
     async def _expire(self, run: RunState, report: SweepReport) -> None:
-        waiting = waiting_for(run)
+        waiting = run.waiting_request
         if waiting is None or waiting.call_id is None:
             return
         policy = self._policy(run)
@@ -217,7 +206,7 @@ class Sweeper:
                     await self.store.release_lease(run.run_id, driver.owner)
         except (RunBusy, StaleRun, ApprovalError):
             return
-        await driver.refresh_approvals(run.team)
+        driver.approvals_changed()
 
     async def _expire_call(self, run: RunState, waiting: Interruption, policy: Policy) -> None:
         """The expiry's rejection of the call `run` waits for; under `on_decision: resume`
@@ -231,5 +220,5 @@ class Sweeper:
             decision=decision.decision, reason=decision.reason, by=EXPIRED_BY, expired=True)
         await writer.flush()
         await self.store.save_run(run)
-        after_decision(self.drives, run, policy, resume_with(None, None, RESUMED_BY))
+        after_decision(self.drives, run, policy, resume_decided(RESUMED_BY))
 
