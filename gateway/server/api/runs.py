@@ -261,11 +261,11 @@ async def post_approval(request: web.Request) -> web.Response:
 
 async def _decide_limit(request: web.Request, team: TeamConfig, run: RunState, policy: Policy,
                         given: ApprovalInput) -> web.Response:
-    """A verdict on a limit request (`on_exceed: ask`): raised limits (or the run ended) and its
-    trace lines in one store step. Like a call's decision, a grant leaves the run
-    `interrupted` until its resume: under `on_decision: resume` the gateway's own."""
+    """A verdict on a limit request (`on_exceed: ask`): raised limits (or the run ended), its
+    trace lines and its audit record in one store step. Like a call's decision, a grant leaves
+    the run `interrupted` until its resume: under `on_decision: resume` the gateway's own."""
     app = request.app
-    run, decision = await limit_requests.decide(app, run, policy, team.name, given.call_id, given.decision,
+    run, decision = await limit_requests.decide(app, run, policy, team, given.call_id, given.decision,
                                                 given.reason, given.grant)
     request[ctx.RUN] = run
     app[ctx.DRIVER].approvals_changed()

@@ -9,12 +9,12 @@ this module:
   many replicas) and is answered 429 `limit_approval_pending`; `pending_refusal` answers
   the calls that come while the run waits.
 - `decide`: an approver's verdict (`POST /v1/runs/{id}/approvals`). A grant is checked
-  against `max_total`, then the decision, the raised limits and the `limit_granted` line
-  (who raised what, from what to what) are saved in one store step, with the webhook
-  notices they cause; the run stays `interrupted`, decided, until its resume (as after a
-  call's decision). A rejection ends the run as the limit does (`limit_rejected` and
-  `run_stopped` in the same step). A decision sent after `approval.expires_after_s` is
-  recorded as the expiry's rejection.
+  against `max_total`, then the decision, the raised limits, the `limit_granted` line and
+  the audit log's `limit.granted` record (who raised what, from what to what) are saved in
+  one store step, with the webhook notices they cause; the run stays `interrupted`,
+  decided, until its resume (as after a call's decision). A rejection ends the run as the
+  limit does (`limit_rejected`, `run_stopped` and `limit.rejected` in the same step). A
+  decision sent after `approval.expires_after_s` is recorded as the expiry's rejection.
 - `expire`: the expiry's rejection made by the recovery sweep.
 Each path counts its lines in `gateway_limit_requests_total` (`Metrics.on_limit_lines`).
 """
@@ -27,6 +27,7 @@ from typing import Any, Final
 
 from aiohttp import web
 
+from gateway.config.settings import TeamConfig
 from gateway.harness import limit_requests as requests
 from gateway.harness.approvals import ApprovalError
 from gateway.harness.options import LimitAsk, Stop
@@ -34,12 +35,14 @@ from gateway.harness.state import Amounts, Decision, Interruption, LimitGrant, L
 from gateway.harness.trace import Event, Tracer
 from gateway.policy.approval import duration_text, expired
 from gateway.policy.decl import ApprovalConfig, Policy
+from gateway.server import audit
 from gateway.server import context as ctx
 from gateway.server.http.errors import Conflict, InvalidField, LimitApprovalPending, LimitExceeded, LimitKind
 from gateway.server.metrics import Metrics
 from gateway.server.runs.keying import UPDATE_ATTEMPTS, Call, commit_run
 from gateway.server.runs.tracelog import asked_at
 from gateway.store import tracefile
+from gateway.store.audit import AuditEntry
 from gateway.store.base import Store
 from gateway.store.errors import RunNotFound, StaleRun
 
@@ -203,15 +206,16 @@ def decision_json(call_id: str, decision: Decision, expired_: bool, limit: Limit
     return out
 
 
-async def decide(app: web.Application, run: RunState, policy: Policy, by: str, call_id: str, verdict: str,
+async def decide(app: web.Application, run: RunState, policy: Policy, team: TeamConfig, call_id: str, verdict: str,
                  reason: str, given: Amounts | None) -> tuple[RunState, dict[str, Any]]:
-    """Record approver `by`'s verdict on limit request `call_id` in one store step (see the
-    module's docstring); returns the run as saved and the decision's JSON."""
+    """Record the verdict of approver `team` (a view: its key) on limit request `call_id` in
+    one store step, with its audit record (see the module's docstring); returns the run as
+    saved and the decision's JSON."""
     store = app[ctx.STORE]
     asked = await asked_at(store, run, call_id)
     late = asked is not None and expired(asked, time.time(), policy.approval)
     decision = expiry_decision(policy.approval) if late else Decision(
-        "approve" if verdict == "approve" else "reject", reason, by)
+        "approve" if verdict == "approve" else "reject", reason, team.name)
     made: list[LimitGrant] = []
     limit: list[LimitName] = []
     now = time.time()
@@ -234,13 +238,30 @@ async def decide(app: web.Application, run: RunState, policy: Policy, by: str, c
     def trace(state: RunState) -> list[Event]:
         return _decision_lines(state, call_id, limit[0], decision, made[0] if made else None, late)
 
-    run, events, _ = await commit_run(store, run, change, trace, None)
+    def recorded(state: RunState) -> list[AuditEntry]:
+        return [audit_entry(team, state, call_id, limit[0], decision, made[0] if made else None, late)]
+
+    # The decision, its trace lines and its audit record in one store step.
+    run, events, _ = await commit_run(store, run, change, trace, None, audit=recorded)
     tracefile.append(app[ctx.CONFIG].trace_file, events)
     metrics = app[ctx.METRICS]
     metrics.on_limit_lines(policy.name, events)
     if not made:
         metrics.on_run_stopped(run.team, policy.name, run.status, run.reason or "", run.turns, run.cost_usd)
     return run, decision_json(call_id, decision, late, limit[0] if limit else None, made[0] if made else None)
+
+
+def audit_entry(team: TeamConfig, run: RunState, call_id: str, limit: LimitName, decision: Decision,
+                made: LimitGrant | None, late: bool) -> AuditEntry:
+    """The audit record of a decision on a limit request: `limit.granted` with each raised
+    limit as `[old, new]` (`audit.changed`), or `limit.rejected` with the limit as it stays."""
+    details: dict[str, Any] = {"call_id": call_id, "limit": limit, "reason": decision.reason, "expired": late}
+    if made is not None:
+        details.update(audit.changed(requests.plain(made.before), requests.plain(made.after)),
+                       grant=requests.plain(made.grant))
+        return audit.entry(team, audit.LIMIT_GRANTED, run.public_id, concerns=run.team, details=details)
+    details[limit] = [run.limits.value(limit)] * 2
+    return audit.entry(team, audit.LIMIT_REJECTED, run.public_id, concerns=run.team, details=details)
 
 
 def _decision_lines(state: RunState, call_id: str, limit: LimitName, decision: Decision, made: LimitGrant | None,
