@@ -5,7 +5,9 @@ on_exceed: ask, on_decision: resume`), shows in the inbox and `gateway approvals
 replica A, is granted 3 more turns there, and completes by itself, B's paused call
 answering. A grant whose replica died before driving it is driven by a recovery sweep,
 once; under `on_decision: wait` a granted run waits for its owner however many sweeps
-pass (it is never taken for crashed).
+pass (it is never taken for crashed). The sweeps are not waited for by the clock: a run
+whose approval expires at once (`files_expiring`) is started only once the granted run has
+waited longer than a lease TTL, and the sweep that expires it is one that passed since.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-s
 from tests.support.procs import ROOT, run_gateway
 
 
+def expiring() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((ROOT / "policies" / "files.yaml").read_text())
+    data["approval"]["expires_after_s"] = 0.05
+    return data
+
+
 def asking(on_decision: str) -> dict[str, Any]:
     data: dict[str, Any] = yaml.safe_load((ROOT / "policies" / "files.yaml").read_text())
     data["limits"].update(max_turns=2, on_exceed="ask", ask={"grant": {"max_turns": 3}})
@@ -41,7 +49,8 @@ def asking(on_decision: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Pair]:  # noqa: F811
     started = start_pair(tmp_path_factory.mktemp("limit_replicas"), redis_url,
-                         {"files_ask": asking("resume"), "files_ask_wait": asking("wait")})
+                         {"files_ask": asking("resume"), "files_ask_wait": asking("wait"),
+                          "files_expiring": expiring()})
     yield started
     started.a.stop()
     started.b.stop()
@@ -92,6 +101,25 @@ async def grant_in_store(pair: Pair, run_id: str) -> None:
         await store.close()
 
 
+async def a_sweep_after(session: aiohttp.ClientSession, pair: Pair, moment: float) -> None:
+    """Return once a recovery sweep that started after `moment` (epoch seconds) has run."""
+    await poll(lambda: _past(moment), timeout=30)
+    status, headers, body = await request(session, "POST", f"{pair.a.url}/v1/chat/completions",
+                                          body=chat_body("scripted-destructive"),
+                                          headers={"X-Policy": "files_expiring"})
+    assert status == 200 and body["run"]["interruption"]["type"] == "approval", body
+    run_id = headers["X-Run-Id"]
+
+    async def expired() -> bool:
+        return any(e["type"] == "approval_expired" for e in await events(session, pair.a.url, run_id))
+
+    await poll(expired, timeout=30)
+
+
+async def _past(moment: float) -> bool:
+    return time.time() > moment
+
+
 async def paused(session: aiohttp.ClientSession, url: str, policy: str) -> tuple[str, dict[str, Any]]:
     """A new scripted-plan run that paused at its turn cap: (its id, its run object)."""
     status, headers, body = await request(session, "POST", f"{url}/v1/chat/completions",
@@ -118,9 +146,11 @@ async def test_a_granted_run_that_waits_for_its_owner_is_never_taken_for_crashed
     status, _, answer = await request(session, "POST", f"{pair.a.url}/v1/runs/{run_id}/approvals", key=OPS,
                                       body={"call_id": request_id, "decision": "approve"})
     assert status == 200, answer
-    # Sweeps run every LEASE_TTL_S / 2 on both replicas; a granted run left alone this long
-    # is past every sweep's wait (one lease TTL) several times over.
-    await asyncio.sleep(4 * LEASE_TTL_S)
+    granted = await get_run(session, pair.a.url, run_id)
+    assert (granted["interruption"]["decision"], granted["interruption"]["waiting_for"]) == ("approve", "resume")
+    # Sweeps run every LEASE_TTL_S / 2 on both replicas and leave a decided run alone for one
+    # lease TTL: wait for a sweep that began once this run had waited two.
+    await a_sweep_after(session, pair, granted["updated_at"] + 2 * LEASE_TTL_S)
     run = await get_run(session, pair.a.url, run_id)
     assert (run["status"], run["reason"]) == ("interrupted", "limit") and request_id in run["decisions"]
     assert not [e for e in await events(session, pair.a.url, run_id) if e["type"] == "run_resumed"]
