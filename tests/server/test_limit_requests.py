@@ -299,6 +299,30 @@ async def test_on_decision_wait_a_granted_run_waits_for_its_owners_resume(
     assert status == 200 and body["run"]["status"] == "completed" and body["run"]["turns"] == 3, body
 
 
+async def test_a_granted_run_is_decided_like_an_approved_call_and_its_next_chat_call_is_its_resume(
+        served: Served, session: aiohttp.ClientSession) -> None:
+    """runs28's rule for a call's decision holds for a grant: the run stays `interrupted`,
+    its interruption says `decision` and `waiting_for: resume`, it no longer counts as
+    pending, and the client's next chat call with its X-Run-Id resumes it."""
+    run = await start(session, served, "ask_wait", "grant-then-chat")
+    assert run["interruption"]["waiting_for"] == "decision" and "decision" not in run["interruption"], run
+    waiting = await pending_gauge(session, served)
+    status, body = await decide(session, served, "grant-then-chat",
+                                {"call_id": run["interruption"]["call_id"], "decision": "approve"})
+    assert status == 200 and body["run_resumes_on_decision"] is False, body  # on_decision: wait
+    decided = body["run"]
+    assert (decided["status"], decided["reason"]) == ("interrupted", "limit"), decided
+    assert (decided["interruption"]["decision"], decided["interruption"]["waiting_for"]) == ("approve", "resume")
+    assert await pending_gauge(session, served) == waiting - 1
+    status, _, body = await request(session, "POST", f"{served.url}/v1/chat/completions", key=DEMO,
+                                    body=chat_body("scripted-plan"),
+                                    headers={"X-Policy": "ask_wait", "X-Run-Id": "grant-then-chat"})
+    assert status == 200 and body["run"]["status"] == "completed", body
+    assert body["choices"][0]["message"]["content"] == PLAN_ANSWER
+    trace = await events(session, served.url, "grant-then-chat")
+    assert [e["by"] for e in trace if e["type"] == "run_resumed"] == ["client"]
+
+
 async def test_a_budget_that_asks_pauses_before_the_call_that_would_pass_it(
         served: Served, session: aiohttp.ClientSession) -> None:
     run = await start(session, served, "ask_budget", "budget-ask", key=ASKER)
