@@ -198,11 +198,22 @@ async def limit_counts(session: aiohttp.ClientSession, served: Served, policy: s
     return out
 
 
-async def pending_gauge(session: aiohttp.ClientSession, served: Served, team: str = "demo") -> float:
-    async with session.get(f"{served.url}/metrics") as resp:
-        text = await resp.text()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(f'gateway_approvals_pending{{team="{team}"}}'))
+async def pending_gauge(session: aiohttp.ClientSession, served: Served) -> int:
+    """Team demo's `gateway_approvals_pending` once it shows what the store holds: the demo
+    runs waiting for a decision. A scrape may reach a worker whose count is up to a second
+    old (pending_approvals.CACHE_S; the other worker made the change), so it is polled."""
+    async def agreed() -> int | None:
+        status, _, listing = await request(session, "GET", f"{served.url}/v1/runs?status=interrupted&limit=1000")
+        assert status == 200, listing
+        truth = sum(1 for r in listing["data"] if (r.get("interruption") or {}).get("waiting_for") == "decision")
+        async with session.get(f"{served.url}/metrics") as resp:
+            text = await resp.text()
+        shown = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith('gateway_approvals_pending{team="demo"}'))
+        return truth + 1 if shown == truth else None  # + 1: 0 is an answer too
+
+    found: int = await poll(agreed, timeout=10)
+    return found - 1
 
 
 async def inbox(url: str, key: str = OPS) -> list[dict[str, Any]]:
