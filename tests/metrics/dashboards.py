@@ -11,7 +11,6 @@ import json
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from tests.support.procs import ROOT
