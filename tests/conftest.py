@@ -73,6 +73,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+@pytest.fixture(scope="session")
+def postgres_dsn() -> str:
+    """The session's throwaway PostgreSQL cluster (tests/support/postgres.py), shared by the
+    workers; each test module (or test) takes a schema of its own."""
+    from tests.support import postgres
+
+    return postgres.dsn()
+
+
 CPU_REPORT = "GATEWAY_TEST_CPU_REPORT"
 """A file path: each test file's CPU seconds (the test process, the processes it started
 and waited for, and the gateway processes forked for it) are appended there as JSON lines.

@@ -82,13 +82,6 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         proc.wait()
 
 
-@pytest.fixture(scope="session")
-def postgres_dsn() -> str:
-    """The session's throwaway PostgreSQL cluster (tests/support/postgres.py), shared by the
-    workers; each test takes a schema of its own."""
-    return postgres.dsn()
-
-
 class Stores:
     """Opens stores of one backend over the same data, and closes them all at teardown."""
 
