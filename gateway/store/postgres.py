@@ -22,6 +22,7 @@ may have been applied, and the spool's `Booking(if_held=True)` books it exactly 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -212,12 +213,11 @@ class PostgresStore:
             raise StoreError(f"{self._where()}: {_reason(exc)}") from exc
         finally:
             if conn is not None:
-                if not ok:
-                    conn.terminate()
-                try:
+                # A connection the server closed is back in the pool already (asyncpg frees it).
+                with contextlib.suppress(asyncpg.InterfaceError):
+                    if not ok:
+                        conn.terminate()
                     await pool.release(conn, timeout=self.timeout_s)
-                except Exception:  # noqa: BLE001 - a connection that cannot be released is dropped
-                    conn.terminate()
 
     async def _fetchrow(self, sql: str, *args: Any) -> Any:
         return await self._with(lambda c: c.fetchrow(sql, *args))
