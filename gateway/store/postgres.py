@@ -128,6 +128,15 @@ def redact(dsn: str) -> str:
     return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
 
 
+def _one_line(record: logging.LogRecord) -> bool:
+    """asyncpg's pool logs a traceback each time it cannot reconnect (the database is down):
+    one line with the reason instead, as the store's own errors are."""
+    if record.exc_info and record.exc_info[1] is not None:
+        record.msg, record.args = f"{record.getMessage()}: {_reason(record.exc_info[1])}", ()
+        record.exc_info, record.exc_text = None, None
+    return True
+
+
 async def _no_reset(_conn: Any) -> None:
     """A pooled connection carries no session state of ours (LISTEN has a connection of its
     own): asyncpg's default reset would cost a round trip on every release."""
@@ -151,6 +160,9 @@ class PostgresStore:
         self._closed = False
         self.notice_rule: NoticeRule | None = None
         self.signals = Listener(self._listen_connection, schema)
+        pool_log = logging.getLogger("asyncpg.pool")
+        if _one_line not in pool_log.filters:
+            pool_log.addFilter(_one_line)
 
     def _where(self) -> str:
         return f"postgres store {redact(self.dsn)} (schema {self.schema})"

@@ -1,7 +1,7 @@
 """Turns paid upstream while the store is down are booked once it is back (the spool).
 
 A real gateway on a real redis-server (with an append-only file, so a restart keeps its
-data) in front of an upstream served by this test that holds its replies until told: the
+data), or on a real PostgreSQL stopped as in a failover, in front of an upstream served by this test that holds its replies until told: the
 calls are admitted, Redis is stopped, the upstream answers; the clients get their answers,
 the turns wait in the gateway's spool file, a new call forwards nothing, and once Redis
 is back every turn is booked exactly once: ledger = sum of the runs' costs = what the
@@ -26,10 +26,12 @@ from aiohttp import web
 
 from gateway.harness.state import scoped_run_id
 from gateway.harness.usage import Price, Usage
-from gateway.store.redis import RedisStore
+from gateway.store import open_store
 from gateway.tokens import get_counter
 from tests.server.test_admission import KEY, TASK, chat, serving, start
 from tests.store.conftest import _start_redis
+from tests.support.postgres import Cluster
+from tests.support.shared_store import SHARED_KINDS
 from tests.support.procs import free_port
 
 PRICE = Price(2.0, 12.0)
@@ -76,15 +78,43 @@ async def held() -> AsyncIterator[HeldUpstream]:
         state.release.set()
 
 
+class RedisServer:
+    """A durable redis-server that the test stops and starts again on its port."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir()
+        self.folder, self.port = folder, free_port()
+        self.popen = start_redis(folder, self.port)
+        self.config = {"kind": "redis", "url": f"redis://127.0.0.1:{self.port}/0",
+                       "prefix": f"spool-{uuid.uuid4().hex[:8]}:"}
+
+    def stop(self) -> None:
+        self.popen.terminate()
+        self.popen.wait(10)
+
+    def start(self) -> None:
+        self.popen = start_redis(self.folder, self.port)
+
+    def remove(self) -> None:
+        self.popen.kill()
+        self.popen.wait()
+
+
+class PostgresServer:
+    """A PostgreSQL cluster of the test's own, stopped (fast: as a failover) and started again."""
+
+    def __init__(self) -> None:
+        self.cluster = Cluster()
+        self.cluster.start()
+        self.config = self.cluster.store()
+        self.stop, self.start, self.remove = self.cluster.stop, self.cluster.start, self.cluster.remove
+
+
+@pytest.mark.parametrize("kind", SHARED_KINDS)
 async def test_turns_paid_during_a_store_outage_are_booked_once_when_it_returns(
-        tmp_path: Path, held: HeldUpstream) -> None:
-    redis_dir = tmp_path / "redis"
-    redis_dir.mkdir()
-    port = free_port()
-    server = start_redis(redis_dir, port)
-    url = f"redis://127.0.0.1:{port}/0"
-    prefix = f"spool-{uuid.uuid4().hex[:8]}:"
-    gateway = start(tmp_path / "gw", held.url, {"kind": "redis", "url": url, "prefix": prefix})
+        tmp_path: Path, held: HeldUpstream, kind: str) -> None:
+    server: RedisServer | PostgresServer = RedisServer(tmp_path / "redis") if kind == "redis" else PostgresServer()
+    gateway = start(tmp_path / "gw", held.url, server.config)
     runs = [f"outage-{i}" for i in range(6)]
     held.wanted = len(runs)
     try:
@@ -92,8 +122,7 @@ async def test_turns_paid_during_a_store_outage_are_booked_once_when_it_returns(
             calls = [asyncio.ensure_future(chat(session, gateway, KEY, {"model": "paid", "messages": TASK},
                                                 {"X-Run-Id": run_id})) for run_id in runs]
             await asyncio.wait_for(held.arrived.wait(), 30)  # all admitted and forwarded
-            server.terminate()
-            server.wait(10)
+            server.stop()
             held.release.set()  # the upstream answers: these turns are paid, the store is gone
             results = await asyncio.gather(*calls)
             assert [status for status, _, _ in results] == [200] * len(runs), results
@@ -105,8 +134,8 @@ async def test_turns_paid_during_a_store_outage_are_booked_once_when_it_returns(
             assert status >= 500 and held.calls["down"] == 0, reply  # nothing forwarded while the store is down
             assert "Error" not in reply["error"]["message"]
 
-            server = start_redis(redis_dir, port)
-            store = RedisStore(url, prefix)
+            server.start()
+            store = open_store(server.config)
             deadline = time.monotonic() + 20
             while spool.read_bytes():
                 assert time.monotonic() < deadline, "the spool was not replayed"
@@ -124,5 +153,4 @@ async def test_turns_paid_during_a_store_outage_are_booked_once_when_it_returns(
             await store.close()
     finally:
         gateway.stop()
-        server.kill()
-        server.wait()
+        server.remove()

@@ -15,6 +15,7 @@ The server binaries are Debian's (`postgresql`, installed by scripts/install-tes
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
 import os
@@ -151,3 +152,85 @@ def wait_until_down(port: int, timeout_s: float = 10.0) -> None:
                           check=False).returncode != 0:
             return
         time.sleep(0.05)  # poll interval
+
+
+class Cluster:
+    """A PostgreSQL cluster of a test's own on a fixed port, for the fault tests: `stop` and
+    `start` keep the port and the data, `freeze`/`thaw` SIGSTOP/SIGCONT the server and every
+    backend, `kill` is a crash (SIGKILL of the postmaster and its children)."""
+
+    def __init__(self) -> None:
+        from tests.support.procs import free_port
+
+        # Not under pytest's tmp_path: its folders are private to root, and the server runs as postgres.
+        self.folder = Path(tempfile.mkdtemp(prefix="gwpgc"))
+        os.chmod(self.folder, 0o755)
+        self.port = free_port()
+
+    @property
+    def dsn(self) -> str:
+        return f"postgresql://{USER}@127.0.0.1:{self.port}/postgres"
+
+    def store(self, **extra: object) -> dict[str, object]:
+        """A `store:` config on this cluster."""
+        return {"kind": "postgres", "dsn": self.dsn, "schema": "gateway", **extra}
+
+    def start(self) -> None:
+        tools = bin_dir()
+        assert tools is not None, "PostgreSQL is not installed (scripts/install-test-deps.sh)"
+        data = self.folder / "data"
+        if os.geteuid() == 0:
+            os.chown(self.folder, pwd.getpwnam(USER).pw_uid, pwd.getpwnam(USER).pw_gid)
+        if not data.exists():
+            done = _run([str(tools / "initdb"), "-D", str(data), "-U", USER, "-A", "trust", "-E", "UTF8",
+                         "--no-sync", "--locale", "C"])
+            assert done.returncode == 0, done.stderr
+        options = (f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1 -c fsync=off"
+                   " -c max_connections=200")
+        done = _run([str(tools / "pg_ctl"), "-D", str(data), "-o", options, "-l", str(self.folder / "server.log"),
+                     "-w", "-t", str(START_TIMEOUT_S), "start"])
+        assert done.returncode == 0, (done.stderr, (self.folder / "server.log").read_text(errors="replace")[-2000:])
+
+    def stop(self) -> None:
+        """A fast shutdown (connections are closed, as in a failover)."""
+        tools = bin_dir()
+        assert tools is not None
+        self.thaw()
+        _run([str(tools / "pg_ctl"), "-D", str(self.folder / "data"), "-m", "fast", "-w", "stop"])
+
+    def remove(self) -> None:
+        """Stop the cluster (immediately) and delete its folder."""
+        self.thaw()
+        stop(str(self.folder))
+
+    def running(self) -> bool:
+        return (self.folder / "data" / "postmaster.pid").exists()
+
+    def _pids(self) -> list[int]:
+        pid_file = self.folder / "data" / "postmaster.pid"
+        if not pid_file.exists():
+            return []
+        main = int(pid_file.read_text().split()[0])
+        children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == main]
+        return [main, *children]
+
+    def freeze(self) -> None:
+        import signal
+
+        for pid in self._pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        import signal
+
+        for pid in self._pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def _ppid(proc: Path) -> int:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
