@@ -340,7 +340,7 @@ async def totals(conn: Any) -> Totals:
     r = await conn.fetchrow("""
         SELECT (SELECT count(*) FROM runs), (SELECT COALESCE(sum(cost_micros), 0) FROM runs),
                (SELECT COALESCE(sum(turns), 0) FROM runs), (SELECT count(*) FROM events),
-               (SELECT count(*) FROM ledger), (SELECT COALESCE(sum(spent_micros), 0) FROM ledger),
+               (SELECT count(DISTINCT (scope, period)) FROM ledger), (SELECT COALESCE(sum(spent_micros), 0) FROM ledger),
                (SELECT COALESCE(sum(cost_micros), 0) FROM spend_rows), (SELECT COALESCE(sum(calls), 0) FROM spend_rows),
                (SELECT count(*) FROM responses), (SELECT count(*) FROM outbox), (SELECT count(*) FROM keys),
                (SELECT value FROM counters WHERE name = 'keys'), (SELECT count(*) FROM console_sessions),

@@ -85,30 +85,33 @@ T = TypeVar("T")
 DEFAULT_SCHEMA: Final = "gateway"
 DEFAULT_TIMEOUT_S: Final = 2.0
 DEFAULT_POOL: Final = (1, 10)
+LEDGER_SLOTS: Final = 8
+"""Rows a team's ledger of a period is split into (gw_admit): concurrent admissions of one team
+lock one of them each while they fit its share of the budget (benchmarks/pg_hot_team.py)."""
 SIGNALLED: Final = frozenset({"cancel_requested", "approval_decided"})
 """Trace lines another replica waits for (a cancel watcher, a decision): their write NOTIFYs
 the run's channel (postgres_notify)."""
 NOW: Final = "extract(epoch FROM clock_timestamp())"
 
 _ADMIT: Final = ("SELECT * FROM gw_admit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17,"
-                 " $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32, $33, $34, $35, $36)")
+                 " $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32, $33, $34, $35, $36, $37)")
 _COMMIT: Final = ("SELECT * FROM gw_commit_turn($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,"
                   " $17, $18, $19, $20, $21, $22, $23, $24, $25, $26)")
 _SETTLE: Final = f"SELECT gw_settle($1, $2, $3, $4, $5, {NOW})"
 _APPEND: Final = f"SELECT gw_append($1, $2, $3, $4, $5, $6, {NOW})"
 _LIVE_RESERVED: Final = (f"(SELECT COALESCE(sum(amount_micros), 0)::bigint FROM reservations WHERE team = $1 AND period = $2"
                          f" AND expires_at > {NOW})")
-_TEAM_SPEND: Final = (f"SELECT (SELECT COALESCE(max(spent_micros), 0) FROM ledger WHERE scope = $1 AND period = $2),"
+_TEAM_SPEND: Final = (f"SELECT (SELECT COALESCE(sum(spent_micros), 0)::bigint FROM ledger WHERE scope = $1 AND period = $2),"
                       f" {_LIVE_RESERVED}")
 _FIGURES: Final = f"""
 WITH t AS (SELECT {NOW} AS now)
-SELECT (SELECT COALESCE(max(spent_micros), 0) FROM ledger WHERE scope = $1 AND period = $2),
+SELECT (SELECT COALESCE(sum(spent_micros), 0)::bigint FROM ledger WHERE scope = $1 AND period = $2),
        (SELECT COALESCE(sum(amount_micros), 0)::bigint FROM reservations, t WHERE team = $1 AND period = $2
         AND expires_at > t.now),
        (SELECT turns FROM runs WHERE id = $3), (SELECT cost_micros FROM runs WHERE id = $3),
        (SELECT count(*) FROM reservations, t WHERE run_id = $3 AND expires_at > t.now),
        (SELECT COALESCE(sum(amount_micros), 0)::bigint FROM reservations, t WHERE run_id = $3 AND expires_at > t.now),
-       ARRAY(SELECT COALESCE((SELECT spent_micros FROM ledger WHERE scope = h.s AND period = h.p), 0)
+       ARRAY(SELECT (SELECT COALESCE(sum(spent_micros), 0)::bigint FROM ledger WHERE scope = h.s AND period = h.p)
              FROM unnest($4::text[], $5::text[]) WITH ORDINALITY AS h(s, p, i) ORDER BY h.i),
        ARRAY(SELECT (SELECT COALESCE(sum(amount_micros), 0)::bigint FROM reservations, t WHERE team = $1
                      AND expires_at > t.now AND budgets @> ARRAY[h.s || '#' || h.p])
@@ -158,6 +161,7 @@ class PostgresStore:
         self._pool: asyncpg.Pool | None = None
         self._opening: asyncio.Future[asyncpg.Pool] | None = None
         self._closed = False
+        self.ledger_slots = LEDGER_SLOTS
         self.notice_rule: NoticeRule | None = None
         self.signals = Listener(self._listen_connection, schema)
         pool_log = logging.getLogger("asyncpg.pool")
@@ -378,7 +382,7 @@ class PostgresStore:
         row = await self._fetchrow(
             _ADMIT, rid, claim.team, claim.period, amount, ttl, run_id, claim.max_turns, claim.max_in_flight,
             run_budget, budget, claim.owner, claim.tokens, *_rate_columns(claim.rates), *_hold_columns(claim.holds),
-            who.key, who.user, who.model, who.policy, create[-1], *create[:-1])
+            who.key, who.user, who.model, who.policy, create[-1], *create[:-1], self.ledger_slots)
         code = row["o_code"]
         if code == 2:
             assert run_id is not None
@@ -449,7 +453,8 @@ class PostgresStore:
     async def charge(self, team: str, period: str, amount_usd: float, attribution: Attribution | None = None) -> None:
         amount = to_micros(amount_usd, "amount_usd")
         who = attribution or Attribution()
-        await self._fetchval(f"SELECT gw_book($1, $2, $3, '{{}}', $4, $5, $6, $7, NULL, 0, 0, {NOW})",
+        await self._fetchval(f"SELECT gw_book($1, $2, 0::smallint, $3, '{{}}', $4, $5, $6, $7,"
+                             f" NULL, 0, 0, {NOW})",
                              team, period, amount, who.key, who.user, who.model, who.policy)
 
     async def spend(self, first_day: str, last_day: str, team: str | None = None) -> list[SpendRow]:
@@ -509,7 +514,7 @@ class PostgresStore:
             await asyncio.sleep(0)
 
     async def prune_ledgers(self, ended_before: float) -> int:
-        rows = await self._fetch("SELECT scope, period FROM ledger")
+        rows = await self._fetch("SELECT DISTINCT scope, period FROM ledger")
         old = [(r[0], r[1]) for r in rows if period_ended(r[1], ended_before)]
         for i in range(0, len(old), PRUNE_BATCH):
             batch = old[i:i + PRUNE_BATCH]

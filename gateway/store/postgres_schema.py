@@ -59,11 +59,17 @@ CREATE TABLE events (
     PRIMARY KEY (run_id, seq)
 );
 
+-- A team's ledger of a period is LEDGER_SLOTS rows (slot 0..7), summed on read (slot -1: see gw_book); a hold's
+-- (scope 'key:...', 'user:...') is one row, slot 0. `cap`: the slot's share of `budget` (the
+-- team budget the shares were made for), see gw_admit.
 CREATE TABLE ledger (
     scope text COLLATE "C" NOT NULL,
     period text COLLATE "C" NOT NULL,
+    slot smallint NOT NULL DEFAULT 0,
     spent_micros bigint NOT NULL DEFAULT 0,
-    PRIMARY KEY (scope, period)
+    cap bigint,
+    budget bigint,
+    PRIMARY KEY (scope, period, slot)
 );
 
 CREATE TABLE reservations (
@@ -71,6 +77,7 @@ CREATE TABLE reservations (
     team text NOT NULL,
     period text NOT NULL,
     amount_micros bigint NOT NULL,
+    slot smallint NOT NULL DEFAULT 0,
     expires_at double precision NOT NULL,
     run_id text,
     owner text NOT NULL DEFAULT '',
@@ -82,6 +89,7 @@ CREATE TABLE reservations (
     policy text NOT NULL DEFAULT ''
 );
 CREATE INDEX reservations_team ON reservations (team, period, expires_at);
+CREATE INDEX reservations_slot ON reservations (team, period, slot, expires_at);
 CREATE INDEX reservations_run ON reservations (run_id, expires_at) WHERE run_id IS NOT NULL;
 CREATE INDEX reservations_owner ON reservations (owner) WHERE owner <> '';
 CREATE INDEX reservations_expires ON reservations (expires_at);
@@ -159,20 +167,33 @@ COMMENT ON VIEW spend IS 'Spend per UTC day, team, key, user, model, policy and 
 """
 
 _BOOK: Final = """
--- A booking of `p_actual` micros on a team's period ledger and on the ledgers of its holds
--- (`p_budgets`: 'scope#period' each), in (scope, period) order, and on the day's spend row of
--- its attribution and run (with the turn's tokens when known).
-CREATE FUNCTION gw_book(p_team text, p_period text, p_actual bigint, p_budgets text[], p_key text, p_user text,
-                        p_model text, p_policy text, p_run text, p_prompt bigint, p_completion bigint,
+-- A booking of `p_actual` micros on a team's period ledger (its slot `p_slot`) and then on the
+-- ledgers of its holds (`p_budgets`: 'scope#period' each) in (scope, period) order, and on the
+-- day's spend row of its attribution and run (with the turn's tokens when known).
+CREATE FUNCTION gw_book(p_team text, p_period text, p_slot smallint, p_actual bigint, p_budgets text[], p_key text,
+                        p_user text, p_model text, p_policy text, p_run text, p_prompt bigint, p_completion bigint,
                         p_now double precision) RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    v_spent bigint;
+    v_cap bigint;
 BEGIN
-    INSERT INTO ledger AS l (scope, period, spent_micros)
-    SELECT s, p, p_actual FROM (
-        SELECT p_team AS s, p_period AS p
-        UNION ALL
-        SELECT regexp_replace(b, '#[^#]*$', ''), substring(b FROM '#([^#]*)$') FROM unnest(p_budgets) AS b
-    ) AS todo ORDER BY s COLLATE "C", p COLLATE "C"
-    ON CONFLICT (scope, period) DO UPDATE SET spent_micros = l.spent_micros + excluded.spent_micros;
+    INSERT INTO ledger AS l (scope, period, slot, spent_micros) VALUES (p_team, p_period, p_slot, p_actual)
+    ON CONFLICT (scope, period, slot) DO UPDATE SET spent_micros = l.spent_micros + excluded.spent_micros
+    RETURNING l.spent_micros, l.cap INTO v_spent, v_cap;
+    IF v_cap IS NOT NULL AND v_spent + (SELECT COALESCE(sum(amount_micros), 0) FROM reservations
+            WHERE team = p_team AND period = p_period AND slot = p_slot AND expires_at > p_now) > v_cap THEN
+        -- Spent past the slot's share (a call that cost more than it held): the shares no longer
+        -- add up to the budget, so no admission may trust its own until they are made again.
+        INSERT INTO ledger AS l (scope, period, slot, cap) VALUES (p_team, p_period, -1, 1)
+        ON CONFLICT (scope, period, slot) DO UPDATE SET cap = 1;
+    END IF;
+    IF cardinality(p_budgets) > 0 THEN
+        INSERT INTO ledger AS l (scope, period, spent_micros)
+        SELECT s, p, p_actual FROM (
+            SELECT regexp_replace(b, '#[^#]*$', '') AS s, substring(b FROM '#([^#]*)$') AS p FROM unnest(p_budgets) AS b
+        ) AS todo ORDER BY s COLLATE "C", p COLLATE "C"
+        ON CONFLICT (scope, period, slot) DO UPDATE SET spent_micros = l.spent_micros + excluded.spent_micros;
+    END IF;
     INSERT INTO spend_rows AS r (day, team, key_id, "user", model, policy, run_id, cost_micros, calls,
                                  prompt_tokens, completion_tokens)
     VALUES ((to_timestamp(p_now) AT TIME ZONE 'UTC')::date, p_team, p_key, p_user, p_model, p_policy,
@@ -203,9 +224,9 @@ DECLARE
     r record;
 BEGIN
     DELETE FROM reservations WHERE id = p_id
-    RETURNING team, period, budgets, key_id, "user", model, policy, run_id INTO r;
+    RETURNING team, period, slot, budgets, key_id, "user", model, policy, run_id INTO r;
     IF NOT FOUND THEN RETURN false; END IF;
-    PERFORM gw_book(r.team, r.period, p_actual, r.budgets, r.key_id, r."user", r.model, r.policy, r.run_id,
+    PERFORM gw_book(r.team, r.period, r.slot, p_actual, r.budgets, r.key_id, r."user", r.model, r.policy, r.run_id,
                     p_prompt, p_completion, p_now);
     PERFORM gw_charge_tokens(p_scopes, p_tokens, p_per, p_now);
     RETURN true;
@@ -242,10 +263,22 @@ END $$;
 
 _ADMIT: Final = """
 -- A Claim (gateway.store.base.Claim) checked and held in one step. Locks, in this order: the
--- run's row (when the claim checks its turn cap, calls in flight or budget), the ledger rows
--- of the team's period (with a team budget) and of the holds, by (scope, period), then the
--- clocks of its rate scopes, by scope. Every other step that takes more than one of these
--- takes them in the same order, so no two steps wait on each other in a circle.
+-- run's row (when the claim checks its turn cap, calls in flight or budget), the team's ledger
+-- rows of the period (with a team budget: one slot row, or all of them by slot), the holds'
+-- ledger rows by (scope, period), then the clocks of its rate scopes by scope. Every step
+-- that takes more than one of these takes them in this order, so none waits in a circle.
+--
+-- The team's budget is split over LEDGER_SLOTS slot rows, each with a share (`cap`) of it,
+-- the shares summing to the budget. A claim first tries one slot (a random one, in a
+-- subtransaction): its spending plus what its live reservations hold plus the claim within
+-- its share, it holds there, locking that row alone, so concurrent admissions of one team
+-- wait on each other only 1 in 8 times and their commits share WAL flushes. Else (the share
+-- is used up, or the budget changed) the subtransaction is rolled back, which lets go of the
+-- row, and the claim locks every slot row (in slot order), checks the team's whole figures,
+-- exactly as one row would, and shares out what is left of the budget again. No slot holds
+-- more than its share, so the team never holds more than its budget. A booking that spends
+-- past its slot's share (a call dearer than what it held) marks the team's period (its row
+-- of slot -1): until the shares are made again, every claim takes the path of every slot.
 -- o_code: 1 granted, 0 refused (o_refusal, and the figures as checked), 2 `c_body` names a
 -- run that is stored (o_body: the stored run; nothing written).
 CREATE FUNCTION gw_admit(
@@ -258,7 +291,7 @@ CREATE FUNCTION gw_admit(
     a_key text, a_user text, a_model text, a_policy text,
     c_body bytea, c_team text, c_status text, c_policy text, c_created double precision,
     c_updated double precision, c_revision bigint, c_turns integer, c_cost bigint, c_prompt bigint,
-    c_completion bigint,
+    c_completion bigint, p_slots integer,
     OUT o_code integer, OUT o_refusal text, OUT o_body bytea, OUT o_now double precision,
     OUT o_revision bigint, OUT o_spent bigint, OUT o_reserved bigint, OUT o_turns integer,
     OUT o_in_flight integer, OUT o_cost bigint, OUT o_held bigint, OUT o_hold_spent bigint[],
@@ -269,15 +302,19 @@ DECLARE
     now_s double precision := extract(epoch FROM clock_timestamp());
     n_rates integer := COALESCE(cardinality(r_scope), 0);
     n_holds integer := COALESCE(cardinality(h_scope), 0);
+    n_slots constant integer := GREATEST(p_slots, 1);  -- postgres.LEDGER_SLOTS
+    v_slot smallint := floor(random() * GREATEST(p_slots, 1))::smallint;
+    v_fast boolean := false;
     v_own text := 'team:' || p_team;
     run_found boolean := false;
-    l_scope text[] := '{}';
-    l_period text[] := '{}';
     v_budgets text[] := '{}';
     v_counted text[] := '{}';
     v_locked integer;
     v_s bigint;
     v_v bigint;
+    v_cap bigint;
+    v_used bigint[];
+    v_rest bigint;
     i integer;
     v_rt double precision;
     v_tt double precision;
@@ -313,29 +350,57 @@ BEGIN
     o_cost := COALESCE(o_cost, 0);
     o_in_flight := COALESCE(o_in_flight, 0);
     o_held := COALESCE(o_held, 0);
-    -- 2. The ledger rows: the team's period (when its budget is checked) and each hold's.
+    -- 2. The team's ledger: one slot within its share, or every slot.
     IF p_budget IS NOT NULL THEN
-        l_scope := l_scope || p_team;
-        l_period := l_period || p_period;
+        BEGIN
+            SELECT l.spent_micros, l.cap INTO v_s, v_cap FROM ledger l
+            WHERE l.scope = p_team AND l.period = p_period AND l.slot = v_slot AND l.budget = p_budget
+            FOR NO KEY UPDATE;
+            IF NOT FOUND THEN RAISE EXCEPTION USING ERRCODE = 'GW001'; END IF;
+            SELECT COALESCE(sum(amount_micros), 0) INTO v_v FROM reservations
+            WHERE team = p_team AND period = p_period AND slot = v_slot AND expires_at > now_s;
+            IF v_s + v_v + p_amount > v_cap THEN RAISE EXCEPTION USING ERRCODE = 'GW001'; END IF;
+            IF EXISTS (SELECT 1 FROM ledger WHERE scope = p_team AND period = p_period AND slot = -1 AND cap = 1) THEN
+                RAISE EXCEPTION USING ERRCODE = 'GW001';  -- a booking overdrew its share: every slot, again
+            END IF;
+            v_fast := true;
+        EXCEPTION WHEN SQLSTATE 'GW001' THEN
+            v_fast := false;  -- the subtransaction's lock of the slot row is let go
+        END;
+        IF NOT v_fast THEN
+            PERFORM 1 FROM ledger WHERE scope = p_team AND period = p_period AND slot BETWEEN 0 AND n_slots - 1
+            ORDER BY slot FOR NO KEY UPDATE;
+            GET DIAGNOSTICS v_locked = ROW_COUNT;
+            IF v_locked < n_slots THEN
+                INSERT INTO ledger (scope, period, slot) SELECT p_team, p_period, g FROM generate_series(0, n_slots - 1) g
+                ON CONFLICT DO NOTHING;
+                PERFORM 1 FROM ledger WHERE scope = p_team AND period = p_period AND slot BETWEEN 0 AND n_slots - 1
+                ORDER BY slot FOR NO KEY UPDATE;
+            END IF;
+            SELECT COALESCE(sum(spent_micros), 0) INTO o_spent FROM ledger WHERE scope = p_team AND period = p_period;
+            SELECT COALESCE(sum(amount_micros), 0) INTO o_reserved FROM reservations
+            WHERE team = p_team AND period = p_period AND expires_at > now_s;
+        END IF;
     END IF;
+    -- 3. The holds' ledger rows.
     FOR i IN 1 .. n_holds LOOP
-        l_scope := l_scope || h_scope[i];
-        l_period := l_period || h_period[i];
         v_budgets := v_budgets || (h_scope[i] || '#' || h_period[i]);
     END LOOP;
-    IF cardinality(l_scope) > 0 THEN
-        PERFORM 1 FROM ledger l JOIN unnest(l_scope, l_period) AS u(us, up) ON l.scope = u.us AND l.period = u.up
+    IF n_holds > 0 THEN
+        PERFORM 1 FROM ledger l JOIN unnest(h_scope, h_period) AS u(us, up)
+            ON l.scope = u.us AND l.period = u.up AND l.slot = 0
         ORDER BY l.scope, l.period FOR NO KEY UPDATE OF l;
         GET DIAGNOSTICS v_locked = ROW_COUNT;
-        IF v_locked < (SELECT count(DISTINCT (us, up)) FROM unnest(l_scope, l_period) AS u(us, up)) THEN
+        IF v_locked < (SELECT count(DISTINCT (us, up)) FROM unnest(h_scope, h_period) AS u(us, up)) THEN
             INSERT INTO ledger (scope, period)
-            SELECT DISTINCT us COLLATE "C", up COLLATE "C" FROM unnest(l_scope, l_period) AS u(us, up) ORDER BY 1, 2
+            SELECT DISTINCT us COLLATE "C", up COLLATE "C" FROM unnest(h_scope, h_period) AS u(us, up) ORDER BY 1, 2
             ON CONFLICT DO NOTHING;
-            PERFORM 1 FROM ledger l JOIN unnest(l_scope, l_period) AS u(us, up) ON l.scope = u.us AND l.period = u.up
+            PERFORM 1 FROM ledger l JOIN unnest(h_scope, h_period) AS u(us, up)
+                ON l.scope = u.us AND l.period = u.up AND l.slot = 0
             ORDER BY l.scope, l.period FOR NO KEY UPDATE OF l;
         END IF;
     END IF;
-    -- 3. The rate scopes' clocks.
+    -- 4. The rate scopes' clocks.
     IF n_rates > 0 THEN
         PERFORM 1 FROM clocks c WHERE c.scope = ANY(r_scope) ORDER BY c.scope FOR NO KEY UPDATE;
         GET DIAGNOSTICS v_locked = ROW_COUNT;
@@ -358,7 +423,7 @@ BEGIN
     o_hold_spent := '{}';
     o_hold_reserved := '{}';
     FOR i IN 1 .. n_holds LOOP
-        SELECT COALESCE(max(spent_micros), 0) INTO v_s FROM ledger WHERE scope = h_scope[i] AND period = h_period[i];
+        SELECT COALESCE(sum(spent_micros), 0) INTO v_s FROM ledger WHERE scope = h_scope[i] AND period = h_period[i];
         SELECT COALESCE(sum(amount_micros), 0) INTO v_v FROM reservations
         WHERE team = p_team AND expires_at > now_s AND budgets @> ARRAY[h_scope[i] || '#' || h_period[i]];
         o_hold_spent := o_hold_spent || v_s;
@@ -367,13 +432,8 @@ BEGIN
             o_refusal := h_kind[i] || '_budget';
         END IF;
     END LOOP;
-    IF p_budget IS NOT NULL THEN
-        SELECT COALESCE(max(spent_micros), 0) INTO o_spent FROM ledger WHERE scope = p_team AND period = p_period;
-        SELECT COALESCE(sum(amount_micros), 0) INTO o_reserved FROM reservations
-        WHERE team = p_team AND period = p_period AND expires_at > now_s;
-        IF o_refusal IS NULL AND o_spent + o_reserved + p_amount > p_budget THEN
-            o_refusal := 'team_budget';
-        END IF;
+    IF o_refusal IS NULL AND p_budget IS NOT NULL AND NOT v_fast AND o_spent + o_reserved + p_amount > p_budget THEN
+        o_refusal := 'team_budget';
     END IF;
     o_rate_r := '{}';
     o_rate_t := '{}';
@@ -403,17 +463,31 @@ BEGIN
     IF o_refusal IS NOT NULL THEN
         o_code := 0;
         IF o_spent IS NULL THEN  -- the team's figures, for the refusal's answer
-            SELECT COALESCE(max(spent_micros), 0) INTO o_spent FROM ledger WHERE scope = p_team AND period = p_period;
+            SELECT COALESCE(sum(spent_micros), 0) INTO o_spent FROM ledger WHERE scope = p_team AND period = p_period;
             SELECT COALESCE(sum(amount_micros), 0) INTO o_reserved FROM reservations
             WHERE team = p_team AND period = p_period AND expires_at > now_s;
         END IF;
         RETURN;
     END IF;
     -- Granted: hold it, and spend the clocks.
-    INSERT INTO reservations (id, team, period, amount_micros, expires_at, run_id, owner, scopes, budgets, key_id,
-                              "user", model, policy)
-    VALUES (p_id, p_team, p_period, p_amount, now_s + p_ttl, p_run, p_owner, v_counted, v_budgets, a_key, a_user,
-            a_model, a_policy);
+    INSERT INTO reservations (id, team, period, amount_micros, slot, expires_at, run_id, owner, scopes, budgets,
+                              key_id, "user", model, policy)
+    VALUES (p_id, p_team, p_period, p_amount, v_slot, now_s + p_ttl, p_run, p_owner, v_counted, v_budgets, a_key,
+            a_user, a_model, a_policy);
+    IF p_budget IS NOT NULL AND NOT v_fast THEN
+        -- Every slot row is locked: share what is left of the budget out again, each slot's
+        -- share its spending and holds (the claim's included) plus an eighth of the rest.
+        SELECT array_agg(COALESCE(l.spent_micros, 0) + COALESCE(r.held, 0) ORDER BY g) INTO v_used
+        FROM generate_series(0, n_slots - 1) AS g
+        LEFT JOIN ledger l ON l.scope = p_team AND l.period = p_period AND l.slot = g
+        LEFT JOIN (SELECT slot, sum(amount_micros) AS held FROM reservations
+                   WHERE team = p_team AND period = p_period AND expires_at > now_s GROUP BY slot) r ON r.slot = g;
+        v_rest := GREATEST(p_budget - o_spent - o_reserved - p_amount, 0);  -- every row's spending counted
+        UPDATE ledger SET budget = p_budget,
+            cap = v_used[slot + 1] + v_rest / n_slots + CASE WHEN slot = 0 THEN v_rest % n_slots ELSE 0 END
+        WHERE scope = p_team AND period = p_period AND slot BETWEEN 0 AND n_slots - 1;
+        UPDATE ledger SET cap = 0 WHERE scope = p_team AND period = p_period AND slot = -1 AND cap = 1;
+    END IF;
     FOR i IN 1 .. n_rates LOOP
         IF r_rs[i] IS NOT NULL OR r_ts[i] IS NOT NULL THEN
             v_rt := o_rate_r[i];
@@ -464,9 +538,10 @@ BEGIN
         PERFORM gw_settle(b_rid, b_actual, t_scopes, t_tokens, t_per, now_s, p_prompt - cur.prompt_tokens,
                           p_completion - cur.completion_tokens);
     ELSIF b_actual <> 0 THEN
-        PERFORM gw_book(b_team, b_period, b_actual, '{}', '', '', '', '', NULL, 0, 0, now_s);
+        PERFORM gw_book(b_team, b_period, 0::smallint, b_actual, '{}', '', '', '', '', NULL, 0, 0,
+                        now_s);
     END IF;
-    SELECT COALESCE(max(spent_micros), 0) INTO o_spent FROM ledger WHERE scope = b_team AND period = b_period;
+    SELECT COALESCE(sum(spent_micros), 0) INTO o_spent FROM ledger WHERE scope = b_team AND period = b_period;
     SELECT COALESCE(sum(amount_micros), 0) INTO o_reserved FROM reservations
     WHERE team = b_team AND period = b_period AND expires_at > now_s;
 END $$;

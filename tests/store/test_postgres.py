@@ -213,6 +213,7 @@ async def test_a_connection_killed_mid_transaction_loses_nothing_and_books_nothi
         grant = await store.admit(Claim("demo", "total", 0.01, 1.0, run_id=state.run_id))
         assert grant.reservation_id is not None
         blocker, watcher = await asyncpg.connect(postgres_dsn), await asyncpg.connect(postgres_dsn)
+        blocker_pid = await blocker.fetchval("SELECT pg_backend_pid()")
         await blocker.execute("BEGIN")
         await blocker.execute(f"SELECT 1 FROM {schema}.runs WHERE id = 'demo/kill' FOR UPDATE")  # the commit waits
         state.turns, state.cost_usd = 1, 0.004
@@ -220,8 +221,8 @@ async def test_a_connection_killed_mid_transaction_loses_nothing_and_books_nothi
         commit = asyncio.ensure_future(store.commit_turn(state, [{"type": "turn"}], booking))
 
         async def waiting_pid() -> int | None:  # (pg_stat_activity is read once per transaction: a new one)
-            return await watcher.fetchval(
-                "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%gw_commit_turn%'")
+            return await watcher.fetchval(  # the backend our blocker blocks (other tests share the cluster)
+                "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))", blocker_pid)
 
         deadline = time.monotonic() + 10
         while (pid := await waiting_pid()) is None:
@@ -289,3 +290,37 @@ async def test_two_teams_and_one_team_admit_and_book_at_once_without_a_deadlock(
     finally:
         for s in stores:
             await s.close()
+
+
+async def test_a_team_ledger_split_in_slots_stays_exact(postgres_dsn: str) -> None:
+    """The team's budget is shared out over 8 slot rows (gw_admit): claims that fit a slot's
+    share lock that row alone; the last ones, when the shares are used up, take every row and
+    the whole figures. The sum is still exact: 64 claims of 0.03 on a budget of 1.00 from two
+    pools grant 33, and a booking dearer than its hold is seen by the next claim at once."""
+    schema = new_schema()
+    views = [PostgresStore(postgres_dsn, schema, timeout_s=20, pool_max=32) for _ in range(2)]
+    try:
+        grants = await asyncio.gather(*(views[i % 2].admit(Claim("hot", "total", 0.03, 1.0)) for i in range(64)))
+        held = [g.reservation_id for g in grants if g.reservation_id is not None]
+        assert len(held) == 33 and {g.refused for g in grants if g.reservation_id is None} == {"team_budget"}
+        conn = await asyncpg.connect(postgres_dsn)
+        try:
+            slots = await conn.fetch(f"SELECT slot, cap FROM {schema}.ledger WHERE scope = 'hot' ORDER BY slot")
+            used = await conn.fetch(f"SELECT DISTINCT slot FROM {schema}.reservations WHERE team = 'hot'")
+        finally:
+            await conn.close()
+        assert [r["slot"] for r in slots if r["slot"] >= 0] == list(range(8)) and len(used) > 1  # spread over slots
+        for rid in held[:30]:
+            await views[0].settle(rid, 0.03)
+        await views[1].settle(held[30], 0.03 + 0.05)  # dearer than it held, past its slot's share
+        # spent 0.98, held 0.06: 0.04 left would fit a claim, but not after the 0.05 overdraft
+        assert (await views[0].admit(Claim("hot", "total", 0.01, 1.0))).refused == "team_budget"
+        await views[1].release(held[31])
+        await views[1].release(held[32])
+        spent, reserved = await views[0].team_spend("hot", "total")
+        assert (spent, reserved) == (pytest.approx(0.98), 0.0)
+        granted = [await views[i % 2].admit(Claim("hot", "total", 0.005, 1.0)) for i in range(6)]
+        assert [g.reservation_id is not None for g in granted] == [True] * 4 + [False] * 2  # exactly 0.02 left
+    finally:
+        for v in views:
+            await v.close()

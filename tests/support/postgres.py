@@ -166,6 +166,8 @@ class Cluster:
         self.folder = Path(tempfile.mkdtemp(prefix="gwpgc"))
         os.chmod(self.folder, 0o755)
         self.port = free_port()
+        self.settings = "-c fsync=off -c max_connections=200"
+        """Server settings (`-c name=value`); the tests' are not durable: a crash of the machine is not tested."""
 
     @property
     def dsn(self) -> str:
@@ -185,8 +187,7 @@ class Cluster:
             done = _run([str(tools / "initdb"), "-D", str(data), "-U", USER, "-A", "trust", "-E", "UTF8",
                          "--no-sync", "--locale", "C"])
             assert done.returncode == 0, done.stderr
-        options = (f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1 -c fsync=off"
-                   " -c max_connections=200")
+        options = f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1 {self.settings}"
         done = _run([str(tools / "pg_ctl"), "-D", str(data), "-o", options, "-l", str(self.folder / "server.log"),
                      "-w", "-t", str(START_TIMEOUT_S), "start"])
         assert done.returncode == 0, (done.stderr, (self.folder / "server.log").read_text(errors="replace")[-2000:])
