@@ -458,8 +458,9 @@ class PostgresStore:
                              team, period, amount, who.key, who.user, who.model, who.policy)
 
     async def spend(self, first_day: str, last_day: str, team: str | None = None) -> list[SpendRow]:
-        sql = ("SELECT to_char(day, 'YYYY-MM-DD') AS day, team, key_id, \"user\", model, policy, sum(cost_micros),"
-               " sum(calls) FROM spend_rows WHERE day >= $1::text::date AND day <= $2::text::date"
+        # The documented `spend` view (postgres_schema), as Grafana reads it, summed over runs.
+        sql = ("SELECT to_char(day, 'YYYY-MM-DD') AS day, team, key, \"user\", model, policy, sum(cost_micros),"
+               " sum(calls) FROM spend WHERE day >= $1::text::date AND day <= $2::text::date"
                + ("" if team is None else " AND team = $3")
                + " GROUP BY 1, 2, 3, 4, 5, 6 ORDER BY 1, 2, 3, 4, 5, 6")
         rows = await self._fetch(sql, first_day, last_day, *(() if team is None else (team,)))

@@ -324,3 +324,32 @@ async def test_a_team_ledger_split_in_slots_stays_exact(postgres_dsn: str) -> No
     finally:
         for v in views:
             await v.close()
+
+
+async def test_replicas_are_notified_of_cancels_keys_and_notices_and_poll_without(postgres_dsn: str) -> None:
+    """LISTEN/NOTIFY: a write another replica waits for wakes it at once; with no write the
+    wait ends at its poll (the fallback); a notification is sent only once the write commits."""
+    schema = new_schema()
+    a, b = PostgresStore(postgres_dsn, schema), PostgresStore(postgres_dsn, schema)
+    try:
+        await a.create_run(run("demo/n", 0))
+        assert await b.signals.wait("run", "demo/n", 0.3) is False  # nothing: the poll's timeout
+        waiting = asyncio.ensure_future(b.signals.wait("run", "demo/n", 20))
+        await asyncio.sleep(0.3)  # the listener connects on its first wait
+        began = time.monotonic()
+        await a.append_events("demo/n", [{"type": "turn"}])  # not a line anyone waits for
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        await a.append_events("demo/n", [{"type": "cancel_requested", "reason": "x"}])
+        assert await waiting is True and time.monotonic() - began < 5
+        for topic, write in (("keys", a.put_key(KeyRecord(new_key_id(), "demo", "n", "gw-x", "0" * 64, time.time()),
+                                                  None)),
+                             ("outbox", a.enqueue_notices([Notice("n-1", b"{}")]))):
+            waiting = asyncio.ensure_future(b.signals.wait(topic, "", 20))
+            await asyncio.sleep(0.05)
+            await write
+            assert await waiting is True, topic
+        assert b.signals.received >= 3
+    finally:
+        await a.close()
+        await b.close()
