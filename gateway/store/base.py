@@ -31,6 +31,23 @@ PRUNE_BATCH = 500
 
 
 @dataclass(frozen=True)
+class Lease:
+    """The right to drive one run, as `Store.acquire_lease` granted it.
+
+    `epoch` is a fencing token: a lease taken while nobody held it live (free, released or
+    expired) gets a new, higher epoch, and renewing a lease that is still live keeps it. A
+    write given a lease (`save_run`, `commit_turn`, `append_events`) checks in its own store
+    step that this very lease (owner and epoch) still holds the run, unexpired; otherwise it
+    writes nothing and raises LeaseLost. So a driver that stalled past its TTL (a frozen
+    process, a long pause) and was replaced can never write to the run again, even if it
+    wakes up before it notices."""
+
+    run_id: str
+    owner: str
+    epoch: int
+
+
+@dataclass(frozen=True)
 class Booking:
     """What a turn books on its team's ledger, in the same step as the run's save.
 
@@ -247,24 +264,26 @@ class Store(Protocol):
         """The stored run, or None if there is none."""
         ...
 
-    async def save_run(self, state: RunState) -> None:
+    async def save_run(self, state: RunState, *, lease: Lease | None = None) -> None:
         """Save `state` if nobody saved since it was loaded (optimistic concurrency).
 
         `state.revision` must equal the stored revision, else StaleRun (RunNotFound if the
-        run was never created). On success the store holds revision + 1, and `state.revision`
-        and `state.updated_at` are updated in place. Durable once it returns: a SIGKILL of
-        the process right after loses nothing.
+        run was never created). With `lease`, only while that lease holds the run (`Lease`),
+        else LeaseLost; either refusal writes nothing. On success the store holds revision +
+        1, and `state.revision` and `state.updated_at` are updated in place. Durable once it
+        returns: a SIGKILL of the process right after loses nothing.
         """
         ...
 
-    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None) -> Ledger | None:
+    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None, *,
+                          lease: Lease | None = None) -> Ledger | None:
         """Save `state`, append `events` and book `booking` as one step: all of it or nothing.
 
-        The save is `save_run`'s (StaleRun or RunNotFound, and then nothing at all is written;
-        on success `state.revision` and `state.updated_at` are updated in place), the events are
-        `append_events`', the booking is `settle`'s or `charge`'s (see `Booking`). Durable once
-        it returns. Returns the booking's team ledger (spent, reserved) right after, as
-        `team_spend` would; None without a booking.
+        The save is `save_run`'s (StaleRun, RunNotFound or, with `lease`, LeaseLost, and then
+        nothing at all is written; on success `state.revision` and `state.updated_at` are
+        updated in place), the events are `append_events`', the booking is `settle`'s or
+        `charge`'s (see `Booking`). Durable once it returns. Returns the booking's team ledger
+        (spent, reserved) right after, as `team_spend` would; None without a booking.
         """
         ...
 
@@ -275,8 +294,10 @@ class Store(Protocol):
         runs that pass every filter are read and parsed, so a filter keeps a scan cheap."""
         ...
 
-    async def append_events(self, run_id: str, events: list[Event]) -> None:
-        """Append trace events to a run; they get the next sequence numbers (from 1), in order."""
+    async def append_events(self, run_id: str, events: list[Event], *, lease: Lease | None = None) -> None:
+        """Append trace events to a run; they get the next sequence numbers (from 1), in order.
+        With `lease`, only while that lease holds the run (`Lease`), else LeaseLost and nothing
+        is appended (nor any notice of the events)."""
         ...
 
     async def events(self, run_id: str, after: int = 0) -> list[tuple[int, Event]]:
@@ -340,12 +361,15 @@ class Store(Protocol):
         """Book spending without a reservation (sub-run roll-ups, spend already incurred)."""
         ...
 
-    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
-        """Take (or extend) the right to drive a run: True if it was free, expired or ours."""
+    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> Lease | None:
+        """Take (or extend) the right to drive a run for `ttl_s`: the lease if it was free,
+        released, expired or `owner`'s live one, else None. Extending a live lease keeps its
+        epoch; taking one that was not live makes a new, higher epoch (`Lease`), so a holder
+        whose lease lapsed sees a different epoch on its next renewal, and knows it lost it."""
         ...
 
     async def release_lease(self, run_id: str, owner: str) -> None:
-        """Give the lease back, if `owner` still holds it."""
+        """Give the lease back, if `owner` still holds it (its epoch is never used again)."""
         ...
 
     async def prune_runs(self, updated_before: float, *, events_only: bool = False) -> int:

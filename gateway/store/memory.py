@@ -22,6 +22,7 @@ from gateway.store.base import (
     Event,
     Figures,
     Grant,
+    Lease,
     Ledger,
     RateState,
     TokenCharge,
@@ -37,6 +38,7 @@ from gateway.store.base import (
 )
 from gateway.store.errors import (
     AlreadyBooked,
+    LeaseLost,
     RunExists,
     RunNotFound,
     StaleRun,
@@ -97,7 +99,8 @@ class MemoryStore:
         self._events: dict[str, list[bytes]] = {}
         self._spent: dict[tuple[str, str], int] = {}
         self._reservations: dict[str, _Reservation] = {}
-        self._leases: dict[str, tuple[str, float]] = {}
+        self._leases: dict[str, tuple[str, float, int]] = {}  # run -> owner, expiry, epoch
+        self._epochs: dict[str, int] = {}  # run -> its lease's last epoch (kept after a release)
         self._responses: dict[str, tuple[str, bytes]] = {}
         self._clocks: dict[str, list[float]] = {}  # rate scope -> [requests tat, tokens tat]
         self._response_times: dict[str, float] = {}
@@ -124,8 +127,18 @@ class MemoryStore:
         stored = self._runs.get(run_id)
         return None if stored is None else parse_run(run_id, stored.body)
 
-    async def save_run(self, state: RunState) -> None:
+    async def save_run(self, state: RunState, *, lease: Lease | None = None) -> None:
+        self._fence(lease)
         self._save(state, [])
+
+    def _fence(self, lease: Lease | None) -> None:
+        """LeaseLost unless `lease` (when given) still holds its run, unexpired."""
+        self._check_open()
+        if lease is None:
+            return
+        held = self._leases.get(lease.run_id)
+        if held is None or held[0] != lease.owner or held[2] != lease.epoch or held[1] <= time.time():
+            raise LeaseLost(lease.run_id, lease.epoch)
 
     def _save(self, state: RunState, events: list[Event]) -> None:
         """Checks first, then writes: nothing is changed when anything is refused."""
@@ -148,7 +161,9 @@ class MemoryStore:
         state.revision += 1
         state.updated_at = now
 
-    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None) -> Ledger | None:
+    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None, *,
+                          lease: Lease | None = None) -> Ledger | None:
+        self._fence(lease)
         actual = 0 if booking is None else to_micros(booking.actual_usd, "actual_usd")
         rid = None if booking is None else booking.reservation_id
         if booking is not None and booking.if_held and rid is not None and rid not in self._reservations:
@@ -175,8 +190,9 @@ class MemoryStore:
         chosen.sort(key=lambda item: (item[1].created_at, item[1].order), reverse=True)
         return [parse_run(run_id, s.body) for run_id, s in chosen[:limit]]
 
-    async def append_events(self, run_id: str, events: list[Event]) -> None:
+    async def append_events(self, run_id: str, events: list[Event], *, lease: Lease | None = None) -> None:
         self._check_open()
+        self._fence(lease)
         encoded = [orjson.dumps(e) for e in events]
         notices = self._notices(run_id, events)
         self._events.setdefault(run_id, []).extend(encoded)
@@ -330,7 +346,7 @@ class MemoryStore:
         mine = [rid for rid, r in self._reservations.items() if r.owner == owner and not r.expired]
         for rid in mine:
             del self._reservations[rid]
-        for run_id in [run_id for run_id, (held_by, _) in self._leases.items() if held_by == owner and owner]:
+        for run_id in [run_id for run_id, (held_by, _, _) in self._leases.items() if held_by == owner and owner]:
             del self._leases[run_id]
         now = time.time()
         for o in self._outbox.values():
@@ -382,6 +398,7 @@ class MemoryStore:
             del self._runs[run_id]
             self._events.pop(run_id, None)
             self._leases.pop(run_id, None)
+            self._epochs.pop(run_id, None)
         return len(old)
 
     async def prune_ledgers(self, ended_before: float) -> int:
@@ -391,15 +408,19 @@ class MemoryStore:
             del self._spent[key]
         return len(old)
 
-    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
+    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> Lease | None:
         self._check_open()
         ttl = check_ttl(ttl_s, "ttl_s", allow_zero=False)
         now = time.time()
         held = self._leases.get(run_id)
         if held is not None and held[0] != owner and held[1] > now:
-            return False
-        self._leases[run_id] = (owner, now + ttl)
-        return True
+            return None
+        if held is not None and held[1] > now:  # ours, live: extended
+            epoch = held[2]
+        else:
+            epoch = self._epochs[run_id] = self._epochs.get(run_id, 0) + 1
+        self._leases[run_id] = (owner, now + ttl, epoch)
+        return Lease(run_id, owner, epoch)
 
     async def release_lease(self, run_id: str, owner: str) -> None:
         self._check_open()

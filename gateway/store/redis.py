@@ -46,6 +46,7 @@ from gateway.store.base import (
     Event,
     Figures,
     Grant,
+    Lease,
     Ledger,
     RateLimit,
     RateState,
@@ -62,6 +63,7 @@ from gateway.store.base import (
 )
 from gateway.store.errors import (
     AlreadyBooked,
+    LeaseLost,
     RunExists,
     RunNotFound,
     StaleRun,
@@ -86,7 +88,7 @@ _SETTLE: Final = Script(redis_lua.SETTLE)
 _RELEASE: Final = Script(redis_lua.RELEASE)
 _PUSH_CLOCKS: Final = Script(redis_lua.PUSH_CLOCKS)
 _TEAM_SPEND: Final = Script(redis_lua.TEAM_SPEND)
-_ACQUIRE_LEASE: Final = Script(redis_lua.ACQUIRE_LEASE, keys=2)
+_ACQUIRE_LEASE: Final = Script(redis_lua.ACQUIRE_LEASE, keys=3)
 _RELEASE_LEASE: Final = Script(redis_lua.RELEASE_LEASE, keys=2)
 _PRUNE_RUNS: Final = Script(redis_lua.PRUNE_RUNS)
 _ENQUEUE: Final = Script(redis_lua.ENQUEUE)
@@ -176,7 +178,7 @@ class RedisStore:
             body = await self._lane.command("HGET", self._key("run", run_id), "body")
         return None if body is None else parse_run(run_id, body)
 
-    async def save_run(self, state: RunState) -> None:
+    async def save_run(self, state: RunState, *, lease: Lease | None = None) -> None:
         now = time.time()
         revision = state.revision + 1
         body = orjson.dumps(stamped_body(state, revision, now))
@@ -184,13 +186,16 @@ class RedisStore:
         async with self._errors:
             result: list[Any] = await self._lane.run(_SAVE_RUN, [
                 self.prefix, state.run_id, str(state.revision), str(revision), state.status, state.team, body,
-                str(state.turns), str(to_micros(state.cost_usd, "cost_usd"))])
-        self._check_saved(state, result)
+                str(state.turns), str(to_micros(state.cost_usd, "cost_usd")), _lease_value(lease)])
+        self._check_saved(state, result, lease=lease)
         state.revision = revision
         state.updated_at = now
 
     @staticmethod
-    def _check_saved(state: RunState, result: list[Any], reservation_id: str | None = None) -> None:
+    def _check_saved(state: RunState, result: list[Any], reservation_id: str | None = None,
+                     lease: Lease | None = None) -> None:
+        if int(result[0]) == 4 and lease is not None:
+            raise LeaseLost(state.run_id, lease.epoch)
         if int(result[0]) == 3:
             raise AlreadyBooked(reservation_id or "")
         if int(result[0]) == 0:
@@ -198,7 +203,8 @@ class RedisStore:
         if int(result[0]) == 2:
             raise StaleRun(state.run_id, state.revision, int(result[1]))
 
-    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None) -> Ledger | None:
+    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None, *,
+                          lease: Lease | None = None) -> Ledger | None:
         actual = 0 if booking is None else to_micros(booking.actual_usd, "actual_usd")
         now = time.time()
         revision = state.revision + 1
@@ -211,12 +217,12 @@ class RedisStore:
             flag = "2" if booking.if_held and booking.reservation_id else "1"
             args += [flag, booking.reservation_id or "", str(actual), booking.team, booking.period, _RETENTION_MS]
         charges = () if booking is None else booking.tokens
-        args += [str(len(events)), *(orjson.dumps(e) for e in events), str(len(charges)), *_charges(charges),
-                 *self._notice_args(state.run_id, events)]
+        args += [_lease_value(lease), str(len(events)), *(orjson.dumps(e) for e in events), str(len(charges)),
+                 *_charges(charges), *self._notice_args(state.run_id, events)]
         self._redis()
         async with self._errors:
             result: list[Any] = await self._lane.run(_COMMIT_TURN, args)
-        self._check_saved(state, result, None if booking is None else booking.reservation_id)
+        self._check_saved(state, result, None if booking is None else booking.reservation_id, lease)
         state.revision = revision
         state.updated_at = now
         return None if booking is None else (from_micros(int(result[1])), from_micros(int(result[2])))
@@ -233,18 +239,21 @@ class RedisStore:
                 _LIST_RUNS, [self.prefix, team or "", status or "", str(limit), wanted])
         return [parse_run(flat[i].decode(), flat[i + 1]) for i in range(0, len(flat), 2)]
 
-    async def append_events(self, run_id: str, events: list[Event]) -> None:
+    async def append_events(self, run_id: str, events: list[Event], *, lease: Lease | None = None) -> None:
         if not events:
             return
         encoded = [orjson.dumps(e) for e in events]
         notices = self._notice_args(run_id, events)
-        if not notices:
+        if not notices and lease is None:
             async with self._errors:
                 await self._redis().rpush(self._key("events", run_id), *encoded)
             return
         self._redis()
         async with self._errors:
-            await self._lane.run(_APPEND_EVENTS, [self.prefix, run_id, str(len(encoded)), *encoded, *notices])
+            added = await self._lane.run(_APPEND_EVENTS, [self.prefix, run_id, _lease_value(lease), str(len(encoded)),
+                                                          *encoded, *notices])
+        if int(added) < 0 and lease is not None:
+            raise LeaseLost(run_id, lease.epoch)
 
     def _notice_args(self, run_id: str, events: list[Event]) -> list[str | bytes]:
         """The notices of `events` as the Lua scripts take them: id, body, period triples."""
@@ -339,13 +348,14 @@ class RedisStore:
         async with self._errors:
             await self._redis().hincrby(self._key("ledger", team), f"spent:{period}", amount)
 
-    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
+    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> Lease | None:
         ttl_ms = max(1, math.ceil(check_ttl(ttl_s, "ttl_s", allow_zero=False) * 1000))
         self._redis()
         async with self._errors:
-            ok = await self._lane.run(_ACQUIRE_LEASE, [self._key("lease", run_id), self._key("leases-of", owner),
-                                                       owner, str(ttl_ms)])
-        return int(ok) == 1
+            epoch = int(await self._lane.run(_ACQUIRE_LEASE, [
+                self._key("lease", run_id), self._key("leases-of", owner), f"{self.prefix}lease-epoch",
+                owner, str(ttl_ms)]))
+        return Lease(run_id, owner, epoch) if epoch > 0 else None
 
     async def release_lease(self, run_id: str, owner: str) -> None:
         self._redis()
@@ -475,6 +485,11 @@ class RedisStore:
 def _notice_triples(notices: Sequence[Notice]) -> list[str | bytes]:
     check_notices(notices)
     return [part for n in notices for part in (n.id, n.body, n.period or "")]
+
+
+def _lease_value(lease: Lease | None) -> str:
+    """A lease as its key holds it (ACQUIRE_LEASE: "epoch owner"); '' for none."""
+    return "" if lease is None else f"{lease.epoch} {lease.owner}"
 
 
 def _opt(value: int | None) -> str:

@@ -19,6 +19,17 @@ local function neg(s)
   if s == '0' then return '0' end
   return '-' .. s
 end
+-- Whether a write under a lease must be refused: `lease` ('' = none) is the lease key's value
+-- as the writer took it ("epoch owner"); the key is gone once the lease expired or was
+-- released, and holds another epoch once someone else took the run.
+local function fenced(p, id, lease)
+  return lease ~= '' and redis.call('GET', p .. 'lease:' .. id) ~= lease
+end
+-- The owner named by a lease key's value ("epoch owner"; before epochs, the owner alone).
+local function holder(v)
+  if not v then return nil end
+  return string.match(v, '^%d+ (.*)$') or v
+end
 -- A reservation that ends (settled, released, expired) leaves its run's slots, its owner's set
 -- and the calls in flight of its rate scopes ('|team:a|key:b|').
 local function unslot(p, rid, run, owner, scopes)
@@ -122,8 +133,10 @@ local function save(p, id, expected, new, status, team, body, turns, cost)
 end
 """
 
-# Returns {0} if the run does not exist, {1} when saved, {2, stored_revision} when stale.
-SAVE_RUN: Final = _SAVE + """
+# Returns {0} if the run does not exist, {1} when saved, {2, stored_revision} when stale, {4}
+# when ARGV[10] names a lease ("epoch owner") that no longer holds the run.
+SAVE_RUN: Final = _HELPERS + _SAVE + """
+if fenced(ARGV[1], ARGV[2], ARGV[10]) then return {4} end
 return save(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]) or {1}
 """
 
@@ -410,7 +423,7 @@ redis.call('DEL', p .. 'owner:' .. owner)
 -- leases are dead and another worker or replica may take those runs at once.
 local leases = p .. 'leases-of:' .. owner
 for _, key in ipairs(redis.call('SMEMBERS', leases)) do
-  if redis.call('GET', key) == owner then redis.call('DEL', key) end
+  if holder(redis.call('GET', key)) == owner then redis.call('DEL', key) end
 end
 redis.call('DEL', leases)
 -- And the notices it was delivering: due again now (a claimed notice is due at its lease's
@@ -454,11 +467,13 @@ ENQUEUE: Final = _HELPERS + _ENQUEUE + """
 return enqueue(ARGV[1], 2, now_ms())
 """
 
-# A run's trace lines (ARGV[3] of them from ARGV[4]) and the notices they cause, at once.
+# A run's trace lines (ARGV[4] of them from ARGV[5]) and the notices they cause, at once;
+# with a lease (ARGV[3], '' = none), only while it holds the run (else -1, nothing written).
 APPEND_EVENTS: Final = _HELPERS + _ENQUEUE + """
-local p, id, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
-if n > 0 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, 4, 3 + n)) end
-return enqueue(p, 4 + n, now_ms())
+local p, id, n = ARGV[1], ARGV[2], tonumber(ARGV[4])
+if fenced(p, id, ARGV[3]) then return -1 end
+if n > 0 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, 5, 4 + n)) end
+return enqueue(p, 5 + n, now_ms())
 """
 
 # Up to ARGV[3] due notices, held for ARGV[2] for ARGV[4] ms (their due time pushed past the
@@ -505,21 +520,24 @@ return 1
 """
 
 # One turn: the run's save (refused as SAVE_RUN refuses, and then nothing is written), its
-# trace events (ARGV[16] of them from ARGV[17]) with the outbox notices after them, and its
+# trace events (ARGV[17] of them from ARGV[18]) with the outbox notices after them, and its
 # booking (settle a reservation, or charge the period); returns
 # {1, spent, reserved} of the booking's ledger after it ({1} without a booking). Booking
 # flag '2' (if_held): {3} and nothing written unless the reservation is still stored.
-# ARGV[17 + n]: how many token charges follow the events (one argument each, as SETTLE's), then the notices.
+# ARGV[16]: the lease the turn is written under ("epoch owner", '' = none): {4} and nothing
+# written unless it still holds the run.
+# ARGV[18 + n]: how many token charges follow the events (one argument each, as SETTLE's), then the notices.
 COMMIT_TURN: Final = _HELPERS + _SAVE + _SETTLE + _ENQUEUE + """
 local p, id = ARGV[1], ARGV[2]
+if fenced(p, id, ARGV[16]) then return {4} end
 if ARGV[10] == '2' and redis.call('EXISTS', p .. 'res:' .. ARGV[11]) == 0 then return {3} end
 local refused = save(p, id, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9])
 if refused then return refused end
 local book, rid, actual, team, period, retention = ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[14], ARGV[15]
-local n = tonumber(ARGV[16])
-if n > 0 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, 17, 16 + n)) end
-local charges = 18 + n
-local notices = charges + tonumber(ARGV[17 + n])
+local n = tonumber(ARGV[17])
+if n > 0 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, 18, 17 + n)) end
+local charges = 19 + n
+local notices = charges + tonumber(ARGV[18 + n])
 local now = now_ms()  -- once: the script is one atomic step
 enqueue(p, notices, now)
 if book == '0' then return {1} end
@@ -533,24 +551,31 @@ local l = redis.call('HMGET', p .. 'ledger:' .. team, 'spent:' .. period, 'reser
 return {1, l[1] or '0', l[2] or '0'}
 """
 
-# KEYS[2]: the set of the lease keys `owner` took (RELEASE_OWNER frees them after a restart).
+# The lease key of a run holds "epoch owner" for its TTL. A live lease of `owner` is extended
+# (same epoch); a free one (no key: never taken, released or expired) is taken with a new
+# epoch from KEYS[3], a counter of every lease taken under the prefix, so epochs never repeat.
+# Returns the epoch, or 0 if another owner holds it (a value without an epoch is a lease of a
+# replica from before epochs, held until it expires). KEYS[2]: the set of the lease keys
+# `owner` took (RELEASE_OWNER frees them after a restart).
 ACQUIRE_LEASE: Final = """
 local key, owner, ttl = KEYS[1], ARGV[1], ARGV[2]
-if redis.call('SET', key, owner, 'NX', 'PX', ttl) then
+local cur = redis.call('GET', key)
+if cur then
+  local epoch, held_by = string.match(cur, '^(%d+) (.*)$')
+  if held_by ~= owner then return 0 end
+  redis.call('PEXPIRE', key, ttl)
   redis.call('SADD', KEYS[2], key)
-  return 1
+  return tonumber(epoch)
 end
-if redis.call('GET', key) == owner then
-  redis.call('SET', key, owner, 'XX', 'PX', ttl)
-  redis.call('SADD', KEYS[2], key)
-  return 1
-end
-return 0
+local epoch = redis.call('INCR', KEYS[3])
+redis.call('SET', key, epoch .. ' ' .. owner, 'PX', ttl)
+redis.call('SADD', KEYS[2], key)
+return epoch
 """
 
-RELEASE_LEASE: Final = """
+RELEASE_LEASE: Final = _HELPERS + """
 redis.call('SREM', KEYS[2], KEYS[1])
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+if holder(redis.call('GET', KEYS[1])) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
 

@@ -35,6 +35,7 @@ from gateway.store.base import (
     Event,
     Figures,
     Grant,
+    Lease,
     Ledger,
     RateLimit,
     RateState,
@@ -51,6 +52,7 @@ from gateway.store.base import (
 )
 from gateway.store.errors import (
     AlreadyBooked,
+    LeaseLost,
     RunExists,
     RunNotFound,
     StaleRun,
@@ -122,6 +124,8 @@ _REVISION: Final = "(SELECT revision FROM runs WHERE id = :run)"
 """The run's stored revision, read back by the admission's RETURNING (`Grant.run_revision`):
 a statement less than a SELECT after it (3 us a call)."""
 
+_HELD: Final = "SELECT 1 FROM leases WHERE run_id = ? AND owner = ? AND epoch = ? AND expires_at > ?"
+"""Whether a lease (run, owner, epoch) still holds its run, at a time."""
 _READ_CLOCK: Final = "SELECT requests_tat, tokens_tat FROM reservations WHERE id = ?"
 _CLOCK_ROW: Final = ("INSERT OR IGNORE INTO reservations (id, team, period, amount_micros, expires_at, state)"
                      " VALUES (?1, ?1, '', 0, 0, 'clock')")
@@ -142,6 +146,12 @@ _FIGURES: Final = (
 )
 
 
+def _fence(db: sqlite3.Connection, lease: Lease | None) -> None:
+    """LeaseLost (nothing written yet) unless `lease`, when given, still holds its run."""
+    if lease is not None and db.execute(_HELD, (lease.run_id, lease.owner, lease.epoch, time.time())).fetchone() is None:
+        raise LeaseLost(lease.run_id, lease.epoch)
+
+
 class SqliteStore:
     """The store in one SQLite file; several processes may open the same file."""
 
@@ -158,7 +168,8 @@ class SqliteStore:
         self._rate_plans: dict[tuple[RateLimit, ...], RatePlan] = {}  # by the claim's rate scopes
         self._clock_rows: set[str] = set()  # scopes whose clock row this store made sure of
         self.notice_rule: NoticeRule | None = None
-        self._batch = WriteBatch(self._db, self._translate, (StaleRun, RunNotFound, RunExists, AlreadyBooked))
+        self._batch = WriteBatch(self._db, self._translate,
+                                 (StaleRun, RunNotFound, RunExists, AlreadyBooked, LeaseLost))
         try:
             with self._errors:
                 self._conn.execute("PRAGMA wal_autocheckpoint = 0")  # the checkpointer's thread does it
@@ -224,12 +235,18 @@ class SqliteStore:
             row = self._db().execute("SELECT body FROM runs WHERE id = ?", (run_id,)).fetchone()
         return None if row is None else parse_run(run_id, row[0])
 
-    async def save_run(self, state: RunState) -> None:
+    async def save_run(self, state: RunState, *, lease: Lease | None = None) -> None:
         now = time.time()
         revision = state.revision + 1
         body = orjson.dumps(stamped_body(state, revision, now))
-        # Each UPDATE is conditional on the revision: no transaction needed around them.
-        await self._write(lambda db: self._update_run(db, state, revision, now, body), atomic=False)
+
+        def step(db: sqlite3.Connection) -> None:
+            _fence(db, lease)
+            self._update_run(db, state, revision, now, body)
+
+        # Each UPDATE is conditional on the revision: no transaction needed around them,
+        # unless a lease must hold while they run.
+        await self._write(step, atomic=lease is not None)
         state.revision = revision
         state.updated_at = now
 
@@ -258,7 +275,8 @@ class SqliteStore:
                 raise RunNotFound(state.run_id)
             raise StaleRun(state.run_id, state.revision, int(row[0]))
 
-    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None) -> Ledger | None:
+    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None, *,
+                          lease: Lease | None = None) -> Ledger | None:
         actual = 0 if booking is None else to_micros(booking.actual_usd, "actual_usd")
         now = time.time()
         revision = state.revision + 1
@@ -268,6 +286,7 @@ class SqliteStore:
         mine = None if booking is None else booking.reservation_id
 
         def step(db: sqlite3.Connection) -> Ledger | None:  # a refusal undoes all of it
+            _fence(db, lease)
             if booking is not None and booking.if_held and booking.reservation_id is not None and db.execute(
                     "SELECT 1 FROM reservations WHERE id = ?", (booking.reservation_id,)).fetchone() is None:
                 raise AlreadyBooked(booking.reservation_id)
@@ -319,18 +338,19 @@ class SqliteStore:
             rows = self._db().execute(sql, (*params, limit)).fetchall()
         return [parse_run(run_id, body) for run_id, body in rows]
 
-    async def append_events(self, run_id: str, events: list[Event]) -> None:
+    async def append_events(self, run_id: str, events: list[Event], *, lease: Lease | None = None) -> None:
         if not events:
             return
         encoded = [orjson.dumps(e) for e in events]
         notices = self._notices(run_id, events)
 
         def step(db: sqlite3.Connection) -> None:
+            _fence(db, lease)
             self._insert_events(db, run_id, encoded)
             if notices:
                 self._insert_notices(db, notices)
 
-        await self._write(step, atomic=len(encoded) > 1 or bool(notices))
+        await self._write(step, atomic=len(encoded) > 1 or bool(notices) or lease is not None)
 
     def _notices(self, run_id: str, events: list[Event]) -> Sequence[Notice]:
         notices = self.notice_rule(run_id, events) if self.notice_rule is not None and events else ()
@@ -538,7 +558,7 @@ class SqliteStore:
 
     async def release_owner(self, owner: str) -> int:
         def step(db: sqlite3.Connection) -> int:
-            db.execute("DELETE FROM leases WHERE owner = ? AND owner != ''", (owner,))
+            db.execute("UPDATE leases SET expires_at = 0 WHERE owner = ? AND owner != ''", (owner,))
             db.execute("UPDATE outbox SET due_at = ?, owner = '' WHERE state = 'pending' AND owner = ? AND owner != ''",
                        (time.time(), owner))
             return int(db.execute("DELETE FROM reservations WHERE owner = ? AND owner != '' AND state = 'held'",
@@ -593,7 +613,7 @@ class SqliteStore:
 
     async def release(self, reservation_id: str) -> None:
         self._held.pop(reservation_id, None)
-        await self._write(lambda db: self._delete(db, "DELETE FROM reservations WHERE id = ?", reservation_id),
+        await self._write(lambda db: self._exec(db, "DELETE FROM reservations WHERE id = ?", reservation_id),
                           atomic=False)
 
     async def team_spend(self, team: str, period: str) -> tuple[float, float]:
@@ -614,19 +634,22 @@ class SqliteStore:
         amount = to_micros(amount_usd, "amount_usd")
         await self._write(lambda db: self._book(db, team, period, amount), atomic=False)
 
-    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
+    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> Lease | None:
         ttl = check_ttl(ttl_s, "ttl_s", allow_zero=False)
 
-        def step(db: sqlite3.Connection) -> bool:
+        def step(db: sqlite3.Connection) -> Lease | None:
             now = time.time()
-            return db.execute(
-                "INSERT INTO leases (run_id, owner, expires_at) VALUES (?1, ?2, ?3)"
-                " ON CONFLICT (run_id) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at"
-                " WHERE leases.owner = excluded.owner OR leases.expires_at <= ?4",
+            row = db.execute(
+                "INSERT INTO leases (run_id, owner, expires_at, epoch) VALUES (?1, ?2, ?3, 1)"
+                " ON CONFLICT (run_id) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at,"
+                " epoch = CASE WHEN leases.owner = excluded.owner AND leases.expires_at > ?4 THEN leases.epoch"
+                " ELSE leases.epoch + 1 END"
+                " WHERE leases.owner = excluded.owner OR leases.expires_at <= ?4 RETURNING epoch",
                 (run_id, owner, now + ttl, now),
-            ).rowcount == 1
+            ).fetchone()
+            return None if row is None else Lease(run_id, owner, int(row[0]))
 
-        return await self._write(step, atomic=False)
+        return await self._write(step, atomic=False)  # one statement
 
     async def prune_runs(self, updated_before: float, *, events_only: bool = False) -> int:
         # created_at <= updated_at, so the (status, created_at) index narrows the scan.
@@ -661,11 +684,12 @@ class SqliteStore:
         return await self._write(step, atomic=True)
 
     async def release_lease(self, run_id: str, owner: str) -> None:
-        await self._write(lambda db: self._delete(db, "DELETE FROM leases WHERE run_id = ? AND owner = ?", run_id, owner),
-                          atomic=False)
+        # Expired rather than deleted: the run's next lease takes the next epoch.
+        await self._write(lambda db: self._exec(db, "UPDATE leases SET expires_at = 0 WHERE run_id = ? AND owner = ?",
+                                                  run_id, owner), atomic=False)
 
     @staticmethod
-    def _delete(db: sqlite3.Connection, sql: str, *params: str) -> None:
+    def _exec(db: sqlite3.Connection, sql: str, *params: str) -> None:
         db.execute(sql, params)
 
     async def put_response(self, response_id: str, team: str, body: bytes) -> None:

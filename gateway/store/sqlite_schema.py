@@ -145,6 +145,10 @@ MIGRATIONS: Final[tuple[str, ...]] = (
                                   tokens_tat)
         WHERE id = NEW.clock_b;
     END""",
+    # Lease epochs (fencing tokens): a lease taken while nobody held it live gets the next
+    # epoch of its run, and every write made under a lease checks it in its own transaction.
+    # A released lease keeps its row (expired), so a run's epochs only ever grow.
+    "ALTER TABLE leases ADD COLUMN epoch INTEGER NOT NULL DEFAULT 0",
 )
 
 BUSY_TIMEOUT_S: Final = 10.0

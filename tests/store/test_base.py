@@ -11,7 +11,8 @@ import pytest
 from gateway.harness.state import RunState
 from gateway.harness.usage import Usage
 from gateway.store.base import Claim, Store
-from gateway.store.errors import RunExists, RunNotFound, StaleRun, StoreError
+from gateway.store.errors import LeaseLost, RunExists, RunNotFound, StaleRun, StoreError
+from gateway.store.outbox import Notice
 from gateway.store.periods import period_key
 from tests.store.conftest import Stores
 
@@ -342,6 +343,68 @@ async def test_a_restarted_owner_frees_the_leases_of_its_previous_life(stores: S
     assert await b.acquire_lease("run_a", "host/w1", 30)
     assert not await a.acquire_lease("run_b", "host/w0", 30)  # w1's leases are untouched
     assert not await a.acquire_lease("run_c", "host/w0", 30)
+
+
+async def test_a_lease_keeps_its_epoch_while_live_and_gets_a_new_one_when_taken_afresh(stores: Stores) -> None:
+    a, b = stores.open(), stores.open()
+    first = await a.acquire_lease("run_a", "replica-a", 30)
+    assert first is not None and (first.run_id, first.owner) == ("run_a", "replica-a")
+    assert await a.acquire_lease("run_a", "replica-a", 30) == first  # renewed: the same lease
+    await a.release_lease("run_a", "replica-a")
+    taken = time.monotonic()
+    second = await b.acquire_lease("run_a", "replica-b", 0.3)
+    assert second is not None and second.epoch > first.epoch
+    await asyncio.sleep(max(0.0, taken + 0.4 - time.monotonic()))  # the TTL passing is the thing under test
+    third = await b.acquire_lease("run_a", "replica-b", 30)
+    # its own owner taking it back after it lapsed gets a new epoch: the old one is dead
+    assert third is not None and third.epoch > second.epoch
+
+
+async def test_writes_under_a_lease_are_refused_once_another_holds_it(stores: Stores) -> None:
+    a, b = stores.open(), stores.open()
+    rule = lambda run_id, events: [Notice(f"{run_id}:{e['n']}", b"x") for e in events if e.get("n")]  # noqa: E731
+    a.notice_rule = b.notice_rule = rule
+    run = make_run("run_a")
+    await a.create_run(run)
+    lease = await a.acquire_lease("run_a", "replica-a", 0.3)
+    assert lease is not None
+    await a.append_events("run_a", [{"type": "tool_start", "n": 1}], lease=lease)
+    await a.commit_turn(run, [{"type": "turn"}], lease=lease)
+    await a.save_run(run, lease=lease)
+    assert run.revision == 2
+    deadline = time.monotonic() + 10
+    while (taken := await b.acquire_lease("run_a", "replica-b", 30)) is None:
+        assert time.monotonic() < deadline, "the lease never expired"
+        await asyncio.sleep(0.05)  # polling for expiry, the thing under test
+    assert taken.epoch > lease.epoch
+    late = run.copy()
+    late.status = "interrupted"
+    with pytest.raises(LeaseLost, match="run_a"):
+        await a.append_events("run_a", [{"type": "tool_result", "n": 2}], lease=lease)
+    with pytest.raises(LeaseLost):
+        await a.commit_turn(late, [{"type": "run_stopped", "n": 3}], lease=lease)
+    with pytest.raises(LeaseLost):
+        await a.save_run(late, lease=lease)
+    assert late.revision == 2  # refused: the copy is untouched
+    stored = await b.load_run("run_a")
+    assert stored is not None and (stored.revision, stored.status) == (2, "running")
+    assert [e["type"] for _, e in await b.events("run_a")] == ["tool_start", "turn"]
+    assert [c.id for c in await b.claim_notices("b", 10, 30.0)] == ["run_a:1"]  # no notice of a refused line
+    await b.commit_turn(stored, [{"type": "run_resumed"}], lease=taken)  # the holder writes
+    assert [e["type"] for _, e in await a.events("run_a")] == ["tool_start", "turn", "run_resumed"]
+
+
+async def test_a_write_under_a_lease_that_lapsed_is_refused(store: Store) -> None:
+    run = make_run("run_a")
+    await store.create_run(run)
+    lease = await store.acquire_lease("run_a", "replica-a", 0.2)
+    assert lease is not None
+    await store.release_lease("run_a", "replica-a")
+    with pytest.raises(LeaseLost):
+        await store.commit_turn(run, [{"type": "turn"}], lease=lease)
+    with pytest.raises(LeaseLost):
+        await store.append_events("run_a", [{"type": "turn"}], lease=lease)
+    assert await store.events("run_a") == [] and run.revision == 0
 
 
 async def test_lease_ttl_must_be_positive(store: Store) -> None:

@@ -57,6 +57,7 @@ from gateway.server.runs.driver import Prepare
 from gateway.server.runs.booking import append_trace_file
 from gateway.server.runs.keying import commit_run, stop_run, update_run
 from gateway.server.runs.tracelog import TraceWriter, asked_at
+from gateway.store.base import Lease
 
 CANCEL_WAIT_S: Final = 5.0
 LIST_SCAN: Final = 1000
@@ -282,9 +283,10 @@ async def post_cancel(request: web.Request) -> web.Response:
     store = app[ctx.STORE]
     try:
         with driver.active.claim(run.run_id, lambda event: None):
-            if await store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s):
+            lease = await store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s)
+            if lease is not None:
                 try:
-                    run = await _cancel_undriven(app, await _reload(app, run), reason, team.name)
+                    run = await _cancel_undriven(app, await _reload(app, run), reason, team.name, lease)
                 finally:
                     await store.release_lease(run.run_id, driver.owner)
                 request[ctx.RUN] = run
@@ -332,7 +334,7 @@ def _waiting_decision(run: RunState) -> Interruption | None:
     return None
 
 
-async def _cancel_undriven(app: web.Application, run: RunState, reason: str, by: str) -> RunState:
+async def _cancel_undriven(app: web.Application, run: RunState, reason: str, by: str, lease: Lease) -> RunState:
     """A run nobody drives: `running` (it waits for client tools, or its replica died) or
     waiting for a decision. A pending approval is dropped: nobody can decide it any more,
     and a later resume asks again (the call is still pending in the transcript)."""
@@ -354,7 +356,8 @@ async def _cancel_undriven(app: web.Application, run: RunState, reason: str, by:
     # The lines and the stopped run in one store step: a reader that sees `run_stopped` finds
     # the run stopped (and may resume it at once).
     run, lines, _ = await commit_run(store, run, stop_run("interrupted", "cancelled",
-                                                          Interruption("cancelled", reason=reason)), trace, None)
+                                                          Interruption("cancelled", reason=reason)), trace, None,
+                                 lease=lease)
     append_trace_file(app[ctx.CONFIG].trace_file, lines)
     return run
 

@@ -41,7 +41,8 @@ from gateway.server.runs.cancels import RunBusy
 from gateway.server.runs.continuations import resume_with
 from gateway.server.runs.driver import PolicyGone, RunDriver
 from gateway.server.runs.tracelog import TraceWriter, asked_at
-from gateway.store.errors import StaleRun, StoreError
+from gateway.store.base import Lease
+from gateway.store.errors import LeaseLost, StaleRun, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -129,36 +130,39 @@ class Sweeper:
         if not self._orphan_candidate(run, policy):
             return
         assert policy is not None
-        if policy.recovery == "resume" or decided_undriven(run, policy):
-            self._resume(run, report)
-            return
+        resume = policy.recovery == "resume" or decided_undriven(run, policy)
         driver = self.driver
         try:
             with driver.active.claim(run.run_id, lambda event: None):
-                if not await self.store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s):
-                    return  # driven by a live replica
+                lease = await self.store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s)
+                if lease is None:
+                    return  # driven by a live replica: nothing to do, nothing to say
+                if resume:  # the drive takes the lease over (ours, live: the same epoch)
+                    self._resume(run, report)
+                    return
                 try:
                     fresh = await self.store.load_run(run.run_id)
                     if fresh is None or fresh.revision != run.revision or fresh.status != "running":
                         return
-                    await self._interrupt(fresh)
+                    await self._interrupt(fresh, lease)
                     report.interrupted.append(run.run_id)
                 finally:
                     await self.store.release_lease(run.run_id, driver.owner)
-        except (RunBusy, StaleRun):
+        except (RunBusy, StaleRun, LeaseLost):
             return
 
-    async def _interrupt(self, run: RunState) -> None:
+    async def _interrupt(self, run: RunState, lease: Lease) -> None:
         detail = ("the gateway process driving this run stopped (crashed or was killed) mid-run; "
                   "resume it to go on from its last saved step")
-        writer = TraceWriter(self.store, run.run_id, trace_file=self.trace_file)
+        writer = TraceWriter(self.store, run.run_id, trace_file=self.trace_file, lease=lease)
         Tracer(run.run_id, writer)("run_stopped", status="interrupted", reason=CRASHED, turns=run.turns,
                                    costUsd=round(run.cost_usd, 9), detail=detail)
         run.status, run.reason, run.interruption = "interrupted", CRASHED, Interruption("crashed", reason=detail)
         await writer.commit(run)
 
     def _resume(self, run: RunState, report: SweepReport) -> None:
-        # The lease decides who drives: `drive` takes it (or raises RunBusy) before loading the run.
+        # Called holding the run's lease, so a run another replica drives is never reported;
+        # the drive takes the lease on (this process's, still live: the same epoch).
         self.drives.spawn(run.run_id, resume_with(None, None, RECOVERED_BY))
         report.resumed.append(run.run_id)
 
@@ -177,7 +181,8 @@ class Sweeper:
         driver = self.driver
         try:
             with driver.active.claim(run.run_id, lambda event: None):
-                if not await self.store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s):
+                lease = await self.store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s)
+                if lease is None:
                     return
                 try:
                     fresh = await self.store.load_run(run.run_id)
@@ -185,17 +190,17 @@ class Sweeper:
                         return
                     decision = expiry_decision(policy.approval)
                     decide(fresh, waiting.call_id, decision)
-                    writer = TraceWriter(self.store, run.run_id, trace_file=self.trace_file)
+                    writer = TraceWriter(self.store, run.run_id, trace_file=self.trace_file, lease=lease)
                     Tracer(run.run_id, writer)(
                         "approval_expired", callId=waiting.call_id, toolName=waiting.tool_name, args=waiting.args,
                         decision=decision.decision, reason=decision.reason, by=EXPIRED_BY, expired=True)
                     await writer.flush()
-                    await self.store.save_run(fresh)
+                    await self.store.save_run(fresh, lease=lease)
                     report.expired.append(run.run_id)
                     after_decision(self.drives, fresh, policy, resume_with(None, None, RESUMED_BY))
                 finally:
                     await self.store.release_lease(run.run_id, driver.owner)
-        except (RunBusy, StaleRun, ApprovalError):
+        except (RunBusy, StaleRun, LeaseLost, ApprovalError):
             return
         await driver.refresh_approvals(run.team)
 
