@@ -80,15 +80,15 @@ from gateway.store.sqlite_rates import (
     team_in_flight,
 )
 from gateway.store.sqlite_rates import in_flight as count_in_flight
-from gateway.store.sqlite_wal import Checkpointer
+from gateway.store.sqlite_wal import FENCE_FRAMES, PAGE_BYTES, Checkpointer
 
 __all__ = ["MIGRATIONS", "SqliteStore", "connect", "migrate"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-JOURNAL_SIZE_LIMIT: Final = 64 * 1024 * 1024
-"""A WAL that grew past this is truncated back to it when it restarts."""
+JOURNAL_SIZE_LIMIT: Final = FENCE_FRAMES * PAGE_BYTES
+"""A WAL that grew past this (32 MiB, where a fence starts) is truncated back to it when it restarts."""
 FINISHED: Final = tuple(s for s in STATUSES if s != "running")
 """The statuses retention may prune: a `running` run is between calls or being driven."""
 MAX_RATE_PLANS: Final = 1024
@@ -187,12 +187,13 @@ class SqliteStore:
         return exc
 
     async def _write(self, step: Step[T], *, atomic: bool, mine: str | None = None,
-                     skip_if_cancelled: bool = False) -> T:
+                     skip_if_cancelled: bool = False, size: int = 0) -> T:
         """Run a write: at once when no other call of this process is in flight (no
         reservation held but `mine`), else in this loop turn's batch. Alone, a step that is
         not `atomic` (each of its statements is, and it needs no more) runs in autocommit,
-        which spares a BEGIN and a COMMIT round trip."""
-        fence = self._wal.write()
+        which spares a BEGIN and a COMMIT round trip. `size`: about how many bytes it stores,
+        when that can be large (a run's transcript, trace lines), for the WAL's bound."""
+        fence = self._wal.write(size)
         if fence is not None:  # rarely: the checkpointer needs the WAL still (see sqlite_wal)
             await asyncio.shield(fence)
         if not self._batch.pending and len(self._held) <= (1 if mine in self._held else 0):
@@ -246,7 +247,7 @@ class SqliteStore:
 
         # Each UPDATE is conditional on the revision: no transaction needed around them,
         # unless a lease must hold while they run.
-        await self._write(step, atomic=lease is not None)
+        await self._write(step, atomic=lease is not None, size=len(body))
         state.revision = revision
         state.updated_at = now
 
@@ -304,7 +305,7 @@ class SqliteStore:
             return self._spend(db, booking.team, booking.period)
 
         try:
-            ledger = await self._write(step, atomic=True, mine=mine)
+            ledger = await self._write(step, atomic=True, mine=mine, size=len(body) + sum(len(e) for e in encoded))
         except asyncio.CancelledError:
             self._held.pop(mine or "", None)  # the batch commits it all the same
             raise
@@ -350,7 +351,8 @@ class SqliteStore:
             if notices:
                 self._insert_notices(db, notices)
 
-        await self._write(step, atomic=len(encoded) > 1 or bool(notices) or lease is not None)
+        await self._write(step, atomic=len(encoded) > 1 or bool(notices) or lease is not None,
+                          size=sum(len(e) for e in encoded))
 
     def _notices(self, run_id: str, events: list[Event]) -> Sequence[Notice]:
         notices = self.notice_rule(run_id, events) if self.notice_rule is not None and events else ()
