@@ -3,6 +3,15 @@
 Implementations: `memory` (tests), `sqlite` (one machine, the default) and `redis` (several
 replicas). All of them keep money as integer micro-dollars so that sums are exact; the
 Protocol speaks float USD at the edges because that is what prices produce.
+
+A run is kept as a head and a transcript (`RunWrite`): the head (`RunState.head_json`: the
+run's fields and counters, a few KB) is rewritten by every save; its messages and its
+`per_turn` entries are kept beside it as items, each written once, so that a save costs
+the same at turn 200 as at turn 2. A store must read a run back in one consistent snapshot
+(the head and exactly the items it counts, `parse_run`), and write a save's head and items
+in the one step that checks its revision (and lease). Runs stored before heads (schema 1
+and 2, one body holding everything) are read as they are and take the new shape on their
+next save.
 """
 
 from __future__ import annotations
@@ -13,7 +22,9 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple, Protocol
 
-from gateway.harness.state import STATUSES, RunState, StateError
+import orjson
+
+from gateway.harness.state import STATUSES, RunState, StateError, transcript_change
 from gateway.harness.trace import Event as Event  # the store keeps trace lines
 from gateway.store.errors import StoreError
 from gateway.store.outbox import Claimed, Notice, NoticeRule
@@ -257,11 +268,13 @@ class Store(Protocol):
     written in the same step (None: no notices). Set once, before the store is used."""
 
     async def create_run(self, state: RunState) -> None:
-        """Store a new run as given (revision included). Raises RunExists if the id is taken."""
+        """Store a new run as given (revision included): its head and its whole transcript
+        (`new_run_write`). Raises RunExists if the id is taken. Then `state.mark_stored()`."""
         ...
 
     async def load_run(self, run_id: str) -> RunState | None:
-        """The stored run, or None if there is none."""
+        """The stored run (its head and its transcript, read in one snapshot: `parse_run`),
+        or None if there is none."""
         ...
 
     async def save_run(self, state: RunState, *, lease: Lease | None = None) -> None:
@@ -269,9 +282,12 @@ class Store(Protocol):
 
         `state.revision` must equal the stored revision, else StaleRun (RunNotFound if the
         run was never created). With `lease`, only while that lease holds the run (`Lease`),
-        else LeaseLost; either refusal writes nothing. On success the store holds revision +
-        1, and `state.revision` and `state.updated_at` are updated in place. Durable once it
-        returns: a SIGKILL of the process right after loses nothing.
+        else LeaseLost; either refusal writes nothing. It writes `run_write(state, revision +
+        1, now)`: the head, and of the transcript only what the store does not hold yet
+        (`state.stored_messages`, `state.stored_per_turn`). On success the store holds
+        revision + 1, `state.revision` and `state.updated_at` are updated in place and
+        `state.mark_stored()` is called. Durable once it returns: a SIGKILL of the process
+        right after loses nothing.
         """
         ...
 
@@ -510,17 +526,63 @@ def new_reservation_id() -> str:
     return "res_" + os.urandom(16).hex()
 
 
-def stamped_body(state: RunState, revision: int, updated_at: float) -> dict[str, Any]:
-    """The run as it will be stored by a save: next revision, new timestamp, state untouched."""
-    body = state.to_json()
-    body["revision"] = revision
-    body["updated_at"] = updated_at
-    return body
+class RunWrite(NamedTuple):
+    """A run as one write stores it: its head (`RunState.head_json`, the one place a store
+    rewrites on every save, a few KB whatever the run's length) and what changed in its
+    transcript, which a store keeps beside the head as items, each written once:
+
+    - messages: keep the first `messages_from` stored ones, then store `messages` (JSON,
+      one item each) at positions `messages_from`, `messages_from` + 1, ...;
+    - `per_turn`: the same from `per_turn_from` ((prompt, completion) pairs);
+    - `truncates`: stored items past those positions must go first (a pass-through client
+      sent a history that differs from the stored one); else there are none.
+
+    The head's `transcript` counts what the store holds beside it after the write; a store
+    reads back exactly that many of each (`parse_run`)."""
+
+    head: bytes
+    messages_from: int
+    messages: list[bytes]
+    per_turn_from: int
+    per_turn: list[tuple[int, int]]
+    truncates: bool
 
 
-def parse_run(run_id: str, raw: bytes | str) -> RunState:
-    """A stored body back into a run; an unreadable one is a StoreError naming the run."""
+def run_write(state: RunState, revision: int | None = None, updated_at: float | None = None) -> RunWrite:
+    """What a save of `state` writes (`RunWrite`): its head at `revision` and `updated_at`
+    (as they are when None) and the part of its transcript the store does not hold yet."""
+    head = state.head_json()
+    if revision is not None:
+        head["revision"] = revision
+    if updated_at is not None:
+        head["updated_at"] = updated_at
+    change = transcript_change(state)
+    return RunWrite(orjson.dumps(head), change.messages_from, [orjson.dumps(m) for m in change.messages],
+                    change.per_turn_from, [(u.prompt_tokens, u.completion_tokens) for u in change.per_turn],
+                    change.truncates)
+
+
+def new_run_write(state: RunState) -> RunWrite:
+    """What storing `state` as a new run writes: its head and its whole transcript."""
+    return RunWrite(orjson.dumps(state.head_json()), 0, [orjson.dumps(m) for m in state.messages],
+                    0, [(u.prompt_tokens, u.completion_tokens) for u in state.per_turn], True)
+
+
+def parse_run(run_id: str, raw: bytes | str,
+              transcript: tuple[Sequence[bytes | str], Sequence[Sequence[int]]] = ((), ())) -> RunState:
+    """A stored run back: its head and the messages and `per_turn` pairs kept beside it (a
+    body stored before heads, schema 1 or 2, holds its transcript itself and nothing is
+    kept beside it). The run knows what the store holds (`RunState.mark_stored`). An
+    unreadable run is a StoreError naming it."""
     try:
-        return RunState.loads(raw)
+        data = orjson.loads(raw)
+        if isinstance(data, dict) and "transcript" in data:
+            messages, pairs = transcript
+            state = RunState.from_json(data, ([orjson.loads(m) for m in messages], [list(p) for p in pairs]))
+            state.mark_stored()
+            return state
+        return RunState.from_json(data)
+    except orjson.JSONDecodeError as exc:
+        raise StoreError(f"stored run {run_id!r} cannot be read: it is not valid JSON: {exc}") from exc
     except StateError as exc:
         raise StoreError(f"stored run {run_id!r} cannot be read: {exc}") from exc

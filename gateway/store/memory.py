@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 
@@ -32,8 +32,10 @@ from gateway.store.base import (
     judge,
     new_reservation_id,
     optional_micros,
+    RunWrite,
+    new_run_write,
     parse_run,
-    stamped_body,
+    run_write,
     to_micros,
 )
 from gateway.store.errors import (
@@ -60,6 +62,18 @@ class _StoredRun:
     cost: int = 0
     updated_at: float = 0.0
     policy: str = ""  # a run's policy never changes
+    messages: list[bytes] = field(default_factory=list)  # the transcript beside the head (`body`)
+    per_turn: list[tuple[int, int]] = field(default_factory=list)
+
+    def write(self, w: RunWrite) -> None:
+        self.body = w.head
+        del self.messages[w.messages_from:]
+        self.messages.extend(w.messages)
+        del self.per_turn[w.per_turn_from:]
+        self.per_turn.extend(w.per_turn)
+
+    def parse(self, run_id: str) -> RunState:
+        return parse_run(run_id, self.body, (self.messages, self.per_turn))
 
 
 @dataclass
@@ -116,16 +130,16 @@ class MemoryStore:
         self._check_open()
         if state.run_id in self._runs:
             raise RunExists(state.run_id)
-        self._runs[state.run_id] = _StoredRun(
-            state.team, state.status, state.created_at, len(self._runs), state.revision, state.dumps(),
-            state.turns, to_micros(state.cost_usd, "cost_usd"),
-            state.updated_at, state.policy,
-        )
+        stored = _StoredRun(state.team, state.status, state.created_at, len(self._runs), state.revision, b"",
+                            state.turns, to_micros(state.cost_usd, "cost_usd"), state.updated_at, state.policy)
+        stored.write(new_run_write(state))
+        self._runs[state.run_id] = stored
+        state.mark_stored()
 
     async def load_run(self, run_id: str) -> RunState | None:
         self._check_open()
         stored = self._runs.get(run_id)
-        return None if stored is None else parse_run(run_id, stored.body)
+        return None if stored is None else stored.parse(run_id)
 
     async def save_run(self, state: RunState, *, lease: Lease | None = None) -> None:
         self._fence(lease)
@@ -149,10 +163,11 @@ class MemoryStore:
         if stored.revision != state.revision:
             raise StaleRun(state.run_id, state.revision, stored.revision)
         now = time.time()
-        body = orjson.dumps(stamped_body(state, state.revision + 1, now))
+        written = run_write(state, state.revision + 1, now)
         encoded = [orjson.dumps(e) for e in events]
         notices = self._notices(state.run_id, events)
-        stored.team, stored.status, stored.revision, stored.body = state.team, state.status, state.revision + 1, body
+        stored.team, stored.status, stored.revision = state.team, state.status, state.revision + 1
+        stored.write(written)
         stored.turns, stored.cost = state.turns, to_micros(state.cost_usd, "cost_usd")
         stored.updated_at = now
         if encoded:
@@ -160,6 +175,7 @@ class MemoryStore:
         self._enqueue(notices)
         state.revision += 1
         state.updated_at = now
+        state.mark_stored()
 
     async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None, *,
                           lease: Lease | None = None) -> Ledger | None:
@@ -188,7 +204,7 @@ class MemoryStore:
             and (policies is None or s.policy in policies)
         ]
         chosen.sort(key=lambda item: (item[1].created_at, item[1].order), reverse=True)
-        return [parse_run(run_id, s.body) for run_id, s in chosen[:limit]]
+        return [s.parse(run_id) for run_id, s in chosen[:limit]]
 
     async def append_events(self, run_id: str, events: list[Event], *, lease: Lease | None = None) -> None:
         self._check_open()

@@ -57,8 +57,10 @@ from gateway.store.base import (
     from_micros,
     new_reservation_id,
     optional_micros,
+    RunWrite,
+    new_run_write,
     parse_run,
-    stamped_body,
+    run_write,
     to_micros,
 )
 from gateway.store.errors import (
@@ -77,6 +79,7 @@ DEFAULT_PREFIX: Final = "gw:"
 DEFAULT_TIMEOUT_S: Final = 2.0
 _RETENTION_MS: Final = str(int(EXPIRED_RETENTION_S * 1000))
 _CREATE_RUN: Final = Script(redis_lua.CREATE_RUN)
+_LOAD_RUN: Final = Script(redis_lua.LOAD_RUN)
 _SAVE_RUN: Final = Script(redis_lua.SAVE_RUN)
 _COMMIT_TURN: Final = Script(redis_lua.COMMIT_TURN)
 _LIST_RUNS: Final = Script(redis_lua.LIST_RUNS)
@@ -171,25 +174,28 @@ class RedisStore:
             created = await self._lane.run(_CREATE_RUN, [self.prefix, *_run_fields(state)])
         if int(created) != 1:
             raise RunExists(state.run_id)
+        state.mark_stored()
 
     async def load_run(self, run_id: str) -> RunState | None:
         self._redis()
         async with self._errors:
-            body = await self._lane.command("HGET", self._key("run", run_id), "body")
-        return None if body is None else parse_run(run_id, body)
+            found: list[Any] = await self._lane.run(_LOAD_RUN, [self.prefix, run_id])
+        return _parsed(run_id, found) if found else None
 
     async def save_run(self, state: RunState, *, lease: Lease | None = None) -> None:
         now = time.time()
         revision = state.revision + 1
-        body = orjson.dumps(stamped_body(state, revision, now))
+        written = run_write(state, revision, now)
         self._redis()
         async with self._errors:
             result: list[Any] = await self._lane.run(_SAVE_RUN, [
-                self.prefix, state.run_id, str(state.revision), str(revision), state.status, state.team, body,
-                str(state.turns), str(to_micros(state.cost_usd, "cost_usd")), _lease_value(lease)])
+                self.prefix, state.run_id, str(state.revision), str(revision), state.status, state.team, written.head,
+                str(state.turns), str(to_micros(state.cost_usd, "cost_usd")), _lease_value(lease),
+                *_transcript_args(written)])
         self._check_saved(state, result, lease=lease)
         state.revision = revision
         state.updated_at = now
+        state.mark_stored()
 
     @staticmethod
     def _check_saved(state: RunState, result: list[Any], reservation_id: str | None = None,
@@ -208,23 +214,24 @@ class RedisStore:
         actual = 0 if booking is None else to_micros(booking.actual_usd, "actual_usd")
         now = time.time()
         revision = state.revision + 1
-        body = orjson.dumps(stamped_body(state, revision, now))
-        args: list[Any] = [self.prefix, state.run_id, str(state.revision), str(revision), state.status, state.team, body,
-                           str(state.turns), str(to_micros(state.cost_usd, "cost_usd"))]
+        written = run_write(state, revision, now)
+        args: list[Any] = [self.prefix, state.run_id, str(state.revision), str(revision), state.status, state.team,
+                           written.head, str(state.turns), str(to_micros(state.cost_usd, "cost_usd"))]
         if booking is None:
             args += ["0", "", "0", "", "", _RETENTION_MS]
         else:
             flag = "2" if booking.if_held and booking.reservation_id else "1"
             args += [flag, booking.reservation_id or "", str(actual), booking.team, booking.period, _RETENTION_MS]
         charges = () if booking is None else booking.tokens
-        args += [_lease_value(lease), str(len(events)), *(orjson.dumps(e) for e in events), str(len(charges)),
-                 *_charges(charges), *self._notice_args(state.run_id, events)]
+        args += [_lease_value(lease), *_transcript_args(written), str(len(events)), *(orjson.dumps(e) for e in events),
+                 str(len(charges)), *_charges(charges), *self._notice_args(state.run_id, events)]
         self._redis()
         async with self._errors:
             result: list[Any] = await self._lane.run(_COMMIT_TURN, args)
         self._check_saved(state, result, None if booking is None else booking.reservation_id, lease)
         state.revision = revision
         state.updated_at = now
+        state.mark_stored()
         return None if booking is None else (from_micros(int(result[1])), from_micros(int(result[2])))
 
     async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100,
@@ -235,9 +242,9 @@ class RedisStore:
         wanted = "" if policies is None else "|" + "|".join(sorted(set(policies))) + "|"
         self._redis()
         async with self._errors:
-            flat: list[bytes] = await self._lane.run(
+            flat: list[Any] = await self._lane.run(
                 _LIST_RUNS, [self.prefix, team or "", status or "", str(limit), wanted])
-        return [parse_run(flat[i].decode(), flat[i + 1]) for i in range(0, len(flat), 2)]
+        return [_parsed(_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
 
     async def append_events(self, run_id: str, events: list[Event], *, lease: Lease | None = None) -> None:
         if not events:
@@ -290,12 +297,14 @@ class RedisStore:
         self._redis()
         async with self._errors:
             result: list[Any] = await self._lane.run(_ADMIT, args)
+        if int(result[0]) == 2 and claim.create is not None:
+            run_id = claim.create.run_id
+            raise RunExists(run_id, _parsed(run_id, result[1]) if result[1] else None)
+        if claim.create is not None:
+            claim.create.mark_stored()
         if int(result[0]) == 1:
             revision = None if claim.run_id is None else int(result[2])
             return Grant(rid, rates=_granted(claim, scopes, result[1]) if claim.rates else (), run_revision=revision)
-        if int(result[0]) == 2 and claim.create is not None:
-            run_id = claim.create.run_id
-            raise RunExists(run_id, None if result[1] is None else parse_run(run_id, result[1]))
         return Grant(None, cast(Refusal, _text(result[1])), _figures(result[2:8]), _clocks(claim, scopes, result[8:]))
 
     async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
@@ -591,5 +600,18 @@ def _figures(raw: list[Any]) -> Figures:
 
 def _run_fields(state: RunState) -> list[str | bytes]:
     """A new run as the scripts store it (CREATE_RUN's arguments after the prefix)."""
-    return [state.run_id, state.team, state.status, repr(state.created_at), str(state.revision), state.dumps(),
-            str(state.turns), str(to_micros(state.cost_usd, "cost_usd")), state.policy]
+    written = new_run_write(state)
+    return [state.run_id, state.team, state.status, repr(state.created_at), str(state.revision), written.head,
+            str(state.turns), str(to_micros(state.cost_usd, "cost_usd")), state.policy, *_transcript_args(written)]
+
+
+def _transcript_args(w: RunWrite) -> list[str | bytes]:
+    """A save's transcript change as the scripts take it (redis_lua._TRANSCRIPT)."""
+    return [str(w.messages_from), str(len(w.messages)), *w.messages, str(w.per_turn_from), str(len(w.per_turn)),
+            *(f"{p} {c}" for p, c in w.per_turn), "1" if w.truncates else "0"]
+
+
+def _parsed(run_id: str, found: list[Any]) -> RunState:
+    """A run as the scripts read it back (redis_lua read_run: body, messages, per_turn)."""
+    body, messages, pairs = found
+    return parse_run(run_id, body, (messages, [[int(x) for x in _text(pair).split()] for pair in pairs]))

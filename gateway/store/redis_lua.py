@@ -93,10 +93,47 @@ local function reclaim(p, team, now, retention)
 end
 """
 
-_CREATE: Final = """
+_TRANSCRIPT: Final = """
+-- A run's transcript beside its head (base.RunWrite), as the arguments from ARGV[i]: the
+-- messages kept, how many follow, the messages (JSON), the per_turn entries kept, how many
+-- follow, the entries ("prompt completion"), '1' if stored items past those kept must go.
+-- Kept in the lists `transcript:<id>` and `per_turn:<id>`, one item each.
+local function transcript_end(i)
+  local m = tonumber(ARGV[i + 1])
+  return i + 5 + m + tonumber(ARGV[i + 3 + m])
+end
+local function keep(key, n)
+  if n == 0 then redis.call('DEL', key) else redis.call('LTRIM', key, 0, n - 1) end
+end
+local function push(key, first, last)
+  for j = first, last, 1000 do  -- unpack has a limit of its own
+    redis.call('RPUSH', key, unpack(ARGV, j, math.min(j + 999, last)))
+  end
+end
+local function write_transcript(p, id, i)
+  local m = tonumber(ARGV[i + 1])
+  local t = tonumber(ARGV[i + 3 + m])
+  local mk, tk = p .. 'transcript:' .. id, p .. 'per_turn:' .. id
+  if ARGV[i + 4 + m + t] == '1' then
+    keep(mk, tonumber(ARGV[i]))
+    keep(tk, tonumber(ARGV[i + 2 + m]))
+  end
+  push(mk, i + 2, i + 1 + m)
+  push(tk, i + 4 + m, i + 3 + m + t)
+end
+-- A stored run as the store reads it back: {body, messages, per_turn} ({} if none).
+local function read_run(p, id)
+  local body = redis.call('HGET', p .. 'run:' .. id, 'body')
+  if not body then return {} end
+  return {body, redis.call('LRANGE', p .. 'transcript:' .. id, 0, -1),
+          redis.call('LRANGE', p .. 'per_turn:' .. id, 0, -1)}
+end
+"""
+
+_CREATE: Final = _TRANSCRIPT + """
 -- Stores a new run from 9 arguments starting at ARGV[i]: id, team, status, created, revision,
--- body, turns, cost, policy (never changed: LIST_RUNS filters on it). Returns 0 (nothing
--- written) if the id is taken, else 1.
+-- head, turns, cost, policy (never changed: LIST_RUNS filters on it), then its transcript
+-- (_TRANSCRIPT's arguments). Returns 0 (nothing written) if the id is taken, else 1.
 local function create(p, i)
   local id, team, status, created = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local key = p .. 'run:' .. id
@@ -106,8 +143,13 @@ local function create(p, i)
   redis.call('ZADD', p .. 'runs', created, id)
   redis.call('ZADD', p .. 'runs:team:' .. team, created, id)
   redis.call('ZADD', p .. 'runs:status:' .. status, created, id)
+  write_transcript(p, id, i + 9)
   return 1
 end
+"""
+
+LOAD_RUN: Final = _TRANSCRIPT + """
+return read_run(ARGV[1], ARGV[2])
 """
 
 CREATE_RUN: Final = _CREATE + """
@@ -134,16 +176,21 @@ end
 """
 
 # Returns {0} if the run does not exist, {1} when saved, {2, stored_revision} when stale, {4}
-# when ARGV[10] names a lease ("epoch owner") that no longer holds the run.
-SAVE_RUN: Final = _HELPERS + _SAVE + """
+# when ARGV[10] names a lease ("epoch owner") that no longer holds the run. The head is
+# ARGV[7]; its transcript's change follows from ARGV[11] (_TRANSCRIPT).
+SAVE_RUN: Final = _HELPERS + _TRANSCRIPT + _SAVE + """
 if fenced(ARGV[1], ARGV[2], ARGV[10]) then return {4} end
-return save(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]) or {1}
+local refused = save(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9])
+if refused then return refused end
+write_transcript(ARGV[1], ARGV[2], 11)
+return {1}
 """
 
-# Walks the smallest applicable index, newest first, filtering; returns id, body, id, body...
+# Walks the smallest applicable index, newest first, filtering; returns id, run, id, run...
+# (each run as read_run reads it).
 # ARGV[5]: '' (any policy) or '|a|b|', the policies whose runs are wanted (a run stored
 # before runs recorded their policy is always wanted).
-LIST_RUNS: Final = """
+LIST_RUNS: Final = _TRANSCRIPT + """
 local p, team, status, limit, policies = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local idx = p .. 'runs'
 if team ~= '' then idx = p .. 'runs:team:' .. team end
@@ -161,7 +208,7 @@ while #out < 2 * limit do
     if r[1] and (status == '' or r[1] == status) and (team == '' or r[2] == team)
         and (policies == '' or not r[3] or string.find(policies, '|' .. r[3] .. '|', 1, true)) then
       out[#out + 1] = id
-      out[#out + 1] = redis.call('HGET', p .. 'run:' .. id, 'body')
+      out[#out + 1] = read_run(p, id)
       if #out >= 2 * limit then break end
     end
   end
@@ -183,7 +230,7 @@ return out
 # scope, since each costs the client a parse), or {0, refusal, figures..., now, clocks...}
 # with requests tat, tokens tat and in flight per scope as checked (ARGV[16]'s scope first).
 # A run's first call adds
-# the run to store first (CREATE_RUN's nine arguments) after the scopes: {2, stored body} if
+# the run to store first (CREATE_RUN's arguments) after the scopes: {2, stored run} if
 # it exists (the caller goes on with the stored run without a look-up of its own).
 #
 # The claim's own team scope ('team:' .. team) lives in what the budget check reads and
@@ -197,10 +244,10 @@ ADMIT: Final = _HELPERS + _CREATE + """
 local p, team, period, amount, budget, ttl, rid, retention, run, max_turns, max_in_flight, run_budget, owner =
   ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11],
   ARGV[12], ARGV[13]
--- A run's first call: the run (CREATE_RUN's nine arguments after the scopes) is stored
+-- A run's first call: the run (CREATE_RUN's arguments after the scopes) is stored
 -- first, in this step.
 local at = 17 + tonumber(ARGV[15])
-if #ARGV >= at + 8 and create(p, at) == 0 then return {2, redis.call('HGET', p .. 'run:' .. ARGV[at], 'body')} end
+if #ARGV >= at + 8 and create(p, at) == 0 then return {2, read_run(p, ARGV[at])} end
 local now = now_ms()
 reclaim(p, team, now, retention)
 local own, specs, with_own = 'team:' .. team, {}, false
@@ -519,25 +566,28 @@ redis.call('ZADD', p .. 'outbox:done', string.format('%d', now), id)
 return 1
 """
 
-# One turn: the run's save (refused as SAVE_RUN refuses, and then nothing is written), its
-# trace events (ARGV[17] of them from ARGV[18]) with the outbox notices after them, and its
-# booking (settle a reservation, or charge the period); returns
+# One turn: the run's save (refused as SAVE_RUN refuses, and then nothing is written; its
+# transcript's change from ARGV[17], _TRANSCRIPT), its trace events (ARGV[j] of them from
+# ARGV[j + 1], j the end of the transcript's arguments) with the outbox notices after them,
+# and its booking (settle a reservation, or charge the period); returns
 # {1, spent, reserved} of the booking's ledger after it ({1} without a booking). Booking
 # flag '2' (if_held): {3} and nothing written unless the reservation is still stored.
 # ARGV[16]: the lease the turn is written under ("epoch owner", '' = none): {4} and nothing
 # written unless it still holds the run.
-# ARGV[18 + n]: how many token charges follow the events (one argument each, as SETTLE's), then the notices.
-COMMIT_TURN: Final = _HELPERS + _SAVE + _SETTLE + _ENQUEUE + """
+# ARGV[j + 1 + n]: how many token charges follow the events (one argument each, as SETTLE's), then the notices.
+COMMIT_TURN: Final = _HELPERS + _TRANSCRIPT + _SAVE + _SETTLE + _ENQUEUE + """
 local p, id = ARGV[1], ARGV[2]
 if fenced(p, id, ARGV[16]) then return {4} end
 if ARGV[10] == '2' and redis.call('EXISTS', p .. 'res:' .. ARGV[11]) == 0 then return {3} end
 local refused = save(p, id, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9])
 if refused then return refused end
+write_transcript(p, id, 17)
+local j = transcript_end(17)
 local book, rid, actual, team, period, retention = ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[14], ARGV[15]
-local n = tonumber(ARGV[17])
-if n > 0 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, 18, 17 + n)) end
-local charges = 19 + n
-local notices = charges + tonumber(ARGV[18 + n])
+local n = tonumber(ARGV[j])
+if n > 0 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, j + 1, j + n)) end
+local charges = j + n + 2
+local notices = charges + tonumber(ARGV[j + n + 1])
 local now = now_ms()  -- once: the script is one atomic step
 enqueue(p, notices, now)
 if book == '0' then return {1} end
@@ -595,8 +645,8 @@ for _, id in ipairs(ids) do
   elseif r[1] == 'running' then
     kept = kept + 1
   else
-    -- the body's last "updated_at" (stamped_body writes it after the transcript), read
-    -- without decoding a transcript that can be megabytes long while Redis waits
+    -- the body's last "updated_at" (a head's, or, in a body of before heads, the one after
+    -- its transcript), read without decoding what can be megabytes long while Redis waits
     local updated = tonumber(string.match(r[3], '.*"updated_at":([-+.%deE]+)')) or 0
     if updated >= cutoff then
       kept = kept + 1
@@ -604,7 +654,8 @@ for _, id in ipairs(ids) do
       pruned = pruned + redis.call('DEL', p .. 'events:' .. id)
       kept = kept + 1
     else
-      redis.call('DEL', key, p .. 'events:' .. id, p .. 'lease:' .. id)
+      redis.call('DEL', key, p .. 'events:' .. id, p .. 'lease:' .. id, p .. 'transcript:' .. id,
+                 p .. 'per_turn:' .. id)
       redis.call('ZREM', p .. 'runs', id)
       redis.call('ZREM', p .. 'runs:team:' .. r[2], id)
       redis.call('ZREM', p .. 'runs:status:' .. r[1], id)

@@ -46,8 +46,10 @@ from gateway.store.base import (
     judge,
     new_reservation_id,
     optional_micros,
+    RunWrite,
+    new_run_write,
     parse_run,
-    stamped_body,
+    run_write,
     to_micros,
 )
 from gateway.store.errors import (
@@ -146,6 +148,54 @@ _FIGURES: Final = (
 )
 
 
+def _size(written: RunWrite) -> int:
+    return len(written.head) + sum(len(m) for m in written.messages)
+
+
+def _write_transcript(db: sqlite3.Connection, run_id: str, written: RunWrite) -> None:
+    """A save's transcript rows (`RunWrite`), in the caller's transaction."""
+    if written.truncates:
+        db.execute("DELETE FROM transcripts WHERE run_id = ? AND seq >= ?", (run_id, written.messages_from))
+        db.execute("DELETE FROM per_turn WHERE run_id = ? AND turn >= ?", (run_id, written.per_turn_from))
+    if written.messages:
+        db.executemany("INSERT INTO transcripts (run_id, seq, body) VALUES (?, ?, ?)",
+                       [(run_id, written.messages_from + i, m) for i, m in enumerate(written.messages)])
+    if written.per_turn:
+        db.executemany("INSERT INTO per_turn (run_id, turn, prompt_tokens, completion_tokens) VALUES (?, ?, ?, ?)",
+                       [(run_id, written.per_turn_from + i, p, c) for i, (p, c) in enumerate(written.per_turn)])
+
+
+def _read_run(db: sqlite3.Connection, run_id: str, body: bytes | str) -> RunState:
+    """A run from its head and the rows beside it, in the caller's read transaction (a body
+    of schema 1 or 2 holds its transcript itself: no rows)."""
+    if b'"transcript":{' not in (body.encode() if isinstance(body, str) else body):  # migrated bodies are TEXT
+        return parse_run(run_id, body)
+    messages = [m for (m,) in db.execute("SELECT body FROM transcripts WHERE run_id = ? ORDER BY seq", (run_id,))]
+    pairs = db.execute("SELECT prompt_tokens, completion_tokens FROM per_turn WHERE run_id = ? ORDER BY turn",
+                       (run_id,)).fetchall()
+    return parse_run(run_id, body, (messages, pairs))
+
+
+class _Snapshot:
+    """`with _Snapshot(db):` one read transaction (a head and its rows from the same commit),
+    unless the connection is in one already."""
+
+    __slots__ = ("db", "began")
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+        self.began = False
+
+    def __enter__(self) -> None:
+        if not self.db.in_transaction:
+            self.db.execute("BEGIN")
+            self.began = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self.began:
+            self.db.execute("COMMIT")
+
+
 def _fence(db: sqlite3.Connection, lease: Lease | None) -> None:
     """LeaseLost (nothing written yet) unless `lease`, when given, still holds its run."""
     if lease is not None and db.execute(_HELD, (lease.run_id, lease.owner, lease.epoch, time.time())).fetchone() is None:
@@ -214,13 +264,15 @@ class SqliteStore:
         return Immediate(self._db())
 
     async def create_run(self, state: RunState) -> None:
-        await self._write(self._inserter(state), atomic=False)  # one INSERT
+        await self._write(self._inserter(state), atomic=True, size=_size(new_run_write(state)))
+        state.mark_stored()
 
     @staticmethod
     def _inserter(state: RunState) -> Step[None]:
         """The step that stores a new run (RunExists, nothing written, if the id is taken)."""
+        written = new_run_write(state)
         row = (state.run_id, state.team, state.status, state.policy, state.created_at, state.updated_at,
-               state.revision, state.dumps(), state.turns, to_micros(state.cost_usd, "cost_usd"))
+               state.revision, written.head, state.turns, to_micros(state.cost_usd, "cost_usd"))
 
         def step(db: sqlite3.Connection) -> None:
             try:
@@ -228,31 +280,42 @@ class SqliteStore:
                            " cost_micros) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
             except sqlite3.IntegrityError as exc:
                 raise RunExists(state.run_id) from exc
+            _write_transcript(db, state.run_id, written)
 
         return step
 
     async def load_run(self, run_id: str) -> RunState | None:
         with self._errors:
-            row = self._db().execute("SELECT body FROM runs WHERE id = ?", (run_id,)).fetchone()
-        return None if row is None else parse_run(run_id, row[0])
+            db = self._db()
+            with _Snapshot(db):
+                row = db.execute("SELECT body FROM runs WHERE id = ?", (run_id,)).fetchone()
+                return None if row is None else _read_run(db, run_id, row[0])
 
     async def save_run(self, state: RunState, *, lease: Lease | None = None) -> None:
         now = time.time()
         revision = state.revision + 1
-        body = orjson.dumps(stamped_body(state, revision, now))
+        written = run_write(state, revision, now)
 
         def step(db: sqlite3.Connection) -> None:
             _fence(db, lease)
-            self._update_run(db, state, revision, now, body)
+            self._update_run(db, state, revision, now, written)
 
-        # Each UPDATE is conditional on the revision: no transaction needed around them,
-        # unless a lease must hold while they run.
-        await self._write(step, atomic=lease is not None, size=len(body))
+        # The head's UPDATE is conditional on the revision; a transaction keeps the
+        # transcript's rows with it (and the lease's check, when there is one).
+        await self._write(step, atomic=lease is not None or bool(written.messages or written.per_turn
+                                                                  or written.truncates), size=_size(written))
         state.revision = revision
         state.updated_at = now
+        state.mark_stored()
+
+    @classmethod
+    def _update_run(cls, db: sqlite3.Connection, state: RunState, revision: int, now: float,
+                    written: RunWrite) -> None:
+        cls._update_head(db, state, revision, now, written.head)
+        _write_transcript(db, state.run_id, written)
 
     @staticmethod
-    def _update_run(db: sqlite3.Connection, state: RunState, revision: int, now: float, body: bytes) -> None:
+    def _update_head(db: sqlite3.Connection, state: RunState, revision: int, now: float, body: bytes) -> None:
         # SQLite rewrites an index whenever its column is SET, changed or not: the usual save
         # (same team, status and policy) leaves them out, which keeps the two run indexes clean.
         cost = to_micros(state.cost_usd, "cost_usd")
@@ -281,7 +344,7 @@ class SqliteStore:
         actual = 0 if booking is None else to_micros(booking.actual_usd, "actual_usd")
         now = time.time()
         revision = state.revision + 1
-        body = orjson.dumps(stamped_body(state, revision, now))
+        written = run_write(state, revision, now)
         encoded = [orjson.dumps(e) for e in events]
         notices = self._notices(state.run_id, events)
         mine = None if booking is None else booking.reservation_id
@@ -291,7 +354,7 @@ class SqliteStore:
             if booking is not None and booking.if_held and booking.reservation_id is not None and db.execute(
                     "SELECT 1 FROM reservations WHERE id = ?", (booking.reservation_id,)).fetchone() is None:
                 raise AlreadyBooked(booking.reservation_id)
-            self._update_run(db, state, revision, now, body)
+            self._update_run(db, state, revision, now, written)
             if encoded:
                 self._insert_events(db, state.run_id, encoded)
             if notices:
@@ -305,13 +368,15 @@ class SqliteStore:
             return self._spend(db, booking.team, booking.period)
 
         try:
-            ledger = await self._write(step, atomic=True, mine=mine, size=len(body) + sum(len(e) for e in encoded))
+            ledger = await self._write(step, atomic=True, mine=mine,
+                                       size=_size(written) + sum(len(e) for e in encoded))
         except asyncio.CancelledError:
             self._held.pop(mine or "", None)  # the batch commits it all the same
             raise
         self._held.pop(mine or "", None)
         state.revision = revision
         state.updated_at = now
+        state.mark_stored()
         return ledger
 
     async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100,
@@ -336,8 +401,10 @@ class SqliteStore:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
         with self._errors:
-            rows = self._db().execute(sql, (*params, limit)).fetchall()
-        return [parse_run(run_id, body) for run_id, body in rows]
+            db = self._db()
+            with _Snapshot(db):
+                rows = db.execute(sql, (*params, limit)).fetchall()
+                return [_read_run(db, run_id, body) for run_id, body in rows]
 
     async def append_events(self, run_id: str, events: list[Event], *, lease: Lease | None = None) -> None:
         if not events:
@@ -517,6 +584,8 @@ class SqliteStore:
             raise
         if grant.reservation_id is not None:
             self._held[grant.reservation_id] = granted[0][1]
+        if claim.create is not None:  # stored, granted or not
+            claim.create.mark_stored()
         return grant
 
     @staticmethod
@@ -663,6 +732,8 @@ class SqliteStore:
             db.executemany("DELETE FROM events WHERE run_id = ?", ids)
             if not events_only:
                 db.executemany("DELETE FROM runs WHERE id = ?", ids)
+                db.executemany("DELETE FROM transcripts WHERE run_id = ?", ids)
+                db.executemany("DELETE FROM per_turn WHERE run_id = ?", ids)
                 db.executemany("DELETE FROM leases WHERE run_id = ?", ids)
             return len(ids)
 

@@ -149,6 +149,15 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     # epoch of its run, and every write made under a lease checks it in its own transaction.
     # A released lease keeps its row (expired), so a run's epochs only ever grow.
     "ALTER TABLE leases ADD COLUMN epoch INTEGER NOT NULL DEFAULT 0",
+    # A run's transcript beside its head (run schema 3): `runs.body` holds the head (a few
+    # KB, rewritten by each save) and counts what these tables hold for it; each message
+    # and each turn's usage is one row, written once. Runs saved before keep their whole
+    # body (messages inside, nothing here) until their next save.
+    """CREATE TABLE transcripts (
+        run_id TEXT NOT NULL, seq INTEGER NOT NULL, body BLOB NOT NULL, PRIMARY KEY (run_id, seq))""",
+    """CREATE TABLE per_turn (
+        run_id TEXT NOT NULL, turn INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL,
+        completion_tokens INTEGER NOT NULL, PRIMARY KEY (run_id, turn)) WITHOUT ROWID""",
 )
 
 BUSY_TIMEOUT_S: Final = 10.0

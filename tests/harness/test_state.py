@@ -15,7 +15,9 @@ from gateway.harness.state import (
     StateError,
     own_calls,
     pending,
+    transcript_change,
 )
+from gateway.harness.usage import Usage
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -105,3 +107,36 @@ def test_a_copy_is_equal_and_its_lists_and_dicts_are_its_own() -> None:
     copy.model_call_ids.append("c9")
     copy.turns += 5
     assert run.dumps() == saved  # the original is untouched
+
+
+def test_v3_stored_fixture_is_a_head_and_its_transcript_beside_it() -> None:
+    stored = orjson.loads((FIXTURES / "run_v3_stored.json").read_bytes())
+    assert "messages" not in stored["head"] and "per_turn" not in stored["head"]
+    assert stored["head"]["transcript"] == {"messages": 4, "per_turn": 2}
+    state = RunState.from_json(stored["head"], (stored["messages"], stored["per_turn"]))
+    assert state == RunState.loads((FIXTURES / "run_v3.json").read_bytes())
+    with pytest.raises(StateError, match="counts 4 messages and 2 turns, the store holds 3 and 2"):
+        RunState.from_json(stored["head"], (stored["messages"][:3], stored["per_turn"]))
+    with pytest.raises(StateError, match="without its transcript"):
+        RunState.from_json(stored["head"])
+
+
+def test_a_transcript_change_is_what_came_after_the_stored_messages() -> None:
+    run = RunState.loads((FIXTURES / f"run_v{SCHEMA_VERSION}.json").read_bytes())
+    run.mark_stored()
+    unchanged = transcript_change(run)
+    assert (unchanged.messages_from, unchanged.messages, unchanged.per_turn_from, unchanged.per_turn,
+            unchanged.truncates) == (4, [], 2, [], False)
+    run.messages.append({"role": "tool", "tool_call_id": "c2", "name": "delete_file", "content": "ok"})
+    run.count_turn(Usage(1, 2), 0.0)
+    added = transcript_change(run)
+    assert (added.messages_from, len(added.messages), added.per_turn_from, added.per_turn,
+            added.truncates) == (4, 1, 2, [Usage(1, 2)], False)
+    # the same history sent again by a client (equal, not the same objects) is not new
+    run.mark_stored()
+    run.messages = [dict(m) for m in run.messages] + [{"role": "user", "content": "next"}]
+    assert transcript_change(run).messages_from == 5
+    # a history edited in the middle is stored again from there
+    run.messages = [run.messages[0], {"role": "assistant", "content": "other"}]
+    edited = transcript_change(run)
+    assert (edited.messages_from, edited.truncates) == (1, True)
