@@ -73,24 +73,26 @@ from gateway.store.errors import (
 )
 from gateway.store.outbox import Claimed, Notice, NoticeRule, check_notices
 from gateway.store.periods import ended_before as period_ended
-from gateway.store.redis_wire import Lane, Script
+from gateway.store.redis_wire import Lane, Script, Unconfirmed, Wait
 
 DEFAULT_PREFIX: Final = "gw:"
 DEFAULT_TIMEOUT_S: Final = 2.0
+DEFAULT_WAIT_TIMEOUT_S: Final = 0.5
+"""How long replicas have to confirm a write when `store.wait_replicas` asks them to."""
 _RETENTION_MS: Final = str(int(EXPIRED_RETENTION_S * 1000))
 _CREATE_RUN: Final = Script(redis_lua.CREATE_RUN)
-_LOAD_RUN: Final = Script(redis_lua.LOAD_RUN)
+_LOAD_RUN: Final = Script(redis_lua.LOAD_RUN, writes=False)
 _SAVE_RUN: Final = Script(redis_lua.SAVE_RUN)
 _COMMIT_TURN: Final = Script(redis_lua.COMMIT_TURN)
-_LIST_RUNS: Final = Script(redis_lua.LIST_RUNS)
+_LIST_RUNS: Final = Script(redis_lua.LIST_RUNS, writes=False)
 _ADMIT: Final = Script(redis_lua.ADMIT)
-_FIGURES: Final = Script(redis_lua.FIGURES)
+_FIGURES: Final = Script(redis_lua.FIGURES, writes=False)  # its reclaim is made again by the next admission
 _RENEW: Final = Script(redis_lua.RENEW)
 _RELEASE_OWNER: Final = Script(redis_lua.RELEASE_OWNER)
 _SETTLE: Final = Script(redis_lua.SETTLE)
 _RELEASE: Final = Script(redis_lua.RELEASE)
 _PUSH_CLOCKS: Final = Script(redis_lua.PUSH_CLOCKS)
-_TEAM_SPEND: Final = Script(redis_lua.TEAM_SPEND)
+_TEAM_SPEND: Final = Script(redis_lua.TEAM_SPEND, writes=False)
 _ACQUIRE_LEASE: Final = Script(redis_lua.ACQUIRE_LEASE, keys=3)
 _RELEASE_LEASE: Final = Script(redis_lua.RELEASE_LEASE, keys=2)
 _PRUNE_RUNS: Final = Script(redis_lua.PRUNE_RUNS)
@@ -143,7 +145,8 @@ class RedisStore:
 
     lookup_in_admission = True  # a look-up is a round trip; ADMIT reports a stored run
 
-    def __init__(self, url: str, prefix: str = DEFAULT_PREFIX, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, url: str, prefix: str = DEFAULT_PREFIX, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 wait_replicas: int = 0, wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S) -> None:
         self.url = url
         self.prefix = prefix
         self.timeout_s = timeout_s
@@ -157,7 +160,10 @@ class RedisStore:
             **_PLAIN_POOL)
         # The scripts (every call's round trips) go through a lane of their own, with the same
         # deadline and no retries either (redis_wire); the client serves the other commands.
-        self._lane = Lane(self._client.connection_pool, timeout_s)
+        # With `wait_replicas`, each write returns once that many replicas have it (WAIT, in
+        # the same round trip); one they did not confirm in time is a failed write.
+        self._lane = Lane(self._client.connection_pool, timeout_s,
+                          Wait(wait_replicas, wait_timeout_s) if wait_replicas > 0 else None)
         self.notice_rule: NoticeRule | None = None
 
     def _redis(self) -> aioredis.Redis:
@@ -252,8 +258,9 @@ class RedisStore:
         encoded = [orjson.dumps(e) for e in events]
         notices = self._notice_args(run_id, events)
         if not notices and lease is None:
+            self._redis()
             async with self._errors:
-                await self._redis().rpush(self._key("events", run_id), *encoded)
+                await self._lane.command("RPUSH", self._key("events", run_id), *encoded, writes=True)
             return
         self._redis()
         async with self._errors:
@@ -296,7 +303,13 @@ class RedisStore:
             args += _run_fields(claim.create)
         self._redis()
         async with self._errors:
-            result: list[Any] = await self._lane.run(_ADMIT, args)
+            try:
+                result: list[Any] = await self._lane.run(_ADMIT, args)
+            except Unconfirmed as exc:  # not held where a failover would find it: give it back, and fail
+                if isinstance(exc.reply, list) and exc.reply and int(exc.reply[0]) == 1:
+                    with contextlib.suppress(RedisError):
+                        await self._lane.run(_RELEASE, [self.prefix, rid])
+                raise
         if int(result[0]) == 2 and claim.create is not None:
             run_id = claim.create.run_id
             raise RunExists(run_id, _parsed(run_id, result[1]) if result[1] else None)
@@ -354,8 +367,9 @@ class RedisStore:
 
     async def charge(self, team: str, period: str, amount_usd: float) -> None:
         amount = to_micros(amount_usd, "amount_usd")
+        self._redis()
         async with self._errors:
-            await self._redis().hincrby(self._key("ledger", team), f"spent:{period}", amount)
+            await self._lane.command("HINCRBY", self._key("ledger", team), f"spent:{period}", str(amount), writes=True)
 
     async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> Lease | None:
         ttl_ms = max(1, math.ceil(check_ttl(ttl_s, "ttl_s", allow_zero=False) * 1000))
