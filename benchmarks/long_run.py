@@ -6,7 +6,8 @@ saved as the driver saves it (`Store.commit_turn` with its trace line), on each 
 in-memory one, a SQLite file in a temp folder and, when `redis-server` is installed, a
 throwaway Redis server. Per turn it measures the store step's time and the bytes it wrote:
 SQLite, the growth of its WAL (the checkpointer is held off for the run, so the WAL keeps
-every frame written); Redis, the bytes the server read from the client (`INFO stats`
+every frame written; `sqlite*` is a second run with checkpoints, as a gateway runs, for its
+time); Redis, the bytes the server read from the client (`INFO stats`
 `total_net_input_bytes`). A load of the whole run at the end checks it is all there.
 
 It prints, per store, the median time and bytes of the first 10 turns and of the last 10,
@@ -111,22 +112,28 @@ async def bench_memory(args: argparse.Namespace) -> None:
 
 
 async def bench_sqlite(args: argparse.Namespace) -> None:
-    folder = Path(tempfile.mkdtemp(prefix="gw-long-run-"))
-    try:
-        # No checkpoint during the run: the WAL keeps every frame each turn wrote.
-        sqlite_wal.FENCE_FRAMES = 1 << 40
-        store = SqliteStore(folder / "gateway.db")
-        store._wal.interval_s = 3600.0
-        wal = folder / "gateway.db-wal"
+    """Twice: with the WAL's checkpoints held off, so that the WAL keeps every frame each turn
+    wrote (its growth is the turn's bytes), then as a gateway runs it (time only)."""
+    for held in (True, False):
+        folder = Path(tempfile.mkdtemp(prefix="gw-long-run-"))
+        fence = sqlite_wal.FENCE_FRAMES
+        try:
+            if held:
+                sqlite_wal.FENCE_FRAMES = 1 << 40
+            store = SqliteStore(folder / "gateway.db")
+            if held:
+                store._wal.interval_s = 3600.0
+            wal = folder / "gateway.db-wal"
 
-        async def wal_size() -> int:
-            return wal.stat().st_size if wal.exists() else 0
+            async def wal_size() -> int:
+                return wal.stat().st_size if wal.exists() else 0
 
-        times, sizes = await measure(store, wal_size, args.turns, args.kb, "bench/sqlite")
-        report("sqlite", times, sizes)
-        await store.close()
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+            times, sizes = await measure(store, wal_size, args.turns, args.kb, "bench/sqlite")
+            report("sqlite" if held else "sqlite*", times, sizes if held else None)
+            await store.close()
+        finally:
+            sqlite_wal.FENCE_FRAMES = fence
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 async def bench_redis(args: argparse.Namespace) -> None:

@@ -332,6 +332,8 @@ def transcript_change(state: RunState) -> TranscriptChange:
     `per_turn` entries past `stored_per_turn`."""
     stored, messages = state.stored_messages, state.messages
     k, n = 0, min(len(stored), len(messages))
+    if n and n == len(stored) and messages[n - 1] is stored[-1] and messages[0] is stored[0]:
+        k = n  # the usual turn: the same list, added to (a list's items are replaced, never edited)
     while k < n and (messages[k] is stored[k] or messages[k] == stored[k]):
         k += 1
     t = state.stored_per_turn if len(state.per_turn) >= state.stored_per_turn else 0

@@ -153,16 +153,24 @@ def _size(written: RunWrite) -> int:
 
 
 def _write_transcript(db: sqlite3.Connection, run_id: str, written: RunWrite) -> None:
-    """A save's transcript rows (`RunWrite`), in the caller's transaction."""
+    """A save's transcript rows (`RunWrite`), in the caller's transaction: messages are rows
+    of kind 0, `per_turn` entries rows of kind 1 ("prompt completion")."""
     if written.truncates:
-        db.execute("DELETE FROM transcripts WHERE run_id = ? AND seq >= ?", (run_id, written.messages_from))
-        db.execute("DELETE FROM per_turn WHERE run_id = ? AND turn >= ?", (run_id, written.per_turn_from))
-    if written.messages:
-        db.executemany("INSERT INTO transcripts (run_id, seq, body) VALUES (?, ?, ?)",
-                       [(run_id, written.messages_from + i, m) for i, m in enumerate(written.messages)])
-    if written.per_turn:
-        db.executemany("INSERT INTO per_turn (run_id, turn, prompt_tokens, completion_tokens) VALUES (?, ?, ?, ?)",
-                       [(run_id, written.per_turn_from + i, p, c) for i, (p, c) in enumerate(written.per_turn)])
+        db.execute("DELETE FROM transcripts WHERE run_id = ?1 AND (kind = 0 AND seq >= ?2 OR kind = 1 AND seq >= ?3)",
+                   (run_id, written.messages_from, written.per_turn_from))
+    rows: list[tuple[str, int, int, bytes | str]] = [
+        (run_id, 0, written.messages_from + i, m) for i, m in enumerate(written.messages)]
+    rows += [(run_id, 1, written.per_turn_from + i, f"{p} {c}") for i, (p, c) in enumerate(written.per_turn)]
+    if len(rows) <= len(_INSERT_ITEMS):  # a turn's few rows: one statement, no executemany iterator
+        if rows:
+            db.execute(_INSERT_ITEMS[len(rows) - 1], [v for row in rows for v in row])
+    else:
+        db.executemany(_INSERT_ITEMS[0], rows)
+
+
+_INSERT_ITEMS: Final = tuple("INSERT INTO transcripts (run_id, kind, seq, body) VALUES " + ", ".join(["(?, ?, ?, ?)"] * n)
+                             for n in range(1, 9))
+"""The INSERT of 1 to 8 transcript rows in one statement."""
 
 
 def _read_run(db: sqlite3.Connection, run_id: str, body: bytes | str) -> RunState:
@@ -170,9 +178,13 @@ def _read_run(db: sqlite3.Connection, run_id: str, body: bytes | str) -> RunStat
     of schema 1 or 2 holds its transcript itself: no rows)."""
     if b'"transcript":{' not in (body.encode() if isinstance(body, str) else body):  # migrated bodies are TEXT
         return parse_run(run_id, body)
-    messages = [m for (m,) in db.execute("SELECT body FROM transcripts WHERE run_id = ? ORDER BY seq", (run_id,))]
-    pairs = db.execute("SELECT prompt_tokens, completion_tokens FROM per_turn WHERE run_id = ? ORDER BY turn",
-                       (run_id,)).fetchall()
+    messages: list[bytes] = []
+    pairs: list[list[int]] = []
+    for kind, item in db.execute("SELECT kind, body FROM transcripts WHERE run_id = ? ORDER BY kind, seq", (run_id,)):
+        if kind == 0:
+            messages.append(item)
+        else:
+            pairs.append([int(x) for x in str(item).split()])
     return parse_run(run_id, body, (messages, pairs))
 
 
@@ -733,7 +745,6 @@ class SqliteStore:
             if not events_only:
                 db.executemany("DELETE FROM runs WHERE id = ?", ids)
                 db.executemany("DELETE FROM transcripts WHERE run_id = ?", ids)
-                db.executemany("DELETE FROM per_turn WHERE run_id = ?", ids)
                 db.executemany("DELETE FROM leases WHERE run_id = ?", ids)
             return len(ids)
 

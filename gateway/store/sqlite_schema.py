@@ -150,14 +150,15 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     # A released lease keeps its row (expired), so a run's epochs only ever grow.
     "ALTER TABLE leases ADD COLUMN epoch INTEGER NOT NULL DEFAULT 0",
     # A run's transcript beside its head (run schema 3): `runs.body` holds the head (a few
-    # KB, rewritten by each save) and counts what these tables hold for it; each message
-    # and each turn's usage is one row, written once. Runs saved before keep their whole
-    # body (messages inside, nothing here) until their next save.
+    # KB, rewritten by each save) and counts what this table holds for it; each message
+    # (kind 0, its JSON) and each turn's usage (kind 1, "prompt completion") is one row,
+    # written once. One table for both (a turn's rows are one INSERT, on the table's last
+    # page and one page of its index); a rowid table, since a message can be large (a tool's
+    # result) and rows appended in rowid order keep its pages full. Runs saved before keep
+    # their whole body (messages inside, nothing here) until their next save.
     """CREATE TABLE transcripts (
-        run_id TEXT NOT NULL, seq INTEGER NOT NULL, body BLOB NOT NULL, PRIMARY KEY (run_id, seq))""",
-    """CREATE TABLE per_turn (
-        run_id TEXT NOT NULL, turn INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL,
-        completion_tokens INTEGER NOT NULL, PRIMARY KEY (run_id, turn)) WITHOUT ROWID""",
+        run_id TEXT NOT NULL, kind INTEGER NOT NULL, seq INTEGER NOT NULL, body BLOB NOT NULL,
+        PRIMARY KEY (run_id, kind, seq))""",
 )
 
 BUSY_TIMEOUT_S: Final = 10.0

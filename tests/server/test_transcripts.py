@@ -80,5 +80,5 @@ async def test_a_run_stored_by_an_older_gateway_is_read_and_continued(
     assert run["transcript"] == [*messages, reply] and run["turns"] == 3 and len(run["per_turn"]) == 3
     with sqlite3.connect(served.folder / "gateway.db") as db:
         body, = db.execute("SELECT body FROM runs WHERE id = 'demo/run_older'").fetchone()
-        rows, = db.execute("SELECT COUNT(*) FROM transcripts WHERE run_id = 'demo/run_older'").fetchone()
+        rows, = db.execute("SELECT COUNT(*) FROM transcripts WHERE run_id = 'demo/run_older' AND kind = 0").fetchone()
     assert b'"messages":[' not in bytes(body) and rows == len(messages) + 1  # saved in the new shape

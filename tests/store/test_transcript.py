@@ -107,7 +107,6 @@ async def test_a_run_stored_before_heads_is_read_and_saved_in_the_new_shape(stor
         db = store._db()
         db.execute("UPDATE runs SET body = ? WHERE id = 'demo/old'", (body.decode(),))  # as a migration left it: TEXT
         db.execute("DELETE FROM transcripts WHERE run_id = 'demo/old'")
-        db.execute("DELETE FROM per_turn WHERE run_id = 'demo/old'")
     else:
         client = aioredis.Redis.from_url(stores.redis_url or "")
         try:
