@@ -221,13 +221,18 @@ class RunDriver:
         await checkpoint(state)
         writer.start()
         stop = asyncio.Event()
-        keeper = asyncio.ensure_future(self._keep_lease(lease, scope, stop))
+        keep = _Keep()
+        keeper = asyncio.ensure_future(self._keep_lease(lease, scope, stop, keep))
         watcher = asyncio.ensure_future(watch_remote_cancel(
             self.store, run_id, scope, seen[-1][0] if seen else 0, self.cancel_poll_s, stop, self.store_deadline_s))
         try:
             try:
                 outcome = await run(state, model, options, scope)
             except (asyncio.CancelledError, KeyboardInterrupt):
+                raise
+            except LeaseLost as exc:
+                if keep.unrenewed:  # it lapsed while the store did not answer: an outage (503), not a takeover
+                    raise StoreError(f"run {run_id}: its lease lapsed while the store was unreachable") from exc
                 raise
             except Exception as exc:  # the loop let it through: end the run with a reason
                 if isinstance(exc, StoreError):  # StaleRun included: the saved run is not ours to overwrite
@@ -257,10 +262,11 @@ class RunDriver:
             else:
                 _log_failure(task)
 
-    async def _keep_lease(self, lease: Lease, scope: CancelScope, stop: asyncio.Event) -> None:
+    async def _keep_lease(self, lease: Lease, scope: CancelScope, stop: asyncio.Event, keep: _Keep) -> None:
         """Renew the lease while driving; stop driving if another replica took it, if it
         lapsed (a renewal that finds it expired gets a new epoch: its writes are fenced by
-        the old one), or if the store could not renew it for a whole TTL."""
+        the old one), or if the store could not renew it for a whole TTL. `keep` says whether
+        a renewal failed since the lease was last renewed."""
         run_id = lease.run_id
         held_until = time.monotonic() + self.lease_ttl_s
         while not stop.is_set():
@@ -274,6 +280,7 @@ class RunDriver:
                 async with asyncio.timeout(self.store_deadline_s):
                     renewed = await self.store.acquire_lease(run_id, self.owner, self.lease_ttl_s)
             except (StoreError, TimeoutError) as exc:
+                keep.unrenewed = True
                 if time.monotonic() < held_until:
                     log.warning("run %s: lease renewal failed, retrying: %s", run_id, exc)
                     continue
@@ -288,6 +295,7 @@ class RunDriver:
                              "or another replica took the run over)")
                 return
             held_until = asked + self.lease_ttl_s
+            keep.unrenewed = False
 
     async def _end(self, state: RunState, exc: Exception, writer: TraceWriter,
                    checkpoint: Callable[[RunState], Any]) -> Outcome:
@@ -324,6 +332,14 @@ class RunDriver:
         if self.metrics is not None:
             self.metrics.set_approvals_pending(team, count)
         return count
+
+
+@dataclass
+class _Keep:
+    """What a drive's lease keeper tells the drive: whether its last renewal failed (the
+    store did not answer), so that a lease found lost then is the outage's doing."""
+
+    unrenewed: bool = False
 
 
 def _log_failure(task: asyncio.Future[None]) -> None:
