@@ -45,13 +45,15 @@ PRUNE_BATCH = 500
 class Lease:
     """The right to drive one run, as `Store.acquire_lease` granted it.
 
-    `epoch` is a fencing token: a lease taken while nobody held it live (free, released or
-    expired) gets a new, higher epoch, and renewing a lease that is still live keeps it. A
-    write given a lease (`save_run`, `commit_turn`, `append_events`) checks in its own store
-    step that this very lease (owner and epoch) still holds the run, unexpired; otherwise it
-    writes nothing and raises LeaseLost. So a driver that stalled past its TTL (a frozen
-    process, a long pause) and was replaced can never write to the run again, even if it
-    wakes up before it notices."""
+    `epoch` is a fencing token: a lease taken by another owner than the last one to take it
+    (or after it was released) gets a new, higher epoch; renewing it keeps it, and so does
+    taking it back after it lapsed when nobody took it meanwhile. A write given a lease
+    (`save_run`, `commit_turn`, `append_events`) checks in its own store step that this very
+    lease (owner and epoch) is still the last one taken on the run and not released;
+    otherwise it writes nothing and raises LeaseLost. So a driver that stalled past its TTL
+    (a frozen process, a long pause) and was replaced can never write to the run again, even
+    if it wakes up before it notices; one whose lease lapsed while nobody took the run over
+    loses nothing."""
 
     run_id: str
     owner: str
@@ -379,13 +381,15 @@ class Store(Protocol):
 
     async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> Lease | None:
         """Take (or extend) the right to drive a run for `ttl_s`: the lease if it was free,
-        released, expired or `owner`'s live one, else None. Extending a live lease keeps its
-        epoch; taking one that was not live makes a new, higher epoch (`Lease`), so a holder
-        whose lease lapsed sees a different epoch on its next renewal, and knows it lost it."""
+        released, expired or `owner`'s live one, else None. It keeps its epoch when `owner`
+        was the last to take it and did not release it; otherwise it gets a new, higher one
+        (`Lease`), so a holder whose lease was taken by another meanwhile sees a different
+        epoch on its next renewal, and knows it lost it."""
         ...
 
     async def release_lease(self, run_id: str, owner: str) -> None:
-        """Give the lease back, if `owner` still holds it (its epoch is never used again)."""
+        """Give the lease back, if `owner` still holds it (its epoch is never used again: writes
+        under it are refused from now on)."""
         ...
 
     async def prune_runs(self, updated_before: float, *, events_only: bool = False) -> int:

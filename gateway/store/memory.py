@@ -115,6 +115,7 @@ class MemoryStore:
         self._reservations: dict[str, _Reservation] = {}
         self._leases: dict[str, tuple[str, float, int]] = {}  # run -> owner, expiry, epoch
         self._epochs: dict[str, int] = {}  # run -> its lease's last epoch (kept after a release)
+        self._fences: dict[str, tuple[str, int]] = {}  # run -> who last took its lease (owner, epoch); ("", 0) released
         self._responses: dict[str, tuple[str, bytes]] = {}
         self._clocks: dict[str, list[float]] = {}  # rate scope -> [requests tat, tokens tat]
         self._response_times: dict[str, float] = {}
@@ -150,8 +151,7 @@ class MemoryStore:
         self._check_open()
         if lease is None:
             return
-        held = self._leases.get(lease.run_id)
-        if held is None or held[0] != lease.owner or held[2] != lease.epoch or held[1] <= time.time():
+        if self._fences.get(lease.run_id) != (lease.owner, lease.epoch):
             raise LeaseLost(lease.run_id, lease.epoch)
 
     def _save(self, state: RunState, events: list[Event]) -> None:
@@ -364,6 +364,7 @@ class MemoryStore:
             del self._reservations[rid]
         for run_id in [run_id for run_id, (held_by, _, _) in self._leases.items() if held_by == owner and owner]:
             del self._leases[run_id]
+            self._fences[run_id] = ("", 0)
         now = time.time()
         for o in self._outbox.values():
             if o.state == "pending" and owner and o.owner == owner:
@@ -415,6 +416,7 @@ class MemoryStore:
             self._events.pop(run_id, None)
             self._leases.pop(run_id, None)
             self._epochs.pop(run_id, None)
+            self._fences.pop(run_id, None)
         return len(old)
 
     async def prune_ledgers(self, ended_before: float) -> int:
@@ -431,10 +433,12 @@ class MemoryStore:
         held = self._leases.get(run_id)
         if held is not None and held[0] != owner and held[1] > now:
             return None
-        if held is not None and held[1] > now:  # ours, live: extended
-            epoch = held[2]
+        fence = self._fences.get(run_id)
+        if fence is not None and fence[0] == owner:  # ours, live or lapsed with nobody taking it: extended
+            epoch = fence[1]
         else:
             epoch = self._epochs[run_id] = self._epochs.get(run_id, 0) + 1
+            self._fences[run_id] = (owner, epoch)
         self._leases[run_id] = (owner, now + ttl, epoch)
         return Lease(run_id, owner, epoch)
 
@@ -443,6 +447,7 @@ class MemoryStore:
         held = self._leases.get(run_id)
         if held is not None and held[0] == owner:
             del self._leases[run_id]
+            self._fences[run_id] = ("", 0)
 
     async def put_response(self, response_id: str, team: str, body: bytes) -> None:
         self._check_open()

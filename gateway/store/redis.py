@@ -93,8 +93,8 @@ _SETTLE: Final = Script(redis_lua.SETTLE)
 _RELEASE: Final = Script(redis_lua.RELEASE)
 _PUSH_CLOCKS: Final = Script(redis_lua.PUSH_CLOCKS)
 _TEAM_SPEND: Final = Script(redis_lua.TEAM_SPEND, writes=False)
-_ACQUIRE_LEASE: Final = Script(redis_lua.ACQUIRE_LEASE, keys=3)
-_RELEASE_LEASE: Final = Script(redis_lua.RELEASE_LEASE, keys=2)
+_ACQUIRE_LEASE: Final = Script(redis_lua.ACQUIRE_LEASE, keys=4)
+_RELEASE_LEASE: Final = Script(redis_lua.RELEASE_LEASE, keys=3)
 _PRUNE_RUNS: Final = Script(redis_lua.PRUNE_RUNS)
 _ENQUEUE: Final = Script(redis_lua.ENQUEUE)
 _APPEND_EVENTS: Final = Script(redis_lua.APPEND_EVENTS)
@@ -377,13 +377,14 @@ class RedisStore:
         async with self._errors:
             epoch = int(await self._lane.run(_ACQUIRE_LEASE, [
                 self._key("lease", run_id), self._key("leases-of", owner), f"{self.prefix}lease-epoch",
-                owner, str(ttl_ms)]))
+                self._key("fence", run_id), owner, str(ttl_ms)]))
         return Lease(run_id, owner, epoch) if epoch > 0 else None
 
     async def release_lease(self, run_id: str, owner: str) -> None:
         self._redis()
         async with self._errors:
-            await self._lane.run(_RELEASE_LEASE, [self._key("lease", run_id), self._key("leases-of", owner), owner])
+            await self._lane.run(_RELEASE_LEASE, [self._key("lease", run_id), self._key("leases-of", owner),
+                                                  self._key("fence", run_id), owner])
 
     async def prune_runs(self, updated_before: float, *, events_only: bool = False) -> int:
         self._redis()

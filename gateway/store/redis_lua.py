@@ -19,16 +19,27 @@ local function neg(s)
   if s == '0' then return '0' end
   return '-' .. s
 end
--- Whether a write under a lease must be refused: `lease` ('' = none) is the lease key's value
--- as the writer took it ("epoch owner"); the key is gone once the lease expired or was
--- released, and holds another epoch once someone else took the run.
+-- Whether a write under a lease must be refused: `lease` ('' = none) is the lease as the
+-- writer took it ("epoch owner"); `fence:<id>` holds the last lease taken on the run (no
+-- expiry; '0' once released), so a writer whose lease lapsed may go on until someone else
+-- takes the run.
 local function fenced(p, id, lease)
-  return lease ~= '' and redis.call('GET', p .. 'lease:' .. id) ~= lease
+  return lease ~= '' and redis.call('GET', p .. 'fence:' .. id) ~= lease
 end
 -- The owner named by a lease key's value ("epoch owner"; before epochs, the owner alone).
 local function holder(v)
   if not v then return nil end
   return string.match(v, '^%d+ (.*)$') or v
+end
+-- Give back `owner`'s lease of a run (its key and fence keys): the key goes, and the fence no
+-- longer names that lease (its next one gets a new epoch), also when the lease had lapsed.
+local function release_lease(key, fence, owner)
+  local cur = redis.call('GET', key)
+  if cur and holder(cur) ~= owner then return 0 end
+  local last = redis.call('GET', fence)
+  if last and last ~= '0' and holder(last) == owner then redis.call('SET', fence, '0') end
+  if cur then return redis.call('DEL', key) end
+  return 0
 end
 -- A reservation that ends (settled, released, expired) leaves its run's slots, its owner's set
 -- and the calls in flight of its rate scopes ('|team:a|key:b|').
@@ -470,7 +481,7 @@ redis.call('DEL', p .. 'owner:' .. owner)
 -- leases are dead and another worker or replica may take those runs at once.
 local leases = p .. 'leases-of:' .. owner
 for _, key in ipairs(redis.call('SMEMBERS', leases)) do
-  if holder(redis.call('GET', key)) == owner then redis.call('DEL', key) end
+  release_lease(key, p .. 'fence:' .. string.sub(key, #p + 7), owner)  -- the run's id after '<p>lease:'
 end
 redis.call('DEL', leases)
 -- And the notices it was delivering: due again now (a claimed notice is due at its lease's
@@ -601,12 +612,15 @@ local l = redis.call('HMGET', p .. 'ledger:' .. team, 'spent:' .. period, 'reser
 return {1, l[1] or '0', l[2] or '0'}
 """
 
-# The lease key of a run holds "epoch owner" for its TTL. A live lease of `owner` is extended
-# (same epoch); a free one (no key: never taken, released or expired) is taken with a new
-# epoch from KEYS[3], a counter of every lease taken under the prefix, so epochs never repeat.
-# Returns the epoch, or 0 if another owner holds it (a value without an epoch is a lease of a
-# replica from before epochs, held until it expires). KEYS[2]: the set of the lease keys
-# `owner` took (RELEASE_OWNER frees them after a restart).
+# The lease key of a run (KEYS[1]) holds "epoch owner" for its TTL: who may take the run.
+# Its fence key (KEYS[4]) holds the last lease taken, with no expiry: whose writes count. A
+# live lease of `owner` is extended; a free one (no key: never taken, released or expired)
+# is taken back with its epoch if `owner` was the last to take it and did not release it (it
+# lapsed, nobody took the run meanwhile), else with a new epoch from KEYS[3], a counter of
+# every lease taken under the prefix, so epochs never repeat. Returns the epoch, or 0 if
+# another owner holds it (a value without an epoch is a lease of a replica from before
+# epochs, held until it expires). KEYS[2]: the set of the lease keys `owner` took
+# (RELEASE_OWNER frees them after a restart).
 ACQUIRE_LEASE: Final = """
 local key, owner, ttl = KEYS[1], ARGV[1], ARGV[2]
 local cur = redis.call('GET', key)
@@ -617,16 +631,22 @@ if cur then
   redis.call('SADD', KEYS[2], key)
   return tonumber(epoch)
 end
-local epoch = redis.call('INCR', KEYS[3])
+local last = redis.call('GET', KEYS[4])
+local epoch, held_by = false, false
+if last then epoch, held_by = string.match(last, '^(%d+) (.*)$') end
+if held_by ~= owner then
+  epoch = redis.call('INCR', KEYS[3])
+  redis.call('SET', KEYS[4], epoch .. ' ' .. owner)
+end
 redis.call('SET', key, epoch .. ' ' .. owner, 'PX', ttl)
 redis.call('SADD', KEYS[2], key)
-return epoch
+return tonumber(epoch)
 """
 
+# KEYS[3]: the run's fence key, cleared ('0') with the lease: the next lease has a new epoch.
 RELEASE_LEASE: Final = _HELPERS + """
 redis.call('SREM', KEYS[2], KEYS[1])
-if holder(redis.call('GET', KEYS[1])) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
+return release_lease(KEYS[1], KEYS[3], ARGV[1])
 """
 
 # Retention, one batch: runs created before `cutoff` (seconds) from `offset` on in the
@@ -654,8 +674,8 @@ for _, id in ipairs(ids) do
       pruned = pruned + redis.call('DEL', p .. 'events:' .. id)
       kept = kept + 1
     else
-      redis.call('DEL', key, p .. 'events:' .. id, p .. 'lease:' .. id, p .. 'transcript:' .. id,
-                 p .. 'per_turn:' .. id)
+      redis.call('DEL', key, p .. 'events:' .. id, p .. 'lease:' .. id, p .. 'fence:' .. id,
+                 p .. 'transcript:' .. id, p .. 'per_turn:' .. id)
       redis.call('ZREM', p .. 'runs', id)
       redis.call('ZREM', p .. 'runs:team:' .. r[2], id)
       redis.call('ZREM', p .. 'runs:status:' .. r[1], id)

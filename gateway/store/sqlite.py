@@ -126,8 +126,8 @@ _REVISION: Final = "(SELECT revision FROM runs WHERE id = :run)"
 """The run's stored revision, read back by the admission's RETURNING (`Grant.run_revision`):
 a statement less than a SELECT after it (3 us a call)."""
 
-_HELD: Final = "SELECT 1 FROM leases WHERE run_id = ? AND owner = ? AND epoch = ? AND expires_at > ?"
-"""Whether a lease (run, owner, epoch) still holds its run, at a time."""
+_HELD: Final = "SELECT 1 FROM leases WHERE run_id = ? AND owner = ? AND epoch = ? AND expires_at > 0"
+"""Whether a lease (run, owner, epoch) is still the last one taken on its run and not released."""
 _READ_CLOCK: Final = "SELECT requests_tat, tokens_tat FROM reservations WHERE id = ?"
 _CLOCK_ROW: Final = ("INSERT OR IGNORE INTO reservations (id, team, period, amount_micros, expires_at, state)"
                      " VALUES (?1, ?1, '', 0, 0, 'clock')")
@@ -209,8 +209,9 @@ class _Snapshot:
 
 
 def _fence(db: sqlite3.Connection, lease: Lease | None) -> None:
-    """LeaseLost (nothing written yet) unless `lease`, when given, still holds its run."""
-    if lease is not None and db.execute(_HELD, (lease.run_id, lease.owner, lease.epoch, time.time())).fetchone() is None:
+    """LeaseLost (nothing written yet) unless `lease`, when given, is still its run's last
+    lease taken (a released one has expires_at 0)."""
+    if lease is not None and db.execute(_HELD, (lease.run_id, lease.owner, lease.epoch)).fetchone() is None:
         raise LeaseLost(lease.run_id, lease.epoch)
 
 
@@ -725,7 +726,7 @@ class SqliteStore:
             row = db.execute(
                 "INSERT INTO leases (run_id, owner, expires_at, epoch) VALUES (?1, ?2, ?3, 1)"
                 " ON CONFLICT (run_id) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at,"
-                " epoch = CASE WHEN leases.owner = excluded.owner AND leases.expires_at > ?4 THEN leases.epoch"
+                " epoch = CASE WHEN leases.owner = excluded.owner AND leases.expires_at > 0 THEN leases.epoch"
                 " ELSE leases.epoch + 1 END"
                 " WHERE leases.owner = excluded.owner OR leases.expires_at <= ?4 RETURNING epoch",
                 (run_id, owner, now + ttl, now),

@@ -345,7 +345,7 @@ async def test_a_restarted_owner_frees_the_leases_of_its_previous_life(stores: S
     assert not await a.acquire_lease("run_c", "host/w0", 30)
 
 
-async def test_a_lease_keeps_its_epoch_while_live_and_gets_a_new_one_when_taken_afresh(stores: Stores) -> None:
+async def test_a_lease_keeps_its_epoch_until_another_takes_the_run(stores: Stores) -> None:
     a, b = stores.open(), stores.open()
     first = await a.acquire_lease("run_a", "replica-a", 30)
     assert first is not None and (first.run_id, first.owner) == ("run_a", "replica-a")
@@ -355,9 +355,15 @@ async def test_a_lease_keeps_its_epoch_while_live_and_gets_a_new_one_when_taken_
     second = await b.acquire_lease("run_a", "replica-b", 0.3)
     assert second is not None and second.epoch > first.epoch
     await asyncio.sleep(max(0.0, taken + 0.4 - time.monotonic()))  # the TTL passing is the thing under test
-    third = await b.acquire_lease("run_a", "replica-b", 30)
-    # its own owner taking it back after it lapsed gets a new epoch: the old one is dead
+    # lapsed, and nobody took the run meanwhile: its holder takes it back, the same lease
+    assert await b.acquire_lease("run_a", "replica-b", 0.3) == second
+    await asyncio.sleep(0.4)
+    third = await a.acquire_lease("run_a", "replica-a", 30)  # lapsed again, and now another takes it
     assert third is not None and third.epoch > second.epoch
+    assert await b.acquire_lease("run_a", "replica-b", 30) is None
+    await a.release_lease("run_a", "replica-a")
+    fourth = await a.acquire_lease("run_a", "replica-a", 30)  # after a release: a new lease, even for its owner
+    assert fourth is not None and fourth.epoch > third.epoch
 
 
 async def test_writes_under_a_lease_are_refused_once_another_holds_it(stores: Stores) -> None:
@@ -394,17 +400,20 @@ async def test_writes_under_a_lease_are_refused_once_another_holds_it(stores: St
     assert [e["type"] for _, e in await a.events("run_a")] == ["tool_start", "turn", "run_resumed"]
 
 
-async def test_a_write_under_a_lease_that_lapsed_is_refused(store: Store) -> None:
+async def test_a_write_under_a_lease_that_lapsed_counts_until_another_takes_the_run(store: Store) -> None:
     run = make_run("run_a")
     await store.create_run(run)
     lease = await store.acquire_lease("run_a", "replica-a", 0.2)
     assert lease is not None
+    await asyncio.sleep(0.3)  # lapsed (the TTL passing is the thing under test), nobody took it
+    await store.commit_turn(run, [{"type": "turn"}], lease=lease)
+    assert run.revision == 1
     await store.release_lease("run_a", "replica-a")
-    with pytest.raises(LeaseLost):
+    with pytest.raises(LeaseLost):  # released: its writes are over
         await store.commit_turn(run, [{"type": "turn"}], lease=lease)
     with pytest.raises(LeaseLost):
         await store.append_events("run_a", [{"type": "turn"}], lease=lease)
-    assert await store.events("run_a") == [] and run.revision == 0
+    assert [e["type"] for _, e in await store.events("run_a")] == ["turn"] and run.revision == 1
 
 
 async def test_lease_ttl_must_be_positive(store: Store) -> None:

@@ -17,10 +17,11 @@ run with a status and a reason, saved and traced like any other exit.
 The lease lasts `server.lease_ttl_s` and is renewed every third of it while the run is
 driven, so a replica that dies holds its runs at most that long; sandboxes live under
 `runs_dir`, which replicas share. Every write of the drive (trace lines, the notices they
-cause, saves) is fenced by the lease's epoch in its own store step (`Lease`): once the
-lease lapsed (a frozen or stalled replica, a store unreachable for a whole TTL) or another
-replica took the run, nothing more of this drive is written (`LeaseLost`), and the run's
-metrics, which count stored lines only, say nothing of it either. A replica that cannot
+cause, saves) is fenced by the lease's epoch in its own store step (`Lease`): once another
+replica (or this one's recovery sweep) took the run over after the lease lapsed (a frozen
+or stalled replica, a store unreachable for a whole TTL), nothing more of this drive is
+written (`LeaseLost`), and the run's metrics, which count stored lines only, say nothing
+of it either. A replica that cannot
 renew stops driving at its next renewal; a model call it has in flight is still booked on
 the team's ledger when its answer comes (`governed_model`).
 
@@ -263,10 +264,10 @@ class RunDriver:
                 _log_failure(task)
 
     async def _keep_lease(self, lease: Lease, scope: CancelScope, stop: asyncio.Event, keep: _Keep) -> None:
-        """Renew the lease while driving; stop driving if another replica took it, if it
-        lapsed (a renewal that finds it expired gets a new epoch: its writes are fenced by
-        the old one), or if the store could not renew it for a whole TTL. `keep` says whether
-        a renewal failed since the lease was last renewed."""
+        """Renew the lease while driving; stop driving if another replica took it (held, or
+        taken and released meanwhile: a renewal then gets a new epoch, and this drive's
+        writes are fenced by the old one), or if the store could not renew it for a whole
+        TTL. `keep` says whether a renewal failed since the lease was last renewed."""
         run_id = lease.run_id
         held_until = time.monotonic() + self.lease_ttl_s
         while not stop.is_set():
@@ -287,7 +288,7 @@ class RunDriver:
                 scope.cancel(f"the gateway lost the run's lease (store unreachable: {exc})")
                 return
             if renewed is None or renewed.epoch != lease.epoch:
-                if renewed is not None:  # it lapsed and was taken afresh: not the lease this drive writes under
+                if renewed is not None:  # another took it and let go meanwhile: not the lease this drive writes under
                     with contextlib.suppress(StoreError, TimeoutError):
                         async with asyncio.timeout(self.store_deadline_s):
                             await self.store.release_lease(run_id, self.owner)
