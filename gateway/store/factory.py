@@ -11,7 +11,7 @@ from gateway.store.errors import StoreConfigError
 
 _FIELDS: Final[Mapping[str, frozenset[str]]] = MappingProxyType({
     "sqlite": frozenset({"kind", "path"}),
-    "redis": frozenset({"kind", "url", "prefix", "timeout_s", "wait_replicas", "wait_timeout_s"}),
+    "redis": frozenset({"kind", "url", "prefix", "timeout_s", "allow_eviction", "wait_replicas", "wait_timeout_s"}),
     "memory": frozenset({"kind"}),
 })
 _REDIS_SCHEMES: Final = ("redis://", "rediss://", "unix://")
@@ -31,8 +31,8 @@ def _text(config: Mapping[str, Any], name: str, example: str) -> str:
 
 
 def open_store(config: Mapping[str, Any]) -> Store:
-    """Open the store described by `{kind: sqlite, path}`, `{kind: redis, url[, prefix, timeout_s, wait_replicas,
-    wait_timeout_s]}` or `{kind: memory}`.
+    """Open the store described by `{kind: sqlite, path}`, `{kind: redis, url[, prefix, timeout_s, allow_eviction,
+    wait_replicas, wait_timeout_s]}` or `{kind: memory}`.
 
     Errors (StoreConfigError) name the field and what is wrong. A Redis server is only
     contacted on first use; an unreachable one then raises StoreError naming it.
@@ -59,6 +59,8 @@ def open_store(config: Mapping[str, Any]) -> Store:
         prefix = config.get("prefix", "gw:")
         if not isinstance(prefix, str):
             raise StoreConfigError(f"store.prefix: expected a string, got {prefix!r}")
+        if not isinstance(config.get("allow_eviction", False), bool):
+            raise StoreConfigError(f"store.allow_eviction: expected true or false, got {config['allow_eviction']!r}")
         timeout = config.get("timeout_s", DEFAULT_REDIS_TIMEOUT_S)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise StoreConfigError(f"store.timeout_s: expected a number of seconds > 0, got {timeout!r}")

@@ -145,11 +145,32 @@ MIGRATIONS: Final[tuple[str, ...]] = (
                                   tokens_tat)
         WHERE id = NEW.clock_b;
     END""",
+    # Keys as records (gateway.store.keys): the whole record as JSON, the revision every
+    # process reads the changes since, the team for lists; last use beside it (no revision).
+    """CREATE TABLE keys (id TEXT PRIMARY KEY, team TEXT NOT NULL, revision INTEGER NOT NULL, body BLOB NOT NULL,
+        last_used_at REAL) WITHOUT ROWID""",
+    "CREATE INDEX keys_revision ON keys (revision)",
+    "CREATE INDEX keys_team ON keys (team, id)",
+    # Console sessions, by the hash of their id.
+    """CREATE TABLE console_sessions (id_hash TEXT PRIMARY KEY, key_id TEXT NOT NULL, idle_until REAL NOT NULL,
+        expires_at REAL NOT NULL, body BLOB NOT NULL) WITHOUT ROWID""",
+    # The audit log, numbered and chained (gateway.store.audit).
+    """CREATE TABLE audit (seq INTEGER PRIMARY KEY, at REAL NOT NULL, action TEXT NOT NULL, team TEXT NOT NULL,
+        actor_team TEXT NOT NULL, hash TEXT NOT NULL, body BLOB NOT NULL)""",
+    "CREATE INDEX audit_at ON audit (at)",
+    # Budgets besides the team's a reservation holds against (base.Hold: '|key:k#2026-12|user:t:u#2026-12|'),
+    # whose ledgers are rows of `ledger` (team = the hold's scope, which no team name can be),
+    # and whose spend it is (base.Attribution, encoded): its booking adds to the day's `spend` row.
+    "ALTER TABLE reservations ADD COLUMN budgets TEXT",
+    "ALTER TABLE reservations ADD COLUMN attrib TEXT",
+    """CREATE TABLE spend (day TEXT NOT NULL, team TEXT NOT NULL, key_id TEXT NOT NULL, user TEXT NOT NULL,
+        model TEXT NOT NULL, policy TEXT NOT NULL, cost_micros INTEGER NOT NULL, calls INTEGER NOT NULL,
+        PRIMARY KEY (day, team, key_id, user, model, policy)) WITHOUT ROWID""",
     # Lease epochs (fencing tokens): a lease taken while nobody held it live gets the next
     # epoch of its run, and every write made under a lease checks it in its own transaction.
     # A released lease keeps its row (expired), so a run's epochs only ever grow.
     "ALTER TABLE leases ADD COLUMN epoch INTEGER NOT NULL DEFAULT 0",
-    # A run's transcript beside its head (run schema 3): `runs.body` holds the head (a few
+    # A run's transcript beside its head (run schema 5): `runs.body` holds the head (a few
     # KB, rewritten by each save) and counts what this table holds for it; each message
     # (kind 0, its JSON) and each turn's usage (kind 1, "prompt completion") is one row,
     # written once. One table for both (a turn's rows are one INSERT, on the table's last

@@ -9,6 +9,7 @@ import pytest
 
 from gateway.harness.state import (
     DEFAULT_MAX_TOOL_CALLS,
+    READ_VERSIONS,
     SCHEMA_VERSION,
     Decision,
     RunState,
@@ -23,7 +24,8 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 def test_every_schema_version_has_a_saved_fixture_that_loads() -> None:
-    for version in range(1, SCHEMA_VERSION + 1):
+    assert READ_VERSIONS[-1] == SCHEMA_VERSION
+    for version in READ_VERSIONS:
         raw = (FIXTURES / f"run_v{version}.json").read_bytes()
         state = RunState.loads(raw)
         assert state.status == "interrupted" and state.interruption is not None
@@ -109,12 +111,19 @@ def test_a_copy_is_equal_and_its_lists_and_dicts_are_its_own() -> None:
     assert run.dumps() == saved  # the original is untouched
 
 
-def test_v3_stored_fixture_is_a_head_and_its_transcript_beside_it() -> None:
-    stored = orjson.loads((FIXTURES / "run_v3_stored.json").read_bytes())
+def test_v3_fixture_names_the_key_and_user_that_started_the_run() -> None:
+    state = RunState.loads((FIXTURES / "run_v3.json").read_bytes())
+    assert state.key_id == "key_0LkDmkqAb3XqYg7tH2Pz" and state.user == "ana@example.com"
+    older = RunState.loads((FIXTURES / "run_v2.json").read_bytes())
+    assert older.version == SCHEMA_VERSION and older.key_id == "" and older.user is None
+
+
+def test_v5_stored_fixture_is_a_head_and_its_transcript_beside_it() -> None:
+    stored = orjson.loads((FIXTURES / "run_v5_stored.json").read_bytes())
     assert "messages" not in stored["head"] and "per_turn" not in stored["head"]
     assert stored["head"]["transcript"] == {"messages": 4, "per_turn": 2}
     state = RunState.from_json(stored["head"], (stored["messages"], stored["per_turn"]))
-    assert state == RunState.loads((FIXTURES / "run_v3.json").read_bytes())
+    assert state == RunState.loads((FIXTURES / "run_v5.json").read_bytes())
     with pytest.raises(StateError, match="counts 4 messages and 2 turns, the store holds 3 and 2"):
         RunState.from_json(stored["head"], (stored["messages"][:3], stored["per_turn"]))
     with pytest.raises(StateError, match="without its transcript"):

@@ -85,7 +85,7 @@ def _with(change: Any) -> dict[str, Any]:
 ERRORS = [
     (lambda d: d["teams"][0].update(budget_usd="ten"), "teams[0].budget_usd", "must be a number"),
     (lambda d: d["teams"][0].update(budget_usd=-1), "teams[0].budget_usd", ">= 0"),
-    (lambda d: d["teams"][1].update(budget_period="week"), "teams[1].budget_period", "day, month, total"),
+    (lambda d: d["teams"][1].update(budget_period="year"), "teams[1].budget_period", "day, week, month, total"),
     (lambda d: d["teams"][0].update(budget_mode="hard"), "teams[0].budget_mode", "turn, strict"),
     (lambda d: d["teams"][0].update(policies=[]), "teams[0].policies", "at least one policy"),
     (lambda d: d["teams"][0].update(keys=[]), "teams[0].keys", "at least one key"),

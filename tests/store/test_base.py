@@ -10,7 +10,8 @@ import pytest
 
 from gateway.harness.state import RunState
 from gateway.harness.usage import Usage
-from gateway.store.base import Claim, Store
+from gateway.store.audit import AuditEntry
+from gateway.store.base import Attribution, Booking, Claim, Store
 from gateway.store.errors import LeaseLost, RunExists, RunNotFound, StaleRun, StoreError
 from gateway.store.outbox import Notice
 from gateway.store.periods import period_key
@@ -398,6 +399,31 @@ async def test_writes_under_a_lease_are_refused_once_another_holds_it(stores: St
     assert [c.id for c in await b.claim_notices("b", 10, 30.0)] == ["run_a:1"]  # no notice of a refused line
     await b.commit_turn(stored, [{"type": "run_resumed"}], lease=taken)  # the holder writes
     assert [e["type"] for _, e in await a.events("run_a")] == ["tool_start", "turn", "run_resumed"]
+
+
+async def test_a_fenced_commit_books_nothing_and_records_nothing(stores: Stores) -> None:
+    # The commit step of a drive that lost its lease carries a booking and audit records:
+    # refused, none of it lands (no ledger, no spend row, no audit record, no line).
+    a, b = stores.open(), stores.open()
+    run = make_run("run_a")
+    await a.create_run(run)
+    lease = await a.acquire_lease("run_a", "replica-a", 0.2)
+    assert lease is not None
+    deadline = time.monotonic() + 10
+    while await b.acquire_lease("run_a", "replica-b", 30) is None:
+        assert time.monotonic() < deadline, "the lease never expired"
+        await asyncio.sleep(0.05)  # polling for expiry, the thing under test
+    period = period_key("day")
+    booking = Booking("demo", period, 0.25, attribution=Attribution("key_1", "ana", "gpt-x", "files"))
+    entry = AuditEntry("run.resumed", "ops", "key_ops", "run_a", team="demo")
+    with pytest.raises(LeaseLost):
+        await a.commit_turn(run.copy(), [{"type": "turn"}], booking, [entry], lease=lease)
+    assert await b.team_spend("demo", period) == (0.0, 0.0)
+    assert await b.spend("2000-01-01", "2999-12-31") == []
+    assert await b.audit_log() == [] and await b.events("run_a") == []
+    await a.commit_turn(run, [{"type": "turn"}], booking, [entry])  # the same step without the lease lands
+    assert (await b.team_spend("demo", period))[0] == pytest.approx(0.25)
+    assert [r.action for r in await b.audit_log()] == ["run.resumed"]
 
 
 async def test_a_write_under_a_lease_that_lapsed_counts_until_another_takes_the_run(store: Store) -> None:

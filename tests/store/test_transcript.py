@@ -11,7 +11,7 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.harness.state import RunState
+from gateway.harness.state import SCHEMA_VERSION, RunState
 from gateway.harness.usage import Usage
 from gateway.store.base import Store
 from gateway.store.errors import StaleRun
@@ -91,9 +91,10 @@ async def test_a_history_sent_again_adds_only_what_is_new_and_a_rewritten_one_re
     assert (await store.load_run("demo/passthrough")).to_json() == final.to_json()  # type: ignore[union-attr]
 
 
-async def test_a_run_stored_before_heads_is_read_and_saved_in_the_new_shape(stores: Stores) -> None:
+@pytest.mark.parametrize("fixture", ["run_v2.json", "run_v3.json"])
+async def test_a_run_stored_before_heads_is_read_and_saved_in_the_new_shape(stores: Stores, fixture: str) -> None:
     store = stores.open()
-    legacy = orjson.loads((FIXTURES / "run_v2.json").read_bytes())
+    legacy = orjson.loads((FIXTURES / fixture).read_bytes())
     legacy.update(run_id="demo/old", team="demo", policy="files", status="running")
     body = orjson.dumps(legacy)
     seed = make_run("demo/old")
@@ -117,7 +118,8 @@ async def test_a_run_stored_before_heads_is_read_and_saved_in_the_new_shape(stor
     run = await store.load_run("demo/old")
     assert run is not None
     assert run.messages == legacy["messages"] and [u.to_json() for u in run.per_turn] == legacy["per_turn"]
-    assert run.model_call_ids == ["c1", "c2"] and run.version == 3
+    assert run.model_call_ids == ["c1", "c2"] and run.version == SCHEMA_VERSION
+    assert (run.key_id, run.user) == (legacy.get("key_id", ""), legacy.get("user"))
     run.messages.append({"role": "tool", "tool_call_id": "c2", "name": "delete_file", "content": "deleted"})
     await store.save_run(run)
     assert b'"messages":[' not in await stored_head(stores, store, "demo/old")

@@ -11,7 +11,9 @@ config.yaml lists must still be there; otherwise the previous set keeps serving.
 
 `changed` lists the policies whose version changed (a removed one has version null).
 New runs get the new versions; a run keeps the version it started under, resumes
-included. SIGHUP does the same reload (`gateway.server.main`); both log the result.
+included. SIGHUP does the same reload (`gateway.server.main`); both log the result. A reload through
+this route is recorded in the audit log (`config.reloaded`, once, by the worker that served
+it); a SIGHUP is an act of whoever sent the signal, which the log does not know.
 
 A reload is per process: replicas each hold their own copy of the policy set, so reload
 every replica (this route on each, or a SIGHUP to each). The workers of one
@@ -36,6 +38,7 @@ from gateway.config.settings import Config
 from gateway.policy.decl import Policy
 from gateway.policy.errors import PolicyError
 from gateway.policy.registry import PolicyRegistry, ReloadResult
+from gateway.server import audit
 from gateway.server import context as ctx
 from gateway.server.workers import RELOAD_WAIT_S, mark_reloaded, reload_every_worker
 from gateway.server.http.errors import BadRequest, Forbidden
@@ -123,6 +126,8 @@ async def post_reload(request: web.Request) -> web.Response:
                            code="invalid_policy")
         error.extra.update(body)
         raise error
+    await audit.record(app[ctx.STORE], team, audit.CONFIG_RELOADED, "policies",
+                       details={"changed": [[n, app[ctx.POLICIES].version_of(n)] for n in result.changed]})
     if ctx.WORKER in app:  # one of `--workers N`: the others reload too
         count, reloaded = await reload_every_worker(asked_at)
         body["workers"] = {"count": count, "reloaded": reloaded}
