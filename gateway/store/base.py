@@ -9,9 +9,9 @@ run's fields and counters, a few KB) is rewritten by every save; its messages an
 `per_turn` entries are kept beside it as items, each written once, so that a save costs
 the same at turn 200 as at turn 2. A store must read a run back in one consistent snapshot
 (the head and exactly the items it counts, `parse_run`), and write a save's head and items
-in the one step that checks its revision (and lease). Runs stored before heads (schema 1
-and 2, one body holding everything) are read as they are and take the new shape on their
-next save.
+in the one step that checks its revision (and lease, `Lease`). Runs stored before heads
+(schema 1 to 3, one body holding everything) are read as they are and take the new shape on
+their next save.
 """
 
 from __future__ import annotations
@@ -48,15 +48,30 @@ PRUNE_BATCH = 500
 class Lease:
     """The right to drive one run, as `Store.acquire_lease` granted it.
 
-    `epoch` is a fencing token: a lease taken by another owner than the last one to take it
-    (or after it was released) gets a new, higher epoch; renewing it keeps it, and so does
-    taking it back after it lapsed when nobody took it meanwhile. A write given a lease
-    (`save_run`, `commit_turn`, `append_events`) checks in its own store step that this very
-    lease (owner and epoch) is still the last one taken on the run and not released;
-    otherwise it writes nothing and raises LeaseLost. So a driver that stalled past its TTL
-    (a frozen process, a long pause) and was replaced can never write to the run again, even
-    if it wakes up before it notices; one whose lease lapsed while nobody took the run over
-    loses nothing."""
+    `epoch` is a fencing token. Every store keeps, per run, besides the lease itself (who
+    may take the run, until when), its **fence**: the last lease taken on the run, as
+    (owner, epoch), or "released". The rules every store follows:
+
+    - `acquire_lease(run, owner)` is granted when nobody else's lease is live. If the fence
+      names `owner` (it was the last to take the run and did not release it, whether its
+      lease is live or lapsed), the lease keeps that epoch; otherwise it gets a new epoch,
+      higher than every epoch the run's lease ever had, and the fence becomes (owner, epoch).
+    - `release_lease(run, owner)` and `release_owner(owner)` end the lease and set the fence
+      to "released" if it names `owner`: no write under that epoch counts again, and the
+      next lease, even the same owner's, gets a new epoch.
+    - A write given a lease (`save_run`, `commit_turn`, `append_events`) checks, in the same
+      atomic step as the write and before anything else, that the fence is exactly
+      (lease.owner, lease.epoch); otherwise it raises LeaseLost and writes nothing at all
+      (no head, no transcript item, no trace line, no outbox notice, no booking on any
+      ledger, no spend row, no audit record), even when it would also have been stale.
+      The lease's expiry is not checked there: a holder whose lease lapsed while nobody
+      took the run over goes on writing; once another process took it, it cannot.
+    - Writes without a lease are not fenced (the run's revision checks them), and neither
+      are reservations: `settle` and `release` of a model call's reservation book and free
+      it whatever happened to the run's lease, since the upstream was paid.
+
+    So a driver that stalled past its TTL (a frozen process, a long pause) and was replaced
+    can never write to the run again, even if it wakes up before it notices."""
 
     run_id: str
     owner: str
@@ -349,8 +364,8 @@ class Store(Protocol):
         """Save `state` if nobody saved since it was loaded (optimistic concurrency).
 
         `state.revision` must equal the stored revision, else StaleRun (RunNotFound if the
-        run was never created). With `lease`, only while that lease holds the run (`Lease`),
-        else LeaseLost; either refusal writes nothing. It writes `run_write(state, revision +
+        run was never created). With `lease`, only while the run's fence is that lease
+        (`Lease`), else LeaseLost; either refusal writes nothing. It writes `run_write(state, revision +
         1, now)`: the head, and of the transcript only what the store does not hold yet
         (`state.stored_messages`, `state.stored_per_turn`). On success the store holds
         revision + 1, `state.revision` and `state.updated_at` are updated in place and
@@ -382,8 +397,8 @@ class Store(Protocol):
 
     async def append_events(self, run_id: str, events: list[Event], *, lease: Lease | None = None) -> None:
         """Append trace events to a run; they get the next sequence numbers (from 1), in order.
-        With `lease`, only while that lease holds the run (`Lease`), else LeaseLost and nothing
-        is appended (nor any notice of the events)."""
+        With `lease`, only while the run's fence is that lease (`Lease`), else LeaseLost and
+        nothing is appended (nor any notice of the events)."""
         ...
 
     async def events(self, run_id: str, after: int = 0) -> list[tuple[int, Event]]:
@@ -417,9 +432,10 @@ class Store(Protocol):
         ...
 
     async def release_owner(self, owner: str) -> int:
-        """Release every reservation and every run lease `owner` still holds, and make the
-        notices it was delivering due again at once (it restarted: an owner name is never live
-        in two processes); returns how many reservations."""
+        """Release every reservation and every run lease `owner` still holds (each as
+        `release_lease`: its fence "released"), and make the notices it was delivering due
+        again at once (it restarted: an owner name is never live in two processes); returns
+        how many reservations."""
         ...
 
     async def settle(self, reservation_id: str, actual_usd: float, tokens: Sequence[TokenCharge] = ()) -> None:
@@ -461,16 +477,18 @@ class Store(Protocol):
         ...
 
     async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> Lease | None:
-        """Take (or extend) the right to drive a run for `ttl_s`: the lease if it was free,
-        released, expired or `owner`'s live one, else None. It keeps its epoch when `owner`
-        was the last to take it and did not release it; otherwise it gets a new, higher one
-        (`Lease`), so a holder whose lease was taken by another meanwhile sees a different
-        epoch on its next renewal, and knows it lost it."""
+        """Take (or extend) the right to drive a run for `ttl_s`, in one atomic step: the
+        lease if it was free, released, expired or `owner`'s live one, else None. It keeps
+        its epoch when the run's fence names `owner` (it was the last to take the run and did
+        not release it); otherwise it gets a new, higher one and the fence names it (`Lease`),
+        so a holder whose lease was taken by another meanwhile sees a different epoch on its
+        next renewal, and knows it lost it."""
         ...
 
     async def release_lease(self, run_id: str, owner: str) -> None:
-        """Give the lease back, if `owner` still holds it (its epoch is never used again: writes
-        under it are refused from now on)."""
+        """Give the lease back, if the run's fence names `owner` (its lease live or lapsed):
+        the fence becomes "released", so writes under that epoch are refused from now on and
+        the next lease gets a new epoch (`Lease`). A no-op if another owner took the run."""
         ...
 
     async def prune_runs(self, updated_before: float, *, events_only: bool = False) -> int:
@@ -733,7 +751,7 @@ def new_run_write(state: RunState) -> RunWrite:
 def parse_run(run_id: str, raw: bytes | str,
               transcript: tuple[Sequence[bytes | str], Sequence[Sequence[int]]] = ((), ())) -> RunState:
     """A stored run back: its head and the messages and `per_turn` pairs kept beside it (a
-    body stored before heads, schema 1 or 2, holds its transcript itself and nothing is
+    body stored before heads, schema 1 to 3, holds its transcript itself and nothing is
     kept beside it). The run knows what the store holds (`RunState.mark_stored`). An
     unreadable run is a StoreError naming it."""
     try:

@@ -5,12 +5,13 @@ resume`) on one redis-server, or on one SQLite file, and an upstream of the test
 counts every call it answers and the tokens it bills, and serves the runs' one tool (a slow
 write, over HTTP, that records the idempotency key of every execution). Replica A drives two
 runs; it is frozen (SIGSTOP, its whole process tree) while one run is inside the tool and the
-other's model call is at the upstream (answered while A is frozen). Replica B's recovery
-sweep resumes both once A's lease expired; A is thawed while B is inside the tool of both
-runs, and B completes them. Then:
+other's model call is at the upstream. Replica B's recovery sweep resumes both once A's
+lease expired; A is thawed while B is inside the tool of both runs, finds its lease taken
+and stops driving, and only then does the upstream answer A's model call; B completes both
+runs. Then:
 
-- the team's ledger is what the upstream billed, to the micro-dollar (the zombie's answered
-  call included);
+- the team's ledger, and its spend rows, are what the upstream billed, to the micro-dollar
+  (the zombie's answered call included);
 - every trace line of each run was written by the replica holding its lease: A's lines
   (those its trace file shows it stored) all come before B's, and nothing A did after the
   freeze is stored (no `tool_result`, no false `run_stopped`, no turn);
@@ -202,13 +203,16 @@ async def test_a_replica_frozen_past_its_lease_writes_nothing_to_the_runs_taken_
             await poll(lambda: _true(counting.held == 1), timeout=30)
             frozen = tree(a.popen.pid)
             signal_tree(frozen, signal.SIGSTOP)
-            counting.release = True  # the upstream answers the frozen replica's call (and bills it)
             # B takes both runs over once A's lease expired, and runs the tool of each again.
             for rid in ("in_tool", "in_call"):
                 await poll(lambda rid=rid: _resumed_in_tool(session, b.url, rid), timeout=60)
             signal_tree(frozen, signal.SIGCONT)
             frozen = []
-            answers = await asyncio.wait_for(asyncio.gather(in_tool, in_call), 60)
+            # Thawed, A finds its lease taken and stops driving in_call, its model call still at
+            # the upstream; only then does the upstream answer that call (and bill it).
+            answered_in_call = await asyncio.wait_for(in_call, 60)
+            counting.release = True
+            answers = [await asyncio.wait_for(in_tool, 60), answered_in_call]
             for rid in ("in_tool", "in_call"):
                 await poll(lambda rid=rid: _status_is(session, b.url, rid, "completed"), timeout=60)
             # the zombie's answered call is booked on the team's ledger once its reply arrives
@@ -226,6 +230,10 @@ async def test_a_replica_frozen_past_its_lease_writes_nothing_to_the_runs_taken_
                     raise AssertionError(f"ledger spent {to_micros(spent, 's')} reserved {to_micros(reserved, 'r')}"
                                          f" micro-dollars; the upstream billed {counting.billed_micros} for "
                                          f"{counting.calls} calls") from None
+                # and in the spend rows (GET /v1/spend), every call once
+                rows = await store.spend("2000-01-01", "2999-12-31", "demo")
+                assert (sum(r.cost_micros for r in rows), sum(r.calls for r in rows)) == (
+                    counting.billed_micros, counting.calls), rows
             finally:
                 await store.close()
             assert counting.calls == 5  # in_tool: A's turn 1, B's turn 2; in_call: A's, then B's turns 1 and 2
