@@ -129,10 +129,15 @@ class Switch:
             self._server.close()
             for w in list(self._pipes):
                 w.close()
+            pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in pending:  # the connections' pipes: ended here, not destroyed with the loop
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        self._loop.close()
 
 
 def wait_in_sync(replica: RedisProc) -> None:
