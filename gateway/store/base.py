@@ -10,7 +10,7 @@ run's fields and counters, a few KB) is rewritten by every save; its messages an
 the same at turn 200 as at turn 2. A store must read a run back in one consistent snapshot
 (the head and exactly the items it counts, `parse_run`), and write a save's head and items
 in the one step that checks its revision (and lease, `Lease`). Runs stored before heads
-(schema 1 to 3, one body holding everything) are read as they are and take the new shape on
+(schema 1 to 4, one body holding everything) are read as they are and take the new shape on
 their next save.
 """
 
@@ -751,7 +751,7 @@ def new_run_write(state: RunState) -> RunWrite:
 def parse_run(run_id: str, raw: bytes | str,
               transcript: tuple[Sequence[bytes | str], Sequence[Sequence[int]]] = ((), ())) -> RunState:
     """A stored run back: its head and the messages and `per_turn` pairs kept beside it (a
-    body stored before heads, schema 1 to 3, holds its transcript itself and nothing is
+    body stored before heads, schema 1 to 4, holds its transcript itself and nothing is
     kept beside it). The run knows what the store holds (`RunState.mark_stored`). An
     unreadable run is a StoreError naming it."""
     try:

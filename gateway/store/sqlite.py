@@ -224,7 +224,7 @@ _INSERT_ITEMS: Final = tuple("INSERT INTO transcripts (run_id, kind, seq, body) 
 
 def _read_run(db: sqlite3.Connection, run_id: str, body: bytes | str) -> RunState:
     """A run from its head and the rows beside it, in the caller's read transaction (a body
-    of schema 1 to 3 holds its transcript itself: no rows)."""
+    of schema 1 to 4 holds its transcript itself: no rows)."""
     if b'"transcript":{' not in (body.encode() if isinstance(body, str) else body):  # migrated bodies are TEXT
         return parse_run(run_id, body)
     messages: list[bytes] = []

@@ -91,7 +91,7 @@ async def test_a_history_sent_again_adds_only_what_is_new_and_a_rewritten_one_re
     assert (await store.load_run("demo/passthrough")).to_json() == final.to_json()  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("fixture", ["run_v2.json", "run_v3.json"])
+@pytest.mark.parametrize("fixture", ["run_v2.json", "run_v3.json", "run_v4.json"])
 async def test_a_run_stored_before_heads_is_read_and_saved_in_the_new_shape(stores: Stores, fixture: str) -> None:
     store = stores.open()
     legacy = orjson.loads((FIXTURES / fixture).read_bytes())

@@ -11,12 +11,13 @@ A `Sweeper` runs once when the gateway starts and then every `period_s` (half of
   pass-through run: left alone. This rests on one rule: only a drive makes a server-side
   run `running`, under its lease (a decision, a grant, a cancel leave it stopped, saying
   what it waits for), so `running` with a free lease means its driver died.
-- a run of an `approval: {on_decision: resume}` policy whose decided call was never
-  driven (the deciding replica died) is resumed.
+- a run of an `approval: {on_decision: resume}` policy whose decided call (or granted
+  limit request) was never driven (the deciding replica died) is resumed, once.
 - a run waiting for a decision past its policy's `approval.expires_after_s` gets the
   expiry's rejection (as when someone decides late), traced `approval_expired` (the
   approvals gauge is recounted at the next scrape); under `on_decision: resume` the run
-  then goes on (the model reads the rejection).
+  then goes on (the model reads the rejection). A limit request (`on_exceed: ask`) that
+  expires ends the run as the limit does (`limit_rejected`, `by: "approval-expiry"`).
 
 Each change is made while holding the run's lease (and its `ActiveRuns` claim), and
 saved with the run's revision: two replicas sweeping at once never change a run twice.
@@ -39,16 +40,18 @@ from gateway.harness.state import Interruption, RunState, pending
 from gateway.harness.trace import Tracer
 from gateway.policy.approval import EXPIRED_BY, expired, expiry_decision
 from gateway.policy.decl import Policy
+from gateway.server.runs import limit_requests
 from gateway.server.runs.auto_resume import (
     RESUMED_BY,
     BackgroundDrives,
     after_decision,
     decided_undriven,
+    resume_decided,
     resumes_on_decision,
 )
 from gateway.server.runs.cancels import RunBusy
 from gateway.server.runs.continuations import resume_with
-from gateway.server.runs.driver import PolicyGone, RunDriver
+from gateway.server.runs.driver import PolicyGone, Prepare, RunDriver
 from gateway.server.runs.tracelog import TraceWriter, asked_at
 from gateway.store.base import Lease
 from gateway.store.errors import LeaseLost, StaleRun, StoreError
@@ -94,7 +97,7 @@ class Sweeper:
         for run in await self.store.list_runs(status="interrupted", limit=scan, policies=waiting):
             if decided_undriven(run, self._policy(run)):
                 if time.time() - run.updated_at >= self.driver.lease_ttl_s:  # else its decider is starting it
-                    self._resume(run, report)
+                    await self._take_over(run, report, resume_decided(RECOVERED_BY))
                 continue
             await self._expire(run, report)
         return report
@@ -143,16 +146,15 @@ class Sweeper:
         if not self._orphan_candidate(run, policy):
             return
         assert policy is not None
-        resume = policy.recovery == "resume" or decided_undriven(run, policy)
+        if policy.recovery == "resume" or decided_undriven(run, policy):
+            await self._take_over(run, report)
+            return
         driver = self.driver
         try:
             with driver.active.claim(run.run_id, lambda event: None):
                 lease = await self.store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s)
                 if lease is None:
                     return  # driven by a live replica: nothing to do, nothing to say
-                if resume:  # the drive takes the lease over (ours, live: the same epoch)
-                    self._resume(run, report)
-                    return
                 try:
                     fresh = await self.store.load_run(run.run_id)
                     if fresh is None or fresh.revision != run.revision or fresh.status != "running":
@@ -173,17 +175,24 @@ class Sweeper:
         run.status, run.reason, run.interruption = "interrupted", CRASHED, Interruption("crashed", reason=detail)
         await writer.commit(run)
 
-    def _resume(self, run: RunState, report: SweepReport) -> None:
-        # Called holding the run's lease, so a run another replica drives is never reported;
-        # the drive takes the lease on (this process's, still live: the same epoch).
-        self.drives.spawn(run.run_id, resume_with(None, None, RECOVERED_BY))
-        report.resumed.append(run.run_id)
+    async def _take_over(self, run: RunState, report: SweepReport, prepare: Prepare | None = None) -> None:
+        """Resume `run` here once this process holds its lease: a run another replica drives
+        (or is starting) is left alone and never reported, so the log's `resumed [...]` names
+        only the runs this replica took over. The drive takes the lease on (this process's,
+        still live: the same epoch)."""
+        driver = self.driver
+        try:
+            with driver.active.claim(run.run_id, lambda event: None):
+                if await self.store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s) is None:
+                    return
+                self.drives.spawn(run.run_id, prepare or resume_with(None, None, RECOVERED_BY))
+                report.resumed.append(run.run_id)
+        except RunBusy:
+            return
 
     async def _expire(self, run: RunState, report: SweepReport) -> None:
-        waiting = run.interruption
-        if waiting is None or waiting.type != "approval" or waiting.call_id is None:
-            return
-        if waiting.call_id in run.decisions:
+        waiting = run.waiting_request
+        if waiting is None or waiting.call_id is None:
             return
         policy = self._policy(run)
         if policy is None or policy.approval.expires_after_s is None:
@@ -201,19 +210,30 @@ class Sweeper:
                     fresh = await self.store.load_run(run.run_id)
                     if fresh is None or fresh.revision != run.revision:
                         return
-                    decision = expiry_decision(policy.approval)
-                    decide(fresh, waiting.call_id, decision)
-                    writer = TraceWriter(self.store, run.run_id, trace_file=self.trace_file, lease=lease)
-                    Tracer(run.run_id, writer)(
-                        "approval_expired", callId=waiting.call_id, toolName=waiting.tool_name, args=waiting.args,
-                        decision=decision.decision, reason=decision.reason, by=EXPIRED_BY, expired=True)
-                    await writer.flush()
-                    await self.store.save_run(fresh, lease=lease)
+                    if waiting.type == "limit":  # the run ends as the limit does
+                        await limit_requests.expire(self.store, fresh, policy, self.trace_file, driver.metrics,
+                                                    lease=lease)
+                    else:
+                        await self._expire_call(fresh, waiting, policy, lease)
                     report.expired.append(run.run_id)
-                    after_decision(self.drives, fresh, policy, resume_with(None, None, RESUMED_BY))
                 finally:
                     await self.store.release_lease(run.run_id, driver.owner)
         except (RunBusy, StaleRun, LeaseLost, ApprovalError):
             return
         driver.approvals_changed()
+
+    async def _expire_call(self, run: RunState, waiting: Interruption, policy: Policy, lease: Lease) -> None:
+        """The expiry's rejection of the call `run` waits for (written under the sweep's
+        `lease`); under `on_decision: resume` the run then goes on (its model reads the
+        rejection)."""
+        assert waiting.call_id is not None
+        decision = expiry_decision(policy.approval)
+        decide(run, waiting.call_id, decision)
+        writer = TraceWriter(self.store, run.run_id, trace_file=self.trace_file, lease=lease)
+        Tracer(run.run_id, writer)(
+            "approval_expired", callId=waiting.call_id, toolName=waiting.tool_name, args=waiting.args,
+            decision=decision.decision, reason=decision.reason, by=EXPIRED_BY, expired=True)
+        await writer.flush()
+        await self.store.save_run(run, lease=lease)
+        after_decision(self.drives, run, policy, resume_decided(RESUMED_BY))
 
