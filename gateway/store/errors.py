@@ -48,8 +48,9 @@ class StaleRun(StoreError):
 
 
 class LeaseLost(StoreError):
-    """A write made under a run's lease (`Lease`) found the lease no longer held: it expired,
-    or another process took the run over. Nothing was written; the writer must stop driving."""
+    """A write made under a run's lease (`Lease`) found that lease no longer the run's: another
+    process took the run over, or the lease was released. Nothing was written; the writer
+    must stop driving."""
 
     def __init__(self, run_id: str, epoch: int) -> None:
         super().__init__(f"run {run_id!r}: this process no longer holds its lease (epoch {epoch}); "

@@ -165,7 +165,7 @@ class MemoryStore:
         self._save(state, [])
 
     def _fence(self, lease: Lease | None) -> None:
-        """LeaseLost unless `lease` (when given) still holds its run, unexpired."""
+        """LeaseLost unless `lease` (when given) is still the run's fence (`Lease`)."""
         self._check_open()
         if lease is None:
             return

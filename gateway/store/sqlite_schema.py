@@ -166,9 +166,10 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     """CREATE TABLE spend (day TEXT NOT NULL, team TEXT NOT NULL, key_id TEXT NOT NULL, user TEXT NOT NULL,
         model TEXT NOT NULL, policy TEXT NOT NULL, cost_micros INTEGER NOT NULL, calls INTEGER NOT NULL,
         PRIMARY KEY (day, team, key_id, user, model, policy)) WITHOUT ROWID""",
-    # Lease epochs (fencing tokens): a lease taken while nobody held it live gets the next
-    # epoch of its run, and every write made under a lease checks it in its own transaction.
-    # A released lease keeps its row (expired), so a run's epochs only ever grow.
+    # Lease epochs (fencing tokens): a lease taken by another owner than the row's (or after a
+    # release) gets the next epoch of its run, and every write made under a lease checks it
+    # in its own transaction (base.Lease). A released lease keeps its row (expires_at 0), so
+    # a run's epochs only ever grow.
     "ALTER TABLE leases ADD COLUMN epoch INTEGER NOT NULL DEFAULT 0",
     # A run's transcript beside its head (run schema 5): `runs.body` holds the head (a few
     # KB, rewritten by each save) and counts what this table holds for it; each message
