@@ -386,6 +386,7 @@ async def test_writes_under_a_lease_are_refused_once_another_holds_it(stores: St
     assert taken.epoch > lease.epoch
     late = run.copy()
     late.status = "interrupted"
+    late.messages.append({"role": "tool", "tool_call_id": "c1", "name": "write", "content": "late"})
     with pytest.raises(LeaseLost, match="run_a"):
         await a.append_events("run_a", [{"type": "tool_result", "n": 2}], lease=lease)
     with pytest.raises(LeaseLost):
@@ -393,8 +394,13 @@ async def test_writes_under_a_lease_are_refused_once_another_holds_it(stores: St
     with pytest.raises(LeaseLost):
         await a.save_run(late, lease=lease)
     assert late.revision == 2  # refused: the copy is untouched
+    stale = late.copy()
+    stale.revision = 1
+    with pytest.raises(LeaseLost):  # the fence is checked before the revision
+        await a.save_run(stale, lease=lease)
     stored = await b.load_run("run_a")
     assert stored is not None and (stored.revision, stored.status) == (2, "running")
+    assert stored.messages == run.messages  # nothing of the refused saves' transcript
     assert [e["type"] for _, e in await b.events("run_a")] == ["tool_start", "turn"]
     assert [c.id for c in await b.claim_notices("b", 10, 30.0)] == ["run_a:1"]  # no notice of a refused line
     await b.commit_turn(stored, [{"type": "run_resumed"}], lease=taken)  # the holder writes
@@ -440,6 +446,23 @@ async def test_a_write_under_a_lease_that_lapsed_counts_until_another_takes_the_
     with pytest.raises(LeaseLost):
         await store.append_events("run_a", [{"type": "turn"}], lease=lease)
     assert [e["type"] for _, e in await store.events("run_a")] == ["turn"] and run.revision == 1
+
+
+async def test_a_restarted_owners_old_leases_write_nothing(stores: Stores) -> None:
+    a, b = stores.open(), stores.open()
+    run = make_run("run_a")
+    await a.create_run(run)
+    lease = await a.acquire_lease("run_a", "host/w0", 30)
+    assert lease is not None
+    await b.release_owner("host/w0")  # w0 restarted, under the same owner name
+    with pytest.raises(LeaseLost):
+        await a.commit_turn(run.copy(), [{"type": "turn"}], lease=lease)
+    again = await a.acquire_lease("run_a", "host/w0", 30)  # its new life takes the run: a new lease
+    assert again is not None and again.epoch > lease.epoch
+    with pytest.raises(LeaseLost):
+        await a.save_run(run.copy(), lease=lease)
+    await a.commit_turn(run, [{"type": "turn"}], lease=again)
+    assert [e["type"] for _, e in await b.events("run_a")] == ["turn"]
 
 
 async def test_lease_ttl_must_be_positive(store: Store) -> None:

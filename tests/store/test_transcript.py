@@ -1,22 +1,20 @@
 """A run's transcript beside its head, on every backend: each message stored once, a save
 writes the head and what is new, a rewritten history is stored as it is, and runs stored
-before heads (schema 2: one body holding everything) are read and take the new shape on
+before heads (schemas 1 to 4: one body holding everything) are read and take the new shape on
 their next save."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import orjson
 import pytest
-import redis.asyncio as aioredis
 
 from gateway.harness.state import SCHEMA_VERSION, RunState
 from gateway.harness.usage import Usage
 from gateway.store.base import Store
 from gateway.store.errors import StaleRun
-from gateway.store.memory import MemoryStore
-from gateway.store.sqlite import SqliteStore
 from tests.store.conftest import Stores
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -34,23 +32,6 @@ def a_turn(run: RunState, i: int, size: int = 200) -> None:
     run.count_turn(Usage(100 + i, 10), 0.001)
 
 
-async def stored_head(stores: Stores, store: Store, run_id: str) -> bytes:
-    """The bytes a backend rewrites on each save of the run (its head)."""
-    if stores.backend == "memory":
-        assert isinstance(store, MemoryStore)
-        return store._runs[run_id].body
-    if stores.backend == "sqlite":
-        assert isinstance(store, SqliteStore)
-        return bytes(store._db().execute("SELECT body FROM runs WHERE id = ?", (run_id,)).fetchone()[0])
-    client = aioredis.Redis.from_url(stores.redis_url or "")
-    try:
-        body = await client.hget(f"{stores.prefix}run:{run_id}", "body")
-    finally:
-        await client.aclose()
-    assert isinstance(body, bytes)
-    return body
-
-
 async def test_each_save_rewrites_the_head_only_and_a_load_gives_back_the_whole_run(stores: Stores) -> None:
     a, b = stores.open(), stores.open()
     run = make_run("demo/long")
@@ -59,7 +40,7 @@ async def test_each_save_rewrites_the_head_only_and_a_load_gives_back_the_whole_
     for i in range(40):
         a_turn(run, i, size=20_000)
         await a.commit_turn(run, [{"type": "turn", "turn": i}])
-        sizes.append(len(await stored_head(stores, a, "demo/long")))
+        sizes.append(len(await stores.stored_head(a, "demo/long")))
     assert max(sizes) - min(sizes) < 1_500  # ids of the model's calls grow it a little; 800 KB of transcript do not
     loaded = await b.load_run("demo/long")
     assert loaded is not None
@@ -91,30 +72,15 @@ async def test_a_history_sent_again_adds_only_what_is_new_and_a_rewritten_one_re
     assert (await store.load_run("demo/passthrough")).to_json() == final.to_json()  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("fixture", ["run_v2.json", "run_v3.json", "run_v4.json"])
+@pytest.mark.parametrize("fixture", ["run_v1.json", "run_v2.json", "run_v3.json", "run_v4.json"])
 async def test_a_run_stored_before_heads_is_read_and_saved_in_the_new_shape(stores: Stores, fixture: str) -> None:
     store = stores.open()
     legacy = orjson.loads((FIXTURES / fixture).read_bytes())
     legacy.update(run_id="demo/old", team="demo", policy="files", status="running")
     body = orjson.dumps(legacy)
     seed = make_run("demo/old")
-    await store.create_run(seed)  # the run's row and indexes; its body is then put back as a v2 body
-    if stores.backend == "memory":
-        assert isinstance(store, MemoryStore)
-        row = store._runs["demo/old"]
-        row.body, row.messages, row.per_turn = body, [], []
-    elif stores.backend == "sqlite":
-        assert isinstance(store, SqliteStore)
-        db = store._db()
-        db.execute("UPDATE runs SET body = ? WHERE id = 'demo/old'", (body.decode(),))  # as a migration left it: TEXT
-        db.execute("DELETE FROM transcripts WHERE run_id = 'demo/old'")
-    else:
-        client = aioredis.Redis.from_url(stores.redis_url or "")
-        try:
-            await client.hset(f"{stores.prefix}run:demo/old", "body", body)
-            await client.delete(f"{stores.prefix}transcript:demo/old", f"{stores.prefix}per_turn:demo/old")
-        finally:
-            await client.aclose()
+    await store.create_run(seed)  # the run's row and indexes; its body is then put back whole
+    await stores.put_whole_body(store, "demo/old", body)
     run = await store.load_run("demo/old")
     assert run is not None
     assert run.messages == legacy["messages"] and [u.to_json() for u in run.per_turn] == legacy["per_turn"]
@@ -122,7 +88,7 @@ async def test_a_run_stored_before_heads_is_read_and_saved_in_the_new_shape(stor
     assert (run.key_id, run.user) == (legacy.get("key_id", ""), legacy.get("user"))
     run.messages.append({"role": "tool", "tool_call_id": "c2", "name": "delete_file", "content": "deleted"})
     await store.save_run(run)
-    assert b'"messages":[' not in await stored_head(stores, store, "demo/old")
+    assert b'"messages":[' not in await stores.stored_head(store, "demo/old")
     again = await stores.open().load_run("demo/old")
     assert again is not None and again.to_json() == run.to_json()
 
@@ -138,3 +104,18 @@ async def test_a_refused_save_writes_none_of_its_transcript(store: Store) -> Non
         await store.commit_turn(stale, [{"type": "turn"}])
     loaded = await store.load_run("demo/r")
     assert loaded is not None and loaded.to_json() == run.to_json()
+
+
+async def test_retention_deletes_a_runs_transcript_with_it(stores: Stores) -> None:
+    store = stores.open()
+    run = make_run("demo/done")
+    await store.create_run(run)
+    for i in range(3):
+        a_turn(run, i)
+        await store.commit_turn(run, [{"type": "turn"}])
+    run.status = "completed"
+    await store.save_run(run)
+    assert await stores.stored_items(store, "demo/done") == 7 + 3  # messages, per_turn pairs
+    assert await store.prune_runs(time.time() + 3600) == 1
+    assert await store.load_run("demo/done") is None
+    assert await stores.stored_items(store, "demo/done") == 0
