@@ -124,12 +124,19 @@ async def bench_sqlite(args: argparse.Namespace) -> None:
             if held:
                 store._wal.interval_s = 3600.0
             wal = folder / "gateway.db-wal"
+            largest = [0]
 
             async def wal_size() -> int:
-                return wal.stat().st_size if wal.exists() else 0
+                size = wal.stat().st_size if wal.exists() else 0
+                largest[0] = max(largest[0], size)
+                return size
 
             times, sizes = await measure(store, wal_size, args.turns, args.kb, "bench/sqlite")
             report("sqlite" if held else "sqlite*", times, sizes if held else None)
+            if not held:
+                print(f"sqlite* WAL: largest {largest[0] / 2**20:.1f} MiB after a turn "
+                      f"(bound {sqlite_wal.FENCE_FRAMES * sqlite_wal.PAGE_BYTES / 2**20:.0f} MiB), "
+                      f"{args.turns * args.kb / 1024:.1f} MiB of transcript written", flush=True)
             await store.close()
         finally:
             sqlite_wal.FENCE_FRAMES = fence
