@@ -11,7 +11,7 @@ import pytest
 from gateway.harness.state import RunState
 from gateway.harness.usage import Usage
 from gateway.store.audit import AuditEntry
-from gateway.store.base import Attribution, Booking, Claim, Store
+from gateway.store.base import Attribution, Booking, Claim, Lease, Store
 from gateway.store.errors import LeaseLost, RunExists, RunNotFound, StaleRun, StoreError
 from gateway.store.outbox import Notice
 from gateway.store.periods import period_key
@@ -367,22 +367,34 @@ async def test_a_lease_keeps_its_epoch_until_another_takes_the_run(stores: Store
     assert fourth is not None and fourth.epoch > third.epoch
 
 
+async def a_leased_run(store: Store, owner: str, ttl_s: float) -> tuple[RunState, Lease]:
+    """A new run `run_a` and a lease on it for `owner`."""
+    run = make_run("run_a")
+    await store.create_run(run)
+    lease = await store.acquire_lease("run_a", owner, ttl_s)
+    assert lease is not None
+    return run, lease
+
+
+async def taken_over(store: Store) -> Lease:
+    """`run_a`'s lease taken by replica-b through `store`, polled until the last one expired."""
+    deadline = time.monotonic() + 10
+    while (taken := await store.acquire_lease("run_a", "replica-b", 30)) is None:
+        assert time.monotonic() < deadline, "the lease never expired"
+        await asyncio.sleep(0.05)  # polling for expiry, the thing under test
+    return taken
+
+
 async def test_writes_under_a_lease_are_refused_once_another_holds_it(stores: Stores) -> None:
     a, b = stores.open(), stores.open()
     rule = lambda run_id, events: [Notice(f"{run_id}:{e['n']}", b"x") for e in events if e.get("n")]  # noqa: E731
     a.notice_rule = b.notice_rule = rule
-    run = make_run("run_a")
-    await a.create_run(run)
-    lease = await a.acquire_lease("run_a", "replica-a", 0.3)
-    assert lease is not None
+    run, lease = await a_leased_run(a, "replica-a", 0.3)
     await a.append_events("run_a", [{"type": "tool_start", "n": 1}], lease=lease)
     await a.commit_turn(run, [{"type": "turn"}], lease=lease)
     await a.save_run(run, lease=lease)
     assert run.revision == 2
-    deadline = time.monotonic() + 10
-    while (taken := await b.acquire_lease("run_a", "replica-b", 30)) is None:
-        assert time.monotonic() < deadline, "the lease never expired"
-        await asyncio.sleep(0.05)  # polling for expiry, the thing under test
+    taken = await taken_over(b)
     assert taken.epoch > lease.epoch
     late = run.copy()
     late.status = "interrupted"
@@ -411,14 +423,8 @@ async def test_a_fenced_commit_books_nothing_and_records_nothing(stores: Stores)
     # The commit step of a drive that lost its lease carries a booking and audit records:
     # refused, none of it lands (no ledger, no spend row, no audit record, no line).
     a, b = stores.open(), stores.open()
-    run = make_run("run_a")
-    await a.create_run(run)
-    lease = await a.acquire_lease("run_a", "replica-a", 0.2)
-    assert lease is not None
-    deadline = time.monotonic() + 10
-    while await b.acquire_lease("run_a", "replica-b", 30) is None:
-        assert time.monotonic() < deadline, "the lease never expired"
-        await asyncio.sleep(0.05)  # polling for expiry, the thing under test
+    run, lease = await a_leased_run(a, "replica-a", 0.2)
+    await taken_over(b)
     period = period_key("day")
     booking = Booking("demo", period, 0.25, attribution=Attribution("key_1", "ana", "gpt-x", "files"))
     entry = AuditEntry("run.resumed", "ops", "key_ops", "run_a", team="demo")
@@ -433,10 +439,7 @@ async def test_a_fenced_commit_books_nothing_and_records_nothing(stores: Stores)
 
 
 async def test_a_write_under_a_lease_that_lapsed_counts_until_another_takes_the_run(store: Store) -> None:
-    run = make_run("run_a")
-    await store.create_run(run)
-    lease = await store.acquire_lease("run_a", "replica-a", 0.2)
-    assert lease is not None
+    run, lease = await a_leased_run(store, "replica-a", 0.2)
     await asyncio.sleep(0.3)  # lapsed (the TTL passing is the thing under test), nobody took it
     await store.commit_turn(run, [{"type": "turn"}], lease=lease)
     assert run.revision == 1
@@ -450,10 +453,7 @@ async def test_a_write_under_a_lease_that_lapsed_counts_until_another_takes_the_
 
 async def test_a_restarted_owners_old_leases_write_nothing(stores: Stores) -> None:
     a, b = stores.open(), stores.open()
-    run = make_run("run_a")
-    await a.create_run(run)
-    lease = await a.acquire_lease("run_a", "host/w0", 30)
-    assert lease is not None
+    run, lease = await a_leased_run(a, "host/w0", 30)
     await b.release_owner("host/w0")  # w0 restarted, under the same owner name
     with pytest.raises(LeaseLost):
         await a.commit_turn(run.copy(), [{"type": "turn"}], lease=lease)
