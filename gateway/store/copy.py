@@ -1,8 +1,9 @@
 """`gateway db copy`: a SQLite file's or a Redis prefix's state, moved into a PostgreSQL schema.
 
 For a team moving from one machine (SQLite) or from Redis to replicas on PostgreSQL. The
-source is read as it is stored (`SqliteSource`, `RedisSource`): runs (their stored bodies,
-byte for byte, revisions and times), trace lines (with their numbers), ledgers (spent per
+source is read as it is stored (`SqliteSource`, `RedisSource`): runs (their stored heads or
+whole bodies, byte for byte, revisions and times, and the transcript items kept beside a
+head), trace lines (with their numbers), ledgers (spent per
 team or hold and period), spend rows, stored responses, the webhook outbox, keys (with the
 key revision counter), console sessions and the audit log (with its head). What is only
 alive while a process runs is not copied: reservations of calls in flight, leases, rate
@@ -36,6 +37,7 @@ class Totals:
     runs: int = 0
     run_cost_micros: int = 0
     run_turns: int = 0
+    transcript_items: int = 0
     events: int = 0
     ledger_rows: int = 0
     ledger_micros: int = 0
@@ -59,6 +61,8 @@ class Rows:
     """One batch of rows of each table, in the target's column order."""
 
     runs: list[tuple[Any, ...]] = field(default_factory=list)
+    transcripts: list[tuple[str, int, int, bytes]] = field(default_factory=list)
+    """(run_id, kind, seq, body): kind 0 a message (its JSON), 1 a turn's usage ("prompt completion")."""
     events: list[tuple[Any, ...]] = field(default_factory=list)
     ledger: list[tuple[Any, ...]] = field(default_factory=list)
     spend: list[tuple[Any, ...]] = field(default_factory=list)
@@ -74,6 +78,7 @@ class Rows:
 COLUMNS: dict[str, tuple[str, ...]] = {
     "runs": ("id", "team", "status", "policy", "created_at", "updated_at", "revision", "turns", "cost_micros",
              "prompt_tokens", "completion_tokens", "body"),
+    "transcripts": ("run_id", "kind", "seq", "body"),
     "events": ("run_id", "seq", "body"),
     "ledger": ("scope", "period", "spent_micros"),
     "spend_rows": ("day", "team", "key_id", "user", "model", "policy", "run_id", "cost_micros", "calls"),
@@ -95,11 +100,15 @@ class Source(Protocol):
     async def close(self) -> None: ...
 
 
-def run_row(run_id: str, team: str, status: str, policy: str, created_at: float, updated_at: float, revision: int,
-            body: bytes) -> tuple[Any, ...]:
-    """A stored run as the target's row (its turns, cost and tokens read from its body)."""
-    state = parse_run(run_id, body)
-    return (run_id, team, status, policy, created_at, updated_at, revision, state.turns,
+def run_row(run_id: str, team: str, status: str, policy: str, created_at: float | None, updated_at: float | None,
+            revision: int, body: bytes, items: Sequence[tuple[str, int, int, bytes]] = ()) -> tuple[Any, ...]:
+    """A stored run as the target's row (its turns, cost and tokens read from its head and
+    its transcript `items`, which must be all the run's, in order: `Rows.transcripts`; a
+    policy, creation or update time not given is the run's own)."""
+    state = parse_run(run_id, body, ([i[3] for i in items if i[1] == 0],
+                                     [[int(x) for x in i[3].split()] for i in items if i[1] == 1]))
+    return (run_id, team, status, policy or state.policy, state.created_at if created_at is None else created_at,
+            state.updated_at if updated_at is None else updated_at, revision, state.turns,
             to_micros(state.cost_usd, "cost_usd"), state.usage.prompt_tokens, state.usage.completion_tokens, bytes(body))
 
 
@@ -136,7 +145,14 @@ class SqliteSource:
                               " WHERE id > ? ORDER BY id LIMIT ?", (last, BATCH)).fetchall()
             if not rows:
                 break
-            out = Rows(runs=[run_row(*r) for r in rows])
+            out = Rows()
+            has_items = "transcripts" in tables
+            for r in rows:
+                items = [(str(i[0]), int(i[1]), int(i[2]), i[3].encode() if isinstance(i[3], str) else bytes(i[3]))
+                         for i in db.execute("SELECT run_id, kind, seq, body FROM transcripts WHERE run_id = ?"
+                                             " ORDER BY kind, seq", (r[0],))] if has_items else []
+                out.runs.append(run_row(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], items))
+                out.transcripts += items
             for run_id, *_ in rows:
                 out.events += db.execute("SELECT run_id, seq, body FROM events WHERE run_id = ? ORDER BY seq",
                                          (run_id,)).fetchall()
@@ -200,10 +216,15 @@ class RedisSource:
                 if "body" not in h:
                     continue
                 body = bytes(h["body"])
-                state = parse_run(run_id, body)
-                created = float(await client.zscore(f"{p}runs", run_id) or state.created_at)
-                out.runs.append(run_row(run_id, _s(h.get("team")), _s(h.get("status")), _s(h.get("policy")) or state.policy,
-                                        created, state.updated_at, int(_s(h.get("revision")) or 0), body))
+                items = [(run_id, 0, i, bytes(m)) for i, m in
+                         enumerate(await client.lrange(f"{p}transcript:{run_id}", 0, -1))]
+                items += [(run_id, 1, i, bytes(t)) for i, t in
+                          enumerate(await client.lrange(f"{p}per_turn:{run_id}", 0, -1))]
+                score = await client.zscore(f"{p}runs", run_id)
+                out.runs.append(run_row(run_id, _s(h.get("team")), _s(h.get("status")), _s(h.get("policy")),
+                                        None if score is None else float(score), None,
+                                        int(_s(h.get("revision")) or 0), body, items))
+                out.transcripts += items
                 lines = await client.lrange(f"{p}events:{run_id}", 0, -1)
                 out.events += [(run_id, i + 1, bytes(line)) for i, line in enumerate(lines)]
             yield out
@@ -275,6 +296,7 @@ def add(totals: Totals, rows: Rows) -> None:
     totals.runs += len(rows.runs)
     totals.run_cost_micros += sum(int(r[8]) for r in rows.runs)
     totals.run_turns += sum(int(r[7]) for r in rows.runs)
+    totals.transcript_items += len(rows.transcripts)
     totals.events += len(rows.events)
     totals.ledger_rows += len(rows.ledger)
     totals.ledger_micros += sum(int(r[2]) for r in rows.ledger)
@@ -321,7 +343,7 @@ async def copy(source: Source, dsn: str, schema: str, timeout_s: float = 60.0) -
 
 
 async def _write(conn: Any, rows: Rows) -> None:
-    for table, records in (("runs", rows.runs), ("events", rows.events), ("ledger", rows.ledger),
+    for table, records in (("runs", rows.runs), ("transcripts", rows.transcripts), ("events", rows.events), ("ledger", rows.ledger),
                            ("spend_rows", rows.spend), ("responses", rows.responses), ("outbox", rows.outbox),
                            ("keys", rows.keys), ("console_sessions", rows.sessions), ("audit", rows.audit)):
         if records:
@@ -339,7 +361,8 @@ async def totals(conn: Any) -> Totals:
     """The target's counts and sums."""
     r = await conn.fetchrow("""
         SELECT (SELECT count(*) FROM runs), (SELECT COALESCE(sum(cost_micros), 0) FROM runs),
-               (SELECT COALESCE(sum(turns), 0) FROM runs), (SELECT count(*) FROM events),
+               (SELECT COALESCE(sum(turns), 0) FROM runs), (SELECT count(*) FROM transcripts),
+               (SELECT count(*) FROM events),
                (SELECT count(DISTINCT (scope, period)) FROM ledger), (SELECT COALESCE(sum(spent_micros), 0) FROM ledger),
                (SELECT COALESCE(sum(cost_micros), 0) FROM spend_rows), (SELECT COALESCE(sum(calls), 0) FROM spend_rows),
                (SELECT count(*) FROM responses), (SELECT count(*) FROM outbox), (SELECT count(*) FROM keys),

@@ -12,13 +12,14 @@ from gateway.store.errors import StoreConfigError
 
 _FIELDS: Final[Mapping[str, frozenset[str]]] = MappingProxyType({
     "sqlite": frozenset({"kind", "path"}),
-    "redis": frozenset({"kind", "url", "prefix", "timeout_s", "allow_eviction"}),
+    "redis": frozenset({"kind", "url", "prefix", "timeout_s", "allow_eviction", "wait_replicas", "wait_timeout_s"}),
     "postgres": frozenset({"kind", "dsn", "dsn_env", "schema", "pool", "timeout_s"}),
     "memory": frozenset({"kind"}),
 })
 DEFAULT_DSN_ENV: Final = "GATEWAY_PG_DSN"
 _PG_SCHEMES: Final = ("postgresql://", "postgres://")
 _REDIS_SCHEMES: Final = ("redis://", "rediss://", "unix://")
+MAX_WAIT_REPLICAS: Final = 16
 DEFAULT_REDIS_TIMEOUT_S: Final = 2.0
 """The deadline of one Redis command (connect, send, reply): past it the call fails with
 StoreError, so a frozen server costs a caller this long, not forever."""
@@ -93,7 +94,8 @@ def redacted(dsn: str) -> str:
 
 
 def open_store(config: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Store:
-    """Open the store described by `{kind: sqlite, path}`, `{kind: redis, url[, prefix, timeout_s]}`,
+    """Open the store described by `{kind: sqlite, path}`, `{kind: redis, url[, prefix, timeout_s,
+    allow_eviction, wait_replicas, wait_timeout_s]}`,
     `{kind: postgres, dsn | dsn_env[, schema, pool, timeout_s]}` or `{kind: memory}`.
 
     Errors (StoreConfigError) name the field and what is wrong. A Redis server is only
@@ -126,10 +128,19 @@ def open_store(config: Mapping[str, Any], environ: Mapping[str, str] | None = No
         if not isinstance(config.get("allow_eviction", False), bool):
             raise StoreConfigError(f"store.allow_eviction: expected true or false, got {config['allow_eviction']!r}")
         timeout = _timeout(config)
-        from gateway.store.redis import RedisStore
+        replicas = config.get("wait_replicas", 0)
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or not 0 <= replicas <= MAX_WAIT_REPLICAS:
+            raise StoreConfigError(f"store.wait_replicas: expected a whole number from 0 to {MAX_WAIT_REPLICAS}, "
+                                   f"got {replicas!r}")
+        from gateway.store.redis import DEFAULT_WAIT_TIMEOUT_S, RedisStore
 
+        wait = config.get("wait_timeout_s", min(DEFAULT_WAIT_TIMEOUT_S, timeout / 2))
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait < timeout:
+            raise StoreConfigError(f"store.wait_timeout_s: expected a number of seconds > 0 and below store.timeout_s "
+                                   f"({timeout:g}), got {wait!r}")
         try:
-            return RedisStore(url, prefix, timeout_s=timeout)
+            return RedisStore(url, prefix, timeout_s=float(timeout), wait_replicas=replicas,
+                              wait_timeout_s=float(wait))
         except ValueError as exc:
             raise StoreConfigError(f"store.url: {exc}") from exc
     from gateway.store.memory import MemoryStore

@@ -48,25 +48,29 @@ from gateway.store.base import (
     Figures,
     Grant,
     Hold,
+    Lease,
     Ledger,
     RateLimit,
     RateState,
     Refusal,
+    RunWrite,
     SpendRow,
     TokenCharge,
     check_list_args,
     check_ttl,
     from_micros,
     new_reservation_id,
+    new_run_write,
     optional_micros,
     parse_run,
-    stamped_body,
+    run_write,
     to_micros,
 )
 from gateway.store.errors import (
     AlreadyBooked,
     KeyExists,
     KeyNotFound,
+    LeaseLost,
     RunExists,
     RunNotFound,
     StaleKey,
@@ -94,11 +98,13 @@ the run's channel (postgres_notify)."""
 NOW: Final = "extract(epoch FROM clock_timestamp())"
 
 _ADMIT: Final = ("SELECT * FROM gw_admit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17,"
-                 " $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32, $33, $34, $35, $36, $37)")
+                 " $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32, $33, $34, $35, $36, $37, $38,"
+                 " $39)")
 _COMMIT: Final = ("SELECT * FROM gw_commit_turn($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,"
-                  " $17, $18, $19, $20, $21, $22, $23, $24, $25, $26)")
+                  " $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32, $33,"
+                  " $34, $35, $36, $37)")
 _SETTLE: Final = f"SELECT gw_settle($1, $2, $3, $4, $5, {NOW})"
-_APPEND: Final = f"SELECT gw_append($1, $2, $3, $4, $5, $6, {NOW})"
+_APPEND: Final = f"SELECT gw_append($1, $2, $3, $4, $5, $6, {NOW}, $7, $8)"
 _LIVE_RESERVED: Final = (f"(SELECT COALESCE(sum(amount_micros), 0)::bigint FROM reservations WHERE team = $1 AND period = $2"
                          f" AND expires_at > {NOW})")
 _TEAM_SPEND: Final = (f"SELECT (SELECT COALESCE(sum(spent_micros), 0)::bigint FROM ledger WHERE scope = $1 AND period = $2),"
@@ -266,36 +272,43 @@ class PostgresStore:
     # --- runs ---------------------------------------------------------------------------------
 
     async def create_run(self, state: RunState) -> None:
+        # One statement: the run's row, and its transcript's rows only if the row was new.
+        written = new_run_write(state)
         created = await self._fetchval(
-            "INSERT INTO runs (id, team, status, policy, created_at, updated_at, revision, turns, cost_micros,"
-            " prompt_tokens, completion_tokens, body) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
-            " ON CONFLICT (id) DO NOTHING RETURNING 1", *_run_row(state))
-        if created is None:
+            "WITH r AS (INSERT INTO runs (id, team, status, policy, created_at, updated_at, revision, turns,"
+            " cost_micros, prompt_tokens, completion_tokens, body) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,"
+            " $11, $12) ON CONFLICT (id) DO NOTHING RETURNING id),"
+            " t AS (SELECT gw_transcript(r.id, false, 0, $13, 0, $14) FROM r)"
+            " SELECT count(*) FROM r, t", *_run_row(state), *_items(written))
+        if not created:
             raise RunExists(state.run_id)
+        state.mark_stored()
 
     async def load_run(self, run_id: str) -> RunState | None:
-        body = await self._fetchval("SELECT body FROM runs WHERE id = $1", run_id)
-        return None if body is None else parse_run(run_id, body)
+        # One statement: the head and its rows from one snapshot.
+        row = await self._fetchrow(f"SELECT body, {_TRANSCRIPT} FROM runs r WHERE id = $1", run_id)
+        return None if row is None else _parse(run_id, row)
 
-    async def save_run(self, state: RunState) -> None:
-        await self.commit_turn(state, [])
+    async def save_run(self, state: RunState, *, lease: Lease | None = None) -> None:
+        await self.commit_turn(state, [], lease=lease)
 
     async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None,
-                          audit: Sequence[AuditEntry] = ()) -> Ledger | None:
+                          audit: Sequence[AuditEntry] = (), *, lease: Lease | None = None) -> Ledger | None:
         actual = 0 if booking is None else to_micros(booking.actual_usd, "actual_usd")
         now = time.time()
         revision = state.revision + 1
-        body = orjson.dumps(stamped_body(state, revision, now))
+        written = run_write(state, revision, now)
         notices = self._notices(state.run_id, events)
         charges = () if booking is None else booking.tokens
         args = (state.run_id, state.revision, revision, state.team, state.status, state.policy, now, state.turns,
                 to_micros(state.cost_usd, "cost_usd"), state.usage.prompt_tokens, state.usage.completion_tokens,
-                body, [orjson.dumps(e) for e in events], *_notice_columns(notices), _signal(events),
+                written.head, [orjson.dumps(e) for e in events], *_notice_columns(notices), _signal(events),
                 booking is not None, None if booking is None else booking.reservation_id,
                 booking is not None and booking.if_held, actual, None if booking is None else booking.team,
-                None if booking is None else booking.period, *_charge_columns(charges))
-        if booking is not None and booking.reservation_id is None and booking.attribution is not None and actual:
-            raise ValueError("a Booking without a reservation books to the team alone on this store")
+                None if booking is None else booking.period, *_charge_columns(charges), *_lease_columns(lease),
+                written.truncates, written.messages_from, written.messages, written.per_turn_from,
+                _turn_items(written), *(booking.attribution if booking is not None and booking.attribution
+                                        else Attribution()))
         if audit:
             async def step(conn: asyncpg.Connection) -> Any:
                 row = await conn.fetchrow(_COMMIT, *args)
@@ -312,6 +325,9 @@ class PostgresStore:
         else:
             row = await self._fetchrow(_COMMIT, *args)
         code = row["o_code"]
+        if code == 4:
+            assert lease is not None
+            raise LeaseLost(state.run_id, lease.epoch)
         if code == 0:
             raise RunNotFound(state.run_id)
         if code == 2:
@@ -320,6 +336,7 @@ class PostgresStore:
             raise AlreadyBooked(booking.reservation_id if booking is not None and booking.reservation_id else "")
         state.revision = revision
         state.updated_at = now
+        state.mark_stored()
         if booking is None:
             return None
         return from_micros(int(row["o_spent"])), from_micros(int(row["o_reserved"]))
@@ -341,21 +358,24 @@ class PostgresStore:
             params.append(status)
             where.append(f"status = ${len(params)}")
         params.append(limit)
-        sql = "SELECT id, body FROM runs" + (" WHERE " + " AND ".join(where) if where else "")
+        sql = f"SELECT id, body, {_TRANSCRIPT} FROM runs r" + (" WHERE " + " AND ".join(where) if where else "")
         rows = await self._fetch(sql + f" ORDER BY created_at DESC, ord DESC LIMIT ${len(params)}", *params)
-        return [parse_run(r["id"], r["body"]) for r in rows]
+        return [_parse(r["id"], r) for r in rows]
 
     def _notices(self, run_id: str, events: list[Event]) -> Sequence[Notice]:
         notices = self.notice_rule(run_id, events) if self.notice_rule is not None and events else ()
         check_notices(notices)
         return notices
 
-    async def append_events(self, run_id: str, events: list[Event]) -> None:
+    async def append_events(self, run_id: str, events: list[Event], *, lease: Lease | None = None) -> None:
         if not events:
             return
         notices = self._notices(run_id, events)
-        await self._fetchval(_APPEND, run_id, [orjson.dumps(e) for e in events], *_notice_columns(notices),
-                             _signal(events))
+        added = await self._fetchval(_APPEND, run_id, [orjson.dumps(e) for e in events], *_notice_columns(notices),
+                                     _signal(events), *_lease_columns(lease))
+        if added == -1:
+            assert lease is not None
+            raise LeaseLost(run_id, lease.epoch)
 
     async def events(self, run_id: str, after: int = 0) -> list[tuple[int, Event]]:
         rows = await self._fetch("SELECT seq, body FROM events WHERE run_id = $1 AND seq > $2 ORDER BY seq",
@@ -379,14 +399,17 @@ class PostgresStore:
         created = claim.create
         run_id = claim.run_id if created is None else created.run_id
         create: tuple[Any, ...] = (None,) * 11 if created is None else _run_row(created)[1:]
+        items = (None, None) if created is None else _items(new_run_write(created))
         row = await self._fetchrow(
             _ADMIT, rid, claim.team, claim.period, amount, ttl, run_id, claim.max_turns, claim.max_in_flight,
             run_budget, budget, claim.owner, claim.tokens, *_rate_columns(claim.rates), *_hold_columns(claim.holds),
-            who.key, who.user, who.model, who.policy, create[-1], *create[:-1], self.ledger_slots)
+            who.key, who.user, who.model, who.policy, create[-1], *create[:-1], self.ledger_slots, *items)
         code = row["o_code"]
         if code == 2:
             assert run_id is not None
-            raise RunExists(run_id, None if row["o_body"] is None else parse_run(run_id, row["o_body"]))
+            raise RunExists(run_id, None if row["o_body"] is None else await self.load_run(run_id))
+        if created is not None:  # stored, granted or not
+            created.mark_stored()
         now = float(row["o_now"])
         r, t = row["o_rate_r"] or [], row["o_rate_t"] or []
         if code == 1:
@@ -420,7 +443,7 @@ class PostgresStore:
             return 0
         return int(await self._fetchval(f"""
             WITH t AS (SELECT {NOW} AS now),
-            l AS (DELETE FROM leases WHERE owner = $1),
+            l AS (UPDATE leases SET expires_at = 0 WHERE owner = $1),
             o AS (UPDATE outbox SET due_at = (SELECT now FROM t), owner = '' WHERE state = 'pending' AND owner = $1),
             r AS (DELETE FROM reservations WHERE owner = $1 AND expires_at > (SELECT now FROM t) RETURNING 1)
             SELECT count(*) FROM r""", owner))
@@ -475,17 +498,21 @@ class PostgresStore:
 
     # --- leases -------------------------------------------------------------------------------
 
-    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
+    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> Lease | None:
         ttl = check_ttl(ttl_s, "ttl_s", allow_zero=False)
-        got = await self._fetchval(f"""
-            INSERT INTO leases AS l (run_id, owner, expires_at) VALUES ($1, $2, {NOW} + $3)
-            ON CONFLICT (run_id) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at
+        # The row is the run's fence (base.Lease): the same owner's lease, live or lapsed and
+        # not released (expires_at 0), keeps its epoch; any other taking gets the next one.
+        epoch = await self._fetchval(f"""
+            INSERT INTO leases AS l (run_id, owner, expires_at, epoch) VALUES ($1, $2, {NOW} + $3, 1)
+            ON CONFLICT (run_id) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at,
+              epoch = CASE WHEN l.owner = excluded.owner AND l.expires_at > 0 THEN l.epoch ELSE l.epoch + 1 END
             WHERE l.owner = excluded.owner OR l.expires_at <= {NOW}
-            RETURNING 1""", run_id, owner, ttl)
-        return got is not None
+            RETURNING l.epoch""", run_id, owner, ttl)
+        return None if epoch is None else Lease(run_id, owner, int(epoch))
 
     async def release_lease(self, run_id: str, owner: str) -> None:
-        await self._execute("DELETE FROM leases WHERE run_id = $1 AND owner = $2", run_id, owner)
+        # Expired rather than deleted: the run's next lease takes the next epoch.
+        await self._execute("UPDATE leases SET expires_at = 0 WHERE run_id = $1 AND owner = $2", run_id, owner)
 
     # --- retention ----------------------------------------------------------------------------
 
@@ -504,6 +531,7 @@ class PostgresStore:
                 e AS (DELETE FROM events WHERE run_id IN (SELECT id FROM doomed)),
                 h AS (DELETE FROM event_heads WHERE run_id IN (SELECT id FROM doomed)),
                 l AS (DELETE FROM leases WHERE run_id IN (SELECT id FROM doomed)),
+                t AS (DELETE FROM transcripts WHERE run_id IN (SELECT id FROM doomed)),
                 r AS (DELETE FROM runs WHERE id IN (SELECT id FROM doomed) RETURNING 1)
                 SELECT count(*) FROM r"""
         total = 0
@@ -562,7 +590,7 @@ class PostgresStore:
         check_notices(notices)
         if not notices:
             return 0
-        return int(await self._fetchval(_APPEND, "", [], *_notice_columns(notices), None))
+        return int(await self._fetchval(_APPEND, "", [], *_notice_columns(notices), None, None, None))
 
     async def claim_notices(self, owner: str, limit: int, lease_s: float) -> list[Claimed]:
         lease = check_ttl(lease_s, "lease_s", allow_zero=False)
@@ -766,7 +794,32 @@ def _run_row(state: RunState) -> tuple[Any, ...]:
     """A new run's INSERT values (id first, body last), as `create_run` and `gw_admit` take them."""
     return (state.run_id, state.team, state.status, state.policy, state.created_at, state.updated_at, state.revision,
             state.turns, to_micros(state.cost_usd, "cost_usd"), state.usage.prompt_tokens,
-            state.usage.completion_tokens, state.dumps())
+            state.usage.completion_tokens, orjson.dumps(state.head_json()))
+
+
+_TRANSCRIPT: Final = ("ARRAY(SELECT t.body FROM transcripts t WHERE t.run_id = r.id AND t.kind = 0 ORDER BY t.seq)"
+                      " AS messages, ARRAY(SELECT t.body FROM transcripts t WHERE t.run_id = r.id AND t.kind = 1"
+                      " ORDER BY t.seq) AS turns")
+"""A run's transcript rows as two arrays, in the statement that reads its head (one snapshot)."""
+
+
+def _parse(run_id: str, row: Any) -> RunState:
+    """A run from its head and its transcript rows (`_TRANSCRIPT`)."""
+    pairs = [[int(x) for x in bytes(item).split()] for item in row["turns"]]
+    return parse_run(run_id, row["body"], ([bytes(m) for m in row["messages"]], pairs))
+
+
+def _turn_items(written: RunWrite) -> list[bytes]:
+    return [b"%d %d" % pair for pair in written.per_turn]
+
+
+def _items(written: RunWrite) -> tuple[list[bytes], list[bytes]]:
+    """A new run's transcript rows: its messages, its turns."""
+    return written.messages, _turn_items(written)
+
+
+def _lease_columns(lease: Lease | None) -> tuple[str | None, int | None]:
+    return (None, None) if lease is None else (lease.owner, lease.epoch)
 
 
 def _signal(events: Sequence[Event]) -> str | None:

@@ -51,6 +51,16 @@ CREATE INDEX runs_team_created ON runs (team, created_at DESC, ord DESC);
 CREATE INDEX runs_status_created ON runs (status, created_at DESC, ord DESC);
 CREATE INDEX runs_finished ON runs (updated_at) WHERE status <> 'running';
 
+-- A run's transcript beside its head (`runs.body`, run schema 5: base.RunWrite): each message
+-- (kind 0, its JSON) and each turn's usage (kind 1, "prompt completion") one row, written once.
+CREATE TABLE transcripts (
+    run_id text NOT NULL,
+    kind smallint NOT NULL,
+    seq integer NOT NULL,
+    body bytea NOT NULL,
+    PRIMARY KEY (run_id, kind, seq)
+);
+
 CREATE TABLE event_heads (run_id text PRIMARY KEY, last_seq bigint NOT NULL);
 CREATE TABLE events (
     run_id text NOT NULL,
@@ -100,7 +110,10 @@ CREATE TABLE clocks (
     tokens_tat double precision NOT NULL DEFAULT 0
 );
 
-CREATE TABLE leases (run_id text PRIMARY KEY, owner text NOT NULL, expires_at double precision NOT NULL);
+-- A run's lease and its fence (base.Lease): the row is the last lease taken on the run, `epoch` its
+-- fencing token; a released lease keeps its row with expires_at 0, so a run's epochs only grow.
+CREATE TABLE leases (run_id text PRIMARY KEY, owner text NOT NULL, expires_at double precision NOT NULL,
+                     epoch bigint NOT NULL DEFAULT 1);
 CREATE INDEX leases_owner ON leases (owner);
 
 CREATE TABLE responses (id text PRIMARY KEY, team text NOT NULL, created_at double precision NOT NULL,
@@ -234,14 +247,43 @@ END $$;
 """
 
 _EVENTS: Final = """
+-- Whether a write under the lease (p_owner, p_epoch) may go on (base.Lease): the lease is still
+-- the run's last taken and not released. Its row is locked FOR SHARE until the caller's
+-- transaction ends, so a takeover (acquire_lease's UPDATE) waits for the write, or the write
+-- sees the takeover: never both. No lease given (p_owner NULL): not fenced.
+CREATE FUNCTION gw_fenced(p_run text, p_owner text, p_epoch bigint) RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN
+    IF p_owner IS NULL THEN RETURN true; END IF;
+    PERFORM 1 FROM leases WHERE run_id = p_run AND owner = p_owner AND epoch = p_epoch AND expires_at > 0 FOR SHARE;
+    RETURN FOUND;
+END $$;
+
+-- A save's transcript rows (base.RunWrite): what lies past the positions first, when the
+-- history was rewritten (p_trunc), then the new messages from m_from, the new turns from u_from.
+CREATE FUNCTION gw_transcript(p_run text, p_trunc boolean, m_from integer, m_items bytea[], u_from integer,
+                              u_items bytea[]) RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    IF p_trunc THEN
+        DELETE FROM transcripts WHERE run_id = p_run AND (kind = 0 AND seq >= m_from OR kind = 1 AND seq >= u_from);
+    END IF;
+    IF cardinality(m_items) > 0 OR cardinality(u_items) > 0 THEN
+        INSERT INTO transcripts (run_id, kind, seq, body)
+        SELECT p_run, 0, m_from + i - 1, b FROM unnest(m_items) WITH ORDINALITY AS u(b, i)
+        UNION ALL SELECT p_run, 1, u_from + i - 1, b FROM unnest(u_items) WITH ORDINALITY AS u(b, i);
+    END IF;
+END $$;
+
 -- A run's trace lines, numbered after the last (its head row, locked: appends of one run
 -- take turns), and the outbox notices they cause; NOTIFY `p_signal` (a channel) when set.
+-- With a lease (p_owner, p_epoch) no longer the run's: -1, nothing written (gw_fenced).
 CREATE FUNCTION gw_append(p_run text, p_events bytea[], n_ids text[], n_bodies bytea[], n_periods text[],
-                          p_signal text, p_now double precision) RETURNS integer LANGUAGE plpgsql AS $$
+                          p_signal text, p_now double precision, p_owner text DEFAULT NULL,
+                          p_epoch bigint DEFAULT NULL) RETURNS integer LANGUAGE plpgsql AS $$
 DECLARE
     last bigint;
     added integer := 0;
 BEGIN
+    IF NOT gw_fenced(p_run, p_owner, p_epoch) THEN RETURN -1; END IF;
     IF cardinality(p_events) > 0 THEN
         INSERT INTO event_heads AS h (run_id, last_seq) VALUES (p_run, cardinality(p_events))
         ON CONFLICT (run_id) DO UPDATE SET last_seq = h.last_seq + cardinality(p_events)
@@ -291,7 +333,7 @@ CREATE FUNCTION gw_admit(
     a_key text, a_user text, a_model text, a_policy text,
     c_body bytea, c_team text, c_status text, c_policy text, c_created double precision,
     c_updated double precision, c_revision bigint, c_turns integer, c_cost bigint, c_prompt bigint,
-    c_completion bigint, p_slots integer,
+    c_completion bigint, p_slots integer, c_messages bytea[], c_items bytea[],
     OUT o_code integer, OUT o_refusal text, OUT o_body bytea, OUT o_now double precision,
     OUT o_revision bigint, OUT o_spent bigint, OUT o_reserved bigint, OUT o_turns integer,
     OUT o_in_flight integer, OUT o_cost bigint, OUT o_held bigint, OUT o_hold_spent bigint[],
@@ -333,6 +375,7 @@ BEGIN
             SELECT r.body INTO o_body FROM runs r WHERE r.id = p_run;
             RETURN;
         END IF;
+        PERFORM gw_transcript(p_run, false, 0, c_messages, 0, c_items);
     END IF;
     -- 1. The run's row: its turn slots are counted under it.
     IF p_run IS NOT NULL THEN
@@ -503,23 +546,29 @@ END $$;
 """
 
 _COMMIT: Final = """
--- A turn: the run's save (only if its revision is `p_expected`), its trace lines and notices,
--- and its booking (a reservation settled, or `b_actual` charged to the team's period), as one
--- step. Locks the run's row first, then (settle) the reservation's, the ledgers, the clocks.
+-- A turn: the run's save (only if its revision is `p_expected`, and, with a lease, only while
+-- the lease is the run's: gw_fenced), its head and new transcript rows, its trace lines and
+-- notices, and its booking (a reservation settled, or `b_actual` charged to the team's period),
+-- as one step. Locks the run's lease row (with a lease), then the run's row, then (settle) the
+-- reservation's, the ledgers, the clocks.
 -- o_code: 1 saved, 0 no such run, 2 stale (o_stored: the stored revision), 3 `b_if_held` and
--- the reservation was booked or released already; nothing is written unless 1.
+-- the reservation was booked or released already, 4 the lease is no longer the run's;
+-- nothing is written unless 1.
 CREATE FUNCTION gw_commit_turn(
     p_id text, p_expected bigint, p_revision bigint, p_team text, p_status text, p_policy text,
     p_updated double precision, p_turns integer, p_cost bigint, p_prompt bigint, p_completion bigint, p_body bytea,
     p_events bytea[], n_ids text[], n_bodies bytea[], n_periods text[], p_signal text,
     b_book boolean, b_rid text, b_if_held boolean, b_actual bigint, b_team text, b_period text,
     t_scopes text[], t_tokens bigint[], t_per double precision[],
+    l_owner text, l_epoch bigint, w_trunc boolean, w_from integer, w_messages bytea[], w_turns_from integer,
+    w_turns bytea[], b_key text, b_user text, b_model text, b_policy text,
     OUT o_code integer, OUT o_stored bigint, OUT o_spent bigint, OUT o_reserved bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
     now_s double precision := extract(epoch FROM clock_timestamp());
     cur record;
 BEGIN
+    IF NOT gw_fenced(p_id, l_owner, l_epoch) THEN o_code := 4; RETURN; END IF;
     SELECT r.revision, r.prompt_tokens, r.completion_tokens INTO cur FROM runs r WHERE r.id = p_id FOR NO KEY UPDATE;
     IF NOT FOUND THEN o_code := 0; RETURN; END IF;
     IF cur.revision <> p_expected THEN o_code := 2; o_stored := cur.revision; RETURN; END IF;
@@ -531,6 +580,7 @@ BEGIN
                     revision = p_revision, turns = p_turns, cost_micros = p_cost, prompt_tokens = p_prompt,
                     completion_tokens = p_completion, body = p_body
     WHERE id = p_id;
+    PERFORM gw_transcript(p_id, w_trunc, w_from, w_messages, w_turns_from, w_turns);
     PERFORM gw_append(p_id, p_events, n_ids, n_bodies, n_periods, p_signal, now_s);
     o_code := 1;
     IF NOT b_book THEN RETURN; END IF;
@@ -538,7 +588,7 @@ BEGIN
         PERFORM gw_settle(b_rid, b_actual, t_scopes, t_tokens, t_per, now_s, p_prompt - cur.prompt_tokens,
                           p_completion - cur.completion_tokens);
     ELSIF b_actual <> 0 THEN
-        PERFORM gw_book(b_team, b_period, 0::smallint, b_actual, '{}', '', '', '', '', NULL, 0, 0,
+        PERFORM gw_book(b_team, b_period, 0::smallint, b_actual, '{}', b_key, b_user, b_model, b_policy, NULL, 0, 0,
                         now_s);
     END IF;
     SELECT COALESCE(sum(spent_micros), 0) INTO o_spent FROM ledger WHERE scope = b_team AND period = b_period;

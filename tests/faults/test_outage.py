@@ -154,6 +154,9 @@ async def test_a_store_restarted_under_load_gives_503s_not_500s(gw: Proc, redis_
 
     async def none_running() -> bool:  # runs cut by the outage are recovered, not left running
         status, _, listed = await request(session, "GET", f"{gw.url}/v1/runs?status=running&limit=1000")
+        if status == 503:  # the restarted store answered a read too slowly (a loaded machine): ask again
+            assert listed["error"]["code"] == "store_unavailable", listed
+            return False
         assert status == 200, listed
         return not [r for r in listed["data"] if r["policy"] == "files"]
 
@@ -168,7 +171,7 @@ async def test_a_store_restarted_under_load_gives_503s_not_500s(gw: Proc, redis_
     finally:
         done.set()
         await asyncio.gather(*workers)
-    assert set(statuses) == {200, 503}, {s: bodies[s] for s in statuses}
+    assert set(statuses) == {200, 503}, "; ".join(f"{s}: {bodies[s]}" for s in statuses if s not in (200, 503))
     assert bodies[503]["error"]["code"] == "store_unavailable"
     await poll(none_running, timeout=30)
 

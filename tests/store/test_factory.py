@@ -109,6 +109,12 @@ async def test_a_frozen_postgres_fails_within_the_store_timeout() -> None:
         ({"kind": "postgres", "dsn": "postgresql://h/db", "pool": {"max": "9"}}, r"store.pool.max: expected a whole"),
         ({"kind": "postgres", "dsn": "postgresql://h/db", "timeout_s": -1}, r"store.timeout_s: expected a number"),
         ({"kind": "postgres", "dsn": "postgresql://h/db", "url": "x"}, r"store: unknown field\(s\) url for kind postgres"),
+        ({"kind": "redis", "url": "redis://127.0.0.1:6379", "wait_replicas": -1},
+         r"store.wait_replicas: expected a whole number from 0 to 16, got -1"),
+        ({"kind": "redis", "url": "redis://127.0.0.1:6379", "wait_replicas": True}, r"store.wait_replicas: .* got True"),
+        ({"kind": "redis", "url": "redis://127.0.0.1:6379", "wait_replicas": 1, "wait_timeout_s": 2},
+         r"store.wait_timeout_s: .* below store.timeout_s \(2\), got 2"),
+        ({"kind": "sqlite", "path": "x.db", "wait_replicas": 1}, r"store: unknown field\(s\) wait_replicas for kind sqlite"),
     ],
 )
 def test_bad_config_names_the_field(config: Any, message: str) -> None:

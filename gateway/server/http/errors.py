@@ -57,7 +57,7 @@ from aiohttp import web
 
 from gateway.harness.state import Interruption, InterruptionType, Status, public_run_id
 from gateway.providers.errors import UpstreamError
-from gateway.store.errors import RunExists, RunNotFound, StaleRun, StoreError
+from gateway.store.errors import LeaseLost, RunExists, RunNotFound, StaleRun, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -289,6 +289,9 @@ def from_store_error(exc: StoreError) -> ApiError:
     if isinstance(exc, (StaleRun, RunExists)):
         return Conflict(f"run {public_run_id(exc.run_id)} changed while this call used it; retry the call",
                         code="run_conflict")
+    if isinstance(exc, LeaseLost):
+        return Conflict(f"run {public_run_id(exc.run_id)} is driven by another gateway replica now (this one stalled "
+                        "past its lease); read the run to follow it", code="run_conflict")
     # The store's own words name hosts and files: they go to the log, not to clients.
     log.warning("the store failed: %s", exc)
     return StoreUnavailable("the gateway's store is unavailable; retry in a moment")
