@@ -101,7 +101,8 @@ async def fill(store: Store, runs: int) -> None:
         grant = await store.admit(Claim("demo", "total", 0.01, 5.0, run_id=state.run_id, holds=(
             Hold("key", "key:key_a", "total", 3.0),), attribution=WHO))
         assert grant.reservation_id is not None
-        state.turns, state.cost_usd, state.usage = 1, 0.000123 * (i + 1), Usage(100 + i, 7)
+        state.messages.append({"role": "assistant", "content": f"answer {i}"})  # a transcript item of its own
+        state.turns, state.cost_usd, state.usage = 1, 0.000012 * (i % 100 + 1), Usage(100 + i, 7)
         await store.commit_turn(state, [{"type": "turn", "n": 1}, {"type": "run_stopped", "i": i}],
                                 Booking("demo", "total", state.cost_usd, grant.reservation_id))
     await store.charge("demo", "2026-12", 0.5, WHO)
@@ -112,7 +113,7 @@ async def fill(store: Store, runs: int) -> None:
 
 
 async def compare(source: Store, target: Store, runs: int) -> None:
-    for i in (0, runs // 2, runs - 1):
+    for i in range(runs):
         run_id = f"demo/run_{i:04d}"
         mine, theirs = await source.load_run(run_id), await target.load_run(run_id)
         assert mine is not None and theirs is not None and mine.to_json() == theirs.to_json()
