@@ -438,15 +438,16 @@ class PostgresStore:
             f"UPDATE reservations SET expires_at = GREATEST(expires_at, {NOW} + $2)"
             f" WHERE id = ANY($1::text[]) AND expires_at > {NOW}", list(reservation_ids), ttl)
 
-    async def release_owner(self, owner: str) -> int:
+    async def release_owner(self, owner: str, keep: Collection[str] = ()) -> int:
         if not owner:
             return 0
         return int(await self._fetchval(f"""
             WITH t AS (SELECT {NOW} AS now),
             l AS (UPDATE leases SET expires_at = 0 WHERE owner = $1),
             o AS (UPDATE outbox SET due_at = (SELECT now FROM t), owner = '' WHERE state = 'pending' AND owner = $1),
-            r AS (DELETE FROM reservations WHERE owner = $1 AND expires_at > (SELECT now FROM t) RETURNING 1)
-            SELECT count(*) FROM r""", owner))
+            r AS (DELETE FROM reservations WHERE owner = $1 AND expires_at > (SELECT now FROM t)
+                  AND NOT id = ANY($2::text[]) RETURNING 1)
+            SELECT count(*) FROM r""", owner, sorted(keep)))
 
     async def settle(self, reservation_id: str, actual_usd: float, tokens: Sequence[TokenCharge] = ()) -> None:
         actual = to_micros(actual_usd, "actual_usd")
