@@ -193,10 +193,10 @@ async def test_the_spend_view_has_a_row_per_day_team_key_user_model_policy_and_r
         finally:
             await conn.close()
         assert [(r["run"], r["tokens"], r["calls"], r["cost_micros"]) for r in rows] == [
-            ("demo/run_0000", 107, 1, 123), ("demo/run_0001", 108, 1, 246), ("demo/run_0002", 109, 1, 369)]
+            ("demo/run_0000", 107, 1, 12), ("demo/run_0001", 108, 1, 24), ("demo/run_0002", 109, 1, 36)]
         assert {(r["team"], r["key"], r["user"], r["model"], r["policy"]) for r in rows} == {tuple(["demo", *WHO])}
         total = sum(r.cost_micros for r in await store.spend("2000-01-01", "2100-01-01"))
-        assert total == 123 + 246 + 369 + 500_000  # with the charge, which has no run
+        assert total == 12 + 24 + 36 + 500_000  # with the charge, which has no run
     finally:
         await store.close()
 
