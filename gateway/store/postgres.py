@@ -68,17 +68,14 @@ from gateway.store.base import (
 )
 from gateway.store.errors import (
     AlreadyBooked,
-    KeyExists,
-    KeyNotFound,
     LeaseLost,
     RunExists,
     RunNotFound,
-    StaleKey,
     StaleRun,
     StoreError,
 )
-from gateway.store.keys import ConsoleSession, KeyRecord
-from gateway.store.outbox import Claimed, Notice, NoticeRule, check_notices
+from gateway.store.keys import ConsoleSession, KeyRecord, check_key_revision
+from gateway.store.outbox import Claimed, Notice, NoticeRule, check_notices, notices_of
 from gateway.store.periods import ended_before as period_ended
 from gateway.store.postgres_notify import Listener
 from gateway.store.postgres_schema import LOCK_NAMESPACE, MIGRATIONS, Migration, bootstrap, quote
@@ -363,9 +360,7 @@ class PostgresStore:
         return [_parse(r["id"], r) for r in rows]
 
     def _notices(self, run_id: str, events: list[Event]) -> Sequence[Notice]:
-        notices = self.notice_rule(run_id, events) if self.notice_rule is not None and events else ()
-        check_notices(notices)
-        return notices
+        return notices_of(self.notice_rule, run_id, events)
 
     async def append_events(self, run_id: str, events: list[Event], *, lease: Lease | None = None) -> None:
         if not events:
@@ -639,13 +634,7 @@ class PostgresStore:
             revision = int(await conn.fetchval("UPDATE counters SET value = value + 1 WHERE name = 'keys'"
                                                " RETURNING value"))
             row = await conn.fetchrow("SELECT revision, last_used_at FROM keys WHERE id = $1", record.id)
-            if expected_revision is None and row is not None:
-                raise KeyExists(record.id)
-            if expected_revision is not None:
-                if row is None:
-                    raise KeyNotFound(record.id)
-                if int(row[0]) != expected_revision:
-                    raise StaleKey(record.id, expected_revision, int(row[0]))
+            check_key_revision(record.id, expected_revision, None if row is None else int(row[0]))
             await conn.execute("INSERT INTO keys (id, team, revision, body) VALUES ($1, $2, $3, $4)"
                                " ON CONFLICT (id) DO UPDATE SET revision = excluded.revision, body = excluded.body",
                                record.id, record.team, revision, record.stored())
