@@ -172,9 +172,11 @@ def replicas(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRe
 
 
 @pytest.fixture
-def pair(replicas: tuple[Proc, Proc, dict[str, Any]]) -> tuple[Proc, Proc, Store]:
-    """The module's two replicas, and a view of their store for this test."""
+def pair(replicas: tuple[Proc, Proc, dict[str, Any]], upstream: Upstream) -> tuple[Proc, Proc, Store]:
+    """The module's two replicas, and a view of their store for this test; the upstream's
+    counts start over (a test runs once per store kind, and reads the counts of its own model)."""
     a, b, store = replicas
+    upstream.calls.clear()
     return a, b, view(store)
 
 

@@ -89,12 +89,20 @@ def start(folder: Path, upstream_url: str, store: dict[str, Any], lease_ttl_s: f
 
 
 @pytest.fixture(scope="module", params=SHARED_KINDS)
-def pair(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest,
-         upstream: Upstream) -> Iterator[tuple[Proc, Proc]]:
+def replicas(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest,
+             upstream: Upstream) -> Iterator[tuple[Proc, Proc]]:
     """Two replicas on one redis-server (or one PostgreSQL), shared by the module's tests (each its own team)."""
     store = shared_store(request.param, request, "rl")
     with two_replicas(start, tmp_path_factory.mktemp("pair"), upstream.url, store) as procs:
         yield procs
+
+
+@pytest.fixture
+def pair(replicas: tuple[Proc, Proc], upstream: Upstream) -> tuple[Proc, Proc]:
+    """The module's two replicas, with the upstream's counts started over: a test runs once per
+    store kind, and reads the counts of its own model."""
+    upstream.calls.clear()
+    return replicas
 
 
 @pytest.fixture(scope="module")
