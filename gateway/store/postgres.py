@@ -789,13 +789,13 @@ def _run_row(state: RunState) -> tuple[Any, ...]:
 
 _TRANSCRIPT: Final = ("ARRAY(SELECT t.body FROM transcripts t WHERE t.run_id = r.id AND t.kind = 0 ORDER BY t.seq)"
                       " AS messages, ARRAY(SELECT t.body FROM transcripts t WHERE t.run_id = r.id AND t.kind = 1"
-                      " ORDER BY t.seq) AS turns")
+                      " ORDER BY t.seq) AS per_turn")
 """A run's transcript rows as two arrays, in the statement that reads its head (one snapshot)."""
 
 
 def _parse(run_id: str, row: Any) -> RunState:
     """A run from its head and its transcript rows (`_TRANSCRIPT`)."""
-    pairs = [[int(x) for x in bytes(item).split()] for item in row["turns"]]
+    pairs = [[int(x) for x in bytes(item).split()] for item in row["per_turn"]]
     return parse_run(run_id, row["body"], ([bytes(m) for m in row["messages"]], pairs))
 
 
