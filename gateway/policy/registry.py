@@ -45,6 +45,14 @@ class ReloadResult:
         }
 
 
+@dataclass(frozen=True)
+class StagedSet:
+    """A policy set loaded and checked, not served yet (`PolicyRegistry.commit` serves it)."""
+
+    policies: Mapping[str, Policy]
+    errors: tuple[PolicyError, ...] = ()
+
+
 def policy_files(directory: Path) -> list[Path]:
     """The policy files of a directory, in name order."""
     return sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
@@ -116,19 +124,26 @@ class PolicyRegistry:
         run one at a time, from any thread.
         """
         with self._reloading:
-            return self._reload(check)
+            return self.commit(self.stage(check))
 
-    def _reload(self, check: Callable[[Mapping[str, Policy]], Sequence[PolicyError]] | None) -> ReloadResult:
+    def stage(self, check: Callable[[Mapping[str, Policy]], Sequence[PolicyError]] | None = None) -> StagedSet:
+        """Load and check the directory without serving it yet (`commit` does), so a caller can
+        swap it in together with something else (a config reload: `gateway.server.reload`)."""
         try:
             files = policy_files(self.directory)
         except OSError as exc:
             error = PolicyError(str(self.directory), None, (), f"cannot list the policy directory: {exc.strerror or exc}")
-            return ReloadResult(loaded=self.names(), errors=(error,))
+            return StagedSet({}, (error,))
         policies, errors = load_set(files, mcp=self.mcp)
         if not errors and check is not None:
             errors = list(check(policies))
-        if errors:
-            return ReloadResult(loaded=self.names(), errors=tuple(errors))
+        return StagedSet(policies, tuple(errors))
+
+    def commit(self, staged: StagedSet) -> ReloadResult:
+        """Serve a staged set (or, when it has errors, keep the current one and say why)."""
+        if staged.errors:
+            return ReloadResult(loaded=self.names(), errors=staged.errors)
+        policies = staged.policies
         changed = tuple(
             name for name, p in sorted(policies.items())
             if name not in self._current or self._current[name].version != p.version

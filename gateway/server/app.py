@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fnmatch
 import hashlib
 import hmac
 import logging
@@ -34,21 +33,21 @@ from gateway.config.webhooks import require_secrets
 from gateway.mcp.hub import McpHub
 from gateway.policy.errors import PolicySetError
 from gateway.policy.registry import PolicyRegistry
-from gateway.providers.scenarios import model_names
 from gateway.providers.scripted import scripted_app
 from gateway.providers.upstream import new_session
-from gateway.server import console, embeddings, mcp_servers, openapi
+from gateway.server import console, embeddings, mcp_servers, models, openapi
 from gateway.server import context as ctx
 from gateway.server.api import admin
 from gateway.server.api import metrics as metrics_route
 from gateway.server.api import runs as runs_api
 from gateway.server.chat import endpoint as chat
 from gateway.server.http.auth import KeyRing
-from gateway.server.http.errors import NotFound, StoreUnavailable
+from gateway.server.http.errors import StoreUnavailable
 from gateway.server.http.middleware import gateway_middleware
 from gateway.server.http.sse import STREAMS_END, end_streams
 from gateway.server.metrics import Metrics
 from gateway.server.notify import delivery as notify_delivery
+from gateway.server.reload import team_check
 from gateway.server.responses import endpoint as responses
 from gateway.server.runs import rate_limits, retention, runtime
 from gateway.server.runs.booking import replay_spool
@@ -62,42 +61,16 @@ SPOOL_REPLAY_S = 1.0
 
 log = logging.getLogger(__name__)
 
-def routed_models(config: Config) -> list[tuple[str, str]]:
-    """(model, upstream) for every model the config routes by name; a glob on the scripted
-    upstream lists the scripted scenarios it matches (other globs cannot be listed)."""
-    out: list[tuple[str, str]] = []
-    seen: set[str] = set()
-    scripted = model_names()
-    for route in config.models:
-        upstream = config.upstreams[route.upstream]
-        if not route.is_glob:
-            names = [route.match]
-        elif upstream.kind == "scripted":
-            names = [m for m in scripted if fnmatch.fnmatchcase(m, route.match)]
-        else:
-            names = []
-        for name in names:
-            # first match wins: a name an earlier route already took is not this route's
-            if name not in seen and config.route(name) is route:
-                seen.add(name)
-                out.append((name, route.upstream))
-    return out
-
-
 def load_policies(config: Config, mcp: McpHub | None = None) -> PolicyRegistry:
     """Load `policies_dir` (MCP tools discovered through `mcp`) and check every team's
-    policies exist; ConfigError otherwise."""
+    policies exist (the rule a reload checks too: `reload.team_check`); ConfigError otherwise."""
     registry = PolicyRegistry(config.policies_dir, mcp)
-    try:
-        registry.load()
-    except PolicySetError as exc:
-        raise ConfigError(str(config.path), "policies_dir", f"{config.policies_dir}: {exc}") from None
-    for i, team in enumerate(config.teams):
-        for j, name in enumerate(team.policies):
-            if registry.get(name) is None:
-                raise ConfigError(str(config.path), f"teams[{i}].policies[{j}]",
-                                  f"no policy named '{name}' in {config.policies_dir} "
-                                  f"(loaded: {', '.join(registry.names()) or 'none'})")
+    staged = registry.stage()
+    if staged.errors:
+        raise ConfigError(str(config.path), "policies_dir", f"{config.policies_dir}: {PolicySetError(staged.errors)}")
+    for error in team_check(config)(staged.policies):
+        raise ConfigError(str(config.path), error.field, error.problem)
+    registry.commit(staged)
     return registry
 
 
@@ -111,7 +84,7 @@ def _open_store(config: Config) -> Store:
 
 
 async def _resources(app: web.Application) -> AsyncIterator[None]:
-    config = app[ctx.CONFIG]
+    config = app[ctx.LIVE].config
     store = app[ctx.STORE]
     session = new_session()
     app[ctx.SESSION] = session
@@ -187,7 +160,7 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
     key of this process's own."""
     require_secrets(str(config.path), config.webhooks)  # before anything is opened
     app = web.Application(middlewares=[gateway_middleware], client_max_size=config.server.max_body_bytes)
-    app[ctx.CONFIG] = config
+    app[ctx.LIVE] = ctx.Live(config)
     app[ctx.MCP] = McpHub()
     try:
         app[ctx.POLICIES] = load_policies(config, app[ctx.MCP])
@@ -196,7 +169,7 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
         raise
     app[ctx.COUNTER] = get_counter()
     app[ctx.KEYRING] = KeyRing(config.teams)
-    app[ctx.METRICS] = Metrics((name for name, _ in routed_models(config)), config.upstreams,
+    app[ctx.METRICS] = Metrics((name for name, _ in models.routed_models(config)), config.upstreams,
                                ((w.name, sorted(w.events)) for w in config.webhooks))
     app[ctx.STORE] = _open_store(config)
     app[ctx.SPOOL] = Spool(config.spool_file)
@@ -212,8 +185,9 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
     app[STREAMS_END] = asyncio.Event()
     app.on_shutdown.append(end_streams)
     app.on_shutdown.append(runtime.stop_runs)
-    if any(t.rate_limits is not None or t.key_limits for t in config.teams):
-        app.on_response_prepare.append(rate_limits.show)  # answers carry their x-ratelimit-* headers
+    # Answers carry their x-ratelimit-* headers. Installed whatever the config says at start,
+    # since a reload may add rate limits (about 0.7 us per answer, nothing set without limits).
+    app.on_response_prepare.append(rate_limits.show)
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
     metrics_route.setup(app)
@@ -223,34 +197,6 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
         app[ctx.SCRIPTED_KEY] = scripted_key or secrets.token_urlsafe(32)
         app.add_subapp(SCRIPTED_PREFIX, scripted_app(guard=_scripted_guard(app[ctx.KEYRING], app[ctx.SCRIPTED_KEY])))
     return app
-
-
-async def list_models(request: web.Request) -> web.Response:
-    """The models this gateway routes, in the OpenAI list shape (auth required)."""
-    app = request.app
-    app[ctx.KEYRING].authenticate(request)
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": upstream}
-            for name, upstream in routed_models(app[ctx.CONFIG])]
-    return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
-
-
-async def get_model(request: web.Request) -> web.Response:
-    """One routed model (the SDKs' `models.retrieve`); 404 in the OpenAI shape otherwise."""
-    app = request.app
-    app[ctx.KEYRING].authenticate(request)
-    name = request.match_info["model"]
-    for model, upstream in routed_models(app[ctx.CONFIG]):
-        if model == name:
-            break
-    else:
-        route = app[ctx.CONFIG].route(name)
-        # a glob on the scripted upstream routes only its scenarios (all listed above)
-        if route is None or app[ctx.CONFIG].upstreams[route.upstream].kind == "scripted":
-            raise NotFound(f"model '{name}' is not routed by this gateway (see GET /v1/models)",
-                           code="model_not_found", param="model")
-        upstream = route.upstream
-    data = {"id": name, "object": "model", "created": 0, "owned_by": upstream}
-    return web.Response(body=orjson.dumps(data), content_type="application/json")
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -269,8 +215,8 @@ ROUTES: Final[tuple[tuple[str, str, Handler], ...]] = (
     ("GET", "/v1/responses/{id}", responses.get_response),
     ("DELETE", "/v1/responses/{id}", responses.delete_response),
     ("POST", "/v1/embeddings", embeddings.create_embeddings),
-    ("GET", "/v1/models", list_models),
-    ("GET", "/v1/models/{model}", get_model),
+    ("GET", "/v1/models", models.list_models),
+    ("GET", "/v1/models/{model}", models.get_model),
     ("GET", "/v1/runs", runs_api.list_runs),
     ("GET", "/v1/runs/{id}", runs_api.get_run),
     ("GET", "/v1/runs/{id}/events", runs_api.run_events),

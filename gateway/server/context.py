@@ -7,6 +7,7 @@ need the event loop (store, HTTP session, governor, upstreams) are set by the ap
 
 from __future__ import annotations
 
+import asyncio
 from typing import Final
 
 import aiohttp
@@ -37,6 +38,18 @@ def uses_mount(upstream: UpstreamConfig) -> bool:
     return upstream.kind == "scripted" and upstream.base_url is None
 
 
+class Live:
+    """The config this process serves now. A reload (`gateway.server.reload`) replaces
+    `config` whole, in one step on the event loop; a call keeps the objects it read from it
+    (its team, its route), so it finishes under the config it started with."""
+
+    __slots__ = ("config", "reloading")
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.reloading = asyncio.Lock()  # one reload at a time (a SIGHUP and an admin call may come together)
+
+
 class Upstreams:
     """The configured upstreams by name; a `scripted` one is this server's own mount, whose
     address is known once the server listens (set by `serve`, or learnt from the first request)."""
@@ -44,9 +57,21 @@ class Upstreams:
     def __init__(self, config: Config, session: aiohttp.ClientSession, scripted_key: str | None = None) -> None:
         """`scripted_key`: what this process's calls to its own scripted mount authenticate with."""
         self.self_url: str | None = None
-        self._by_name = {name: Upstream(u, session, self._scripted_base, scripted_key if uses_mount(u) else None)
-                         for name, u in config.upstreams.items()}
+        self._session = session
+        self._scripted_key = scripted_key
+        self._by_name: dict[str, Upstream] = {}
         self.router = Router()  # every deployment's health in this process (cooldowns, calls in flight)
+        self.configure(config)
+
+    def configure(self, config: Config) -> None:
+        """Serve `config`'s upstreams (at start, and on a reload). An upstream whose settings did
+        not change keeps its object; calls already routed keep the upstreams they started with;
+        the health of deployments no route names any more is forgotten."""
+        old = self._by_name
+        self._by_name = {name: old[name] if name in old and old[name].config == u else
+                         Upstream(u, self._session, self._scripted_base, self._scripted_key if uses_mount(u) else None)
+                         for name, u in config.upstreams.items()}
+        self.router.keep({d for route in config.models for g in route.plan.groups for d in g.deployments})
 
     def _scripted_base(self) -> str | None:
         return self.self_url + SCRIPTED_PREFIX if self.self_url else None
@@ -55,8 +80,9 @@ class Upstreams:
         return self._by_name[name]
 
     def call(self, route: ModelRoute, model: str, on_attempt: AttemptSink) -> RoutedCall:
-        """One call of `model` over `route`'s deployments and fallbacks (`gateway.providers.failover`)."""
-        return RoutedCall(route.plan, model, self.router, self.__getitem__, on_attempt)
+        """One call of `model` over `route`'s deployments and fallbacks (`gateway.providers.failover`),
+        to the upstreams served now (a reload meanwhile does not change them under it)."""
+        return RoutedCall(route.plan, model, self.router, self._by_name.__getitem__, on_attempt)
 
     def learn_self_url(self, request: web.Request) -> None:
         """Take this server's address from the socket a request arrived on."""
@@ -71,7 +97,8 @@ class Upstreams:
         self.self_url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-CONFIG: Final = web.AppKey("config", Config)
+LIVE: Final = web.AppKey("live", Live)
+"""The config served now (`Live.config`): read it where a call starts, never keep it across calls."""
 POLICIES: Final = web.AppKey("policies", PolicyRegistry)
 METRICS: Final = web.AppKey("metrics", Metrics)
 COUNTER: Final = web.AppKey("counter", TokenCounter)

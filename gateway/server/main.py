@@ -1,8 +1,8 @@
 """`gateway serve`: load and check the config, then run the gateway until stopped.
 
 A config error (file, field, problem) is printed and the process exits 2 without
-listening. SIGHUP reloads the policies like POST /v1/admin/reload (new runs get the new
-versions) and logs the result.
+listening. SIGHUP reloads config.yaml and the policies like POST /v1/admin/reload
+(`gateway.server.reload`) and logs the result.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 
 from gateway.config.settings import Config, ConfigError, load_config
-from gateway.server.api.admin import reload_in_thread
 from gateway.server.app import build_app, process_owner
 from gateway.server.http.listener import run
+from gateway.server.reload import reload as reload_files
 from gateway.server.workers import parse_workers, shared_key, signal_ready, supervise
 from gateway.store import StoreConfigError, StoreError, open_store
 
@@ -81,7 +81,7 @@ async def _reload_on_sighup(app: web.Application) -> AsyncIterator[None]:
     running: set[asyncio.Future[object]] = set()  # held until done (the loop keeps weak references)
 
     def reload() -> None:  # logs what it loaded, or why it kept the old set
-        task: asyncio.Future[object] = asyncio.ensure_future(reload_in_thread(app, by="SIGHUP"))
+        task: asyncio.Future[object] = asyncio.ensure_future(reload_files(app, by="SIGHUP"))
         running.add(task)
         task.add_done_callback(running.discard)
 

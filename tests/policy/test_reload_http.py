@@ -162,7 +162,7 @@ async def test_a_broken_policy_file_is_refused_and_the_old_set_keeps_serving(
         served.proc.popen.send_signal(signal.SIGHUP)
 
         async def refusal_logged() -> bool:
-            return "policy reload by SIGHUP refused" in log_since(served, logged)
+            return "reload by SIGHUP refused, the previous config and policies kept" in log_since(served, logged)
 
         await poll(refusal_logged)
         assert f"{files_policy(served)}:{line}: limits.max_turns:" in log_since(served, logged)

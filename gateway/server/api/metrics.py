@@ -25,14 +25,14 @@ METRICS_APP: web.AppKey[web.Application] = web.AppKey("metrics_main_app", web.Ap
 
 def setup(app: web.Application) -> None:
     """Serve /metrics on the main app, or on the config's `metrics.listen` address instead."""
-    if app[ctx.CONFIG].metrics.listen is None:
+    if app[ctx.LIVE].config.metrics.listen is None:
         app.router.add_get("/metrics", metrics)
     else:
         app.cleanup_ctx.append(_separate_listener)
 
 
 def _authorize(app: web.Application, request: web.Request) -> None:
-    config = app[ctx.CONFIG].metrics
+    config = app[ctx.LIVE].config.metrics
     if config.token is None:
         return
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
@@ -49,7 +49,7 @@ async def _exposition(app: web.Application, request: web.Request) -> web.Respons
     _authorize(app, request)
     registry = app[ctx.METRICS]
     governor = app[ctx.GOVERNOR]
-    for team in app[ctx.CONFIG].teams:
+    for team in app[ctx.LIVE].config.teams:
         spent, reserved = await app[ctx.STORE].team_spend(team.name, governor.period(team))
         remaining = None if team.budget_usd is None else team.budget_usd - spent - reserved
         registry.set_team_budget(team.name, spent, remaining)
@@ -80,7 +80,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 async def _separate_listener(app: web.Application) -> AsyncIterator[None]:
-    host, port = app[ctx.CONFIG].metrics.listen or ("127.0.0.1", 0)
+    host, port = app[ctx.LIVE].config.metrics.listen or ("127.0.0.1", 0)
     listener = web.Application(middlewares=[_errors])
     listener[METRICS_APP] = app
     listener.router.add_get("/metrics", _separate_metrics)

@@ -87,7 +87,7 @@ async def run_for(request: web.Request) -> tuple[TeamConfig, RunState]:
     team = app[ctx.KEYRING].authenticate(request)
     run_id = request.match_info["id"]
     store = app[ctx.STORE]
-    config = app[ctx.CONFIG]
+    config = app[ctx.LIVE].config
     owner = request.query.get("team")
     if owner is not None and config.team(owner) is None:
         raise NotFound(f"run {run_id} not found (no team named {owner!r})", code="run_not_found", param="team")
@@ -125,7 +125,7 @@ def public_event(run: RunState, event: Event) -> Event:
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    raw = await read_body(request, request.app[ctx.CONFIG].server.max_body_bytes)
+    raw = await read_body(request, request.app[ctx.LIVE].config.server.max_body_bytes)
     if not raw.strip():
         return {}  # these bodies are all optional
     body = json_object(raw, "a JSON object")
@@ -221,7 +221,7 @@ async def post_approval(request: web.Request) -> web.Response:
 
     run = await update_run(store, run, change)
     request[ctx.RUN] = run
-    writer = TraceWriter(store, run.run_id, trace_file=app[ctx.CONFIG].trace_file)
+    writer = TraceWriter(store, run.run_id, trace_file=app[ctx.LIVE].config.trace_file)
     Tracer(run.run_id, writer)(
         "approval_decided", callId=call_id, toolName=waiting.tool_name if waiting else None,
         args=waiting.args if waiting else None, decision=decision.decision, reason=decision.reason,
@@ -259,7 +259,7 @@ async def _reopen_passthrough(request: web.Request, run: RunState, policy: Polic
 
     run = await update_run(app[ctx.STORE], run, change)
     request[ctx.RUN] = run
-    writer = TraceWriter(app[ctx.STORE], run.run_id, trace_file=app[ctx.CONFIG].trace_file)
+    writer = TraceWriter(app[ctx.STORE], run.run_id, trace_file=app[ctx.LIVE].config.trace_file)
     Tracer(run.run_id, writer).start("run_resumed", setup, {"turns": run.turns, "costUsd": round(run.cost_usd, 9)})
     await writer.flush()
     return _json({"run": run_json(run)}, run=run)
@@ -355,6 +355,6 @@ async def _cancel_undriven(app: web.Application, run: RunState, reason: str, by:
     # the run stopped (and may resume it at once).
     run, lines, _ = await commit_run(store, run, stop_run("interrupted", "cancelled",
                                                           Interruption("cancelled", reason=reason)), trace, None)
-    append_trace_file(app[ctx.CONFIG].trace_file, lines)
+    append_trace_file(app[ctx.LIVE].config.trace_file, lines)
     return run
 

@@ -128,7 +128,7 @@ async def sign_in(request: web.Request) -> web.Response:
     if request.content_type != "application/json":
         raise BadRequest("sign in with a JSON body {\"key\": \"...\"} (Content-Type: application/json)",
                          code="invalid_content_type")
-    raw = await read_body(request, request.app[ctx.CONFIG].server.max_body_bytes)
+    raw = await read_body(request, request.app[ctx.LIVE].config.server.max_body_bytes)
     body = json_object(raw, "a JSON object")
     key = body.get("key")
     if not isinstance(key, str) or not key.strip() or len(key) > MAX_KEY_CHARS:

@@ -22,12 +22,20 @@ class KeyRing:
     time a wrong key takes says nothing about the right ones."""
 
     def __init__(self, teams: Iterable[TeamConfig]) -> None:
+        self._by_digest: dict[bytes, TeamConfig] = {}
+        self._digests: dict[str, tuple[bytes, ...]] = {}
+        self.configure(teams)
+
+    def configure(self, teams: Iterable[TeamConfig]) -> None:
+        """Serve these teams' keys from now on (at start, and on a config reload: the one place
+        the config's keys become the keys that authenticate). Both maps are swapped whole."""
         teams = list(teams)
-        self._by_digest: dict[bytes, TeamConfig] = {_digest(k): t for t in teams for k in t.keys}
+        by_digest = {_digest(k): t for t in teams for k in t.keys}
         for t in teams:  # a key with limits of its own authenticates as its team carrying them
             for limits in t.key_limits:
-                self._by_digest[_digest(limits.key)] = replace(t, caller=limits)
-        self._digests: dict[str, tuple[bytes, ...]] = {t.name: tuple(_digest(k) for k in t.keys) for t in teams}
+                by_digest[_digest(limits.key)] = replace(t, caller=limits)
+        digests = {t.name: tuple(_digest(k) for k in t.keys) for t in teams}
+        self._by_digest, self._digests = by_digest, digests
 
     def team(self, key: str) -> TeamConfig | None:
         digest = _digest(key)

@@ -105,10 +105,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     """The route handler: every refusal happens before anything is forwarded or stored."""
     app = request.app
     team = app[ctx.KEYRING].authenticate(request)
-    body = load_body(await read_body(request, app[ctx.CONFIG].server.max_body_bytes))
+    body = load_body(await read_body(request, app[ctx.LIVE].config.server.max_body_bytes))
     await _resolve_references(request, team.name, body)
     req = parse_responses_body(body)
-    route = app[ctx.CONFIG].route(req.model)
+    route = app[ctx.LIVE].config.route(req.model)
     if route is None:
         raise NotFound(f"model '{req.model}' is not routed by this gateway (see GET /v1/models)",
                        code="model_not_found", param="model")

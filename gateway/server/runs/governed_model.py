@@ -47,7 +47,7 @@ class UpstreamModel:
     @classmethod
     def for_run(cls, app: web.Application, state: RunState) -> UpstreamModel:
         """The model of a run served by `app` (its team and budget mode from config and policy)."""
-        config = app[ctx.CONFIG]
+        config = app[ctx.LIVE].config
         team = config.team(state.team)
         if team is None:
             raise ApiError(f"run {state.public_id} belongs to team '{state.team}', which the config no longer has",

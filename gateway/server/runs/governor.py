@@ -152,8 +152,15 @@ class Governor:
         self._live: set[str] = set()  # reservations of calls in flight here (renewed)
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         # by team and key scope: the rate limits, and the fewest tokens one of them allows per window
-        self._rates: dict[tuple[str, str | None], tuple[tuple[RateLimit, ...], int | None]] = {}
+        self._rates: dict[tuple[str, str | None], tuple[TeamConfig, tuple[RateLimit, ...], int | None]] = {}
         self.allowances = Allowances()
+
+    def configure(self, defaults: Defaults) -> None:
+        """A config reload: its defaults from now on, and the rate limits of every team and key
+        built again from their new config (calls admitted before keep what they claimed; what
+        this process took ahead under the old limits is given back once idle)."""
+        self.defaults = defaults
+        self._rates = {}
 
     def rates(self, team: TeamConfig) -> tuple[RateLimit, ...]:
         """The rate limits a call of `team` claims (its key's and the team's), built once."""
@@ -164,10 +171,10 @@ class Governor:
             return (), None
         key = (team.name, None if team.caller is None else team.caller.scope)
         found = self._rates.get(key)
-        if found is None:
+        if found is None or found[0] is not team:  # a call admitted under an earlier config has its own team
             rates = rate_limits.claims(team)
-            found = self._rates[key] = rates, min((r.tokens for r in rates if r.tokens is not None), default=None)
-        return found
+            found = self._rates[key] = team, rates, min((r.tokens for r in rates if r.tokens is not None), default=None)
+        return found[1:]
 
     def period(self, team: TeamConfig) -> str:
         """The team's ledger key now (rolls over with the clock)."""

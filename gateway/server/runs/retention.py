@@ -86,7 +86,7 @@ async def _loop(store: Store, retention: RetentionConfig, stop: asyncio.Event) -
 
 async def background(app: web.Application) -> AsyncIterator[None]:
     """Cleanup context: trace file rotation, and a retention pass now and every interval."""
-    config = app[ctx.CONFIG]
+    config = app[ctx.LIVE].config
     configure_trace_file(config)
     stop = asyncio.Event()
     task = asyncio.get_running_loop().create_task(_loop(app[ctx.STORE], config.retention, stop))

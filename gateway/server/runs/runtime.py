@@ -30,13 +30,14 @@ SHUTTING_DOWN: Final = "the gateway is shutting down"
 
 
 async def driver_ctx(app: web.Application) -> AsyncIterator[None]:
-    config = app[ctx.CONFIG]
+    live = app[ctx.LIVE]
+    config = live.config  # its settings below cannot change on a reload
 
     def model_for(state: RunState) -> UpstreamModel:
         return UpstreamModel.for_run(app, state)
 
     def price_for(model: str) -> Price:
-        route = config.route(model)
+        route = live.config.route(model)
         return route.price if route is not None else DEFAULT_PRICE
 
     owner = app[ctx.GOVERNOR].owner  # the same name for its leases as for its reservations

@@ -1,0 +1,253 @@
+"""A reload re-reads config.yaml, not only the policies: real `gateway serve --workers 2`
+processes on SQLite, a real counting upstream, a real webhook receiver.
+
+- a team added to config.yaml authenticates on both workers after `POST /v1/admin/reload`,
+  and after a SIGHUP to the supervisor;
+- a file with errors is refused whole (the answer lists every error): its new team gets
+  401, the old config keeps serving;
+- budgets, rate limits, routes and upstreams change live, on both workers;
+- settings that cannot change live are named (`restart_required`) and keep their value;
+  a built-in scripted mount the process never had is refused with the reason;
+- a call in flight during a reload that removes its route finishes under the config it
+  started with (answered, and booked at its old price);
+- a webhook added by a reload gets the notices from then on.
+
+Calls go on fresh connections, so the kernel spreads them over both workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import signal
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from tests.server.served import poll, request
+from tests.server.test_admission import TASK, Upstream
+from tests.server.test_admission import upstream  # noqa: F401  (a real counting upstream)
+from tests.server.test_webhooks import SECRET, Receiver
+from tests.server.test_webhooks import receiver  # noqa: F401  (a real webhook receiver)
+from tests.server.test_workers import wait_until, workers_of
+from tests.support.procs import ROOT, START_TIMEOUT_S, Proc, free_port, start_gateway
+
+ROOT_KEY, DEMO_KEY, NEW_KEY = "sk-reload-root", "sk-reload-demo", "sk-reload-new"
+CALLS = 12
+"""Calls on fresh connections per check: all on one worker of two has odds of 1 in 2**11."""
+
+
+def base_config(port: int, upstream_url: str) -> dict[str, Any]:
+    return {
+        "server": {"host": "127.0.0.1", "port": port, "budget_scan_s": 0.1, "webhook_poll_s": 0.05},
+        "store": {"kind": "sqlite", "path": "./gateway.db"},
+        "policies_dir": "./policies",
+        "upstreams": [{"name": "counting", "base_url": upstream_url}],
+        "models": [{"match": "m-*", "upstream": "counting", "price_in": 1.0, "price_out": 1.0}],
+        "teams": [
+            {"name": "root", "keys": [ROOT_KEY], "admin": True, "policies": ["passthrough"]},
+            {"name": "demo", "keys": [DEMO_KEY], "budget_usd": 10.0, "budget_period": "total",
+             "policies": ["passthrough"]},
+        ],
+    }
+
+
+class Gateway:
+    """The module's 2-worker gateway, and its config file as the tests edit it."""
+
+    def __init__(self, folder: Path, port: int, upstream_url: str, proc: Proc) -> None:
+        self.folder, self.port, self.upstream_url, self.proc = folder, port, upstream_url, proc
+        self.base = base_config(port, upstream_url)
+
+    @property
+    def url(self) -> str:
+        return self.proc.url
+
+    def write(self, change: Callable[[dict[str, Any]], object] = lambda data: None) -> None:
+        """config.yaml as the base config changed by `change`."""
+        data = copy.deepcopy(self.base)
+        change(data)
+        (self.folder / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory, upstream: Upstream) -> Iterator[Gateway]:
+    folder = tmp_path_factory.mktemp("reload-config") / "gw"
+    (folder / "policies").mkdir(parents=True)
+    (folder / "policies" / "passthrough.yaml").write_text((ROOT / "policies" / "passthrough.yaml").read_text())
+    port = free_port()
+    gw = Gateway(folder, port, upstream.url, None)  # type: ignore[arg-type]
+    gw.write()
+    gw.proc = start_gateway(["serve", "--config", str(folder / "config.yaml"), "--workers", "2"], "/healthz", port,
+                            folder / "gateway.log", env={"GW_TEST_HOOK_SECRET": SECRET}, timeout=START_TIMEOUT_S)
+    try:
+        wait_until(lambda: len(workers_of(gw.proc)) == 2 and "2 workers serving" in gw.proc.output(),
+                   START_TIMEOUT_S)
+        yield gw
+    finally:
+        gw.proc.stop()
+
+
+@pytest.fixture
+async def gateway(shared: Gateway) -> AsyncIterator[Gateway]:
+    """The module's gateway; afterwards its config.yaml is the base one again, reloaded."""
+    yield shared
+    shared.write()
+    async with aiohttp.ClientSession() as s:
+        status, _, body = await request(s, "POST", f"{shared.url}/v1/admin/reload", key=ROOT_KEY)
+    assert status == 200, body
+
+
+async def reload(gw: Gateway) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as s:
+        status, _, body = await request(s, "POST", f"{gw.url}/v1/admin/reload", key=ROOT_KEY)
+    return status, body
+
+
+async def calls(gw: Gateway, key: str, model: str, n: int = CALLS,
+                **extra: Any) -> list[tuple[int, dict[str, str], Any]]:
+    """`n` chat calls one after the other, each on a connection of its own."""
+    out = []
+    for _ in range(n):
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+            out.append(await request(s, "POST", f"{gw.url}/v1/chat/completions", key=key,
+                                     body={"model": model, "messages": TASK, **extra}))
+    return out
+
+
+def statuses(answers: list[tuple[int, dict[str, str], Any]]) -> list[int]:
+    return [status for status, _, _ in answers]
+
+
+def add_team(name: str, key: str, **fields: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda data: data["teams"].append({"name": name, "keys": [key], "policies": ["passthrough"], **fields})
+
+
+async def test_a_team_added_to_config_yaml_authenticates_on_both_workers_after_a_reload(gateway: Gateway) -> None:
+    assert statuses(await calls(gateway, NEW_KEY, "m-new", 2)) == [401, 401]
+    gateway.write(add_team("beta", NEW_KEY))
+    status, body = await reload(gateway)
+    assert status == 200, body
+    assert statuses(await calls(gateway, NEW_KEY, "m-new")) == [200] * CALLS
+    assert body["config"] == {"changed": ["teams"], "restart_required": []}
+    assert body["workers"] == {"count": 2, "reloaded": 2}
+
+    # SIGHUP to the supervisor does the same on every worker
+    gateway.write(lambda data: (add_team("beta", NEW_KEY)(data), add_team("gamma", "sk-reload-gamma")(data)))
+    logged = gateway.proc.output().count("reloaded by SIGHUP")
+    gateway.proc.popen.send_signal(signal.SIGHUP)
+    wait_until(lambda: gateway.proc.output().count("reloaded by SIGHUP") >= logged + 2, START_TIMEOUT_S)
+    assert statuses(await calls(gateway, "sk-reload-gamma", "m-new")) == [200] * CALLS
+
+
+async def test_a_bad_config_file_is_refused_whole_and_the_old_config_keeps_serving(gateway: Gateway) -> None:
+    def broken(data: dict[str, Any]) -> None:
+        add_team("delta", "sk-reload-delta")(data)
+        data["teams"][1]["budget_usd"] = "ten"
+        data["models"].append({"match": "x-*", "upstream": "nowhere"})
+
+    gateway.write(broken)
+    status, body = await reload(gateway)
+    assert status == 400, body
+    assert body["error"]["code"] == "invalid_config"
+    fields = [e["field"] for e in body["errors"]]
+    assert "teams[1].budget_usd" in fields, body["errors"]
+    assert statuses(await calls(gateway, "sk-reload-delta", "m-x", 4)) == [401] * 4
+    assert statuses(await calls(gateway, DEMO_KEY, "m-x", 4)) == [200] * 4
+    assert "reload by team root refused, the previous config and policies kept" in gateway.proc.output()
+
+
+async def test_budgets_rate_limits_routes_and_upstreams_change_live_on_both_workers(
+        gateway: Gateway, upstream: Upstream) -> None:
+    def changed(data: dict[str, Any]) -> None:
+        data["teams"][1]["budget_usd"] = 0.0  # demo: nothing left to spend
+        add_team("limited", "sk-reload-limited", rate_limits={"requests_per_minute": 3})(data)
+        data["upstreams"].append({"name": "renamed", "base_url": gateway.upstream_url})
+        data["models"].insert(0, {"match": "r-*", "deployments": [{"upstream": "renamed", "model": "r-upstream"}]})
+
+    gateway.write(changed)
+    status, body = await reload(gateway)
+    assert status == 200, body
+    refused = await calls(gateway, DEMO_KEY, "m-budget", 4)
+    assert statuses(refused) == [429] * 4 and refused[0][2]["error"]["type"] == "team_budget_exceeded"
+    limited = statuses(await calls(gateway, "sk-reload-limited", "m-limited", 6))
+    assert limited == [200, 200, 200, 429, 429, 429]  # exact across both workers
+    before = upstream.calls["r-upstream"]
+    assert statuses(await calls(gateway, "sk-reload-limited", "r-any", 1)) == [429]  # still limited
+    gateway.write(lambda data: (changed(data), data["teams"][2].pop("rate_limits")))
+    assert (await reload(gateway))[0] == 200
+    assert statuses(await calls(gateway, "sk-reload-limited", "r-any")) == [200] * CALLS
+    assert upstream.calls["r-upstream"] == before + CALLS  # the new route, to the model its deployment names
+    assert body["config"]["changed"] == ["upstreams", "models", "teams"]
+
+
+async def test_settings_that_cannot_change_live_are_named_and_keep_their_value(gateway: Gateway) -> None:
+    other = free_port()
+    gateway.write(lambda data: (data["server"].update(port=other, max_body_bytes=1000),
+                                add_team("beta", NEW_KEY)(data)))
+    status, body = await reload(gateway)
+    assert status == 200, body
+    long = [{"role": "user", "content": "x" * 5000}]
+    assert statuses(await calls(gateway, NEW_KEY, "m-x", 2, messages=long)) == [200, 200]  # old port, old cap
+    assert body["config"] == {"changed": ["teams"], "restart_required": ["server.port", "server.max_body_bytes"]}
+    assert "take effect at the next start: server.port, server.max_body_bytes" in gateway.proc.output()
+
+    gateway.write(lambda data: (data["upstreams"].append({"name": "own", "kind": "scripted"}),
+                                add_team("beta", NEW_KEY)(data)))
+    status, body = await reload(gateway)
+    assert status == 400 and body["error"]["code"] == "invalid_config", body
+    assert body["errors"][0]["field"] == "upstreams[1].kind" and "restart the gateway" in body["errors"][0]["problem"]
+
+
+async def test_a_call_in_flight_finishes_under_the_config_it_started_with(gateway: Gateway,
+                                                                          upstream: Upstream) -> None:
+    gateway.write(lambda data: data["models"].insert(0, {"match": "held", "upstream": "counting",
+                                                         "price_in": 1000.0, "price_out": 1000.0}))
+    assert (await reload(gateway))[0] == 200
+    upstream.held.add("held")
+    try:
+        async with aiohttp.ClientSession() as s:
+            call = asyncio.ensure_future(request(s, "POST", f"{gateway.url}/v1/chat/completions", key=DEMO_KEY,
+                                                 body={"model": "held", "messages": TASK},
+                                                 headers={"X-Run-Id": "in-flight"}))
+            await poll(lambda: _async(upstream.calls["held"] >= 1), timeout=30)
+            gateway.write(lambda data: (data.update(upstreams=[{"name": "other", "base_url": gateway.upstream_url}]),
+                                        data.update(models=[{"match": "m-*", "upstream": "other"}])))
+            status, body = await reload(gateway)
+            assert status == 200, body
+            upstream.held.discard("held")
+            status, headers, answer = await call
+    finally:
+        upstream.held.discard("held")
+    assert status == 200, answer
+    usage = answer["usage"]
+    assert float(headers["X-Run-Cost-Usd"]) == pytest.approx(
+        (usage["prompt_tokens"] + usage["completion_tokens"]) * 1000.0 / 1e6)  # its route's old price
+    after = await calls(gateway, DEMO_KEY, "held", 2)
+    assert statuses(after) == [404, 404] and after[0][2]["error"]["code"] == "model_not_found"
+
+
+async def test_a_webhook_added_by_a_reload_gets_the_notices_from_then_on(gateway: Gateway,
+                                                                         receiver: Receiver) -> None:
+    hook = {"url": receiver.url, "secret_env": "GW_TEST_HOOK_SECRET", "events": ["budget_threshold"],
+            "teams": ["spender"], "name": "added"}
+    gateway.write(lambda data: (add_team("spender", "sk-reload-spender", budget_usd=1.0, budget_period="total")(data),
+                                data["models"].insert(0, {"match": "pricey", "upstream": "counting",
+                                                          "price_in": 40_000.0, "price_out": 40_000.0}),
+                                data.update(webhooks=[hook])))
+    status, body = await reload(gateway)
+    assert status == 200, body
+    # some 20 tokens at $0.04 each: past 80% of the team's $1
+    assert statuses(await calls(gateway, "sk-reload-spender", "pricey", 1, max_tokens=10)) == [200]
+    delivered = await poll(lambda: _async(receiver.delivered("budget_threshold")), timeout=30)
+    assert delivered[0]["team"] == "spender" and all(a["signed"] for a in receiver.attempts)
+    assert body["config"]["changed"] == ["models", "teams", "webhooks"]
+
+
+async def _async(value: Any) -> Any:
+    return value
+
