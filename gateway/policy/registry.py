@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
+import yaml
+
+from gateway.config.yamlfile import parse
 from gateway.mcp.hub import McpHub
 from gateway.policy.decl import AgentExecutor, Policy
 from gateway.policy.errors import PolicyError, PolicySetError
@@ -56,6 +59,20 @@ class StagedSet:
 def policy_files(directory: Path) -> list[Path]:
     """The policy files of a directory, in name order."""
     return sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+
+
+def policy_names(directory: Path) -> set[str]:
+    """The names the policy files of a folder declare (`name:`, else the file's stem), read
+    without validating them: for a config check that names every missing policy at once."""
+    names: set[str] = set()
+    for file in policy_files(directory):
+        try:
+            data = parse(file.read_text("utf-8"), lambda loader: loader.get_single_data())
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            data = None
+        name = data.get("name") if isinstance(data, dict) else None
+        names.add(name if isinstance(name, str) else file.stem)
+    return names
 
 
 def load_set(files: list[Path], known: Mapping[str, Policy] | None = None,

@@ -28,7 +28,7 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from gateway.config.settings import SCRIPTED_PREFIX, Config, ConfigError
+from gateway.config.settings import SCRIPTED_PREFIX, Config, ConfigError, ConfigErrors
 from gateway.config.webhooks import require_secrets
 from gateway.mcp.hub import McpHub
 from gateway.policy.errors import PolicySetError
@@ -68,8 +68,9 @@ def load_policies(config: Config, mcp: McpHub | None = None) -> PolicyRegistry:
     staged = registry.stage()
     if staged.errors:
         raise ConfigError(str(config.path), "policies_dir", f"{config.policies_dir}: {PolicySetError(staged.errors)}")
-    for error in team_check(config)(staged.policies):
-        raise ConfigError(str(config.path), error.field, error.problem)
+    missing = [ConfigError(str(config.path), e.field, e.problem) for e in team_check(config)(staged.policies)]
+    if missing:
+        raise ConfigErrors(missing)
     registry.commit(staged)
     return registry
 

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 
 from gateway.config.settings import Config, ConfigError, load_config
+from gateway.policy.registry import policy_names
 from gateway.server.app import build_app, process_owner
 from gateway.server.http.listener import run
 from gateway.server.reload import reload as reload_files
@@ -106,7 +107,7 @@ def serve_command(args: argparse.Namespace) -> int:
         return 2
     read_at = time.time()  # the policy files are read from here on
     try:
-        config = load_config(args.config)
+        config = load_config(args.config, policy_names)
         host = args.host or config.server.host
         port = args.port if args.port is not None else config.server.port
         if worker is None and workers > 1:
@@ -118,8 +119,9 @@ def serve_command(args: argparse.Namespace) -> int:
             return supervise(argv, workers, host, port, _release_previous_workers(config, host, workers))
         app = build_app(config, self_url=_self_url(host, port) if port else None, worker=worker,
                         scripted_key=shared_key() if worker is not None else None)
-    except ConfigError as exc:
-        print(f"gateway: config error: {exc}", file=sys.stderr)
+    except ConfigError as exc:  # every error of the file, one line each
+        for line in str(exc).splitlines():
+            print(f"gateway: config error: {line}", file=sys.stderr)
         return 2
     app.cleanup_ctx.append(_reload_on_sighup)
     app.on_startup.append(_settle_heap)  # runs after the cleanup contexts have set up

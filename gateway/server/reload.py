@@ -34,11 +34,11 @@ from typing import Final
 
 from aiohttp import web
 
-from gateway.config.settings import Config, ConfigError, load_config
+from gateway.config.settings import Config, ConfigError, load_config, unlisted_policies
 from gateway.config.webhooks import require_secrets
 from gateway.policy.decl import Policy
 from gateway.policy.errors import PolicyError
-from gateway.policy.registry import ReloadResult, StagedSet
+from gateway.policy.registry import ReloadResult, StagedSet, policy_names
 from gateway.server import context as ctx
 from gateway.server.models import routed_models
 from gateway.server.notify.delivery import NOTIFIER
@@ -81,15 +81,8 @@ def team_check(config: Config) -> Callable[[Mapping[str, Policy]], Sequence[Poli
     """A registry `check` refusing a set that lacks a policy some team of the config lists."""
 
     def check(policies: Mapping[str, Policy]) -> list[PolicyError]:
-        known = ", ".join(sorted(policies)) or "none"
-        return [
-            PolicyError(str(config.path), None, ("teams", i, "policies", j),
-                        f"team '{team.name}' lists policy '{name}': no policy named '{name}' in "
-                        f"{config.policies_dir} (policies: {known})")
-            for i, team in enumerate(config.teams)
-            for j, name in enumerate(team.policies)
-            if name not in policies
-        ]
+        return [PolicyError(str(config.path), None, ("teams", i, "policies", j), problem)
+                for i, j, problem in unlisted_policies(config, policies)]
 
     return check
 
@@ -129,7 +122,7 @@ def _mount_check(app: web.Application, config: Config) -> None:
 def _stage(app: web.Application) -> _Staged:
     """In a worker thread: the config file read and checked, then the policies against it."""
     running = app[ctx.LIVE].config
-    read = load_config(running.path)
+    read = load_config(running.path, policy_names)
     require_secrets(str(read.path), read.webhooks)
     _mount_check(app, read)
     served, changed, restart = served_config(running, read)

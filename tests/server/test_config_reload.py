@@ -155,7 +155,7 @@ async def test_a_bad_config_file_is_refused_whole_and_the_old_config_keeps_servi
     assert status == 400, body
     assert body["error"]["code"] == "invalid_config"
     fields = [e["field"] for e in body["errors"]]
-    assert "teams[1].budget_usd" in fields, body["errors"]
+    assert sorted(fields) == ["models[1].upstream", "teams[1].budget_usd"], body["errors"]  # every error of the file
     assert statuses(await calls(gateway, "sk-reload-delta", "m-x", 4)) == [401] * 4
     assert statuses(await calls(gateway, DEMO_KEY, "m-x", 4)) == [200] * 4
     assert "reload by team root refused, the previous config and policies kept" in gateway.proc.output()

@@ -102,7 +102,8 @@ def prune_command(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
     except ConfigError as exc:
-        print(f"gateway: config error: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines():
+            print(f"gateway: config error: {line}", file=sys.stderr)
         return 2
 
     async def once() -> Pruned:
