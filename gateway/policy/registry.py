@@ -91,7 +91,7 @@ def load_set(files: list[Path], known: Mapping[str, Policy] | None = None,
         try:
             policy = load_policy(file, mcp)
         except PolicyError as exc:
-            errors.append(exc)
+            errors.extend(exc.each())  # every error of the file
             continue
         if policy.name in policies:
             errors.append(PolicyError(str(file), _line(policy, ("name",)), ("name",),

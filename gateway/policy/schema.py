@@ -19,6 +19,7 @@ import jsonschema
 from gateway.harness.options import ApprovalAction, Dedupe
 from gateway.harness.state import DEFAULT_MAX_TOOL_CALLS, Limits
 from gateway.harness.tools import ToolSpec
+from gateway.mcp.config import McpServerConfig
 from gateway.mcp.hub import McpHub
 from gateway.policy.decl import (
     DEFAULT_PERMANENT,
@@ -93,34 +94,42 @@ def parse_policy(raw: bytes, path: str | Path, mcp: McpHub | None = None) -> Pol
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise PolicyError(str(path), None, (), f"not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
-    root = Source(str(path), text).root()
+    src = Source(str(path), text)
+    root = src.root()
     f = root.fields(TOP_FIELDS)
+    take = src.take
     name_at = f.get("name")
-    name = name_at.string() if name_at else path.stem
+    name = take(lambda: name_at.string(), path.stem) if name_at else path.stem
     if not _NAME.match(name):
-        (name_at or root).fail(f"policy name '{name}' may only hold letters, digits, '_', '-' and '.'")
-    declared, overrides = _tools(f.get("tools"), f.has("mcp"))
-    servers = parse_servers(f.get("mcp"), path.parent)
+        take(lambda: (name_at or root).fail(f"policy name '{name}' may only hold letters, digits, '_', '-' and '.'"),
+             None)
+    no_tools: tuple[tuple[ToolDecl, ...], list[ToolOverride]] = ((), [])
+    declared, overrides = take(lambda: _tools(f.get("tools"), f.has("mcp")), no_tools)
+    servers: list[tuple[McpServerConfig, At]] = take(lambda: parse_servers(f.get("mcp"), path.parent), [])
     fields: dict[str, Any] = dict(
         name=name,
-        description=d.string(non_empty=False) if (d := f.get("description")) else "",
-        limits=_limits(f.get("limits")),
-        tool_errors=_tool_errors(f.get("tool_errors")),
-        dedupe=_dedupe(f.get("dedupe")),
-        stop_when=tuple(_stop_rule(item) for item in w.items()) if (w := f.get("stop_when")) else (),
+        description=take(lambda: d.string(non_empty=False), "") if (d := f.get("description")) else "",
+        limits=take(lambda: _limits(f.get("limits")), Limits()),
+        tool_errors=take(lambda: _tool_errors(f.get("tool_errors")), ToolErrorConfig()),
+        dedupe=take(lambda: _dedupe(f.get("dedupe")), "read_only"),
+        stop_when=tuple(w.each(_stop_rule)) if (w := f.get("stop_when")) else (),
         path=path,
-        sandbox=_sandbox(f.get("sandbox")),
-        system_prompt=s.string() if (s := f.get("system_prompt")) else None,
-        recovery=cast(Recovery, r.choice(get_args(Recovery))) if (r := f.get("recovery")) else "interrupt",
-        tool_rounds=n.positive_int() if (n := f.get("tool_rounds")) else None,
+        sandbox=take(lambda: _sandbox(f.get("sandbox")), None),
+        system_prompt=take(lambda: s.string(), None) if (s := f.get("system_prompt")) else None,
+        recovery=take(lambda: cast(Recovery, r.choice(get_args(Recovery))), "interrupt") if (r := f.get("recovery"))
+        else "interrupt",
+        tool_rounds=take(lambda: n.positive_int(), None) if (n := f.get("tool_rounds")) else None,
     )
+    src.raise_any()  # every error of the file so far, at once
     # Discovery starts servers: only for a file valid up to here.
     discovered, found = discover(servers, mcp, {t.name for t in declared})
     tools = (*declared, *apply_overrides(discovered, overrides))
+    approval = take(lambda: _approval(f.get("approval"), tools), ApprovalConfig())
+    src.raise_any()
     return Policy(
         **fields,
         tools=tools,
-        approval=_approval(f.get("approval"), tools),
+        approval=approval,
         version=hashlib.sha256(version_input(raw, found)).hexdigest()[:12],
         mcp=tuple(config for config, _ in servers),
     )
@@ -154,17 +163,20 @@ def _tools(at: At | None, mcp: bool) -> tuple[tuple[ToolDecl, ...], list[ToolOve
         return (), []
     tools: list[ToolDecl] = []
     overrides: list[ToolOverride] = []
-    for item in at.items():
+
+    def one(item: At) -> None:
         if mcp and isinstance(item.value, dict) and "executor" not in item.value:
             override = parse_override(item)
             if any(o.name == override.name for o in overrides):
                 item.child("name", override.name).fail(f"tool '{override.name}' is overridden twice")
             overrides.append(override)
-            continue
+            return
         tool = _tool(item)
         if any(t.name == tool.name for t in tools):
             item.child("name", tool.name).fail(f"tool '{tool.name}' is declared twice")
         tools.append(tool)
+
+    at.each(one)
     return tuple(tools), overrides
 
 
@@ -283,8 +295,8 @@ def _approval(at: At | None, tools: tuple[ToolDecl, ...]) -> ApprovalConfig:
     if at is None:
         return ApprovalConfig()
     f = at.fields(("approvers", "expires_after_s", "rules", "on_decision"))
-    approvers = tuple(a.string() for a in p.items()) if (p := f.get("approvers")) else ()
-    rules = tuple(_rule(item, tools) for item in r.items()) if (r := f.get("rules")) else ()
+    approvers = tuple(p.each(lambda a: a.string())) if (p := f.get("approvers")) else ()
+    rules = tuple(r.each(lambda item: _rule(item, tools))) if (r := f.get("rules")) else ()
     return ApprovalConfig(
         approvers=approvers,
         expires_after_s=e.positive_number() if (e := f.get("expires_after_s")) else None,

@@ -92,3 +92,27 @@ def test_the_shipped_mcp_example_lists_its_discovered_tools_with_their_outcomes(
     assert "git_commit({}) -> ASK (the tool's needs_approval flag)" in out  # the override
     assert "git_checkout" not in out  # excluded
     assert out.rstrip().endswith("1 of 1 policy file(s) valid")
+
+
+def test_every_error_of_a_file_is_reported_at_once_one_line_each(tmp_path: Path) -> None:
+    (tmp_path / "broken.yaml").write_text(
+        "name: broken\n"                                  # 1
+        "colour: blue\n"                                  # 2: unknown field
+        "limits: {max_turns: -1}\n"                       # 3
+        "tools:\n"                                        # 4
+        "  - name: read\n"                                # 5
+        "    description: R.\n"
+        "    executor: {python: 'no_such_module:read'}\n"  # 7
+        "  - name: ok\n"
+        "    description: O.\n"
+        "    executor: {python: 'tests.policy.sample_tools:echo_sync'}\n"
+        "    timeout_s: soon\n"                           # 11
+        "recovery: later\n")                              # 12
+    done = gateway(str(tmp_path / "broken.yaml"))
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    file = tmp_path / "broken.yaml"
+    assert [e.split(": ", 3)[1:3] for e in errors] == [
+        [f"{file}:2", "colour"], [f"{file}:3", "limits.max_turns"], [f"{file}:7", "tools[0].executor.python"],
+        [f"{file}:11", "tools[1].timeout_s"], [f"{file}:12", "recovery"]], done.stderr
+    assert "0 of 1 policy file(s) valid, 1 invalid" in done.stdout
