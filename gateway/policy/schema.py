@@ -68,7 +68,7 @@ __all__ = [
 
 TOP_FIELDS = ("name", "description", "limits", "tools", "tool_errors", "dedupe", "stop_when", "approval",
               "sandbox", "system_prompt", "recovery", "mcp",
-              "tool_rounds")
+              "tool_rounds", "python_path")
 TOOL_FIELDS = ("name", "description", "parameters", "read_only", "destructive", "needs_approval", "timeout_s",
                "executor")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -103,14 +103,16 @@ def parse_policy(raw: bytes, path: str | Path, mcp: McpHub | None = None) -> Pol
     if not _NAME.match(name):
         take(lambda: (name_at or root).fail(f"policy name '{name}' may only hold letters, digits, '_', '-' and '.'"),
              None)
+    no_folders: tuple[Path, ...] = ()
+    search = (path.parent.resolve(), *take(lambda: _python_path(f.get("python_path"), path.parent), no_folders))
     no_tools: tuple[tuple[ToolDecl, ...], list[ToolOverride]] = ((), [])
-    declared, overrides = take(lambda: _tools(f.get("tools"), f.has("mcp")), no_tools)
+    declared, overrides = take(lambda: _tools(f.get("tools"), f.has("mcp"), search), no_tools)
     servers: list[tuple[McpServerConfig, At]] = take(lambda: parse_servers(f.get("mcp"), path.parent), [])
     fields: dict[str, Any] = dict(
         name=name,
         description=take(lambda: d.string(non_empty=False), "") if (d := f.get("description")) else "",
         limits=take(lambda: _limits(f.get("limits")), Limits()),
-        tool_errors=take(lambda: _tool_errors(f.get("tool_errors")), ToolErrorConfig()),
+        tool_errors=take(lambda: _tool_errors(f.get("tool_errors"), search), ToolErrorConfig(search=search)),
         dedupe=take(lambda: _dedupe(f.get("dedupe")), "read_only"),
         stop_when=tuple(w.each(_stop_rule)) if (w := f.get("stop_when")) else (),
         path=path,
@@ -119,6 +121,7 @@ def parse_policy(raw: bytes, path: str | Path, mcp: McpHub | None = None) -> Pol
         recovery=take(lambda: cast(Recovery, r.choice(get_args(Recovery))), "interrupt") if (r := f.get("recovery"))
         else "interrupt",
         tool_rounds=take(lambda: n.positive_int(), None) if (n := f.get("tool_rounds")) else None,
+        python_path=search,
     )
     src.raise_any()  # every error of the file so far, at once
     # Discovery starts servers: only for a file valid up to here.
@@ -156,7 +159,20 @@ def _limits(at: At | None) -> Limits:
     )
 
 
-def _tools(at: At | None, mcp: bool) -> tuple[tuple[ToolDecl, ...], list[ToolOverride]]:
+def _python_path(at: At | None, base: Path) -> tuple[Path, ...]:
+    """`python_path`: folders (relative to the policy file) its modules are imported from."""
+    if at is None:
+        return ()
+    folders: list[Path] = []
+    for item in at.items():
+        folder = (base / item.string()).resolve()
+        if not folder.is_dir():
+            item.fail(f"'{item.value}' is not a folder (looked for {folder})")
+        folders.append(folder)
+    return tuple(folders)
+
+
+def _tools(at: At | None, mcp: bool, search: tuple[Path, ...]) -> tuple[tuple[ToolDecl, ...], list[ToolOverride]]:
     """Declared tools, and (in a policy with `mcp:` servers) entries without an executor:
     overrides of discovered tools."""
     if at is None:
@@ -171,7 +187,7 @@ def _tools(at: At | None, mcp: bool) -> tuple[tuple[ToolDecl, ...], list[ToolOve
                 item.child("name", override.name).fail(f"tool '{override.name}' is overridden twice")
             overrides.append(override)
             return
-        tool = _tool(item)
+        tool = _tool(item, search)
         if any(t.name == tool.name for t in tools):
             item.child("name", tool.name).fail(f"tool '{tool.name}' is declared twice")
         tools.append(tool)
@@ -180,7 +196,7 @@ def _tools(at: At | None, mcp: bool) -> tuple[tuple[ToolDecl, ...], list[ToolOve
     return tuple(tools), overrides
 
 
-def _tool(at: At) -> ToolDecl:
+def _tool(at: At, search: tuple[Path, ...]) -> ToolDecl:
     f = at.fields(TOOL_FIELDS, required=("name", "description", "executor"))
     name_at = f.req("name")
     name = name_at.string()
@@ -196,7 +212,7 @@ def _tool(at: At) -> ToolDecl:
         needs_approval=n.boolean() if (n := f.get("needs_approval")) is not None else False,
         timeout_s=t.positive_number() if (t := f.get("timeout_s")) else None,
     )
-    return ToolDecl(spec=spec, executor=_executor(f.req("executor")))
+    return ToolDecl(spec=spec, executor=_executor(f.req("executor"), search))
 
 
 def _parameters(at: At | None) -> dict[str, Any]:
@@ -213,7 +229,7 @@ def _parameters(at: At | None) -> dict[str, Any]:
     return dict(at.value)
 
 
-def _executor(at: At) -> ExecutorConfig:
+def _executor(at: At, search: tuple[Path, ...]) -> ExecutorConfig:
     f = at.fields(("python", "http", "agent"))
     kinds = [k for k in ("python", "http", "agent") if f.has(k)]
     if len(kinds) != 1:
@@ -222,10 +238,10 @@ def _executor(at: At) -> ExecutorConfig:
     if kinds[0] == "python":
         target = kind.string()
         try:
-            resolve_callable(target)
+            resolve_callable(target, search)
         except ResolveError as exc:
             kind.fail(str(exc))
-        return PythonExecutor(target)
+        return PythonExecutor(target, search=search)
     if kinds[0] == "http":
         return _http(kind)
     a = kind.fields(("policy", "model", "max_turns", "max_budget_usd", "system_prompt"), required=("policy",))
@@ -258,9 +274,9 @@ def _http(at: At) -> HttpExecutor:
     return HttpExecutor(url=url, timeout_s=timeout, headers=headers)
 
 
-def _tool_errors(at: At | None) -> ToolErrorConfig:
+def _tool_errors(at: At | None, search: tuple[Path, ...]) -> ToolErrorConfig:
     if at is None:
-        return ToolErrorConfig()
+        return ToolErrorConfig(search=search)
     f = at.fields(("text", "fatal", "permanent"))
     text = ToolErrorConfig.text
     if (t := f.get("text")) is not None:
@@ -274,13 +290,13 @@ def _tool_errors(at: At | None) -> ToolErrorConfig:
         names: list[str] = []
         for item in p.items():
             try:
-                resolve_exception(item.string())
+                resolve_exception(item.string(), search)
             except ResolveError as exc:
                 item.fail(str(exc))
             names.append(item.value)
         permanent = tuple(names)
     return ToolErrorConfig(text=text, fatal=x.boolean() if (x := f.get("fatal")) is not None else False,
-                           permanent=permanent)
+                           permanent=permanent, search=search)
 
 
 def _stop_rule(at: At) -> StopRule:
