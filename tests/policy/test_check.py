@@ -84,7 +84,9 @@ def test_the_shipped_mcp_example_lists_its_discovered_tools_with_their_outcomes(
     done = run_gateway(["policy", "check", "policies/mcp/git.yaml"], cwd=REPO, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert "mcp server git (stdio mcp-server-git): up (started 1 time(s), 0 failure(s)); 10 tool(s) discovered" in out
+    assert ("mcp server git (stdio mcp-server-git --repository .): up (started 1 time(s), 0 failure(s)); "
+            "10 tool(s) discovered") in out
+    assert "warning: mcp server git" not in out  # pinned to one repository
     assert ("tool git_status: read_only=yes destructive=no needs_approval=no timeout_s=30; "
             "executor mcp git: git_status") in out
     assert "git_status({}) -> ALLOW (the tool's needs_approval flag)" in out
@@ -116,3 +118,16 @@ def test_every_error_of_a_file_is_reported_at_once_one_line_each(tmp_path: Path)
         [f"{file}:2", "colour"], [f"{file}:3", "limits.max_turns"], [f"{file}:7", "tools[0].executor.python"],
         [f"{file}:11", "tools[1].timeout_s"], [f"{file}:12", "recovery"]], done.stderr
     assert "0 of 1 policy file(s) valid, 1 invalid" in done.stdout
+
+
+def test_a_git_server_started_without_a_repository_is_warned_about(tmp_path: Path) -> None:
+    shipped = (REPO / "policies" / "mcp" / "git.yaml").read_text()
+    unpinned = shipped.replace('command: [mcp-server-git, --repository, "."]', "command: [mcp-server-git]")
+    assert unpinned != shipped
+    (tmp_path / "git.yaml").write_text(unpinned.replace("cwd: ../..", f"cwd: {REPO}"))
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    done = run_gateway(["policy", "check", str(tmp_path / "git.yaml")], cwd=REPO, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr  # a warning, not an error
+    assert ("warning: mcp server git: mcp-server-git is started without a root, so it reaches any git repository "
+            "the gateway's user can read; pin one with `--repository PATH`") in done.stdout
