@@ -162,10 +162,11 @@ class ModelRoute:
     upstream: str
     price: Price
     plan: RoutePlan
+    is_glob: bool = field(init=False, compare=False)
+    """`match` is a glob (`*`, `?`, `[...]`), not a name: read on every routed call, so set once."""
 
-    @property
-    def is_glob(self) -> bool:
-        return any(c in self.match for c in "*?[")
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "is_glob", any(c in self.match for c in "*?["))
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,8 @@ class Upstreams:
     def call(self, route: ModelRoute, model: str, on_attempt: AttemptSink) -> RoutedCall:
         """One call of `model` over `route`'s deployments and fallbacks (`gateway.providers.failover`),
         to the upstreams served now (a reload meanwhile does not change them under it)."""
-        return RoutedCall(route.plan, model, self.router, self._by_name.__getitem__, on_attempt)
+        return RoutedCall(route.plan, model, self.router, self._by_name.__getitem__, on_attempt,
+                          route=route.match if route.is_glob else None)
 
     def learn_self_url(self, request: web.Request) -> None:
         """Take this server's address from the socket a request arrived on."""
