@@ -106,6 +106,9 @@ class Opened:
 
 AttemptSink = Callable[[Attempt], None]
 
+_ANSWERED: frozenset[str] = frozenset({"upstream_malformed", "upstream_cut", "upstream_error"})
+"""Failures of an upstream that did answer: a glob route's failure names the route for the others."""
+
 
 @dataclass
 class RoutedCall:
@@ -138,8 +141,11 @@ class RoutedCall:
 
     def _ended(self, exc: UpstreamError) -> UpstreamError:
         """The failure that ends the call before any answer, naming the glob route that sent
-        the model where it failed (`route '*' (model 'gpt-4o-mni') -> upstream 'local' is ...`)."""
-        if self.route is not None and not exc.message.startswith("route '"):
+        the model where it failed (`route '*' (model 'gpt-4o-mni') -> upstream 'local' is ...`)
+        when the name may be the reason: the upstream could not be reached or refused the call
+        (a reply that came but was broken is the upstream's, whatever the name)."""
+        if (self.route is not None and exc.code not in _ANSWERED
+                and not exc.message.startswith("route '")):
             exc.message = f"route '{self.route}' (model '{self.model}') -> {exc.message}"
             exc.args = (exc.message,)
         return exc
