@@ -33,7 +33,7 @@ from tests.server.test_admission import TASK, Upstream
 from tests.server.test_admission import upstream  # noqa: F401  (a real counting upstream)
 from tests.server.test_webhooks import SECRET, Receiver
 from tests.server.test_webhooks import receiver  # noqa: F401  (a real webhook receiver)
-from tests.server.test_workers import wait_until, workers_of
+from tests.server.test_workers import wait_serving, wait_until
 from tests.support.procs import ROOT, START_TIMEOUT_S, Proc, free_port, start_gateway
 
 ROOT_KEY, DEMO_KEY, NEW_KEY = "sk-reload-root", "sk-reload-demo", "sk-reload-new"
@@ -85,8 +85,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory, upstream: Upstream) -> Iter
     gw.proc = start_gateway(["serve", "--config", str(folder / "config.yaml"), "--workers", "2"], "/healthz", port,
                             folder / "gateway.log", env={"GW_TEST_HOOK_SECRET": SECRET}, timeout=START_TIMEOUT_S)
     try:
-        wait_until(lambda: len(workers_of(gw.proc)) == 2 and "2 workers serving" in gw.proc.output(),
-                   START_TIMEOUT_S)
+        wait_serving(gw.proc)
         yield gw
     finally:
         gw.proc.stop()

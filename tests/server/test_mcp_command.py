@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -49,19 +49,24 @@ def venv_gateway(config: Path, folder: Path) -> subprocess.Popen[bytes]:
 
 
 @pytest.fixture
-def started(tmp_path: Path) -> Iterator[tuple[Path, list[subprocess.Popen[bytes]]]]:
+def started(tmp_path: Path) -> Iterator[Callable[[list[str]], tuple[Path, subprocess.Popen[bytes]]]]:
+    """Starts the venv's gateway in the test's folder on a policy running `command`; stops it at the end."""
     procs: list[subprocess.Popen[bytes]] = []
-    yield tmp_path, procs
+
+    def start(command: list[str]) -> tuple[Path, subprocess.Popen[bytes]]:
+        config = write(tmp_path, command)
+        procs.append(venv_gateway(config, tmp_path))
+        return config, procs[-1]
+
+    yield start
     for proc in procs:
         Proc(proc, "", tmp_path / "gateway.log").stop()
 
 
 def test_a_bare_command_is_found_next_to_the_gateways_interpreter(
-        started: tuple[Path, list[subprocess.Popen[bytes]]]) -> None:
-    folder, procs = started
-    config = write(folder, ["mcp-server-time"])
-    proc = venv_gateway(config, folder)
-    procs.append(proc)
+        started: Callable[[list[str]], tuple[Path, subprocess.Popen[bytes]]]) -> None:
+    config, proc = started(["mcp-server-time"])
+    folder = config.parent
     port = yaml.safe_load(config.read_text())["server"]["port"]
     wait_http(f"http://127.0.0.1:{port}/healthz", proc, log=folder / "gateway.log")
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as resp:
@@ -70,11 +75,9 @@ def test_a_bare_command_is_found_next_to_the_gateways_interpreter(
 
 
 def test_a_program_found_nowhere_fails_the_start_naming_where_it_looked(
-        started: tuple[Path, list[subprocess.Popen[bytes]]]) -> None:
-    folder, procs = started
-    config = write(folder, ["mcp-server-nowhere"])
-    proc = venv_gateway(config, folder)
-    procs.append(proc)
+        started: Callable[[list[str]], tuple[Path, subprocess.Popen[bytes]]]) -> None:
+    config, proc = started(["mcp-server-nowhere"])
+    folder = config.parent
     assert proc.wait(timeout=120) == 2
     log = (folder / "gateway.log").read_text()
     assert (f"program 'mcp-server-nowhere' not found: looked on PATH ({PLAIN_PATH}) and next to the gateway's "

@@ -56,6 +56,12 @@ def wait_until(check: Callable[[], bool], timeout: float = 30.0) -> None:
         time.sleep(0.05)  # polling a process table, not a synchronisation stand-in
 
 
+def wait_serving(proc: Proc, workers: int = 2) -> None:
+    """Until the supervisor `proc` has `workers` workers and said they all serve."""
+    wait_until(lambda: len(workers_of(proc)) == workers and f"{workers} workers serving" in proc.output(),
+               START_TIMEOUT_S)
+
+
 def start_two(folder: Path, upstream_url: str) -> Proc:
     """A 2-worker gateway on SQLite in front of the counting upstream, and of the built-in
     scripted one for models scripted-*, once both workers serve."""
@@ -67,7 +73,7 @@ def start_two(folder: Path, upstream_url: str) -> Proc:
     config.write_text(yaml.safe_dump(data, sort_keys=False))
     proc = start_gateway(["serve", "--config", str(config), "--workers", "2"], "/healthz", port,
                          folder / "gateway.log", timeout=120)
-    wait_until(lambda: len(workers_of(proc)) == 2 and "2 workers serving" in proc.output(), START_TIMEOUT_S)
+    wait_serving(proc)
     return proc
 
 
