@@ -167,6 +167,7 @@ async def test_budgets_rate_limits_routes_and_upstreams_change_live_on_both_work
         add_team("limited", "sk-reload-limited", rate_limits={"requests_per_minute": 3})(data)
         data["upstreams"].append({"name": "renamed", "base_url": gateway.upstream_url})
         data["models"].insert(0, {"match": "r-*", "deployments": [{"upstream": "renamed", "model": "r-upstream"}]})
+        data["models"].insert(0, {"match": "named-new", "upstream": "renamed"})
 
     gateway.write(changed)
     status, body = await reload(gateway)
@@ -181,6 +182,12 @@ async def test_budgets_rate_limits_routes_and_upstreams_change_live_on_both_work
     assert (await reload(gateway))[0] == 200
     assert statuses(await calls(gateway, "sk-reload-limited", "r-any")) == [200] * CALLS
     assert upstream.calls["r-upstream"] == before + CALLS  # the new route, to the model its deployment names
+    assert statuses(await calls(gateway, "sk-reload-limited", "named-new")) == [200] * CALLS
+    async with aiohttp.ClientSession() as s:  # a model routed by name since the reload is a label on both workers
+        async with s.get(f"{gateway.url}/metrics") as resp:
+            metrics = await resp.text()
+    turns = [line for line in metrics.splitlines() if line.startswith("gateway_turns_total{") and 'team="limited"' in line]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in turns if 'model="named-new"' in line) == CALLS, turns
     assert body["config"]["changed"] == ["upstreams", "models", "teams"]
 
 
