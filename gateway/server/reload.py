@@ -34,7 +34,7 @@ from typing import Final
 
 from aiohttp import web
 
-from gateway.config.settings import Config, ConfigError, load_config, unlisted_policies
+from gateway.config.settings import Config, ConfigError, ConfigErrors, load_config, unlisted_policies
 from gateway.config.webhooks import require_secrets
 from gateway.policy.decl import Policy
 from gateway.policy.errors import PolicyError
@@ -154,7 +154,7 @@ async def reload(app: web.Application, by: str) -> Reloaded:
         try:
             staged = await asyncio.to_thread(_stage, app)
         except ConfigError as exc:
-            errors = tuple(getattr(exc, "errors", (exc,)))
+            errors = exc.errors if isinstance(exc, ConfigErrors) else (exc,)
             done = Reloaded(ReloadResult(loaded=app[ctx.POLICIES].names()), config_errors=errors)
         else:
             result = app[ctx.POLICIES].commit(staged.policies)  # no await from here to the config's swap
