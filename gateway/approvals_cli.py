@@ -5,10 +5,13 @@
     gateway approvals approve RUN CALL [--reason]  approve the call
     gateway approvals reject RUN CALL --reason ... reject it, saying why (the model reads it)
 
-RUN is the run's id, or TEAM/ID for another team's run. The gateway is `--url` (else
-$GATEWAY_URL, else http://127.0.0.1:8080) and the key `--key` (else $GATEWAY_KEY); `--json`
-prints the API's JSON instead of text. Exit codes: 0 done, 1 refused or unreachable
-(the gateway's words are printed), 2 usage.
+RUN is the run's id, or TEAM/ID for another team's run. The gateway is `--url`, else the
+one `--config FILE` describes (its `server.public_url`, else `server.host`/`server.port`),
+else $GATEWAY_URL, else http://127.0.0.1:8080; the key is `--key` (else $GATEWAY_KEY).
+`--json` prints JSON instead of text: `list` gives one object per pending call (its
+`call_id`, `tool_name`, `args`, `run` as TEAM/ID and `waiting_s` at the top, beside the
+run object's fields, as before), the other commands the API's answer. Exit codes: 0 done,
+1 refused or unreachable (the gateway's words are printed), 2 usage.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ def add_parser(sub: Any) -> None:
     """The `approvals` subcommand and its own subcommands (called by `gateway.cli`)."""
     parser = sub.add_parser("approvals", help="list, show, approve and reject pending tool calls")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--url", help=f"the gateway (default $GATEWAY_URL, else {DEFAULT_URL})")
+    common.add_argument("--url", help=f"the gateway (default: --config's, else $GATEWAY_URL, else {DEFAULT_URL})")
+    common.add_argument("--config", help="a gateway config file: the gateway is the address it serves on")
     common.add_argument("--key", help="an approver team's key (default $GATEWAY_KEY)")
     common.add_argument("--json", action="store_true", help="print the API's JSON")
     actions = parser.add_subparsers(dest="approvals_command", required=True)
@@ -60,11 +64,12 @@ def add_parser(sub: Any) -> None:
 def approvals_command(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     """Run one `gateway approvals ...` command; prints errors to stderr."""
     try:
-        client = Client(_url(args.url), args.key or os.environ.get("GATEWAY_KEY") or "")
+        client = Client(_url(args.url, getattr(args, "config", None)), args.key or os.environ.get("GATEWAY_KEY") or "")
         action = args.approvals_command
         if action == "list":
-            runs = client.pending()
-            out.write(_dumps({"object": "list", "data": runs}) if args.json else render_list(runs, time.time()))
+            runs, now = client.pending(), time.time()
+            out.write(_dumps({"object": "list", "data": pending_calls(runs, now)}) if args.json
+                      else render_list(runs, now))
         elif action == "show":
             run = client.run(args.run)
             out.write(_dumps(run) if args.json else render_run(run, time.time()))
@@ -130,6 +135,18 @@ def waiting_call(run: Mapping[str, Any]) -> dict[str, Any] | None:
     return None if waiting.get("call_id") in decisions else waiting
 
 
+def pending_calls(runs: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
+    """One object per pending call, for scripts: the call's fields at the top level (a run
+    waits for one call at a time), the run object's fields beside them as before."""
+    out = []
+    for run in runs:
+        call = waiting_call(run) or {}
+        out.append({**run, "call_id": call.get("call_id"), "tool_name": call.get("tool_name"),
+                    "args": call.get("args"), "run": f"{run.get('team')}/{run.get('id')}",
+                    "waiting_s": round(max(0.0, now - float(run.get("updated_at") or now)), 3)})
+    return out
+
+
 def render_list(runs: list[dict[str, Any]], now: float) -> str:
     """One line per pending call: run (TEAM/ID), policy, call, tool, arguments (short), waiting for."""
     if not runs:
@@ -174,17 +191,37 @@ def render_decision(answer: dict[str, Any]) -> str:
     run = answer.get("run") or {}
     verb = "approved" if decision.get("decision") == "approve" else "rejected"
     note = " (the approval had expired: recorded as a rejection)" if decision.get("expired") else ""
-    text = (f"{verb} call {decision.get('call_id')} of run {run.get('team')}/{run.get('id')}{note}; "
-            f"the run is {run.get('status')}: its owner resumes it (POST /v1/runs/{{id}}/resume)")
+    rid = str(run.get("id"))
+    if answer.get("run_resumes_on_decision"):
+        then = "the gateway resumes the run now (its policy says on_decision: resume)"
+    else:
+        then = (f"the run waits for its owner to resume it (POST /v1/runs/{quote(rid, safe='')}/resume with "
+                f"team {run.get('team')}'s key, or the run's next chat call)")
+    text = f"{verb} call {decision.get('call_id')} of run {run.get('team')}/{rid}{note}; {then}"
     return _safe(text) + "\n"
 
 
-def _url(given: str | None) -> str:
-    url = (given or os.environ.get("GATEWAY_URL") or DEFAULT_URL).rstrip("/")
+def _url(given: str | None, config: str | None = None) -> str:
+    url = (given or (config_url(config) if config else None) or os.environ.get("GATEWAY_URL") or DEFAULT_URL).rstrip("/")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise CliError(f"--url must be an http:// or https:// address, got {url!r}", 2)
     return url
+
+
+def config_url(path: str) -> str:
+    """The address a gateway config serves on: `server.public_url`, else http://host:port
+    (a wildcard host is reached on loopback)."""
+    from gateway.config.settings import ConfigError, load_config  # only when asked: the CLI stays light
+
+    try:
+        server = load_config(path).server
+    except ConfigError as exc:
+        raise CliError(f"--config: {exc}", 2) from None
+    if server.public_url:
+        return server.public_url
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(server.host, server.host)
+    return f"http://{f'[{host}]' if ':' in host else host}:{server.port}"
 
 
 def _run_path(run: str, tail: str = "") -> str:

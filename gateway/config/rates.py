@@ -33,15 +33,6 @@ class RateLimits:
     max_in_flight: int | None = None
 
 
-@dataclass(frozen=True)
-class KeyLimits:
-    """The limits of one key; `scope` names it in the store without the key itself."""
-
-    key: str
-    scope: str
-    limits: RateLimits
-
-
 def key_scope(key: str) -> str:
     """The store's name for a key's limits: a digest, never the key."""
     return "key:" + hashlib.sha256(key.encode()).hexdigest()[:24]

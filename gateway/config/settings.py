@@ -15,6 +15,8 @@ Settings beyond the first contract's shape (all in docs/config.md):
   refusal. Some clients (Vercel's `ai` SDK, litellm's `num_retries`) retry a 429 whatever
   `x-should-retry` says; another status stops them at the first refusal. `error.type` and
   `error.code` name the refusal either way.
+- `upstreams[]`: read by `gateway.config.upstreams` (auth, headers, query, path, kind azure,
+  tls, proxy, discover_models; docs/upstreams.md).
 - `upstreams[].api` (default `chat`): `responses` for an upstream that speaks the Responses
   API natively: `POST /v1/responses` calls are sent to its `/responses` (the whole
   conversation, `store: false`) instead of being translated to chat completions; chat
@@ -56,7 +58,9 @@ import yaml
 
 from gateway.config.fields import ConfigError, ConfigErrors, Errors, Field
 from gateway.harness.usage import Price
-from gateway.config.rates import KeyLimits, RateLimits, key_scope, parse_rate_limits
+from gateway.config.keys import MAX_GLOB_CHARS, MAX_GLOBS, Caller, ConfigKey, check_user
+from gateway.config.rates import RateLimits, parse_rate_limits
+from gateway.config.upstreams import UpstreamConfig, UpstreamKind, parse_upstreams
 from gateway.config.yamlfile import parse as parse_yaml
 from gateway.config.webhooks import WebhookConfig, parse_public_url, parse_webhooks
 from gateway.providers.routing import Breaker, Deployment, Group, RoutePlan
@@ -64,25 +68,17 @@ from gateway.providers.routing import Breaker, Deployment, Group, RoutePlan
 __all__ = [
     "Config", "ConfigError", "ConfigErrors", "Defaults", "MetricsConfig", "ModelRoute", "RetentionConfig", "ServerConfig", "StoreConfig",
     "TeamConfig",
-    "UpstreamConfig", "load_config", "parse_config",
+    "UpstreamConfig", "UpstreamKind", "load_config", "parse_config",
 ]
 
-UpstreamKind = Literal["scripted", "openai", "local"]
-UpstreamApi = Literal["chat", "responses"]
-BudgetPeriod = Literal["day", "month", "total"]
+BudgetPeriod = Literal["day", "week", "month", "total"]
+BUDGET_PERIODS: tuple[BudgetPeriod, ...] = ("day", "week", "month", "total")
 BudgetMode = Literal["turn", "strict"]
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 TEAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 DEFAULT_OUTPUT_ALLOWANCE = 4096
 DEFAULT_CALLS_IN_FLIGHT_PER_RUN = 64
-DEFAULT_UPSTREAM_TIMEOUT_S = 60.0
-LOCAL_TIMEOUT_S = 180.0
-"""A `local` upstream's per-call deadline unless `timeout_s` says otherwise (a CPU model's
-capped answer fits well inside it, even on a loaded machine)."""
-LOCAL_MAX_TOKENS = 512
-"""A `local` upstream's `max_tokens` cap unless `max_tokens` says otherwise."""
-DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_RETRIES = 2
 """`retries` of a route that names `deployments` or `fallbacks` (the single-`upstream` form: 0)."""
 MAX_RETRIES = 10
@@ -125,28 +121,8 @@ class StoreConfig:
     url: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
     timeout_s: float = DEFAULT_STORE_TIMEOUT_S
-
-
-@dataclass(frozen=True)
-class UpstreamConfig:
-    """One upstream. A `scripted` upstream is this gateway's own /scripted/v1 mount."""
-
-    name: str
-    kind: UpstreamKind = "openai"
-    base_url: str | None = None
-    api_key_env: str | None = None
-    timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
-    api: UpstreamApi = "chat"
-    # Tool-call repair (gateway.providers.repair) of every reply, streamed or not; on by default for kind local.
-    tool_repair: bool = False
-    # The most completion tokens any call may ask for (lower asks pass unchanged); None: no cap.
-    max_tokens: int | None = None
-    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
-    first_byte_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
-
-    def api_key(self) -> str | None:
-        """Read at call time, so a missing variable fails the call, not the start."""
-        return os.environ.get(self.api_key_env) if self.api_key_env else None
+    allow_eviction: bool = False
+    """Redis: start even when the server may evict keys (`maxmemory-policy` other than noeviction)."""
 
 
 @dataclass(frozen=True)
@@ -180,10 +156,15 @@ class TeamConfig:
     admin: bool = False
     rate_limits: RateLimits | None = None
     """The team's own rate limits (config_rates), shared by all its keys."""
-    key_limits: tuple[KeyLimits, ...] = ()
-    """Keys with limits of their own (on top of the team's)."""
-    caller: KeyLimits | None = None
-    """Set by the keyring on the team a call authenticates as: the limits of its key."""
+    config_keys: tuple[ConfigKey, ...] = ()
+    """Every key of the team in config.yaml, with what each names beyond the key itself."""
+    models: tuple[str, ...] | None = None
+    """The models the team may call (globs); None: every routed model."""
+    user_budget_usd: float | None = None
+    """What each user of the team may spend per `user_budget_period` (None: no user budget)."""
+    user_budget_period: BudgetPeriod = "month"
+    caller: Caller | None = None
+    """Set by the keyring on the team a call authenticates as: the key it used."""
 
     @property
     def default_policy(self) -> str:
@@ -203,6 +184,8 @@ class RetentionConfig:
       keeping this many old files (trace.jsonl.1 ...).
     - `outbox_days`: webhook notices delivered or given up this long ago (a budget
       threshold's notice is kept until its period ended, so it is never sent twice).
+    - `spend_days`: spend rows of days this long ago (`GET /v1/spend`); `audit_days`: audit
+      records this long ago (default: kept; the newest record is always kept).
     """
 
     runs_days: float | None = 30.0
@@ -212,6 +195,8 @@ class RetentionConfig:
     trace_file_keep: int = 5
     interval_s: float = 3600.0
     outbox_days: float | None = 7.0
+    spend_days: float | None = 400.0
+    audit_days: float | None = None
 
 
 @dataclass(frozen=True)
@@ -220,6 +205,19 @@ class Defaults:
     max_calls_in_flight_per_run: int = DEFAULT_CALLS_IN_FLIGHT_PER_RUN
     rate_limit_wait_s: float = DEFAULT_RATE_LIMIT_WAIT_S
     """How long, in all, a server-side model turn waits for its rate limits before the run stops."""
+
+
+DEFAULT_SESSION_IDLE_S = 8 * 3600.0
+DEFAULT_SESSION_MAX_S = 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class ConsoleConfig:
+    """`console:` how long a web console session lasts: `session_idle_s` without a request,
+    `session_max_s` in all since sign-in (docs/console.md#signing-in)."""
+
+    session_idle_s: float = DEFAULT_SESSION_IDLE_S
+    session_max_s: float = DEFAULT_SESSION_MAX_S
 
 
 @dataclass(frozen=True)
@@ -249,6 +247,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     webhooks: tuple[WebhookConfig, ...] = ()
+    console: ConsoleConfig = field(default_factory=ConsoleConfig)
     _routes: dict[str, ModelRoute | None] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def route(self, model: str) -> ModelRoute | None:
@@ -286,6 +285,10 @@ def load_config(path: str | Path, policy_names: PolicyNames | None = None) -> Co
         raise ConfigError(str(file), "", "file not found") from None
     except OSError as exc:
         raise ConfigError(str(file), "", f"cannot read the file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        bad = exc.object[exc.start:exc.start + 1]
+        raise ConfigError(str(file), "", f"not UTF-8 text (byte {exc.start} is {bad!r}): is it the config "
+                                         "file?") from None
     try:
         data = parse_yaml(text, lambda loader: loader.get_single_data())
     except yaml.YAMLError as exc:
@@ -304,9 +307,9 @@ def parse_config(data: Any, file: Path, policy_names: PolicyNames | None = None)
     root = Field(str(file), "", data if data is not None else {}, errors)
     root.mapping()  # a document that is not a mapping has nothing more to report
     root.keys_only({"server", "store", "policies_dir", "runs_dir", "trace_file", "spool_file", "upstreams", "models",
-                    "teams", "defaults", "metrics", "retention", "webhooks"})
+                    "teams", "defaults", "metrics", "retention", "webhooks", "console"})
     take = errors.take
-    upstreams: dict[str, UpstreamConfig] = take(lambda: _upstreams(root.get("upstreams")), {})
+    upstreams: dict[str, UpstreamConfig] = take(lambda: parse_upstreams(root.get("upstreams"), base), {})
     store = take(lambda: _store(root.get("store"), base), StoreConfig())
     server = take(lambda: _server(root.get("server")), ServerConfig())
     metrics = take(lambda: _metrics(root.get("metrics")), MetricsConfig())
@@ -332,6 +335,7 @@ def parse_config(data: Any, file: Path, policy_names: PolicyNames | None = None)
         metrics=metrics,
         retention=take(lambda: _retention(root.get("retention")), RetentionConfig()),
         webhooks=take(lambda: parse_webhooks(root.get("webhooks"), team_names), ()),
+        console=take(lambda: _console(root.get("console")), ConsoleConfig()),
     )
     if policy_names is not None and teams:
         try:
@@ -358,6 +362,18 @@ def _declared(section: Field) -> list[str]:
     """The names a list section declares (`name:` strings), whether or not its entries are valid."""
     value = section.value if isinstance(section.value, list) else []
     return [item["name"] for item in value if isinstance(item, dict) and isinstance(item.get("name"), str)]
+
+
+def _console(at: Field) -> ConsoleConfig:
+    if at.missing or at.value is None:
+        return ConsoleConfig()
+    at.keys_only({"session_idle_s", "session_max_s"})
+    idle = at.get("session_idle_s").optional_number(DEFAULT_SESSION_IDLE_S, positive=True)
+    most = at.get("session_max_s").optional_number(DEFAULT_SESSION_MAX_S, positive=True)
+    if idle > most:
+        at.get("session_idle_s").fail(f"is longer than session_max_s ({most:g}): a session ends at session_max_s "
+                                      "whatever its use")
+    return ConsoleConfig(idle, most)
 
 
 def _server(at: Field) -> ServerConfig:
@@ -394,10 +410,11 @@ def _store(at: Field, base: Path) -> StoreConfig:
     if resolved is not None:
         options["path"] = resolved
     timeout = at.get("timeout_s").optional_number(DEFAULT_STORE_TIMEOUT_S, positive=True)
+    allow_eviction = at.get("allow_eviction").optional_bool(False)
     if kind == "redis":
         options["timeout_s"] = timeout
     return StoreConfig(kind=kind, path=resolved, url=at.get("url").optional_str_or_none(), options=options,
-                       timeout_s=timeout)
+                       timeout_s=timeout, allow_eviction=allow_eviction)
 
 
 def _optional_path(at: Field, base: Path) -> Path | None:
@@ -408,52 +425,6 @@ def _optional_path(at: Field, base: Path) -> Path | None:
 def _default_runs_dir(store: StoreConfig, base: Path) -> Path:
     """`runs/` next to the SQLite file (a store without a file: next to the config)."""
     return (Path(store.path).parent if store.path else base) / "runs"
-
-
-def _upstreams(section: Field) -> dict[str, UpstreamConfig]:
-    out: dict[str, UpstreamConfig] = {}
-
-    def one(at: Field) -> None:
-        at.keys_only({"name", "kind", "base_url", "api_key_env", "timeout_s", "api", "connect_timeout_s",
-                      "first_byte_timeout_s", "tool_repair", "max_tokens"})
-        name = at.get("name").required().nonempty_str()
-        if name in out:
-            at.get("name").invalid(f"upstream '{name}' is defined twice")
-        kind: UpstreamKind = at.get("kind").choice(("scripted", "openai", "local"), "openai")
-        local = kind == "local"
-        base_url = at.get("base_url").optional_str_or_none()
-        if kind != "scripted":
-            if base_url is None:
-                at.get("base_url").invalid(f"is required for an upstream of kind {kind} (e.g. http://127.0.0.1:8081/v1)")
-            elif not base_url.startswith(("http://", "https://")):
-                at.get("base_url").invalid(f"must start with http:// or https://, got {base_url!r}")
-        timeout = at.get("timeout_s").optional_number(LOCAL_TIMEOUT_S if local else DEFAULT_UPSTREAM_TIMEOUT_S,
-                                                      positive=True)
-        out[name] = UpstreamConfig(
-            name=name, kind=kind, base_url=base_url.rstrip("/") if base_url else None,
-            api_key_env=at.get("api_key_env").optional_str_or_none(),
-            timeout_s=timeout,
-            api=at.get("api").choice(("chat", "responses"), "chat"),
-            connect_timeout_s=min(timeout, at.get("connect_timeout_s").optional_number(DEFAULT_CONNECT_TIMEOUT_S,
-                                                                                       positive=True)),
-            first_byte_timeout_s=min(timeout, at.get("first_byte_timeout_s").optional_number(timeout, positive=True)),
-            tool_repair=at.get("tool_repair").optional_bool(local),
-            max_tokens=_max_tokens(at.get("max_tokens"), LOCAL_MAX_TOKENS if local else None),
-        )
-
-    section.required().each(one)
-    if not out and not _declared(section):
-        section.fail("at least one upstream is required")
-    return out
-
-
-def _max_tokens(at: Field, default: int | None) -> int | None:
-    """`max_tokens`: a whole number >= 1, or null for no cap."""
-    if at.missing:
-        return default
-    if at.value is None:
-        return None
-    return at.optional_int(1, low=1, high=1_000_000)
 
 
 def _models(section: Field, upstreams: Mapping[str, UpstreamConfig]) -> tuple[ModelRoute, ...]:
@@ -536,24 +507,17 @@ def _teams(section: Field) -> tuple[TeamConfig, ...]:
 
     def one(at: Field) -> None:
         at.keys_only({"name", "keys", "key_env", "budget_usd", "budget_period", "budget_mode", "policies", "admin",
-                      "rate_limits"})
+                      "rate_limits", "models", "user_budget_usd", "user_budget_period"})
         name = at.get("name").required().nonempty_str()
         if not TEAM_NAME.fullmatch(name):
             at.get("name").invalid(f"team name {name!r} must be 1-64 letters, digits, '_', '-' or '.', starting with "
                                    "a letter or digit (it scopes the team's run ids, stored as TEAM/ID)")
         if any(t.name == name for t in teams):
             at.get("name").invalid(f"team '{name}' is defined twice")
-        keys: list[str] = []
-        key_limits: list[KeyLimits] = []
+        config_keys: list[ConfigKey] = []
 
         def key_entry(k: Field) -> None:
-            if not isinstance(k.value, dict):
-                keys.append(k.nonempty_str())
-                return
-            key, limits = _key_with_limits(k)
-            keys.append(key)
-            if limits is not None:
-                key_limits.append(KeyLimits(key, key_scope(key), limits))
+            config_keys.append(_config_key(k) if isinstance(k.value, dict) else ConfigKey(k.nonempty_str()))
 
         at.get("keys").each(key_entry)
         key_env = at.get("key_env").optional_str_or_none()
@@ -562,24 +526,27 @@ def _teams(section: Field) -> tuple[TeamConfig, ...]:
             if not value:
                 at.get("key_env").invalid(f"environment variable {key_env} is not set (it should hold the team's key)")
             else:
-                keys.append(value)
-        if not keys and not key_env and not at.get("keys").value:
+                config_keys.append(ConfigKey(value))
+        if not config_keys and not key_env and not at.get("keys").value:
             at.get("keys").invalid("a team needs at least one key (keys: [...] or key_env: VARIABLE)")
-        for i, key in enumerate(keys):
-            if key in seen_keys:
-                at.get("keys").invalid(f"key #{i + 1} is also a key of team '{seen_keys[key]}'; a key names one team")
-            seen_keys[key] = name
+        for i, ck in enumerate(config_keys):
+            if ck.key in seen_keys:
+                at.get("keys").invalid(f"key #{i + 1} is also a key of team '{seen_keys[ck.key]}'; a key names one team")
+            seen_keys[ck.key] = name
         policies_at = at.get("policies")
         policies = [p.nonempty_str() for p in policies_at.required().list_of()]
         if not policies:
             policies_at.invalid("a team needs at least one policy (the first is its default)")
         budget = at.get("budget_usd").optional_number_or_none(nonnegative=True)
         teams.append(TeamConfig(
-            name=name, keys=tuple(keys), policies=tuple(policies), budget_usd=budget,
-            budget_period=at.get("budget_period").choice(("day", "month", "total"), "month"),
+            name=name, keys=tuple(ck.key for ck in config_keys), policies=tuple(policies), budget_usd=budget,
+            budget_period=at.get("budget_period").choice(BUDGET_PERIODS, "month"),
             budget_mode=at.get("budget_mode").choice(("turn", "strict"), "turn"),
             admin=at.get("admin").optional_bool(False),
-            rate_limits=parse_rate_limits(at.get("rate_limits")), key_limits=tuple(key_limits),
+            rate_limits=parse_rate_limits(at.get("rate_limits")), config_keys=tuple(config_keys),
+            models=model_globs(at.get("models")),
+            user_budget_usd=at.get("user_budget_usd").optional_number_or_none(nonnegative=True),
+            user_budget_period=at.get("user_budget_period").choice(BUDGET_PERIODS, "month"),
         ))
 
     section.required().each(one)
@@ -588,19 +555,45 @@ def _teams(section: Field) -> tuple[TeamConfig, ...]:
     return tuple(teams)
 
 
-def _key_with_limits(at: Field) -> tuple[str, RateLimits | None]:
-    """`{key: "sk-..." | key_env: NAME, rate_limits: {...}}`: a key with limits of its own."""
-    at.keys_only({"key", "key_env", "rate_limits"})
+def model_globs(at: Field) -> tuple[str, ...] | None:
+    """`models:` an allow-list of model globs (absent or null: every model)."""
+    if at.missing or at.value is None:
+        return None
+    items = at.list_of()
+    if len(items) > MAX_GLOBS:
+        at.fail(f"lists {len(items)} globs; at most {MAX_GLOBS}")
+    out = []
+    for item in items:
+        glob = item.nonempty_str()
+        if len(glob) > MAX_GLOB_CHARS:
+            item.fail(f"is {len(glob)} characters long; a glob has at most {MAX_GLOB_CHARS}")
+        out.append(glob)
+    return tuple(out)
+
+
+def _config_key(at: Field) -> ConfigKey:
+    """`{key: "sk-..." | key_env: NAME, name, user, models, budget_usd, budget_period, manage_keys,
+    rate_limits}`: a key with settings of its own."""
+    at.keys_only({"key", "key_env", "rate_limits", "name", "user", "models", "budget_usd", "budget_period",
+                  "manage_keys"})
     key = at.get("key").optional_str_or_none()
     env = at.get("key_env").optional_str_or_none()
     if (key is None) == (env is None):
-        at.fail("a key with rate_limits names exactly one of key (the key) or key_env (a variable holding it)")
+        at.fail("a key given as a mapping names exactly one of key (the key) or key_env (a variable holding it)")
     if env is not None:
         key = os.environ.get(env)
         if not key:
             at.get("key_env").fail(f"environment variable {env} is not set (it should hold the key)")
     assert key is not None
-    return key, parse_rate_limits(at.get("rate_limits"))
+    user_at = at.get("user")
+    user = user_at.optional_str_or_none()
+    if user is not None and check_user(user) is None:
+        user_at.fail("must be 1-128 letters, digits, '_', '.', '@', ':', '+', '=', '/' or '-', starting with a letter or digit")
+    return ConfigKey(key, name=at.get("name").optional_str(""), user=user, models=model_globs(at.get("models")),
+                     budget_usd=at.get("budget_usd").optional_number_or_none(nonnegative=True),
+                     budget_period=at.get("budget_period").choice(BUDGET_PERIODS, "month"),
+                     manage_keys=at.get("manage_keys").optional_bool(False),
+                     limits=parse_rate_limits(at.get("rate_limits")))
 
 
 def _defaults(at: Field) -> Defaults:
@@ -646,7 +639,7 @@ def _retention(at: Field) -> RetentionConfig:
     if at.missing:
         return base
     at.keys_only({"runs_days", "events_days", "ledger_days", "trace_file_max_mb", "trace_file_keep", "interval_s",
-                  "outbox_days"})
+                  "outbox_days", "spend_days", "audit_days"})
     return RetentionConfig(
         runs_days=_days(at.get("runs_days"), base.runs_days),
         events_days=_days(at.get("events_days"), base.events_days),
@@ -655,4 +648,6 @@ def _retention(at: Field) -> RetentionConfig:
         trace_file_keep=at.get("trace_file_keep").optional_int(base.trace_file_keep, low=0),
         interval_s=at.get("interval_s").optional_number(base.interval_s, positive=True),
         outbox_days=_days(at.get("outbox_days"), base.outbox_days),
+        spend_days=_days(at.get("spend_days"), base.spend_days),
+        audit_days=_days(at.get("audit_days"), base.audit_days),
     )

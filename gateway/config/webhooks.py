@@ -32,8 +32,8 @@ from gateway.config.fields import ConfigError, Field
 NoticeEvent = Literal["approval_required", "approval_decided", "run_stopped", "budget_threshold"]
 NOTICE_EVENTS: Final[tuple[NoticeEvent, ...]] = get_args(NoticeEvent)
 WebhookFormat = Literal["json", "slack"]
-RUN_STOP_REASONS: Final[tuple[str, ...]] = (*get_args(StopReason), "team_budget", "crashed", "upstream_error",
-                                            "internal_error")
+RUN_STOP_REASONS: Final[tuple[str, ...]] = (*get_args(StopReason), "team_budget", "key_budget", "user_budget",
+                                            "crashed", "upstream_error", "internal_error")
 """Every `reason` a run_stopped line may carry (docs/runs.md): the loop's and the gateway's."""
 _EVENT_OF: Final[dict[str, NoticeEvent]] = {e: e for e in NOTICE_EVENTS}
 MAX_URL: Final = 2048

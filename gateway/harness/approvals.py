@@ -45,7 +45,12 @@ def denial_text(name: str, args: Any, reason: str) -> str:
 
 
 def decide(state: RunState, call_id: str, decision: Decision) -> None:
-    """Record a verdict on the call the run is waiting for; the run becomes `running`."""
+    """Record a verdict on a call the run is waiting for.
+
+    The run stays `interrupted` (its `waiting_for` turns from `decision` to `resume`): it
+    goes on when it is resumed (by its owner, its client's next call, or the gateway under
+    `on_decision: resume`), which makes it `running` under the run's lease. Recovery takes
+    a `running` server-side run nobody drives for a crash, so no decision may make one."""
     interruption = state.interruption
     if state.status != "interrupted" or interruption is None or interruption.type != "approval":
         raise ApprovalError(f"run {state.public_id} is not waiting for an approval (status {state.status})")
@@ -55,8 +60,6 @@ def decide(state: RunState, call_id: str, decision: Decision) -> None:
     if call_id in state.decisions:
         raise ApprovalError(f"call {call_id!r} was already decided")
     state.decisions[call_id] = decision
-    if interruption.call_id == call_id:
-        state.status, state.reason, state.interruption = "running", None, None
 
 
 def resume(state: RunState, limits: Limits | None = None) -> None:
@@ -64,7 +67,7 @@ def resume(state: RunState, limits: Limits | None = None) -> None:
     if not state.resumable:
         raise ApprovalError(f"run {state.public_id} ended with status {state.status} and cannot be resumed")
     interruption = state.interruption
-    if interruption is not None and interruption.type == "approval" and interruption.call_id not in state.decisions:
+    if interruption is not None and state.waits_for_decision:
         raise ApprovalError(f"run {state.public_id} waits for a decision on call {interruption.call_id}")
     if limits is not None:
         state.limits = limits

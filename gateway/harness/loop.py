@@ -30,8 +30,8 @@ from gateway.harness.options import RunOptions, Stop
 from gateway.harness.state import Interruption, Message, RunState, own_calls, pending
 from gateway.harness.stops import execution_stop, first_stop, signature
 from gateway.harness.tools import ToolContext
-from gateway.harness.trace import RunStoppedFields, Tracer
-from gateway.harness.usage import Usage, clamped_kinds
+from gateway.harness.trace import RunStoppedFields, Tracer, usage_clamped
+from gateway.harness.usage import Usage
 
 OutcomeKind = Literal["stopped", "client_tools"]
 REUSED_PREFIX = "[same call as before; its earlier result is reused] "
@@ -124,8 +124,7 @@ async def _loop(state: RunState, model: Model, options: RunOptions, scope: Cance
         for repair in reply.repairs:
             trace("tool_call_repaired", upstream=reply.upstream, turn=state.turns, **repair)
         if reply.reported is not None:
-            trace("usage_clamped", upstream=reply.upstream, reported=reply.reported.to_json(),
-                  booked=reply.usage.to_json(), kinds=clamped_kinds(reply.reported, reply.usage))
+            trace("usage_clamped", **usage_clamped(reply.upstream, reply.reported, reply.usage))
         trace("turn", turn=state.turns, prompt_tokens=reply.usage.prompt_tokens,
               completion_tokens=reply.usage.completion_tokens, total_tokens=reply.usage.total_tokens,
               costUsd=round(state.cost_usd, 9), finish=reply.finish_reason)

@@ -16,10 +16,12 @@ import orjson
 
 from gateway.harness.usage import Usage
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """v2: `model_call_ids` (the calls the gateway's own model turns made: the only ones it
 runs), `tool_calls` (tool executions so far), `started_at` (the first drive), and the
-limits `max_tool_calls` and `max_duration_s`."""
+limits `max_tool_calls` and `max_duration_s`. v3: `key_id` and `user`, the key and the user
+that started the run (a server-side run's turns are held to their budgets and spent in their
+name)."""
 
 DEFAULT_MAX_TOOL_CALLS = 100
 """Tool executions a run may make when its policy names no `max_tool_calls`: there is
@@ -32,6 +34,10 @@ RESUMABLE: frozenset[Status] = frozenset({"running", "max_turns_exceeded", "budg
                                           "max_tool_calls_exceeded", "max_duration_exceeded", "interrupted"})
 InterruptionType = Literal["approval", "max_turns", "max_budget", "max_tool_calls", "max_duration", "cancelled",
                            "crashed", "rate_limited"]
+WaitingFor = Literal["decision", "resume"]
+"""What a stopped, resumable run waits for: a person's `decision` on the call it stopped
+at, or a `resume` (its owner's `POST /v1/runs/{id}/resume`, the client's next call, or,
+under `approval: {on_decision: resume}`, the gateway itself)."""
 
 class Message(TypedDict, total=False):
     """One chat message as the wire carries it (system, user, assistant or tool); checked at
@@ -136,6 +142,8 @@ class RunState:
     started_at: float | None = None  # its first drive (limits.max_duration_s counts from here)
     error: str | None = None
     parent_run_id: str | None = None
+    key_id: str = ""  # the key that started the run ('' for runs stored before v3)
+    user: str | None = None  # the user its first call named
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     revision: int = 0
@@ -154,6 +162,43 @@ class RunState:
     @property
     def resumable(self) -> bool:
         return self.status in RESUMABLE
+
+    @property
+    def waits_for_decision(self) -> bool:
+        """Stopped on a call nobody has decided yet."""
+        i = self.interruption
+        return (self.status == "interrupted" and i is not None and i.type == "approval"
+                and i.call_id not in self.decisions)
+
+    @property
+    def decided(self) -> bool:
+        """Stopped on a call that a person (or the expiry) has decided since: it waits for a
+        resume. A decision never makes a run `running`; only a drive does, under the run's
+        lease, so a `running` server-side run is always one that a process drives (or that
+        waits for its client's tool results) and recovery may treat it so."""
+        i = self.interruption
+        return (self.status == "interrupted" and i is not None and i.type == "approval"
+                and i.call_id in self.decisions)
+
+    @property
+    def waiting_for(self) -> WaitingFor | None:
+        """What the run waits for before it goes on (None: it is running, or ended for good)."""
+        if self.status == "running" or not self.resumable:
+            return None
+        return "decision" if self.waits_for_decision else "resume"
+
+    def interruption_json(self) -> dict[str, Any] | None:
+        """`interruption` as the API shows it: what it waits for, and the verdict once decided."""
+        i = self.interruption
+        if i is None:
+            return None
+        out = i.to_json()
+        if i.type == "approval" and i.call_id in self.decisions:
+            out["decision"] = self.decisions[i.call_id].decision
+        waiting = self.waiting_for
+        if waiting is not None:
+            out["waiting_for"] = waiting
+        return out
 
     @property
     def approved(self) -> list[str]:
@@ -179,7 +224,7 @@ class RunState:
             "turns": self.turns,
             "cost_usd": round(self.cost_usd, 9),
             "usage": self.usage.to_json(),
-            "interruption": self.interruption.to_json() if self.interruption else None,
+            "interruption": self.interruption_json(),
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -206,6 +251,8 @@ class RunState:
             "tool_calls": self.tool_calls,
             "started_at": self.started_at,
             "error": self.error,
+            "key_id": self.key_id,
+            "user": self.user,
             "messages": self.messages,
             "created_at": self.created_at,
             "updated_at": self.updated_at,
@@ -222,6 +269,8 @@ class RunState:
         version = data.get("version")
         if version == 1:
             data = upgrade_v1(data)
+        elif version == 2:
+            data = {**data, "version": SCHEMA_VERSION}  # v3 only adds key_id and user: none known
         elif version != SCHEMA_VERSION:
             raise StateError(f"run schema version {version!r} is not supported (this gateway reads 1 to "
                              f"{SCHEMA_VERSION})")
@@ -251,6 +300,8 @@ class RunState:
                 tool_calls=int(data.get("tool_calls") or 0),
                 started_at=_optional_float(data.get("started_at")),
                 error=data.get("error"),
+                key_id=str(data.get("key_id") or ""),
+                user=data.get("user"),
                 created_at=float(data.get("created_at", 0.0)),
                 updated_at=float(data.get("updated_at", 0.0)),
                 revision=int(data.get("revision", 0)),

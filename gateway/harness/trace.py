@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, Literal, NotRequired, TypedDict, TypeVar, Unpack, cast, get_args, overload
 
 from gateway.harness.execute import CallOutcome
+from gateway.harness.usage import Usage, clamped_kinds
 
 EventKind = Literal[
     "turn",
@@ -61,6 +62,13 @@ class UsageClampedFields(TypedDict):
     reported: dict[str, int]
     booked: dict[str, int]
     kinds: list[str]
+
+
+def usage_clamped(upstream: str, reported: Usage, booked: Usage) -> UsageClampedFields:
+    """The fields of a `usage_clamped` line: what `upstream` reported and what was booked
+    instead (the one builder, for server-side turns, pass-through turns and embeddings)."""
+    return {"upstream": upstream, "reported": reported.to_json(), "booked": booked.to_json(),
+            "kinds": clamped_kinds(reported, booked)}
 
 
 class UpstreamAttemptFields(TypedDict):

@@ -50,7 +50,8 @@ def outcome_of(exc: UpstreamError) -> Outcome:
             return "rate_limited"
         return "server_error" if status is not None and status >= 500 else "denied"
     return {"upstream_unreachable": "unreachable", "upstream_timeout": "timeout", "upstream_rejected": "rejected",
-            "upstream_cut": "cut", "upstream_misconfigured": "misconfigured"}.get(code or "", "malformed")  # type: ignore[return-value]
+            "content_filter": "rejected", "upstream_cut": "cut",
+            "upstream_misconfigured": "misconfigured"}.get(code or "", "malformed")  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,7 @@ class RoutedCall:
     clock: Callable[[], float] = time.monotonic
     attempts: list[Attempt] = field(default_factory=list)
     answer: Answer | None = None  # who answered, once one did
+    abandoned: Answer | None = None  # who was being asked when the caller gave the call up (its client left)
     traced: bool = False  # set by whoever wrote the attempts into the run's trace
     route: str | None = None
     """The glob of the route that matched the model (None: a route by name), named by the
@@ -199,8 +201,15 @@ class RoutedCall:
         self._tried.append(pick.deployment)
         self.on_attempt(attempt)
 
+    @property
+    def sent_to(self) -> Answer | None:
+        """Who answered, else who had the request when the call was abandoned mid-attempt
+        (its price is what the prompt the upstream was sent costs); None: nobody has it."""
+        return self.answer or self.abandoned
+
     def _released(self, pick: Pick) -> None:
         """An attempt the caller abandoned (cancelled): neither a success nor a failure."""
+        self.abandoned = Answer(pick.deployment, self.upstream_for(pick.deployment.upstream), pick.model)
         health = self.router.health(pick.deployment)
         health.in_flight = max(0, health.in_flight - 1)
         health.probing = False

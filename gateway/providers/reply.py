@@ -2,7 +2,8 @@
 
 `parse_completion(data)` checks the shape the gateway relies on (choice 0 only) and
 returns the assistant message as the transcript keeps it, the usage (None when the
-upstream sent none) and the finish reason. Anything else raises `MalformedReply`, whose
+upstream sent none) and the finish reason; the other choices (`n` > 1) are kept as they
+came, only to be counted when the usage is checked. Anything else raises `MalformedReply`, whose
 message names the field (`choices[0].message.tool_calls[0] is not an object`), so a bad
 upstream reply becomes a sentence about the upstream, never a crash in the gateway.
 
@@ -30,6 +31,8 @@ class ParsedReply:
     message: Message
     usage: Usage | None
     finish_reason: str
+    others: tuple[Message, ...] = ()
+    """The messages of choices 1.. as they came (unchecked: only counted)."""
 
 
 def parse_completion(data: Any) -> ParsedReply:
@@ -48,7 +51,8 @@ def parse_completion(data: Any) -> ParsedReply:
     if finish is not None and not isinstance(finish, str):
         raise MalformedReply("choices[0].finish_reason is not a string")
     message = _message(choice.get("message"), "choices[0].message")
-    return ParsedReply(message, _usage(data.get("usage")), finish or "stop")
+    others = tuple(c["message"] for c in choices[1:] if isinstance(c, dict) and isinstance(c.get("message"), dict))
+    return ParsedReply(message, _usage(data.get("usage")), finish or "stop", others)
 
 
 def _message(raw: Any, where: str) -> Message:

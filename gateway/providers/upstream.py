@@ -1,11 +1,17 @@
-"""The client side of the proxy: chat completions to an OpenAI-compatible upstream.
+"""The client side of the proxy: chat completions (and embeddings, Responses, the model
+list) to an OpenAI-compatible upstream.
 
-One `aiohttp.ClientSession` (with a tuned connector) is shared by every upstream of the
-app. Every failure becomes an `UpstreamError` the client can act on:
+An upstream's calls go through the session `gateway.providers.transport` gives it (the
+shared one unless it has TLS settings or a proxy). Where each call goes (`url`: `base_url`,
+the API's `path` with `{model}`/`{deployment}` filled in, the `query`) and every header it
+carries (`headers`: auth, configured headers, the scripted test headers) are decided here
+and only here. Every failure becomes an `UpstreamError` the client can act on:
 
     timeout (connect, read, whole call)         -> 504 upstream_timeout
-    connection refused / reset before an answer -> 502 upstream_unreachable
+    connection refused / reset before an answer -> 502 upstream_unreachable (TLS problems named)
+    a variable it needs is not set              -> 502 upstream_misconfigured (naming the variable)
     upstream 5xx, 429, 401, 403                 -> 502 upstream_status (naming its status and message)
+    upstream 4xx with error.code content_filter -> same status, content_filter (its param, innererror)
     upstream other 4xx                          -> same status, upstream_rejected (the request is at fault)
     body that is not a chat completion          -> 502 upstream_malformed
     body or stream cut in the middle            -> 502 upstream_cut
@@ -15,17 +21,23 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import errno
+import functools
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote, urlencode
 
 import aiohttp
 import orjson
+from yarl import URL
 
-from gateway.config.settings import UpstreamConfig
+from gateway.config.upstreams import PLACEHOLDERS, Endpoint, EnvValue, UpstreamConfig
 from gateway.providers.errors import UpstreamError
+from gateway.providers.transport import new_session
 from gateway.providers.repair import (
     Repair,
     is_tool_parse_failure,
@@ -43,12 +55,15 @@ FORWARDED_PREFIX = "x-scripted-"
 upstream never sees them."""
 
 
-def new_session() -> aiohttp.ClientSession:
-    """The shared client session: many keep-alive connections, DNS cached, no cookie jar."""
-    connector = aiohttp.TCPConnector(limit=1024, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=60,
-                                     enable_cleanup_closed=False)
-    return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
-                                 timeout=aiohttp.ClientTimeout(total=None))
+UNREACHABLE = (aiohttp.ClientConnectionError, aiohttp.ClientHttpProxyError)
+"""Failures to reach the upstream at all (a proxy's refusal to open a tunnel is a response error)."""
+MAX_MODELS = 1000
+"""Model names taken from one upstream's list (`list_models`); the rest are left out."""
+MAX_MODELS_BYTES = 1 << 20
+"""The largest model list read from an upstream."""
+MAX_MODEL_NAME = 256
+MAX_ERROR_DETAIL = 8192
+"""The most bytes of an upstream's `innererror` passed on with a content-filter refusal."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +111,19 @@ def connection_problem(exc: BaseException) -> str:
     other exceptions (`<TransferEncodingError: 400, ...>`), which clients must not see."""
     if isinstance(exc, aiohttp.ClientPayloadError):
         return "the body ended before its declared length or last chunk"
+    if isinstance(exc, aiohttp.ClientHttpProxyError):
+        return f"the proxy refused to open the connection ({exc.status} {exc.message})"
+    if isinstance(exc, aiohttp.ClientProxyConnectionError):
+        return f"cannot connect to its proxy {exc.host}:{exc.port}"
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        cert = exc.certificate_error
+        why = getattr(cert, "verify_message", None) or getattr(cert, "reason", None) or "not trusted"
+        return (f"the TLS certificate of {exc.host}:{exc.port} is not trusted ({str(why).lower()}); "
+                "tls.ca_file names the CA that signed it")
+    if isinstance(exc, aiohttp.ClientConnectorSSLError):
+        reason = getattr(exc.os_error, "reason", None) or "no reason given"
+        return (f"the TLS handshake with {exc.host}:{exc.port} failed ({str(reason).lower().replace('_', ' ')}); "
+                "is it an https:// server?")
     if isinstance(exc, aiohttp.ClientConnectorError):
         return f"cannot connect to {exc.host}:{exc.port}"
     if isinstance(exc, aiohttp.ServerDisconnectedError):
@@ -104,18 +132,46 @@ def connection_problem(exc: BaseException) -> str:
         return exc.strerror.lower()
     return "the connection failed"
 
+
+def _dropped(exc: BaseException) -> bool:
+    """The server closed or reset the connection before answering."""
+    return isinstance(exc, aiohttp.ServerDisconnectedError) or (
+        isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.EPIPE))
+
+
 class Upstream:
-    """One configured upstream bound to the shared session."""
+    """One configured upstream bound to its session (`gateway.providers.transport`)."""
 
     def __init__(self, config: UpstreamConfig, session: aiohttp.ClientSession,
-                 base_url: Callable[[], str | None], key: str | None = None) -> None:
+                 base_url: Callable[[], str | None], key: str | None = None,
+                 proxy: str | None = None, proxy_headers: Mapping[str, str] | None = None) -> None:
         """`key` is sent as the bearer key when the config names no `api_key_env` (the
-        gateway's own secret for its scripted mount)."""
+        gateway's own secret for its scripted mount); `proxy`: the proxy its calls go
+        through, `proxy_headers` the credentials sent to that proxy only."""
         self.config = config
         self.name = config.name
         self.session = session
+        # Without a proxy, the session's own method: the calls of such an upstream take the same path as ever.
+        # Its credentials go in the CONNECT of an https:// call, or with each request an http:// one sends the proxy.
+        tunnelled = (config.base_url or "").startswith("https://")
+        self._request = (functools.partial(session.request, proxy=proxy,
+                                           proxy_headers=proxy_headers if tunnelled else None) if proxy
+                         else session.request)
         self._base_url = base_url
         self._key = key
+        self._urls: dict[Endpoint, str] | None = None  # made once the base is known
+        self._templated = frozenset(e for e in ("chat", "embeddings", "responses")
+                                    if any("{" + p + "}" in (config.paths.of(e) or "") for p in PLACEHOLDERS))
+        # Every header but the secrets read at call time, made once.
+        self._static: dict[str, str] = {"Content-Type": "application/json"}
+        self._static.update((n, v) for n, v in config.headers if isinstance(v, str))
+        if proxy and proxy_headers and not tunnelled:
+            self._static.update(proxy_headers)
+        self._from_env = tuple((n, v.env) for n, v in config.headers if isinstance(v, EnvValue))
+        self._key_env = config.api_key_env if config.auth.kind != "none" else None
+        self._key_header, self._key_prefix = config.auth.header, config.auth.prefix
+        self._scripted = config.kind == "scripted"
+        self._tls = config.tls is not None  # a private endpoint: a dropped connection may be a refused client
         # Non-streamed: connect, then the first byte, then the whole answer, each bounded.
         # Streamed: connect, then the longest silence between events (`timeout_s`); the first
         # event's deadline (`first_byte_timeout_s`) is kept by the caller that reads it.
@@ -126,31 +182,62 @@ class Upstream:
                                                      sock_connect=config.connect_timeout_s,
                                                      sock_read=config.timeout_s)
 
-    @property
-    def url(self) -> str:
+    def _make_urls(self) -> dict[Endpoint, str]:
         base = self.config.base_url or self._base_url()
         if base is None:
             raise UpstreamError("upstream_unreachable",
                                 f"upstream '{self.name}' has no address yet (the gateway does not know its own URL)",
                                 self.name)
-        return base + "/chat/completions"
+        query = "?" + urlencode(self.config.query, quote_via=quote) if self.config.query else ""
+        paths = self.config.paths
+        urls: dict[Endpoint, str] = {e: base + (paths.of(e) or "") + query
+                                     for e in ("chat", "embeddings", "responses", "models")}
+        self._urls = urls
+        return urls
+
+    def url(self, endpoint: Endpoint = "chat", model: str = "") -> str | URL:
+        """Where a call of `endpoint` goes: base_url, the API's path (its `{model}` /
+        `{deployment}` the URL-quoted `model`, which a glob route takes from the client) and
+        the query."""
+        url = (self._urls or self._make_urls())[endpoint]
+        if endpoint not in self._templated:
+            return url
+        name = quote(model, safe="")
+        if name in ("", ".", ".."):  # never a path of its own: not even empty, "." or ".." resolve elsewhere
+            name = name.replace(".", "%2E") or "%20"
+        return URL(url.replace("{model}", name).replace("{deployment}", name), encoded=True)
 
     def headers(self, client_headers: Mapping[str, str] | None = None) -> dict[str, str]:
-        out = {"Content-Type": "application/json"}
-        if self.config.api_key_env:
-            key = self.config.api_key()
+        """Every header of a call to this upstream (the one place they are made): its auth,
+        its configured headers (secrets read from the environment now, never logged), and
+        for a scripted upstream the client's `X-Scripted-*` headers. A variable that is not
+        set fails the call (502 upstream_misconfigured naming it)."""
+        out = dict(self._static)
+        if self._key_env:
+            key = os.environ.get(self._key_env)
             if not key:
-                raise UpstreamError("upstream_misconfigured",
-                                    f"upstream '{self.name}': environment variable {self.config.api_key_env} "
-                                    "is not set", self.name)
-            out["Authorization"] = f"Bearer {key}"
+                raise self._misconfigured(f"environment variable {self._key_env} is not set (it should hold the "
+                                          "upstream's key)")
+            if "\n" in key or "\r" in key:
+                raise self._misconfigured(f"environment variable {self._key_env} holds a line break")
+            out[self._key_header] = self._key_prefix + key
         elif self._key:
             out["Authorization"] = f"Bearer {self._key}"
-        if client_headers and self.config.kind == "scripted":
+        for name, variable in self._from_env:
+            value = os.environ.get(variable)
+            if not value:
+                raise self._misconfigured(f"environment variable {variable} (header {name}) is not set")
+            if "\n" in value or "\r" in value:
+                raise self._misconfigured(f"environment variable {variable} (header {name}) holds a line break")
+            out[name] = value
+        if client_headers and self._scripted:
             for name, value in client_headers.items():
                 if name.lower().startswith(FORWARDED_PREFIX):
                     out[name] = value
         return out
+
+    def _misconfigured(self, problem: str) -> UpstreamError:
+        return UpstreamError("upstream_misconfigured", f"upstream '{self.name}': {problem}", self.name)
 
     def timeout(self, what: str, seconds: float | None = None) -> UpstreamError:
         limit = self.config.timeout_s if seconds is None else seconds
@@ -165,32 +252,33 @@ class Upstream:
             return self.timeout("no data", self.config.first_byte_timeout_s)
         return self.timeout(what)
 
-    async def complete(self, body: bytes, headers: Mapping[str, str]) -> UpstreamReply:
-        """POST a non-streamed chat completion and return it, checked.
+    async def complete(self, body: bytes, headers: Mapping[str, str], model: str = "") -> UpstreamReply:
+        """POST a non-streamed chat completion (asking for `model`) and return it, checked.
 
         With the upstream's `max_tokens` cap the request asks for no more; with `tool_repair`
         the reply's tool calls are repaired (`gateway.providers.repair`), and a 500 of an
         upstream that could not parse the model's tool call is retried once without parsing.
         """
         cfg = self.config
+        url = self.url("chat", model)
         if not (cfg.tool_repair or cfg.max_tokens is not None):
-            return await self._post_chat(body, headers)
+            return await self._post_chat(url, body, headers)
         request = orjson.loads(body)  # the gateway's own JSON object
         if cfg.max_tokens is not None:
             request = capped(request, cfg.max_tokens)
             body = orjson.dumps(request)
         tools = tool_schemas(request.get("tools")) if cfg.tool_repair else {}
         if not tools:
-            return await self._post_chat(body, headers)
+            return await self._post_chat(url, body, headers)
         started = time.perf_counter()
         first: tuple[Repair, ...] = ()
         try:
-            reply = await self._post_chat(body, headers)
+            reply = await self._post_chat(url, body, headers)
         except UpstreamError as exc:
             if not is_tool_parse_failure(exc.upstream_status or 0, exc.message):
                 raise
             first = (retried_without_parsing(exc.message),)
-            reply = await self._post_chat(orjson.dumps(without_tool_parsing(request)), headers)
+            reply = await self._post_chat(url, orjson.dumps(without_tool_parsing(request)), headers)
         fixed = repair_completion(reply.data, tools)
         repairs = first + fixed.repairs
         if not repairs:
@@ -198,24 +286,24 @@ class Upstream:
         raw = reply.raw if fixed.data is reply.data else orjson.dumps(fixed.data)
         return UpstreamReply(raw, fixed.data, time.perf_counter() - started, repairs)
 
-    async def _post_chat(self, body: bytes, headers: Mapping[str, str]) -> UpstreamReply:
-        return await self._post(self.url, body, headers, _has_message, "a chat completion (no choices[0].message)")
+    async def _post_chat(self, url: str | URL, body: bytes, headers: Mapping[str, str]) -> UpstreamReply:
+        return await self._post(url, body, headers, _has_message, "a chat completion (no choices[0].message)")
 
-    async def respond(self, body: bytes, headers: Mapping[str, str]) -> UpstreamReply:
-        """POST a non-streamed Responses-API request (to <base>/responses), checked."""
-        url = self.url.removesuffix("/chat/completions") + "/responses"
-        return await self._post(url, body, headers, _has_output, "a response (no output array)")
+    async def respond(self, body: bytes, headers: Mapping[str, str], model: str = "") -> UpstreamReply:
+        """POST a non-streamed Responses-API request (to its responses path), checked."""
+        return await self._post(self.url("responses", model), body, headers, _has_output,
+                                "a response (no output array)")
 
-    async def embed(self, body: bytes, headers: Mapping[str, str]) -> UpstreamReply:
-        """POST an embeddings request (to <base>/embeddings) and return the answer, checked."""
-        url = self.url.removesuffix("/chat/completions") + "/embeddings"
-        return await self._post(url, body, headers, _has_data, "an embeddings list (no data array)")
+    async def embed(self, body: bytes, headers: Mapping[str, str], model: str = "") -> UpstreamReply:
+        """POST an embeddings request (to its embeddings path) and return the answer, checked."""
+        return await self._post(self.url("embeddings", model), body, headers, _has_data,
+                                "an embeddings list (no data array)")
 
-    async def _post(self, url: str, body: bytes, headers: Mapping[str, str], valid: Callable[[dict[str, Any]], bool],
-                    shape: str) -> UpstreamReply:
+    async def _post(self, url: str | URL, body: bytes, headers: Mapping[str, str],
+                    valid: Callable[[dict[str, Any]], bool], shape: str) -> UpstreamReply:
         started = time.perf_counter()
         try:
-            async with self.session.post(url, data=body, headers=headers, timeout=self._plain_timeout) as resp:
+            async with self._request("POST", url, data=body, headers=headers, timeout=self._plain_timeout) as resp:
                 raw = await resp.read()
                 status = resp.status
                 retry_after = resp.headers.get("retry-after-ms"), resp.headers.get("retry-after")
@@ -224,7 +312,7 @@ class Upstream:
         except aiohttp.ClientPayloadError as exc:
             raise UpstreamError("upstream_cut", f"upstream '{self.name}' cut its answer: {connection_problem(exc)}",
                                 self.name) from None
-        except aiohttp.ClientConnectionError as exc:
+        except UNREACHABLE as exc:
             raise self._unreachable(exc) from None
         if status != 200:
             raise self._status_error(status, raw, retry_after)
@@ -237,18 +325,18 @@ class Upstream:
         return UpstreamReply(raw, data, time.perf_counter() - started)
 
     @asynccontextmanager
-    async def stream(self, body: bytes, headers: Mapping[str, str],
-                     path: str = "/chat/completions") -> AsyncIterator[UpstreamStream]:
-        """POST a streamed chat completion (or, with `path` /responses, a streamed response);
-        errors before the first byte raise here."""
-        url = self.url if path == "/chat/completions" else self.url.removesuffix("/chat/completions") + path
-        if self.config.max_tokens is not None and path == "/chat/completions":
+    async def stream(self, body: bytes, headers: Mapping[str, str], endpoint: Endpoint = "chat",
+                     model: str = "") -> AsyncIterator[UpstreamStream]:
+        """POST a streamed chat completion (or, with `endpoint` responses, a streamed
+        response); errors before the first byte raise here."""
+        url = self.url(endpoint, model)
+        if self.config.max_tokens is not None and endpoint == "chat":
             body = orjson.dumps(capped(orjson.loads(body), self.config.max_tokens))
         try:
-            resp = await self.session.post(url, data=body, headers=headers, timeout=self._stream_timeout)
+            resp = await self._request("POST", url, data=body, headers=headers, timeout=self._stream_timeout)
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
             raise self._timed_out(exc, "no response headers") from None
-        except aiohttp.ClientConnectionError as exc:
+        except UNREACHABLE as exc:
             raise self._unreachable(exc) from None
         try:
             if resp.status != 200:
@@ -268,6 +356,46 @@ class Upstream:
             else:
                 resp.close()  # abandoned mid-body: the connection cannot be reused
 
+    async def list_models(self, timeout_s: float) -> list[str]:
+        """The model names the upstream lists at its models path (`GET {base_url}/models`, the
+        OpenAI list shape), at most MAX_MODELS of them from at most MAX_MODELS_BYTES; an
+        UpstreamError when it cannot be asked or answers something else."""
+        url = self.url("models")
+        headers = self.headers()
+        del headers["Content-Type"]
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, self.config.connect_timeout_s))
+        try:
+            async with self._request("GET", url, headers=headers, timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise self._status_error(resp.status, await resp.content.read(4096))
+                if (resp.content_length or 0) > MAX_MODELS_BYTES:
+                    raise self._malformed(f"its model list is larger than {MAX_MODELS_BYTES} bytes")
+                raw = bytearray()
+                async for chunk in resp.content.iter_chunked(65536):
+                    raw += chunk
+                    if len(raw) > MAX_MODELS_BYTES:
+                        raise self._malformed(f"its model list is larger than {MAX_MODELS_BYTES} bytes")
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+            raise self.timeout("its model list", timeout_s) from None
+        except UNREACHABLE as exc:
+            raise self._unreachable(exc) from None
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise self._malformed("its model list is not JSON") from None
+        items = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(items, list):
+            raise self._malformed("its model list has no data array")
+        names: list[str] = []
+        for item in items:
+            name = item.get("id") if isinstance(item, dict) else None
+            if (isinstance(name, str) and 0 < len(name) <= MAX_MODEL_NAME and name.isprintable()
+                    and name not in names):
+                names.append(name)
+                if len(names) == MAX_MODELS:
+                    break
+        return names
+
     def parse(self, reply: UpstreamReply) -> ParsedReply:
         """Choice 0 of a reply, checked (`gateway.providers.reply`): 502 upstream_malformed
         naming the field when it is not a usable chat completion."""
@@ -278,8 +406,11 @@ class Upstream:
                                 f"{exc}", self.name, 200) from None
 
     def _unreachable(self, exc: BaseException) -> UpstreamError:
-        return UpstreamError("upstream_unreachable", f"upstream '{self.name}' is unreachable: "
-                                                          f"{connection_problem(exc)}", self.name)
+        problem = connection_problem(exc)
+        if self._tls and _dropped(exc):  # TLS 1.3 refuses a client certificate after the handshake: no words
+            problem += ("; an HTTPS server that wants a client certificate refuses a missing or untrusted one so "
+                        "(tls.cert_file, tls.key_file)")
+        return UpstreamError("upstream_unreachable", f"upstream '{self.name}' is unreachable: {problem}", self.name)
 
     def _malformed(self, detail: str) -> UpstreamError:
         return UpstreamError("upstream_malformed", f"upstream '{self.name}' answered malformed: {detail}",
@@ -287,10 +418,14 @@ class Upstream:
 
     def _status_error(self, status: int, raw: bytes,
                       retry_after: tuple[str | None, str | None] = (None, None)) -> UpstreamError:
-        message = _error_message(raw)
-        if status in (401, 403, 429) or status >= 500:
+        error = _error_object(raw)
+        message = _error_message(raw, error)
+        if status in (401, 403, 407, 429) or status >= 500:  # 407: its proxy wants credentials
             return UpstreamError("upstream_status", f"upstream '{self.name}' answered {status}: {message}",
                                  self.name, status, retry_after_s=retry_after_seconds(*retry_after))
+        if error is not None and error.get("code") == "content_filter":
+            return UpstreamError("content_filter", f"upstream '{self.name}' refused the request with its content "
+                                 f"filter ({status}): {message}", self.name, status, detail=_filter_detail(error))
         return UpstreamError("upstream_rejected",
                              f"upstream '{self.name}' rejected the request ({status}): {message}", self.name, status)
 
@@ -345,8 +480,32 @@ def _has_message(data: dict[str, Any]) -> bool:
             and isinstance(choices[0].get("message"), dict))
 
 
-def _error_message(raw: bytes) -> str:
+def _error_object(raw: bytes) -> dict[str, Any] | None:
+    """The `error` object of an OpenAI-shaped error body, if it is one."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    error = data.get("error") if isinstance(data, dict) else None
+    return error if isinstance(error, dict) else None
+
+
+def _filter_detail(error: Mapping[str, Any]) -> dict[str, Any]:
+    """What a content-filter refusal passes on to the client: its `param` and `innererror`
+    (Azure's content_filter_result), as the upstream gave them, when small enough."""
+    out: dict[str, Any] = {}
+    if isinstance(error.get("param"), str) and len(error["param"]) <= MAX_MODEL_NAME:
+        out["param"] = error["param"]
+    inner = error.get("innererror")
+    if isinstance(inner, dict) and len(orjson.dumps(inner)) <= MAX_ERROR_DETAIL:
+        out["innererror"] = inner
+    return out
+
+
+def _error_message(raw: bytes, error: Mapping[str, Any] | None = None) -> str:
     """The upstream's own words: error.message of an OpenAI-shaped body, else the text."""
+    if error is not None and error.get("message"):
+        return str(error["message"])
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError:

@@ -29,30 +29,35 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from gateway.config.settings import SCRIPTED_PREFIX, Config, ConfigError, ConfigErrors
+from gateway.config.upstreams import require_upstreams
 from gateway.config.webhooks import require_secrets
 from gateway.mcp.hub import McpHub
 from gateway.policy.errors import PolicySetError
 from gateway.policy.registry import PolicyRegistry
 from gateway.providers.scripted import scripted_app
-from gateway.providers.upstream import new_session
-from gateway.server import console, embeddings, mcp_servers, models, openapi
+from gateway.providers.transport import new_session
+from gateway.server import console, embeddings, mcp_servers, openapi
+from gateway.server.models import get_model, list_models, routed_models
 from gateway.server import context as ctx
 from gateway.server.api import admin
+from gateway.server.api import keys as admin_keys
+from gateway.server.api import spend
 from gateway.server.api import metrics as metrics_route
 from gateway.server.api import runs as runs_api
 from gateway.server.chat import endpoint as chat
-from gateway.server.http.auth import KeyRing
+from gateway.server.http.auth import SYNC_S, KeyRing
 from gateway.server.http.errors import StoreUnavailable
 from gateway.server.http.middleware import gateway_middleware
 from gateway.server.http.sse import STREAMS_END, end_streams
 from gateway.server.metrics import Metrics
 from gateway.server.notify import delivery as notify_delivery
-from gateway.server.reload import team_check
+from gateway.server.reload import known_policies, team_check
 from gateway.server.responses import endpoint as responses
 from gateway.server.runs import rate_limits, retention, runtime
 from gateway.server.runs.booking import replay_spool
 from gateway.server.runs.governor import Governor
 from gateway.server.runs.run_cache import RunCache
+from gateway.server.store_check import check_store
 from gateway.store import Store, StoreConfigError, StoreError, open_store
 from gateway.store.spool import Spool
 from gateway.tokens import get_counter
@@ -64,6 +69,9 @@ log = logging.getLogger(__name__)
 def load_policies(config: Config, mcp: McpHub | None = None) -> PolicyRegistry:
     """Load `policies_dir` (MCP tools discovered through `mcp`) and check every team's
     policies exist (the rule a reload checks too: `reload.team_check`); ConfigError otherwise."""
+    if not config.policies_dir.is_dir():
+        problem = "is not a folder" if config.policies_dir.exists() else "does not exist"
+        raise ConfigError(str(config.path), "policies_dir", f"{config.policies_dir} {problem}")
     registry = PolicyRegistry(config.policies_dir, mcp)
     staged = registry.stage()
     if staged.errors:
@@ -75,7 +83,8 @@ def load_policies(config: Config, mcp: McpHub | None = None) -> PolicyRegistry:
     return registry
 
 
-def _open_store(config: Config) -> Store:
+def open_configured_store(config: Config) -> Store:
+    """The config's store, opened; ConfigError (one line naming `store`) when it cannot be."""
     try:
         return open_store(config.store.options)
     except StoreConfigError as exc:  # its message starts with the field (store.url: ...)
@@ -87,6 +96,7 @@ def _open_store(config: Config) -> Store:
 async def _resources(app: web.Application) -> AsyncIterator[None]:
     config = app[ctx.LIVE].config
     store = app[ctx.STORE]
+    await check_store(store, config.store)  # before anything of it is used: a StartError ends the start
     session = new_session()
     app[ctx.SESSION] = session
     owner = process_owner(app.get(ctx.SELF_URL), app.get(ctx.WORKER))
@@ -99,17 +109,26 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         await governor.start()
     except StoreError as exc:  # the store may be back later: its holds then expire on their own
         log.warning("cannot release this gateway's earlier reservations: %s", exc)
+    keyring = app[ctx.KEYRING]
+    try:
+        await keyring.sync()  # every key the store has, before the first call
+    except StoreError as exc:
+        log.warning("cannot read the store's keys yet (retried every %.2f s): %s", SYNC_S, exc)
     keeper = asyncio.ensure_future(governor.keep_alive())
     giver = asyncio.ensure_future(governor.give_back_idle())
     replayer = asyncio.ensure_future(_replay_spool_forever(app))
+    syncer = asyncio.ensure_future(keyring.keep_synced())
+    toucher = asyncio.ensure_future(keyring.keep_touching())
     try:
         yield
     finally:
-        for task in (keeper, giver, replayer):
+        await keyring.flush_used()
+        for task in (keeper, giver, replayer, syncer, toucher):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await governor.give_back(0.0)  # what it took ahead of calls it will not serve
+        await app[ctx.UPSTREAMS].close()  # the sessions of upstreams with tls or a proxy
         await session.close()
         await store.close()
 
@@ -160,6 +179,7 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
     share one `scripted_key` (a call to the mount may land on any of them); else a random
     key of this process's own."""
     require_secrets(str(config.path), config.webhooks)  # before anything is opened
+    require_upstreams(str(config.path), config.upstreams)
     app = web.Application(middlewares=[gateway_middleware], client_max_size=config.server.max_body_bytes)
     app[ctx.LIVE] = ctx.Live(config)
     app[ctx.MCP] = McpHub()
@@ -169,10 +189,11 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
         app[ctx.MCP].close()  # the servers discovery started
         raise
     app[ctx.COUNTER] = get_counter()
-    app[ctx.KEYRING] = KeyRing(config.teams)
-    app[ctx.METRICS] = Metrics((name for name, _ in models.routed_models(config)), config.upstreams,
+    app[ctx.METRICS] = Metrics((name for name, _ in routed_models(config)), config.upstreams,
                                ((w.name, sorted(w.events)) for w in config.webhooks))
-    app[ctx.STORE] = _open_store(config)
+    app[ctx.METRICS].start_at_zero(known_policies(config, app[ctx.POLICIES]))
+    app[ctx.STORE] = open_configured_store(config)
+    app[ctx.KEYRING] = KeyRing(config.teams, app[ctx.STORE])
     app[ctx.SPOOL] = Spool(config.spool_file)
     app[ctx.RUN_CACHE] = RunCache()
     if self_url is not None:
@@ -186,9 +207,7 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
     app[STREAMS_END] = asyncio.Event()
     app.on_shutdown.append(end_streams)
     app.on_shutdown.append(runtime.stop_runs)
-    # Answers carry their x-ratelimit-* headers. Installed whatever the config says at start,
-    # since a reload may add rate limits (about 0.7 us per answer, nothing set without limits).
-    app.on_response_prepare.append(rate_limits.show)
+    app.on_response_prepare.append(rate_limits.show)  # answers carry their x-ratelimit-* headers (keys may have limits)
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
     metrics_route.setup(app)
@@ -216,8 +235,8 @@ ROUTES: Final[tuple[tuple[str, str, Handler], ...]] = (
     ("GET", "/v1/responses/{id}", responses.get_response),
     ("DELETE", "/v1/responses/{id}", responses.delete_response),
     ("POST", "/v1/embeddings", embeddings.create_embeddings),
-    ("GET", "/v1/models", models.list_models),
-    ("GET", "/v1/models/{model}", models.get_model),
+    ("GET", "/v1/models", list_models),
+    ("GET", "/v1/models/{model}", get_model),
     ("GET", "/v1/runs", runs_api.list_runs),
     ("GET", "/v1/runs/{id}", runs_api.get_run),
     ("GET", "/v1/runs/{id}/events", runs_api.run_events),
@@ -225,6 +244,14 @@ ROUTES: Final[tuple[tuple[str, str, Handler], ...]] = (
     ("POST", "/v1/runs/{id}/resume", runs_api.post_resume),
     ("POST", "/v1/runs/{id}/cancel", runs_api.post_cancel),
     ("POST", admin.RELOAD_PATH, admin.post_reload),
+    ("POST", "/v1/admin/keys", admin_keys.create_key),
+    ("GET", "/v1/admin/keys", admin_keys.list_keys),
+    ("GET", "/v1/admin/keys/{id}", admin_keys.get_key),
+    ("PATCH", "/v1/admin/keys/{id}", admin_keys.update_key),
+    ("DELETE", "/v1/admin/keys/{id}", admin_keys.revoke_key),
+    ("POST", "/v1/admin/keys/{id}/rotate", admin_keys.rotate_key),
+    ("GET", "/v1/admin/audit", spend.get_audit),
+    ("GET", "/v1/spend", spend.get_spend),
     ("GET", "/healthz", healthz),
     ("GET", "/openapi.json", openapi.openapi_json),
 )

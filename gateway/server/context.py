@@ -17,8 +17,11 @@ from gateway.config.settings import SCRIPTED_PREFIX, Config, ModelRoute, Upstrea
 from gateway.harness.state import RunState
 from gateway.mcp.hub import McpHub
 from gateway.policy.registry import PolicyRegistry
+from gateway.providers.discovery import TIMEOUT_S as DISCOVERY_TIMEOUT_S
+from gateway.providers.discovery import ModelDiscovery
 from gateway.providers.failover import AttemptSink, RoutedCall
 from gateway.providers.routing import Router
+from gateway.providers.transport import Sessions
 from gateway.providers.upstream import Upstream
 from gateway.server.http.auth import KeyRing
 from gateway.server.metrics import Metrics
@@ -51,27 +54,52 @@ class Live:
 
 
 class Upstreams:
-    """The configured upstreams by name; a `scripted` one is this server's own mount, whose
-    address is known once the server listens (set by `serve`, or learnt from the first request)."""
+    """The configured upstreams by name, their sessions, their model lists and the router; a
+    `scripted` one is this server's own mount, whose address is known once the server
+    listens (set by `serve`, or learnt from the first request).
+
+    Everything about reaching the upstreams is made here, from the config alone; a config
+    reload gives it the new config (`configure`)."""
 
     def __init__(self, config: Config, session: aiohttp.ClientSession, scripted_key: str | None = None) -> None:
-        """`scripted_key`: what this process's calls to its own scripted mount authenticate with."""
+        """`session`: the app's shared session (its owner closes it), used by every upstream
+        without `tls` or a proxy; `scripted_key`: what this process's calls to its own
+        scripted mount authenticate with. A TLS file that cannot be used is a ConfigError."""
         self.self_url: str | None = None
-        self._session = session
         self._scripted_key = scripted_key
+        self.sessions = Sessions(session)
         self._by_name: dict[str, Upstream] = {}
         self.router = Router()  # every deployment's health in this process (cooldowns, calls in flight)
+        self.discovery = ModelDiscovery(self._list_models)
         self.configure(config)
 
     def configure(self, config: Config) -> None:
-        """Serve `config`'s upstreams (at start, and on a reload). An upstream whose settings did
-        not change keeps its object; calls already routed keep the upstreams they started with;
-        the health of deployments no route names any more is forgotten."""
+        """Serve `config`'s upstreams (at start, and on a config reload, `gateway.server.reload`).
+        An upstream whose settings did not change keeps its object (its session, what its model
+        list said); calls already routed keep the upstreams they started with, so the sessions
+        of changed ones stay open until `close`; the health of deployments no route names any
+        more is forgotten. A TLS file that cannot be used is a ConfigError (nothing changed)."""
         old = self._by_name
-        self._by_name = {name: old[name] if name in old and old[name].config == u else
-                         Upstream(u, self._session, self._scripted_base, self._scripted_key if uses_mount(u) else None)
-                         for name, u in config.upstreams.items()}
+        by_name: dict[str, Upstream] = {}
+        for name, u in config.upstreams.items():
+            if name in old and old[name].config == u:
+                by_name[name] = old[name]
+                continue
+            way = self.sessions.for_upstream(u)
+            by_name[name] = Upstream(u, way.session, self._scripted_base,
+                                     self._scripted_key if uses_mount(u) else None, way.proxy, way.proxy_headers)
+        self._by_name = by_name
+        self.discovery.forget(name for name in old if by_name.get(name) is not old[name])
         self.router.keep({d for route in config.models for g in route.plan.groups for d in g.deployments})
+
+    async def _list_models(self, name: str) -> list[str]:
+        upstream = self._by_name[name]
+        return await upstream.list_models(min(DISCOVERY_TIMEOUT_S, upstream.config.timeout_s))
+
+    async def close(self) -> None:
+        """Close what this set of upstreams opened (not the shared session)."""
+        await self.discovery.close()
+        await self.sessions.close()
 
     def _scripted_base(self) -> str | None:
         return self.self_url + SCRIPTED_PREFIX if self.self_url else None

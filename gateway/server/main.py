@@ -1,7 +1,8 @@
 """`gateway serve`: load and check the config, then run the gateway until stopped.
 
-A config error (file, field, problem) is printed and the process exits 2 without
-listening. SIGHUP reloads config.yaml and the policies like POST /v1/admin/reload
+A config error (file, field, problem: every error of the file, one line each), a port in
+use or a store that cannot be opened is said on stderr with exit 2, before anything listens
+(`serve_command`). SIGHUP reloads config.yaml and the policies like POST /v1/admin/reload
 (`gateway.server.reload`) and logs the result.
 """
 
@@ -20,11 +21,11 @@ from aiohttp import web
 
 from gateway.config.settings import Config, ConfigError, load_config
 from gateway.policy.registry import policy_names
-from gateway.server.app import build_app, process_owner
-from gateway.server.http.listener import run
+from gateway.server.app import build_app, open_configured_store, process_owner
+from gateway.server.http.listener import StartError, bound_port, listen_sockets, run
 from gateway.server.reload import reload as reload_files
-from gateway.server.workers import parse_workers, shared_key, signal_ready, supervise
-from gateway.store import StoreConfigError, StoreError, open_store
+from gateway.server.workers import parse_workers, report_start_error, shared_key, signal_ready, supervise
+from gateway.store import StoreError
 
 log = logging.getLogger("gateway")
 
@@ -51,14 +52,21 @@ def _self_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def _banner(config: Config, host: str, port: int, what: str) -> str:
+    """The line `serve` prints once it listens: where, on which config and store, the console."""
+    url = _self_url(host, port)
+    return f"gateway: {what} on {url} (config {config.path}, store {config.store.kind}); console at {url}/console/"
+
+
 def _release_previous_workers(config: Config, host: str, count: int) -> Callable[[int], None]:
     """For the supervisor: give back the reservations and leases the workers of this
     server's previous life held (each worker does it for its own index when it starts,
-    but the first to serve would refuse a resume with `run_busy` meanwhile)."""
+    but the first to serve would refuse a resume with `run_busy` meanwhile). A store that
+    cannot be opened at all is a ConfigError here, said once, before any worker starts."""
 
     def release(port: int) -> None:
         async def each_worker() -> int:
-            store = open_store(config.store.options)
+            store = open_configured_store(config)
             try:
                 url = _self_url(host, port)
                 return sum([await store.release_owner(process_owner(url, i)) for i in range(count)])
@@ -67,7 +75,7 @@ def _release_previous_workers(config: Config, host: str, count: int) -> Callable
 
         try:
             released = asyncio.run(each_worker())
-        except (StoreError, StoreConfigError) as exc:  # each worker tries again for its own
+        except StoreError as exc:  # each worker tries again for its own
             log.warning("could not release what the previous workers held: %s", exc)
             return
         if released:
@@ -97,9 +105,14 @@ async def _reload_on_sighup(app: web.Application) -> AsyncIterator[None]:
 
 def serve_command(args: argparse.Namespace) -> int:
     """Run the gateway; flags --config, --host, --port (override server.host/port),
-    --workers (processes sharing the port, `gateway.server.workers`), --loop."""
+    --workers (processes sharing the port, `gateway.server.workers`), --loop.
+
+    Whatever keeps it from starting (a config error, a port in use, a store it cannot
+    open) is one line on stderr and exit 2, before the `serving on` line; a worker of
+    `--workers N` hands that line to its supervisor instead, which prints it once."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     worker: int | None = getattr(args, "worker_index", None)
+    ready_fd: int | None = getattr(args, "ready_fd", None)
     try:
         workers = parse_workers(str(getattr(args, "workers", "1")))
     except ValueError as exc:
@@ -116,19 +129,44 @@ def serve_command(args: argparse.Namespace) -> int:
                                   f"--workers {workers} needs a store the workers share (sqlite or redis); the "
                                   "memory store lives in one process")
             argv = ["--config", str(args.config), "--loop", getattr(args, "loop", "auto")]
-            return supervise(argv, workers, host, port, _release_previous_workers(config, host, workers))
-        app = build_app(config, self_url=_self_url(host, port) if port else None, worker=worker,
-                        scripted_key=shared_key() if worker is not None else None)
+            return supervise(argv, workers, host, port, _release_previous_workers(config, host, workers),
+                             also_listen=config.metrics.listen,
+                             banner=lambda bound: _banner(config, host, bound, f"{workers} workers serving"))
+        # The port first: nothing is opened, and no store state touched, for a gateway that cannot serve.
+        sockets = listen_sockets(host, port, reuse_port=worker is not None)
+        port = bound_port(sockets)
+        try:
+            app = build_app(config, self_url=_self_url(host, port), worker=worker,
+                            scripted_key=shared_key() if worker is not None else None)
+        except BaseException:
+            for sock in sockets:
+                sock.close()
+            raise
     except ConfigError as exc:  # every error of the file, one line each
-        for line in str(exc).splitlines():
-            print(f"gateway: config error: {line}", file=sys.stderr)
-        return 2
+        return _cannot_start("\ngateway: ".join(f"config error: {line}" for line in str(exc).splitlines()), worker,
+                             ready_fd)
+    except StartError as exc:
+        return _cannot_start(str(exc), worker, ready_fd)
     app.cleanup_ctx.append(_reload_on_sighup)
     app.on_startup.append(_settle_heap)  # runs after the cleanup contexts have set up
-    if worker is None:
-        print(f"gateway: serving on {_self_url(host, port)} (config {config.path}, store {config.store.kind}); "
-              f"console at {_self_url(host, port)}/console/", file=sys.stderr, flush=True)
+    signal = signal_ready(ready_fd, worker, read_at)
+
+    def ready() -> None:
+        if worker is None:
+            print(_banner(config, host, port, "serving"), file=sys.stderr, flush=True)
+        if signal is not None:
+            signal()
+
     # web.run_app, with parser errors (oversized headers) in the OpenAI shape
-    ready = signal_ready(getattr(args, "ready_fd", None), worker, read_at)
-    run(app, host, port, reuse_port=worker is not None, ready=ready, loop=getattr(args, "loop", "auto"))
+    try:
+        run(app, sockets, ready=ready, loop=getattr(args, "loop", "auto"))
+    except StartError as exc:  # raised while the app started (the metrics listener's port)
+        return _cannot_start(str(exc), worker, ready_fd)
     return 0
+
+
+def _cannot_start(line: str, worker: int | None, ready_fd: int | None) -> int:
+    """Exit 2 with `line` said once: on stderr, or by the supervisor of this worker."""
+    if worker is None or not report_start_error(ready_fd, line):
+        print(f"gateway: {line}", file=sys.stderr, flush=True)
+    return 2

@@ -14,7 +14,9 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Iterable
+from collections.abc import Mapping, Sequence
 from contextvars import ContextVar, Token
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import (
@@ -69,6 +71,25 @@ def _exemplar() -> dict[str, str] | None:
     return {EXEMPLAR_LABEL: run_id}
 
 WEBHOOK_OUTCOMES = ("delivered", "retried", "failed")
+TOOL_OUTCOMES = ("ok", "error", "deduped", "denied")
+PASS_THROUGH_STOPS: tuple[tuple[str, str], ...] = (
+    ("completed", "completed"), ("max_turns_exceeded", "max_turns"), ("budget_exceeded", "max_budget"),
+    ("budget_exceeded", "team_budget"), ("max_duration_exceeded", "max_duration"), ("interrupted", "cancelled"))
+"""(status, reason) a pass-through run can stop with (docs/runs.md, Reasons)."""
+RUN_STOPS: tuple[tuple[str, str], ...] = (*PASS_THROUGH_STOPS, ("max_tool_calls_exceeded", "max_tool_calls"),
+                                          ("interrupted", "approval"), ("interrupted", "crashed"),
+                                          ("interrupted", "rate_limited"), ("failed", "permanent_error"),
+                                          ("failed", "tool_error"), ("failed", "repeated_call"),
+                                          ("failed", "upstream_error"), ("failed", "internal_error"))
+"""Every (status, reason) of docs/runs.md's Reasons table: what a server-side run can stop with."""
+
+
+@dataclass(frozen=True)
+class KnownPolicy:
+    """What the metrics know of a policy at start: its name, and its tools if it runs them."""
+
+    name: str
+    tools: tuple[str, ...] = ()
 
 ToolOutcome = str
 """ok | error | denied | rejected | deduped | cancelled | timeout (any short code)."""
@@ -171,6 +192,31 @@ class Metrics:
                 for outcome in WEBHOOK_OUTCOMES:
                     self.webhook_deliveries.labels(name, event, outcome)
 
+    def start_at_zero(self, teams: Mapping[str, Sequence[KnownPolicy]]) -> None:
+        """Export at 0 the label sets of the counters the dashboards query that the config
+        knows before any traffic: each team's turns, tokens and cost for each model it routes
+        by name, its runs' stops by policy (the reasons the policy's mode can have), and each
+        policy's tool calls by outcome. So `rate()` and `increase()` panels read 0, not "No
+        data", and count a series' first increment (Prometheus cannot see the 0 -> 1 of a
+        series born at 1). `teams`: team -> the policies it may use."""
+        models = sorted(self.known_models)
+        tools: dict[str, tuple[str, ...]] = {}
+        for team, policies in teams.items():
+            for model in models:
+                self._child(self.cost, team, model)
+                for kind in ("prompt", "completion"):
+                    self._child(self.tokens, team, model, kind)
+            for policy in policies:
+                tools[policy.name] = policy.tools
+                for model in models:
+                    self._child(self.turns, team, policy.name, model)
+                for status, reason in RUN_STOPS if policy.tools else PASS_THROUGH_STOPS:
+                    self._child(self.runs_stopped, team, policy.name, status, reason)
+        for policy_name, names in tools.items():
+            for tool in names:
+                for outcome in TOOL_OUTCOMES:
+                    self._child(self.tool_calls, policy_name, tool, outcome)
+
     def _child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, cached: the lookup runs on every call of the hot path."""
         key = (id(metric), labels)
@@ -251,9 +297,6 @@ class Metrics:
 
     def set_approvals_pending(self, team: str, count: int) -> None:
         self.approvals_pending.labels(team).set(count)
-
-    def approvals_pending_delta(self, team: str, delta: int) -> None:
-        self.approvals_pending.labels(team).inc(delta)
 
     def run_active(self, delta: int) -> None:
         self.runs_active.inc(delta)

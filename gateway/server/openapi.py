@@ -16,6 +16,7 @@ import orjson
 from aiohttp import web
 
 from gateway import __version__
+from gateway.server import context as ctx
 
 Schema = dict[str, Any]
 
@@ -69,6 +70,30 @@ RESUME_BODY: Final[Schema] = {
                    "max_duration_s": {"type": "number", "exclusiveMinimum": 0}, "stream": {"type": "boolean"}},
 }
 CANCEL_BODY: Final[Schema] = {"type": "object", "properties": {"reason": {"type": "string", "maxLength": 2000}}}
+_GLOBS: Final[Schema] = {"type": ["array", "null"], "maxItems": 64, "items": {"type": "string", "minLength": 1,
+                                                                             "maxLength": 200}}
+_KEY_SCOPE: Final[dict[str, Schema]] = {
+    "name": {"type": "string", "minLength": 1, "maxLength": 100},
+    "user": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9][A-Za-z0-9_.@:+=/\\-]{0,127}$"},
+    "models": _GLOBS, "policies": {"type": ["array", "null"], "maxItems": 64, "items": {"type": "string"}},
+    "budget_usd": {"type": ["number", "null"], "minimum": 0, "maximum": 1e9},
+    "budget_period": {"enum": ["day", "week", "month", "total"]},
+    "rate_limits": {"type": ["object", "null"], "additionalProperties": False, "properties": {
+        k: {"type": ["integer", "null"], "minimum": 1} for k in (
+            "requests_per_minute", "tokens_per_minute", "requests_per_second", "tokens_per_second", "max_in_flight")}},
+    "expires_at": {"type": ["number", "null"]}, "expires_in_s": {"type": ["number", "null"], "minimum": 1},
+    "metadata": {"type": ["object", "null"], "maxProperties": 16,
+                 "additionalProperties": {"type": "string", "maxLength": 256}},
+    "manage_keys": {"type": "boolean"},
+}
+KEY_CREATE_BODY: Final[Schema] = {"type": "object", "required": ["team", "name"], "additionalProperties": False,
+                                  "properties": {"team": {"type": "string", "minLength": 1}, **_KEY_SCOPE}}
+KEY_PATCH_BODY: Final[Schema] = {"type": "object", "additionalProperties": False, "minProperties": 1,
+                                 "properties": _KEY_SCOPE}
+ROTATE_BODY: Final[Schema] = {"type": "object", "additionalProperties": False,
+                              "properties": {"grace_s": {"type": "number", "minimum": 0, "maximum": 604800}}}
+KEY_ID: Final[Schema] = {"name": "id", "in": "path", "required": True, "schema": {"type": "string", "maxLength": 64},
+                         "description": "A key's id: key_... (issued) or cfg_... (config.yaml)"}
 RUN_ID_HEADERS: Final[list[Schema]] = [
     {"name": "X-Run-Id", "in": "header", "required": False,
      "schema": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.:\\-]{0,127}$"},
@@ -92,6 +117,10 @@ class Operation:
     ok: tuple[str, ...] = ("application/json",)
     parameters: list[Schema] = field(default_factory=list)
     errors: tuple[int, ...] = (400, 401, 404)
+    status: int = 200
+    """The status of a success (201: something was created)."""
+    links: dict[str, Any] = field(default_factory=dict)
+    """OpenAPI links of the success answer (what a client may call next with its fields)."""
 
 
 OPERATIONS: Final[dict[tuple[str, str], Operation]] = {
@@ -134,6 +163,45 @@ OPERATIONS: Final[dict[tuple[str, str], Operation]] = {
                                                 errors=(400, 401, 403, 404, 409)),
     ("POST", "/v1/admin/reload"): Operation("Reload the policy files (admin teams)", "admin",
                                             errors=(401, 403, 409)),
+    ("POST", "/v1/admin/keys"): Operation(
+        "Issue a key (admins; a key manager for its own team); the secret is in this answer only", "keys",
+        KEY_CREATE_BODY, errors=(400, 401, 403, 409, 413), status=201,
+        links={name: {"operationId": op, "parameters": {"id": "$response.body#/id"}} for name, op in (
+            ("GetKey", "get_v1_admin_keys_id"), ("UpdateKey", "patch_v1_admin_keys_id"),
+            ("RotateKey", "post_v1_admin_keys_id_rotate"), ("RevokeKey", "delete_v1_admin_keys_id"))}),
+    ("GET", "/v1/admin/keys"): Operation(
+        "Keys the caller may manage, by id (no secrets)", "keys",
+        parameters=[{"name": n, "in": "query", "required": False, "schema": {"type": "string"}}
+                    for n in ("team", "user", "include_revoked", "after", "limit")], errors=(400, 401, 403)),
+    ("GET", "/v1/admin/keys/{id}"): Operation("One key's record, with its budget this period", "keys",
+                                              parameters=[KEY_ID], errors=(401, 403, 404)),
+    ("PATCH", "/v1/admin/keys/{id}"): Operation("Change a key's name, scope, budget, limits, expiry or metadata",
+                                                "keys", KEY_PATCH_BODY, parameters=[KEY_ID],
+                                                errors=(400, 401, 403, 404, 409, 413)),
+    ("DELETE", "/v1/admin/keys/{id}"): Operation("Revoke a key (the record stays)", "keys", parameters=[KEY_ID],
+                                                 errors=(401, 403, 404, 409)),
+    ("POST", "/v1/admin/keys/{id}/rotate"): Operation(
+        "A new secret for the key; the old one works for grace_s more seconds", "keys", ROTATE_BODY,
+        parameters=[KEY_ID], errors=(400, 401, 403, 404, 409, 413)),
+    ("GET", "/v1/admin/audit"): Operation(
+        "The audit log, oldest first (admin teams)", "audit",
+        parameters=[{"name": "since", "in": "query", "required": False, "schema": {"type": "number", "minimum": 0}},
+                    *({"name": n, "in": "query", "required": False, "schema": {"type": "string", "maxLength": 64}}
+                      for n in ("action", "team")),
+                    {"name": "after", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 0}},
+                    {"name": "limit", "in": "query", "required": False,
+                     "schema": {"type": "integer", "minimum": 1, "maximum": 1000}}],
+        errors=(400, 401, 403)),
+    ("GET", "/v1/spend"): Operation(
+        "Spend grouped by team, key, user, model, policy or day (a team sees its own; admins every team's)",
+        "spend", ok=("application/json", "text/csv"),
+        parameters=[{"name": "group_by", "in": "query", "required": False, "schema": {"type": "string"},
+                     "description": "comma-separated: team, key, user, model, policy, day"},
+                    *({"name": n, "in": "query", "required": False,
+                       "schema": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}} for n in ("from", "to")),
+                    {"name": "team", "in": "query", "required": False, "schema": {"type": "string", "maxLength": 64}},
+                    {"name": "format", "in": "query", "required": False, "schema": {"enum": ["json", "csv"]}}],
+        errors=(400, 401, 403)),
     ("GET", "/metrics"): Operation("Prometheus metrics (OpenMetrics with run-id exemplars when asked)", "operations",
                                    auth=False, ok=("text/plain", "application/openmetrics-text"), errors=(401,)),
     ("GET", "/healthz"): Operation("200 when the store answers, 503 otherwise", "operations", auth=False,
@@ -190,17 +258,23 @@ def document(app: web.Application) -> dict[str, Any]:
         op = OPERATIONS[(method, path)]
         entry: dict[str, Any] = {
             "summary": op.summary, "tags": [op.tag], "operationId": _operation_id(method, path),
-            "responses": {"200": {"description": "OK", "content": {kind: {"schema": OBJECT} for kind in op.ok}},
+            "responses": {str(op.status): {"description": "Created" if op.status == 201 else "OK",
+                                           "content": {kind: {"schema": OBJECT} for kind in op.ok},
+                                           **({"links": op.links} if op.links else {})},
                           **{str(code): {"description": DESCRIPTIONS[code],
                                          "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
                              for code in op.errors}},
         }
         if op.parameters:
             entry["parameters"] = op.parameters
-        if op.body is not None:
-            entry["requestBody"] = {"required": method == "POST" and op.body is not CANCEL_BODY
-                                    and op.body is not RESUME_BODY,
-                                    "content": {"application/json": {"schema": op.body}}}
+        body = op.body
+        if body is KEY_CREATE_BODY:  # the teams a key may be issued for are this config's
+            teams = [t.name for t in app[ctx.LIVE].config.teams]
+            body = {**body, "properties": {**body["properties"], "team": {"enum": teams}}}
+        if body is not None:
+            entry["requestBody"] = {"required": method in ("POST", "PATCH") and op.body is not CANCEL_BODY
+                                    and op.body is not RESUME_BODY and op.body is not ROTATE_BODY,
+                                    "content": {"application/json": {"schema": body}}}
         if not op.auth:
             entry["security"] = []
         paths.setdefault(path, {})[method.lower()] = entry

@@ -35,11 +35,13 @@ from typing import Final
 from aiohttp import web
 
 from gateway.config.settings import Config, ConfigError, ConfigErrors, load_config, unlisted_policies
+from gateway.config.upstreams import require_upstreams
 from gateway.config.webhooks import require_secrets
 from gateway.policy.decl import Policy
 from gateway.policy.errors import PolicyError
-from gateway.policy.registry import ReloadResult, StagedSet, policy_names
+from gateway.policy.registry import PolicyRegistry, ReloadResult, StagedSet, policy_names
 from gateway.server import context as ctx
+from gateway.server.metrics import KnownPolicy
 from gateway.server.models import routed_models
 from gateway.server.notify.delivery import NOTIFIER
 from gateway.server.workers import mark_reloaded
@@ -87,6 +89,15 @@ def team_check(config: Config) -> Callable[[Mapping[str, Policy]], Sequence[Poli
     return check
 
 
+def known_policies(config: Config, registry: PolicyRegistry) -> dict[str, list[KnownPolicy]]:
+    """Team -> the policies it may use, as the metrics' zero series need them."""
+    out: dict[str, list[KnownPolicy]] = {}
+    for team in config.teams:
+        policies = [registry.get(name) for name in team.policies]
+        out[team.name] = [KnownPolicy(p.name, tuple(t.name for t in p.tools)) for p in policies if p is not None]
+    return out
+
+
 def served_config(running: Config, read: Config) -> tuple[Config, tuple[str, ...], tuple[str, ...]]:
     """The config to serve after reading `read` while serving `running`: `read`'s live fields
     with `running`'s others; and the live fields that changed, and the others that did (each
@@ -124,6 +135,7 @@ def _stage(app: web.Application) -> _Staged:
     running = app[ctx.LIVE].config
     read = load_config(running.path, policy_names)
     require_secrets(str(read.path), read.webhooks)
+    require_upstreams(str(read.path), read.upstreams)
     _mount_check(app, read)
     served, changed, restart = served_config(running, read)
     return _Staged(served, changed, restart, app[ctx.POLICIES].stage(check=team_check(served)))
@@ -131,12 +143,15 @@ def _stage(app: web.Application) -> _Staged:
 
 def apply_config(app: web.Application, config: Config) -> None:
     """Serve `config` from the next call on: the one step, on the event loop, that makes the
-    config and everything built from it current together (see the module docstring). Keys
-    of the config authenticate through `KeyRing.configure`, its only entry point."""
+    config and everything built from it current together (see the module docstring). The
+    config's keys authenticate through `KeyRing.set_teams` (which also shows the store's
+    keys through the new teams at once)."""
     app[ctx.LIVE].config = config
-    app[ctx.KEYRING].configure(config.teams)
-    app[ctx.METRICS].configure((name for name, _ in routed_models(config)), config.upstreams,
-                               ((w.name, sorted(w.events)) for w in config.webhooks))
+    app[ctx.KEYRING].set_teams(config.teams)
+    metrics = app[ctx.METRICS]
+    metrics.configure((name for name, _ in routed_models(config)), config.upstreams,
+                      ((w.name, sorted(w.events)) for w in config.webhooks))
+    metrics.start_at_zero(known_policies(config, app[ctx.POLICIES]))
     if ctx.UPSTREAMS in app:  # the loop's resources, once the app has started
         app[ctx.UPSTREAMS].configure(config)
     if ctx.GOVERNOR in app:

@@ -1,7 +1,9 @@
 """`gateway serve --workers N`: N gateway processes serving one port, under one supervisor.
 
 The supervisor (the process the user started) checks the config, reserves the port (a
-socket bound with SO_REUSEPORT that never listens, so `--port 0` works too), and starts
+socket bound with SO_REUSEPORT that never listens, so `--port 0` works too, after a plain
+bind has shown that nobody listens there: SO_REUSEPORT alone would share the port with
+another gateway's workers), and the `metrics.listen` port alike, and starts
 N workers: `python -m gateway serve` with the same config and the resolved host and port,
 plus `--worker-index I`. Each worker is a full gateway over the shared store, listening
 on its own SO_REUSEPORT socket of that port, so the kernel spreads new connections over
@@ -24,7 +26,10 @@ Lifecycle (docs/config.md, "Workers"):
   file of the supervisor's folder (`mark_reloaded`).
 - A worker that dies after it was serving is started again (same index, so it releases
   what its previous life held); one that fails before it serves (a bad store, a port
-  taken) stops the whole server with its exit code, since a restart would fail alike.
+  taken) stops the whole server with its exit code, since a restart would fail alike. A
+  worker that cannot start sends its one line through its readiness pipe instead of
+  printing it (`report_start_error`): the supervisor prints the first such line once, not
+  one per worker.
   Before the first worker starts, what every worker of a previous life of this server
   held is released (`before`, `gateway.server.main`): a call that lands on worker J is not
   refused for a lease that worker I held when the whole server was killed.
@@ -51,6 +56,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gateway.server.http.listener import StartError, listen_sockets, port_problem
+
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 20.0
@@ -59,6 +66,9 @@ RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
 """Pauses before restarting a worker that died, growing while it keeps dying."""
 READY = b"r"
 """What a worker writes to its readiness pipe once it listens."""
+START_ERROR = b"e"
+"""What a worker that cannot start writes to its readiness pipe, followed by its one line."""
+MAX_ERROR_BYTES = 4096
 PR_SET_PDEATHSIG = 1
 SHARED_KEY_ENV = "GATEWAY_WORKERS_KEY"
 """The key the workers share for the built-in scripted mount (random per supervisor)."""
@@ -83,15 +93,25 @@ def parse_workers(value: str) -> int:
     return n
 
 
-def reserve_port(host: str, port: int) -> socket.socket:
+def reserve_port(host: str, port: int, setting: str = "server.host/server.port or --host/--port") -> socket.socket:
     """A socket bound to (host, port) with SO_REUSEPORT that never listens: it holds the
-    port (resolving port 0) while the workers bind their own listening sockets to it."""
+    port (resolving port 0) while the workers bind their own listening sockets to it.
+
+    The port is first bound plainly (`listen_sockets`, then closed): SO_REUSEPORT alone
+    would bind next to another process's SO_REUSEPORT listeners (another gateway's workers)
+    and share its connections. `StartError` when it is in use."""
+    for probe in listen_sockets(host, port, setting=setting):
+        port = int(probe.getsockname()[1])
+        probe.close()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise port_problem(exc, host, port, setting) from None
     except BaseException:
         sock.close()
         raise
@@ -124,6 +144,19 @@ def signal_ready(fd: int | None, index: int | None = None, read_at: float = 0.0)
             os.close(fd)
 
     return ready
+
+
+def report_start_error(fd: int | None, line: str) -> bool:
+    """In a worker that cannot start: hand `line` to the supervisor (its readiness pipe),
+    which prints it once for all workers. False when there is no supervisor to tell."""
+    if fd is None:
+        return False
+    try:
+        os.write(fd, START_ERROR + line.encode(errors="replace")[:MAX_ERROR_BYTES])
+        os.close(fd)
+    except OSError:
+        return False
+    return True
 
 
 def mark_reloaded(index: int, read_at: float) -> None:
@@ -173,6 +206,7 @@ class _Worker:
     ready_fd: int | None = None
     serving: bool = False
     reload_due: bool = False  # a SIGHUP came while it was starting: sent once it serves
+    start_error: str | None = None  # the line it could not start with (`report_start_error`)
     deaths: int = 0
     restart_at: float | None = None
     started_at: float = field(default_factory=time.monotonic)
@@ -196,6 +230,8 @@ class Supervisor:
         self.selector = selectors.DefaultSelector()
         self.stopping = False
         self.exit_code = 0
+        self.banner = f"gateway: {count} workers serving on port {port}"
+        """Printed each time every worker serves (again)."""
 
     def _spawn(self, w: _Worker) -> None:
         read_fd, write_fd = os.pipe()
@@ -224,27 +260,33 @@ class Supervisor:
         assert w.ready_fd is not None
         data = b""
         with contextlib.suppress(OSError):
-            data = os.read(w.ready_fd, 1)
+            data = os.read(w.ready_fd, 1 + MAX_ERROR_BYTES)
         self._forget_pipe(w)
-        if data == READY:
+        if data.startswith(START_ERROR):
+            w.start_error = data[1:].decode(errors="replace").strip() or "the worker could not start"
+        elif data == READY:
             w.serving = True
             if w.reload_due and w.popen is not None:
                 w.reload_due = False
                 w.popen.send_signal(signal.SIGHUP)
             if all(x.serving for x in self.workers):
-                print(f"gateway: {self.count} workers serving on port {self.port}", file=sys.stderr, flush=True)
+                print(self.banner, file=sys.stderr, flush=True)
 
     def _reap(self, w: _Worker) -> None:
         """A worker exited: restart it, or stop everything if it never served."""
         assert w.popen is not None
         code = w.popen.returncode
-        self._forget_pipe(w)
+        if w.ready_fd is not None:  # what it wrote before it exited (its write end is closed: no wait)
+            self._on_ready(w)
         self._mark_dead(w.popen.pid)
         w.popen = None
         if self.stopping:
             return
         if not w.serving:
-            log.error("worker %d exited with %s before it served; stopping the gateway", w.index, code)
+            if w.start_error is not None:  # its one line, said once however many workers fail alike
+                print(f"gateway: {w.start_error}", file=sys.stderr, flush=True)
+            else:
+                log.error("worker %d exited with %s before it served; stopping the gateway", w.index, code)
             self.exit_code = code if isinstance(code, int) and code > 0 else 1
             self.stop()
             return
@@ -346,16 +388,24 @@ class Supervisor:
 
 
 def supervise(argv: list[str], count: int, host: str, port: int,
-              before: Callable[[int], None] | None = None) -> int:
-    """Reserve the port, call `before(port)` (the port bound), run `count` workers until
-    stopped; the exit code."""
-    try:
-        holder = reserve_port(host, port)
-    except OSError as exc:
-        print(f"gateway: cannot bind {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
-    with holder:
+              before: Callable[[int], None] | None = None, also_listen: tuple[str, int] | None = None,
+              banner: Callable[[int], str] | None = None) -> int:
+    """Reserve the port (and `also_listen`, the metrics listener's address, which every
+    worker listens on too), call `before(port)` (the port bound), run `count` workers until
+    stopped; the exit code. A port in use is one line and exit 2, before any worker starts.
+    `banner(port)` is printed once every worker serves."""
+    with contextlib.ExitStack() as held:
+        try:
+            holder = held.enter_context(reserve_port(host, port))
+            if also_listen is not None:
+                held.enter_context(reserve_port(*also_listen, setting="metrics.listen"))
+        except StartError as exc:
+            print(f"gateway: {exc}", file=sys.stderr)
+            return 2
         bound = int(holder.getsockname()[1])
         if before is not None:
             before(bound)
-        return Supervisor([*argv, "--host", host, "--port", str(bound)], count, host, bound).run()
+        supervisor = Supervisor([*argv, "--host", host, "--port", str(bound)], count, host, bound)
+        if banner is not None:
+            supervisor.banner = banner(bound)
+        return supervisor.run()

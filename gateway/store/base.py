@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Collection, Sequence
+import time
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple, Protocol
 
 from gateway.harness.state import STATUSES, RunState, StateError
 from gateway.harness.trace import Event as Event  # the store keeps trace lines
+from gateway.store.audit import AuditEntry, AuditRecord
 from gateway.store.errors import StoreError
+from gateway.store.keys import ConsoleSession, KeyRecord
 from gateway.store.outbox import Claimed, Notice, NoticeRule
 
 Ledger = tuple[float, float]
@@ -49,6 +52,8 @@ class Booking:
     reservation is still stored, so a booking replayed after an outage books exactly once."""
     tokens: tuple[TokenCharge, ...] = ()
     """Token clocks to reconcile, with the settle of `reservation_id` (once, like it)."""
+    attribution: Attribution | None = None
+    """Without a reservation: whose spend the charge is (with one, the reservation's own)."""
 
 
 RATE_SLACK_S = 1e-6
@@ -158,6 +163,56 @@ class TokenCharge(NamedTuple):
     tokens_s: float
 
 
+class Hold(NamedTuple):
+    """A budget besides the team's that a `Claim` holds its amount against, in the same step:
+    a key's (`kind` "key", `scope` "key:<id>") or a user's ("user", "user:<team>:<user>").
+    Each scope keeps a ledger of its own per `period`, as a team does (scopes contain ':',
+    which no team name may); a grant holds the claim's whole amount on each."""
+
+    kind: Literal["key", "user"]
+    scope: str
+    period: str
+    budget_usd: float
+
+    @property
+    def tag(self) -> str:
+        """How a reservation lists the holds it counts in ("|key:key_x#2026-12|")."""
+        return f"|{self.scope}#{self.period}|"
+
+
+class Attribution(NamedTuple):
+    """Who a booked call's spend belongs to, besides its team (`Store.spend`): the key's id,
+    the call's user, the model asked for, the run's policy ('' for none)."""
+
+    key: str = ""
+    user: str = ""
+    model: str = ""
+    policy: str = ""
+
+    def encoded(self) -> str:
+        return "\x1f".join(part.replace("\x1f", " ") for part in self)
+
+    @classmethod
+    def decoded(cls, raw: str | None) -> Attribution:
+        if not raw:
+            return cls()
+        parts = raw.split("\x1f")
+        return cls(*parts[:4]) if len(parts) >= 4 else cls()
+
+
+class SpendRow(NamedTuple):
+    """What one day's bookings spent, for one team, key, user, model and policy (micro-dollars, exact)."""
+
+    day: str
+    team: str
+    key: str
+    user: str
+    model: str
+    policy: str
+    cost_micros: int
+    calls: int
+
+
 @dataclass(frozen=True)
 class Claim:
     """What one admitted model call holds until its turn is booked or the call is released.
@@ -177,6 +232,11 @@ class Claim:
     would store it, in the same store step: one write instead of two for a run's first call.
     RunExists when the id is taken (then nothing is written or held); the run stays stored
     when the claim itself is refused, as if `create_run` had come first.
+
+    `holds`: the key's and the user's budgets (`Hold`), each checked like the team's (its
+    period's spend plus the amounts its live reservations hold plus this one within its
+    budget) and held in the same step. `attribution` goes with the reservation: its booking
+    adds the spend to the day's `SpendRow` of the team and this attribution.
     """
 
     team: str
@@ -194,11 +254,15 @@ class Claim:
     tokens: int = 0
     """The tokens the call is counted for before it runs (its prompt)."""
     create: RunState | None = None
+    holds: tuple[Hold, ...] = ()
+    attribution: Attribution | None = None
 
 
-Refusal = Literal["max_turns", "busy", "run_budget", "team_budget", "run_missing", "rate_limit"]
-"""Why `admit` held nothing: the run's turn cap, its calls in flight, its budget, the team's
-budget, a run that is not stored, or a rate limit of one of the claim's scopes."""
+Refusal = Literal["max_turns", "busy", "run_budget", "key_budget", "user_budget", "team_budget", "run_missing",
+                  "rate_limit"]
+"""Why `admit` held nothing: the run's turn cap, its calls in flight, its budget, a hold's
+budget (the key's, the user's), the team's budget, a run that is not stored, or a rate limit
+of one of the claim's scopes. Checked in this order (a run that is not stored first)."""
 
 
 @dataclass(frozen=True)
@@ -211,6 +275,8 @@ class Figures:
     run_in_flight: int = 0
     run_cost_usd: float = 0.0
     run_held_usd: float = 0.0
+    holds: tuple[tuple[float, float], ...] = ()
+    """(spent, reserved) USD of each of the claim's `holds`, in order, in their periods."""
 
 
 @dataclass(frozen=True)
@@ -257,8 +323,10 @@ class Store(Protocol):
         """
         ...
 
-    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None) -> Ledger | None:
-        """Save `state`, append `events` and book `booking` as one step: all of it or nothing.
+    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None,
+                          audit: Sequence[AuditEntry] = ()) -> Ledger | None:
+        """Save `state`, append `events`, book `booking` and record `audit` (the administrative
+        act the save is, gateway.store.audit) as one step: all of it or nothing.
 
         The save is `save_run`'s (StaleRun or RunNotFound, and then nothing at all is written;
         on success `state.revision` and `state.updated_at` are updated in place), the events are
@@ -300,7 +368,8 @@ class Store(Protocol):
         with `lookup_in_admission`, the exception carries the stored run (`stored`)."""
         ...
 
-    async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
+    async def figures(self, team: str, period: str, run_id: str | None = None,
+                      holds: Sequence[Hold] = ()) -> Figures:
         """The figures `admit` checks, now (a strict admission sizes its clamp from them)."""
         ...
 
@@ -315,8 +384,9 @@ class Store(Protocol):
         ...
 
     async def settle(self, reservation_id: str, actual_usd: float, tokens: Sequence[TokenCharge] = ()) -> None:
-        """Turn a reservation into spending of `actual_usd` (more or less than reserved), and
-        reconcile the `tokens` clocks with what the call really used.
+        """Turn a reservation into spending of `actual_usd` (more or less than reserved) on its
+        team's ledger and on the ledgers of its holds, add it to the day's `SpendRow` of its
+        attribution, and reconcile the `tokens` clocks with what the call really used.
 
         Idempotent: settling twice, or after release, books nothing more. A reservation that
         expired is still booked (the money was spent), for EXPIRED_RETENTION_S.
@@ -336,8 +406,19 @@ class Store(Protocol):
         """(spent, reserved) USD of the team in the period; expired reservations not counted."""
         ...
 
-    async def charge(self, team: str, period: str, amount_usd: float) -> None:
-        """Book spending without a reservation (sub-run roll-ups, spend already incurred)."""
+    async def charge(self, team: str, period: str, amount_usd: float, attribution: Attribution | None = None) -> None:
+        """Book spending without a reservation (sub-run roll-ups, spend already incurred), and
+        add it to the day's `SpendRow` of `attribution` (None: the team's alone)."""
+        ...
+
+    async def spend(self, first_day: str, last_day: str, team: str | None = None) -> list[SpendRow]:
+        """The spend rows of the days from `first_day` to `last_day` (UTC, "YYYY-MM-DD",
+        both included), of one team or all. Every booking of a ledger adds to one row (its
+        day is the booking's), so a team's rows over a budget period sum to its ledger."""
+        ...
+
+    async def prune_spend(self, before_day: str) -> int:
+        """Retention: forget the spend rows of days before `before_day`; returns how many days."""
         ...
 
     async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
@@ -408,6 +489,75 @@ class Store(Protocol):
         seconds), except those whose budget `period` has not ended by then. Returns how many."""
         ...
 
+    # --- keys, console sessions and the audit log (gateway.store.keys, gateway.store.audit) ---
+
+    async def put_key(self, record: KeyRecord, expected_revision: int | None,
+                      audit: Sequence[AuditEntry] = ()) -> KeyRecord:
+        """Write a key record whole, and `audit`'s entries, in one step: all of it or nothing.
+
+        `expected_revision` None: a new key (KeyExists if its id is taken); else the stored
+        record's revision must equal it (StaleKey; KeyNotFound when there is none). The store
+        gives the record the next revision of its one key counter (shared by every key, so
+        `keys_since` finds every write) and returns it as stored. A key's `team` never changes.
+        """
+        ...
+
+    async def get_key(self, key_id: str) -> KeyRecord | None:
+        """The stored key (with its `last_used_at`), or None."""
+        ...
+
+    async def list_keys(self, team: str | None = None, *, after: str = "", limit: int = 100) -> list[KeyRecord]:
+        """Keys in id order (creation order: `keys.new_key_id`) after the id `after`, of one
+        team or of all; at most `limit`."""
+        ...
+
+    async def keys_since(self, revision: int) -> tuple[list[KeyRecord], int]:
+        """The keys written after `revision` (any order) and the store's last key revision
+        (0 when no key was ever written). With nothing new, one cheap read: every process
+        calls it about four times a second to keep its keyring current."""
+        ...
+
+    async def touch_keys(self, used: Mapping[str, float]) -> None:
+        """Set `last_used_at` of these keys (epoch s; never moved back), without a revision:
+        a coarse figure, written by each process at most once a minute."""
+        ...
+
+    async def put_session(self, session: ConsoleSession, audit: Sequence[AuditEntry] = ()) -> None:
+        """Store a console session (by `id_hash`, never the id) with `audit`'s entries, in one step."""
+        ...
+
+    async def get_session(self, id_hash: str) -> ConsoleSession | None:
+        """The session, or None (never stored, deleted, or past `expires_at`)."""
+        ...
+
+    async def touch_session(self, id_hash: str, idle_until: float) -> None:
+        """Push back a session's idle expiry (never moved back)."""
+        ...
+
+    async def delete_session(self, id_hash: str, audit: Sequence[AuditEntry] = ()) -> bool:
+        """End a session, with `audit`'s entries, in one step; True if it was stored."""
+        ...
+
+    async def prune_sessions(self, now: float) -> int:
+        """Retention: forget sessions past their idle or absolute expiry; returns how many."""
+        ...
+
+    async def append_audit(self, entries: Sequence[AuditEntry]) -> list[AuditRecord]:
+        """Number and chain `entries` after the last record (`gateway.store.audit.chain`) and
+        store them, in one step; returns them as stored. Durable once it returns."""
+        ...
+
+    async def audit_log(self, *, after_seq: int = 0, limit: int = 100, since: float | None = None,
+                        action: str | None = None, team: str | None = None) -> list[AuditRecord]:
+        """Records in order (`seq`) after `after_seq`, at or after `since` (epoch s), of one
+        `action`, concerning or made by one `team` (`audit.matches`); at most `limit`."""
+        ...
+
+    async def prune_audit(self, before: float) -> int:
+        """Retention: forget records written before `before` (epoch s), oldest first, always
+        keeping the newest (the next record chains after it). Returns how many."""
+        ...
+
     async def close(self) -> None:
         """Release connections and files. Idempotent."""
         ...
@@ -439,6 +589,9 @@ def judge(claim: Claim, figures: Figures, run_exists: bool, rates: Sequence[Rate
                                              + to_micros(figures.run_held_usd, "run_held_usd") + amount
                                              > to_micros(claim.run_budget_usd, "run_budget_usd")):
         return "run_budget"
+    for hold, (spent, reserved) in zip(claim.holds, figures.holds, strict=True):
+        if to_micros(spent, "spent") + to_micros(reserved, "reserved") + amount > to_micros(hold.budget_usd, "budget"):
+            return "key_budget" if hold.kind == "key" else "user_budget"
     if claim.budget_usd is not None and (to_micros(figures.spent_usd, "spent_usd")
                                          + to_micros(figures.reserved_usd, "reserved_usd") + amount
                                          > to_micros(claim.budget_usd, "budget_usd")):
@@ -446,6 +599,11 @@ def judge(claim: Claim, figures: Figures, run_exists: bool, rates: Sequence[Rate
     if any(rate_refusal(limit, state, claim.tokens) for limit, state in zip(claim.rates, rates, strict=True)):
         return "rate_limit"
     return None
+
+
+def spend_day(epoch_s: float) -> str:
+    """The UTC day of a booking, as `SpendRow.day`."""
+    return time.strftime("%Y-%m-%d", time.gmtime(epoch_s))
 
 
 def optional_micros(usd: float | None, what: str) -> int | None:

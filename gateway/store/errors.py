@@ -54,3 +54,30 @@ class AlreadyBooked(StoreError):
     def __init__(self, reservation_id: str) -> None:
         super().__init__(f"reservation {reservation_id!r} was booked or released already")
         self.reservation_id = reservation_id
+
+
+class KeyExists(StoreError):
+    """`put_key` of a new key whose id is already stored (nothing written)."""
+
+    def __init__(self, key_id: str) -> None:
+        super().__init__(f"key {key_id!r} already exists")
+        self.key_id = key_id
+
+
+class KeyNotFound(StoreError):
+    """`put_key` of a change to a key that is not stored (nothing written)."""
+
+    def __init__(self, key_id: str) -> None:
+        super().__init__(f"key {key_id!r} does not exist")
+        self.key_id = key_id
+
+
+class StaleKey(StoreError):
+    """`put_key` of a change made to an older revision of the key: read it again, decide again."""
+
+    def __init__(self, key_id: str, expected: int, stored: int) -> None:
+        super().__init__(f"key {key_id!r} was changed by someone else (this copy is at revision {expected}, "
+                         f"the store at {stored}); read it again")
+        self.key_id = key_id
+        self.expected = expected
+        self.stored = stored

@@ -11,7 +11,7 @@ from gateway.store.errors import StoreConfigError
 
 _FIELDS: Final[Mapping[str, frozenset[str]]] = MappingProxyType({
     "sqlite": frozenset({"kind", "path"}),
-    "redis": frozenset({"kind", "url", "prefix", "timeout_s"}),
+    "redis": frozenset({"kind", "url", "prefix", "timeout_s", "allow_eviction"}),
     "memory": frozenset({"kind"}),
 })
 _REDIS_SCHEMES: Final = ("redis://", "rediss://", "unix://")
@@ -57,6 +57,8 @@ def open_store(config: Mapping[str, Any]) -> Store:
         prefix = config.get("prefix", "gw:")
         if not isinstance(prefix, str):
             raise StoreConfigError(f"store.prefix: expected a string, got {prefix!r}")
+        if not isinstance(config.get("allow_eviction", False), bool):
+            raise StoreConfigError(f"store.allow_eviction: expected true or false, got {config['allow_eviction']!r}")
         timeout = config.get("timeout_s", DEFAULT_REDIS_TIMEOUT_S)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise StoreConfigError(f"store.timeout_s: expected a number of seconds > 0, got {timeout!r}")

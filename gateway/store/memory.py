@@ -7,14 +7,19 @@ mutates a loaded run cannot reach into the store, and unserializable data fails 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import orjson
 
 from gateway.harness.state import RunState
+from gateway.store.audit import GENESIS, AuditEntry, AuditRecord, chain, matches
 from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
+    Attribution,
+    Hold,
+    SpendRow,
+    spend_day,
     EXPIRED_RETENTION_S,
     Booking,
     Claim,
@@ -37,11 +42,15 @@ from gateway.store.base import (
 )
 from gateway.store.errors import (
     AlreadyBooked,
+    KeyExists,
+    KeyNotFound,
     RunExists,
     RunNotFound,
+    StaleKey,
     StaleRun,
     StoreError,
 )
+from gateway.store.keys import ConsoleSession, KeyRecord
 from gateway.store.outbox import Claimed, Notice, NoticeRule, check_notices
 from gateway.store.periods import ended_before as period_ended
 
@@ -70,6 +79,8 @@ class _Reservation:
     run_id: str | None = None
     owner: str = ""
     scopes: tuple[str, ...] = ()
+    holds: tuple[tuple[str, str], ...] = ()  # (scope, period) of each budget it holds against
+    attribution: Attribution | None = None
 
     def live(self, now: float) -> bool:
         return not self.expired and self.expires_at > now
@@ -99,10 +110,17 @@ class MemoryStore:
         self._reservations: dict[str, _Reservation] = {}
         self._leases: dict[str, tuple[str, float]] = {}
         self._responses: dict[str, tuple[str, bytes]] = {}
+        self._spend: dict[tuple[str, str, Attribution], list[int]] = {}  # (day, team, who) -> [micros, calls]
         self._clocks: dict[str, list[float]] = {}  # rate scope -> [requests tat, tokens tat]
         self._response_times: dict[str, float] = {}
         self._outbox: dict[str, _Outgoing] = {}
         self.notice_rule: NoticeRule | None = None
+        self._keys: dict[str, KeyRecord] = {}
+        self._key_used: dict[str, float] = {}
+        self._key_revision = 0
+        self._sessions: dict[str, ConsoleSession] = {}
+        self._audit: list[AuditRecord] = []
+        self._audit_head = (0, GENESIS)
         self._closed = False
 
     def _check_open(self) -> None:
@@ -148,18 +166,20 @@ class MemoryStore:
         state.revision += 1
         state.updated_at = now
 
-    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None) -> Ledger | None:
+    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None,
+                          audit: Sequence[AuditEntry] = ()) -> Ledger | None:
         actual = 0 if booking is None else to_micros(booking.actual_usd, "actual_usd")
         rid = None if booking is None else booking.reservation_id
         if booking is not None and booking.if_held and rid is not None and rid not in self._reservations:
             raise AlreadyBooked(rid)
         self._save(state, events)
+        self._append_audit(audit)
         if booking is None:
             return None
         if booking.reservation_id is not None:
             self._settle(booking.reservation_id, actual, booking.tokens)
         elif actual:
-            self._spent[(booking.team, booking.period)] = self._spent.get((booking.team, booking.period), 0) + actual
+            self._book(booking.team, booking.period, actual, booking.attribution)
         return await self.team_spend(booking.team, booking.period)
 
     async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100,
@@ -260,12 +280,16 @@ class MemoryStore:
     def _reserved(self, team: str, period: str, now: float) -> int:
         return sum(r.amount for r in self._reservations.values() if r.team == team and r.period == period and r.live(now))
 
-    def _figures(self, team: str, period: str, run_id: str | None, now: float) -> tuple[Figures, _StoredRun | None]:
+    def _figures(self, team: str, period: str, run_id: str | None, now: float,
+                 holds: Sequence[Hold] = ()) -> tuple[Figures, _StoredRun | None]:
         run = None if run_id is None else self._runs.get(run_id)
         slots = [] if run_id is None else [r for r in self._reservations.values() if r.run_id == run_id and r.live(now)]
+        held = tuple((from_micros(self._spent.get((h.scope, h.period), 0)), from_micros(sum(
+            r.amount for r in self._reservations.values() if (h.scope, h.period) in r.holds and r.live(now))))
+            for h in holds)
         figures = Figures(from_micros(self._spent.get((team, period), 0)), from_micros(self._reserved(team, period, now)),
                           run.turns if run else 0, len(slots), from_micros(run.cost) if run else 0.0,
-                          from_micros(sum(r.amount for r in slots)))
+                          from_micros(sum(r.amount for r in slots)), held)
         return figures, run
 
     async def admit(self, claim: Claim) -> Grant:
@@ -278,7 +302,7 @@ class MemoryStore:
             await self.create_run(claim.create)
         now = time.time()
         self._reclaim(claim.team, now)
-        figures, run = self._figures(claim.team, claim.period, claim.run_id, now)
+        figures, run = self._figures(claim.team, claim.period, claim.run_id, now, claim.holds)
         rates = tuple(self._rate_state(limit.scope, now, limit.max_in_flight is not None) for limit in claim.rates)
         refused = judge(claim, figures, run is not None, rates)
         if refused is not None:
@@ -286,7 +310,9 @@ class MemoryStore:
         rid = new_reservation_id()
         self._reservations[rid] = _Reservation(claim.team, claim.period, amount, now + ttl, run_id=claim.run_id,
                                                owner=claim.owner, scopes=tuple(
-                                                   r.scope for r in claim.rates if r.max_in_flight is not None))
+                                                   r.scope for r in claim.rates if r.max_in_flight is not None),
+                                               holds=tuple((h.scope, h.period) for h in claim.holds),
+                                               attribution=claim.attribution)
         for limit in claim.rates:
             clock = self._clocks.setdefault(limit.scope, [0.0, 0.0])
             if limit.requests_s is not None:
@@ -313,9 +339,10 @@ class MemoryStore:
             if push.tokens_s:
                 clock[1] = max(clock[1], now) + push.tokens_s
 
-    async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
+    async def figures(self, team: str, period: str, run_id: str | None = None,
+                      holds: Sequence[Hold] = ()) -> Figures:
         self._check_open()
-        return self._figures(team, period, run_id, time.time())[0]
+        return self._figures(team, period, run_id, time.time(), holds)[0]
 
     async def renew(self, reservation_ids: Sequence[str], ttl_s: float) -> None:
         self._check_open()
@@ -351,9 +378,16 @@ class MemoryStore:
     def _settle(self, reservation_id: str, actual: int, tokens: Sequence[TokenCharge] = ()) -> None:
         r = self._reservations.pop(reservation_id, None)
         if r is not None:
-            key = (r.team, r.period)
-            self._spent[key] = self._spent.get(key, 0) + actual
+            self._book(r.team, r.period, actual, r.attribution)
+            for scope, period in r.holds:
+                self._spent[(scope, period)] = self._spent.get((scope, period), 0) + actual
             self._charge_tokens(tokens)
+
+    def _book(self, team: str, period: str, actual: int, attribution: Attribution | None) -> None:
+        self._spent[(team, period)] = self._spent.get((team, period), 0) + actual
+        row = self._spend.setdefault((spend_day(time.time()), team, attribution or Attribution()), [0, 0])
+        row[0] += actual
+        row[1] += 1
 
     async def push_clocks(self, pushes: Sequence[ClockPush]) -> None:
         self._check_open()
@@ -368,10 +402,21 @@ class MemoryStore:
         now = time.time()
         return from_micros(self._spent.get((team, period), 0)), from_micros(self._reserved(team, period, now))
 
-    async def charge(self, team: str, period: str, amount_usd: float) -> None:
+    async def charge(self, team: str, period: str, amount_usd: float, attribution: Attribution | None = None) -> None:
         self._check_open()
-        amount = to_micros(amount_usd, "amount_usd")
-        self._spent[(team, period)] = self._spent.get((team, period), 0) + amount
+        self._book(team, period, to_micros(amount_usd, "amount_usd"), attribution)
+
+    async def spend(self, first_day: str, last_day: str, team: str | None = None) -> list[SpendRow]:
+        self._check_open()
+        return [SpendRow(day, t, *who, micros, calls) for (day, t, who), (micros, calls) in sorted(self._spend.items())
+                if first_day <= day <= last_day and (team is None or t == team)]
+
+    async def prune_spend(self, before_day: str) -> int:
+        self._check_open()
+        old = [k for k in self._spend if k[0] < before_day]
+        for k in old:
+            del self._spend[k]
+        return len({k[0] for k in old})
 
     async def prune_runs(self, updated_before: float, *, events_only: bool = False) -> int:
         self._check_open()
@@ -428,6 +473,99 @@ class MemoryStore:
             self._responses.pop(rid, None)
             del self._response_times[rid]
         return len(old)
+
+    # --- keys, sessions, audit ------------------------------------------------------------
+
+    async def put_key(self, record: KeyRecord, expected_revision: int | None,
+                      audit: Sequence[AuditEntry] = ()) -> KeyRecord:
+        self._check_open()
+        stored = self._keys.get(record.id)
+        if expected_revision is None:
+            if stored is not None:
+                raise KeyExists(record.id)
+        elif stored is None:
+            raise KeyNotFound(record.id)
+        elif stored.revision != expected_revision:
+            raise StaleKey(record.id, expected_revision, stored.revision)
+        self._key_revision += 1
+        saved = replace(record, revision=self._key_revision, last_used_at=None)
+        self._keys[record.id] = saved
+        self._append_audit(audit)
+        return replace(saved, last_used_at=self._key_used.get(record.id))
+
+    async def get_key(self, key_id: str) -> KeyRecord | None:
+        self._check_open()
+        stored = self._keys.get(key_id)
+        return None if stored is None else replace(stored, last_used_at=self._key_used.get(key_id))
+
+    async def list_keys(self, team: str | None = None, *, after: str = "", limit: int = 100) -> list[KeyRecord]:
+        self._check_open()
+        ids = sorted(i for i, k in self._keys.items() if i > after and (team is None or k.team == team))
+        return [replace(self._keys[i], last_used_at=self._key_used.get(i)) for i in ids[:max(limit, 0)]]
+
+    async def keys_since(self, revision: int) -> tuple[list[KeyRecord], int]:
+        self._check_open()
+        return [k for k in self._keys.values() if k.revision > revision], self._key_revision
+
+    async def touch_keys(self, used: Mapping[str, float]) -> None:
+        self._check_open()
+        for key_id, at in used.items():
+            if key_id in self._keys:
+                self._key_used[key_id] = max(at, self._key_used.get(key_id, 0.0))
+
+    async def put_session(self, session: ConsoleSession, audit: Sequence[AuditEntry] = ()) -> None:
+        self._check_open()
+        self._sessions[session.id_hash] = session
+        self._append_audit(audit)
+
+    async def get_session(self, id_hash: str) -> ConsoleSession | None:
+        self._check_open()
+        found = self._sessions.get(id_hash)
+        return found if found is not None and found.expires_at > time.time() else None
+
+    async def touch_session(self, id_hash: str, idle_until: float) -> None:
+        self._check_open()
+        found = self._sessions.get(id_hash)
+        if found is not None and idle_until > found.idle_until:
+            self._sessions[id_hash] = replace(found, idle_until=idle_until)
+
+    async def delete_session(self, id_hash: str, audit: Sequence[AuditEntry] = ()) -> bool:
+        self._check_open()
+        found = self._sessions.pop(id_hash, None) is not None
+        self._append_audit(audit)
+        return found
+
+    async def prune_sessions(self, now: float) -> int:
+        self._check_open()
+        old = [h for h, s in self._sessions.items() if not s.live(now)]
+        for h in old:
+            del self._sessions[h]
+        return len(old)
+
+    def _append_audit(self, entries: Sequence[AuditEntry]) -> list[AuditRecord]:
+        if not entries:
+            return []
+        records = chain(*self._audit_head, entries, time.time())
+        self._audit.extend(records)
+        self._audit_head = (records[-1].seq, records[-1].hash)
+        return records
+
+    async def append_audit(self, entries: Sequence[AuditEntry]) -> list[AuditRecord]:
+        self._check_open()
+        return self._append_audit(entries)
+
+    async def audit_log(self, *, after_seq: int = 0, limit: int = 100, since: float | None = None,
+                        action: str | None = None, team: str | None = None) -> list[AuditRecord]:
+        self._check_open()
+        found = [r for r in self._audit if r.seq > after_seq and matches(r, since, action, team)]
+        return found[:max(limit, 0)]
+
+    async def prune_audit(self, before: float) -> int:
+        self._check_open()
+        keep_from = next((i for i, r in enumerate(self._audit) if r.at >= before), len(self._audit))
+        keep_from = min(keep_from, len(self._audit) - 1) if self._audit else 0
+        del self._audit[:keep_from]
+        return keep_from
 
     async def close(self) -> None:
         self._closed = True

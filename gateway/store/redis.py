@@ -7,11 +7,15 @@ server's (configure appendonly for it); this module adds no caching.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+from datetime import UTC, datetime
 import functools
 import math
+import random
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from dataclasses import replace
 from types import TracebackType
 from typing import Any, Final, NamedTuple, cast
 from urllib.parse import urlsplit, urlunsplit
@@ -21,7 +25,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 try:
@@ -36,8 +40,13 @@ else:
 
 from gateway.harness.state import RunState
 from gateway.store import redis_lua
+from gateway.store.audit import GENESIS, AuditEntry, AuditRecord, chain, matches
 from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
+    Attribution,
+    Hold,
+    SpendRow,
+    spend_day,
     EXPIRED_RETENTION_S,
     PRUNE_BATCH,
     Booking,
@@ -62,11 +71,15 @@ from gateway.store.base import (
 )
 from gateway.store.errors import (
     AlreadyBooked,
+    KeyExists,
+    KeyNotFound,
     RunExists,
     RunNotFound,
+    StaleKey,
     StaleRun,
     StoreError,
 )
+from gateway.store.keys import ConsoleSession, KeyRecord
 from gateway.store.outbox import Claimed, Notice, NoticeRule, check_notices
 from gateway.store.periods import ended_before as period_ended
 from gateway.store.redis_wire import Lane, Script
@@ -93,6 +106,19 @@ _ENQUEUE: Final = Script(redis_lua.ENQUEUE)
 _APPEND_EVENTS: Final = Script(redis_lua.APPEND_EVENTS)
 _CLAIM_NOTICES: Final = Script(redis_lua.CLAIM_NOTICES)
 _NOTICE_OUTCOME: Final = Script(redis_lua.NOTICE_OUTCOME)
+_PUT_KEY: Final = Script(redis_lua.PUT_KEY)
+_CHARGE: Final = Script(redis_lua.CHARGE)
+_KEYS_SINCE: Final = Script(redis_lua.KEYS_SINCE)
+_LIST_KEYS: Final = Script(redis_lua.LIST_KEYS)
+_TOUCH_KEYS: Final = Script(redis_lua.TOUCH_KEYS)
+_PUT_SESSION: Final = Script(redis_lua.PUT_SESSION)
+_DELETE_SESSION: Final = Script(redis_lua.DELETE_SESSION)
+_APPEND_AUDIT: Final = Script(redis_lua.APPEND_AUDIT)
+_PRUNE_AUDIT: Final = Script(redis_lua.PRUNE_AUDIT)
+AUDIT_ATTEMPTS: Final = 64
+"""A step with audit entries is chained after the head it read; another replica's audited
+step in between makes it chain again, this many times at most."""
+AUDIT_PAGE: Final = 500
 
 
 def redact(url: str) -> str:
@@ -154,6 +180,20 @@ class RedisStore:
         # deadline and no retries either (redis_wire); the client serves the other commands.
         self._lane = Lane(self._client.connection_pool, timeout_s)
         self.notice_rule: NoticeRule | None = None
+        self._audit_turn = asyncio.Lock()
+
+    async def server_settings(self, *names: str) -> dict[str, str] | None:
+        """The server's own settings of these names (CONFIG GET), or None when it refuses
+        CONFIG (managed Redis offerings often do); StoreError when it cannot be reached."""
+        client = self._redis()
+        found: dict[str, str] = {}
+        async with self._errors:
+            try:
+                for name in names:
+                    found.update({_text(k): _text(v) for k, v in (await client.config_get(name)).items()})
+            except ResponseError:  # unknown, renamed or forbidden command: not an outage
+                return None
+        return found
 
     def _redis(self) -> aioredis.Redis:
         if self._client is None:
@@ -198,7 +238,8 @@ class RedisStore:
         if int(result[0]) == 2:
             raise StaleRun(state.run_id, state.revision, int(result[1]))
 
-    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None) -> Ledger | None:
+    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None,
+                          audit: Sequence[AuditEntry] = ()) -> Ledger | None:
         actual = 0 if booking is None else to_micros(booking.actual_usd, "actual_usd")
         now = time.time()
         revision = state.revision + 1
@@ -211,11 +252,15 @@ class RedisStore:
             flag = "2" if booking.if_held and booking.reservation_id else "1"
             args += [flag, booking.reservation_id or "", str(actual), booking.team, booking.period, _RETENTION_MS]
         charges = () if booking is None else booking.tokens
-        args += [str(len(events)), *(orjson.dumps(e) for e in events), str(len(charges)), *_charges(charges),
-                 *self._notice_args(state.run_id, events)]
+        args += [str(len(events)), *(orjson.dumps(e) for e in events), str(len(charges)), *_charges(charges)]
+        notices = self._notice_args(state.run_id, events)
         self._redis()
-        async with self._errors:
-            result: list[Any] = await self._lane.run(_COMMIT_TURN, args)
+
+        async def run(audited: list[Any]) -> list[Any]:
+            async with self._errors:
+                return cast(list[Any], await self._lane.run(_COMMIT_TURN, [*args, *audited, *notices]))
+
+        result, _ = await self._audited(audit, run)
         self._check_saved(state, result, None if booking is None else booking.reservation_id)
         state.revision = revision
         state.updated_at = now
@@ -276,6 +321,10 @@ class RedisStore:
         args += scopes.head
         if scopes.args:
             args += scopes.args
+        args.append("" if claim.attribution is None else claim.attribution.encoded())
+        args.append(str(len(claim.holds)))
+        if claim.holds:
+            args += [f"{h.kind} {to_micros(h.budget_usd, 'budget')} {h.period} {h.scope}" for h in claim.holds]
         if claim.create is not None:
             args += _run_fields(claim.create)
         self._redis()
@@ -287,14 +336,18 @@ class RedisStore:
         if int(result[0]) == 2 and claim.create is not None:
             run_id = claim.create.run_id
             raise RunExists(run_id, None if result[1] is None else parse_run(run_id, result[1]))
-        return Grant(None, cast(Refusal, _text(result[1])), _figures(result[2:8]), _clocks(claim, scopes, result[8:]))
+        tail = len(result) - 2 * len(claim.holds)
+        return Grant(None, cast(Refusal, _text(result[1])), _figures(result[2:8], result[tail:]),
+                     _clocks(claim, scopes, result[8:tail]))
 
-    async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
+    async def figures(self, team: str, period: str, run_id: str | None = None,
+                      holds: Sequence[Hold] = ()) -> Figures:
         self._redis()
         async with self._errors:
             result: list[Any] = await self._lane.run(
-                _FIGURES, [self.prefix, team, period, run_id or "", _RETENTION_MS])
-        return _figures(result)
+                _FIGURES, [self.prefix, team, period, run_id or "", _RETENTION_MS,
+                           *(f"{h.period} {h.scope}" for h in holds)])
+        return _figures(result[:6], result[6:])
 
     async def renew(self, reservation_ids: Sequence[str], ttl_s: float) -> None:
         if not reservation_ids:
@@ -334,10 +387,44 @@ class RedisStore:
             spent, reserved = await self._lane.run(_TEAM_SPEND, [self.prefix, team, period, _RETENTION_MS])
         return from_micros(int(spent)), from_micros(int(reserved))
 
-    async def charge(self, team: str, period: str, amount_usd: float) -> None:
+    async def charge(self, team: str, period: str, amount_usd: float, attribution: Attribution | None = None) -> None:
         amount = to_micros(amount_usd, "amount_usd")
+        self._redis()
         async with self._errors:
-            await self._redis().hincrby(self._key("ledger", team), f"spent:{period}", amount)
+            await self._lane.run(_CHARGE, [self.prefix, team, period, str(amount),
+                                           "" if attribution is None else attribution.encoded()])
+
+    async def spend(self, first_day: str, last_day: str, team: str | None = None) -> list[SpendRow]:
+        client = self._redis()
+        first, last = _day_number(first_day), _day_number(last_day)
+        out: list[SpendRow] = []
+        async with self._errors:
+            days = await client.zrangebyscore(f"{self.prefix}spend:days", first, last)
+            for raw_day in days:
+                day = int(_text(raw_day))
+                fields = await client.hgetall(f"{self.prefix}spend:{day}")
+                name = spend_day(day * 86_400.0)
+                figures: dict[str, list[int]] = {}
+                for raw_field, value in fields.items():
+                    kind, _, who = _text(raw_field).partition(":")
+                    figures.setdefault(who, [0, 0])[0 if kind == "c" else 1] = int(value)
+                for who, (micros, calls) in sorted(figures.items()):
+                    row_team, _, attr = who.partition("\x1f")
+                    if team is None or row_team == team:
+                        out.append(SpendRow(name, row_team, *Attribution.decoded(attr), micros, calls))
+        return out
+
+    async def prune_spend(self, before_day: str) -> int:
+        client = self._redis()
+        async with self._errors:
+            days = await client.zrangebyscore(f"{self.prefix}spend:days", "-inf", f"({_day_number(before_day)}")
+            for raw_day in days:
+                day = _text(raw_day)
+                async with client.pipeline(transaction=True) as pipe:
+                    pipe.delete(f"{self.prefix}spend:{day}")
+                    pipe.zrem(f"{self.prefix}spend:days", day)
+                    await pipe.execute()
+        return len(days)
 
     async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
         ttl_ms = max(1, math.ceil(check_ttl(ttl_s, "ttl_s", allow_zero=False) * 1000))
@@ -464,6 +551,172 @@ class RedisStore:
                 pruned += 1
         return pruned
 
+    # --- keys, sessions, audit ------------------------------------------------------------
+
+    async def _audited(self, entries: Sequence[AuditEntry], run: Callable[[list[Any]], Awaitable[list[Any]]]
+                       ) -> tuple[list[Any], list[AuditRecord]]:
+        """`run(audit arguments)` (a script that takes them, _AUDIT), chained after the audit
+        head read first, again while another replica's step moved the head in between (this
+        process's audited steps take turns, so only other replicas can)."""
+        if not entries:
+            return await run(["", "0"]), []
+        async with self._audit_turn:
+            return await self._chained(entries, run)
+
+    async def _chained(self, entries: Sequence[AuditEntry], run: Callable[[list[Any]], Awaitable[list[Any]]]
+                       ) -> tuple[list[Any], list[AuditRecord]]:
+        for attempt in range(AUDIT_ATTEMPTS):
+            async with self._errors:
+                head = await self._lane.command("GET", f"{self.prefix}audit:head")
+            seq, _, digest = _text(head).partition(" ") if head else ("0", "", GENESIS)
+            records = chain(int(seq), digest, entries, time.time())
+            args: list[Any] = [seq, str(len(records))]
+            for r in records:
+                args += [str(r.seq), r.stored()]
+            args.append(records[-1].hash)
+            result = await run(args)
+            if int(result[0]) != -1:
+                return result, records
+            await asyncio.sleep(random.uniform(0, 0.002 * (attempt + 1)))  # another replica's step won: spread out
+        raise StoreError(f"redis store {redact(self.url)}: the audit log moved under {AUDIT_ATTEMPTS} attempts in a row")
+
+    async def put_key(self, record: KeyRecord, expected_revision: int | None,
+                      audit: Sequence[AuditEntry] = ()) -> KeyRecord:
+        self._redis()
+        head: list[Any] = [self.prefix, record.id, record.team,
+                           "" if expected_revision is None else str(expected_revision), record.stored()]
+
+        async def run(args: list[Any]) -> list[Any]:
+            async with self._errors:
+                return cast(list[Any], await self._lane.run(_PUT_KEY, head + args))
+
+        result, _ = await self._audited(audit, run)
+        code = int(result[0])
+        if code == 0:
+            raise KeyExists(record.id)
+        if code == 2:
+            raise KeyNotFound(record.id)
+        if code == 3:
+            raise StaleKey(record.id, expected_revision or 0, int(result[1]))
+        used = _text(result[2])
+        return replace(record, revision=int(result[1]), last_used_at=float(used) if used else None)
+
+    async def get_key(self, key_id: str) -> KeyRecord | None:
+        async with self._errors:
+            revision, body, used = await self._redis().hmget(self._key("key", key_id), ["revision", "body",
+                                                                                        "last_used"])
+        if body is None:
+            return None
+        return KeyRecord.from_stored(body, int(_text(revision)), float(used) if used else None)
+
+    async def list_keys(self, team: str | None = None, *, after: str = "", limit: int = 100) -> list[KeyRecord]:
+        self._redis()
+        async with self._errors:
+            flat: list[Any] = await self._lane.run(_LIST_KEYS, [self.prefix, team or "", after, str(max(limit, 0))])
+        return _key_records(flat)
+
+    async def keys_since(self, revision: int) -> tuple[list[KeyRecord], int]:
+        self._redis()
+        async with self._errors:
+            last = await self._lane.command("GET", f"{self.prefix}keys:revision")
+            if int(last or 0) <= revision:
+                return [], int(last or 0)
+            flat: list[Any] = await self._lane.run(_KEYS_SINCE, [self.prefix, str(revision)])
+        return _key_records(flat[1:]), int(flat[0])
+
+    async def touch_keys(self, used: Mapping[str, float]) -> None:
+        if not used:
+            return
+        self._redis()
+        async with self._errors:
+            await self._lane.run(_TOUCH_KEYS, [self.prefix, *(f"{at!r} {key_id}" for key_id, at in used.items())])
+
+    async def put_session(self, session: ConsoleSession, audit: Sequence[AuditEntry] = ()) -> None:
+        self._redis()
+        head: list[Any] = [self.prefix, session.id_hash, session.stored(), repr(session.idle_until),
+                           str(int(session.expires_at * 1000))]
+
+        async def run(args: list[Any]) -> list[Any]:
+            async with self._errors:
+                return cast(list[Any], await self._lane.run(_PUT_SESSION, head + args))
+
+        await self._audited(audit, run)
+
+    async def get_session(self, id_hash: str) -> ConsoleSession | None:
+        async with self._errors:
+            body, idle = await self._redis().hmget(self._key("session", id_hash), ["body", "idle_until"])
+        if body is None:
+            return None
+        found = ConsoleSession.from_stored(id_hash, body, float(idle or 0))
+        return found if found.expires_at > time.time() else None
+
+    async def touch_session(self, id_hash: str, idle_until: float) -> None:
+        key = self._key("session", id_hash)
+        async with self._errors:
+            current = await self._redis().hget(key, "idle_until")
+            if current is not None and float(current) < idle_until:
+                await self._redis().hset(key, "idle_until", repr(idle_until))
+
+    async def delete_session(self, id_hash: str, audit: Sequence[AuditEntry] = ()) -> bool:
+        self._redis()
+
+        async def run(args: list[Any]) -> list[Any]:
+            async with self._errors:
+                return cast(list[Any], await self._lane.run(_DELETE_SESSION, [self.prefix, id_hash, *args]))
+
+        result, _ = await self._audited(audit, run)
+        return int(result[1]) == 1
+
+    async def prune_sessions(self, now: float) -> int:
+        client = self._redis()
+        pruned = 0
+        async with self._errors:  # past expires_at Redis forgets them itself; idle ones are found here
+            async for key in client.scan_iter(match=self._key("session", "*"), count=500):
+                idle = await client.hget(key, "idle_until")
+                if idle is not None and float(idle) <= now:
+                    pruned += int(await client.delete(key))
+        return pruned
+
+    async def append_audit(self, entries: Sequence[AuditEntry]) -> list[AuditRecord]:
+        if not entries:
+            return []
+        self._redis()
+
+        async def run(args: list[Any]) -> list[Any]:
+            async with self._errors:
+                return cast(list[Any], await self._lane.run(_APPEND_AUDIT, [self.prefix, *args]))
+
+        return (await self._audited(entries, run))[1]
+
+    async def audit_log(self, *, after_seq: int = 0, limit: int = 100, since: float | None = None,
+                        action: str | None = None, team: str | None = None) -> list[AuditRecord]:
+        client = self._redis()
+        out: list[AuditRecord] = []
+        start = f"({after_seq}"
+        async with self._errors:
+            while len(out) < limit:
+                page = await client.zrangebyscore(f"{self.prefix}audit", start, "+inf", start=0, num=AUDIT_PAGE)
+                if not page:
+                    break
+                for raw in page:
+                    record = AuditRecord.from_stored(cast(bytes, raw))
+                    if matches(record, since, action, team):
+                        out.append(record)
+                        if len(out) >= limit:
+                            break
+                start = f"({AuditRecord.from_stored(cast(bytes, page[-1])).seq}"
+        return out
+
+    async def prune_audit(self, before: float) -> int:
+        self._redis()
+        total = 0
+        while True:
+            async with self._errors:
+                n = int(await self._lane.run(_PRUNE_AUDIT, [self.prefix, repr(before), str(PRUNE_BATCH)]))
+            total += n
+            if n < PRUNE_BATCH:
+                return total
+
     async def close(self) -> None:
         client, self._client = self._client, None
         if client is not None:
@@ -563,15 +816,32 @@ def _clocks(claim: Claim, scopes: _Scopes, raw: list[Any]) -> tuple[RateState, .
                  for i, r in enumerate(claim.rates))
 
 
+def _key_records(flat: list[Any]) -> list[KeyRecord]:
+    """(revision, body, last_used) triples of the key scripts as records."""
+    out = []
+    for i in range(0, len(flat), 3):
+        used = _text(flat[i + 2])
+        out.append(KeyRecord.from_stored(flat[i + 1], int(flat[i]), float(used) if used else None))
+    return out
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _figures(raw: list[Any]) -> Figures:
-    """{spent, reserved, turns, cost, in_flight, held} of the Lua scripts (micros as integers)."""
+def _figures(raw: list[Any], holds: list[Any] = []) -> Figures:  # noqa: B006 - read only
+    """{spent, reserved, turns, cost, in_flight, held} of the Lua scripts (micros as integers),
+    and the holds' spent and reserved after them."""
     spent, reserved, turns, cost, in_flight, held = (_text(v) for v in raw)
     return Figures(from_micros(int(spent)), from_micros(int(reserved)), int(turns or 0), int(in_flight),
-                   from_micros(int(cost)), from_micros(int(held)))
+                   from_micros(int(cost)), from_micros(int(held)),
+                   tuple((from_micros(int(_text(holds[i]))), from_micros(int(_text(holds[i + 1]))))
+                         for i in range(0, len(holds), 2)))
+
+
+def _day_number(day: str) -> int:
+    """A spend row's day ("YYYY-MM-DD") as the days since the epoch its Redis hash is named by."""
+    return int(datetime.strptime(day, "%Y-%m-%d").replace(tzinfo=UTC).timestamp() // 86_400)
 
 
 def _run_fields(state: RunState) -> list[str | bytes]:

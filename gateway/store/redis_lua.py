@@ -62,6 +62,25 @@ local function own_clocks(p, f, scope)
   if f[7][1] or f[7][2] then return f[7] end
   return redis.call('HMGET', p .. 'rate:' .. scope, 'r', 't')
 end
+-- A reservation's holds (base.Hold; '|scope#period|scope#period|'): each one's ledger's
+-- `reserved` moved by `delta` (micros as a string; '0': left), and with `spent`, that added.
+local function holds_moved(p, budgets, delta, spent)
+  if not budgets or budgets == '' then return end
+  for scope, period in string.gmatch(budgets, '|([^|#]+)#([^|]+)|') do
+    local ledger = p .. 'ledger:' .. scope
+    if delta ~= '0' then redis.call('HINCRBY', ledger, 'reserved:' .. period, delta) end
+    if spent then redis.call('HINCRBY', ledger, 'spent:' .. period, spent) end
+  end
+end
+-- A booking's spend (base.SpendRow): the day's figures of its team and attribution (`attr`,
+-- base.Attribution.encoded), in the hash of the day (days since the epoch, UTC).
+local function spend(p, team, attr, actual, at_ms)
+  local day = string.format('%d', math.floor(at_ms / 86400000))
+  local key, field = p .. 'spend:' .. day, team .. '\\31' .. (attr or '')
+  redis.call('HINCRBY', key, 'c:' .. field, actual)
+  redis.call('HINCRBY', key, 'n:' .. field, 1)
+  redis.call('ZADD', p .. 'spend:days', day, day)
+end
 -- Reservations whose expiry passed: their process is presumed dead, give the money back.
 -- The record stays (state expired) for a while so that a late settle still books the spend.
 local function reclaim(p, team, now, retention)
@@ -70,15 +89,37 @@ local function reclaim(p, team, now, retention)
   local ids = redis.call('ZRANGEBYSCORE', held, '-inf', string.format('%d', now))
   for _, rid in ipairs(ids) do
     local rk = p .. 'res:' .. rid
-    local r = redis.call('HMGET', rk, 'period', 'amount', 'run', 'owner', 'scopes')
+    local r = redis.call('HMGET', rk, 'period', 'amount', 'run', 'owner', 'scopes', 'budgets')
     if r[1] then
       redis.call('HINCRBY', ledger, 'reserved:' .. r[1], neg(r[2]))
+      holds_moved(p, r[6], neg(r[2]))
       redis.call('HSET', rk, 'state', 'expired')
       redis.call('PEXPIRE', rk, retention)
       unslot(p, rid, r[3], r[4], r[5])
     end
     redis.call('ZREM', held, rid)
   end
+end
+"""
+
+_AUDIT: Final = """
+-- The audit entries of a step (gateway.store.audit), chained by the caller after the head it
+-- read: ARGV[at] the head's seq the caller chained after ('' when there are no entries),
+-- ARGV[at + 1] how many, then (seq, record) pairs, then the last record's hash. `audit_ok`
+-- refuses a step whose head moved meanwhile (the caller chains again and retries).
+local function audit_ok(p, at)
+  if ARGV[at] == '' then return true end
+  local head = redis.call('GET', p .. 'audit:head')
+  local seq = head and tonumber(string.match(head, '^(%d+)')) or 0
+  return seq == tonumber(ARGV[at])
+end
+local function audit_write(p, at)
+  local n = tonumber(ARGV[at + 1])
+  if n == 0 then return end
+  for i = 0, n - 1 do
+    redis.call('ZADD', p .. 'audit', ARGV[at + 2 + 2 * i], ARGV[at + 3 + 2 * i])
+  end
+  redis.call('SET', p .. 'audit:head', ARGV[at + 2 * n] .. ' ' .. ARGV[at + 2 + 2 * n])
 end
 """
 
@@ -157,7 +198,8 @@ end
 return out
 """
 
-# A Claim: checked (run exists, turn cap, calls in flight, run budget, team budget; '' = no
+# A Claim: checked (run exists, turn cap, calls in flight, run budget, the holds' budgets
+# (key, user: after the scopes, below), team budget; '' = no
 # such condition; then each rate scope, base.rate_refusal: ARGV[14] the claim's tokens,
 # ARGV[15] how many scopes, ARGV[16] the max_in_flight of the claim's own team scope when
 # that is all the scope checks (the claim of a call whose request and tokens were taken
@@ -184,12 +226,24 @@ ADMIT: Final = _HELPERS + _CREATE + """
 local p, team, period, amount, budget, ttl, rid, retention, run, max_turns, max_in_flight, run_budget, owner =
   ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11],
   ARGV[12], ARGV[13]
--- A run's first call: the run (CREATE_RUN's nine arguments after the scopes) is stored
--- first, in this step.
+-- After the scopes: the attribution, how many holds, one argument per hold ("kind budget
+-- period scope"). A run's first call: the run (CREATE_RUN's nine arguments after the holds)
+-- is stored first, in this step.
 local at = 17 + tonumber(ARGV[15])
-if #ARGV >= at + 8 and create(p, at) == 0 then return {2, redis.call('HGET', p .. 'run:' .. ARGV[at], 'body')} end
+local attr, nholds = ARGV[at], tonumber(ARGV[at + 1])
+local made = at + 2 + nholds
+if #ARGV >= made + 8 and create(p, made) == 0 then
+  return {2, redis.call('HGET', p .. 'run:' .. ARGV[made], 'body')}
+end
 local now = now_ms()
 reclaim(p, team, now, retention)
+local hs, tags = {}, ''
+for i = at + 2, made - 1 do
+  local kind, hb, hp, scope = string.match(ARGV[i], '^(%S+) (%S+) (%S+) (.+)$')
+  local l = redis.call('HMGET', p .. 'ledger:' .. scope, 'spent:' .. hp, 'reserved:' .. hp)
+  hs[#hs + 1] = {kind, tonumber(hb), hp, scope, l[1] or '0', l[2] or '0'}
+  tags = tags .. '|' .. scope .. '#' .. hp .. '|'
+end
 local own, specs, with_own = 'team:' .. team, {}, false
 for i = 17, at - 1 do
   local window, rs, ts, mif, scope = string.match(ARGV[i], '^(%S+) (%S+) (%S+) (%S+) (.+)$')
@@ -205,7 +259,16 @@ if run ~= '' and not f[3] then refused = 'run_missing'
 elseif max_turns ~= '' and tonumber(f[3]) + f[5] >= tonumber(max_turns) then refused = 'max_turns'
 elseif max_in_flight ~= '' and f[5] >= tonumber(max_in_flight) then refused = 'busy'
 elseif run_budget ~= '' and tonumber(f[4]) + f[6] + amount > tonumber(run_budget) then refused = 'run_budget'
-elseif budget ~= '' and tonumber(f[1]) + tonumber(f[2]) + amount > tonumber(budget) then refused = 'team_budget'
+else
+  for _, h in ipairs(hs) do
+    if tonumber(h[5]) + tonumber(h[6]) + amount > h[2] then
+      refused = h[1] .. '_budget'
+      break
+    end
+  end
+  if not refused and budget ~= '' and tonumber(f[1]) + tonumber(f[2]) + amount > tonumber(budget) then
+    refused = 'team_budget'
+  end
 end
 local tokens, nows, clocks, scopes = tonumber(ARGV[14]), now / 1000, {}, ''
 local own_mif, own_inflight = ARGV[16], 0
@@ -251,6 +314,10 @@ if refused then
     out[#out + 1] = string.format('%.6f', c[3])
     out[#out + 1] = c[4]
   end
+  for _, h in ipairs(hs) do  -- the holds' figures last: spent, reserved
+    out[#out + 1] = h[5]
+    out[#out + 1] = h[6]
+  end
   return out
 end
 local expires = string.format('%d', now + tonumber(ttl))
@@ -270,7 +337,8 @@ for _, c in ipairs(clocks) do
 end
 local out = {1, shown}
 redis.call('HSET', p .. 'res:' .. rid, 'team', team, 'period', period, 'amount', ARGV[4], 'state', 'held',
-           'run', run, 'owner', owner, 'scopes', scopes)
+           'run', run, 'owner', owner, 'scopes', scopes, 'budgets', tags, 'attr', attr)
+for _, h in ipairs(hs) do redis.call('HINCRBY', p .. 'ledger:' .. h[4], 'reserved:' .. h[3], ARGV[4]) end
 redis.call('ZADD', p .. 'held:' .. team, expires, rid)
 if own_r then  -- the team's clocks and its reservation in one write of its ledger
   redis.call('HSET', p .. 'ledger:' .. team, 'reserved:' .. period, string.format('%d', tonumber(f[2]) + amount),
@@ -286,12 +354,20 @@ if owner ~= '' then redis.call('SADD', p .. 'owner:' .. owner, rid) end
 return out
 """
 
+# ARGV[6..]: holds, "period scope" each: their spent and reserved follow the figures.
 FIGURES: Final = _HELPERS + """
 local p, team, period, run, retention = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local now = now_ms()
 reclaim(p, team, now, retention)
 local f = figures(p, team, period, run, now)
-return {f[1], f[2], f[3] or '', f[4], f[5], string.format('%d', f[6])}
+local out = {f[1], f[2], f[3] or '', f[4], f[5], string.format('%d', f[6])}
+for i = 6, #ARGV do
+  local hp, scope = string.match(ARGV[i], '^(%S+) (.+)$')
+  local l = redis.call('HMGET', p .. 'ledger:' .. scope, 'spent:' .. hp, 'reserved:' .. hp)
+  out[#out + 1] = l[1] or '0'
+  out[#out + 1] = l[2] or '0'
+end
+return out
 """
 
 # Pushes back the expiry of held reservations (ARGV[3..]) to now + ttl ms (ARGV[2]).
@@ -321,7 +397,7 @@ _SETTLE: Final = """
 -- script's clock).
 local function settle(p, rid, actual, first, last, at_ms)
   local rk = p .. 'res:' .. rid
-  local r = redis.call('HMGET', rk, 'team', 'period', 'amount', 'state', 'run', 'owner', 'scopes')
+  local r = redis.call('HMGET', rk, 'team', 'period', 'amount', 'state', 'run', 'owner', 'scopes', 'budgets', 'attr')
   if not r[1] then return 0 end
   local ledger, now, own, own_n, own_per = p .. 'ledger:' .. r[1], at_ms / 1000, 'team:' .. r[1], nil, nil
   for i = first, last do
@@ -346,6 +422,8 @@ local function settle(p, rid, actual, first, last, at_ms)
     if held then redis.call('HINCRBY', ledger, 'reserved:' .. r[2], neg(r[3])) end
     redis.call('HINCRBY', ledger, 'spent:' .. r[2], actual)
   end
+  holds_moved(p, r[8], held and neg(r[3]) or '0', actual)
+  spend(p, r[1], r[9], actual, at_ms)
   unslot(p, rid, r[5], r[6], r[7])
   redis.call('DEL', rk)
   return 1
@@ -354,7 +432,7 @@ end
 
 # ARGV[4..]: token charges ("tokens seconds-per-token scope"), made once with the settle.
 SETTLE: Final = _HELPERS + _SETTLE + """
-return settle(ARGV[1], ARGV[2], ARGV[3], 4, #ARGV, #ARGV >= 4 and now_ms() or 0)
+return settle(ARGV[1], ARGV[2], ARGV[3], 4, #ARGV, now_ms())
 """
 
 # Moves rate clocks (ARGV[2..]: "requests-seconds tokens-seconds scope", 0: leave that one)
@@ -383,10 +461,11 @@ return 1
 _RELEASE: Final = """
 local function release(p, rid)
   local rk = p .. 'res:' .. rid
-  local r = redis.call('HMGET', rk, 'team', 'period', 'amount', 'state', 'run', 'owner', 'scopes')
+  local r = redis.call('HMGET', rk, 'team', 'period', 'amount', 'state', 'run', 'owner', 'scopes', 'budgets')
   if not r[1] then return 0 end
   if r[4] == 'held' then
     redis.call('HINCRBY', p .. 'ledger:' .. r[1], 'reserved:' .. r[2], neg(r[3]))
+    holds_moved(p, r[8], neg(r[3]))
     redis.call('ZREM', p .. 'held:' .. r[1], rid)
   end
   unslot(p, rid, r[5], r[6], r[7])
@@ -509,24 +588,31 @@ return 1
 # booking (settle a reservation, or charge the period); returns
 # {1, spent, reserved} of the booking's ledger after it ({1} without a booking). Booking
 # flag '2' (if_held): {3} and nothing written unless the reservation is still stored.
-# ARGV[17 + n]: how many token charges follow the events (one argument each, as SETTLE's), then the notices.
-COMMIT_TURN: Final = _HELPERS + _SAVE + _SETTLE + _ENQUEUE + """
+# ARGV[17 + n]: how many token charges follow the events (one argument each, as SETTLE's), then
+# the step's audit entries (_AUDIT: {-1} and nothing written when the audit head moved), then the notices.
+COMMIT_TURN: Final = _HELPERS + _SAVE + _SETTLE + _ENQUEUE + _AUDIT + """
 local p, id = ARGV[1], ARGV[2]
+local n = tonumber(ARGV[16])
+local charges = 18 + n
+local audit_at = charges + tonumber(ARGV[17 + n])
+local na = tonumber(ARGV[audit_at + 1])
+local notices = audit_at + 2
+if na > 0 then notices = notices + 2 * na + 1 end
+if not audit_ok(p, audit_at) then return {-1} end
 if ARGV[10] == '2' and redis.call('EXISTS', p .. 'res:' .. ARGV[11]) == 0 then return {3} end
 local refused = save(p, id, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9])
 if refused then return refused end
 local book, rid, actual, team, period, retention = ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[14], ARGV[15]
-local n = tonumber(ARGV[16])
 if n > 0 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, 17, 16 + n)) end
-local charges = 18 + n
-local notices = charges + tonumber(ARGV[17 + n])
 local now = now_ms()  -- once: the script is one atomic step
 enqueue(p, notices, now)
+audit_write(p, audit_at)
 if book == '0' then return {1} end
 if rid ~= '' then
-  settle(p, rid, actual, charges, notices - 1, now)
+  settle(p, rid, actual, charges, audit_at - 1, now)
 elseif actual ~= '0' then
   redis.call('HINCRBY', p .. 'ledger:' .. team, 'spent:' .. period, actual)
+  spend(p, team, '', actual, now)  -- (no reservation: the team's row alone; the commit takes no attribution)
 end
 reclaim(p, team, now, retention)
 local l = redis.call('HMGET', p .. 'ledger:' .. team, 'spent:' .. period, 'reserved:' .. period)
@@ -588,4 +674,131 @@ for _, id in ipairs(ids) do
   end
 end
 return {pruned, kept, #ids}
+"""
+
+# --- keys, console sessions, the audit log ---------------------------------------------------
+
+
+# A key record written whole: ARGV[2] id, [3] team, [4] the expected revision ('' for a new
+# key), [5] body, then the audit entries from ARGV[6]. {1, revision, last_used} when written;
+# {0} the id is taken; {2} no such key; {3, stored revision} stale; {-1} the audit head moved.
+PUT_KEY: Final = _AUDIT + """
+local p, id, team, expected, body = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+if not audit_ok(p, 6) then return {-1} end
+local key = p .. 'key:' .. id
+local cur = redis.call('HMGET', key, 'revision', 'last_used')
+if expected == '' then
+  if cur[1] then return {0} end
+else
+  if not cur[1] then return {2} end
+  if cur[1] ~= expected then return {3, cur[1]} end
+end
+local rev = redis.call('INCR', p .. 'keys:revision')
+redis.call('HSET', key, 'body', body, 'revision', rev, 'team', team)
+redis.call('ZADD', p .. 'keys:rev', rev, id)
+redis.call('ZADD', p .. 'keys:ids', 0, id)
+redis.call('ZADD', p .. 'keys:team:' .. team, 0, id)
+audit_write(p, 6)
+return {1, rev, cur[2] or ''}
+"""
+
+# The keys written after revision ARGV[2]: {last revision, revision, body, last_used, ...}.
+_KEY_ROWS: Final = """
+-- Each stored key of `ids` as (revision, body, last_used) appended to `out`.
+local function key_rows(p, ids, out)
+  for _, id in ipairs(ids) do
+    local r = redis.call('HMGET', p .. 'key:' .. id, 'revision', 'body', 'last_used')
+    if r[2] then
+      out[#out + 1] = r[1]
+      out[#out + 1] = r[2]
+      out[#out + 1] = r[3] or ''
+    end
+  end
+  return out
+end
+"""
+
+KEYS_SINCE: Final = _KEY_ROWS + """
+local p = ARGV[1]
+local ids = redis.call('ZRANGEBYSCORE', p .. 'keys:rev', '(' .. ARGV[2], '+inf')
+return key_rows(p, ids, {redis.call('GET', p .. 'keys:revision') or '0'})
+"""
+
+# Up to ARGV[4] keys after id ARGV[3] ('' from the first), of team ARGV[2] ('': every team):
+# {revision, body, last_used, ...} in id order.
+LIST_KEYS: Final = _KEY_ROWS + """
+local p, team, after, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local index = p .. 'keys:ids'
+if team ~= '' then index = p .. 'keys:team:' .. team end
+local from = '-'
+if after ~= '' then from = '(' .. after end
+return key_rows(p, redis.call('ZRANGEBYLEX', index, from, '+', 'LIMIT', 0, limit), {})
+"""
+
+# last_used of keys: ARGV[2..] "epoch-seconds id" pairs, never moved back, no revision.
+TOUCH_KEYS: Final = """
+local p = ARGV[1]
+for i = 2, #ARGV do
+  local at, id = string.match(ARGV[i], '^(%S+) (.+)$')
+  local key = p .. 'key:' .. id
+  if redis.call('EXISTS', key) == 1 then
+    local cur = tonumber(redis.call('HGET', key, 'last_used') or '0')
+    if tonumber(at) > cur then redis.call('HSET', key, 'last_used', at) end
+  end
+end
+return 1
+"""
+
+# A console session: ARGV[2] id hash, [3] body, [4] idle until, [5] expires at (ms), then
+# the audit entries from ARGV[6]. {1}, or {-1}: the audit head moved.
+PUT_SESSION: Final = _AUDIT + """
+local p = ARGV[1]
+if not audit_ok(p, 6) then return {-1} end
+local key = p .. 'session:' .. ARGV[2]
+redis.call('HSET', key, 'body', ARGV[3], 'idle_until', ARGV[4])
+redis.call('PEXPIREAT', key, ARGV[5])
+audit_write(p, 6)
+return {1}
+"""
+
+# A session ended: ARGV[2] id hash, then the audit entries from ARGV[3]. {1, found} or {-1}.
+DELETE_SESSION: Final = _AUDIT + """
+local p = ARGV[1]
+if not audit_ok(p, 3) then return {-1} end
+local found = redis.call('DEL', p .. 'session:' .. ARGV[2])
+audit_write(p, 3)
+return {1, found}
+"""
+
+# Audit entries alone (ARGV[2..], as above): {1} or {-1}.
+APPEND_AUDIT: Final = _AUDIT + """
+local p = ARGV[1]
+if not audit_ok(p, 2) then return {-1} end
+audit_write(p, 2)
+return {1}
+"""
+
+# Retention: records before ARGV[2] (epoch s), oldest first, in batches of ARGV[3], keeping the
+# newest; returns how many were removed in this batch.
+PRUNE_AUDIT: Final = """
+local p, before, batch = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local key = p .. 'audit'
+local total = redis.call('ZCARD', key)
+if total <= 1 then return 0 end
+local n = 0
+for _, rec in ipairs(redis.call('ZRANGE', key, 0, math.min(batch, total - 1) - 1)) do
+  local at = tonumber(string.match(rec, '"at":([-+.%deE]+)'))
+  if not at or at >= before then break end
+  redis.call('ZREM', key, rec)
+  n = n + 1
+end
+return n
+"""
+
+# Spending without a reservation: ARGV[2] team, [3] period, [4] micros, [5] attribution.
+CHARGE: Final = _HELPERS + """
+local p = ARGV[1]
+redis.call('HINCRBY', p .. 'ledger:' .. ARGV[2], 'spent:' .. ARGV[3], ARGV[4])
+spend(p, ARGV[2], ARGV[5], ARGV[4], now_ms())
+return 1
 """

@@ -17,16 +17,22 @@ import asyncio
 import logging
 import sqlite3
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final, TypeVar, cast
 
 import orjson
 
 from gateway.harness.state import STATUSES, RunState
+from gateway.store.audit import GENESIS, AuditEntry, AuditRecord, chain
 from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
+    Attribution,
+    Hold,
+    SpendRow,
+    spend_day,
     EXPIRED_RETENTION_S,
     PRUNE_BATCH,
     Booking,
@@ -51,11 +57,15 @@ from gateway.store.base import (
 )
 from gateway.store.errors import (
     AlreadyBooked,
+    KeyExists,
+    KeyNotFound,
     RunExists,
     RunNotFound,
+    StaleKey,
     StaleRun,
     StoreError,
 )
+from gateway.store.keys import ConsoleSession, KeyRecord
 from gateway.store.outbox import Claimed, Notice, NoticeRule, check_notices
 from gateway.store.periods import ended_before as period_ended
 from gateway.store.sqlite_batch import Step, WriteBatch
@@ -98,10 +108,23 @@ never counts an expired reservation, marked or not."""
 
 
 _LIVE: Final = LIVE
+_NOBODY: Final = Attribution()
+_DAYS: dict[int, str] = {}
+
+
+def _day() -> str:
+    """Today (UTC) as a spend row's day, formatted once a day."""
+    now = time.time()
+    n = int(now // 86_400)
+    day = _DAYS.get(n)
+    if day is None:
+        _DAYS.clear()
+        day = _DAYS[n] = spend_day(now)
+    return day
 _ADMIT: Final = (
-    "INSERT INTO reservations (id, team, period, amount_micros, expires_at, run_id, owner, scopes"
+    "INSERT INTO reservations (id, team, period, amount_micros, expires_at, run_id, owner, scopes, budgets, attrib"
     "{clocks})"
-    " SELECT :id, :team, :period, :amount, :expires, :run, :owner, :scopes{values}"
+    " SELECT :id, :team, :period, :amount, :expires, :run, :owner, :scopes, :budgets, :attrib{values}"
     " WHERE (:run IS NULL OR EXISTS (SELECT 1 FROM runs WHERE id = :run))"
     " AND (:max_turns IS NULL OR (SELECT turns FROM runs WHERE id = :run)"
     f"      + (SELECT COUNT(*) FROM reservations WHERE run_id = :run AND {_LIVE}) < :max_turns)"
@@ -116,8 +139,25 @@ _ADMIT: Final = (
     # The team's calls in flight when that is all its rate limits check (a call whose request
     # and tokens were taken ahead): checked here, so that such a call shares this statement.
     f" AND (:team_in_flight IS NULL OR {team_in_flight(':team')} < :team_in_flight)"
+    "{holds}"
 )
 """Checks every condition of a `Claim` and holds it, in one statement (atomic on its own)."""
+_HOLD: Final = (
+    " AND (SELECT COALESCE(SUM(spent_micros), 0) FROM ledger WHERE team = :hs{i} AND period = :hp{i})"
+    " + (SELECT COALESCE(SUM(amount_micros), 0) FROM reservations WHERE instr(budgets, :ht{i}) > 0 AND "
+    + _LIVE.replace("{", "{{").replace("}", "}}") + ") + :amount <= :hb{i}")
+"""A hold's budget check (base.Hold): its ledger row (team = its scope) and the live
+reservations that list it in `budgets` (a scan of the calls in flight, as a key's calls in
+flight are counted)."""
+
+
+def _admit_template(holds: int) -> str:
+    """The admission statement for a claim with `holds` holds (`{clocks}`, `{values}` left for the rate plan)."""
+    return _ADMIT.replace("{holds}", "".join(_HOLD.format(i=i) for i in range(holds)))
+
+
+def _hold_names(holds: int) -> tuple[str, ...]:
+    return tuple(f"{k}{i}" for i in range(holds) for k in ("hs", "hp", "ht", "hb"))
 _REVISION: Final = "(SELECT revision FROM runs WHERE id = :run)"
 """The run's stored revision, read back by the admission's RETURNING (`Grant.run_revision`):
 a statement less than a SELECT after it (3 us a call)."""
@@ -141,6 +181,15 @@ _FIGURES: Final = (
     f" (SELECT COALESCE(SUM(amount_micros), 0) FROM reservations WHERE run_id = :run AND {_LIVE})"
 )
 
+_HOLD_FIGURES: Final = (
+    "SELECT (SELECT COALESCE(SUM(spent_micros), 0) FROM ledger WHERE team = :scope AND period = :period),"
+    f" (SELECT COALESCE(SUM(amount_micros), 0) FROM reservations WHERE instr(budgets, :tag) > 0 AND {_LIVE})")
+_SPEND: Final = (
+    "INSERT INTO spend (day, team, key_id, user, model, policy, cost_micros, calls) VALUES (?, ?, ?, ?, ?, ?, ?, 1)"
+    " ON CONFLICT (day, team, key_id, user, model, policy) DO UPDATE"
+    " SET cost_micros = cost_micros + excluded.cost_micros, calls = calls + 1")
+"""A booking's spend added to its day's row (base.SpendRow)."""
+
 
 class SqliteStore:
     """The store in one SQLite file; several processes may open the same file."""
@@ -153,12 +202,12 @@ class SqliteStore:
         self._conn: sqlite3.Connection | None = connect(self.path)
         self._reclaim_due: dict[str, float] = {}
         self._held: dict[str, float] = {}  # reservations this store made and nobody settled yet -> expiry
-        plain = _ADMIT.format(clocks="", values="")  # without rate limits: with a run, and without
-        self._admit_sql = (numbered(plain + " RETURNING " + _REVISION, ADMIT_ARGS), numbered(plain, ADMIT_ARGS))
-        self._rate_plans: dict[tuple[RateLimit, ...], RatePlan] = {}  # by the claim's rate scopes
+        self._plain: dict[tuple[bool, int], str] = {}  # without rate limits: by (without a run, holds)
+        self._rate_plans: dict[tuple[tuple[RateLimit, ...], int], RatePlan] = {}  # by rate scopes and holds
         self._clock_rows: set[str] = set()  # scopes whose clock row this store made sure of
         self.notice_rule: NoticeRule | None = None
-        self._batch = WriteBatch(self._db, self._translate, (StaleRun, RunNotFound, RunExists, AlreadyBooked))
+        self._batch = WriteBatch(self._db, self._translate, (StaleRun, RunNotFound, RunExists, AlreadyBooked,
+                                                             KeyExists, KeyNotFound, StaleKey))
         try:
             with self._errors:
                 self._conn.execute("PRAGMA wal_autocheckpoint = 0")  # the checkpointer's thread does it
@@ -258,7 +307,8 @@ class SqliteStore:
                 raise RunNotFound(state.run_id)
             raise StaleRun(state.run_id, state.revision, int(row[0]))
 
-    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None) -> Ledger | None:
+    async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None,
+                          audit: Sequence[AuditEntry] = ()) -> Ledger | None:
         actual = 0 if booking is None else to_micros(booking.actual_usd, "actual_usd")
         now = time.time()
         revision = state.revision + 1
@@ -276,12 +326,14 @@ class SqliteStore:
                 self._insert_events(db, state.run_id, encoded)
             if notices:
                 self._insert_notices(db, notices)
+            if audit:
+                self._insert_audit(db, audit)
             if booking is None:
                 return None
             if booking.reservation_id is not None:
                 self._settle(db, booking.reservation_id, actual, booking.tokens)
             elif actual:
-                self._book(db, booking.team, booking.period, actual)
+                self._book(db, booking.team, booking.period, actual, booking.attribution)
             return self._spend(db, booking.team, booking.period)
 
         try:
@@ -429,14 +481,18 @@ class SqliteStore:
         amount = to_micros(claim.amount_usd, "amount_usd")
         budget = optional_micros(claim.budget_usd, "budget_usd")
         run_budget = optional_micros(claim.run_budget_usd, "run_budget_usd")
-        sql, plan, team_in_flight = self._admit_sql[claim.run_id is None], None, None
+        holds = len(claim.holds)
+        shape = (claim.run_id is None, holds)
+        sql = self._plain.get(shape) or self._plain_sql(*shape)
+        plan, team_in_flight = None, None
         missing: tuple[tuple[str], ...] = ()
         if claim.rates:
-            plan = self._rate_plans.get(claim.rates)
+            plan = self._rate_plans.get((claim.rates, holds))
             if plan is None:
                 if len(self._rate_plans) >= MAX_RATE_PLANS:  # claims made up by hand, not from config
                     self._rate_plans.clear()
-                plan = self._rate_plans[claim.rates] = rate_plan(claim.rates, _ADMIT, _REVISION)
+                plan = self._rate_plans[(claim.rates, holds)] = rate_plan(
+                    claim.rates, _admit_template(holds), _REVISION, (*ADMIT_ARGS, *_hold_names(holds)))
             if plan.own_team == claim.team:
                 team_in_flight = plan.own_in_flight  # the statement without rate limits checks it
             else:
@@ -447,6 +503,11 @@ class SqliteStore:
         returning = claim.run_id is not None or (plan is not None and team_in_flight is None)
         granted: list[tuple[str, float]] = []
         create = None if claim.create is None else self._inserter(claim.create)
+        attrib = None if claim.attribution is None else claim.attribution.encoded()
+        budgets, held = None, cast(tuple[Any, ...], ())
+        if claim.holds:
+            budgets = "".join(h.tag for h in claim.holds)
+            held = tuple(v for h in claim.holds for v in (h.scope, h.period, h.tag, to_micros(h.budget_usd, "budget")))
 
         def step(db: sqlite3.Connection) -> Grant:
             if create is not None:  # first, so that a taken id refuses before anything is written
@@ -462,7 +523,10 @@ class SqliteStore:
             rid = new_reservation_id()
             args: tuple[Any, ...] = (rid, claim.team, claim.period, amount, now + ttl, claim.run_id, claim.owner,
                                      None if plan is None else plan.scopes, now, claim.max_turns,
-                                     claim.max_in_flight, run_budget, budget, team_in_flight)  # ADMIT_ARGS
+                                     claim.max_in_flight, run_budget, budget, team_in_flight, budgets,
+                                     attrib)  # ADMIT_ARGS
+            if held:
+                args += held
             if plan is not None and plan.args is not None and team_in_flight is None:
                 args += (claim.tokens, *plan.args)
             cursor = db.execute(sql, args)
@@ -472,7 +536,7 @@ class SqliteStore:
             if not inserted:
                 # Why, from figures read right after; another process may have moved them
                 # since (then "busy": a retry may pass).
-                figures, run_exists = self._figures(db, claim.team, claim.period, claim.run_id, now)
+                figures, run_exists = self._figures(db, claim.team, claim.period, claim.run_id, now, claim.holds)
                 rates = tuple(self._rate_state(db, r, now) for r in claim.rates)
                 return Grant(None, judge(claim, figures, run_exists, rates) or "busy", figures, rates)
             granted.append((rid, now + ttl))
@@ -497,6 +561,13 @@ class SqliteStore:
             self._held[grant.reservation_id] = granted[0][1]
         return grant
 
+    def _plain_sql(self, without_run: bool, holds: int) -> str:
+        """The admission statement of a claim without rate limits (numbered), made once per shape."""
+        plain = _admit_template(holds).format(clocks="", values="")
+        sql = numbered(plain if without_run else plain + " RETURNING " + _REVISION, (*ADMIT_ARGS, *_hold_names(holds)))
+        self._plain[(without_run, holds)] = sql
+        return sql
+
     @staticmethod
     def _rate_state(db: sqlite3.Connection, limit: RateLimit, now: float) -> RateState:
         row = db.execute(_READ_CLOCK, (limit.scope,)).fetchone()
@@ -507,17 +578,21 @@ class SqliteStore:
         requests_tat, tokens_tat = row or (0.0, 0.0)
         return RateState(limit.scope, now, requests_tat or 0.0, tokens_tat or 0.0, in_flight)
 
-    async def figures(self, team: str, period: str, run_id: str | None = None) -> Figures:
+    async def figures(self, team: str, period: str, run_id: str | None = None,
+                      holds: Sequence[Hold] = ()) -> Figures:
         with self._errors:
-            return self._figures(self._db(), team, period, run_id, time.time())[0]
+            return self._figures(self._db(), team, period, run_id, time.time(), holds)[0]
 
     @staticmethod
     def _figures(db: sqlite3.Connection, team: str, period: str, run_id: str | None,
-                 now: float) -> tuple[Figures, bool]:
+                 now: float, holds: Sequence[Hold] = ()) -> tuple[Figures, bool]:
         spent, reserved, turns, cost, in_flight, held = db.execute(_FIGURES, {
             "team": team, "period": period, "run": run_id, "now": now}).fetchone()
+        of_holds = tuple(
+            (from_micros(int(s)), from_micros(int(r))) for s, r in (db.execute(_HOLD_FIGURES, {
+                "scope": h.scope, "period": h.period, "tag": h.tag, "now": now}).fetchone() for h in holds))
         figures = Figures(from_micros(int(spent)), from_micros(int(reserved)), int(turns or 0), int(in_flight),
-                          from_micros(int(cost or 0)), from_micros(int(held)))
+                          from_micros(int(cost or 0)), from_micros(int(held)), of_holds)
         return figures, turns is not None
 
     async def renew(self, reservation_ids: Sequence[str], ttl_s: float) -> None:
@@ -570,16 +645,30 @@ class SqliteStore:
     @classmethod
     def _settle(cls, db: sqlite3.Connection, reservation_id: str, actual: int,
                 tokens: Sequence[TokenCharge] = ()) -> None:
-        rows = db.execute("DELETE FROM reservations WHERE id = ? RETURNING team, period", (reservation_id,)).fetchall()
+        rows = db.execute("DELETE FROM reservations WHERE id = ? RETURNING team, period, budgets, attrib",
+                          (reservation_id,)).fetchall()
         if rows:  # else already settled or released: nothing more to book
-            cls._book(db, rows[0][0], rows[0][1], actual)
+            team, period, budgets, attrib = rows[0]
+            cls._book(db, team, period, actual, Attribution.decoded(attrib))
+            if budgets:
+                for tag in budgets.strip("|").split("||"):
+                    scope, _, hold_period = tag.rpartition("#")
+                    cls._ledger(db, scope, hold_period, actual)
             if tokens:  # the clock rows are on the page the DELETE wrote (sqlite_schema)
                 now = time.time()
                 for c in tokens:  # one or two: execute spares executemany's iterator
                     db.execute(_PUSH_CLOCKS, (now, 0.0, c.tokens * c.tokens_s, c.scope))
 
+    @classmethod
+    def _book(cls, db: sqlite3.Connection, team: str, period: str, micros: int,
+              attribution: Attribution | None) -> None:
+        """A team's booking: its ledger, and the day's spend row of `attribution`."""
+        cls._ledger(db, team, period, micros)
+        who = attribution or _NOBODY
+        db.execute(_SPEND, (_day(), team, who.key, who.user, who.model, who.policy, micros))
+
     @staticmethod
-    def _book(db: sqlite3.Connection, team: str, period: str, micros: int) -> None:
+    def _ledger(db: sqlite3.Connection, team: str, period: str, micros: int) -> None:
         db.execute(
             "INSERT INTO ledger (team, period, spent_micros) VALUES (?, ?, ?)"
             " ON CONFLICT (team, period) DO UPDATE SET spent_micros = spent_micros + excluded.spent_micros",
@@ -610,9 +699,27 @@ class SqliteStore:
         ).fetchone()
         return from_micros(int(spent)), from_micros(int(reserved))
 
-    async def charge(self, team: str, period: str, amount_usd: float) -> None:
+    async def charge(self, team: str, period: str, amount_usd: float, attribution: Attribution | None = None) -> None:
         amount = to_micros(amount_usd, "amount_usd")
-        await self._write(lambda db: self._book(db, team, period, amount), atomic=False)
+        await self._write(lambda db: self._book(db, team, period, amount, attribution), atomic=True)
+
+    async def spend(self, first_day: str, last_day: str, team: str | None = None) -> list[SpendRow]:
+        sql = ("SELECT day, team, key_id, user, model, policy, cost_micros, calls FROM spend WHERE day >= ? AND day <= ?")
+        params: list[Any] = [first_day, last_day]
+        if team is not None:
+            sql += " AND team = ?"
+            params.append(team)
+        with self._errors:
+            rows = self._db().execute(sql + " ORDER BY day", params).fetchall()
+        return [SpendRow(str(d), str(t), str(k), str(u), str(m), str(p), int(c), int(n)) for d, t, k, u, m, p, c, n in rows]
+
+    async def prune_spend(self, before_day: str) -> int:
+        def step(db: sqlite3.Connection) -> int:
+            days = int(db.execute("SELECT COUNT(DISTINCT day) FROM spend WHERE day < ?", (before_day,)).fetchone()[0])
+            db.execute("DELETE FROM spend WHERE day < ?", (before_day,))
+            return days
+
+        return await self._write(step, atomic=True)
 
     async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
         ttl = check_ttl(ttl_s, "ttl_s", allow_zero=False)
@@ -692,6 +799,135 @@ class SqliteStore:
             return int(db.execute("DELETE FROM responses WHERE created_at < ?", (created_before,)).rowcount)
 
         return await self._write(step, atomic=False)
+
+    # --- keys, sessions, audit ------------------------------------------------------------
+
+    async def put_key(self, record: KeyRecord, expected_revision: int | None,
+                      audit: Sequence[AuditEntry] = ()) -> KeyRecord:
+        body = record.stored()
+
+        def step(db: sqlite3.Connection) -> tuple[int, float | None]:
+            row = db.execute("SELECT revision, last_used_at FROM keys WHERE id = ?", (record.id,)).fetchone()
+            if expected_revision is None and row is not None:
+                raise KeyExists(record.id)
+            if expected_revision is not None:
+                if row is None:
+                    raise KeyNotFound(record.id)
+                if int(row[0]) != expected_revision:
+                    raise StaleKey(record.id, expected_revision, int(row[0]))
+            revision = int(db.execute("SELECT COALESCE(MAX(revision), 0) FROM keys").fetchone()[0]) + 1
+            db.execute("INSERT INTO keys (id, team, revision, body) VALUES (?, ?, ?, ?) ON CONFLICT (id) DO UPDATE"
+                       " SET revision = excluded.revision, body = excluded.body", (record.id, record.team, revision,
+                                                                                    body))
+            self._insert_audit(db, audit)
+            return revision, None if row is None else row[1]
+
+        revision, used = await self._write(step, atomic=True)
+        return replace(record, revision=revision, last_used_at=used)
+
+    async def get_key(self, key_id: str) -> KeyRecord | None:
+        with self._errors:
+            row = self._db().execute("SELECT revision, body, last_used_at FROM keys WHERE id = ?",
+                                     (key_id,)).fetchone()
+        return None if row is None else KeyRecord.from_stored(row[1], int(row[0]), row[2])
+
+    async def list_keys(self, team: str | None = None, *, after: str = "", limit: int = 100) -> list[KeyRecord]:
+        sql = "SELECT revision, body, last_used_at FROM keys WHERE id > ?"
+        params: list[Any] = [after]
+        if team is not None:
+            sql += " AND team = ?"
+            params.append(team)
+        with self._errors:
+            rows = self._db().execute(sql + " ORDER BY id LIMIT ?", (*params, max(limit, 0))).fetchall()
+        return [KeyRecord.from_stored(body, int(rev), used) for rev, body, used in rows]
+
+    async def keys_since(self, revision: int) -> tuple[list[KeyRecord], int]:
+        with self._errors:
+            db = self._db()
+            last = int(db.execute("SELECT COALESCE(MAX(revision), 0) FROM keys").fetchone()[0])
+            if last <= revision:
+                return [], last
+            rows = db.execute("SELECT revision, body, last_used_at FROM keys WHERE revision > ?",
+                              (revision,)).fetchall()
+        return [KeyRecord.from_stored(body, int(rev), used) for rev, body, used in rows], last
+
+    async def touch_keys(self, used: Mapping[str, float]) -> None:
+        rows = [(at, key_id) for key_id, at in used.items()]
+        if not rows:
+            return
+        await self._write(lambda db: db.executemany(
+            "UPDATE keys SET last_used_at = MAX(COALESCE(last_used_at, 0), ?) WHERE id = ?", rows), atomic=True)
+
+    async def put_session(self, session: ConsoleSession, audit: Sequence[AuditEntry] = ()) -> None:
+        row = (session.id_hash, session.key_id, session.idle_until, session.expires_at, session.stored())
+
+        def step(db: sqlite3.Connection) -> None:
+            db.execute("INSERT OR REPLACE INTO console_sessions (id_hash, key_id, idle_until, expires_at, body)"
+                       " VALUES (?, ?, ?, ?, ?)", row)
+            self._insert_audit(db, audit)
+
+        await self._write(step, atomic=True)
+
+    async def get_session(self, id_hash: str) -> ConsoleSession | None:
+        with self._errors:
+            row = self._db().execute("SELECT body, idle_until FROM console_sessions WHERE id_hash = ? AND expires_at > ?",
+                                     (id_hash, time.time())).fetchone()
+        return None if row is None else ConsoleSession.from_stored(id_hash, row[0], row[1])
+
+    async def touch_session(self, id_hash: str, idle_until: float) -> None:
+        await self._write(lambda db: db.execute(
+            "UPDATE console_sessions SET idle_until = MAX(idle_until, ?) WHERE id_hash = ?", (idle_until, id_hash)),
+            atomic=False)
+
+    async def delete_session(self, id_hash: str, audit: Sequence[AuditEntry] = ()) -> bool:
+        def step(db: sqlite3.Connection) -> bool:
+            found = db.execute("DELETE FROM console_sessions WHERE id_hash = ?", (id_hash,)).rowcount == 1
+            self._insert_audit(db, audit)
+            return found
+
+        return await self._write(step, atomic=True)
+
+    async def prune_sessions(self, now: float) -> int:
+        return await self._write(lambda db: int(db.execute(
+            "DELETE FROM console_sessions WHERE idle_until <= ? OR expires_at <= ?", (now, now)).rowcount),
+            atomic=False)
+
+    @staticmethod
+    def _insert_audit(db: sqlite3.Connection, entries: Sequence[AuditEntry]) -> list[AuditRecord]:
+        if not entries:
+            return []
+        head = db.execute("SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1").fetchone()
+        records = chain(int(head[0]) if head else 0, str(head[1]) if head else GENESIS, entries, time.time())
+        db.executemany("INSERT INTO audit (seq, at, action, team, actor_team, hash, body) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                       [(r.seq, r.at, r.action, r.team, r.actor_team, r.hash, r.stored()) for r in records])
+        return records
+
+    async def append_audit(self, entries: Sequence[AuditEntry]) -> list[AuditRecord]:
+        if not entries:
+            return []
+        return await self._write(lambda db: self._insert_audit(db, entries), atomic=True)
+
+    async def audit_log(self, *, after_seq: int = 0, limit: int = 100, since: float | None = None,
+                        action: str | None = None, team: str | None = None) -> list[AuditRecord]:
+        sql = "SELECT body FROM audit WHERE seq > ?"
+        params: list[Any] = [after_seq]
+        if since is not None:
+            sql += " AND at >= ?"
+            params.append(since)
+        if action is not None:
+            sql += " AND action = ?"
+            params.append(action)
+        if team is not None:
+            sql += " AND (team = ? OR actor_team = ?)"
+            params += [team, team]
+        with self._errors:
+            rows = self._db().execute(sql + " ORDER BY seq LIMIT ?", (*params, max(limit, 0))).fetchall()
+        return [AuditRecord.from_stored(body) for body, in rows]
+
+    async def prune_audit(self, before: float) -> int:
+        return await self._write(lambda db: int(db.execute(
+            "DELETE FROM audit WHERE at < ? AND seq < (SELECT MAX(seq) FROM audit)", (before,)).rowcount),
+            atomic=False)
 
     async def close(self) -> None:
         self._wal.close()  # first: the last connection to close checkpoints and removes the WAL

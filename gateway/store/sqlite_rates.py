@@ -29,7 +29,7 @@ _FITS: Final = " AND MAX({clock}, :now) + {cost} - :now <= :w{i} + " + repr(RATE
 
 
 ADMIT_ARGS: Final = ("id", "team", "period", "amount", "expires", "run", "owner", "scopes", "now", "max_turns",
-                     "max_in_flight", "run_budget", "budget", "team_in_flight")
+                     "max_in_flight", "run_budget", "budget", "team_in_flight", "budgets", "attrib")
 """The arguments of the admission statement without rate limits, in the order of its numbered
 parameters (?1, ?2, ...); a plan's statement takes the call's counted tokens next, then its
 own figures (`RatePlan.args`). A tuple binds faster than a dict of names, for which the
@@ -64,10 +64,12 @@ class RatePlan:
     own_in_flight: int | None = None
 
 
-def rate_plan(rates: Sequence[RateLimit], admit: str, revision: str) -> RatePlan:
+def rate_plan(rates: Sequence[RateLimit], admit: str, revision: str,
+              head: Sequence[str] = ADMIT_ARGS) -> RatePlan:
     """The plan for `rates`; `admit` is the statement without rate limits (parameters by
-    name, `ADMIT_ARGS`), with `{clocks}` and `{values}` where the reservation's clock columns
-    go; `revision` the expression its RETURNING row ends with (the run's revision)."""
+    name, `head`: ADMIT_ARGS and those of the claim's holds), with `{clocks}` and `{values}`
+    where the reservation's clock columns go; `revision` the expression its RETURNING row
+    ends with (the run's revision)."""
     clocked = [r for r in rates if r.requests is not None or r.tokens is not None]
     if len(clocked) > CLOCK_SCOPES:
         raise ValueError(f"the sqlite store keeps the clocks of {CLOCK_SCOPES} rate scopes per claim, "
@@ -109,7 +111,7 @@ def rate_plan(rates: Sequence[RateLimit], admit: str, revision: str) -> RatePlan
     # statement uses none (scopes without any limit).
     args = tuple(params.values()) if params or ":tokens" in sql else None
     own = rates[0] if len(rates) == 1 and not clocked and _team(rates[0].scope) else None
-    return RatePlan(numbered(sql, (*ADMIT_ARGS, "tokens", *params)), scopes, args,
+    return RatePlan(numbered(sql, (*head, "tokens", *params)), scopes, args,
                     tuple(r.scope for r in clocked), tuple(read_at), None if own is None else own.scope[5:],
                     None if own is None else own.max_in_flight)
 

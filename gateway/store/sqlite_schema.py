@@ -145,6 +145,27 @@ MIGRATIONS: Final[tuple[str, ...]] = (
                                   tokens_tat)
         WHERE id = NEW.clock_b;
     END""",
+    # Keys as records (gateway.store.keys): the whole record as JSON, the revision every
+    # process reads the changes since, the team for lists; last use beside it (no revision).
+    """CREATE TABLE keys (id TEXT PRIMARY KEY, team TEXT NOT NULL, revision INTEGER NOT NULL, body BLOB NOT NULL,
+        last_used_at REAL) WITHOUT ROWID""",
+    "CREATE INDEX keys_revision ON keys (revision)",
+    "CREATE INDEX keys_team ON keys (team, id)",
+    # Console sessions, by the hash of their id.
+    """CREATE TABLE console_sessions (id_hash TEXT PRIMARY KEY, key_id TEXT NOT NULL, idle_until REAL NOT NULL,
+        expires_at REAL NOT NULL, body BLOB NOT NULL) WITHOUT ROWID""",
+    # The audit log, numbered and chained (gateway.store.audit).
+    """CREATE TABLE audit (seq INTEGER PRIMARY KEY, at REAL NOT NULL, action TEXT NOT NULL, team TEXT NOT NULL,
+        actor_team TEXT NOT NULL, hash TEXT NOT NULL, body BLOB NOT NULL)""",
+    "CREATE INDEX audit_at ON audit (at)",
+    # Budgets besides the team's a reservation holds against (base.Hold: '|key:k#2026-12|user:t:u#2026-12|'),
+    # whose ledgers are rows of `ledger` (team = the hold's scope, which no team name can be),
+    # and whose spend it is (base.Attribution, encoded): its booking adds to the day's `spend` row.
+    "ALTER TABLE reservations ADD COLUMN budgets TEXT",
+    "ALTER TABLE reservations ADD COLUMN attrib TEXT",
+    """CREATE TABLE spend (day TEXT NOT NULL, team TEXT NOT NULL, key_id TEXT NOT NULL, user TEXT NOT NULL,
+        model TEXT NOT NULL, policy TEXT NOT NULL, cost_micros INTEGER NOT NULL, calls INTEGER NOT NULL,
+        PRIMARY KEY (day, team, key_id, user, model, policy)) WITHOUT ROWID""",
 )
 
 BUSY_TIMEOUT_S: Final = 10.0

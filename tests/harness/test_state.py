@@ -105,3 +105,10 @@ def test_a_copy_is_equal_and_its_lists_and_dicts_are_its_own() -> None:
     copy.model_call_ids.append("c9")
     copy.turns += 5
     assert run.dumps() == saved  # the original is untouched
+
+
+def test_v3_fixture_names_the_key_and_user_that_started_the_run() -> None:
+    state = RunState.loads((FIXTURES / "run_v3.json").read_bytes())
+    assert state.key_id == "key_0LkDmkqAb3XqYg7tH2Pz" and state.user == "ana@example.com"
+    older = RunState.loads((FIXTURES / "run_v2.json").read_bytes())
+    assert older.version == SCHEMA_VERSION and older.key_id == "" and older.user is None

@@ -40,15 +40,15 @@ def binary(name: str) -> str:
     return path
 
 
-def scrape_config(target: str, interval: str = "1s") -> dict[str, Any]:
-    """The shipped prometheus.yml, scraping `target` (host:port) every `interval`."""
+def scrape_config(target: str | list[str], interval: str = "1s") -> dict[str, Any]:
+    """The shipped prometheus.yml, scraping `target` (host:port, or several: replicas) every `interval`."""
     config: dict[str, Any] = yaml.safe_load(SHIPPED_CONFIG.read_text())
     config["global"]["scrape_interval"] = interval
     config["global"]["evaluation_interval"] = interval
     jobs = [job for job in config["scrape_configs"] if job["job_name"] == JOB]
     if len(jobs) != 1:
         raise AssertionError(f"{SHIPPED_CONFIG} must have exactly one job named {JOB!r}")
-    jobs[0]["static_configs"] = [{"targets": [target]}]
+    jobs[0]["static_configs"] = [{"targets": [target] if isinstance(target, str) else list(target)}]
     return config
 
 
@@ -156,7 +156,7 @@ class Prometheus:
                 self.popen.wait(timeout=10)
 
 
-def start_prometheus(target: str, workdir: Path, interval: str = "1s", timeout: float = 30.0) -> Prometheus:
+def start_prometheus(target: str | list[str], workdir: Path, interval: str = "1s", timeout: float = 30.0) -> Prometheus:
     """Start Prometheus scraping `target` every `interval`, TSDB and log under `workdir`.
 
     Returns once /-/ready answers 200 (about 0.1 s). Its first scrape comes later: the

@@ -459,3 +459,32 @@ async def test_a_bad_x_scripted_reply_is_a_400_naming_the_header(client: TestCli
     assert resp.status == 400
     message = (await resp.json())["error"]["message"]
     assert "X-Scripted-Reply" in message and says in message
+
+
+def _tools_called(scenario: Any) -> set[str]:
+    """Every tool a script asks for over its first turns, whatever the tool results say."""
+    from gateway.providers.scenarios import View
+
+    names: set[str] = set()
+    for turn in range(5):
+        for result in (None, "ok", "Error: no such file. Call list_files to see the files.", "rejected by a person"):
+            message = scenario(View(turn, result or "", result)).message()
+            calls = message.get("tool_calls")
+            for call in calls if isinstance(calls, list) else ():
+                names.add(call["function"]["name"])
+    return names
+
+
+def test_the_docs_table_lists_every_scripted_model_and_the_tools_it_calls() -> None:
+    """docs/scripted.md, where a user looks: one row per scenario, its tools as played."""
+    from gateway.providers.scenarios import MODEL_PREFIX, SCENARIOS
+
+    table = (Path(__file__).resolve().parents[2] / "docs" / "scripted.md").read_text()
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| `scripted-"):
+            rows[cells[0].strip("`")] = {t.strip("` ") for t in cells[2].split(",")} - {"none"}
+    assert set(rows) == {MODEL_PREFIX + name for name in SCENARIOS}
+    for name, scenario in SCENARIOS.items():
+        assert rows[MODEL_PREFIX + name] == _tools_called(scenario), name

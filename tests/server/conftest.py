@@ -157,7 +157,8 @@ async def counting_upstream(aiohttp_server: Any) -> CountingUpstream:
     @web.middleware
     async def count(request: web.Request, handler: Handler) -> web.StreamResponse:
         body = await request.read()
-        box[0].calls.append({"path": request.path, "body": orjson.loads(body) if body else None})
+        box[0].calls.append({"path": request.path, "body": orjson.loads(body) if body else None,
+                             "headers": dict(request.headers)})
         return await handler(request)
 
     app = web.Application(middlewares=[count])

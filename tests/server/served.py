@@ -26,6 +26,8 @@ import yaml
 from tests.support.procs import ROOT, Proc, free_port, start_gateway
 
 DEMO, OPS, OTHER, POOR = "sk-demo", "sk-ops", "sk-other", "sk-poor"
+KEYS = "sk-demo-keys"
+"""A key of team demo that may manage the team's keys (`manage_keys: true`)."""
 PLAN_ANSWER = "errors.log mentions a timeout: worker 7 timed out after 30000 ms."
 TASK = [{"role": "user", "content": "Which file mentions a timeout?"}]
 EXPIRES_AFTER_S = 0.05
@@ -71,7 +73,8 @@ def write_config(folder: Path, port: int) -> Path:
         "upstreams": [{"name": "scripted", "kind": "scripted"}],
         "models": [{"match": "scripted-*", "upstream": "scripted", "price_in": 2.0, "price_out": 12.0}],
         "teams": [
-            {"name": "demo", "keys": [DEMO], "budget_usd": 10.0,
+            {"name": "demo", "keys": [DEMO, {"key": KEYS, "manage_keys": True, "name": "key manager"}],
+             "budget_usd": 10.0,
              "policies": ["passthrough", "files", "research", "hybrid", "files_expiring", "limited", "timed",
                           "files_auto"]},
             {"name": "ops", "keys": [OPS], "budget_usd": None, "policies": ["passthrough"]},

@@ -50,7 +50,10 @@ async def test_list_show_approve_with_url_and_key_from_the_environment(served: S
     assert row.split()[1:4] == ["files", "c2", "delete_file"] and "access.log" in row
 
     listed = orjson.loads(cli("list", "--json", "--url", served.url).stdout)
-    assert any(r["id"] == run_id and r["interruption"]["call_id"] == "c2" for r in listed["data"])
+    [item] = [r for r in listed["data"] if r["id"] == run_id]  # one object per pending call
+    assert (item["call_id"], item["tool_name"], item["args"], item["run"]) == (
+        "c2", "delete_file", {"path": "access.log"}, f"demo/{run_id}")
+    assert item["interruption"]["call_id"] == "c2" and item["waiting_s"] >= 0  # the run's fields, as before
 
     shown = cli("show", f"demo/{run_id}", "--url", served.url)
     assert shown.returncode == 0, shown.stderr
@@ -60,7 +63,8 @@ async def test_list_show_approve_with_url_and_key_from_the_environment(served: S
 
     approved = cli("approve", run_id, "c2", "--url", served.url, "--reason", "the audit is done")
     assert approved.returncode == 0, approved.stderr
-    assert approved.stdout.startswith(f"approved call c2 of run demo/{run_id}")
+    assert approved.stdout == (f"approved call c2 of run demo/{run_id}; the run waits for its owner to resume it "
+                               f"(POST /v1/runs/{run_id}/resume with team demo's key, or the run's next chat call)\n")
     run = await get_run(session, served.url, run_id)
     assert run["decisions"]["c2"] == {**run["decisions"]["c2"], "decision": "approve", "by": "ops",
                                       "reason": "the audit is done"}
@@ -68,6 +72,22 @@ async def test_list_show_approve_with_url_and_key_from_the_environment(served: S
 
     again = cli("approve", run_id, "c2", "--url", served.url)
     assert again.returncode == 1 and again.stderr.startswith("gateway approvals: HTTP 409: ")
+
+
+async def test_the_gateway_is_found_from_its_config_and_an_auto_resumed_run_says_so(
+        served: Served, session: aiohttp.ClientSession) -> None:
+    status, headers, body = await request(session, "POST", f"{served.url}/v1/chat/completions",
+                                          body=chat_body("scripted-destructive"), headers={"X-Policy": "files_auto"})
+    assert status == 200, body
+    run_id = headers["X-Run-Id"]
+    config = str(served.folder / "config.yaml")  # serves on a free port, not 8080
+    listed = cli("list", "--config", config, url="http://127.0.0.1:9")  # --config wins over $GATEWAY_URL
+    assert listed.returncode == 0 and f"demo/{run_id} " in listed.stdout, listed.stderr
+    approved = cli("approve", run_id, "c2", "--config", config)
+    assert approved.returncode == 0, approved.stderr
+    assert approved.stdout.endswith("the gateway resumes the run now (its policy says on_decision: resume)\n")
+    missing = cli("list", "--config", str(served.folder / "nope.yaml"))
+    assert missing.returncode == 2 and "--config" in missing.stderr and "file not found" in missing.stderr
 
 
 async def test_reject_needs_a_reason_and_the_model_reads_it(served: Served, session: aiohttp.ClientSession) -> None:

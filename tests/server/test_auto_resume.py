@@ -113,7 +113,8 @@ async def test_the_default_policy_still_waits_for_a_resume(served: Served, sessi
     await decide(session, served.url, auto_headers["X-Run-Id"], "approve")
     await wait_event(session, served.url, auto_headers["X-Run-Id"], "run_stopped", count=2)
     run = await get_run(session, served.url, run_id)
-    assert run["status"] == "running" and run["turns"] == 2 and served.deleted(run_id) == []
+    assert (run["status"], run["interruption"]["waiting_for"]) == ("interrupted", "resume"), run
+    assert run["turns"] == 2 and served.deleted(run_id) == []
     assert "run_resumed" not in [e["type"] for e in await events(session, served.url, run_id)]
 
 

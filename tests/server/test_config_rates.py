@@ -34,7 +34,7 @@ def test_a_key_with_its_own_limits_authenticates_as_its_team_carrying_them(tmp_p
     assert team.keys == ("sk-test", "sk-batch")
     ring = KeyRing(config.teams)
     plain, batch = ring.team("sk-test"), ring.team("sk-batch")
-    assert plain is not None and plain.caller is None
+    assert plain is not None and plain.caller is not None and plain.caller.limits is None  # the team's limits only
     assert batch is not None and batch.name == team.name and batch.caller is not None
     assert batch.caller.limits == RateLimits(60.0, 5) and batch.caller.scope == key_scope("sk-batch")
     assert "sk-batch" not in batch.caller.scope  # the store never sees the key

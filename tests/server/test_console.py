@@ -96,10 +96,11 @@ async def sign_in(browser: Browser, url: str, key: str) -> Page:
     return page
 
 
-async def start_destructive(session: aiohttp.ClientSession, served: Served, run_id: str) -> None:
+async def start_destructive(session: aiohttp.ClientSession, served: Served, run_id: str,
+                            policy: str = "files_auto") -> None:
     status, _, body = await request(session, "POST", f"{served.url}/v1/chat/completions",
                                     body=chat_body("scripted-destructive"),
-                                    headers={"X-Policy": "files_auto", "X-Run-Id": run_id})
+                                    headers={"X-Policy": policy, "X-Run-Id": run_id})
     assert status == 200 and body["run"]["status"] == "interrupted", body
 
 
@@ -187,6 +188,19 @@ async def test_a_decision_taken_elsewhere_shows_who_took_it(
     await expect(decided.locator(".verdict")).to_have_text("rejected by ops")
     await expect(decided).to_contain_text("not today")
     await expect(decided.locator("button.approve")).to_be_disabled()
+
+
+async def test_a_decision_without_a_reason_reads_plainly_and_the_run_says_it_waits_for_its_resume(
+        served: Served, session: aiohttp.ClientSession, browser: Browser) -> None:
+    page = await sign_in(browser, served.url, OPS)
+    await start_destructive(session, served, "no-reason", policy="files")  # on_decision: wait
+    card = page.locator("#pending-list article.pending", has_text="run no-reason")
+    await card.locator("button.approve").click()
+    decided = page.locator("#decided-list article", has_text="run no-reason")
+    await expect(decided.locator(".outcome")).to_have_text("approved by ops")  # before: "approved by opsnull"
+    await page.goto(f"{served.url}/console/#/run/demo/no-reason")
+    await expect(page.locator("h1 .status")).to_have_text("interrupted")
+    await expect(page.locator("#waiting")).to_have_text("Approved: delete_file; waits to be resumed by its team.")
 
 
 async def test_the_owner_sees_its_runs_but_no_inbox_it_may_not_decide(

@@ -80,7 +80,7 @@ async def test_every_other_exit_is_one_honest_sentence(served: Served) -> None:
     assert raw.headers["X-Run-Turns"] == "2"
     run = (completion.model_extra or {})["run"]
     assert run["interruption"] == {"type": "approval", "call_id": "c2", "tool_name": "delete_file",
-                                   "args": {"path": "access.log"}}
+                                   "args": {"path": "access.log"}, "waiting_for": "decision"}
     assert (served.sandbox(run["id"]) / "access.log").exists()
 
     # runaway asks for list_files every turn: the policy's repeated_call stop ends it
@@ -154,7 +154,7 @@ async def test_client_disconnect_interrupts_the_run_and_it_can_resume(
 
     run = await poll(interrupted)
     assert run["status"] == "interrupted" and run["reason"] == "cancelled"
-    assert run["interruption"] == {"type": "cancelled", "reason": "client disconnected"}
+    assert run["interruption"] == {"type": "cancelled", "reason": "client disconnected", "waiting_for": "resume"}
     trace = await events(session, served.url, run_id)
     asked = next(e for e in trace if e["type"] == "cancel_requested")
     stopped = next(e for e in trace if e["type"] == "run_stopped")

@@ -36,7 +36,7 @@ async def test_turn_cap_refuses_without_forwarding(make_gateway: MakeGateway,
         status, headers, body = await gw.chat(RUNAWAY, run_id="cap-1")
         assert_refusal(status, headers, body, "max_turns_exceeded", "cap-1")
         assert body["run"]["status"] == "max_turns_exceeded" and body["run"]["turns"] == 3
-        assert body["run"]["interruption"] == {"type": "max_turns"}
+        assert body["run"]["interruption"] == {"type": "max_turns", "waiting_for": "resume"}
     assert len(counting_upstream.chat_calls()) == 3
     run = await gw.store.load_run(scoped_run_id("t", "cap-1"))
     assert run is not None and run.status == "max_turns_exceeded" and run.reason == "max_turns"

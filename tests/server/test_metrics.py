@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import re
+from pathlib import Path
 
 import orjson
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.harness.usage import Usage
-from gateway.server.metrics import MAX_EXEMPLAR_RUN_ID, Metrics, end_exemplar_run, exemplar_run
+from gateway.server.metrics import (
+    MAX_EXEMPLAR_RUN_ID,
+    PASS_THROUGH_STOPS,
+    RUN_STOPS,
+    Metrics,
+    end_exemplar_run,
+    exemplar_run,
+)
 from tests.server.conftest import PLAN_USER, FixedUpstream, Gateway, MakeGateway, fixed_config
 
 # What Prometheus 2.x sends when it scrapes (scrape.go, acceptHeader).
@@ -241,3 +250,13 @@ async def test_exemplars_follow_the_served_run_into_the_tasks_it_starts() -> Non
 
 async def _record_stop(metrics: Metrics) -> None:
     metrics.on_run_stopped("t", "p", "completed", "completed", 2, 0.01)
+
+
+def test_the_stops_exported_at_zero_are_the_reasons_table_of_docs_runs() -> None:
+    """`RUN_STOPS` (the runs_stopped label sets exported at 0 from the start) is docs/runs.md's
+    Reasons table, pair for pair; a pass-through policy's are the ones its mode can reach."""
+    table = (Path(__file__).resolve().parents[2] / "docs" / "runs.md").read_text().split("## Reasons", 1)[1]
+    rows = {(status, reason) for reason, status in
+            re.findall(r"^\| `([a-z_]+)` \| `([a-z_]+)` \|", table.split("\n## ", 1)[0], flags=re.M)}
+    assert set(RUN_STOPS) == rows and len(RUN_STOPS) == len(rows)
+    assert set(PASS_THROUGH_STOPS) < set(RUN_STOPS)

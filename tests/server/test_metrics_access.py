@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 import yaml
 
@@ -15,6 +16,7 @@ from gateway.config.settings import ConfigError, load_config
 from tests.server.conftest import config_data
 from tests.server.conftest import write_config as write_unit_config
 from tests.server.served import DEMO, chat_body, request, write_config
+from tests.support import rawhttp
 from tests.support.procs import Proc, free_port, start_gateway
 
 TOKEN_ENV = "GATEWAY_TEST_METRICS_TOKEN"
@@ -87,8 +89,11 @@ async def test_token_and_listener_together(tmp_path: Path, session: aiohttp.Clie
     try:
         status, _, body = await request(session, "GET", f"{separate}/metrics", key="wrong")
         assert status == 401 and body["error"]["code"] == "invalid_api_key", body
+        answer = rawhttp.send(separate, "GET", "/metrics", [(b"Authorization", b"Bearer \xff" + TOKEN.encode())])
+        assert answer.status == 401 and orjson.loads(answer.body)["error"]["code"] == "invalid_api_key", answer
         assert (await scrape(session, separate, TOKEN))[0] == 200
         assert (await scrape(session, proc.url, TOKEN))[0] == 404
+        assert "Traceback" not in proc.output()
     finally:
         proc.stop()
 

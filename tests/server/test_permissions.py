@@ -122,7 +122,9 @@ async def test_permission_matrix(served: Served, session: aiohttp.ClientSession,
         raised = (run["limits"]["max_turns"], run["limits"]["max_budget_usd"]) == (10000, 5000)
         assert raised == (expected == 200), run["limits"]  # a refused resume changed nothing
     if action in ("resume", "raise_limits"):
-        assert run["status"] == ("completed" if expected == 200 else "running"), run  # decided, not driven
+        assert run["status"] == ("completed" if expected == 200 else "interrupted"), run  # decided, not driven
+        if expected != 200:
+            assert run["interruption"]["waiting_for"] == "resume", run
     if action == "cancel":
         cancelled = run["status"] == "interrupted" and run["interruption"]["type"] == "cancelled"
         assert cancelled == (expected == 200), run
@@ -145,7 +147,8 @@ async def test_the_owner_cancels_a_run_waiting_for_a_decision(served: Served,
                                           body={"reason": "not needed any more"})
     assert status == 200 and body["cancel"] == "done", body
     assert body["run"]["status"] == "interrupted" and headers["X-Run-Status"] == "interrupted"
-    assert body["run"]["interruption"] == {"type": "cancelled", "reason": "not needed any more"}
+    assert body["run"]["interruption"] == {"type": "cancelled", "reason": "not needed any more",
+                                           "waiting_for": "resume"}
     assert await pending_gauge(session, served) == waiting - 1
     trace = await events(session, served.url, run_id)
     assert [e["type"] for e in trace][-3:] == ["cancel_requested", "approval_dropped", "run_stopped"]

@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
-import orjson
 import pytest
 import pytest_asyncio
 from aiohttp import web
@@ -22,6 +21,7 @@ from gateway.harness.usage import Price, Usage
 from tests.server.conftest import config_data
 from tests.server.test_responses import TOOLS, load_run, sdk, serve, stored_run_id
 from tests.support.procs import Proc, free_port
+from tests.support.upstreams import responses_stream
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 PRICE = Price(2.0, 12.0)
@@ -50,8 +50,6 @@ async def native(request: web.Request) -> web.StreamResponse:
                        "total_tokens": usage.total_tokens}}
     if not body.get("stream"):
         return web.json_response(final)
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await response.prepare(request)
     item = output[0]
     events: list[dict[str, Any]] = [{"type": "response.created", "response": {**final, "output": []}}]
     if item["type"] == "message":
@@ -65,11 +63,7 @@ async def native(request: web.Request) -> web.StreamResponse:
                    {"type": "response.function_call_arguments.delta", "output_index": 0, "delta": item["arguments"]}]
     events += [{"type": "response.output_item.done", "output_index": 0, "item": item},
                {"type": "response.completed", "response": final}]
-    for n, event in enumerate(events):
-        await response.write(b"event: " + event["type"].encode() + b"\ndata: "
-                             + orjson.dumps({**event, "sequence_number": n}) + b"\n\n")
-    await response.write_eof()
-    return response
+    return await responses_stream(request, events)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

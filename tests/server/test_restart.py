@@ -100,9 +100,11 @@ async def test_a_replica_cannot_drive_a_run_another_drives_but_can_stop_it(serve
                                         body={"reason": "stopped from the other replica"})
         # the driving replica stops it within one poll of the trace: the answer waits for that
         assert status == 200 and body["cancel"] == "done", body
-        assert body["run"]["interruption"] == {"type": "cancelled", "reason": "stopped from the other replica"}
+        assert body["run"]["interruption"] == {"type": "cancelled", "reason": "stopped from the other replica",
+                                                 "waiting_for": "resume"}
         status, _, answered = await call  # the driving replica read the request from the shared trace
-        assert answered["run"]["interruption"] == {"type": "cancelled", "reason": "stopped from the other replica"}
+        assert answered["run"]["interruption"] == {"type": "cancelled", "reason": "stopped from the other replica",
+                                                 "waiting_for": "resume"}
         trace = await events(session, replica.url, run_id)
         asked = next(e for e in trace if e["type"] == "cancel_requested")
         stopped = next(e for e in trace if e["type"] == "run_stopped")

@@ -137,7 +137,7 @@ async def test_wall_clock_cap_stops_before_the_next_step_and_resume_extends_it(
     status, _, body = await chat(session, served, chat_body("scripted-slow"), "timed", "timed-1")
     assert status == 200 and body["run"]["status"] == "max_duration_exceeded", body
     assert answer(body) == f"The run stopped: it reached its cap of {TIMED_DURATION_S:g} seconds of wall-clock time."
-    assert body["run"]["turns"] == 1 and body["run"]["interruption"] == {"type": "max_duration"}
+    assert body["run"]["turns"] == 1 and body["run"]["interruption"] == {"type": "max_duration", "waiting_for": "resume"}
     assert len(await tool_starts(session, served, "timed-1")) == 1
     run = await get_run(session, served.url, "timed-1")
     assert [m for m in run["transcript"] if m["role"] == "tool"] == []

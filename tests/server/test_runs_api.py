@@ -143,7 +143,8 @@ async def test_cancel_stops_a_slow_tool_mid_work(served: Served, session: aiohtt
                                           body={"reason": "user pressed Stop"})
     assert status == 200, body
     assert body["run"]["status"] == "interrupted"
-    assert body["run"]["interruption"] == {"type": "cancelled", "reason": "user pressed Stop"}
+    assert body["run"]["interruption"] == {"type": "cancelled", "reason": "user pressed Stop",
+                                                 "waiting_for": "resume"}
     status, _, answered = await call
     assert status == 200
     assert answered["choices"][0]["message"]["content"] == "The run was interrupted: user pressed Stop."

@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.server.served import DEMO, OPS, Served, chat_body, request
+from tests.server.served import DEMO, OPS, Served, chat_body, poll, request
 from tests.server.test_console_http import sign_in
 
 STOPS_WITHIN_S = 5.0
@@ -62,3 +62,23 @@ async def test_a_followed_run_waiting_for_a_decision_does_not_hold_the_shutdown(
             took, _ = await _stop_while(gateway, response)
     assert took < STOPS_WITHIN_S
     assert gateway.proc.popen.returncode == 0
+
+
+async def test_a_stop_lets_the_call_in_flight_finish_and_says_so(gateway: Served) -> None:
+    async with aiohttp.ClientSession() as session:
+        call = asyncio.ensure_future(request(session, "POST", f"{gateway.url}/v1/chat/completions",
+                                             body=chat_body("scripted-plan"),
+                                             headers={"X-Policy": "passthrough", "X-Scripted-Latency-Ms": "1500"}))
+
+        async def in_flight() -> bool:
+            async with session.get(f"{gateway.url}/metrics") as resp:
+                return "gateway_runs_active 1.0" in await resp.text()
+
+        await poll(in_flight)
+        gateway.proc.popen.terminate()
+        status, _, body = await call
+    assert status == 200, body  # drained, not cut
+    await asyncio.get_running_loop().run_in_executor(None, gateway.proc.popen.wait, STOPS_WITHIN_S * 4)
+    assert gateway.proc.popen.returncode == 0
+    [line] = [line for line in gateway.proc.output().splitlines() if "gateway: stopped" in line]
+    assert "having drained 1 request in flight" in line, line

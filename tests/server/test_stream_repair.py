@@ -9,6 +9,7 @@ makes of the same reply.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import orjson
@@ -17,7 +18,7 @@ from gateway.config.settings import UpstreamConfig
 from gateway.providers.repair import repair_completion, tool_schemas
 from gateway.providers.scripted import Ask, stream_chunks
 from gateway.providers.upstream import Upstream
-from gateway.server.chat.passthrough_stream import ChatOutlet, Reassembly
+from gateway.server.chat.stream_events import ChatOutlet, Reassembly
 from gateway.server.chat.stream_repair import StreamRepair
 from gateway.tools.catalog import FILE_TOOLS
 
@@ -33,7 +34,7 @@ def recorded(name: str) -> dict[str, Any]:
 
 def upstream(tool_repair: bool = True) -> Upstream:
     return Upstream(UpstreamConfig("small", kind="local", base_url="http://127.0.0.1:9/v1", tool_repair=tool_repair),
-                    None, lambda: None)  # type: ignore[arg-type]  # never sends: only its config is read
+                    SimpleNamespace(request=None), lambda: None)  # type: ignore[arg-type]  # never sends: only its config is read
 
 
 def events_of(message: dict[str, Any], finish: str) -> list[bytes]:

@@ -164,9 +164,13 @@ async def test_the_built_in_scripted_upstream_answers_whichever_worker_a_call_re
 
 def test_sigterm_stops_every_worker(own_two: Proc) -> None:
     kids = workers_of(own_two)
+    banner = next(line for line in own_two.output().splitlines() if "2 workers serving" in line)
+    assert f"2 workers serving on {own_two.url} (config " in banner and f"console at {own_two.url}/console/" in banner
     own_two.popen.send_signal(signal.SIGTERM)
     assert own_two.popen.wait(timeout=60) == 0
     wait_until(lambda: not any(alive(pid) for pid in kids))
+    stopped = [line for line in own_two.output().splitlines() if line.startswith("gateway: stopped (pid ")]
+    assert sorted(int(line.split("pid ")[1].split(")")[0]) for line in stopped) == sorted(kids), stopped
 
 
 def test_a_killed_supervisor_takes_its_workers_with_it(own_two: Proc) -> None:

@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -30,11 +30,11 @@ STORE_TIMEOUT_S = 10.0
 """The Redis views' command deadline in these tests."""
 
 
-def _start_redis(exe: str, workdir: Path, *, port: int | None = None,
-                 durable: bool = False) -> tuple[subprocess.Popen[bytes], int]:
+def _start_redis(exe: str, workdir: Path, *, port: int | None = None, durable: bool = False,
+                 extra: Sequence[str] = ()) -> tuple[subprocess.Popen[bytes], int]:
     """Start redis-server (on `port`, else a free one) and poll PING until it answers.
     `durable`: an append-only file synced on every write, so a restart in `workdir` keeps
-    the data."""
+    the data. `extra`: more redis-server arguments (e.g. a maxmemory-policy)."""
     persistence = ["--appendonly", "yes", "--appendfsync", "always"] if durable else ["--appendonly", "no"]
     for _attempt in range(1 if port is not None else 3):  # a free port can be taken before it is bound
         port_ = port if port is not None else free_port()
@@ -42,7 +42,7 @@ def _start_redis(exe: str, workdir: Path, *, port: int | None = None,
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 [exe, "--port", str(port_), "--bind", "127.0.0.1", "--save", "", *persistence,
-                 "--dir", str(workdir)],
+                 "--dir", str(workdir), *extra],
                 stdout=out, stderr=subprocess.STDOUT,
             )
         client = redis.Redis(host="127.0.0.1", port=port_, socket_connect_timeout=0.5, socket_timeout=0.5)

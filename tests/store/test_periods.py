@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from gateway.store.periods import period_key
+from gateway.store.periods import period_end, period_key
 
 
 def test_keys_name_the_day_the_month_or_total() -> None:
@@ -40,5 +40,12 @@ def test_now_defaults_to_the_current_utc_date() -> None:
 def test_bad_input_is_named() -> None:
     with pytest.raises(ValueError, match="timezone-aware"):
         period_key("day", datetime(2026, 11, 30, 12, 0))
-    with pytest.raises(ValueError, match="'week'"):
-        period_key("week", datetime(2026, 11, 30, tzinfo=UTC))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'year'"):
+        period_key("year", datetime(2026, 11, 30, tzinfo=UTC))  # type: ignore[arg-type]
+
+
+def test_a_week_is_an_iso_week_from_monday() -> None:
+    assert period_key("week", datetime(2026, 11, 30, tzinfo=UTC)) == "2026-W49"
+    assert period_key("week", datetime(2027, 1, 1, tzinfo=UTC)) == "2026-W53"  # ISO: the week of its Thursday
+    end = period_end("2026-W49")
+    assert end == datetime(2026, 12, 7, tzinfo=UTC)

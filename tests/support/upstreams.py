@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
+import orjson
 from aiohttp import web
 
 from tests.support.procs import free_port
@@ -34,6 +37,17 @@ def never_answering(seen: list[object], release: asyncio.Event) -> Handler:
     return hang
 
 
+async def responses_stream(request: web.Request, events: list[dict[str, Any]]) -> web.StreamResponse:
+    """A Responses-API upstream's stream: each event typed and numbered, as OpenAI sends them."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for n, event in enumerate(events):
+        await response.write(b"event: " + event["type"].encode() + b"\ndata: "
+                             + orjson.dumps({**event, "sequence_number": n}) + b"\n\n")
+    await response.write_eof()
+    return response
+
+
 def chat_app(handler: Handler) -> web.Application:
     """An app answering `POST /v1/chat/completions` with `handler`."""
     app = web.Application()
@@ -42,14 +56,15 @@ def chat_app(handler: Handler) -> web.Application:
 
 
 @contextlib.asynccontextmanager
-async def serving_app(app: web.Application) -> AsyncIterator[str]:
-    """`app` on a free loopback port of the running loop; yields its root URL."""
+async def serving_app(app: web.Application, ssl_context: ssl.SSLContext | None = None) -> AsyncIterator[str]:
+    """`app` on a free loopback port of the running loop (over TLS with `ssl_context`);
+    yields its root URL."""
     runner = web.AppRunner(app, shutdown_timeout=0.1)
     await runner.setup()
     port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await web.TCPSite(runner, "127.0.0.1", port, ssl_context=ssl_context).start()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"{'https' if ssl_context else 'http'}://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
 
@@ -63,16 +78,18 @@ async def serving(handler: Handler) -> AsyncIterator[str]:
 
 
 @contextlib.contextmanager
-def in_thread(make_app: Callable[[], web.Application], timeout: float = 30.0) -> Iterator[str]:
+def in_thread(make_app: Callable[[], web.Application], timeout: float = 30.0,
+              ssl_context: ssl.SSLContext | None = None) -> Iterator[str]:
     """The app `make_app()` builds (on the thread's loop, as aiohttp wants), served on a free
-    loopback port by a thread of its own until the block ends; yields its root URL."""
+    loopback port by a thread of its own (over TLS with `ssl_context`) until the block ends;
+    yields its root URL."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="test-upstream", daemon=True)
     thread.start()
     stack = contextlib.AsyncExitStack()
 
     async def up() -> str:
-        return await stack.enter_async_context(serving_app(make_app()))
+        return await stack.enter_async_context(serving_app(make_app(), ssl_context))
 
     try:
         yield asyncio.run_coroutine_threadsafe(up(), loop).result(timeout)

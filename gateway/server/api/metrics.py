@@ -18,6 +18,8 @@ from aiohttp.typedefs import Handler
 
 from gateway.server import context as ctx
 from gateway.server.http.errors import ApiError, Unauthorized, from_http_exception
+from gateway.server.http import request_headers
+from gateway.server.http.listener import listen_sockets
 
 METRICS_APP: web.AppKey[web.Application] = web.AppKey("metrics_main_app", web.Application)
 """In the separate listener's app: the gateway app whose metrics it serves."""
@@ -45,7 +47,7 @@ def _authorize(app: web.Application, request: web.Request) -> None:
 async def _exposition(app: web.Application, request: web.Request) -> web.Response:
     """The metrics, in OpenMetrics (with run-id exemplars) for a scraper that asks for it
     (Prometheus does), else Prometheus text. Team ledger gauges are read at scrape time
-    (shared by replicas)."""
+    (shared by replicas), and so are the calls waiting for a decision (`PendingApprovals`)."""
     _authorize(app, request)
     registry = app[ctx.METRICS]
     governor = app[ctx.GOVERNOR]
@@ -53,6 +55,7 @@ async def _exposition(app: web.Application, request: web.Request) -> web.Respons
         spent, reserved = await app[ctx.STORE].team_spend(team.name, governor.period(team))
         remaining = None if team.budget_usd is None else team.budget_usd - spent - reserved
         registry.set_team_budget(team.name, spent, remaining)
+    await app[ctx.DRIVER].approvals.refresh()
     body, content_type = registry.exposition(request.headers.get("Accept"))
     return web.Response(body=body, headers={"Content-Type": content_type, "Vary": "Accept"})
 
@@ -70,6 +73,7 @@ async def _separate_metrics(request: web.Request) -> web.Response:
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The separate listener answers its errors in the OpenAI shape too."""
     try:
+        request_headers.check(request.raw_headers)
         return await handler(request)
     except ApiError as exc:
         return exc.response()
@@ -80,14 +84,21 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 async def _separate_listener(app: web.Application) -> AsyncIterator[None]:
+    """The second listener. A port in use is a `StartError` (one line, exit 2); the workers
+    of `--workers N` each listen on it with SO_REUSEPORT, as on the main port (any of them
+    answers for all, docs/metrics.md)."""
     host, port = app[ctx.LIVE].config.metrics.listen or ("127.0.0.1", 0)
+    sockets = listen_sockets(host, port, reuse_port=app.get(ctx.WORKER) is not None, setting="metrics.listen")
     listener = web.Application(middlewares=[_errors])
     listener[METRICS_APP] = app
     listener.router.add_get("/metrics", _separate_metrics)
     runner = web.AppRunner(listener, access_log=None)
-    await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await runner.setup()
+        for sock in sockets:
+            await web.SockSite(runner, sock).start()
         yield
     finally:
         await runner.cleanup()
+        for sock in sockets:
+            sock.close()

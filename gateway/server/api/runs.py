@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any, Final
 
 import orjson
@@ -29,7 +30,9 @@ from gateway.harness.state import Decision, Interruption, RunState, scoped_run_i
 from gateway.harness.trace import Event, StartSetup, Tracer, with_run_id
 from gateway.policy.approval import expired, expiry_decision
 from gateway.policy.decl import Policy
+from gateway.server import audit
 from gateway.server import context as ctx
+from gateway.store.audit import AuditEntry
 from gateway.server.api.access import may_decide, may_see, require_steer
 from gateway.server.api.runs_input import (
     approval_input,
@@ -53,10 +56,10 @@ from gateway.server.runs.auto_resume import (
 )
 from gateway.server.runs.cancels import RunBusy, cancel_event
 from gateway.server.runs.continuations import resume_with
-from gateway.server.runs.driver import Prepare
+from gateway.server.runs.driver import Audited, Prepare
 from gateway.server.runs.booking import append_trace_file
-from gateway.server.runs.keying import commit_run, stop_run, update_run
-from gateway.server.runs.tracelog import TraceWriter, asked_at
+from gateway.server.runs.keying import commit_run, stop_run
+from gateway.server.runs.tracelog import asked_at
 
 CANCEL_WAIT_S: Final = 5.0
 LIST_SCAN: Final = 1000
@@ -219,18 +222,25 @@ async def post_approval(request: web.Request) -> web.Response:
         except ApprovalError as exc:
             raise Conflict(str(exc), code="not_waiting_for_call") from None
 
-    run = await update_run(store, run, change)
+    def trace(state: RunState) -> list[Event]:
+        return [Tracer(state.run_id)(
+            "approval_decided", callId=call_id, toolName=waiting.tool_name if waiting else None,
+            args=waiting.args if waiting else None, decision=decision.decision, reason=decision.reason,
+            by=decision.by, expired=late)]
+
+    def recorded(state: RunState) -> list[AuditEntry]:
+        return [audit.entry(team, audit.APPROVAL_DECIDED, state.public_id, concerns=state.team, details={
+            "call_id": call_id, "tool": waiting.tool_name if waiting else None, "decision": decision.decision,
+            "reason": decision.reason, "expired": late})]
+
+    # The decision, its trace line and its audit record in one store step.
+    run, lines, _ = await commit_run(store, run, change, trace, None, audit=recorded)
+    append_trace_file(app[ctx.LIVE].config.trace_file, lines)
     request[ctx.RUN] = run
-    writer = TraceWriter(store, run.run_id, trace_file=app[ctx.LIVE].config.trace_file)
-    Tracer(run.run_id, writer)(
-        "approval_decided", callId=call_id, toolName=waiting.tool_name if waiting else None,
-        args=waiting.args if waiting else None, decision=decision.decision, reason=decision.reason,
-        by=decision.by, expired=late)
-    await writer.flush()
-    await app[ctx.DRIVER].refresh_approvals(run.team)
-    after_decision(app[BACKGROUND], run, policy, resume_with(None, None, RESUMED_BY))
-    return _json({"run": run_json(run), "decision": {"call_id": call_id, **decision.to_json(), "expired": late}},
-                 run=run)
+    app[ctx.DRIVER].approvals_changed()
+    resumes = after_decision(app[BACKGROUND], run, policy, resume_with(None, None, RESUMED_BY))
+    return _json({"run": run_json(run), "decision": {"call_id": call_id, **decision.to_json(), "expired": late},
+                  "run_resumes_on_decision": resumes}, run=run)
 
 
 async def post_resume(request: web.Request) -> web.StreamResponse:
@@ -239,16 +249,24 @@ async def post_resume(request: web.Request) -> web.StreamResponse:
     team, run = await run_for(request)
     require_steer(team, run, "resume")
     given = resume_input(await _body(request))
-    prepare = resume_with(given.max_turns, given.max_budget_usd, team.name, max_tool_calls=given.max_tool_calls,
-                          max_duration_s=given.max_duration_s)
+    prepare: Prepare = resume_with(given.max_turns, given.max_budget_usd, team.name,
+                                   max_tool_calls=given.max_tool_calls, max_duration_s=given.max_duration_s)
+    raised = {name: [getattr(run.limits, name), value] for name, value in (
+        ("max_turns", given.max_turns), ("max_budget_usd", given.max_budget_usd),
+        ("max_tool_calls", given.max_tool_calls), ("max_duration_s", given.max_duration_s)) if value is not None}
+    entries: tuple[AuditEntry, ...] = ()
+    if raised:  # an administrative act: the run may spend more (recorded with the resume's save)
+        entries = (audit.entry(team, audit.RUN_RESUMED, run.public_id, concerns=run.team, details=raised),)
+        prepare = Audited(prepare, entries)
     policy = run_policy(request.app, run)
     if policy is not None and not policy.server_side:
-        return await _reopen_passthrough(request, run, policy, prepare)
+        return await _reopen_passthrough(request, run, policy, prepare, entries)
     return await answer(request, run.run_id, prepare=prepare, start="run_resumed", stream=given.stream,
                         include_usage=given.include_usage)
 
 
-async def _reopen_passthrough(request: web.Request, run: RunState, policy: Policy, prepare: Prepare) -> web.Response:
+async def _reopen_passthrough(request: web.Request, run: RunState, policy: Policy, prepare: Prepare,
+                              entries: tuple[AuditEntry, ...]) -> web.Response:
     """A pass-through run is driven by its client: resuming it only reopens it for the next call."""
     app = request.app
     setup: StartSetup | None = None
@@ -257,11 +275,13 @@ async def _reopen_passthrough(request: web.Request, run: RunState, policy: Polic
         nonlocal setup
         setup = prepare(state, policy)
 
-    run = await update_run(app[ctx.STORE], run, change)
+    def trace(state: RunState) -> list[Event]:
+        return [Tracer(state.run_id).start("run_resumed", setup, {"turns": state.turns,
+                                                                  "costUsd": round(state.cost_usd, 9)})]
+
+    run, lines, _ = await commit_run(app[ctx.STORE], run, change, trace, None, audit=lambda _: entries)
+    append_trace_file(app[ctx.LIVE].config.trace_file, lines)
     request[ctx.RUN] = run
-    writer = TraceWriter(app[ctx.STORE], run.run_id, trace_file=app[ctx.LIVE].config.trace_file)
-    Tracer(run.run_id, writer).start("run_resumed", setup, {"turns": run.turns, "costUsd": round(run.cost_usd, 9)})
-    await writer.flush()
     return _json({"run": run_json(run)}, run=run)
 
 
@@ -272,11 +292,18 @@ async def post_cancel(request: web.Request) -> web.Response:
     require_steer(team, run, "cancel")
     reason = cancel_reason(await _body(request)) or f"cancelled by team {team.name}"
     driver = app[ctx.DRIVER]
+    # A cancel by someone other than the run's team is an administrative act: recorded with
+    # the stopped run when this process stops it, else (the run is driven here, or by another
+    # replica, which saves the stop itself) with the request.
+    entries = [audit.entry(team, audit.RUN_CANCELLED, run.public_id, concerns=run.team, details={"reason": reason})
+               ] if team.name != run.team else []
     if driver.active.cancel(run.run_id, reason, team.name):
+        if entries:
+            await app[ctx.STORE].append_audit(entries)
         await driver.active.wait_stopped(run.run_id, CANCEL_WAIT_S)
         run = await _reload(app, run)
         return _json({"run": run_json(run), "cancel": "done"}, run=run)
-    if run.status != "running" and _waiting_decision(run) is None:
+    if not _cancellable(run):
         raise Conflict(f"run {run.public_id} is not running (status {run.status}); nothing to cancel",
                        code="run_not_running")
     store = app[ctx.STORE]
@@ -284,20 +311,24 @@ async def post_cancel(request: web.Request) -> web.Response:
         with driver.active.claim(run.run_id, lambda event: None):
             if await store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s):
                 try:
-                    run = await _cancel_undriven(app, await _reload(app, run), reason, team.name)
+                    run = await _cancel_undriven(app, await _reload(app, run), reason, team.name, entries)
                 finally:
                     await store.release_lease(run.run_id, driver.owner)
                 request[ctx.RUN] = run
-                await driver.refresh_approvals(run.team)
+                driver.approvals_changed()
                 return _json({"run": run_json(run), "cancel": "done"}, run=run)
     except RunBusy:  # a drive started here meanwhile: stop it
         driver.active.cancel(run.run_id, reason, team.name)
+        if entries:
+            await app[ctx.STORE].append_audit(entries)
         await driver.active.wait_stopped(run.run_id, CANCEL_WAIT_S)
         run = await _reload(app, run)
         return _json({"run": run_json(run), "cancel": "done"}, run=run)
     # Another replica (or worker) drives it: it reads its run's trace and stops; the answer
     # says "done" once the stored run shows it, "requested" if that takes longer.
     await store.append_events(run.run_id, [cancel_event(run.run_id, reason, team.name)])
+    if entries:
+        await store.append_audit(entries)
     stopped = await _stopped_elsewhere(app, run, CANCEL_WAIT_S)
     if stopped is not None:
         request[ctx.RUN] = stopped
@@ -325,19 +356,22 @@ async def _reload(app: web.Application, run: RunState) -> RunState:
 
 def _waiting_decision(run: RunState) -> Interruption | None:
     """The approval an interrupted run waits for, if it waits for one still undecided."""
-    waiting = run.interruption
-    if run.status == "interrupted" and waiting is not None and waiting.type == "approval" \
-            and waiting.call_id not in run.decisions:
-        return waiting
-    return None
+    return run.interruption if run.waits_for_decision else None
 
 
-async def _cancel_undriven(app: web.Application, run: RunState, reason: str, by: str) -> RunState:
-    """A run nobody drives: `running` (it waits for client tools, or its replica died) or
-    waiting for a decision. A pending approval is dropped: nobody can decide it any more,
-    and a later resume asks again (the call is still pending in the transcript)."""
+def _cancellable(run: RunState) -> bool:
+    """Running, or stopped on a call (decided or not) that would let it go on."""
+    return run.status == "running" or run.waits_for_decision or run.decided
+
+
+async def _cancel_undriven(app: web.Application, run: RunState, reason: str, by: str,
+                           entries: Sequence[AuditEntry] = ()) -> RunState:
+    """A run nobody drives: `running` (it waits for client tools, or its replica died),
+    waiting for a decision, or decided and waiting for its resume (the decision stays: a
+    later resume acts on it). A pending approval is dropped: nobody can decide it any
+    more, and a later resume asks again (the call is still pending in the transcript)."""
     store = app[ctx.STORE]
-    if run.status != "running" and _waiting_decision(run) is None:
+    if not _cancellable(run):
         raise Conflict(f"run {run.public_id} is not running (status {run.status}); nothing to cancel",
                        code="run_not_running")
     dropped = _waiting_decision(run)
@@ -354,7 +388,8 @@ async def _cancel_undriven(app: web.Application, run: RunState, reason: str, by:
     # The lines and the stopped run in one store step: a reader that sees `run_stopped` finds
     # the run stopped (and may resume it at once).
     run, lines, _ = await commit_run(store, run, stop_run("interrupted", "cancelled",
-                                                          Interruption("cancelled", reason=reason)), trace, None)
+                                                          Interruption("cancelled", reason=reason)), trace, None,
+                                     audit=lambda _: entries)
     append_trace_file(app[ctx.LIVE].config.trace_file, lines)
     return run
 

@@ -33,9 +33,16 @@ def exit_sentence(state: RunState) -> str:
     if state.status == "budget_exceeded":
         if state.reason == "team_budget":
             return "The run stopped: its team's budget cannot pay for another turn."
+        if state.reason in ("key_budget", "user_budget"):
+            whose = "key's" if state.reason == "key_budget" else "user's"
+            return f"The run stopped: its {whose} budget cannot pay for another turn."
         budget = limits.max_budget_usd or 0.0
         return f"The run stopped: it spent ${state.cost_usd:.6f} and reached its budget of ${budget:.2f}."
     if state.status == "interrupted" and i is not None:
+        if i.type == "approval" and i.call_id in state.decisions:
+            verdict = "approved" if state.decisions[i.call_id].decision == "approve" else "rejected"
+            return (f"A person {verdict} {i.tool_name}({json.dumps(i.args)}); the run waits to be resumed "
+                    f"(POST /v1/runs/{state.public_id}/resume, or its next chat call) to go on.")
         if i.type == "approval":
             return f"The run is waiting for a person to approve {i.tool_name}({json.dumps(i.args)})."
         if i.type == "cancelled":

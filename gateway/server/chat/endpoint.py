@@ -15,6 +15,7 @@ from gateway.server.chat.passthrough import pass_through
 from gateway.server.chat.server_side import handle_server_side
 from gateway.server.http.chat_request import parse_chat_request
 from gateway.server.http.errors import NotFound
+from gateway.server.http.scope import call_user, require_model
 from gateway.server.http.validation import read_body
 from gateway.server.runs.keying import ServerSideRun, resolve_call
 
@@ -28,8 +29,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if route is None:
         raise NotFound(f"model '{chat.model}' is not routed by this gateway (see GET /v1/models)",
                        code="model_not_found", param="model")
+    require_model(team, chat.model)
     call = await resolve_call(app[ctx.STORE], app[ctx.POLICIES], team, request.headers, chat, route,
-                              defer_create=True, cache=app[ctx.RUN_CACHE])
+                              defer_create=True, cache=app[ctx.RUN_CACHE],
+                              user=call_user(team, chat.body, request.headers))
     request[ctx.RUN] = call.run
     if call.policy.server_side:
         return await handle_server_side(request, call)

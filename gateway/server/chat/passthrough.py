@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -19,11 +20,14 @@ from gateway.providers.reply import ParsedReply
 from gateway.providers.failover import RoutedCall
 from gateway.providers.upstream import UpstreamReply
 from gateway.server import context as ctx
-from gateway.server.chat.passthrough_stream import stream_through
+from gateway.server.chat.passthrough_stream import charge_received, stream_through
+from gateway.server.chat.stream_events import Reassembly
 from gateway.server.http.errors import (
+    ClientLeft,
     Conflict,
     LimitExceeded,
 )
+from gateway.server.http.leaving import upstream_wait
 from gateway.server.runs.booking import Booked, book_turn, refuse
 from gateway.server.runs.forwarding import Body, complete_chat, routed_call, trace_unbooked
 from gateway.server.runs.governor import Admission, Ask
@@ -31,6 +35,8 @@ from gateway.server.runs.keying import Call, join_created
 from gateway.server.runs.rate_limits import keep as keep_rate_clocks
 from gateway.server.runs.replies import with_run
 from gateway.store.errors import RunExists
+
+T = TypeVar("T")
 
 
 def _check_open(call: Call) -> None:
@@ -60,7 +66,7 @@ async def admit(request: web.Request, call: Call) -> Admission:
     from a cached run is judged again on the stored run when its admission refuses, or finds
     the stored revision different (the admission is then given back first)."""
     chat = call.chat
-    ask = Ask(call.route.price, chat.messages, chat.tools, chat.max_tokens, chat.n)
+    ask = Ask(call.route.price, chat.messages, chat.tools, chat.max_tokens, chat.n, chat.model, call.user)
     app = request.app
     governor = app[ctx.GOVERNOR]
     try:
@@ -129,14 +135,29 @@ async def pass_through(request: web.Request, call: Call) -> web.StreamResponse:
                             headers=booked.headers())
 
 
+async def awaiting_upstream(request: web.Request, call: Call, adm: Admission, routed: RoutedCall,
+                            answer: Coroutine[Any, Any, T]) -> T:
+    """`answer`, the upstream's non-streamed reply; a client that leaves first stops it
+    (`http.leaving`): the prompt the upstream was sent is booked, the rest of the call's
+    holds are freed, and `ClientLeft` is raised."""
+    try:
+        with upstream_wait(request):
+            return await answer
+    except ClientLeft:
+        answer.close()  # never started if the client had gone already
+        await charge_received(request, call, adm, Reassembly(), "client_disconnected", routed, left=True)
+        raise
+
+
 async def complete_and_book(request: web.Request, call: Call, adm: Admission, routed: RoutedCall, body: Body,
                             client_headers: Mapping[str, str]) -> tuple[UpstreamReply, ParsedReply, Booked]:
     """A non-streamed pass-through turn: forward (with retries and fallbacks), parse (502
     `upstream_malformed`, released like any upstream failure), time it and book it."""
-    reply, parsed, upstream = await complete_chat(routed, body, client_headers)
+    reply, parsed, upstream = await awaiting_upstream(request, call, adm, routed,
+                                                      complete_chat(routed, body, client_headers))
     request[ctx.UPSTREAM_SECONDS] = reply.seconds
     request.app[ctx.METRICS].on_upstream(upstream.name, call.chat.model, reply.seconds)
     booked = await book_turn(request, call, adm, reported=parsed.usage, message=parsed.message,
-                             finish=parsed.finish_reason, routed=routed,
-                             repairs=reply.repairs)
+                             finish=parsed.finish_reason, routed=routed, repairs=reply.repairs,
+                             others=parsed.others)
     return reply, parsed, booked

@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
@@ -40,9 +40,8 @@ from gateway.providers.repair import (
     tool_schemas,
 )
 from gateway.providers.upstream import Upstream
+from gateway.server.chat.stream_events import ChatOutlet, EventKind, Reassembly
 
-if TYPE_CHECKING:  # the outlet and reassembly live beside stream_through, which imports this module
-    from gateway.server.chat.passthrough_stream import ChatOutlet, EventKind, Reassembly
 
 _MAY_BE_A_CALL = re.compile(r"[{`<]")
 # Fields of the upstream's chunks copied onto the chunks written here.

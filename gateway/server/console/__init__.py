@@ -16,6 +16,8 @@ It calls these routes, all under `/console` (the session cookie's path):
 | GET  /console/api/runs[/{id}[/events]]     | the runs API's own handlers (`session.as_api`)  |
 | POST /console/api/runs/{id}/approvals, /resume, /cancel | the same, CSRF-checked             |
 | GET  /console/api/runs/{id}/trace          | the `gateway trace` timeline and turn costs     |
+| GET  /console/api/spend/report             | `GET /v1/spend` (`session.as_api`)              |
+| GET, POST /console/api/keys[/{id}], PATCH, DELETE /console/api/keys/{id}, POST .../rotate | the admin keys API's, CSRF-checked |
 
 What a team may see and do is the runs API's (`run_access`), since these are its
 handlers. The console's routes are left out of `/openapi.json` on purpose: they are the
@@ -30,7 +32,9 @@ from urllib.parse import quote
 
 from aiohttp import web
 
+from gateway.server.api import keys as keys_api
 from gateway.server.api import runs as runs_api
+from gateway.server.api import spend as spend_api
 from gateway.server.console import inbox, session, views
 from gateway.server.http.errors import NotFound
 
@@ -74,6 +78,13 @@ def setup(app: web.Application) -> None:
     r.add_post(PREFIX + "/api/runs/{id}/approvals", session.as_api(runs_api.post_approval))
     r.add_post(PREFIX + "/api/runs/{id}/resume", session.as_api(runs_api.post_resume))
     r.add_post(PREFIX + "/api/runs/{id}/cancel", session.as_api(runs_api.post_cancel))
+    r.add_get(PREFIX + "/api/spend/report", session.as_api(spend_api.get_spend))
+    r.add_get(PREFIX + "/api/keys", session.as_api(keys_api.list_keys))
+    r.add_post(PREFIX + "/api/keys", session.as_api(keys_api.create_key))
+    r.add_get(PREFIX + "/api/keys/{id}", session.as_api(keys_api.get_key))
+    r.add_patch(PREFIX + "/api/keys/{id}", session.as_api(keys_api.update_key))
+    r.add_delete(PREFIX + "/api/keys/{id}", session.as_api(keys_api.revoke_key))
+    r.add_post(PREFIX + "/api/keys/{id}/rotate", session.as_api(keys_api.rotate_key))
 
 
 def is_console(path: str) -> bool:

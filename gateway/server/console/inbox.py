@@ -28,6 +28,7 @@ from gateway.server import context as ctx
 from gateway.server.api.access import may_decide, may_see
 from gateway.server.api.runs import LIST_SCAN, run_policy
 from gateway.server.console.session import json_answer, signed_in
+from gateway.server.http.errors import Unauthorized
 from gateway.server.http.sse import ClientGone, SSEStream
 from gateway.server.runs.auto_resume import waits_for_decision
 from gateway.server.runs.tracelog import asked_at
@@ -164,14 +165,14 @@ async def _decided(app: web.Application, item: InboxItem) -> Decided:
 
 async def get_inbox(request: web.Request) -> web.Response:
     """GET /console/api/inbox: the pending calls the signed-in team may decide."""
-    _, team = signed_in(request)
+    _, team = await signed_in(request)
     return json_answer({"object": "list", "data": await pending_items(request.app, team)})
 
 
 async def inbox_events(request: web.Request) -> web.StreamResponse:
     """GET /console/api/inbox/events: the inbox as it changes (SSE), until the client leaves."""
     app = request.app
-    _, team = signed_in(request)
+    _, team = await signed_in(request)
     sse = await SSEStream.open(request)
     shown: dict[str, InboxItem] | None = None
     asked: dict[str, float | None] = {}
@@ -200,6 +201,10 @@ async def inbox_events(request: web.Request) -> web.StreamResponse:
                     quiet_since = time.monotonic()
             shown = current
             if not await sse.pause(POLL_S):
+                break
+            try:
+                _, team = await signed_in(request)  # a session that ended (signed out, key revoked) stops here
+            except Unauthorized:
                 break
     except ClientGone:
         return sse.response

@@ -69,7 +69,7 @@ async def run_trace(request: web.Request) -> web.Response:
 async def spend(request: web.Request) -> web.Response:
     """GET /console/api/spend: the signed-in team's spend (an admin team: every team's)."""
     app = request.app
-    _, caller = signed_in(request)
+    _, caller = await signed_in(request)
     governor, store = app[ctx.GOVERNOR], app[ctx.STORE]
     rows: list[TeamSpend] = []
     for team in (app[ctx.LIVE].config.teams if caller.admin else [caller]):

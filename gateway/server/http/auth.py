@@ -1,59 +1,263 @@
-"""Who is calling: the Bearer key names a team."""
+"""Who is calling: the Bearer key names a team, and the key itself (`Caller`).
+
+Keys come from config.yaml (read-only, `source: config`) and from the store (issued by the
+admin API, `gateway.store.keys.KeyRecord`). A call's key is looked up by its SHA-256 in this
+process's keyring, with no store round trip: the keyring reads the keys written since it
+last looked (`Store.keys_since`, one cheap read when nothing changed) every `SYNC_S`, so a
+key created, revoked, rotated or changed on any replica is seen by every process within
+that (docs/keys.md). Expiry and a rotated-out secret's grace are checked against the clock
+on every call.
+
+An authenticated call works as a view of its team (`TeamConfig`) carrying the key
+(`caller`): a store key's view narrows the team's policies to the key's, and names the
+key's models, user, budget and rate limits, so every rule downstream reads one shape.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
+import logging
+import time
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Final
 
 from aiohttp import web
 
+from gateway.config.fields import ConfigError, Field
+from gateway.config.keys import Caller, ConfigKey, key_scope_of
+from gateway.config.rates import parse_rate_limits
 from gateway.config.settings import TeamConfig
 from gateway.server.http.errors import Unauthorized
+from gateway.store.base import Store
+from gateway.store.errors import StoreError
+from gateway.store.keys import KeyRecord
+
+log = logging.getLogger(__name__)
+
+SYNC_S: Final = 0.25
+"""How often each process reads the keys written since it last looked: a revoked key is
+refused everywhere within this (plus one store read)."""
+TOUCH_S: Final = 60.0
+"""How often each process writes the `last_used_at` of the store keys it served."""
+AS_TEAM: Final = web.RequestKey("as_team", TeamConfig)
+"""Set by the console on the request it hands a `/v1` handler: the signed-in session's view
+(the console has no key to put in an Authorization header)."""
 
 
 def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A secret the keyring knows: the view of its team a call works as, and, for a store
+    key, until when it is valid (`until`: a rotated-out secret's grace; None: no end but the
+    record's own expiry)."""
+
+    digest: bytes
+    view: TeamConfig | None
+    record: KeyRecord | None = None
+    until: float | None = None
+    problem: str = ""
+    """Why a known secret is refused whatever the time (its team left the config, ...)."""
 
 
 class KeyRing:
-    """Keys -> teams. Lookups go by sha256 digest and compare in constant time, so the
-    time a wrong key takes says nothing about the right ones."""
+    """Keys -> views of their teams. Lookups go by sha256 digest and confirm in constant time."""
 
-    def __init__(self, teams: Iterable[TeamConfig]) -> None:
-        self._by_digest: dict[bytes, TeamConfig] = {}
-        self._digests: dict[str, tuple[bytes, ...]] = {}
-        self.configure(teams)
+    def __init__(self, teams: Iterable[TeamConfig], store: Store | None = None) -> None:
+        self._store = store
+        self._teams: dict[str, TeamConfig] = {}
+        self._config: dict[bytes, _Entry] = {}
+        self._records: dict[str, KeyRecord] = {}
+        self._stored: dict[bytes, _Entry] = {}
+        self._config_views: dict[str, TeamConfig] = {}
+        self.revision = 0
+        """The store's key revision this keyring has read up to."""
+        self.used: dict[str, float] = {}
+        """Store keys served since the last `flush_used`, and when."""
+        self.set_teams(teams)
 
-    def configure(self, teams: Iterable[TeamConfig]) -> None:
-        """Serve these teams' keys from now on (at start, and on a config reload: the one place
-        the config's keys become the keys that authenticate). Both maps are swapped whole."""
-        teams = list(teams)
-        by_digest = {_digest(k): t for t in teams for k in t.keys}
-        for t in teams:  # a key with limits of its own authenticates as its team carrying them
-            for limits in t.key_limits:
-                by_digest[_digest(limits.key)] = replace(t, caller=limits)
-        digests = {t.name: tuple(_digest(k) for k in t.keys) for t in teams}
-        self._by_digest, self._digests = by_digest, digests
+    # --- what it knows ----------------------------------------------------------------------
+
+    def set_teams(self, teams: Iterable[TeamConfig]) -> None:
+        """The config's teams and their keys (again, after a reload): the store's keys are
+        seen through the new teams at once."""
+        self._teams = {t.name: t for t in teams}
+        self._config, self._config_views = {}, {}
+        for t in self._teams.values():
+            for ck in t.config_keys:
+                view = replace(t, caller=_config_caller(ck))
+                self._config[_digest(ck.key)] = _Entry(_digest(ck.key), view)
+                self._config_views[ck.id] = view
+        self._stored = {}
+        for record in self._records.values():
+            self._index(record)
+
+    def _put(self, record: KeyRecord) -> None:
+        old = self._records.get(record.id)
+        if old is not None:
+            for h in (old.secret_hash, old.previous_hash):
+                if h is not None:
+                    self._stored.pop(bytes.fromhex(h), None)
+        self._records[record.id] = record
+        self._index(record)
+
+    def _index(self, record: KeyRecord) -> None:
+        view, problem = self._view(record)
+        current = bytes.fromhex(record.secret_hash)
+        self._stored[current] = _Entry(current, view, record, None, problem)
+        if record.previous_hash is not None and record.previous_until is not None:
+            previous = bytes.fromhex(record.previous_hash)
+            self._stored[previous] = _Entry(previous, view, record, record.previous_until, problem)
+
+    def _view(self, record: KeyRecord) -> tuple[TeamConfig | None, str]:
+        team = self._teams.get(record.team)
+        if team is None:
+            return None, f"its team '{record.team}' is no longer in the gateway's config"
+        policies = team.policies if record.policies is None else tuple(
+            p for p in team.policies if p in record.policies)
+        if not policies:
+            return None, f"none of its policies ({', '.join(record.policies or ())}) is still one of team " \
+                         f"'{team.name}''s"
+        try:
+            limits = None if record.rate_limits is None else parse_rate_limits(
+                Field("key", "rate_limits", dict(record.rate_limits)))
+        except ConfigError:
+            return None, "its stored rate_limits cannot be read"
+        caller = Caller(record.id, record.name, "store", key_scope_of(record.id), limits, record.user, record.models,
+                        record.budget_usd, record.budget_period, record.manage_keys, record.generation)
+        return replace(team, policies=policies, caller=caller), ""
+
+    def team_of(self, name: str) -> TeamConfig | None:
+        """A team of the config, by name."""
+        return self._teams.get(name)
+
+    def teams(self) -> list[TeamConfig]:
+        return list(self._teams.values())
+
+    def record(self, key_id: str) -> KeyRecord | None:
+        """A store key's record as this process last read it."""
+        return self._records.get(key_id)
+
+    def records(self) -> list[KeyRecord]:
+        return list(self._records.values())
+
+    def config_view(self, key_id: str) -> TeamConfig | None:
+        """The view of a config key, by its id."""
+        return self._config_views.get(key_id)
+
+    # --- per call -----------------------------------------------------------------------------
 
     def team(self, key: str) -> TeamConfig | None:
+        """The view of the key's team a call works as, or None (unknown, revoked, expired,
+        rotated out past its grace, or its team gone)."""
         digest = _digest(key)
-        team = self._by_digest.get(digest)
-        if team is None:
+        entry = self._config.get(digest) or self._stored.get(digest)
+        if entry is None or not hmac.compare_digest(digest, entry.digest):
             return None
-        # The dict found it by hash; confirm in constant time against the stored digest.
-        return team if any(hmac.compare_digest(digest, d) for d in self._digests[team.name]) else None
+        record = entry.record
+        if record is None:
+            return entry.view
+        now = time.time()
+        if entry.view is None or not record.usable(now) or (entry.until is not None and entry.until <= now):
+            return None
+        self.used[record.id] = now
+        return entry.view
+
+    def refusal(self, key: str) -> str:
+        """Why `team(key)` is None, in words for the 401 (never naming another key)."""
+        entry = self._stored.get(_digest(key))
+        if entry is None or entry.record is None:
+            return "invalid API key: no team has this key"
+        record, now = entry.record, time.time()
+        if record.revoked_at is not None:
+            return f"this key ({record.id}) was revoked"
+        if record.expires_at is not None and record.expires_at <= now:
+            return f"this key ({record.id}) expired"
+        if entry.until is not None and entry.until <= now:
+            return f"this secret of key {record.id} was rotated out; use the new one"
+        return f"this key ({record.id}) cannot be used: {entry.problem}"
 
     def authenticate(self, request: web.Request) -> TeamConfig:
-        """The caller's team, or 401 naming what is wrong with the header."""
+        """The caller's view of its team, or 401 naming what is wrong with the header."""
+        signed_in: TeamConfig | None = request.get(AS_TEAM)
+        if signed_in is not None:
+            return signed_in
         header = request.headers.get("Authorization")
         if not header:
             raise Unauthorized("missing Authorization header: send 'Authorization: Bearer <your gateway key>'")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             raise Unauthorized("malformed Authorization header: expected 'Bearer <key>'")
-        team = self.team(key.strip())
+        key = key.strip()
+        team = self.team(key)
         if team is None:
-            raise Unauthorized("invalid API key: no team has this key")
+            raise Unauthorized(self.refusal(key))
         return team
+
+    def view_by_id(self, key_id: str, generation: int | None = None) -> TeamConfig | None:
+        """The view a key (by id) works as now, or None when it no longer may (the console's
+        sessions: with `generation`, a key rotated since is refused too)."""
+        view = self._config_views.get(key_id)
+        if view is not None:
+            return view
+        record = self._records.get(key_id)
+        if record is None or not record.usable(time.time()):
+            return None
+        if generation is not None and record.generation != generation:
+            return None
+        entry = self._stored.get(bytes.fromhex(record.secret_hash))
+        return None if entry is None else entry.view
+
+    # --- keeping current ------------------------------------------------------------------------
+
+    async def sync(self) -> int:
+        """Read the keys written since the last sync; returns how many changed."""
+        if self._store is None:
+            return 0
+        found, last = await self._store.keys_since(self.revision)
+        for record in found:
+            self._put(record)
+        self.revision = max(self.revision, last)
+        return len(found)
+
+    def learn(self, record: KeyRecord) -> None:
+        """A key this process just wrote: known here at once, before the next sync."""
+        self._put(record)
+
+    async def keep_synced(self, interval_s: float = SYNC_S) -> None:
+        """`sync` every `interval_s` (runs until cancelled); a failure is logged once a minute."""
+        warned = 0.0
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.sync()
+            except StoreError as exc:
+                if time.monotonic() - warned > 60:
+                    warned = time.monotonic()
+                    log.warning("cannot read the store's keys (the keyring keeps what it knew): %s", exc)
+
+    async def flush_used(self) -> None:
+        """Write the `last_used_at` of the store keys served since the last flush."""
+        if self._store is None or not self.used:
+            return
+        used, self.used = self.used, {}
+        try:
+            await self._store.touch_keys(used)
+        except StoreError as exc:
+            log.warning("cannot write when %d keys were last used: %s", len(used), exc)
+
+    async def keep_touching(self, interval_s: float = TOUCH_S) -> None:
+        """`flush_used` every `interval_s` (runs until cancelled)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.flush_used()
+
+
+def _config_caller(ck: ConfigKey) -> Caller:
+    return Caller(ck.id, ck.name, "config", key_scope_of(ck.id), ck.limits, ck.user, ck.models, ck.budget_usd,
+                  ck.budget_period, ck.manage_keys, 0)

@@ -14,15 +14,19 @@ Handlers raise; one middleware renders. The tree (HTTP status, `error.type`):
     ├── Conflict                     409 conflict_error (a run that cannot take calls now;
     │                                    x-should-retry: false, but true on run_busy)
     ├── PayloadTooLarge              413 invalid_request_error, code body_too_large
+    ├── ClientLeft                   499 client_closed_request, code client_disconnected (nginx's
+    │                                    499: the client closed its connection first; nobody reads it)
     ├── LimitExceeded                429 max_turns_exceeded | budget_exceeded | team_budget_exceeded
-    │                                    | max_duration_exceeded
+    │                                    | key_budget_exceeded | user_budget_exceeded | max_duration_exceeded
     │                                    (+ header x-should-retry: false, + top-level `run`)
     ├── RateLimited                  429 requests | tokens | in_flight, code rate_limit_exceeded
     │                                    (+ retry-after, retry-after-ms, x-ratelimit-*,
     │                                    x-should-retry: true; false for a call too large
     │                                    for the limit)
     ├── UpstreamFailed               502 upstream_error | 504 upstream_timeout | the upstream's 4xx
-    │                                    (from providers.errors.UpstreamError, + `upstream`)
+    │                                    (from providers.errors.UpstreamError, + `upstream`;
+    │                                    + retry-after(-ms) when the upstream asked for a wait;
+    │                                    code content_filter: + param, innererror as the upstream gave)
     ├── StoreUnavailable             503 server_error, code store_unavailable
     │                                    (+ headers retry-after, x-should-retry: true)
     └── InternalError                500 server_error
@@ -42,6 +46,7 @@ Requests aiohttp refuses before routing get the same shape from gateway.server.h
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -54,12 +59,15 @@ from gateway.store.errors import RunExists, RunNotFound, StaleRun, StoreError
 
 log = logging.getLogger(__name__)
 
-LimitKind = Literal["max_turns_exceeded", "budget_exceeded", "team_budget_exceeded", "max_duration_exceeded"]
+LimitKind = Literal["max_turns_exceeded", "budget_exceeded", "team_budget_exceeded", "key_budget_exceeded",
+                    "user_budget_exceeded", "max_duration_exceeded"]
 
 _LIMIT_STOPS: dict[str, tuple[Status, str, InterruptionType]] = {
     "max_turns_exceeded": ("max_turns_exceeded", "max_turns", "max_turns"),
     "budget_exceeded": ("budget_exceeded", "max_budget", "max_budget"),
     "team_budget_exceeded": ("budget_exceeded", "team_budget", "max_budget"),
+    "key_budget_exceeded": ("budget_exceeded", "key_budget", "max_budget"),
+    "user_budget_exceeded": ("budget_exceeded", "user_budget", "max_budget"),
     "max_duration_exceeded": ("max_duration_exceeded", "max_duration", "max_duration"),
 }
 
@@ -173,6 +181,18 @@ class PayloadTooLarge(ApiError):
                          code="body_too_large")
 
 
+class ClientLeft(ApiError):
+    """The client closed its connection while the call waited for its upstream
+    (`gateway.server.http.leaving`): the upstream call was stopped. Answered 499 for the
+    log and `gateway_requests_total`; nobody is there to read it."""
+
+    status = 499
+    type = "client_closed_request"
+
+    def __init__(self, message: str = "the client closed its connection before the answer") -> None:
+        super().__init__(message, code="client_disconnected")
+
+
 class LimitExceeded(ApiError):
     """A governed call refused before anything was forwarded: do not retry as is."""
 
@@ -205,15 +225,28 @@ class UpstreamFailed(ApiError):
     def __init__(self, exc: UpstreamError) -> None:
         if exc.code == "upstream_timeout":
             status = 504
-        elif exc.code == "upstream_rejected" and exc.upstream_status is not None and 400 <= exc.upstream_status < 500:
+        elif (exc.code in ("upstream_rejected", "content_filter") and exc.upstream_status is not None
+              and 400 <= exc.upstream_status < 500):
             status = exc.upstream_status
         else:
             status = 502
-        super().__init__(exc.message, code=exc.code, status=status,
+        detail = exc.detail or {}
+        headers: dict[str, str] = {}
+        if exc.retry_after_s is not None:  # what the upstream (or the route's cooldown) asked to wait
+            headers = {"retry-after-ms": str(int(exc.retry_after_s * 1000)),
+                       "retry-after": str(max(1, math.ceil(exc.retry_after_s)))}
+        super().__init__(exc.message, code=exc.code, status=status, param=detail.get("param"), headers=headers,
                          type="upstream_timeout" if status == 504 else "upstream_error")
+        self.innererror = detail.get("innererror")
         self.upstream = exc.upstream
         self.upstream_status = exc.upstream_status
         self.extra["upstream"] = {"name": exc.upstream, "status": exc.upstream_status}
+
+    def body(self) -> dict[str, Any]:
+        out = super().body()
+        if self.innererror is not None:  # a content filter's verdict, as the upstream gave it (Azure's shape)
+            out["error"]["innererror"] = self.innererror
+        return out
 
 
 def upstream_failed(exc: UpstreamError) -> ApiError:

@@ -10,15 +10,29 @@ the middleware.
 
 aiohttp has no option for the class of its per-connection `RequestHandler`, so
 `GatewayRunner` gives the `Server` it builds a subclass whose connections use
-`JsonErrorHandler`; `run(app, host, port)` is `web.run_app` with that runner.
+`JsonErrorHandler` (which also reports a lost connection to `leaving`, so a call waiting
+for its upstream stops when its client goes); `run(app, sockets)` is `web.run_app` with
+that runner, and says on stderr, once stopped, how long the graceful stop took and how
+many requests it let finish.
+
+The listening sockets are bound first (`listen_sockets`), before the app is built or
+started: a port in use is one line (`StartError`, exit 2) before anything else happens.
+That matters beyond the message: a second gateway started on the port of a running one
+has the same owner name in the store, and starting it would give back the running one's
+reservations and leases.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
-from collections.abc import Callable
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from aiohttp import web
@@ -26,7 +40,9 @@ from aiohttp.http_exceptions import BadHttpMessage, LineTooLong, PayloadEncoding
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
+from gateway.config.settings import SCRIPTED_PREFIX
 from gateway.server.http.errors import ApiError, InternalError
+from gateway.server.http.leaving import client_left
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +67,80 @@ def parser_error(status: int, exc: BaseException | None) -> ApiError:
     return InternalError("the gateway failed on this request; see its log")
 
 
+class StartError(Exception):
+    """The gateway cannot start (a port in use, an address it cannot listen on): the message
+    is the one line the operator reads; `gateway serve` exits 2 on it, before serving."""
+
+
+def port_problem(exc: OSError, host: str, port: int, setting: str) -> StartError:
+    """The line for a socket that could not be bound to (host, port), naming the `setting`
+    that chose the address."""
+    where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+    if isinstance(exc, socket.gaierror):
+        return StartError(f"cannot listen on {where}: the host is unknown ({exc.strerror}); see {setting}")
+    if exc.errno == errno.EADDRINUSE:
+        return StartError(f"port {port} is in use: another process listens on {where}; stop it or choose "
+                          f"another port ({setting})")
+    return StartError(f"cannot listen on {where}: {exc.strerror or exc}; see {setting}")
+
+
+def listen_sockets(host: str, port: int, *, reuse_port: bool = False,
+                   setting: str = "server.host/server.port or --host/--port") -> list[socket.socket]:
+    """Listening sockets on every address `host` names (as asyncio's `create_server` binds),
+    port 0 resolved to one free port for all; `StartError` when one cannot be bound."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise port_problem(exc, host, port, setting) from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT, as asyncio does
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:  # the same free port on every address
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                raise port_problem(exc, host, port or int(address[1]), setting) from None
+            sock.listen(128)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def bound_port(sockets: Sequence[socket.socket]) -> int:
+    """The port the sockets listen on (port 0 resolved)."""
+    return int(sockets[0].getsockname()[1])
+
+
 class JsonErrorHandler(RequestHandler):
-    """aiohttp's connection handler, answering parser errors in the OpenAI error shape."""
+    """aiohttp's connection handler, answering parser errors in the OpenAI error shape, and
+    telling the request in progress when its client's connection is lost (`leaving`)."""
+
+    @property
+    def handling(self) -> bool:
+        """A request of this connection is being answered."""
+        return self._current_request is not None
+
+    @property
+    def path(self) -> str:
+        """The path of the request being answered ("" when none is)."""
+        return self._current_request.path if self._current_request is not None else ""
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        request = self._current_request
+        super().connection_lost(exc)
+        if request is not None:
+            client_left(request)
 
     def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -84,18 +172,36 @@ class GatewayRunner(web.AppRunner):
         return server
 
 
-async def _serve(app: web.Application, host: str, port: int, reuse_port: bool,
+async def _serve(app: web.Application, sockets: Sequence[socket.socket],
                  ready: Callable[[], None] | None) -> None:
     runner = GatewayRunner(app, handle_signals=True, access_log=None)
-    await runner.setup()
+    serving = False
     try:
-        await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
+        await runner.setup()
+        for sock in sockets:
+            await web.SockSite(runner, sock).start()
+        serving = True
         if ready is not None:
             ready()
         while True:
             await asyncio.sleep(3600)
     finally:
+        busy = in_flight(runner)
+        started = time.monotonic()
         await runner.cleanup()
+        if serving:
+            print(f"gateway: stopped (pid {os.getpid()}) in {time.monotonic() - started:.1f} s, having drained "
+                  f"{busy} request{'' if busy == 1 else 's'} in flight", file=sys.stderr, flush=True)
+
+
+def in_flight(runner: web.AppRunner) -> int:
+    """Requests being answered by the runner's connections now (not those of the scripted
+    upstream's mount: it answers the gateway's own calls, already counted)."""
+    server = runner.server
+    if server is None:
+        return 0
+    return sum(1 for c in server.connections if isinstance(c, JsonErrorHandler) and c.handling
+               and not c.path.startswith(SCRIPTED_PREFIX))
 
 
 def new_loop(kind: LoopKind = "auto") -> asyncio.AbstractEventLoop:
@@ -112,14 +218,14 @@ def new_loop(kind: LoopKind = "auto") -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
-def run(app: web.Application, host: str, port: int, *, reuse_port: bool = False,
-        ready: Callable[[], None] | None = None, loop: LoopKind = "auto") -> None:
-    """Serve `app` until SIGINT or SIGTERM, then shut it down like `web.run_app`. With
-    `reuse_port`, other processes may listen on the same port (workers); `ready` is called
-    once the socket listens."""
+def run(app: web.Application, sockets: Sequence[socket.socket], *, ready: Callable[[], None] | None = None,
+        loop: LoopKind = "auto") -> None:
+    """Serve `app` on `sockets` (`listen_sockets`) until SIGINT or SIGTERM, then shut it down
+    like `web.run_app`; `ready` is called once it serves. A `StartError` raised while the app
+    starts (its cleanup contexts: another listener's port) comes out of here as it was."""
     loop_ = new_loop(loop)
     asyncio.set_event_loop(loop_)
-    main = loop_.create_task(_serve(app, host, port, reuse_port, ready))
+    main = loop_.create_task(_serve(app, sockets, ready))
     try:
         loop_.run_until_complete(main)
     except (web.GracefulExit, KeyboardInterrupt):

@@ -1,6 +1,7 @@
 """The one middleware: errors in the OpenAI shape, request counts and the gateway's overhead.
 
-Any `ApiError` becomes its JSON answer (with the run's headers when a run is known);
+Every request's headers are checked first (`request_headers.check`: UTF-8 text, else 400
+or 401), so no handler meets an undecodable one. Any `ApiError` becomes its JSON answer (with the run's headers when a run is known);
 aiohttp's own errors (unknown route, wrong method, body too big) get the same shape; an
 unexpected exception is logged and answered 500 without details; a store failure is a
 503 `store_unavailable` (`errors.from_store_error`). `requests_total` is
@@ -33,6 +34,7 @@ from gateway.server.http.errors import (
     from_store_error,
     upstream_failed,
 )
+from gateway.server.http import request_headers
 from gateway.server.http.headers import run_headers
 from gateway.server.metrics import end_exemplar_run, exemplar_run
 from gateway.store.errors import StoreError
@@ -84,6 +86,7 @@ async def gateway_middleware(request: web.Request, handler: Handler) -> web.Stre
         upstreams.learn_self_url(request)
     exemplars = exemplar_run(partial(_run_id, request))
     try:
+        request_headers.check(request.raw_headers)
         response = await handler(request)
     except ApiError as exc:
         response = _error_response(request, exc)

@@ -29,14 +29,9 @@ from gateway.providers.repair import repair_message, tool_schemas
 from gateway.server import context as ctx
 from gateway.server.chat import server_side
 from gateway.server.chat.answers import Answer
-from gateway.server.chat.passthrough import chat_body, complete_and_book, governed
-from gateway.server.chat.passthrough_stream import (
-    ChatOutlet,
-    EventKind,
-    Reassembly,
-    event_data,
-    stream_through,
-)
+from gateway.server.chat.passthrough import awaiting_upstream, chat_body, complete_and_book, governed
+from gateway.server.chat.passthrough_stream import stream_through
+from gateway.server.chat.stream_events import ChatOutlet, EventKind, Reassembly
 from gateway.server.http.chat_request import ChatRequest
 from gateway.server.http.errors import InvalidField, NotFound
 from gateway.server.http.headers import run_headers
@@ -63,6 +58,7 @@ from gateway.server.runs import continuations
 from gateway.server.runs.booking import Booked, book_turn
 from gateway.server.runs.driver import FromClient, StartKind
 from gateway.server.runs.governor import Admission
+from gateway.server.http.scope import call_user, require_model
 from gateway.server.runs.keying import Call, resolve_call, run_id_from
 from gateway.store.errors import StoreError
 
@@ -112,6 +108,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if route is None:
         raise NotFound(f"model '{req.model}' is not routed by this gateway (see GET /v1/models)",
                        code="model_not_found", param="model")
+    require_model(team, req.model)
+    user = call_user(team, body, request.headers)
     headers: CIMultiDict[str] = CIMultiDict(request.headers)
     earlier: list[Message] = []
     chained: str | None = None  # the run this response continues, when no X-Run-Id says
@@ -131,7 +129,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     chat_body = req.chat_body(messages, stream=req.stream)
     chat = ChatRequest(orjson.dumps(chat_body), chat_body, req.model, messages, req.chat_tools(), req.stream, False,
                        req.max_output_tokens, "max_tokens")
-    call = await resolve_call(app[ctx.STORE], app[ctx.POLICIES], team, headers, chat, route)
+    call = await resolve_call(app[ctx.STORE], app[ctx.POLICIES], team, headers, chat, route, user=user)
     request[ctx.RUN] = call.run
     if call.policy.server_side:
         return await _server_side(request, call, Exchange(req, earlier))
@@ -213,16 +211,9 @@ class NativeReassembly(Reassembly):
     """A native upstream's typed events read into the reply the run books (as chat chunks are)."""
 
     def feed(self, event: bytes) -> EventKind:
-        data = event_data(event)
-        if data is None:
-            return "other"
-        try:
-            parsed = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return "malformed"
+        parsed = self.decoded(event)
         if not isinstance(parsed, dict):
-            return "malformed"
-        self.last = parsed
+            return parsed
         kind = parsed.get("type")
         if kind == "response.output_text.delta":
             self.content.append(str(parsed.get("delta") or ""))
@@ -284,8 +275,8 @@ async def _native(request: web.Request, call: Call, exchange: Exchange, adm: Adm
 
     if req.stream:
         return await stream_through(request, call, adm, routed, raw, request.headers,
-                                    NativeOutlet(request, call, exchange), NativeReassembly(), "/responses")
-    reply, upstream = await respond(routed, raw, request.headers)
+                                    NativeOutlet(request, call, exchange), NativeReassembly(), "responses")
+    reply, upstream = await awaiting_upstream(request, call, adm, routed, respond(routed, raw, request.headers))
     request[ctx.UPSTREAM_SECONDS] = reply.seconds
     request.app[ctx.METRICS].on_upstream(upstream.name, call.chat.model, reply.seconds)
     message, finish = message_of_output(reply.data)

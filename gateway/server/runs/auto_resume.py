@@ -4,15 +4,17 @@ With it, the gateway resumes a server-side run itself as soon as the call it wai
 is decided (by a person, or by expiry): the replica that recorded the decision starts a
 drive in the background (`BackgroundDrives.spawn`), and the run's lease decides who
 drives (another replica already holding it means this one stands down). Should the
-deciding replica die before it drives, recovery on any replica finds the run `running`,
-decided and undriven, and resumes it (`decided_undriven`), whatever the policy's
-`recovery` says: a person said yes (or no), so going on is what they asked for.
+deciding replica die before it drives, recovery on any replica finds the run decided and
+undriven (still `interrupted`: a decision never makes a run `running`, only a drive
+does), and resumes it (`decided_undriven`), whatever the policy's `recovery` says: a
+person said yes (or no), so going on is what they asked for.
 
 Clients waiting on such a run see it go on: `GET /v1/runs/{id}/events?follow=1` keeps
 following while it waits for the decision (`continues_by_itself`), and a streamed chat
 call that paused on the approval stays open and answers when the run stops
-(`follow_until_stopped`). The default (`on_decision: wait`) is unchanged: the run waits
-for `POST /v1/runs/{id}/resume` or its client's next call.
+(`follow_until_stopped`). The default (`on_decision: wait`): the decided run stays
+`interrupted` (`waiting_for: resume`) until `POST /v1/runs/{id}/resume` or its client's
+next call.
 """
 
 from __future__ import annotations
@@ -52,21 +54,22 @@ def resumes_on_decision(policy: Policy | None) -> bool:
 
 def waits_for_decision(run: RunState) -> bool:
     """The run is stopped on a call nobody has decided yet."""
-    waiting = run.interruption
-    return (run.status == "interrupted" and waiting is not None and waiting.type == "approval"
-            and waiting.call_id not in run.decisions)
+    return run.waits_for_decision
 
 
 def continues_by_itself(run: RunState, policy: Policy | None) -> bool:
-    """Still going, as a follower sees it: running, or waiting for a decision that resumes it."""
-    return run.status == "running" or (waits_for_decision(run) and resumes_on_decision(policy))
+    """Still going, as a follower sees it: running, or stopped on a call whose decision
+    (still to come, or just recorded) resumes it."""
+    return run.status == "running" or ((run.waits_for_decision or run.decided) and resumes_on_decision(policy))
 
 
 def decided_undriven(run: RunState, policy: Policy | None) -> bool:
-    """A `running` run of an on-decision policy with a decided call still pending: the
-    decision was recorded, the drive that should follow it has not run it yet."""
-    return (run.status == "running" and resumes_on_decision(policy)
-            and any(str(c.get("id")) in run.decisions for c in pending(run)))
+    """A run of an on-decision policy whose call was decided and that no drive has resumed
+    yet (the deciding replica died first). A run saved `running` with a decided call still
+    pending is one too: that is how gateways before 2026-12 saved a decision."""
+    if not resumes_on_decision(policy):
+        return False
+    return run.decided or (run.status == "running" and any(str(c.get("id")) in run.decisions for c in pending(run)))
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,7 @@ def after_decision(drives: BackgroundDrives, run: RunState, policy: Policy | Non
 
     `run` is the run as saved with the decision; `prepare` is the resume to apply (its
     `by` names the decision). True when a drive was started."""
-    if not resumes_on_decision(policy) or run.status != "running":
+    if not resumes_on_decision(policy) or not run.decided:
         return False
     drives.spawn(run.run_id, prepare, busy_wait_s=drives.driver.lease_ttl_s)
     return True

@@ -21,7 +21,7 @@ from typing import Any, cast
 from aiohttp import web
 
 from gateway.harness.state import Message, RunState
-from gateway.harness.trace import RepairFields, Tracer, UpstreamAttemptFields
+from gateway.harness.trace import RepairFields, Tracer, UpstreamAttemptFields, usage_clamped
 from gateway.harness.usage import Usage
 from gateway.providers.failover import RoutedCall
 from gateway.providers.repair import Repair
@@ -30,7 +30,7 @@ from gateway.server.http.errors import Conflict, LimitExceeded, limit_stop
 from gateway.server.http.headers import run_headers
 from gateway.server.runs.governor import Admission
 from gateway.server.runs.keying import Call, add_turn, commit_run, stop_run
-from gateway.server.runs.replies import CheckedUsage, checked_usage
+from gateway.server.runs.replies import checked_usage
 from gateway.store import tracefile
 from gateway.store.base import Booking, Event, Ledger, TokenCharge
 from gateway.store.errors import AlreadyBooked, RunNotFound, StaleRun, StoreError
@@ -62,7 +62,7 @@ async def refuse(request: web.Request, call: Call, exc: LimitExceeded) -> LimitE
     status, reason, interruption = limit_stop(exc.kind)
     run = call.run
     if (run.status, run.reason) != (status, reason):
-        detail = exc.message if reason == "team_budget" else None
+        detail = exc.message if reason in ("team_budget", "key_budget", "user_budget") else None
 
         def trace(r: RunState) -> list[Event]:
             return [Tracer(r.run_id)("run_stopped", status=status, reason=reason, turns=r.turns,
@@ -104,17 +104,13 @@ class TurnRecord:
         return add_turn(model=self.model, usage=self.usage, cost_usd=self.cost_usd, transcript=self.transcript,
                         completed=self.completed)
 
-    def clamped(self) -> tuple[str, ...]:
-        return CheckedUsage(self.usage, self.reported).clamped
-
     def trace(self, run: RunState) -> list[Event]:
         usage, line = self.usage, Tracer(run.run_id)
         lines: list[Event] = [line("upstream_attempt", **fields) for fields in self.attempts]
         lines += [line("tool_call_repaired", upstream=self.upstream, turn=run.turns, **repair)
                   for repair in self.repairs]
         if self.reported is not None:
-            lines.append(line("usage_clamped", upstream=self.upstream, reported=self.reported.to_json(),
-                              booked=usage.to_json(), kinds=list(self.clamped())))
+            lines.append(line("usage_clamped", **usage_clamped(self.upstream, self.reported, usage)))
         lines.append(line("turn", turn=run.turns, prompt_tokens=usage.prompt_tokens,
                           completion_tokens=usage.completion_tokens, total_tokens=usage.total_tokens,
                           costUsd=round(run.cost_usd, 9), finish=self.finish))
@@ -149,14 +145,17 @@ class TurnRecord:
 
 
 async def book_turn(request: web.Request, call: Call, adm: Admission, *, reported: Usage | None, message: Message,
-                    finish: str, routed: RoutedCall | None = None, repairs: Sequence[Repair] = ()) -> Booked:
+                    finish: str, routed: RoutedCall | None = None, repairs: Sequence[Repair] = (),
+                    others: Sequence[Message] = ()) -> Booked:
     """Settle, save and trace one turn in one store step; returns the updated run.
 
-    The turn costs the price of the deployment that answered `routed` (else the route's),
+    The turn costs the price of the deployment that answered `routed` (or that had the
+    request when its client left; else the route's),
     and its trace carries the call's `upstream_attempt` lines.
 
     The usage booked is the upstream's `reported` one unless it is absent or beyond belief
-    (`checked_usage`); then the gateway's count is booked, and a `usage_clamped` line says so.
+    (`checked_usage`, counting `message` and the `others` choices of the answer); then the
+    gateway's count is booked, and a `usage_clamped` line says so.
     If the store cannot be reached, the turn is written to the spool (booked when the store
     is back) and the call is answered with the run as it will be.
     """
@@ -164,10 +163,10 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
     governor = app[ctx.GOVERNOR]
     chat = call.chat
     checked = checked_usage(reported, counter=app[ctx.COUNTER], messages=chat.messages, tools=chat.tools,
-                            message=message, body_bytes=len(chat.raw), allowed_completion=adm.allowed_completion,
-                            n=chat.n, counted_prompt=adm.prompt_tokens)
+                            replies=[message, *others], body_bytes=len(chat.raw),
+                            allowed_completion=adm.allowed_completion, n=chat.n, counted_prompt=adm.prompt_tokens)
     usage = checked.usage
-    answer = routed.answer if routed is not None else None
+    answer = routed.sent_to if routed is not None else None
     price, upstream = (answer.price, answer.upstream.name) if answer is not None else (call.route.price,
                                                                                           call.route.upstream)
     cost = price.cost(usage)
@@ -181,8 +180,7 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
     metrics = app[ctx.METRICS]
     metrics.on_tool_call_repairs(upstream, repairs)
     metrics.on_turn(call.team.name, call.policy.name, chat.model, usage, cost)
-    if checked.reported is not None:
-        metrics.on_usage_clamped(upstream, checked.clamped)
+    metrics.on_usage_clamped(upstream, checked.clamped)
     try:
         run, ledger = await commit_turn_record(app, call.run, record)
     except StoreError as exc:

@@ -65,11 +65,6 @@ def refuse_unanswered_calls(messages: list[Message]) -> None:
         return
 
 
-def _waiting_approval(state: RunState) -> bool:
-    i = state.interruption
-    return state.status == "interrupted" and i is not None and i.type == "approval" and i.call_id not in state.decisions
-
-
 def _client_calls(state: RunState, policy: Policy) -> list[dict[str, Any]]:
     """Pending calls that no server-side tool answers: the client owes their results."""
     server = {t.name for t in policy.tools}
@@ -132,8 +127,10 @@ def continue_chat(messages: list[Message], model: str) -> Prepare:
         state.messages.extend(results)
         state.model = model
         fields: RunResumedSetup = {"by": "client", "toolResults": len(results)}
-        if _waiting_approval(state):
+        if state.waits_for_decision:
             return None
+        if state.decided:  # this call is the resume the decided run waits for
+            _reopen(state)
         if state.status == "running":
             owed = [str(c.get("id")) for c in _client_calls(state, policy)]
             if owed and not results:

@@ -62,7 +62,9 @@ from gateway.server.http.errors import (
 )
 from gateway.server.metrics import Metrics
 from gateway.server.runs.cancels import ActiveRuns, RunBusy, watch_remote_cancel
+from gateway.server.runs.pending_approvals import PendingApprovals
 from gateway.server.runs.tracelog import Listener, TraceWriter
+from gateway.store.audit import AuditEntry
 from gateway.store.base import Event, Store
 from gateway.store.errors import StoreError
 
@@ -71,6 +73,18 @@ log = logging.getLogger(__name__)
 StartKind = Literal["run_started", "run_resumed"]
 INTERNAL_ERROR = "the gateway failed while driving the run; see its log"
 Prepare = Callable[[RunState, Policy], "StartSetup | None"]
+
+
+@dataclass(frozen=True)
+class Audited:
+    """A `Prepare` that is an administrative act (a resume with raised limits): its audit
+    records are written with the first save of the drive it starts (gateway.server.audit)."""
+
+    prepare: Prepare
+    audit: tuple[AuditEntry, ...]
+
+    def __call__(self, state: RunState, policy: Policy) -> StartSetup | None:
+        return self.prepare(state, policy)
 """Changes a call makes to the run before it is driven (append tool results, raise limits).
 
 Runs under the lease on the freshly loaded run; returns the fields of the start event
@@ -132,6 +146,7 @@ class RunDriver:
         self.cancel_poll_s = cancel_poll_s
         self.store_deadline_s = store_deadline_s
         self.active = ActiveRuns()
+        self.approvals = PendingApprovals(store, metrics)
 
     def policy_of(self, state: RunState) -> Policy:
         """The run's policy (`PolicyRegistry.for_run`); PolicyGone when none is loaded."""
@@ -170,7 +185,7 @@ class RunDriver:
             try:
                 drive = await self._drive(run_id, scope, writer, prepare, client, start)
                 if _waits_for_approval(drive.state) and drive.driven:
-                    await self.refresh_approvals(drive.state.team)
+                    self.approvals_changed()
                 return drive
             finally:
                 if self.metrics is not None:
@@ -190,8 +205,10 @@ class RunDriver:
             raise NotFound(f"run {public_run_id(run_id)} not found", code="run_not_found")
         policy = self.policy_of(state)
         fields = prepare(state, policy) if prepare is not None else None
+        if isinstance(prepare, Audited):
+            writer.audit(prepare.audit)
         if prepare is not None and fields is None:  # nothing to drive (it waits for a person): keep what the call added
-            await self.store.save_run(state)
+            await writer.commit(state)
             return Drive(Outcome(state, "stopped", last_answer(state)), Usage(), driven=False)
         usage_before = state.usage
         model = self.model_for(state)
@@ -277,7 +294,7 @@ class RunDriver:
         """Save a run the loop could not finish: a refused call or a failed upstream."""
         if isinstance(exc, LimitExceeded):
             state.status, state.reason, state.interruption = limit_stop(exc.kind)
-            if exc.kind == "team_budget_exceeded":
+            if exc.kind in ("team_budget_exceeded", "key_budget_exceeded", "user_budget_exceeded"):
                 state.error = exc.message
         elif isinstance(exc, RateLimited):  # waited defaults.rate_limit_wait_s already: resume it later
             state.status, state.reason = "interrupted", "rate_limited"
@@ -300,13 +317,10 @@ class RunDriver:
         await checkpoint(state)
         return Outcome(state, "stopped")
 
-    async def refresh_approvals(self, team: str) -> int:
-        """Recount the team's runs waiting for a person (the gauge survives restarts this way)."""
-        runs = await self.store.list_runs(team=team, status="interrupted", limit=10_000)
-        count = sum(1 for r in runs if r.interruption is not None and r.interruption.type == "approval")
-        if self.metrics is not None:
-            self.metrics.set_approvals_pending(team, count)
-        return count
+    def approvals_changed(self) -> None:
+        """A call started or stopped waiting for a person here: `gateway_approvals_pending`
+        is recounted from the store at the next scrape (`PendingApprovals`)."""
+        self.approvals.changed()
 
 
 def _log_failure(task: asyncio.Future[None]) -> None:

@@ -16,6 +16,7 @@ from contextlib import AbstractAsyncContextManager
 from aiohttp import web
 
 from gateway.config.settings import ModelRoute
+from gateway.config.upstreams import Endpoint
 from gateway.harness.trace import Tracer
 from gateway.providers.failover import Attempt, Opened, RoutedCall
 from gateway.providers.reply import ParsedReply
@@ -63,7 +64,7 @@ async def complete_chat(routed: RoutedCall, body: Body,
     """A non-streamed chat completion over the routed call, parsed (a malformed reply is that
     attempt's outcome)."""
     async def send(upstream: Upstream, model: str) -> tuple[UpstreamReply, ParsedReply]:
-        reply = await upstream.complete(body(model), upstream.headers(client_headers))
+        reply = await upstream.complete(body(model), upstream.headers(client_headers), model)
         return reply, upstream.parse(reply)
 
     (reply, parsed), answer = await routed.complete(send)
@@ -73,13 +74,14 @@ async def complete_chat(routed: RoutedCall, body: Body,
 async def respond(routed: RoutedCall, body: Body, client_headers: Mapping[str, str]) -> tuple[UpstreamReply, Upstream]:
     """A non-streamed Responses call to upstreams that speak it natively."""
     async def send(upstream: Upstream, model: str) -> UpstreamReply:
-        return await upstream.respond(body(model), upstream.headers(client_headers))
+        return await upstream.respond(body(model), upstream.headers(client_headers), model)
 
     reply, answer = await routed.complete(send)
     return reply, answer.upstream
 
 
 def open_stream(routed: RoutedCall, body: Body, client_headers: Mapping[str, str],
-                path: str) -> AbstractAsyncContextManager[Opened]:
+                endpoint: Endpoint) -> AbstractAsyncContextManager[Opened]:
     """A streamed call over the routed call (retried until its first event, never after)."""
-    return routed.stream(lambda upstream, model: upstream.stream(body(model), upstream.headers(client_headers), path))
+    return routed.stream(lambda upstream, model: upstream.stream(body(model), upstream.headers(client_headers),
+                                                                 endpoint, model))

@@ -43,6 +43,8 @@ class UpstreamModel:
         self.team = team
         self.policy = policy
         self.strict = strict
+        self.user: str | None = None
+        """The user its turns are held to and spent by (the run's, `RunState.user`)."""
 
     @classmethod
     def for_run(cls, app: web.Application, state: RunState) -> UpstreamModel:
@@ -53,8 +55,15 @@ class UpstreamModel:
             raise ApiError(f"run {state.public_id} belongs to team '{state.team}', which the config no longer has",
                            status=409, type="conflict_error", code="team_not_found")
         strict = team.budget_mode == "strict" or state.limits.budget_mode == "strict"
-        return cls(config=config, upstreams=app[ctx.UPSTREAMS], governor=app[ctx.GOVERNOR], metrics=app[ctx.METRICS],
-                   counter=app[ctx.COUNTER], team=team, policy=state.policy, strict=strict)
+        # The key that started the run, while it may still be used (its budget and rate limits
+        # hold every turn, wherever the run is driven); else the team alone.
+        view = app[ctx.KEYRING].view_by_id(state.key_id) if state.key_id else None
+        if view is not None and view.name == team.name:
+            team = view
+        model = cls(config=config, upstreams=app[ctx.UPSTREAMS], governor=app[ctx.GOVERNOR], metrics=app[ctx.METRICS],
+                    counter=app[ctx.COUNTER], team=team, policy=state.policy, strict=strict)
+        model.user = state.user
+        return model
 
     def route(self, model: str) -> ModelRoute:
         route = self.config.route(model)
@@ -78,7 +87,8 @@ class UpstreamModel:
         route = self.route(request.model)
         metrics = self.metrics
         routed = self.upstreams.call(route, request.model, lambda a: metrics.on_attempt(a.upstream, a.outcome))
-        ask = Ask(route.price, request.messages, request.tools or None, request.max_tokens)
+        ask = Ask(route.price, request.messages, request.tools or None, request.max_tokens, model=request.model,
+                  user=self.user, policy=self.policy)
         admission = await rate_limits.waiting(
             lambda: self.governor.admit_call(request.run_id, self.team, self.strict, ask, request.budget_remaining_usd),
             self.config.defaults.rate_limit_wait_s)
@@ -97,11 +107,9 @@ class UpstreamModel:
                 raise
             message = parsed.message
             checked = checked_usage(parsed.usage, counter=self.counter, messages=request.messages,
-                                    tools=request.tools or None, message=message,
-                                    body_bytes=len(sent[-1]),
+                                    tools=request.tools or None, replies=[message], body_bytes=len(sent[-1]),
                                     allowed_completion=adm.allowed_completion, n=1, counted_prompt=adm.prompt_tokens)
-            if checked.reported is not None:
-                self.metrics.on_usage_clamped(upstream.name, checked.clamped)
+            self.metrics.on_usage_clamped(upstream.name, checked.clamped)
             usage = checked.usage
             assert routed.answer is not None
             cost = routed.answer.price.cost(usage)

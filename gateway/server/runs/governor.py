@@ -45,7 +45,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 from gateway.config.settings import Defaults, TeamConfig
 from gateway.harness.state import RunState, public_run_id
@@ -55,7 +55,9 @@ from gateway.server.runs import rate_limits
 from gateway.server.runs.allowances import FRESH_S, Allowance, Allowances
 from gateway.store.base import (
     DEFAULT_RESERVATION_TTL_S,
+    Attribution,
     Booking,
+    Hold,
     Claim,
     Figures,
     Grant,
@@ -63,7 +65,7 @@ from gateway.store.base import (
     Store,
 )
 from gateway.store.errors import StoreError
-from gateway.store.periods import period_key
+from gateway.store.periods import PeriodKind, period_key
 from gateway.tokens import TokenCounter
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,11 @@ RESERVE_ATTEMPTS = 8
 """Strict reservations re-read the ledger and retry when a concurrent call got there first."""
 MARGIN_USD = 2e-6
 """Kept off a strict clamp so float dust never turns an affordable reservation into a refusal."""
+
+_BUDGETS = ("run_budget", "key_budget", "user_budget", "team_budget")
+"""Refusals a strict admission clamps again for (a concurrent call got there first)."""
+MAX_VIEWS = 4096
+"""Views of teams (one per key) whose rate limits the governor keeps built."""
 
 Clock = Callable[[], datetime]
 Claims = Callable[[float, tuple[RateLimit, ...], int], Claim]
@@ -84,13 +91,17 @@ def _utc_now() -> datetime:
 
 @dataclass(frozen=True)
 class Ask:
-    """What a model call asks for: its price, prompt, output cap per choice and choices."""
+    """What a model call asks for: its price, prompt, output cap per choice and choices, and
+    who asks (the model's name, the call's user, the run's policy: its spend's attribution)."""
 
     price: Price
     messages: Sequence[Mapping[str, Any]]
     tools: Sequence[Mapping[str, Any]] | None = None
     max_tokens: int | None = None
     n: int = 1
+    model: str = ""
+    user: str | None = None
+    policy: str = ""
 
 
 @dataclass
@@ -120,6 +131,9 @@ class Admission:
     """The rate allowance the call was admitted through (its booking's tokens are paid from it)."""
     run_revision: int | None = None
     """The run's stored revision when it was admitted (`Grant.run_revision`)."""
+    holds: tuple[Hold, ...] = ()
+    """The key's and the user's budgets the call holds against besides the team's."""
+    attribution: Attribution | None = None
 
     async def __aenter__(self) -> Admission:
         return self
@@ -152,13 +166,13 @@ class Governor:
         self._live: set[str] = set()  # reservations of calls in flight here (renewed)
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         # by team and key scope: the rate limits, and the fewest tokens one of them allows per window
-        self._rates: dict[tuple[str, str | None], tuple[TeamConfig, tuple[RateLimit, ...], int | None]] = {}
+        self._rates: dict[int, tuple[TeamConfig, tuple[RateLimit, ...], int | None]] = {}
         self.allowances = Allowances()
 
     def configure(self, defaults: Defaults) -> None:
-        """A config reload: its defaults from now on, and the rate limits of every team and key
-        built again from their new config (calls admitted before keep what they claimed; what
-        this process took ahead under the old limits is given back once idle)."""
+        """A config reload: its defaults from now on; the rate limits built for the old config's
+        views are dropped (each view of the new config builds its own; calls admitted before keep
+        what they claimed; what this process took ahead under the old limits is given back once idle)."""
         self.defaults = defaults
         self._rates = {}
 
@@ -167,35 +181,58 @@ class Governor:
         return self._limits(team)[0]
 
     def _limits(self, team: TeamConfig) -> tuple[tuple[RateLimit, ...], int | None]:
-        if team.rate_limits is None and team.caller is None:
+        caller = team.caller
+        if team.rate_limits is None and (caller is None or caller.limits is None):
             return (), None
-        key = (team.name, None if team.caller is None else team.caller.scope)
-        found = self._rates.get(key)
-        if found is None or found[0] is not team:  # a call admitted under an earlier config has its own team
-            rates = rate_limits.claims(team)
-            found = self._rates[key] = team, rates, min((r.tokens for r in rates if r.tokens is not None), default=None)
-        return found[1:]
+        # By the view itself (the keyring makes one per key and record revision, and keeps
+        # it): an int to hash, where the limits' own dataclasses would be hashed field by field.
+        found = self._rates.get(id(team))
+        if found is not None and found[0] is team:
+            return found[1], found[2]
+        rates = rate_limits.claims(team)
+        cap = min((r.tokens for r in rates if r.tokens is not None), default=None)
+        if len(self._rates) >= MAX_VIEWS:
+            self._rates.clear()
+        self._rates[id(team)] = (team, rates, cap)
+        return rates, cap
 
     def period(self, team: TeamConfig) -> str:
         """The team's ledger key now (rolls over with the clock)."""
+        return self.period_of(team.budget_period)
+
+    def period_of(self, kind: str) -> str:
+        """The ledger key of a budget period of `kind` now ("day", "week", "month", "total")."""
         if self.clock is _utc_now:  # the real clock: the UTC day number is enough to look it up
-            key: tuple[object, ...] = (team.budget_period, int(time.time() // 86_400))
+            key: tuple[object, ...] = (kind, int(time.time() // 86_400))
             cached = self._periods.get(key)
             if cached is not None:
                 return cached
         now = self.clock()
         if now.tzinfo is None:
-            return period_key(team.budget_period, now)  # refuses a naive clock, by name
+            return period_key(cast(PeriodKind, kind), now)  # refuses a naive clock, by name
         utc = now.astimezone(UTC)
         if self.clock is not _utc_now:
-            key = (team.budget_period, utc.year, utc.month, utc.day)
+            key = (kind, utc.year, utc.month, utc.day)
             cached = self._periods.get(key)
             if cached is not None:
                 return cached
         if len(self._periods) > 64:  # period_key formats dates: once a day per kind is enough
             self._periods.clear()
-        self._periods[key] = value = period_key(team.budget_period, utc)
+        self._periods[key] = value = period_key(cast(PeriodKind, kind), utc)
         return value
+
+    def holds(self, team: TeamConfig, user: str | None) -> tuple[Hold, ...]:
+        """The budgets besides the team's a call of `team` (a view: its key) and `user` holds
+        against: the key's, and the user's (a team's `user_budget_usd`, for a call that has a
+        user). Both are held with the same amount as the team's, in the same store step."""
+        caller = team.caller
+        out: tuple[Hold, ...] = ()
+        if caller is not None and caller.budget_usd is not None:
+            out = (Hold("key", caller.scope, self.period_of(caller.budget_period), caller.budget_usd),)
+        if user and team.user_budget_usd is not None:
+            out += (Hold("user", f"user:{team.name}:{user}", self.period_of(team.user_budget_period),
+                         team.user_budget_usd),)
+        return out
 
     # --- admission -------------------------------------------------------------------------
 
@@ -216,8 +253,7 @@ class Governor:
                                 f"run {run.run_id} spent ${run.cost_usd:.6f} of its ${limits.max_budget_usd:.6f} "
                                 "budget; nothing was forwarded")
         rates, token_cap = self._limits(team)
-        adm = Admission(self, run.run_id, team, strict, n=ask.n, period=self.period(team), rates=rates,
-                        token_cap=token_cap)
+        adm = self._admission(run.run_id, team, strict, ask, rates, token_cap, run.policy)
         run_budget = limits.max_budget_usd if strict else None
 
         pending = [run] if create else []
@@ -226,7 +262,8 @@ class Governor:
             return Claim(team.name, adm.period or "", amount, team.budget_usd, run_id=run.run_id,
                          max_turns=limits.max_turns, max_in_flight=self.defaults.max_calls_in_flight_per_run,
                          run_budget_usd=run_budget, owner=self.owner, ttl_s=self.ttl_s, rates=rates,
-                         tokens=tokens, create=pending.pop() if pending else None)  # only the first stores the run
+                         tokens=tokens, create=pending.pop() if pending else None,  # only the first stores the run
+                         holds=adm.holds, attribution=adm.attribution)
 
         await self._admit(adm, ask, claim, run_budget)
         return adm
@@ -235,22 +272,30 @@ class Governor:
                          run_remaining_usd: float | None) -> Admission:
         """Admit one model call of a server-side run (its loop checks the run's own caps)."""
         rates, token_cap = self._limits(team)
-        adm = Admission(self, run_id, team, strict, n=ask.n, period=self.period(team), rates=rates,
-                        token_cap=token_cap)
+        adm = self._admission(run_id, team, strict, ask, rates, token_cap, ask.policy)
 
         def claim(amount: float, rates: tuple[RateLimit, ...], tokens: int) -> Claim:
             return Claim(team.name, adm.period or "", amount, team.budget_usd, owner=self.owner, ttl_s=self.ttl_s,
-                         rates=rates, tokens=tokens)
+                         rates=rates, tokens=tokens, holds=adm.holds, attribution=adm.attribution)
 
         run_left = run_remaining_usd if strict else None
         await self._admit(adm, ask, claim, None, run_left)
         return adm
 
+    def _admission(self, run_id: str, team: TeamConfig, strict: bool, ask: Ask, rates: tuple[RateLimit, ...],
+                   token_cap: int | None, policy: str) -> Admission:
+        caller = team.caller
+        return Admission(self, run_id, team, strict, n=ask.n, period=self.period(team), rates=rates,
+                         token_cap=token_cap, holds=self.holds(team, ask.user),
+                         attribution=Attribution("" if caller is None else caller.key_id, ask.user or "", ask.model,
+                                                 policy))
+
     async def _admit(self, adm: Admission, ask: Ask, claim: Claims, run_budget: float | None,
                      run_left: float | None = None) -> None:
         team = adm.team
         limited = adm.token_cap is not None  # a limit of tokens: the prompt is counted against it
-        counts = adm.strict or team.budget_usd is not None or limited
+        budgeted = team.budget_usd is not None or bool(adm.holds)
+        counts = adm.strict or budgeted or limited
         prompt = self.counter.count_request(ask.messages, ask.tools) if counts else 0
         adm.prompt_tokens = prompt if counts else None
         if limited:
@@ -261,16 +306,17 @@ class Governor:
                 raise too_large
         allowance = ask.max_tokens or self.defaults.output_allowance_tokens
         if not adm.strict:
-            amount = ask.price.cost(Usage(prompt, allowance * ask.n)) if team.budget_usd is not None else 0.0
+            amount = ask.price.cost(Usage(prompt, allowance * ask.n)) if budgeted else 0.0
             self._close_on_refusal(adm, await self._claim(adm, claim, amount), ask, prompt, allowance)
             adm.allowed_completion = None if ask.max_tokens is None else ask.max_tokens * ask.n
             return
-        figures = await self.store.figures(team.name, adm.period or "", adm.run_id if run_budget is not None else None)
+        figures = await self.store.figures(team.name, adm.period or "", adm.run_id if run_budget is not None else None,
+                                           adm.holds)
         for _ in range(RESERVE_ATTEMPTS):
             out = self._strict_output(adm, ask, prompt, allowance, figures, run_budget, run_left)
             adm.max_tokens = out
             grant = await self._claim(adm, claim, ask.price.cost(Usage(prompt, out * ask.n)))
-            if grant.reservation_id is not None or grant.refused not in ("run_budget", "team_budget"):
+            if grant.reservation_id is not None or grant.refused not in _BUDGETS:
                 self._close_on_refusal(adm, grant, ask, prompt, out)
                 adm.allowed_completion = out * ask.n
                 return
@@ -317,6 +363,10 @@ class Governor:
             out = min(out, ask.price.max_output_tokens(run_left - MARGIN_USD, prompt) // ask.n)
             if out <= 0:
                 raise self._refusal(adm, "run_budget", figures, ask, prompt, 1, run_left)
+        for hold, (spent, reserved) in zip(adm.holds, figures.holds, strict=True):
+            out = min(out, ask.price.max_output_tokens(hold.budget_usd - spent - reserved - MARGIN_USD, prompt) // ask.n)
+            if out <= 0:
+                raise self._refusal(adm, f"{hold.kind}_budget", figures, ask, prompt, 1)
         if adm.team.budget_usd is not None:
             team_left = adm.team.budget_usd - figures.spent_usd - figures.reserved_usd - MARGIN_USD
             out = min(out, ask.price.max_output_tokens(team_left, prompt) // ask.n)
@@ -357,6 +407,18 @@ class Governor:
                                  f"calls in flight ${figures.run_held_usd:.6f}), not enough for the prompt ({prompt} "
                                  f"tokens) and one output token{choices} (strict mode); nothing was forwarded")
         mode = "strict mode: at least one output token" if adm.strict else f"allowance {out} output tokens"
+        if why in ("key_budget", "user_budget"):
+            kind = "key" if why == "key_budget" else "user"
+            i = next(i for i, h in enumerate(adm.holds) if h.kind == kind)
+            hold, (spent, reserved) = adm.holds[i], (figures.holds[i] if len(figures.holds) > i else (0.0, 0.0))
+            caller = adm.team.caller
+            whose = f"key {caller.key_id}" if kind == "key" and caller is not None else \
+                f"user '{hold.scope.split(':', 2)[2]}' of team '{team.name}'"
+            return LimitExceeded(
+                "key_budget_exceeded" if kind == "key" else "user_budget_exceeded",
+                f"{whose} has a budget of ${hold.budget_usd:.6f} for period {hold.period}, which cannot pay for this "
+                f"call: spent ${spent:.6f}, reserved by calls in flight ${reserved:.6f}, this call needs up to "
+                f"${need:.6f} (prompt {prompt} tokens + {mode}{choices}); nothing was forwarded")
         return LimitExceeded(
             "team_budget_exceeded",
             f"team '{team.name}' budget of ${team.budget_usd or 0.0:.6f} for period {adm.period} cannot pay for this "
@@ -383,7 +445,7 @@ class Governor:
             await self.store.settle(adm.reservation, actual_usd,
                                     self.allowances.charges(adm.allowance, adm.rates, adm.counted_tokens, tokens))
         elif actual_usd > 0:
-            await self.store.charge(adm.team.name, adm.period or self.period(adm.team), actual_usd)
+            await self.store.charge(adm.team.name, adm.period or self.period(adm.team), actual_usd, adm.attribution)
 
     def booking(self, adm: Admission, actual_usd: float, tokens: int | None = None) -> Booking | None:
         """Close the call and say what `Store.commit_turn` must book for it (what `settle`
@@ -394,14 +456,15 @@ class Governor:
         if adm.reservation is None and actual_usd <= 0:
             return None
         return Booking(adm.team.name, adm.period or self.period(adm.team), actual_usd, adm.reservation,
-                       tokens=self.allowances.charges(adm.allowance, adm.rates, adm.counted_tokens, tokens))
+                       tokens=self.allowances.charges(adm.allowance, adm.rates, adm.counted_tokens, tokens),
+                       attribution=None if adm.reservation is not None else adm.attribution)
 
     async def book(self, booking: Booking) -> None:
         """Book on its own what a failed `commit_turn` did not (settle is idempotent)."""
         if booking.reservation_id is not None:
             await self.store.settle(booking.reservation_id, booking.actual_usd, booking.tokens)
         elif booking.actual_usd > 0:
-            await self.store.charge(booking.team, booking.period, booking.actual_usd)
+            await self.store.charge(booking.team, booking.period, booking.actual_usd, booking.attribution)
 
     async def release(self, adm: Admission) -> None:
         """Nothing to pay: give the reservation (and the run's slot) back."""

@@ -14,7 +14,7 @@ applies the same change again, so concurrent calls of one run never lose a turn.
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -41,6 +41,7 @@ from gateway.server.http.errors import (
 )
 from gateway.server.http.headers import run_headers
 from gateway.server.runs.run_cache import RunCache
+from gateway.store.audit import AuditEntry
 from gateway.store.base import Booking, Event, Ledger, Store
 from gateway.store.errors import RunExists, StaleRun
 
@@ -67,6 +68,8 @@ class Call:
     blind: bool = False
     """True when `run` is new because the store was not asked (`Store.lookup_in_admission`):
     its admission stores it, or finds the stored run (`join_created`)."""
+    user: str | None = None
+    """The call's user (`http.scope.call_user`): its spend and its user budget."""
 
 
 class ServerSideRun(Exception):
@@ -87,7 +90,15 @@ def run_id_from(headers: Mapping[str, str]) -> str | None:
 
 async def resolve_call(store: Store, policies: PolicyRegistry, team: TeamConfig, headers: Mapping[str, str],
                        chat: ChatRequest, route: ModelRoute, *, defer_create: bool = False,
-                       cache: RunCache | None = None) -> Call:
+                       cache: RunCache | None = None, user: str | None = None) -> Call:
+    call = await _resolve(store, policies, team, headers, chat, route, defer_create, cache, user)
+    call.user = user
+    return call
+
+
+async def _resolve(store: Store, policies: PolicyRegistry, team: TeamConfig, headers: Mapping[str, str],
+                   chat: ChatRequest, route: ModelRoute, defer_create: bool, cache: RunCache | None,
+                   user: str | None) -> Call:
     """Load or create the call's run; 404 for another team's run, 403/400 for policy problems.
     With `defer_create`, a new run of a pass-through policy is not stored here but by its
     first admission, in the same store step (`Call.stored` False; see `join_created`).
@@ -113,12 +124,12 @@ async def resolve_call(store: Store, policies: PolicyRegistry, team: TeamConfig,
         except ApiError:
             policy = None  # not a new run's policy: only a stored run can take the call
         if policy is not None and not policy.server_side:
-            return Call(team, policy, _new_run(team, policy, chat, run_id), True, chat, route, stored=False,
+            return Call(team, policy, _new_run(team, policy, chat, run_id, user), True, chat, route, stored=False,
                         blind=True)
     run = await store.load_run(run_id) if run_id is not None else None
     if run is None:
         policy = _new_run_policy(policies, team, wanted)
-        run = _new_run(team, policy, chat, run_id or scoped_run_id(team.name, new_run_id()))
+        run = _new_run(team, policy, chat, run_id or scoped_run_id(team.name, new_run_id()), user)
         if defer_create and not policy.server_side:
             return Call(team, policy, run, True, chat, route, stored=False)
         try:
@@ -132,9 +143,10 @@ async def resolve_call(store: Store, policies: PolicyRegistry, team: TeamConfig,
     return Call(team, _stored_run_policy(policies, team, run, wanted), run, False, chat, route)
 
 
-def _new_run(team: TeamConfig, policy: Policy, chat: ChatRequest, run_id: str) -> RunState:
+def _new_run(team: TeamConfig, policy: Policy, chat: ChatRequest, run_id: str, user: str | None) -> RunState:
     return RunState.new(chat.model, list(chat.messages), run_id=run_id, team=team.name, policy=policy.name,
-                        policy_version=policy.version, limits=policy.limits)
+                        policy_version=policy.version, limits=policy.limits,
+                        key_id="" if team.caller is None else team.caller.key_id, user=user)
 
 
 def _stored_run_policy(policies: PolicyRegistry, team: TeamConfig, run: RunState, wanted: str | None) -> Policy:
@@ -205,14 +217,17 @@ async def update_run(store: Store, run: RunState, change: Callable[[RunState], N
 
 async def commit_run(store: Store, run: RunState, change: Callable[[RunState], None],
                      trace: Callable[[RunState], list[Event]], booking: Booking | None,
-                     attempts: int = UPDATE_ATTEMPTS) -> tuple[RunState, list[Event], Ledger | None]:
-    """Apply `change`, then save it with `trace(run)`'s lines and `booking` in one store step;
-    on a concurrent save, reload and do it again. Returns the run, the lines and the ledger."""
+                     attempts: int = UPDATE_ATTEMPTS,
+                     audit: Callable[[RunState], Sequence[AuditEntry]] | None = None,
+                     ) -> tuple[RunState, list[Event], Ledger | None]:
+    """Apply `change`, then save it with `trace(run)`'s lines, `booking` and `audit(run)`'s
+    records (the act the change is) in one store step; on a concurrent save, reload and do it
+    again. Returns the run, the lines and the ledger."""
 
     async def commit(r: RunState) -> tuple[RunState, list[Event], Ledger | None]:
         change(r)
         events = trace(r)
-        return r, events, await store.commit_turn(r, events, booking)
+        return r, events, await store.commit_turn(r, events, booking, audit=() if audit is None else audit(r))
 
     return await _retrying(store, run, commit, attempts)
 

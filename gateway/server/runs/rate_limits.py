@@ -69,7 +69,7 @@ async def waiting(admit: Callable[[], Awaitable[T]], wait_s: float) -> T:
 def claims(team: TeamConfig) -> tuple[RateLimit, ...]:
     """The store's rate limits for a call of `team` (its key's, then the team's)."""
     out: list[RateLimit] = []
-    if team.caller is not None:
+    if team.caller is not None and team.caller.limits is not None:
         out.append(_claim(team.caller.scope, team.caller.limits))
     if team.rate_limits is not None:
         out.append(_claim("team:" + team.name, team.rate_limits))

@@ -8,17 +8,20 @@ A `Sweeper` runs once when the gateway starts and then every `period_s` (half of
   a whole lease TTL is either resumed (policy `recovery: resume`) or stopped as
   `interrupted` with reason `crashed` (the default), so its owner sees it and may resume
   it. A run that waits for its client's tool results is between calls, like any
-  pass-through run: left alone. A run of an `approval: {on_decision: resume}` policy
-  whose decided call was never driven (the deciding replica died) is resumed.
+  pass-through run: left alone. This rests on one rule: only a drive makes a server-side
+  run `running`, under its lease (a decision, a grant, a cancel leave it stopped, saying
+  what it waits for), so `running` with a free lease means its driver died.
+- a run of an `approval: {on_decision: resume}` policy whose decided call was never
+  driven (the deciding replica died) is resumed.
 - a run waiting for a decision past its policy's `approval.expires_after_s` gets the
-  expiry's rejection (as when someone decides late), traced `approval_expired`, and the
-  team's `gateway_approvals_pending` is recounted; under `on_decision: resume` the run
+  expiry's rejection (as when someone decides late), traced `approval_expired` (the
+  approvals gauge is recounted at the next scrape); under `on_decision: resume` the run
   then goes on (the model reads the rejection).
 
 Each change is made while holding the run's lease (and its `ActiveRuns` claim), and
 saved with the run's revision: two replicas sweeping at once never change a run twice.
 A sweep reads at most `scan` runs of each status, newest first, and only runs of the policies
-it could act on (server-side ones; ones whose approvals expire).
+it could act on (server-side ones; ones whose approvals expire or resume their runs).
 """
 
 from __future__ import annotations
@@ -36,7 +39,13 @@ from gateway.harness.state import Interruption, RunState, pending
 from gateway.harness.trace import Tracer
 from gateway.policy.approval import EXPIRED_BY, expired, expiry_decision
 from gateway.policy.decl import Policy
-from gateway.server.runs.auto_resume import RESUMED_BY, BackgroundDrives, after_decision, decided_undriven
+from gateway.server.runs.auto_resume import (
+    RESUMED_BY,
+    BackgroundDrives,
+    after_decision,
+    decided_undriven,
+    resumes_on_decision,
+)
 from gateway.server.runs.cancels import RunBusy
 from gateway.server.runs.continuations import resume_with
 from gateway.server.runs.driver import PolicyGone, RunDriver
@@ -80,8 +89,12 @@ class Sweeper:
         driven = policies.names_where(lambda p: p.server_side)
         for run in await self.store.list_runs(status="running", limit=scan, policies=driven):
             await self._recover(run, report)
-        expiring = policies.names_where(lambda p: p.approval.expires_after_s is not None)
-        for run in await self.store.list_runs(status="interrupted", limit=scan, policies=expiring):
+        waiting = policies.names_where(lambda p: p.approval.expires_after_s is not None or resumes_on_decision(p))
+        for run in await self.store.list_runs(status="interrupted", limit=scan, policies=waiting):
+            if decided_undriven(run, self._policy(run)):
+                if time.time() - run.updated_at >= self.driver.lease_ttl_s:  # else its decider is starting it
+                    self._resume(run, report)
+                continue
             await self._expire(run, report)
         return report
 
@@ -197,5 +210,5 @@ class Sweeper:
                     await self.store.release_lease(run.run_id, driver.owner)
         except (RunBusy, StaleRun, ApprovalError):
             return
-        await driver.refresh_approvals(run.team)
+        driver.approvals_changed()
 

@@ -23,10 +23,16 @@ def usage_of(data: Any) -> Usage | None:
     return None
 
 
-def counted_usage(counter: TokenCounter, messages: Sequence[Mapping[str, Any]],
-                  tools: Sequence[Mapping[str, Any]] | None, message: Message) -> Usage:
-    """No usage from the upstream: count both sides with o200k_base."""
-    return Usage(counter.count_request(messages, tools), counter.count_completion(message))
+def embeddings_usage_of(data: Any) -> Usage | None:
+    """An embeddings answer's usage, if it reported a usable one: its prompt tokens (and the
+    completion tokens an odd upstream may add, which `checked_usage` does not book)."""
+    if not isinstance(data, dict):
+        return None
+    prompt, completion = data.get("prompt_tokens"), data.get("completion_tokens", 0)
+    if (isinstance(prompt, int) and isinstance(completion, int) and not isinstance(prompt, bool)
+            and prompt >= 0 and completion >= 0):
+        return Usage(prompt, completion)
+    return None
 
 
 def with_run(raw: bytes, run: dict[str, Any]) -> bytes:
@@ -58,24 +64,38 @@ class CheckedUsage:
 
     @property
     def clamped(self) -> tuple[str, ...]:
+        """Which counts were not believed (`prompt`, `completion`); empty when all were."""
         return () if self.reported is None else tuple(clamped_kinds(self.reported, self.usage))
 
 
 def checked_usage(reported: Usage | None, *, counter: TokenCounter, messages: Sequence[Mapping[str, Any]],
-                  tools: Sequence[Mapping[str, Any]] | None, message: Message, body_bytes: int,
+                  tools: Sequence[Mapping[str, Any]] | None, replies: Sequence[Message] | None, body_bytes: int,
                   allowed_completion: int | None, n: int, counted_prompt: int | None = None) -> CheckedUsage:
-    """The usage to book for one reply: the upstream's own, unless it is absent (then both
-    sides are counted with o200k_base) or beyond belief, where the gateway's count is booked
-    instead: completion tokens above what the call allowed (`max_tokens` x `n`, or a ceiling
-    per choice without one), or prompt tokens far above the gateway's count of the prompt
-    (twice it plus slack, plus a bound per image or audio part; prompts with file parts,
-    whose size the gateway cannot see, are not bounded)."""
+    """The usage to book for one upstream answer: the one rule of every route that books
+    (chat completions and Responses, pass-through or server-side, streamed or not, and
+    embeddings). `replies` are the answer's choices as the gateway received them (None: a
+    call that writes no completion, embeddings); `counted_prompt` is the gateway's count of
+    the prompt when it has one already (the admission's, or a token array's exact length).
+
+    The upstream's own usage is booked, unless it is absent (then both sides are counted
+    with o200k_base) or beyond belief, where the gateway's count is booked instead:
+    - completion tokens above what the call allowed (`max_tokens` x `n`, or a ceiling per
+      choice without one) are booked at the gateway's count of the replies, and never above
+      what was reported: an upstream that wrote past `max_tokens` was paid for what it wrote;
+      one that claims more than it wrote is booked at what it wrote. A call that writes no
+      completion books none;
+    - prompt tokens far above the gateway's count of the prompt (twice it plus slack, plus a
+      bound per image or audio part; prompts with file parts, whose size the gateway cannot
+      see, are not bounded) are booked at that count.
+    """
     if reported is None:
-        return CheckedUsage(counted_usage(counter, messages, tools, message))
+        prompt = counted_prompt if counted_prompt is not None else counter.count_request(messages, tools)
+        return CheckedUsage(Usage(prompt, _written(counter, replies)))
     prompt, completion = reported.prompt_tokens, reported.completion_tokens
-    ceiling = allowed_completion if allowed_completion is not None else COMPLETION_CEILING_PER_CHOICE * n
+    ceiling = 0 if replies is None else (
+        allowed_completion if allowed_completion is not None else COMPLETION_CEILING_PER_CHOICE * n)
     if completion > ceiling:
-        completion = min(ceiling, counter.count_completion(message))
+        completion = min(completion, _written(counter, replies))
     media, files = _media_parts(messages)
     slack = PROMPT_SLACK_TOKENS + media * MEDIA_PART_TOKENS
     if not files:
@@ -88,6 +108,11 @@ def checked_usage(reported: Usage | None, *, counter: TokenCounter, messages: Se
     if (prompt, completion) == (reported.prompt_tokens, reported.completion_tokens):
         return CheckedUsage(reported)
     return CheckedUsage(Usage(prompt, completion), reported)
+
+
+def _written(counter: TokenCounter, replies: Sequence[Message] | None) -> int:
+    """The gateway's count of what the answer wrote: every choice it received."""
+    return sum(counter.count_completion(m) for m in replies) if replies is not None else 0
 
 
 def _media_parts(messages: Sequence[Mapping[str, Any]]) -> tuple[int, bool]:

@@ -22,6 +22,7 @@ from aiohttp import web
 from gateway.config.settings import Config, ConfigError, RetentionConfig, load_config
 from gateway.server import context as ctx
 from gateway.store import Store, StoreError, open_store, tracefile
+from gateway.store.base import spend_day
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +39,18 @@ class Pruned:
     ledgers: int = 0
     responses: int = 0
     notices: int = 0
+    sessions: int = 0
+    spend_days: int = 0
+    audit: int = 0
 
     def __str__(self) -> str:
         return (f"{self.runs} finished run(s), the events of {self.events_of} more, {self.ledgers} closed ledger "
-                f"figure(s), {self.responses} stored response(s), {self.notices} sent or abandoned notice(s)")
+                f"figure(s), {self.responses} stored response(s), {self.notices} sent or abandoned notice(s), "
+                f"{self.sessions} ended console session(s), {self.spend_days} day(s) of spend, {self.audit} audit "
+                "record(s)")
+
+    def any(self) -> bool:
+        return any(self.__dict__.values())
 
 
 async def apply(store: Store, retention: RetentionConfig, now: float | None = None) -> Pruned:
@@ -57,7 +66,13 @@ async def apply(store: Store, retention: RetentionConfig, now: float | None = No
         ledgers = await store.prune_ledgers(now - retention.ledger_days * DAY_S)
     if retention.outbox_days is not None:
         notices = await store.prune_outbox(now - retention.outbox_days * DAY_S)
-    return Pruned(runs, events, ledgers, responses, notices)
+    sessions = await store.prune_sessions(now)
+    spend = audit = 0
+    if retention.spend_days is not None:
+        spend = await store.prune_spend(spend_day(now - retention.spend_days * DAY_S))
+    if retention.audit_days is not None:
+        audit = await store.prune_audit(now - retention.audit_days * DAY_S)
+    return Pruned(runs, events, ledgers, responses, notices, sessions, spend, audit)
 
 
 def configure_trace_file(config: Config) -> None:
@@ -73,7 +88,7 @@ async def _loop(store: Store, retention: RetentionConfig, stop: asyncio.Event) -
     while not stop.is_set():
         try:
             pruned = await apply(store, retention)
-            if pruned.runs or pruned.events_of or pruned.ledgers or pruned.responses or pruned.notices:
+            if pruned.any():
                 log.info("retention pruned %s", pruned)
         except StoreError as exc:
             log.warning("retention pass failed, next in %.0fs: %s", retention.interval_s, exc)

@@ -45,12 +45,11 @@ async def driver_ctx(app: web.Application) -> AsyncIterator[None]:
                        runs_dir=config.runs_dir, session=app[ctx.SESSION], trace_file=config.trace_file,
                        metrics=app[ctx.METRICS], owner=owner, lease_ttl_s=config.server.lease_ttl_s,
                        store_deadline_s=config.store.timeout_s)
+    driver.approvals.teams = lambda: [team.name for team in app[ctx.LIVE].config.teams]
     app[ctx.DRIVER] = driver
     sweeper = Sweeper(driver, trace_file=config.trace_file, period_s=config.server.lease_ttl_s / 2)
     app[BACKGROUND] = sweeper.drives  # runs resumed after a decision (auto_resume) or by recovery
     try:
-        for team in config.teams:
-            await driver.refresh_approvals(team.name)
         await sweeper.sweep(STARTUP_SCAN)  # before serving: runs this process drove before a restart
     except StoreError as exc:  # the store is down: serve anyway (503s), recovery retries every period
         log.warning("startup recovery failed, retrying in the background: %s", exc)

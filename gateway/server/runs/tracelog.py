@@ -20,6 +20,7 @@ from typing import Final
 
 from gateway.harness.state import RunState
 from gateway.store import tracefile
+from gateway.store.audit import AuditEntry
 from gateway.store.base import Event, Store
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class TraceWriter:
         self.trace_file = trace_file
         self.listeners = list(listeners)
         self._buffer: list[Event] = []
+        self._audit: list[AuditEntry] = []
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -77,6 +79,10 @@ class TraceWriter:
         """Save `state` and every buffered line in one store step (`Store.commit_turn`)."""
         await self._write(ahead=False, state=state)
 
+    def audit(self, entries: Sequence[AuditEntry]) -> None:
+        """Audit records written with the next save of the run (`commit`): the act it records."""
+        self._audit.extend(entries)
+
     async def _write(self, *, ahead: bool, state: RunState | None = None) -> None:
         """The buffered lines (`ahead`: only those before the first `ANNOUNCING` one), with
         `state` when given, in one store step."""
@@ -91,7 +97,8 @@ class TraceWriter:
                 if state is None:
                     await self.store.append_events(self.run_id, batch)
                 else:
-                    await self.store.commit_turn(state, batch)
+                    await self.store.commit_turn(state, batch, audit=self._audit)
+                    self._audit = []
             except BaseException:
                 self._buffer[:0] = batch
                 raise

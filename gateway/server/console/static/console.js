@@ -119,6 +119,7 @@
     document.getElementById("nav").hidden = false;
     document.getElementById("sign-out").hidden = false;
     const s = state.session;
+    document.getElementById("nav-keys").hidden = !(s.admin || s.manage_keys);
     document.getElementById("who").textContent = "team " + s.team + (s.admin ? " (admin)" : "") +
       (s.approver_of.length ? " · approver of " + s.approver_of.join(", ") : "");
     if (!location.hash || location.hash === "#") location.hash = "#/inbox";
@@ -180,8 +181,9 @@
     clear(outcome);
     if (info.decision) {
       const verb = info.decision === "approve" ? "approved" : "rejected";
-      outcome.append(el("span", { className: "verdict " + info.decision, text: verb + " by " + info.by }),
-        info.reason ? el("span", { className: "meta", text: " — " + info.reason }) : null);
+      // a DOM append() writes null as the text "null": a decision without a reason adds nothing
+      outcome.append(el("span", { className: "verdict " + info.decision, text: verb + " by " + info.by }));
+      if (info.reason) outcome.append(el("span", { className: "meta", text: " — " + info.reason }));
     } else {
       outcome.append(el("span", { className: "verdict", text: "no longer waiting (run " + info.status + ")" }));
     }
@@ -311,9 +313,15 @@
     const grid = el("div", { className: "grid card", id: "run-facts" },
       facts.map(([k, v]) => el("div", { dataset: { fact: k } }, el("span", { text: k }), el("b", { text: v }))));
     const error = run.error ? el("p", { className: "error", text: run.error }) : null;
-    const waiting = run.interruption && run.interruption.type === "approval"
-      ? el("p", {}, "Waits for a decision on ", el("code", { text: run.interruption.tool_name }), " — see the ",
-        el("a", { href: "#/inbox", text: "inbox" }), ".") : null;
+    const asked = run.interruption && run.interruption.type === "approval" ? run.interruption : null;
+    let waiting = null;
+    if (asked && asked.waiting_for === "decision") {
+      waiting = el("p", { id: "waiting" }, "Waits for a decision on ", el("code", { text: asked.tool_name }),
+        " — see the ", el("a", { href: "#/inbox", text: "inbox" }), ".");
+    } else if (asked) {
+      waiting = el("p", { id: "waiting" }, (asked.decision === "approve" ? "Approved: " : "Rejected: "),
+        el("code", { text: asked.tool_name }), "; waits to be resumed by its team.");
+    }
 
     const actions = el("div", { className: "actions card" });
     const cancel = el("button", { type: "button", id: "cancel", text: "Cancel run" });
@@ -381,11 +389,41 @@
 
   // --- spend ---------------------------------------------------------------------------
 
-  async function showSpend() {
+  const GROUPS = { key: "key", user: "user", model: "model", team: "team", policy: "policy", day: "day" };
+
+  async function showSpendReport(groupBy) {
+    const box = document.getElementById("spend-report");
+    if (!box) return;
     const body = el("tbody");
+    const heads = groupBy === "key" ? ["key", "name", "calls", "cost"] : [groupBy, "calls", "cost"];
+    clear(box).append(el("table", { id: "spend-by" }, el("thead", {}, el("tr", {},
+      heads.map((h) => el("th", { className: h === "calls" || h === "cost" ? "num" : "", text: h })))), body));
+    try {
+      const data = await call("/console/api/spend/report?group_by=" + encodeURIComponent(groupBy));
+      for (const row of data.data) {
+        const cells = [el("td", { text: row[groupBy] || "–" })];
+        if (groupBy === "key") cells.push(el("td", { text: row.key_name || "" }));
+        cells.push(el("td", { className: "num", text: row.calls }), el("td", { className: "num", text: usd(row.cost_usd) }));
+        body.append(el("tr", { dataset: { group: row[groupBy] || "" } }, cells));
+      }
+      body.append(el("tr", { className: "total" }, el("td", { text: "total, " + data.from + " to " + data.to }),
+        groupBy === "key" ? el("td", {}) : null, el("td", { className: "num", text: data.calls }),
+        el("td", { className: "num", text: usd(data.total_usd) })));
+    } catch (e) {
+      body.append(el("tr", {}, el("td", { colspan: heads.length, className: "error", text: e.message })));
+    }
+  }
+
+  async function showSpend(params) {
+    const body = el("tbody");
+    const groupBy = GROUPS[params.get("by") || "key"] || "key";
+    const tabs = el("div", { className: "filters", id: "spend-tabs" }, ["key", "user", "model"].map((g) =>
+      el("a", { href: "#/spend?by=" + g, className: g === groupBy ? "tab active" : "tab", text: "by " + g })));
     clear(main()).append(el("h1", { text: "Spend" }),
       el("table", { id: "spend" }, el("thead", {}, el("tr", {},
-        ["team", "period", "spent", "reserved", "budget", "remaining", ""].map((h) => el("th", { text: h })))), body));
+        ["team", "period", "spent", "reserved", "budget", "remaining", ""].map((h) => el("th", { text: h })))), body),
+      el("h2", { text: "The last 30 days" }), tabs, el("div", { id: "spend-report" }));
+    showSpendReport(groupBy);
     try {
       const data = await call("/console/api/spend");
       for (const row of data.data) {
@@ -403,6 +441,110 @@
     }
   }
 
+  // --- keys ----------------------------------------------------------------------------
+
+  function keyState(k) {
+    if (k.revoked_at) return "revoked";
+    if (typeof k.expires_at === "number" && k.expires_at <= Date.now() / 1000) return "expired";
+    return "active";
+  }
+
+  function showSecret(title, made) {
+    // The secret is in this answer only: shown once, never stored by the page.
+    const box = document.getElementById("secret-box");
+    const done = el("button", { type: "button", id: "secret-done", text: "I have stored it" });
+    clear(box).append(el("div", { className: "card secret" },
+      el("h2", { text: title }),
+      el("p", { text: "Key " + made.id + " (" + made.name + "). This secret is shown once: store it now. " +
+        "The gateway keeps only its hash." }),
+      el("pre", { id: "secret-once", text: made.key }),
+      (made.warnings || []).map((w) => el("p", { className: "meta warning", text: w })), done));
+    done.addEventListener("click", () => clear(box));
+  }
+
+  async function showKeys() {
+    const s = state.session;
+    const body = el("tbody");
+    const team = el("input", { id: "k-team", value: s.team, placeholder: "team", required: true });
+    if (!s.admin) team.readOnly = true;
+    const name = el("input", { id: "k-name", placeholder: "name (what it is for)", maxlength: 100, required: true });
+    const user = el("input", { id: "k-user", placeholder: "user (optional)" });
+    const models = el("input", { id: "k-models", placeholder: "models, comma-separated globs (optional)" });
+    const budget = el("input", { id: "k-budget", type: "number", min: 0, step: "0.01", placeholder: "budget $ (optional)" });
+    const period = el("select", { id: "k-period" }, ["month", "week", "day", "total"].map((p) => el("option", { value: p, text: "per " + p })));
+    const days = el("input", { id: "k-days", type: "number", min: 1, placeholder: "expires in days (optional)" });
+    const create = el("button", { type: "submit", className: "primary", id: "k-create", text: "Create key" });
+    const form = el("form", { className: "filters card", id: "key-form" }, team, name, user, models, budget, period, days, create);
+    form.addEventListener("submit", async (event) => {
+      event.preventDefault();
+      const payload = { team: team.value.trim(), name: name.value.trim() };
+      if (user.value.trim()) payload.user = user.value.trim();
+      if (models.value.trim()) payload.models = models.value.split(",").map((m) => m.trim()).filter(Boolean);
+      if (budget.value) { payload.budget_usd = Number(budget.value); payload.budget_period = period.value; }
+      if (days.value) payload.expires_in_s = Number(days.value) * 86400;
+      create.disabled = true;
+      try {
+        const made = await call("/console/api/keys", { method: "POST", body: payload });
+        name.value = "";
+        showSecret("New key", made);
+        await listKeys(body);
+      } catch (e) { toast(e.message, true); }
+      create.disabled = false;
+    });
+    const all = el("input", { type: "checkbox", id: "k-all" });
+    all.addEventListener("change", () => listKeys(body));
+    clear(main()).append(el("h1", { text: "Keys" }), el("div", { id: "secret-box" }), form,
+      el("label", { className: "meta" }, all, " show revoked and expired keys"),
+      el("table", { id: "keys" }, el("thead", {}, el("tr", {},
+        ["id", "team", "name", "prefix", "user", "budget", "state", "last used", ""].map((h) => el("th", { text: h })))), body));
+    await listKeys(body);
+  }
+
+  async function listKeys(body) {
+    const all = document.getElementById("k-all");
+    clear(body);
+    try {
+      const data = await call("/console/api/keys?limit=200" + (all && all.checked ? "&include_revoked=true" : ""));
+      if (!data.data.length) body.append(el("tr", {}, el("td", { colspan: 9, className: "empty", text: "No keys." })));
+      for (const k of data.data) {
+        const actions = el("td", { className: "actions" });
+        if (k.source === "store" && !k.revoked_at) {
+          const grace = el("input", { type: "number", min: 0, max: 604800, className: "grace", placeholder: "grace s", value: "0" });
+          const rotate = el("button", { type: "button", className: "rotate", text: "Rotate" });
+          const revoke = el("button", { type: "button", className: "reject revoke", text: "Revoke" });
+          rotate.addEventListener("click", async () => {
+            rotate.disabled = true;
+            try {
+              const made = await call("/console/api/keys/" + encodeURIComponent(k.id) + "/rotate",
+                { method: "POST", body: { grace_s: Number(grace.value || 0) } });
+              showSecret("Rotated key", made);
+              await listKeys(body);
+            } catch (e) { toast(e.message, true); rotate.disabled = false; }
+          });
+          revoke.addEventListener("click", async () => {
+            revoke.disabled = true;
+            try {
+              await call("/console/api/keys/" + encodeURIComponent(k.id), { method: "DELETE" });
+              toast("Revoked key " + k.id);
+              await listKeys(body);
+            } catch (e) { toast(e.message, true); revoke.disabled = false; }
+          });
+          actions.append(grace, rotate, revoke);
+        } else if (k.source === "config") {
+          actions.append(el("span", { className: "meta", text: "config.yaml" }));
+        }
+        body.append(el("tr", { dataset: { key: k.id } },
+          el("td", {}, el("code", { text: k.id })), el("td", { text: k.team }), el("td", { text: k.name }),
+          el("td", { text: k.prefix || "–" }), el("td", { text: k.user || "–" }),
+          el("td", { text: k.budget_usd === null ? "–" : usd(k.budget_usd) + " / " + k.budget_period }),
+          el("td", {}, el("span", { className: "status key-" + keyState(k), text: keyState(k) })),
+          el("td", { text: when(k.last_used_at) }), actions));
+      }
+    } catch (e) {
+      body.append(el("tr", {}, el("td", { colspan: 9, className: "error", text: e.message })));
+    }
+  }
+
   // --- routing -------------------------------------------------------------------------
 
   function route() {
@@ -414,7 +556,8 @@
     document.querySelectorAll("#nav a").forEach((a) => a.classList.toggle("active", a.id === "nav-" + parts[0]));
     if (parts[0] === "runs") { state.route = "runs"; showRuns(new URLSearchParams(query || "")); }
     else if (parts[0] === "run" && parts.length === 3) { state.route = "run:" + parts[1] + "/" + parts[2]; showRun(parts[1], parts[2]); }
-    else if (parts[0] === "spend") { state.route = "spend"; showSpend(); }
+    else if (parts[0] === "spend") { state.route = "spend"; showSpend(new URLSearchParams(query || "")); }
+    else if (parts[0] === "keys") { state.route = "keys"; showKeys(); }
     else { state.route = "inbox"; showInbox(); }
   }
 

@@ -1,0 +1,145 @@
+"""The console's Keys and Spend pages, and its sign-out, in a real headless Chromium against a
+real gateway process.
+
+A key manager (team demo's `manage_keys` key) signs in, creates a key on the Keys page: the
+secret is shown once (and works), is gone from the page once acknowledged and never listed;
+rotating shows the new secret once (the old one is refused); revoking takes effect (401 at
+once). The Spend page groups by key, user and model. A team key that may not manage keys
+sees no Keys page. After "Sign out", the cookie the browser held no longer works for
+anyone who copied it (issue 28 item 8).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from playwright.async_api import Browser, Page, expect
+
+from tests.server.served import DEMO, KEYS, Served, chat_body, request, write_config
+from tests.support.browser import chromium
+from tests.support.procs import free_port, start_gateway
+
+UI_TIMEOUT_MS = 20_000
+SECRET = re.compile(r"^gw-[0-9A-Za-z]{43}$")
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Served]:
+    folder = tmp_path_factory.mktemp("console_keys") / "gw"
+    folder.mkdir()
+    port = free_port()
+    path = write_config(folder, port)
+    proc = await asyncio.to_thread(start_gateway, ["serve", "--config", str(path)], "/healthz", port,
+                                   folder / "gateway-1.log")
+    yield Served(folder, port, proc)
+    await asyncio.to_thread(proc.stop)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def browser() -> AsyncIterator[Browser]:
+    async with chromium() as b:
+        yield b
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def sign_in(browser: Browser, url: str, key: str) -> Page:
+    page = await (await browser.new_context()).new_page()
+    page.set_default_timeout(UI_TIMEOUT_MS)
+    await page.goto(f"{url}/console/")
+    await page.fill("#key", key)
+    await page.click("#signin button[type=submit]")
+    await expect(page.locator("#inbox-live")).to_contain_text("Live")
+    return page
+
+
+async def status_with(session: aiohttp.ClientSession, served: Served, key: str) -> int:
+    status, _, _ = await request(session, "POST", f"{served.url}/v1/chat/completions", key=key,
+                                 body=chat_body("scripted-plan"))
+    return status
+
+
+async def test_a_key_manager_creates_rotates_and_revokes_keys_in_the_console(
+        served: Served, browser: Browser, session: aiohttp.ClientSession) -> None:
+    page = await sign_in(browser, served.url, KEYS)
+    await expect(page.locator("#nav-keys")).to_be_visible()
+    await page.click("#nav-keys")
+    await expect(page.locator("#keys tbody tr").first).to_be_visible()
+    await page.fill("#k-name", "from the console")
+    await page.fill("#k-user", "ana")
+    await page.click("#k-create")
+    secret_box = page.locator("#secret-once")
+    await expect(secret_box).to_have_text(SECRET)
+    secret = (await secret_box.text_content() or "").strip()
+    assert await status_with(session, served, secret) == 200  # the key works at once
+    row = page.locator("#keys tbody tr", has_text="from the console")
+    await expect(row).to_contain_text(secret[:9])  # the prefix only
+    await page.click("#secret-done")
+    await expect(page.locator("#secret-once")).to_have_count(0)
+    await page.reload()
+    await page.click("#nav-keys")
+    await expect(row).to_be_visible()
+    assert secret not in await page.content()  # shown once: never again
+
+    await row.locator("button.rotate").click()
+    await expect(page.locator("#secret-once")).to_be_visible()
+    rotated = (await page.locator("#secret-once").text_content() or "").strip()
+    assert rotated != secret and SECRET.match(rotated)
+    assert await status_with(session, served, secret) == 401  # rotated with no grace
+    assert await status_with(session, served, rotated) == 200
+    await page.click("#secret-done")
+
+    await row.locator("button.revoke").click()
+    await expect(row).to_have_count(0)  # revoked keys are not listed by default
+    deadline = time.monotonic() + 1.0
+    while await status_with(session, served, rotated) != 401:
+        assert time.monotonic() < deadline, "a key revoked in the console still works"
+        await asyncio.sleep(0.05)
+    await page.check("#k-all")
+    await expect(page.locator("#keys tbody tr", has_text="from the console")).to_contain_text("revoked")
+    await page.context.close()
+
+
+async def test_the_spend_page_groups_by_key_user_and_model(served: Served, browser: Browser,
+                                                           session: aiohttp.ClientSession) -> None:
+    status, _, body = await request(session, "POST", f"{served.url}/v1/chat/completions",
+                                    body=chat_body("scripted-plan", user="spend-user"))
+    assert status == 200, body
+    page = await sign_in(browser, served.url, DEMO)
+    await expect(page.locator("#nav-keys")).to_be_hidden()  # sk-demo may not manage keys
+    await page.click("#nav-spend")
+    await expect(page.locator("#spend-by tbody tr").first).to_be_visible()
+    await expect(page.locator("#spend-by thead")).to_contain_text("name")
+    await page.click("#spend-tabs >> text=by user")
+    await expect(page.locator("#spend-by tbody tr[data-group='spend-user']")).to_be_visible()
+    await page.click("#spend-tabs >> text=by model")
+    await expect(page.locator("#spend-by tbody tr[data-group='scripted-plan']")).to_be_visible()
+    await expect(page.locator("#spend-by tr.total")).to_contain_text("total")
+    await page.context.close()
+
+
+async def test_sign_out_ends_the_session_for_a_copied_cookie(served: Served, browser: Browser) -> None:
+    page = await sign_in(browser, served.url, DEMO)
+    cookies = await page.context.cookies()
+    value = next(c["value"] for c in cookies if c["name"] == "gateway_console")
+    assert DEMO not in value
+    headers = {"Cookie": f"gateway_console={value}"}
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as copy:
+        async with copy.get(f"{served.url}/console/session", headers=headers) as resp:
+            assert resp.status == 200  # the copy works while the session lasts
+        await page.click("#sign-out")
+        await expect(page.locator("#signin-error")).to_have_text("Signed out.")
+        async with copy.get(f"{served.url}/console/session", headers=headers) as resp:
+            assert resp.status == 401
+    await page.context.close()
