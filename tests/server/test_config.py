@@ -208,7 +208,7 @@ def test_gateway_serve_reports_every_error_of_the_file_at_once(tmp_path: Path) -
     data["models"].append({"match": "gpt-*", "upstream": "opneai"})
     data["teams"][1]["policies"] = ["passthrough", "pasthrough"]
     data["teams"][0]["budget_usd"] = "ten"
-    data["teams"][0]["budget_period"] = "week"
+    data["teams"][0]["budget_period"] = "fortnight"
     data["servre"] = {"port": 1}
     path = write_config(tmp_path, data)
     env = {k: v for k, v in os.environ.items() if k != "GATEWAY_TEST_BETA_KEY"}
