@@ -8,6 +8,7 @@ need the event loop (store, HTTP session, governor, upstreams) are set by the ap
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Final
 
 import aiohttp
@@ -76,9 +77,10 @@ class Upstreams:
     def configure(self, config: Config) -> None:
         """Serve `config`'s upstreams (at start, and on a config reload, `gateway.server.reload`).
         An upstream whose settings did not change keeps its object (its session, what its model
-        list said); calls already routed keep the upstreams they started with, so the sessions
-        of changed ones stay open until `close`; the health of deployments no route names any
-        more is forgotten. A TLS file that cannot be used is a ConfigError (nothing changed)."""
+        list said); calls already routed keep the upstreams they started with, so the session
+        of a changed or removed one (with `tls` or a proxy) is closed once its last call ended;
+        the health of deployments no route names any more is forgotten. A TLS file that cannot
+        be used is a ConfigError (nothing changed)."""
         old = self._by_name
         by_name: dict[str, Upstream] = {}
         for name, u in config.upstreams.items():
@@ -89,7 +91,10 @@ class Upstreams:
             by_name[name] = Upstream(u, way.session, self._scripted_base,
                                      self._scripted_key if uses_mount(u) else None, way.proxy, way.proxy_headers)
         self._by_name = by_name
-        self.discovery.forget(name for name in old if by_name.get(name) is not old[name])
+        gone = [up for name, up in old.items() if by_name.get(name) is not up]
+        for up in gone:
+            up.retire(functools.partial(self.sessions.retire, up.session))
+        self.discovery.forget(up.name for up in gone)
         self.router.keep({d for route in config.models for g in route.plan.groups for d in g.deployments})
 
     async def _list_models(self, name: str) -> list[str]:

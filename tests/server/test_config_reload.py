@@ -10,7 +10,9 @@ processes on SQLite, a real counting upstream, a real webhook receiver.
   a built-in scripted mount the process never had is refused with the reason;
 - a call in flight during a reload that removes its route finishes under the config it
   started with (answered, and booked at its old price);
-- a webhook added by a reload gets the notices from then on.
+- a webhook added by a reload gets the notices from then on;
+- an upstream with a session of its own (TLS) that a reload replaced keeps its session for
+  the call in flight on it, and closes it once that call ended (its connection too).
 
 Calls go on fresh connections, so the kernel spreads them over both workers.
 """
@@ -27,6 +29,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from aiohttp import web
 
 from tests.server.served import poll, request
 from tests.server.test_admission import TASK, Upstream
@@ -34,7 +37,9 @@ from tests.server.test_admission import upstream  # noqa: F401  (a real counting
 from tests.server.test_webhooks import SECRET, Receiver
 from tests.server.test_webhooks import receiver  # noqa: F401  (a real webhook receiver)
 from tests.server.test_workers import wait_serving, wait_until
+from tests.support.certs import make_pki
 from tests.support.procs import ROOT, START_TIMEOUT_S, Proc, free_port, start_gateway
+from tests.support.upstreams import chat_app, serving_app
 
 ROOT_KEY, DEMO_KEY, NEW_KEY = "sk-reload-root", "sk-reload-demo", "sk-reload-new"
 CALLS = 12
@@ -252,6 +257,47 @@ async def test_a_webhook_added_by_a_reload_gets_the_notices_from_then_on(gateway
     delivered = await poll(lambda: _async(receiver.delivered("budget_threshold")), timeout=30)
     assert delivered[0]["team"] == "spender" and all(a["signed"] for a in receiver.attempts)
     assert body["config"]["changed"] == ["models", "teams", "webhooks"]
+
+
+async def test_a_replaced_upstreams_own_session_closes_once_its_last_call_ended(gateway: Gateway,
+                                                                            tmp_path: Path) -> None:
+    pki = make_pki(tmp_path)
+    connections: list[asyncio.BaseTransport] = []  # each call's connection, as the upstream saw it
+    release = asyncio.Event()
+
+    async def answer(request: web.Request) -> web.Response:
+        assert request.transport is not None
+        connections.append(request.transport)
+        if len(connections) == 1:
+            await release.wait()
+        return web.json_response({"id": "chatcmpl-tls", "object": "chat.completion", "created": 0, "model": "s-1",
+                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                                               "finish_reason": "stop"}],
+                                  "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}})
+
+    def secure(timeout_s: float) -> Callable[[dict[str, Any]], None]:
+        return lambda data: (data["upstreams"].append({"name": "secure", "base_url": url, "timeout_s": timeout_s,
+                                                       "tls": {"ca_file": str(pki.ca)}}),
+                             data["models"].insert(0, {"match": "s-*", "upstream": "secure"}))
+
+    async with serving_app(chat_app(answer), pki.server_context()) as root, aiohttp.ClientSession() as s:
+        url = root + "/v1"
+        gateway.write(secure(30))
+        assert (await reload(gateway))[0] == 200
+        held = asyncio.ensure_future(request(s, "POST", f"{gateway.url}/v1/chat/completions", key=DEMO_KEY,
+                                             body={"model": "s-1", "messages": TASK}))
+        await poll(lambda: _async(connections), timeout=30)
+        gateway.write(secure(40))  # the upstream changed: a new session for the next calls
+        status, body = await reload(gateway)
+        assert status == 200 and "upstreams" in body["config"]["changed"], body
+        assert not connections[0].is_closing()  # its call is still on it
+        release.set()
+        status, _, answered = await held
+        assert status == 200, answered
+        # its session closes now (not when the process stops, nor after the pool's 60 s keep-alive)
+        await poll(lambda: _async(connections[0].is_closing()), timeout=15)
+        assert statuses(await calls(gateway, DEMO_KEY, "s-2", 2)) == [200, 200]
+        assert connections[0] not in connections[1:]
 
 
 async def _async(value: Any) -> Any:
