@@ -8,8 +8,9 @@ new config's teams list included). Nothing changes then; the answer and the log 
 
 Otherwise it swaps both in one step on the event loop (`apply_config`), between two calls:
 
-- what changes live: `teams` (keys, budgets, budget modes, admin, rate limits), `models`
-  (routes, prices, fallbacks), `upstreams`, `webhooks` and `defaults`;
+- what changes live: `teams` (keys, budgets, budget modes, admin, rate limits, model
+  allow-lists, user budgets), `models` (routes, prices, fallbacks), `upstreams`, `webhooks`,
+  `defaults` and `console`;
 - what cannot (the listen address, the store, paths, retention, `metrics`, the rest of
   `server`) keeps its running value; each such field the file changed is named in the
   answer (`restart_required`) and the log, and takes effect at the next start.
@@ -48,11 +49,13 @@ from gateway.server.workers import mark_reloaded
 
 log = logging.getLogger("gateway")
 
-LIVE_FIELDS: Final = ("upstreams", "models", "teams", "webhooks", "defaults")
+LIVE_FIELDS: Final = ("upstreams", "models", "teams", "webhooks", "defaults", "console")
 """The top-level config fields a reload serves at once."""
-RESTART_FIELDS: Final = ("server", "store", "policies_dir", "runs_dir", "trace_file", "spool_file", "retention",
-                         "metrics")
-"""The top-level config fields that keep their running value until the next start."""
+RESTART_FIELDS: Final = tuple(f.name for f in dataclasses.fields(Config)
+                              if f.compare and f.name != "path" and f.name not in LIVE_FIELDS)
+"""The top-level config fields that keep their running value until the next start: every
+other one (`server`, `store`, `policies_dir`, ...), so a field added to `Config` without a
+thought for reload is at worst named as needing a restart, never silently ignored."""
 
 
 @dataclass(frozen=True)

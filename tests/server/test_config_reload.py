@@ -11,6 +11,9 @@ processes on SQLite, a real counting upstream, a real webhook receiver.
 - a call in flight during a reload that removes its route finishes under the config it
   started with (answered, and booked at its old price);
 - a webhook added by a reload gets the notices from then on;
+- a team's model allow-list, user budget and console settings change live; the keys the
+  store holds are seen through the new teams (refused while their team is gone); a config
+  key's console session ends when a reload removes the key;
 - an upstream with a session of its own (TLS) that a reload replaced keeps its session for
   the call in flight on it, and closes it once that call ended (its connection too).
 
@@ -257,6 +260,65 @@ async def test_a_webhook_added_by_a_reload_gets_the_notices_from_then_on(gateway
     delivered = await poll(lambda: _async(receiver.delivered("budget_threshold")), timeout=30)
     assert delivered[0]["team"] == "spender" and all(a["signed"] for a in receiver.attempts)
     assert body["config"]["changed"] == ["models", "teams", "webhooks"]
+
+
+async def sign_in(gw: Gateway, key: str) -> str:
+    """The cookie of a new console session of `key`."""
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as s:
+        async with s.post(f"{gw.url}/console/session", json={"key": key}) as resp:
+            assert resp.status == 200, await resp.text()
+            return resp.cookies["gateway_console"].value
+
+
+async def console_status(gw: Gateway, cookie: str) -> int:
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(),
+                                     connector=aiohttp.TCPConnector(force_close=True)) as s:
+        async with s.get(f"{gw.url}/console/session", headers={"Cookie": f"gateway_console={cookie}"}) as resp:
+            return resp.status
+
+
+async def test_allow_lists_user_budgets_store_keys_and_console_settings_change_live(gateway: Gateway) -> None:
+    def beta(**fields: Any) -> Callable[[dict[str, Any]], None]:
+        return add_team("beta", NEW_KEY, **fields)
+
+    gateway.write(beta(models=["m-a*"], user_budget_usd=0.0, user_budget_period="total"))
+    assert (await reload(gateway))[0] == 200
+    refused = await calls(gateway, NEW_KEY, "m-b", 4)
+    assert statuses(refused) == [403] * 4 and refused[0][2]["error"]["code"] == "model_not_allowed"
+    assert statuses(await calls(gateway, NEW_KEY, "m-a1", 4)) == [200] * 4
+    broke = await calls(gateway, NEW_KEY, "m-a1", 4, user="ana")
+    assert statuses(broke) == [429] * 4 and broke[0][2]["error"]["type"] == "user_budget_exceeded"
+    async with aiohttp.ClientSession() as s:
+        status, _, issued = await request(s, "POST", f"{gateway.url}/v1/admin/keys", key=ROOT_KEY,
+                                          body={"team": "beta", "name": "reload-test"})
+    assert status == 201, issued
+    store_key = issued["key"]
+    cookie = await sign_in(gateway, NEW_KEY)
+
+    gateway.write(beta(models=["m-b*"], user_budget_usd=1.0, user_budget_period="total"))
+    assert (await reload(gateway))[0] == 200
+    assert statuses(await calls(gateway, NEW_KEY, "m-b1", 4, user="ana")) == [200] * 4
+    assert statuses(await calls(gateway, store_key, "m-b1", 4)) == [200] * 4  # the store's key, the new team
+    assert statuses(await calls(gateway, store_key, "m-a1", 4)) == [403] * 4
+
+    gateway.write()  # beta gone: its config key, its store key and its console session with it
+    assert (await reload(gateway))[0] == 200
+    gone = await calls(gateway, store_key, "m-b1", 4)
+    assert statuses(gone) == [401] * 4 and "no longer in the gateway's config" in gone[0][2]["error"]["message"]
+    assert [await console_status(gateway, cookie) for _ in range(4)] == [401] * 4
+    gateway.write(beta())
+    assert (await reload(gateway))[0] == 200
+    assert statuses(await calls(gateway, store_key, "m-b1", 4)) == [200] * 4  # back with its team
+
+    gateway.write(lambda data: data.update(console={"session_idle_s": 1, "session_max_s": 1}))
+    status, body = await reload(gateway)
+    assert status == 200 and body["config"] == {"changed": ["teams", "console"], "restart_required": []}, body
+    cookie = await sign_in(gateway, DEMO_KEY)
+    await poll(lambda: _async_status(gateway, cookie, 401), timeout=15)  # past its 1 s, however used
+
+
+async def _async_status(gw: Gateway, cookie: str, wanted: int) -> bool:
+    return await console_status(gw, cookie) == wanted
 
 
 async def test_a_replaced_upstreams_own_session_closes_once_its_last_call_ended(gateway: Gateway,

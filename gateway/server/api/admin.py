@@ -14,7 +14,7 @@ otherwise the previous config and policies keep serving.
 
 `changed` lists the policies whose version changed (a removed one has version null);
 `config.changed` the config fields served anew (`teams`, `models`, `upstreams`, `webhooks`,
-`defaults`), `config.restart_required` the fields the file changed that take effect at the
+`defaults`, `console`), `config.restart_required` the fields the file changed that take effect at the
 next start (e.g. `server.port`). New runs get the new policy versions; a run keeps the
 version it started under, resumes included. SIGHUP does the same reload
 (`gateway.server.main`); both log the result. A reload through this route is recorded in
