@@ -3,7 +3,7 @@
 A config error (file, field, problem: every error of the file, one line each), a port in
 use or a store that cannot be opened is said on stderr with exit 2, before anything listens
 (`serve_command`). SIGHUP reloads config.yaml and the policies like POST /v1/admin/reload
-(`gateway.server.reload`) and logs the result.
+(`gateway.server.reload`), logs the result and records it in the audit log.
 """
 
 from __future__ import annotations
@@ -23,8 +23,17 @@ from gateway.config.settings import Config, ConfigError, load_config
 from gateway.policy.registry import policy_names
 from gateway.server.app import build_app, open_configured_store, process_owner
 from gateway.server.http.listener import StartError, bound_port, listen_sockets, run
+from gateway.server import context as ctx
+from gateway.server.reload import record_reload
 from gateway.server.reload import reload as reload_files
-from gateway.server.workers import parse_workers, report_start_error, shared_key, signal_ready, supervise
+from gateway.server.workers import (
+    RELOAD_ONLY,
+    parse_workers,
+    report_start_error,
+    shared_key,
+    signal_ready,
+    supervise,
+)
 from gateway.store import StoreError
 
 log = logging.getLogger("gateway")
@@ -85,22 +94,34 @@ def _release_previous_workers(config: Config, host: str, count: int) -> Callable
 
 
 async def _reload_on_sighup(app: web.Application) -> AsyncIterator[None]:
+    """SIGHUP reloads the files and records the reload in the audit log as the gateway's own
+    act (whoever sent the signal is not known); a worker of `--workers N` also reloads on
+    `RELOAD_ONLY`, the supervisor's signal for a reload recorded elsewhere (by the worker
+    that served POST /v1/admin/reload, or that got the SIGHUP)."""
     loop = asyncio.get_running_loop()
 
     running: set[asyncio.Future[object]] = set()  # held until done (the loop keeps weak references)
 
-    def reload() -> None:  # logs what it loaded, or why it kept the old set
-        task: asyncio.Future[object] = asyncio.ensure_future(reload_files(app, by="SIGHUP"))
+    async def reload_and_record(record: bool) -> None:  # logs what it loaded, or why it kept the old set
+        done = await reload_files(app, by="SIGHUP")
+        if record and done.ok:
+            await record_reload(app, done, None, by="SIGHUP")
+
+    def reload(record: bool) -> None:
+        task: asyncio.Future[object] = asyncio.ensure_future(reload_and_record(record))
         running.add(task)
         task.add_done_callback(running.discard)
 
+    signals = {signal.SIGHUP: True} | ({RELOAD_ONLY: False} if ctx.WORKER in app else {})
     try:
-        loop.add_signal_handler(signal.SIGHUP, reload)
+        for signum, record in signals.items():
+            loop.add_signal_handler(signum, reload, record)
     except (NotImplementedError, RuntimeError):  # no signals here (Windows, a non-main thread)
         yield
         return
     yield
-    loop.remove_signal_handler(signal.SIGHUP)
+    for signum in signals:
+        loop.remove_signal_handler(signum)
 
 
 def serve_command(args: argparse.Namespace) -> int:

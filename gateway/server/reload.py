@@ -35,12 +35,13 @@ from typing import Final
 
 from aiohttp import web
 
-from gateway.config.settings import Config, ConfigError, ConfigErrors, load_config, unlisted_policies
+from gateway.config.settings import Config, ConfigError, ConfigErrors, TeamConfig, load_config, unlisted_policies
 from gateway.config.upstreams import require_upstreams
 from gateway.config.webhooks import require_secrets
 from gateway.policy.decl import Policy
 from gateway.policy.errors import PolicyError
 from gateway.policy.registry import PolicyRegistry, ReloadResult, StagedSet, policy_names
+from gateway.server import audit
 from gateway.server import context as ctx
 from gateway.server.metrics import KnownPolicy
 from gateway.server.models import routed_models
@@ -185,6 +186,18 @@ async def reload(app: web.Application, by: str) -> Reloaded:
     if ctx.WORKER in app:
         mark_reloaded(app[ctx.WORKER], read_at)
     return done
+
+
+async def record_reload(app: web.Application, done: Reloaded, team: TeamConfig | None, by: str) -> None:
+    """The audit record of a reload that served the files (`config.reloaded`, target
+    `policies`): an act of `team`'s key (POST /v1/admin/reload), or of the gateway itself
+    (`team` None: a signal, named in `details.by`)."""
+    registry = app[ctx.POLICIES]
+    details: dict[str, object] = {"changed": [[n, registry.version_of(n)] for n in done.policies.changed],
+                                  "config": list(done.changed)}
+    if team is None:
+        details["by"] = by
+    await audit.record(app[ctx.STORE], team, audit.CONFIG_RELOADED, "policies", details=details)
 
 
 def _log(app: web.Application, by: str, done: Reloaded) -> None:

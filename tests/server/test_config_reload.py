@@ -134,7 +134,17 @@ def add_team(name: str, key: str, **fields: Any) -> Callable[[dict[str, Any]], N
     return lambda data: data["teams"].append({"name": name, "keys": [key], "policies": ["passthrough"], **fields})
 
 
+async def reloads_recorded(gw: Gateway, after: int = 0) -> list[dict[str, Any]]:
+    """The audit log's `config.reloaded` records after seq `after`."""
+    async with aiohttp.ClientSession() as s:
+        status, _, body = await request(s, "GET", f"{gw.url}/v1/admin/audit?action=config.reloaded&limit=1000"
+                                        f"&after={after}", key=ROOT_KEY)
+    assert status == 200, body
+    return list(body["data"])
+
+
 async def test_a_team_added_to_config_yaml_authenticates_on_both_workers_after_a_reload(gateway: Gateway) -> None:
+    before = max([r["seq"] for r in await reloads_recorded(gateway)], default=0)
     assert statuses(await calls(gateway, NEW_KEY, "m-new", 2)) == [401, 401]
     gateway.write(add_team("beta", NEW_KEY))
     status, body = await reload(gateway)
@@ -149,6 +159,15 @@ async def test_a_team_added_to_config_yaml_authenticates_on_both_workers_after_a
     gateway.proc.popen.send_signal(signal.SIGHUP)
     wait_until(lambda: gateway.proc.output().count("reloaded by SIGHUP") >= logged + 2, START_TIMEOUT_S)
     assert statuses(await calls(gateway, "sk-reload-gamma", "m-new")) == [200] * CALLS
+
+    # each reload is in the audit log once, however many workers reloaded: the call's as its
+    # caller's act, the signal's as the gateway's own
+    await poll(lambda: reloads_recorded(gateway, before), timeout=30)
+    status, body = await reload(gateway)  # every worker has reloaded again once this answers
+    assert status == 200 and body["workers"] == {"count": 2, "reloaded": 2}, body
+    recorded = await reloads_recorded(gateway, before)
+    assert [(r["actor"]["team"], r["details"].get("by"), r["details"]["config"]) for r in recorded] == [
+        ("root", None, ["teams"]), ("", "SIGHUP", ["teams"]), ("root", None, [])], recorded
 
 
 async def test_a_bad_config_file_is_refused_whole_and_the_old_config_keeps_serving(gateway: Gateway) -> None:

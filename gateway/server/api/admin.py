@@ -18,8 +18,9 @@ otherwise the previous config and policies keep serving.
 next start (e.g. `server.port`). New runs get the new policy versions; a run keeps the
 version it started under, resumes included. SIGHUP does the same reload
 (`gateway.server.main`); both log the result. A reload through this route is recorded in
-the audit log (`config.reloaded`, once, by the worker that served it); a SIGHUP is an act
-of whoever sent the signal, which the log does not know.
+the audit log (`config.reloaded`, once, by the worker that served it, as the caller's act); a
+SIGHUP's as the gateway's own act (no team, no key, `details.by: "SIGHUP"`: the log does not
+know who sent the signal), once per signal however many workers reload.
 
 A reload is per process: replicas each hold their own copy, so reload every replica (this
 route on each, or a SIGHUP to each). The workers of one `gateway serve --workers N` reload
@@ -39,9 +40,8 @@ import orjson
 from aiohttp import web
 
 from gateway.policy.registry import PolicyRegistry
-from gateway.server import audit
 from gateway.server import context as ctx
-from gateway.server.reload import Reloaded, reload
+from gateway.server.reload import Reloaded, record_reload, reload
 from gateway.server.workers import RELOAD_WAIT_S, reload_every_worker
 from gateway.server.http.errors import BadRequest, Forbidden
 
@@ -89,9 +89,7 @@ async def post_reload(request: web.Request) -> web.Response:
                            code="invalid_config" if done.config_errors else "invalid_policy")
         error.extra.update(body)
         raise error
-    await audit.record(app[ctx.STORE], team, audit.CONFIG_RELOADED, "policies",
-                       details={"changed": [[n, app[ctx.POLICIES].version_of(n)] for n in done.policies.changed],
-                                "config": list(done.changed)})
+    await record_reload(app, done, team, by=f"team {team.name}")
     if ctx.WORKER in app:  # one of `--workers N`: the others reload too
         count, reloaded = await reload_every_worker(asked_at)
         body["workers"] = {"count": count, "reloaded": reloaded}
