@@ -14,6 +14,8 @@ processes on SQLite, a real counting upstream, a real webhook receiver.
 - a team's model allow-list, user budget and console settings change live; the keys the
   store holds are seen through the new teams (refused while their team is gone); a config
   key's console session ends when a reload removes the key;
+- a server-side run's drive takes a reload from its next turn (the turn in flight keeps the
+  config it started with);
 - an upstream with a session of its own (TLS) that a reload replaced keeps its session for
   the call in flight on it, and closes it once that call ended (its connection too).
 
@@ -34,6 +36,7 @@ import pytest
 import yaml
 from aiohttp import web
 
+from tests.server.served import TASK as PLAN_TASK
 from tests.server.served import poll, request
 from tests.server.test_admission import TASK, Upstream
 from tests.server.test_admission import upstream  # noqa: F401  (a real counting upstream)
@@ -43,6 +46,7 @@ from tests.server.test_workers import wait_serving, wait_until
 from tests.support.certs import make_pki
 from tests.support.procs import ROOT, START_TIMEOUT_S, Proc, free_port, start_gateway
 from tests.support.upstreams import chat_app, serving_app
+from gateway.providers.scripted import scripted_app
 
 ROOT_KEY, DEMO_KEY, NEW_KEY = "sk-reload-root", "sk-reload-demo", "sk-reload-new"
 CALLS = 12
@@ -86,7 +90,8 @@ class Gateway:
 def shared(tmp_path_factory: pytest.TempPathFactory, upstream: Upstream) -> Iterator[Gateway]:
     folder = tmp_path_factory.mktemp("reload-config") / "gw"
     (folder / "policies").mkdir(parents=True)
-    (folder / "policies" / "passthrough.yaml").write_text((ROOT / "policies" / "passthrough.yaml").read_text())
+    for name in ("passthrough.yaml", "files.yaml"):
+        (folder / "policies" / name).write_text((ROOT / "policies" / name).read_text())
     port = free_port()
     gw = Gateway(folder, port, upstream.url, None)  # type: ignore[arg-type]
     gw.write()
@@ -338,6 +343,45 @@ async def test_allow_lists_user_budgets_store_keys_and_console_settings_change_l
 
 async def _async_status(gw: Gateway, cookie: str, wanted: int) -> bool:
     return await console_status(gw, cookie) == wanted
+
+
+async def test_a_server_side_drive_takes_a_reload_from_its_next_turn(gateway: Gateway) -> None:
+    turns: list[int] = []  # the provider's chat calls; the second waits for `release`
+    release = asyncio.Event()
+
+    @web.middleware
+    async def hold_second(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path.endswith("/chat/completions"):
+            turns.append(len(turns) + 1)
+            if len(turns) == 2:
+                await release.wait()
+        return await handler(request)
+
+    provider = web.Application(middlewares=[hold_second])
+    provider.add_subapp("/v1", scripted_app())
+
+    def driving(budget_usd: float) -> Callable[[dict[str, Any]], None]:
+        return lambda data: (
+            data["upstreams"].append({"name": "plans", "kind": "scripted", "base_url": url}),
+            data["models"].insert(0, {"match": "scripted-*", "upstream": "plans", "price_in": 1.0, "price_out": 1.0}),
+            add_team("driver", "sk-reload-driver", budget_usd=budget_usd, budget_period="total",
+                     policies=["files"])(data))
+
+    async with serving_app(provider) as root, aiohttp.ClientSession() as s:
+        url = root + "/v1"
+        gateway.write(driving(10.0))
+        assert (await reload(gateway))[0] == 200
+        run = asyncio.ensure_future(request(s, "POST", f"{gateway.url}/v1/chat/completions", key="sk-reload-driver",
+                                            body={"model": "scripted-plan", "messages": PLAN_TASK},
+                                            headers={"X-Run-Id": "driven-across-a-reload"}))
+        await poll(lambda: _async(len(turns) == 2), timeout=30)  # turn 1 booked, turn 2 at the upstream
+        gateway.write(driving(0.0))  # nothing left for the team from now on
+        assert (await reload(gateway))[0] == 200
+        release.set()
+        status, headers, body = await run
+    assert status == 200, body
+    assert (body["run"]["status"], body["run"]["reason"]) == ("budget_exceeded", "team_budget"), body  # turn 3
+    assert turns == [1, 2] and body["run"]["turns"] == 2, body  # the second, admitted before the reload, answered
 
 
 async def test_a_replaced_upstreams_own_session_closes_once_its_last_call_ended(gateway: Gateway,
