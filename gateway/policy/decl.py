@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from gateway.harness.options import ApprovalAction, Dedupe
+from gateway.harness.options import ApprovalAction, Dedupe, LimitAsk
 from gateway.harness.state import Limits
 from gateway.harness.tools import ToolSpec
 from gateway.mcp.config import McpServerConfig
@@ -184,6 +184,9 @@ class Policy:
     python_path: tuple[Path, ...] = ()
     """Where its `module:function` names are imported from after the gateway's module path:
     the file's folder, then its `python_path` entries (absolute)."""
+    limit_ask: LimitAsk | None = None
+    """`limits: {on_exceed: ask, ask: {...}}`: the limits that ask a person for more instead of
+    stopping the run; None: every limit stops it (`on_exceed: stop`)."""
 
     @property
     def server_side(self) -> bool:
