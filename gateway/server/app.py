@@ -165,7 +165,7 @@ def _scripted_guard(keyring: KeyRing, own_key: str) -> Middleware:
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
         if not (scheme.lower() == "bearer" and hmac.compare_digest(hashlib.sha256(key.strip().encode()).digest(), own)):
-            keyring.authenticate(request)  # a team key, or 401 naming what is wrong
+            await keyring.authenticate(request)  # a team key, or 401 naming what is wrong
         return await handler(request)
 
     return guard

@@ -99,7 +99,7 @@ def parse_embeddings(raw: bytes) -> tuple[dict[str, Any], str, list[Message], in
 async def create_embeddings(request: web.Request) -> web.Response:
     """Authenticate, key to the run (if X-Run-Id), admit, forward, book."""
     app = request.app
-    team = app[ctx.KEYRING].authenticate(request)
+    team = await app[ctx.KEYRING].authenticate(request)
     raw = await read_body(request, app[ctx.LIVE].config.server.max_body_bytes)
     body, model, messages, token_count = parse_embeddings(raw)
     route = app[ctx.LIVE].config.route(model)

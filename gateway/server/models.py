@@ -86,7 +86,7 @@ def _model(name: str, upstream: str) -> dict[str, object]:
 async def list_models(request: web.Request) -> web.Response:
     """The models this gateway routes, in the OpenAI list shape (auth required)."""
     app = request.app
-    team = app[ctx.KEYRING].authenticate(request)
+    team = await app[ctx.KEYRING].authenticate(request)
     listed = routed_models(app[ctx.LIVE].config)
     seen = {name for name, _ in listed}
     for name, upstream in await discovered_models(app):
@@ -100,7 +100,7 @@ async def list_models(request: web.Request) -> web.Response:
 async def get_model(request: web.Request) -> web.Response:
     """One routed model (the SDKs' `models.retrieve`); 404 in the OpenAI shape otherwise."""
     app = request.app
-    team = app[ctx.KEYRING].authenticate(request)
+    team = await app[ctx.KEYRING].authenticate(request)
     config = app[ctx.LIVE].config
     name = request.match_info["model"]
     if not may_use_model(team, name):

@@ -72,7 +72,7 @@ def _named(registry: PolicyRegistry, name: str) -> dict[str, str | None]:
 async def post_reload(request: web.Request) -> web.Response:
     """POST /v1/admin/reload: reload config.yaml and the policy files (admin teams only)."""
     app = request.app
-    team = app[ctx.KEYRING].authenticate(request)
+    team = await app[ctx.KEYRING].authenticate(request)
     if not team.admin:
         admins = ", ".join(t.name for t in app[ctx.LIVE].config.teams if t.admin) or "none configured"
         raise Forbidden(f"team '{team.name}' may not reload policies or the config: only teams with admin: true "

@@ -385,7 +385,7 @@ def _public_changes(old: KeyRecord, new: KeyRecord) -> dict[str, list[Any]]:
 async def create_key(request: web.Request) -> web.Response:
     """POST /v1/admin/keys: issue a key; its secret is in this answer only."""
     app = request.app
-    caller = app[ctx.KEYRING].authenticate(request)
+    caller = await app[ctx.KEYRING].authenticate(request)
     _require_manager(caller)
     body = await _body(request, CREATE_FIELDS)
     team = _team(request, body.get("team"))
@@ -415,7 +415,7 @@ async def create_key(request: web.Request) -> web.Response:
 async def list_keys(request: web.Request) -> web.Response:
     """GET /v1/admin/keys?team=&user=&include_revoked=&after=&limit=: records by id (no secrets)."""
     app = request.app
-    caller = app[ctx.KEYRING].authenticate(request)
+    caller = await app[ctx.KEYRING].authenticate(request)
     _require_manager(caller)
     q = request.query
     team = q.get("team") or (None if caller.admin else caller.name)
@@ -461,7 +461,7 @@ def _flag(raw: str | None, name: str) -> bool:
 
 async def get_key(request: web.Request) -> web.Response:
     """GET /v1/admin/keys/{id}."""
-    caller = request.app[ctx.KEYRING].authenticate(request)
+    caller = await request.app[ctx.KEYRING].authenticate(request)
     _require_manager(caller)
     record = await _record(request, caller)
     return _answer({**record.public(), **await _budget_view(request, record)})
@@ -470,7 +470,7 @@ async def get_key(request: web.Request) -> web.Response:
 async def update_key(request: web.Request) -> web.Response:
     """PATCH /v1/admin/keys/{id}: change its name, scope, budget, limits, expiry or metadata."""
     app = request.app
-    caller = app[ctx.KEYRING].authenticate(request)
+    caller = await app[ctx.KEYRING].authenticate(request)
     _require_manager(caller)
     record = await _record(request, caller)
     body = await _body(request, FIELDS)
@@ -499,7 +499,7 @@ async def update_key(request: web.Request) -> web.Response:
 
 async def revoke_key(request: web.Request) -> web.Response:
     """DELETE /v1/admin/keys/{id}: revoke it (the record stays, with revoked_at)."""
-    caller = request.app[ctx.KEYRING].authenticate(request)
+    caller = await request.app[ctx.KEYRING].authenticate(request)
     _require_manager(caller)
     record = await _record(request, caller)
     _writable(record)
@@ -516,7 +516,7 @@ async def revoke_key(request: web.Request) -> web.Response:
 
 async def rotate_key(request: web.Request) -> web.Response:
     """POST /v1/admin/keys/{id}/rotate {grace_s?}: a new secret for the same record."""
-    caller = request.app[ctx.KEYRING].authenticate(request)
+    caller = await request.app[ctx.KEYRING].authenticate(request)
     _require_manager(caller)
     record = await _record(request, caller)
     body = await _body(request, frozenset({"grace_s"}), optional=True)

@@ -91,7 +91,7 @@ async def run_for(request: web.Request) -> tuple[TeamConfig, RunState]:
     see (`?team=NAME` picks the team when several have one, which is a 409 otherwise).
     """
     app = request.app
-    team = app[ctx.KEYRING].authenticate(request)
+    team = await app[ctx.KEYRING].authenticate(request)
     run_id = request.match_info["id"]
     store = app[ctx.STORE]
     config = app[ctx.LIVE].config
@@ -164,7 +164,7 @@ def _json(data: Any, status: int = 200, run: RunState | None = None) -> web.Resp
 async def list_runs(request: web.Request) -> web.Response:
     """GET /v1/runs?status=&team=&policy=&limit=: newest first."""
     app = request.app
-    caller = app[ctx.KEYRING].authenticate(request)
+    caller = await app[ctx.KEYRING].authenticate(request)
     query = list_query(request.query, LIST_SCAN)
     status, team, limit = query.status, query.team, query.limit
     scan = limit if team == caller.name and query.policy is None else LIST_SCAN

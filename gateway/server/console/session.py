@@ -90,7 +90,7 @@ async def signed_in(request: web.Request) -> tuple[str, TeamConfig]:
     if session is None or not session.live(now):
         raise Unauthorized("the console session ended (signed out, or expired): sign in again")
     generation = None if session.key_id.startswith("cfg_") else session.generation
-    view = app[ctx.KEYRING].view_by_id(session.key_id, generation)
+    view = await app[ctx.KEYRING].find_by_id(session.key_id, generation)
     if view is None or view.name != session.team:
         raise Unauthorized("the console session's key may no longer be used (revoked, rotated or removed): sign in "
                            "again")
@@ -171,7 +171,7 @@ async def sign_in(request: web.Request) -> web.Response:
         raise InvalidField("key", f"key must be your gateway key (a string of at most {MAX_KEY_CHARS} characters)")
     key = key.strip()
     keyring = app[ctx.KEYRING]
-    team = keyring.team(key)
+    team = await keyring.find(key)
     if team is None:
         raise Unauthorized(keyring.refusal(key).replace("API key", "key"))
     caller = team.caller
