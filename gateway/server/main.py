@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import logging
 import signal
@@ -28,6 +29,7 @@ from gateway.server.reload import record_reload
 from gateway.server.reload import reload as reload_files
 from gateway.server.workers import (
     RELOAD_ONLY,
+    note_stopped,
     parse_workers,
     report_start_error,
     shared_key,
@@ -180,7 +182,8 @@ def serve_command(args: argparse.Namespace) -> int:
 
     # web.run_app, with parser errors (oversized headers) in the OpenAI shape
     try:
-        run(app, sockets, ready=ready, loop=getattr(args, "loop", "auto"))
+        run(app, sockets, ready=ready, loop=getattr(args, "loop", "auto"),
+            stopped=None if worker is None else functools.partial(note_stopped, worker))
     except StartError as exc:  # raised while the app started (the metrics listener's port)
         return _cannot_start(str(exc), worker, ready_fd)
     return 0

@@ -17,7 +17,9 @@ there, and whichever worker a scrape lands on answers for all of them (docs/metr
 
 Lifecycle (docs/config.md, "Workers"):
 - SIGTERM or SIGINT to the supervisor: SIGTERM to every worker, which drains and stops as
-  a single gateway does; a worker still alive after `STOP_GRACE_S` is killed.
+  a single gateway does; a worker still alive after `STOP_GRACE_S` is killed. Each worker
+  notes how many requests it drained in a file of the supervisor's folder (`note_stopped`)
+  instead of printing its own stop line; the supervisor prints one line for them all.
 - SIGHUP to the supervisor: every worker that serves reloads config.yaml and the policies;
   a worker still starting gets its signal once it serves (before, it would have no handler
   yet, and the signal would kill it). One worker gets the SIGHUP itself, and records the
@@ -78,6 +80,8 @@ SHARED_KEY_ENV = "GATEWAY_WORKERS_KEY"
 RELOADS_ENV = "GATEWAY_WORKERS_RELOADS"
 """The folder where each worker notes when it last read the policy files (`mark_reloaded`)."""
 COUNT_ENV = "GATEWAY_WORKERS_COUNT"
+STOPS_ENV = "GATEWAY_WORKERS_STOPS"
+"""The folder where each worker notes how many requests it drained when it stopped (`note_stopped`)."""
 RELOAD_ONLY = signal.SIGUSR1
 """The signal of a reload already recorded in the audit log (a worker of `--workers N` only):
 the supervisor forwards it to every worker, and sends it instead of SIGHUP to all but one."""
@@ -179,6 +183,28 @@ def mark_reloaded(index: int, read_at: float) -> None:
         os.replace(path + ".tmp", path)
 
 
+def note_stopped(index: int, drained: int) -> None:
+    """In a worker that stopped serving: it drained `drained` requests (for the supervisor's
+    one stop line). Written whole or not at all."""
+    folder = os.environ.get(STOPS_ENV)
+    if not folder:
+        return
+    path = os.path.join(folder, str(index))
+    with contextlib.suppress(OSError):
+        with open(path + ".tmp", "w", encoding="ascii") as out:
+            out.write(str(drained))
+        os.replace(path + ".tmp", path)
+
+
+def _drained(folder: str) -> int:
+    total = 0
+    for name in os.listdir(folder):
+        if name.isdigit():
+            with contextlib.suppress(OSError, ValueError), open(os.path.join(folder, name), encoding="ascii") as f:
+                total += int(f.read())
+    return total
+
+
 def _read_since(folder: str, index: int) -> float:
     try:
         with open(os.path.join(folder, str(index)), encoding="ascii") as f:
@@ -230,11 +256,14 @@ class Supervisor:
         self.folder = tempfile.mkdtemp(prefix="gateway-workers-")
         self.metrics_dir = os.path.join(self.folder, "metrics")
         self.reloads_dir = os.path.join(self.folder, "reloads")
-        os.mkdir(self.metrics_dir)
-        os.mkdir(self.reloads_dir)
+        self.stops_dir = os.path.join(self.folder, "stops")
+        for folder in (self.metrics_dir, self.reloads_dir, self.stops_dir):
+            os.mkdir(folder)
         self.key = secrets.token_urlsafe(32)
         self.selector = selectors.DefaultSelector()
         self.stopping = False
+        self.stop_asked_at = 0.0
+        self.served = False  # a worker has served: a stop then says what was drained
         self.exit_code = 0
         self.banner = f"gateway: {count} workers serving on port {port}"
         """Printed each time every worker serves (again)."""
@@ -246,6 +275,7 @@ class Supervisor:
         env[SHARED_KEY_ENV] = self.key
         env[RELOADS_ENV] = self.reloads_dir
         env[COUNT_ENV] = str(self.count)
+        env[STOPS_ENV] = self.stops_dir
         args = [sys.executable, "-m", "gateway", "serve", *self.argv, "--worker-index", str(w.index),
                 "--ready-fd", str(write_fd)]
         try:
@@ -271,7 +301,7 @@ class Supervisor:
         if data.startswith(START_ERROR):
             w.start_error = data[1:].decode(errors="replace").strip() or "the worker could not start"
         elif data == READY:
-            w.serving = True
+            w.serving = self.served = True
             if w.reload_due is not None and w.popen is not None:
                 w.popen.send_signal(w.reload_due)
                 w.reload_due = None
@@ -313,6 +343,7 @@ class Supervisor:
         if self.stopping:
             return
         self.stopping = True
+        self.stop_asked_at = time.monotonic()
         for w in self.workers:
             if w.popen is not None and w.popen.poll() is None:
                 w.popen.send_signal(signal.SIGTERM)
@@ -351,6 +382,11 @@ class Supervisor:
             signal.set_wakeup_fd(old_wakeup)
             self.stop()
             self._wait_all()
+            if self.served and self.exit_code == 0:
+                drained = _drained(self.stops_dir)
+                print(f"gateway: stopped (pid {os.getpid()}, {self.count} workers) in "
+                      f"{time.monotonic() - self.stop_asked_at:.1f} s, having drained {drained} "
+                      f"request{'' if drained == 1 else 's'} in flight", file=sys.stderr, flush=True)
             self.selector.close()
             os.close(wake_r)
             os.close(wake_w)
