@@ -176,10 +176,15 @@ def mark_reloaded(index: int, read_at: float) -> None:
     folder = os.environ.get(RELOADS_ENV)
     if not folder or _read_since(folder, index) >= read_at:
         return
+    _note(folder, index, repr(read_at))
+
+
+def _note(folder: str, index: int, text: str) -> None:
+    """Worker `index`'s note in `folder`, written whole or not at all."""
     path = os.path.join(folder, str(index))
     with contextlib.suppress(OSError):
         with open(path + ".tmp", "w", encoding="ascii") as out:
-            out.write(repr(read_at))
+            out.write(text)
         os.replace(path + ".tmp", path)
 
 
@@ -187,13 +192,8 @@ def note_stopped(index: int, drained: int) -> None:
     """In a worker that stopped serving: it drained `drained` requests (for the supervisor's
     one stop line). Written whole or not at all."""
     folder = os.environ.get(STOPS_ENV)
-    if not folder:
-        return
-    path = os.path.join(folder, str(index))
-    with contextlib.suppress(OSError):
-        with open(path + ".tmp", "w", encoding="ascii") as out:
-            out.write(str(drained))
-        os.replace(path + ".tmp", path)
+    if folder:
+        _note(folder, index, str(drained))
 
 
 def _drained(folder: str) -> int:
