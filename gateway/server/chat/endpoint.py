@@ -23,9 +23,9 @@ from gateway.server.runs.keying import ServerSideRun, resolve_call
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """The route handler: every refusal here happens before the store is touched."""
     app = request.app
-    team = app[ctx.KEYRING].authenticate(request)
-    chat = parse_chat_request(await read_body(request, app[ctx.CONFIG].server.max_body_bytes))
-    route = app[ctx.CONFIG].route(chat.model)
+    team = await app[ctx.KEYRING].authenticate(request)
+    chat = parse_chat_request(await read_body(request, app[ctx.LIVE].config.server.max_body_bytes))
+    route = app[ctx.LIVE].config.route(chat.model)
     if route is None:
         raise NotFound(f"model '{chat.model}' is not routed by this gateway (see GET /v1/models)",
                        code="model_not_found", param="model")

@@ -13,7 +13,8 @@ aiohttp has no option for the class of its per-connection `RequestHandler`, so
 `JsonErrorHandler` (which also reports a lost connection to `leaving`, so a call waiting
 for its upstream stops when its client goes); `run(app, sockets)` is `web.run_app` with
 that runner, and says on stderr, once stopped, how long the graceful stop took and how
-many requests it let finish.
+many requests it let finish (a worker of `--workers N` hands that number to its supervisor
+instead, which says it once for all of them).
 
 The listening sockets are bound first (`listen_sockets`), before the app is built or
 started: a port in use is one line (`StartError`, exit 2) before anything else happens.
@@ -173,7 +174,7 @@ class GatewayRunner(web.AppRunner):
 
 
 async def _serve(app: web.Application, sockets: Sequence[socket.socket],
-                 ready: Callable[[], None] | None) -> None:
+                 ready: Callable[[], None] | None, stopped: Callable[[int], None] | None) -> None:
     runner = GatewayRunner(app, handle_signals=True, access_log=None)
     serving = False
     try:
@@ -189,7 +190,9 @@ async def _serve(app: web.Application, sockets: Sequence[socket.socket],
         busy = in_flight(runner)
         started = time.monotonic()
         await runner.cleanup()
-        if serving:
+        if serving and stopped is not None:
+            stopped(busy)
+        elif serving:
             print(f"gateway: stopped (pid {os.getpid()}) in {time.monotonic() - started:.1f} s, having drained "
                   f"{busy} request{'' if busy == 1 else 's'} in flight", file=sys.stderr, flush=True)
 
@@ -219,13 +222,14 @@ def new_loop(kind: LoopKind = "auto") -> asyncio.AbstractEventLoop:
 
 
 def run(app: web.Application, sockets: Sequence[socket.socket], *, ready: Callable[[], None] | None = None,
-        loop: LoopKind = "auto") -> None:
+        loop: LoopKind = "auto", stopped: Callable[[int], None] | None = None) -> None:
     """Serve `app` on `sockets` (`listen_sockets`) until SIGINT or SIGTERM, then shut it down
-    like `web.run_app`; `ready` is called once it serves. A `StartError` raised while the app
+    like `web.run_app`; `ready` is called once it serves, `stopped` once it stopped serving,
+    with the number of requests it drained (None: the stop line is printed). A `StartError` raised while the app
     starts (its cleanup contexts: another listener's port) comes out of here as it was."""
     loop_ = new_loop(loop)
     asyncio.set_event_loop(loop_)
-    main = loop_.create_task(_serve(app, sockets, ready))
+    main = loop_.create_task(_serve(app, sockets, ready, stopped))
     try:
         loop_.run_until_complete(main)
     except (web.GracefulExit, KeyboardInterrupt):

@@ -174,6 +174,13 @@ class Governor:
         self._rates: dict[int, tuple[TeamConfig, tuple[RateLimit, ...], int | None]] = {}
         self.allowances = Allowances()
 
+    def configure(self, defaults: Defaults) -> None:
+        """A config reload: its defaults from now on; the rate limits built for the old config's
+        views are dropped (each view of the new config builds its own; calls admitted before keep
+        what they claimed; what this process took ahead under the old limits is given back once idle)."""
+        self.defaults = defaults
+        self._rates = {}
+
     def rates(self, team: TeamConfig) -> tuple[RateLimit, ...]:
         """The rate limits a call of `team` claims (its key's and the team's), built once."""
         return self._limits(team)[0]
