@@ -88,6 +88,10 @@ DEFAULT_BUDGET_SCAN_S = 2.0
 DEFAULT_RATE_LIMIT_WAIT_S = 30.0
 DEFAULT_STORE_TIMEOUT_S = 2.0
 """The deadline of one store command (`store.timeout_s`, Redis): a frozen store is a 503 this soon."""
+DEFAULT_TOOL_THREADS = 32
+"""Threads for sync python tools (`server.tool_threads`): as many as asyncio's default pool
+has at most, for tools alone."""
+MAX_TOOL_THREADS = 1024
 SCRIPTED_PREFIX = "/scripted/v1"
 ROUTE_CACHE_SIZE = 1024
 """Model names remembered by `Config.route` (it runs on every call; names come from clients)."""
@@ -106,6 +110,8 @@ class ServerConfig:
     """How often the webhook delivery task looks for due messages another process wrote."""
     budget_scan_s: float = DEFAULT_BUDGET_SCAN_S
     """How often the webhook delivery task reads team spend for `budget_threshold` messages."""
+    tool_threads: int = DEFAULT_TOOL_THREADS
+    """Threads of the process's pool for sync python tools (`gateway.policy.threads`)."""
 
 
 REFUSAL_STATUSES = (429, 400, 402, 403)
@@ -340,7 +346,7 @@ def _server(at: Field) -> ServerConfig:
     if at.missing:
         return ServerConfig()
     at.keys_only({"host", "port", "max_body_bytes", "lease_ttl_s", "refusal_status", "public_url", "webhook_poll_s",
-                  "budget_scan_s"})
+                  "budget_scan_s", "tool_threads"})
     refusal = at.get("refusal_status")
     status = refusal.optional_int(429)
     if status not in REFUSAL_STATUSES:
@@ -354,6 +360,7 @@ def _server(at: Field) -> ServerConfig:
         refusal_status=status,
         webhook_poll_s=at.get("webhook_poll_s").optional_number(DEFAULT_WEBHOOK_POLL_S, positive=True),
         budget_scan_s=at.get("budget_scan_s").optional_number(DEFAULT_BUDGET_SCAN_S, positive=True),
+        tool_threads=at.get("tool_threads").optional_int(DEFAULT_TOOL_THREADS, low=1, high=MAX_TOOL_THREADS),
     )
 
 

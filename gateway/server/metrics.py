@@ -181,6 +181,14 @@ class Metrics:
             for event in events:
                 for outcome in WEBHOOK_OUTCOMES:
                     self.webhook_deliveries.labels(name, event, outcome)
+        self.tool_threads = Gauge("gateway_tool_threads", "Threads of the pool sync python tools run on "
+                                  "(server.tool_threads; summed over the live workers).", registry=r,
+                                  multiprocess_mode="livesum")
+        self.tool_threads_busy = Gauge("gateway_tool_threads_busy", "Tool threads running a sync python tool now.",
+                                       registry=r, multiprocess_mode="livesum")
+        self.tool_calls_waiting = Gauge("gateway_tool_calls_waiting", "Sync python tool calls waiting for a tool "
+                                        "thread (all busy): the pool is saturated while this is above 0.",
+                                        registry=r, multiprocess_mode="livesum")
         self.webhook_outbox = Gauge("gateway_webhook_outbox_depth",
                                     "Notices in the store's outbox not yet delivered nor given up (every replica's).",
                                     registry=r, multiprocess_mode="mostrecent")
@@ -311,6 +319,14 @@ class Metrics:
         """One delivery attempt of a notice: delivered, retried (it failed, and will be tried
         again) or failed (it failed for the last time)."""
         self._child(self.webhook_deliveries, webhook, _code(event), _code(outcome)).inc()
+
+    def on_tool_threads(self, busy: int, waiting: int) -> None:
+        """Tool threads that started or ended a call, calls that began or ended waiting for
+        one (changes; called from any thread: prometheus_client's values are thread-safe)."""
+        if busy:
+            self.tool_threads_busy.inc(busy)
+        if waiting:
+            self.tool_calls_waiting.inc(waiting)
 
     def set_outbox_depth(self, depth: int) -> None:
         self.webhook_outbox.set(depth)
