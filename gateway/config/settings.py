@@ -92,6 +92,11 @@ DEFAULT_TOOL_THREADS = 32
 """Threads for sync python tools (`server.tool_threads`): as many as asyncio's default pool
 has at most, for tools alone."""
 MAX_TOOL_THREADS = 1024
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 60.0
+DEFAULT_IDLE_TIMEOUT_S = 75.0
+"""Longer than the idle timeout of common load balancers (60 s), which must close first."""
+DEFAULT_MAX_CONNECTIONS = 4096
 SCRIPTED_PREFIX = "/scripted/v1"
 ROUTE_CACHE_SIZE = 1024
 """Model names remembered by `Config.route` (it runs on every call; names come from clients)."""
@@ -112,6 +117,14 @@ class ServerConfig:
     """How often the webhook delivery task reads team spend for `budget_threshold` messages."""
     tool_threads: int = DEFAULT_TOOL_THREADS
     """Threads of the process's pool for sync python tools (`gateway.policy.threads`)."""
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    """A request's head must arrive within this of its first byte (gateway.server.http.listener)."""
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    """A request's body must arrive within this of its head."""
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+    """A keep-alive connection with no request for this long is closed."""
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    """Client connections one process holds; past it a new one is refused (503)."""
 
 
 REFUSAL_STATUSES = (429, 400, 402, 403)
@@ -346,7 +359,8 @@ def _server(at: Field) -> ServerConfig:
     if at.missing:
         return ServerConfig()
     at.keys_only({"host", "port", "max_body_bytes", "lease_ttl_s", "refusal_status", "public_url", "webhook_poll_s",
-                  "budget_scan_s", "tool_threads"})
+                  "budget_scan_s", "tool_threads", "header_timeout_s", "body_timeout_s", "idle_timeout_s",
+                  "max_connections"})
     refusal = at.get("refusal_status")
     status = refusal.optional_int(429)
     if status not in REFUSAL_STATUSES:
@@ -361,6 +375,10 @@ def _server(at: Field) -> ServerConfig:
         webhook_poll_s=at.get("webhook_poll_s").optional_number(DEFAULT_WEBHOOK_POLL_S, positive=True),
         budget_scan_s=at.get("budget_scan_s").optional_number(DEFAULT_BUDGET_SCAN_S, positive=True),
         tool_threads=at.get("tool_threads").optional_int(DEFAULT_TOOL_THREADS, low=1, high=MAX_TOOL_THREADS),
+        header_timeout_s=at.get("header_timeout_s").optional_number(DEFAULT_HEADER_TIMEOUT_S, positive=True),
+        body_timeout_s=at.get("body_timeout_s").optional_number(DEFAULT_BODY_TIMEOUT_S, positive=True),
+        idle_timeout_s=at.get("idle_timeout_s").optional_number(DEFAULT_IDLE_TIMEOUT_S, positive=True),
+        max_connections=at.get("max_connections").optional_int(DEFAULT_MAX_CONNECTIONS, low=1, high=1_000_000),
     )
 
 

@@ -21,7 +21,8 @@ from aiohttp import web
 from gateway.config.settings import Config, ConfigError, load_config
 from gateway.server.api.admin import reload_in_thread
 from gateway.server.app import build_app, open_configured_store, process_owner
-from gateway.server.http.listener import StartError, bound_port, listen_sockets, run
+from gateway.server.context import METRICS
+from gateway.server.http.listener import Connections, StartError, bound_port, listen_sockets, run
 from gateway.server.workers import parse_workers, report_start_error, shared_key, signal_ready, supervise
 from gateway.store import StoreError
 
@@ -156,7 +157,8 @@ def serve_command(args: argparse.Namespace) -> int:
 
     # web.run_app, with parser errors (oversized headers) in the OpenAI shape
     try:
-        run(app, sockets, ready=ready, loop=getattr(args, "loop", "auto"))
+        run(app, sockets, ready=ready, loop=getattr(args, "loop", "auto"),
+            connections=Connections.of(config.server, app[METRICS].on_connection))
     except StartError as exc:  # raised while the app started (the metrics listener's port)
         return _cannot_start(str(exc), worker, ready_fd)
     return 0

@@ -189,6 +189,14 @@ class Metrics:
         self.tool_calls_waiting = Gauge("gateway_tool_calls_waiting", "Sync python tool calls waiting for a tool "
                                         "thread (all busy): the pool is saturated while this is above 0.",
                                         registry=r, multiprocess_mode="livesum")
+        self.connections = Gauge("gateway_connections", "Client connections this process serves now.", registry=r,
+                                 multiprocess_mode="livesum")
+        self.connections_refused = Counter("gateway_connections_refused_total",
+                                           "Client connections refused past server.max_connections.", registry=r)
+        self.request_timeouts = Counter("gateway_request_timeouts_total", "Requests whose head or body a client "
+                                        "sent too slowly (kind header | body), answered 408.", ["kind"], registry=r)
+        for kind in ("header", "body"):
+            self.request_timeouts.labels(kind)
         self.webhook_outbox = Gauge("gateway_webhook_outbox_depth",
                                     "Notices in the store's outbox not yet delivered nor given up (every replica's).",
                                     registry=r, multiprocess_mode="mostrecent")
@@ -327,6 +335,17 @@ class Metrics:
             self.tool_threads_busy.inc(busy)
         if waiting:
             self.tool_calls_waiting.inc(waiting)
+
+    def on_connection(self, event: str) -> None:
+        """A client connection opened, closed, refused or timed out (`listener.ConnectionEvent`)."""
+        if event == "opened":
+            self.connections.inc()
+        elif event == "closed":
+            self.connections.dec()
+        elif event == "refused":
+            self.connections_refused.inc()
+        elif event in ("header_timeout", "body_timeout"):
+            self.request_timeouts.labels(event.partition("_")[0]).inc()
 
     def set_outbox_depth(self, depth: int) -> None:
         self.webhook_outbox.set(depth)
