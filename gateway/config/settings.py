@@ -29,6 +29,7 @@ Settings beyond the first contract's shape (all in docs/config.md):
   so a run resumed on another replica finds its files.
 - `spool_file` (default `spool.jsonl` next to this file): where a turn that was paid
   upstream while the store was unreachable is written (durably) until the store books it.
+  `spool_reserve_mb` (default 64): the space it keeps allocated for that (gateway.store.spool).
 - `metrics` (default: none, /metrics open on the main address as before):
   `token_env: NAME` makes /metrics require `Authorization: Bearer <the value of $NAME>`
   (the token itself is never written in the config); `listen: "HOST:PORT"` serves
@@ -92,6 +93,8 @@ DEFAULT_TOOL_THREADS = 32
 """Threads for sync python tools (`server.tool_threads`): as many as asyncio's default pool
 has at most, for tools alone."""
 MAX_TOOL_THREADS = 1024
+DEFAULT_SPOOL_RESERVE_MB = 64
+"""Room the spool keeps allocated for the calls in flight when the store fails (`spool_reserve_mb`)."""
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 60.0
 DEFAULT_IDLE_TIMEOUT_S = 75.0
@@ -266,6 +269,8 @@ class Config:
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     webhooks: tuple[WebhookConfig, ...] = ()
     console: ConsoleConfig = field(default_factory=ConsoleConfig)
+    spool_reserve_bytes: int = DEFAULT_SPOOL_RESERVE_MB * 1024 * 1024
+    """Space the spool keeps allocated for turns the store cannot take (`spool_reserve_mb`)."""
     _routes: dict[str, ModelRoute | None] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def route(self, model: str) -> ModelRoute | None:
@@ -314,7 +319,7 @@ def parse_config(data: Any, file: Path) -> Config:
     """Validate an already-parsed YAML document as if it were read from `file`."""
     base = file.resolve().parent
     root = Field(str(file), "", data if data is not None else {})
-    root.keys_only({"server", "store", "policies_dir", "runs_dir", "trace_file", "spool_file", "upstreams", "models",
+    root.keys_only({"server", "store", "policies_dir", "runs_dir", "trace_file", "spool_file", "spool_reserve_mb", "upstreams", "models",
                     "teams", "defaults", "metrics", "retention", "webhooks", "console"})
     upstreams = parse_upstreams(root.get("upstreams"), base)
     store = _store(root.get("store"), base)
@@ -332,6 +337,7 @@ def parse_config(data: Any, file: Path) -> Config:
         runs_dir=_optional_path(root.get("runs_dir"), base) or _default_runs_dir(store, base),
         trace_file=_optional_path(root.get("trace_file"), base),
         spool_file=_optional_path(root.get("spool_file"), base) or base / "spool.jsonl",
+        spool_reserve_bytes=_spool_reserve(root.get("spool_reserve_mb")),
         upstreams=upstreams,
         models=_models(root.get("models"), upstreams),
         teams=teams,
@@ -400,6 +406,13 @@ def _store(at: Field, base: Path) -> StoreConfig:
         options["timeout_s"] = timeout
     return StoreConfig(kind=kind, path=resolved, url=at.get("url").optional_str_or_none(), options=options,
                        timeout_s=timeout, allow_eviction=allow_eviction)
+
+
+def _spool_reserve(at: Field) -> int:
+    megabytes = at.optional_number(DEFAULT_SPOOL_RESERVE_MB, nonnegative=True)
+    if megabytes > 1024 * 1024:
+        at.fail(f"must be at most {1024 * 1024} (a terabyte), got {megabytes:g}")
+    return int(megabytes * 1024 * 1024)
 
 
 def _optional_path(at: Field, base: Path) -> Path | None:

@@ -197,6 +197,11 @@ class Metrics:
                                         "sent too slowly (kind header | body), answered 408.", ["kind"], registry=r)
         for kind in ("header", "body"):
             self.request_timeouts.labels(kind)
+        self.ready = Gauge("gateway_ready", "1 while the readiness check passes in this process, 0 while it fails "
+                           "(GET /readyz; the minimum over the live workers).", ["check"], registry=r,
+                           multiprocess_mode="livemin")
+        self.spooled = Gauge("gateway_spool_records", "Turns (and spend) waiting in the spool for the store to take "
+                             "them.", registry=r, multiprocess_mode="livemax")
         self.webhook_outbox = Gauge("gateway_webhook_outbox_depth",
                                     "Notices in the store's outbox not yet delivered nor given up (every replica's).",
                                     registry=r, multiprocess_mode="mostrecent")
@@ -346,6 +351,13 @@ class Metrics:
             self.connections_refused.inc()
         elif event in ("header_timeout", "body_timeout"):
             self.request_timeouts.labels(event.partition("_")[0]).inc()
+
+    def on_ready(self, check: str, ok: bool) -> None:
+        """A readiness check's state (`gateway.server.http.readiness`)."""
+        self._child(self.ready, _code(check)).set(1 if ok else 0)
+
+    def set_spooled(self, records: int) -> None:
+        self.spooled.set(records)
 
     def set_outbox_depth(self, depth: int) -> None:
         self.webhook_outbox.set(depth)

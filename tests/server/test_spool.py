@@ -26,11 +26,12 @@ from aiohttp import web
 
 from gateway.harness.state import scoped_run_id
 from gateway.harness.usage import Price, Usage
+from gateway.store.base import to_micros
 from gateway.store.redis import RedisStore
 from gateway.tokens import get_counter
 from tests.server.test_admission import KEY, TASK, chat, serving, start
 from tests.store.conftest import _start_redis
-from tests.support.procs import free_port
+from tests.support.procs import free_port, start_gateway
 
 PRICE = Price(2.0, 12.0)
 
@@ -122,6 +123,60 @@ async def test_turns_paid_during_a_store_outage_are_booked_once_when_it_returns(
             events = [e for _, e in await store.events(scoped_run_id("adm", runs[0]))]
             assert [e["type"] for e in events].count("turn") == 1
             await store.close()
+    finally:
+        gateway.stop()
+        server.kill()
+        server.wait()
+
+
+async def test_turns_spooled_before_a_restart_are_booked_after_it(tmp_path: Path, held: HeldUpstream) -> None:
+    """The gateway is killed while its turns wait in the spool; it starts again (the same
+    address: the same owner name, whose earlier holds it releases at start) once the store
+    is back. The spooled turns' reservations are not released with the rest: the replay
+    books each of them once, and the ledger equals what the upstream billed."""
+    redis_dir = tmp_path / "redis"
+    redis_dir.mkdir()
+    port = free_port()
+    server = start_redis(redis_dir, port)
+    url = f"redis://127.0.0.1:{port}/0"
+    prefix = f"spool-{uuid.uuid4().hex[:8]}:"
+    gateway = start(tmp_path / "gw", held.url, {"kind": "redis", "url": url, "prefix": prefix})
+    runs = [f"restart-{i}" for i in range(4)]
+    held.wanted = len(runs)
+    spool = tmp_path / "gw" / "spool.jsonl"
+    try:
+        async with aiohttp.ClientSession() as session:
+            calls = [asyncio.ensure_future(chat(session, gateway, KEY, {"model": "paid", "messages": TASK},
+                                                {"X-Run-Id": run_id})) for run_id in runs]
+            await asyncio.wait_for(held.arrived.wait(), 30)
+            server.terminate()
+            server.wait(10)
+            held.release.set()
+            results = await asyncio.gather(*calls)
+            assert [status for status, _, _ in results] == [200] * len(runs), results
+        assert len(spool.read_bytes().splitlines()) == len(runs)
+        gateway.kill()  # SIGKILL: the spool is all that remembers these turns
+
+        server = start_redis(redis_dir, port)
+        config = tmp_path / "gw" / "config.yaml"
+        gateway = start_gateway(["serve", "--config", str(config)], "/livez", int(gateway.url.rsplit(":", 1)[1]),
+                                tmp_path / "gw" / "gateway-2.log")
+        deadline = time.monotonic() + 20
+        while spool.read_bytes():
+            assert time.monotonic() < deadline, "the spool was not replayed after the restart"
+            await asyncio.sleep(0.1)  # the gateway replays on its own; this polls for it
+        store = RedisStore(url, prefix)
+        try:
+            runs_micros = 0
+            for run_id in runs:
+                run = await store.load_run(scoped_run_id("adm", run_id))
+                assert run is not None and run.turns == 1, run_id
+                runs_micros += to_micros(run.cost_usd, "cost")
+            spent, reserved = await store.team_spend("adm", "total")
+        finally:
+            await store.close()
+        billed = sum(to_micros(PRICE.cost(u), "cost") for u in held.billed)
+        assert (to_micros(spent, "spent"), runs_micros) == (billed, billed) and reserved == 0.0
     finally:
         gateway.stop()
         server.kill()

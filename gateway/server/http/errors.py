@@ -59,7 +59,7 @@ from aiohttp import web
 
 from gateway.harness.state import Interruption, InterruptionType, Status, public_run_id
 from gateway.providers.errors import UpstreamError
-from gateway.store.errors import RunExists, RunNotFound, StaleRun, StoreError
+from gateway.store.errors import RunExists, RunNotFound, SpoolNotReady, StaleRun, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -302,8 +302,12 @@ def from_store_error(exc: StoreError) -> ApiError:
     if isinstance(exc, (StaleRun, RunExists)):
         return Conflict(f"run {public_run_id(exc.run_id)} changed while this call used it; retry the call",
                         code="run_conflict")
-    # The store's own words name hosts and files: they go to the log, not to clients.
-    log.warning("the store failed: %s", exc)
+    if isinstance(exc, SpoolNotReady):
+        return StoreUnavailable("this gateway process cannot take calls now: the spool, where it keeps a paid turn "
+                                "its store cannot take, has no room set aside (a full disk?); nothing was forwarded, "
+                                "retry in a moment (GET /readyz says when it is ready)")
+    # The store's own words name hosts and files: they go to the log (the caller's, once per
+    # failure of the store: `ctx.STORE_HEALTH`), not to clients.
     return StoreUnavailable("the gateway's store is unavailable; retry in a moment")
 
 

@@ -358,7 +358,8 @@ class GatewayRunner(web.AppRunner):
 
 
 async def _serve(app: web.Application, sockets: Sequence[socket.socket],
-                 ready: Callable[[], None] | None, connections: Connections | None) -> None:
+                 ready: Callable[[], None] | None, connections: Connections | None,
+                 on_drain: Callable[[], None] | None) -> None:
     extra: dict[str, Any] = {} if connections is None else {"connections": connections}
     runner = GatewayRunner(app, handle_signals=True, access_log=None, **extra)
     serving = False
@@ -372,6 +373,8 @@ async def _serve(app: web.Application, sockets: Sequence[socket.socket],
         while True:
             await asyncio.sleep(3600)
     finally:
+        if on_drain is not None:  # before the listener closes: readiness fails first
+            on_drain()
         busy = in_flight(runner)
         started = time.monotonic()
         await runner.cleanup()
@@ -405,16 +408,18 @@ def new_loop(kind: LoopKind = "auto") -> asyncio.AbstractEventLoop:
 
 
 def run(app: web.Application, sockets: Sequence[socket.socket], *, ready: Callable[[], None] | None = None,
-        loop: LoopKind = "auto", connections: Connections | None = None) -> None:
+        loop: LoopKind = "auto", connections: Connections | None = None,
+        on_drain: Callable[[], None] | None = None) -> None:
     """Serve `app` on `sockets` (`listen_sockets`) until SIGINT or SIGTERM, then shut it down
     like `web.run_app`; `ready` is called once it serves; `connections` bounds slow and idle
-    clients (None: aiohttp's own). A `StartError` raised while the app starts (its cleanup
-    contexts: another listener's port) comes out of here as it was."""
+    clients (None: aiohttp's own); `on_drain` is called first thing on the way down. A
+    `StartError` raised while the app starts (its cleanup contexts: another listener's port)
+    comes out of here as it was."""
     if connections is not None:
         connections.fit_fd_limit()
     loop_ = new_loop(loop)
     asyncio.set_event_loop(loop_)
-    main = loop_.create_task(_serve(app, sockets, ready, connections))
+    main = loop_.create_task(_serve(app, sockets, ready, connections, on_drain))
     try:
         loop_.run_until_complete(main)
     except (web.GracefulExit, KeyboardInterrupt):
