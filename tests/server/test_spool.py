@@ -31,7 +31,7 @@ from gateway.store.redis import RedisStore
 from gateway.tokens import get_counter
 from tests.server.test_admission import KEY, TASK, chat, serving, start
 from tests.store.conftest import _start_redis
-from tests.support.procs import free_port, start_gateway
+from tests.support.procs import Proc, free_port, start_gateway
 
 PRICE = Price(2.0, 12.0)
 
@@ -69,6 +69,19 @@ def start_redis(workdir: Path, port: int) -> subprocess.Popen[bytes]:
     return _start_redis(exe, workdir, port=port, durable=True)[0]
 
 
+def start_both(tmp_path: Path, held: HeldUpstream) -> tuple[Path, int, subprocess.Popen[bytes], str, str, Proc]:
+    """A durable redis-server and a gateway on it: (its folder, port, process, URL, the
+    gateway's key prefix, the gateway)."""
+    redis_dir = tmp_path / "redis"
+    redis_dir.mkdir()
+    port = free_port()
+    server = start_redis(redis_dir, port)
+    url = f"redis://127.0.0.1:{port}/0"
+    prefix = f"spool-{uuid.uuid4().hex[:8]}:"
+    return redis_dir, port, server, url, prefix, start(tmp_path / "gw", held.url,
+                                                       {"kind": "redis", "url": url, "prefix": prefix})
+
+
 @pytest.fixture
 async def held() -> AsyncIterator[HeldUpstream]:
     state = HeldUpstream()
@@ -79,13 +92,7 @@ async def held() -> AsyncIterator[HeldUpstream]:
 
 async def test_turns_paid_during_a_store_outage_are_booked_once_when_it_returns(
         tmp_path: Path, held: HeldUpstream) -> None:
-    redis_dir = tmp_path / "redis"
-    redis_dir.mkdir()
-    port = free_port()
-    server = start_redis(redis_dir, port)
-    url = f"redis://127.0.0.1:{port}/0"
-    prefix = f"spool-{uuid.uuid4().hex[:8]}:"
-    gateway = start(tmp_path / "gw", held.url, {"kind": "redis", "url": url, "prefix": prefix})
+    redis_dir, port, server, url, prefix, gateway = start_both(tmp_path, held)
     runs = [f"outage-{i}" for i in range(6)]
     held.wanted = len(runs)
     try:
@@ -134,13 +141,7 @@ async def test_turns_spooled_before_a_restart_are_booked_after_it(tmp_path: Path
     address: the same owner name, whose earlier holds it releases at start) once the store
     is back. The spooled turns' reservations are not released with the rest: the replay
     books each of them once, and the ledger equals what the upstream billed."""
-    redis_dir = tmp_path / "redis"
-    redis_dir.mkdir()
-    port = free_port()
-    server = start_redis(redis_dir, port)
-    url = f"redis://127.0.0.1:{port}/0"
-    prefix = f"spool-{uuid.uuid4().hex[:8]}:"
-    gateway = start(tmp_path / "gw", held.url, {"kind": "redis", "url": url, "prefix": prefix})
+    redis_dir, port, server, url, prefix, gateway = start_both(tmp_path, held)
     runs = [f"restart-{i}" for i in range(4)]
     held.wanted = len(runs)
     spool = tmp_path / "gw" / "spool.jsonl"
