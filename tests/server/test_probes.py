@@ -14,25 +14,15 @@ import asyncio
 import re
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 import yaml
 
 from tests.server.test_admission import KEY, TASK, Upstream, chat, write_config
+from tests.server.test_admission import upstream  # noqa: F401  (its module-scoped counting upstream)
 from tests.support.procs import Proc, free_port, start_gateway
-from tests.support.upstreams import chat_app, in_thread
-
-
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[Upstream]:
-    state = Upstream()
-    with in_thread(lambda: chat_app(state.handle)) as root:
-        state.url = root + "/v1"
-        yield state
 
 
 def start(folder: Path, upstream_url: str, metrics_port: int | None = None) -> Proc:
