@@ -100,6 +100,9 @@ DEFAULT_BODY_TIMEOUT_S = 60.0
 DEFAULT_IDLE_TIMEOUT_S = 75.0
 """Longer than the idle timeout of common load balancers (60 s), which must close first."""
 DEFAULT_MAX_CONNECTIONS = 4096
+DEFAULT_WORK_SLOTS = 1
+"""Calls of one team at once in the process's own work while other teams have calls in
+flight (`server.work_slots`, gateway.server.runs.fair_share)."""
 SCRIPTED_PREFIX = "/scripted/v1"
 ROUTE_CACHE_SIZE = 1024
 """Model names remembered by `Config.route` (it runs on every call; names come from clients)."""
@@ -128,6 +131,8 @@ class ServerConfig:
     """A keep-alive connection with no request for this long is closed."""
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     """Client connections one process holds; past it a new one is refused (503)."""
+    work_slots: int = DEFAULT_WORK_SLOTS
+    """A team's share of the process's own work (admission, booking) while others have calls in flight."""
 
 
 REFUSAL_STATUSES = (429, 400, 402, 403)
@@ -366,7 +371,7 @@ def _server(at: Field) -> ServerConfig:
         return ServerConfig()
     at.keys_only({"host", "port", "max_body_bytes", "lease_ttl_s", "refusal_status", "public_url", "webhook_poll_s",
                   "budget_scan_s", "tool_threads", "header_timeout_s", "body_timeout_s", "idle_timeout_s",
-                  "max_connections"})
+                  "max_connections", "work_slots"})
     refusal = at.get("refusal_status")
     status = refusal.optional_int(429)
     if status not in REFUSAL_STATUSES:
@@ -385,6 +390,7 @@ def _server(at: Field) -> ServerConfig:
         body_timeout_s=at.get("body_timeout_s").optional_number(DEFAULT_BODY_TIMEOUT_S, positive=True),
         idle_timeout_s=at.get("idle_timeout_s").optional_number(DEFAULT_IDLE_TIMEOUT_S, positive=True),
         max_connections=at.get("max_connections").optional_int(DEFAULT_MAX_CONNECTIONS, low=1, high=1_000_000),
+        work_slots=at.get("work_slots").optional_int(DEFAULT_WORK_SLOTS, low=0, high=100_000),
     )
 
 

@@ -54,6 +54,7 @@ from gateway.server.notify import delivery as notify_delivery
 from gateway.server.responses import endpoint as responses
 from gateway.server.runs import rate_limits, retention, runtime
 from gateway.server.runs.booking import keep_booking
+from gateway.server.runs.fair_share import FairShare
 from gateway.server.runs.governor import Governor
 from gateway.server.runs.run_cache import RunCache
 from gateway.server.store_check import check_store
@@ -200,6 +201,7 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
     app[ctx.SPOOL] = Spool(config.spool_file, config.spool_reserve_bytes, lambda ok: readiness.set("spool", ok))
     probes.setup(app, readiness)
     app[ctx.RUN_CACHE] = RunCache()
+    app[ctx.FAIR_SHARE] = FairShare(config.server.work_slots, metrics.on_work_wait)
     if self_url is not None:
         app[ctx.SELF_URL] = self_url.rstrip("/")
     if worker is not None:

@@ -189,6 +189,8 @@ class Metrics:
         self.tool_calls_waiting = Gauge("gateway_tool_calls_waiting", "Sync python tool calls waiting for a tool "
                                         "thread (all busy): the pool is saturated while this is above 0.",
                                         registry=r, multiprocess_mode="livesum")
+        self.work_waits = Counter("gateway_work_waits_total", "Calls that waited for a slot of the process's own "
+                                  "work (server.work_slots), by team: the fair share at work.", ["team"], registry=r)
         self.connections = Gauge("gateway_connections", "Client connections this process serves now.", registry=r,
                                  multiprocess_mode="livesum")
         self.connections_refused = Counter("gateway_connections_refused_total",
@@ -351,6 +353,9 @@ class Metrics:
             self.connections_refused.inc()
         elif event in ("header_timeout", "body_timeout"):
             self.request_timeouts.labels(event.partition("_")[0]).inc()
+
+    def on_work_wait(self, team: str) -> None:
+        self._child(self.work_waits, team).inc()
 
     def on_ready(self, check: str, ok: bool) -> None:
         """A readiness check's state (`gateway.server.http.readiness`)."""

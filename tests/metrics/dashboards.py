@@ -71,6 +71,7 @@ METRIC_LABELS: dict[str, frozenset[str]] = {name: frozenset(labels) for name, la
     "gateway_request_timeouts_total": ("kind",),
     "gateway_ready": ("check",),
     "gateway_spool_records": (),
+    "gateway_work_waits_total": ("team",),
 }.items()}
 
 # Grafana's built-in interval variables, as the test evaluates them: windows wide enough to

@@ -115,6 +115,7 @@ ERRORS = [
     (lambda d: d["server"].update(body_timeout_s="1m"), "server.body_timeout_s", "must be a number"),
     (lambda d: d["server"].update(idle_timeout_s=-5), "server.idle_timeout_s", "> 0"),
     (lambda d: d["server"].update(max_connections=0), "server.max_connections", ">= 1"),
+    (lambda d: d["server"].update(work_slots=-1), "server.work_slots", ">= 0"),
     (lambda d: d.update(stores={}), "stores", "unknown field"),
     (lambda d: d["models"][0].update(deployments=[{"upstream": "scripted"}]), "models[0].upstream",
      "either upstream or deployments"),

@@ -161,6 +161,17 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
     If the store cannot take it (unreachable, or its disk full), the turn is written to the
     spool (booked when the store is back) and the call is answered with the run as it will be.
     """
+    share = request.get(ctx.SHARE)
+    cancelled = share is not None and not await share.take_for_booking()
+    booked = await _book_turn(request, call, adm, reported, message, finish, routed, repairs, others)
+    if cancelled:  # a cancel came while it waited for its slot: raised once the spend is booked
+        raise asyncio.CancelledError
+    return booked
+
+
+async def _book_turn(request: web.Request, call: Call, adm: Admission, reported: Usage | None, message: Message,
+                     finish: str, routed: RoutedCall | None, repairs: Sequence[Repair],
+                     others: Sequence[Message]) -> Booked:
     app = request.app
     governor = app[ctx.GOVERNOR]
     chat = call.chat
