@@ -163,7 +163,11 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
     """
     share = request.get(ctx.SHARE)
     cancelled = share is not None and not await share.take_for_booking()
-    booked = await _book_turn(request, call, adm, reported, message, finish, routed, repairs, others)
+    try:
+        booked = await _book_turn(request, call, adm, reported, message, finish, routed, repairs, others)
+    finally:
+        if share is not None:  # the slot is the booking's alone, not the writing of the answer's end
+            share.give_back()  # (a client reading slowly would hold its team's share)
     if cancelled:  # a cancel came while it waited for its slot: raised once the spend is booked
         raise asyncio.CancelledError
     return booked
