@@ -22,6 +22,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import yaml
 from aiohttp import web
 
 from gateway.harness.state import scoped_run_id
@@ -29,9 +30,9 @@ from gateway.harness.usage import Price, Usage
 from gateway.store.base import to_micros
 from gateway.store.redis import RedisStore
 from gateway.tokens import get_counter
-from tests.server.test_admission import KEY, TASK, chat, serving, start
+from tests.server.test_admission import KEY, TASK, chat, serving, write_config
 from tests.store.conftest import _start_redis
-from tests.support.procs import Proc, free_port, start_gateway
+from tests.support.procs import START_TIMEOUT_S, Proc, free_port, start_gateway
 
 PRICE = Price(2.0, 12.0)
 
@@ -78,8 +79,14 @@ def start_both(tmp_path: Path, held: HeldUpstream) -> tuple[Path, int, subproces
     server = start_redis(redis_dir, port)
     url = f"redis://127.0.0.1:{port}/0"
     prefix = f"spool-{uuid.uuid4().hex[:8]}:"
-    return redis_dir, port, server, url, prefix, start(tmp_path / "gw", held.url,
-                                                       {"kind": "redis", "url": url, "prefix": prefix})
+    folder, gw_port = tmp_path / "gw", free_port()
+    path = write_config(folder, gw_port, held.url, {"kind": "redis", "url": url, "prefix": prefix})
+    config = yaml.safe_load(path.read_text())
+    config["teams"][0].update(user_budget_usd=5.0, user_budget_period="total")  # a user's hold on each call
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    gateway = start_gateway(["serve", "--config", str(path)], "/livez", gw_port, folder / "gateway.log",
+                            timeout=START_TIMEOUT_S)
+    return redis_dir, port, server, url, prefix, gateway
 
 
 @pytest.fixture
@@ -139,8 +146,9 @@ async def test_turns_paid_during_a_store_outage_are_booked_once_when_it_returns(
 async def test_turns_spooled_before_a_restart_are_booked_after_it(tmp_path: Path, held: HeldUpstream) -> None:
     """The gateway is killed while its turns wait in the spool; it starts again (the same
     address: the same owner name, whose earlier holds it releases at start) once the store
-    is back. The spooled turns' reservations are not released with the rest: the replay
-    books each of them once, and the ledger equals what the upstream billed."""
+    is back. The spooled turns' reservations are not released with the rest, nor their
+    user's holds: the replay books each of them once, and the team's ledger, the user's and
+    the user's spend rows all equal what the upstream billed."""
     redis_dir, port, server, url, prefix, gateway = start_both(tmp_path, held)
     runs = [f"restart-{i}" for i in range(4)]
     held.wanted = len(runs)
@@ -148,7 +156,7 @@ async def test_turns_spooled_before_a_restart_are_booked_after_it(tmp_path: Path
     try:
         async with aiohttp.ClientSession() as session:
             calls = [asyncio.ensure_future(chat(session, gateway, KEY, {"model": "paid", "messages": TASK},
-                                                {"X-Run-Id": run_id})) for run_id in runs]
+                                                {"X-Run-Id": run_id, "X-Gateway-User": "ana"})) for run_id in runs]
             await asyncio.wait_for(held.arrived.wait(), 30)
             server.terminate()
             server.wait(10)
@@ -174,10 +182,14 @@ async def test_turns_spooled_before_a_restart_are_booked_after_it(tmp_path: Path
                 assert run is not None and run.turns == 1, run_id
                 runs_micros += to_micros(run.cost_usd, "cost")
             spent, reserved = await store.team_spend("adm", "total")
+            user_spent, user_reserved = await store.team_spend("user:adm:ana", "total")
+            rows = await store.spend("1970-01-01", "2999-12-31", "adm")
         finally:
             await store.close()
         billed = sum(to_micros(PRICE.cost(u), "cost") for u in held.billed)
         assert (to_micros(spent, "spent"), runs_micros) == (billed, billed) and reserved == 0.0
+        assert to_micros(user_spent, "spent") == billed and user_reserved == 0.0
+        assert sum(r.cost_micros for r in rows if r.user == "ana") == billed
     finally:
         gateway.stop()
         server.kill()
