@@ -41,7 +41,8 @@ def start(folder: Path, upstream_url: str, tool_repair: bool = False) -> Proc:
     config["server"]["work_slots"] = 1
     config["upstreams"][0]["tool_repair"] = tool_repair
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return start_gateway(["serve", "--config", str(path)], "/livez", port, folder / "gateway.log")
+    # One process whatever GATEWAY_TEST_WORKERS says: the share is each process's own.
+    return start_gateway(["serve", "--config", str(path), "--workers", "1"], "/livez", port, folder / "gateway.log")
 
 
 async def test_a_flood_waits_for_its_share_and_every_call_is_answered(tmp_path: Path, upstream: Upstream) -> None:

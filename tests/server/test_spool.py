@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -30,9 +31,10 @@ from gateway.harness.usage import Price, Usage
 from gateway.store.base import to_micros
 from gateway.store.redis import RedisStore
 from gateway.tokens import get_counter
-from tests.server.test_admission import KEY, TASK, chat, serving, write_config
+from tests.server.test_admission import KEY, TASK, chat, write_config
 from tests.store.conftest import _start_redis
 from tests.support.procs import START_TIMEOUT_S, Proc, free_port, start_gateway
+from tests.support.upstreams import chat_app, serving_app
 
 PRICE = Price(2.0, 12.0)
 
@@ -60,6 +62,18 @@ class HeldUpstream:
                                   "choices": [{"index": 0, "finish_reason": "stop",
                                                "message": {"role": "assistant", "content": "ok"}}],
                                   "usage": {**usage.to_json()}})
+
+    async def embed(self, request: web.Request) -> web.Response:
+        """Embeddings: 3 input tokens billed (price_in alone), once `release` is set."""
+        body = await request.json()
+        self.calls[body["model"]] += 1
+        if self.calls[body["model"]] >= self.wanted:
+            self.arrived.set()
+        await self.release.wait()
+        self.billed.append(Usage(3, 0))
+        return web.json_response({"object": "list", "model": body["model"], "usage": {"prompt_tokens": 3,
+                                                                                     "total_tokens": 3},
+                                  "data": [{"object": "embedding", "index": 0, "embedding": [0.5, 0.25]}]})
 
 
 def start_redis(workdir: Path, port: int) -> subprocess.Popen[bytes]:
@@ -92,7 +106,10 @@ def start_both(tmp_path: Path, held: HeldUpstream) -> tuple[Path, int, subproces
 @pytest.fixture
 async def held() -> AsyncIterator[HeldUpstream]:
     state = HeldUpstream()
-    async with serving(state.handle) as state.url:
+    app = chat_app(state.handle)
+    app.router.add_post("/v1/embeddings", state.embed)
+    async with serving_app(app) as root:
+        state.url = root + "/v1"
         yield state
         state.release.set()
 
@@ -190,6 +207,57 @@ async def test_turns_spooled_before_a_restart_are_booked_after_it(tmp_path: Path
         assert (to_micros(spent, "spent"), runs_micros) == (billed, billed) and reserved == 0.0
         assert to_micros(user_spent, "spent") == billed and user_reserved == 0.0
         assert sum(r.cost_micros for r in rows if r.user == "ana") == billed
+    finally:
+        gateway.stop()
+        server.kill()
+        server.wait()
+
+
+async def test_embeddings_paid_during_a_store_outage_are_booked_when_it_returns(
+        tmp_path: Path, held: HeldUpstream) -> None:
+    """Embeddings admitted, then the store goes, then the upstream answers: a call without a
+    run is answered and its spend spooled; a call on a run, whose step on the run fails,
+    answers 503 `store_unavailable` but its spend is spooled too. Once the store is back,
+    the team's ledger and the user's equal what the upstream billed, nothing left reserved."""
+    redis_dir, port, server, url, prefix, gateway = start_both(tmp_path, held)
+    headers = [{"X-Run-Id": f"emb-{i}"} for i in range(3)] + [{}, {}]
+    held.wanted = len(headers)
+    spool = tmp_path / "gw" / "spool.jsonl"
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def embed(extra: dict[str, str]) -> tuple[int, Any]:
+                async with session.post(f"{gateway.url}/v1/embeddings", json={"model": "vec", "input": "hello"},
+                                        headers={"Authorization": f"Bearer {KEY}", "X-Gateway-User": "ana",
+                                                 **extra}) as resp:
+                    return resp.status, await resp.json()
+
+            calls = [asyncio.ensure_future(embed(h)) for h in headers]
+            await asyncio.wait_for(held.arrived.wait(), 30)
+            server.terminate()
+            server.wait(10)
+            held.release.set()
+            results = await asyncio.gather(*calls)
+        on_runs, alone = results[:3], results[3:]
+        assert [s for s, _ in alone] == [200, 200], alone
+        assert all(s == 503 and r["error"]["code"] == "store_unavailable" for s, r in on_runs), on_runs
+        assert len(spool.read_bytes().splitlines()) == len(headers)
+
+        server = start_redis(redis_dir, port)
+        deadline = time.monotonic() + 20
+        while spool.read_bytes():
+            assert time.monotonic() < deadline, "the spool was not replayed"
+            await asyncio.sleep(0.1)  # the gateway replays on its own; this polls for it
+        store = RedisStore(url, prefix)
+        try:
+            spent, reserved = await store.team_spend("adm", "total")
+            user_spent, user_reserved = await store.team_spend("user:adm:ana", "total")
+        finally:
+            await store.close()
+        billed = sum(to_micros(PRICE.cost(u), "cost") for u in held.billed)
+        assert len(held.billed) == len(headers)
+        assert (to_micros(spent, "spent"), to_micros(user_spent, "spent")) == (billed, billed)
+        assert reserved == user_reserved == 0.0
     finally:
         gateway.stop()
         server.kill()

@@ -235,7 +235,7 @@ async def commit_turn_record(app: web.Application, run: RunState, record: TurnRe
         if _unreachable(exc):
             health.fail(str(exc))
         elif record.booking is not None:
-            await _book_alone(governor, record.booking, exc)
+            await book_alone(governor, record.booking, exc)
         raise
     health.recover()
     append_trace_file(app[ctx.CONFIG].trace_file, events)
@@ -329,13 +329,15 @@ async def probe_write(app: web.Application) -> None:
     app[ctx.STORE_HEALTH].recover()
 
 
-async def _book_alone(governor: Governor, booking: Booking, exc: BaseException) -> None:
-    """The turn's save failed for good: book its spend anyway (into the spool when the store
-    cannot take it now). A settle is idempotent, so it is safe whatever happened; a charge
-    only when the store surely wrote nothing."""
-    if booking.reservation_id is None and not isinstance(exc, (StaleRun, RunNotFound, Conflict)):
+async def book_alone(governor: Governor, booking: Booking, exc: BaseException) -> None:
+    """A call's save on its run failed with `exc` (a turn's for good, or embeddings' on a run):
+    book its spend on the ledgers anyway, into the spool when the store cannot take it now
+    (`Governor.book_surely`). A settle is idempotent, so it is safe whatever happened; a charge
+    when the store refused the save (it wrote nothing) or could not be reached (like a
+    spooled turn's), not when the call was cancelled mid-save (it may have been written)."""
+    if booking.reservation_id is None and not (isinstance(exc, (StaleRun, RunNotFound, Conflict)) or _unreachable(exc)):
         return
     try:
         await governor.book_surely(booking)
     except Exception:
-        log.exception("cannot book $%.9f of team %s after a failed turn save", booking.actual_usd, booking.team)
+        log.exception("cannot book $%.9f of team %s after a failed save on its run", booking.actual_usd, booking.team)
