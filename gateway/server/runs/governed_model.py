@@ -17,11 +17,11 @@ import orjson
 from aiohttp import web
 
 from gateway.config.settings import Config, ModelRoute, TeamConfig
-from gateway.harness.model import ModelReply, ModelRequest
+from gateway.harness.model import LimitReached, ModelReply, ModelRequest
 from gateway.harness.state import RunState
 from gateway.providers.errors import UpstreamError
 from gateway.server import context as ctx
-from gateway.server.http.errors import ApiError, NotFound
+from gateway.server.http.errors import ApiError, LimitExceeded, NotFound
 from gateway.server.metrics import Metrics
 from gateway.server.runs import rate_limits
 from gateway.server.runs.forwarding import complete_chat
@@ -89,9 +89,15 @@ class UpstreamModel:
         routed = self.upstreams.call(route, request.model, lambda a: metrics.on_attempt(a.upstream, a.outcome))
         ask = Ask(route.price, request.messages, request.tools or None, request.max_tokens, model=request.model,
                   user=self.user, policy=self.policy)
-        admission = await rate_limits.waiting(
-            lambda: self.governor.admit_call(request.run_id, self.team, self.strict, ask, request.budget_remaining_usd),
-            self.config.defaults.rate_limit_wait_s)
+        try:
+            admission = await rate_limits.waiting(
+                lambda: self.governor.admit_call(request.run_id, self.team, self.strict, ask,
+                                                 request.budget_remaining_usd, fit=request.fit_budget),
+                self.config.defaults.rate_limit_wait_s)
+        except LimitExceeded as exc:
+            if request.fit_budget and exc.kind == "budget_exceeded":  # the run's own budget: it asks a person
+                raise LimitReached(exc.message) from None
+            raise
         async with admission as adm:
             max_tokens = adm.max_tokens or request.max_tokens
             sent: list[bytes] = []  # the body of each attempt: the last one is what was answered
