@@ -23,7 +23,8 @@ from aiohttp import web
 from gateway.config.settings import Config, ConfigError, load_config
 from gateway.policy.registry import policy_names
 from gateway.server.app import build_app, open_configured_store, process_owner
-from gateway.server.http.listener import StartError, bound_port, listen_sockets, run
+from gateway.server.context import METRICS, READINESS
+from gateway.server.http.listener import Connections, StartError, bound_port, listen_sockets, run
 from gateway.server import context as ctx
 from gateway.server.reload import record_reload
 from gateway.server.reload import reload as reload_files
@@ -37,6 +38,7 @@ from gateway.server.workers import (
     supervise,
 )
 from gateway.store import StoreError
+from gateway.store.spool import Spool
 
 log = logging.getLogger("gateway")
 
@@ -77,10 +79,11 @@ def _release_previous_workers(config: Config, host: str, count: int) -> Callable
 
     def release(port: int) -> None:
         async def each_worker() -> int:
+            spooled = Spool(config.spool_file).reservations()  # held until the spool books them
             store = open_configured_store(config)
             try:
                 url = _self_url(host, port)
-                return sum([await store.release_owner(process_owner(url, i)) for i in range(count)])
+                return sum([await store.release_owner(process_owner(url, i), keep=spooled) for i in range(count)])
             finally:
                 await store.close()
 
@@ -183,7 +186,8 @@ def serve_command(args: argparse.Namespace) -> int:
     # web.run_app, with parser errors (oversized headers) in the OpenAI shape
     try:
         run(app, sockets, ready=ready, loop=getattr(args, "loop", "auto"),
-            stopped=None if worker is None else functools.partial(note_stopped, worker))
+            stopped=None if worker is None else functools.partial(note_stopped, worker),
+            connections=Connections.of(config.server, app[METRICS].on_connection), on_drain=app[READINESS].drain)
     except StartError as exc:  # raised while the app started (the metrics listener's port)
         return _cannot_start(str(exc), worker, ready_fd)
     return 0

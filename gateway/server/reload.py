@@ -29,6 +29,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -166,6 +167,17 @@ def apply_config(app: web.Application, config: Config) -> None:
         app[NOTIFIER].configure(config)
 
 
+async def _on_own_thread(stage: Callable[[web.Application], _Staged], app: web.Application) -> _Staged:
+    """A reload may start MCP servers and list their tools: it runs off the event loop, on a
+    thread of its own rather than one of a shared pool, so it never queues behind other work
+    (tools have their own pool, but DNS lookups and the like use asyncio's default one)."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-reload")
+    try:
+        return await asyncio.get_running_loop().run_in_executor(pool, stage, app)
+    finally:
+        pool.shutdown(wait=False)
+
+
 async def reload(app: web.Application, by: str) -> Reloaded:
     """Read config.yaml and the policy files again and serve them (or keep the current ones
     and say why); logs the outcome. A worker of `--workers N` then notes that it serves the
@@ -173,7 +185,7 @@ async def reload(app: web.Application, by: str) -> Reloaded:
     read_at = time.time()
     async with app[ctx.LIVE].reloading:
         try:
-            staged = await asyncio.to_thread(_stage, app)
+            staged = await _on_own_thread(_stage, app)
         except ConfigError as exc:
             errors = exc.errors if isinstance(exc, ConfigErrors) else (exc,)
             done = Reloaded(ReloadResult(loaded=app[ctx.POLICIES].names()), config_errors=errors)
