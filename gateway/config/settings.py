@@ -37,6 +37,9 @@ Settings beyond the first contract's shape (all in docs/config.md):
   main address no longer has it. Both may be set.
 - `store.timeout_s` (Redis, default 2): the deadline of one store command; a frozen or
   unreachable store answers calls 503 `store_unavailable` within it.
+- `store.wait_replicas` / `store.wait_timeout_s` (Redis, default 0 / 0.5): replicas that must
+  confirm each write, and how long they have (docs/stores.md, replication and failover);
+  checked with the other store fields by `gateway.store.factory.open_store`.
 - `retention` (see `RetentionConfig`): finished runs, their events, closed ledgers and the
   trace file deleted or rotated as they age.
 - `teams[i].admin` (default false): keys of an admin team may call the admin API

@@ -64,6 +64,7 @@ from gateway.server.runs.driver import Audited, Prepare
 from gateway.server.runs.booking import append_trace_file
 from gateway.server.runs.keying import commit_run, stop_run
 from gateway.server.runs.tracelog import asked_at
+from gateway.store.base import Lease
 
 CANCEL_WAIT_S: Final = 5.0
 LIST_SCAN: Final = 1000
@@ -339,9 +340,10 @@ async def post_cancel(request: web.Request) -> web.Response:
     store = app[ctx.STORE]
     try:
         with driver.active.claim(run.run_id, lambda event: None):
-            if await store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s):
+            lease = await store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s)
+            if lease is not None:
                 try:
-                    run = await _cancel_undriven(app, await _reload(app, run), reason, team.name, entries)
+                    run = await _cancel_undriven(app, await _reload(app, run), reason, team.name, lease, entries)
                 finally:
                     await store.release_lease(run.run_id, driver.owner)
                 request[ctx.RUN] = run
@@ -394,12 +396,13 @@ def _cancellable(run: RunState) -> bool:
     return run.status == "running" or run.waits_for_decision or run.decided
 
 
-async def _cancel_undriven(app: web.Application, run: RunState, reason: str, by: str,
+async def _cancel_undriven(app: web.Application, run: RunState, reason: str, by: str, lease: Lease,
                            entries: Sequence[AuditEntry] = ()) -> RunState:
-    """A run nobody drives: `running` (it waits for client tools, or its replica died),
-    waiting for a decision, or decided and waiting for its resume (the decision stays: a
-    later resume acts on it). A pending approval is dropped: nobody can decide it any
-    more, and a later resume asks again (the call is still pending in the transcript)."""
+    """A run nobody drives, whose lease this process took: `running` (it waits for client
+    tools, or its replica died), waiting for a decision, or decided and waiting for its
+    resume (the decision stays: a later resume acts on it). A pending approval is dropped:
+    nobody can decide it any more, and a later resume asks again (the call is still pending
+    in the transcript)."""
     store = app[ctx.STORE]
     if not _cancellable(run):
         raise Conflict(f"run {run.public_id} is not running (status {run.status}); nothing to cancel",
@@ -419,7 +422,7 @@ async def _cancel_undriven(app: web.Application, run: RunState, reason: str, by:
     # the run stopped (and may resume it at once).
     run, lines, _ = await commit_run(store, run, stop_run("interrupted", "cancelled",
                                                           Interruption("cancelled", reason=reason)), trace, None,
-                                     audit=lambda _: entries)
+                                     audit=lambda _: entries, lease=lease)
     append_trace_file(app[ctx.LIVE].config.trace_file, lines)
     return run
 

@@ -11,6 +11,7 @@ raised (`RateLimited`) and the run stops, interrupted and resumable (driver).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -21,12 +22,13 @@ from gateway.config.settings import Config, ModelRoute, TeamConfig
 from gateway.harness.model import LimitReached, ModelReply, ModelRequest
 from gateway.harness.state import RunState
 from gateway.providers.errors import UpstreamError
+from gateway.providers.failover import RoutedCall
 from gateway.server import context as ctx
 from gateway.server.http.errors import ApiError, LimitExceeded, NotFound
 from gateway.server.metrics import Metrics
 from gateway.server.runs import rate_limits
 from gateway.server.runs.forwarding import complete_chat
-from gateway.server.runs.governor import Ask, Governor
+from gateway.server.runs.governor import Admission, Ask, Governor
 from gateway.server.runs.replies import checked_usage
 from gateway.tokens import TokenCounter
 
@@ -86,7 +88,13 @@ class UpstreamModel:
     async def complete(self, request: ModelRequest) -> ModelReply:
         """One turn over the route's deployments and fallbacks (held at the dearest of them,
         booked at the price of the one that answered). An `UpstreamError` carries the trace
-        fields of the failed attempts (`attempts`), which the driver writes."""
+        fields of the failed attempts (`attempts`), which the driver writes.
+
+        Once admitted, the call is never abandoned: stopped (a Stop, a lost lease, the run's
+        deadline), it returns at once, but goes on in the background and books its answer on
+        the team's ledger when it comes (or releases its hold if the upstream fails), since
+        the upstream is paid for an answer whether or not anyone reads it. The run, which
+        stopped without that answer, does not count it."""
         self._follow_reload()
         route = self.route(request.model)
         metrics = self.metrics
@@ -102,6 +110,15 @@ class UpstreamModel:
             if request.fit_budget and exc.kind == "budget_exceeded":  # the run's own budget: it asks a person
                 raise LimitReached(exc.message) from None
             raise
+        call = asyncio.ensure_future(self._forward(request, admission, routed))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            self.governor.finish_in_background(call, request.run_id)
+            raise
+
+    async def _forward(self, request: ModelRequest, admission: Admission, routed: RoutedCall) -> ModelReply:
+        """The admitted call: forwarded, its usage checked, its cost booked."""
         async with admission as adm:
             max_tokens = adm.max_tokens or request.max_tokens
             sent: list[bytes] = []  # the body of each attempt: the last one is what was answered

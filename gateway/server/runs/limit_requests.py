@@ -43,7 +43,7 @@ from gateway.server.runs.keying import UPDATE_ATTEMPTS, Call, commit_run
 from gateway.server.runs.tracelog import asked_at
 from gateway.store import tracefile
 from gateway.store.audit import AuditEntry
-from gateway.store.base import Store
+from gateway.store.base import Lease, Store
 from gateway.store.errors import RunNotFound, StaleRun
 
 KIND_LIMITS: Final[Mapping[str, LimitName]] = {
@@ -277,16 +277,17 @@ def _decision_lines(state: RunState, call_id: str, limit: LimitName, decision: D
 
 
 async def expire(store: Store, run: RunState, policy: Policy, trace_file: Any,
-                 metrics: Metrics | None) -> RunState:
+                 metrics: Metrics | None, *, lease: Lease | None = None) -> RunState:
     """The recovery sweep's rejection of a limit request nobody decided in time (the caller
-    holds the run's lease and loaded `run` fresh): the run ends as the limit does."""
+    holds the run's lease, `lease`, which fences the write, and loaded `run` fresh): the run
+    ends as the limit does."""
     waiting = waits_on_limit(run)
     if waiting is None or waiting.call_id is None or waiting.limit is None:
         raise ApprovalError(f"run {run.public_id} waits for no limit request")
     decision = expiry_decision(policy.approval)
     requests.refuse(run, waiting.call_id, decision)
     events = _decision_lines(run, waiting.call_id, waiting.limit, decision, None, True)
-    await store.commit_turn(run, events)
+    await store.commit_turn(run, events, lease=lease)
     tracefile.append(trace_file, events)
     if metrics is not None:
         metrics.on_limit_lines(policy.name, events)
