@@ -1,7 +1,7 @@
 """`build_app(config)`: the gateway as an aiohttp application.
 
 Routes: POST /v1/chat/completions, GET /v1/models and /v1/models/{model}, GET /metrics (`metrics_route`: maybe
-with a token, maybe on its own address), GET /healthz, the web console under /console/ (`console.setup`), the scripted provider at
+with a token, maybe on its own address), GET /livez, /readyz and /healthz (`probes`), the web console under /console/ (`console.setup`), the scripted provider at
 /scripted/v1 (only when a `kind: scripted` upstream without `base_url` uses this mount,
 and only for callers with a gateway key: a team's, or the random one this process makes
 at start for its own upstream calls), plus what the optional modules add:
@@ -24,11 +24,10 @@ import socket
 from collections.abc import AsyncIterator
 from typing import Final
 
-import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from gateway.config.settings import SCRIPTED_PREFIX, Config, ConfigError
+from gateway.config.settings import SCRIPTED_PREFIX, Config, ConfigError, ConfigErrors
 from gateway.config.upstreams import require_upstreams
 from gateway.config.webhooks import require_secrets
 from gateway.mcp.hub import McpHub
@@ -36,7 +35,7 @@ from gateway.policy.errors import PolicySetError
 from gateway.policy.registry import PolicyRegistry
 from gateway.providers.scripted import scripted_app
 from gateway.providers.transport import new_session
-from gateway.server import console, embeddings, mcp_servers, openapi
+from gateway.server import console, embeddings, mcp_servers, openapi, probes
 from gateway.server.models import get_model, list_models, routed_models
 from gateway.server import context as ctx
 from gateway.server.api import admin
@@ -46,53 +45,40 @@ from gateway.server.api import metrics as metrics_route
 from gateway.server.api import runs as runs_api
 from gateway.server.chat import endpoint as chat
 from gateway.server.http.auth import SYNC_S, KeyRing
-from gateway.server.http.errors import StoreUnavailable
 from gateway.server.http.middleware import gateway_middleware
+from gateway.server.http.readiness import Readiness
 from gateway.server.http.sse import STREAMS_END, end_streams
-from gateway.server.metrics import KnownPolicy, Metrics
+from gateway.server.metrics import Metrics
 from gateway.server.notify import delivery as notify_delivery
+from gateway.server.reload import known_policies, team_check
 from gateway.server.responses import endpoint as responses
 from gateway.server.runs import rate_limits, retention, runtime
-from gateway.server.runs.booking import replay_spool
+from gateway.server.runs.booking import keep_booking
+from gateway.server.runs.fair_share import FairShare
 from gateway.server.runs.governor import Governor
 from gateway.server.runs.run_cache import RunCache
 from gateway.server.store_check import check_store
 from gateway.store import Store, StoreConfigError, StoreError, open_store
+from gateway.store.health import Condition
 from gateway.store.spool import Spool
 from gateway.tokens import get_counter
 
-SPOOL_REPLAY_S = 1.0
-
 log = logging.getLogger(__name__)
-
-def known_policies(config: Config, registry: PolicyRegistry) -> dict[str, list[KnownPolicy]]:
-    """Team -> the policies it may use, as the metrics' zero series need them."""
-    out: dict[str, list[KnownPolicy]] = {}
-    for team in config.teams:
-        policies = [registry.get(name) for name in team.policies]
-        out[team.name] = [KnownPolicy(p.name, tuple(t.name for t in p.tools),
-                                      tuple(p.limit_ask.grant) if p.limit_ask is not None else ())
-                          for p in policies if p is not None]
-    return out
-
 
 def load_policies(config: Config, mcp: McpHub | None = None) -> PolicyRegistry:
     """Load `policies_dir` (MCP tools discovered through `mcp`) and check every team's
-    policies exist; ConfigError otherwise."""
+    policies exist (the rule a reload checks too: `reload.team_check`); ConfigError otherwise."""
     if not config.policies_dir.is_dir():
         problem = "is not a folder" if config.policies_dir.exists() else "does not exist"
         raise ConfigError(str(config.path), "policies_dir", f"{config.policies_dir} {problem}")
     registry = PolicyRegistry(config.policies_dir, mcp)
-    try:
-        registry.load()
-    except PolicySetError as exc:
-        raise ConfigError(str(config.path), "policies_dir", f"{config.policies_dir}: {exc}") from None
-    for i, team in enumerate(config.teams):
-        for j, name in enumerate(team.policies):
-            if registry.get(name) is None:
-                raise ConfigError(str(config.path), f"teams[{i}].policies[{j}]",
-                                  f"no policy named '{name}' in {config.policies_dir} "
-                                  f"(loaded: {', '.join(registry.names()) or 'none'})")
+    staged = registry.stage()
+    if staged.errors:
+        raise ConfigError(str(config.path), "policies_dir", f"{config.policies_dir}: {PolicySetError(staged.errors)}")
+    missing = [ConfigError(str(config.path), e.field, e.problem) for e in team_check(config)(staged.policies)]
+    if missing:
+        raise ConfigErrors(missing)
+    registry.commit(staged)
     return registry
 
 
@@ -107,13 +93,16 @@ def open_configured_store(config: Config) -> Store:
 
 
 async def _resources(app: web.Application) -> AsyncIterator[None]:
-    config = app[ctx.CONFIG]
+    config = app[ctx.LIVE].config
     store = app[ctx.STORE]
     await check_store(store, config.store)  # before anything of it is used: a StartError ends the start
     session = new_session()
     app[ctx.SESSION] = session
     owner = process_owner(app.get(ctx.SELF_URL), app.get(ctx.WORKER))
-    governor = Governor(store, app[ctx.COUNTER], config.defaults, owner=owner, ttl_s=config.server.lease_ttl_s)
+    spool = app[ctx.SPOOL]
+    spool.open()  # its reserve, before anything is admitted (admission waits for it: /readyz says so)
+    governor = Governor(store, app[ctx.COUNTER], config.defaults, owner=owner, ttl_s=config.server.lease_ttl_s,
+                        spool=spool)
     app[ctx.GOVERNOR] = governor
     upstreams = ctx.Upstreams(config, session, app.get(ctx.SCRIPTED_KEY))
     upstreams.self_url = app.get(ctx.SELF_URL)
@@ -129,7 +118,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         log.warning("cannot read the store's keys yet (retried every %.2f s): %s", SYNC_S, exc)
     keeper = asyncio.ensure_future(governor.keep_alive())
     giver = asyncio.ensure_future(governor.give_back_idle())
-    replayer = asyncio.ensure_future(_replay_spool_forever(app))
+    replayer = asyncio.ensure_future(keep_booking(app))
     syncer = asyncio.ensure_future(keyring.keep_synced())
     toucher = asyncio.ensure_future(keyring.keep_touching())
     try:
@@ -144,20 +133,6 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         await app[ctx.UPSTREAMS].close()  # the sessions of upstreams with tls or a proxy
         await session.close()
         await store.close()
-
-
-async def _replay_spool_forever(app: web.Application) -> None:
-    """Book spooled turns as soon as the store takes them again (checked every second)."""
-    spool = app[ctx.SPOOL]
-    while True:
-        if spool.has_pending():
-            try:
-                booked = await replay_spool(app)
-                if booked:
-                    log.warning("booked %d spooled turns", booked)
-            except Exception:
-                log.exception("replaying the spool failed")
-        await asyncio.sleep(SPOOL_REPLAY_S)
 
 
 def process_owner(self_url: str | None, worker: int | None = None) -> str:
@@ -178,7 +153,7 @@ def _scripted_guard(keyring: KeyRing, own_key: str) -> Middleware:
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
         if not (scheme.lower() == "bearer" and hmac.compare_digest(hashlib.sha256(key.strip().encode()).digest(), own)):
-            keyring.authenticate(request)  # a team key, or 401 naming what is wrong
+            await keyring.authenticate(request)  # a team key, or 401 naming what is wrong
         return await handler(request)
 
     return guard
@@ -194,7 +169,7 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
     require_secrets(str(config.path), config.webhooks)  # before anything is opened
     require_upstreams(str(config.path), config.upstreams)
     app = web.Application(middlewares=[gateway_middleware], client_max_size=config.server.max_body_bytes)
-    app[ctx.CONFIG] = config
+    app[ctx.LIVE] = ctx.Live(config)
     app[ctx.MCP] = McpHub()
     try:
         app[ctx.POLICIES] = load_policies(config, app[ctx.MCP])
@@ -207,8 +182,14 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
     app[ctx.METRICS].start_at_zero(known_policies(config, app[ctx.POLICIES]))
     app[ctx.STORE] = open_configured_store(config)
     app[ctx.KEYRING] = KeyRing(config.teams, app[ctx.STORE])
-    app[ctx.SPOOL] = Spool(config.spool_file)
+    metrics = app[ctx.METRICS]
+    readiness = app[ctx.READINESS] = Readiness(metrics.on_ready)
+    app[ctx.STORE_HEALTH] = Condition("store", logging.getLogger("gateway.store"),
+                                      lambda ok: readiness.set("store", ok))
+    app[ctx.SPOOL] = Spool(config.spool_file, config.spool_reserve_bytes, lambda ok: readiness.set("spool", ok))
+    probes.setup(app, readiness)
     app[ctx.RUN_CACHE] = RunCache()
+    app[ctx.FAIR_SHARE] = FairShare(config.server.work_slots, metrics.on_work_wait)
     if self_url is not None:
         app[ctx.SELF_URL] = self_url.rstrip("/")
     if worker is not None:
@@ -232,14 +213,6 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
     return app
 
 
-async def healthz(request: web.Request) -> web.Response:
-    """200 when the store answers, 503 (naming the problem) when it does not."""
-    try:
-        await request.app[ctx.STORE].load_run("healthz-probe")
-    except StoreError as exc:
-        log.warning("health check: the store failed: %s", exc)  # its words name hosts and files
-        raise StoreUnavailable("the gateway's store is unavailable") from None
-    return web.Response(body=orjson.dumps({"status": "ok"}), content_type="application/json")
 
 
 ROUTES: Final[tuple[tuple[str, str, Handler], ...]] = (
@@ -265,7 +238,9 @@ ROUTES: Final[tuple[tuple[str, str, Handler], ...]] = (
     ("POST", "/v1/admin/keys/{id}/rotate", admin_keys.rotate_key),
     ("GET", "/v1/admin/audit", spend.get_audit),
     ("GET", "/v1/spend", spend.get_spend),
-    ("GET", "/healthz", healthz),
+    ("GET", "/livez", probes.livez),
+    ("GET", "/readyz", probes.readyz),
+    ("GET", "/healthz", probes.readyz),
     ("GET", "/openapi.json", openapi.openapi_json),
 )
 """Every route of the gateway app (GET /metrics and the scripted mount are added beside them, see above)."""

@@ -1,8 +1,9 @@
 """`gateway serve`: load and check the config, then run the gateway until stopped.
 
-A config error (file, field, problem), a port in use or a store that cannot be opened is
-one line on stderr and exit 2, before anything listens (`serve_command`). SIGHUP reloads the policies like POST /v1/admin/reload (new runs get the new
-versions) and logs the result.
+A config error (file, field, problem: every error of the file, one line each), a port in
+use or a store that cannot be opened is said on stderr with exit 2, before anything listens
+(`serve_command`). SIGHUP reloads config.yaml and the policies like POST /v1/admin/reload
+(`gateway.server.reload`), logs the result and records it in the audit log.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import functools
 import gc
 import logging
 import signal
@@ -20,11 +22,24 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 
 from gateway.config.settings import Config, ConfigError, load_config
-from gateway.server.api.admin import reload_in_thread
+from gateway.policy.registry import policy_names
 from gateway.server.app import build_app, open_configured_store, process_owner
-from gateway.server.http.listener import StartError, bound_port, listen_sockets, run
-from gateway.server.workers import parse_workers, report_start_error, shared_key, signal_ready, supervise
+from gateway.server.context import METRICS, READINESS
+from gateway.server.http.listener import Connections, StartError, bound_port, listen_sockets, run
+from gateway.server import context as ctx
+from gateway.server.reload import record_reload
+from gateway.server.reload import reload as reload_files
+from gateway.server.workers import (
+    RELOAD_ONLY,
+    note_stopped,
+    parse_workers,
+    report_start_error,
+    shared_key,
+    signal_ready,
+    supervise,
+)
 from gateway.store import StoreError
+from gateway.store.spool import Spool
 
 log = logging.getLogger("gateway")
 
@@ -82,10 +97,11 @@ def _release_previous_workers(config: Config, host: str, count: int) -> Callable
 
     def release(port: int) -> None:
         async def each_worker() -> int:
+            spooled = Spool(config.spool_file).reservations()  # held until the spool books them
             store = open_configured_store(config)
             try:
                 url = _self_url(host, port)
-                return sum([await store.release_owner(process_owner(url, i)) for i in range(count)])
+                return sum([await store.release_owner(process_owner(url, i), keep=spooled) for i in range(count)])
             finally:
                 await store.close()
 
@@ -101,22 +117,34 @@ def _release_previous_workers(config: Config, host: str, count: int) -> Callable
 
 
 async def _reload_on_sighup(app: web.Application) -> AsyncIterator[None]:
+    """SIGHUP reloads the files and records the reload in the audit log as the gateway's own
+    act (whoever sent the signal is not known); a worker of `--workers N` also reloads on
+    `RELOAD_ONLY`, the supervisor's signal for a reload recorded elsewhere (by the worker
+    that served POST /v1/admin/reload, or that got the SIGHUP)."""
     loop = asyncio.get_running_loop()
 
     running: set[asyncio.Future[object]] = set()  # held until done (the loop keeps weak references)
 
-    def reload() -> None:  # logs what it loaded, or why it kept the old set
-        task: asyncio.Future[object] = asyncio.ensure_future(reload_in_thread(app, by="SIGHUP"))
+    async def reload_and_record(record: bool) -> None:  # logs what it loaded, or why it kept the old set
+        done = await reload_files(app, by="SIGHUP")
+        if record and done.ok:
+            await record_reload(app, done, None, by="SIGHUP")
+
+    def reload(record: bool) -> None:
+        task: asyncio.Future[object] = asyncio.ensure_future(reload_and_record(record))
         running.add(task)
         task.add_done_callback(running.discard)
 
+    signals = {signal.SIGHUP: True} | ({RELOAD_ONLY: False} if ctx.WORKER in app else {})
     try:
-        loop.add_signal_handler(signal.SIGHUP, reload)
+        for signum, record in signals.items():
+            loop.add_signal_handler(signum, reload, record)
     except (NotImplementedError, RuntimeError):  # no signals here (Windows, a non-main thread)
         yield
         return
     yield
-    loop.remove_signal_handler(signal.SIGHUP)
+    for signum in signals:
+        loop.remove_signal_handler(signum)
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -136,7 +164,7 @@ def serve_command(args: argparse.Namespace) -> int:
         return 2
     read_at = time.time()  # the policy files are read from here on
     try:
-        config = load_config(args.config)
+        config = load_config(args.config, policy_names)
         host = args.host or config.server.host
         port = args.port if args.port is not None else config.server.port
         if worker is None and workers > 1:
@@ -158,8 +186,9 @@ def serve_command(args: argparse.Namespace) -> int:
             for sock in sockets:
                 sock.close()
             raise
-    except ConfigError as exc:
-        return _cannot_start(f"config error: {exc}", worker, ready_fd)
+    except ConfigError as exc:  # every error of the file, one line each
+        return _cannot_start("\ngateway: ".join(f"config error: {line}" for line in str(exc).splitlines()), worker,
+                             ready_fd)
     except StartError as exc:
         return _cannot_start(str(exc), worker, ready_fd)
     app.cleanup_ctx.append(_reload_on_sighup)
@@ -175,7 +204,9 @@ def serve_command(args: argparse.Namespace) -> int:
 
     # web.run_app, with parser errors (oversized headers) in the OpenAI shape
     try:
-        run(app, sockets, ready=ready, loop=getattr(args, "loop", "auto"))
+        run(app, sockets, ready=ready, loop=getattr(args, "loop", "auto"),
+            stopped=None if worker is None else functools.partial(note_stopped, worker),
+            connections=Connections.of(config.server, app[METRICS].on_connection), on_drain=app[READINESS].drain)
     except StartError as exc:  # raised while the app started (the metrics listener's port)
         return _cannot_start(str(exc), worker, ready_fd)
     return 0

@@ -21,7 +21,7 @@ import os
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 import orjson
 
@@ -431,11 +431,12 @@ class Store(Protocol):
         """Push back the expiry of held reservations (their process is alive)."""
         ...
 
-    async def release_owner(self, owner: str) -> int:
-        """Release every reservation and every run lease `owner` still holds (each as
+    async def release_owner(self, owner: str, keep: Collection[str] = ()) -> int:
+        """Release every reservation and every run lease `owner` still holds (each lease as
         `release_lease`: its fence "released"), and make the notices it was delivering due
         again at once (it restarted: an owner name is never live in two processes); returns
-        how many reservations."""
+        how many reservations. The reservations in `keep` stay held: turns waiting in the
+        spool, booked against them once the store takes them."""
         ...
 
     async def settle(self, reservation_id: str, actual_usd: float, tokens: Sequence[TokenCharge] = ()) -> None:

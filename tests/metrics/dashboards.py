@@ -62,6 +62,15 @@ METRIC_LABELS: dict[str, frozenset[str]] = {name: frozenset(labels) for name, la
     "gateway_tool_call_repairs_total": ("upstream", "kind"),
     "gateway_webhook_deliveries_total": ("webhook", "event", "outcome"),
     "gateway_webhook_outbox_depth": (),
+    "gateway_tool_threads": (),
+    "gateway_tool_threads_busy": (),
+    "gateway_tool_calls_waiting": (),
+    "gateway_connections": (),
+    "gateway_connections_refused_total": (),
+    "gateway_request_timeouts_total": ("kind",),
+    "gateway_ready": ("check",),
+    "gateway_spool_records": (),
+    "gateway_work_waits_total": ("team",),
     "gateway_limit_requests_total": ("policy", "limit", "outcome"),
 }.items()}
 

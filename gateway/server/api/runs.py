@@ -92,10 +92,10 @@ async def run_for(request: web.Request) -> tuple[TeamConfig, RunState]:
     see (`?team=NAME` picks the team when several have one, which is a 409 otherwise).
     """
     app = request.app
-    team = app[ctx.KEYRING].authenticate(request)
+    team = await app[ctx.KEYRING].authenticate(request)
     run_id = request.match_info["id"]
     store = app[ctx.STORE]
-    config = app[ctx.CONFIG]
+    config = app[ctx.LIVE].config
     owner = request.query.get("team")
     if owner is not None and config.team(owner) is None:
         raise NotFound(f"run {run_id} not found (no team named {owner!r})", code="run_not_found", param="team")
@@ -133,7 +133,7 @@ def public_event(run: RunState, event: Event) -> Event:
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    raw = await read_body(request, request.app[ctx.CONFIG].server.max_body_bytes)
+    raw = await read_body(request, request.app[ctx.LIVE].config.server.max_body_bytes)
     if not raw.strip():
         return {}  # these bodies are all optional
     body = json_object(raw, "a JSON object")
@@ -165,7 +165,7 @@ def _json(data: Any, status: int = 200, run: RunState | None = None) -> web.Resp
 async def list_runs(request: web.Request) -> web.Response:
     """GET /v1/runs?status=&team=&policy=&limit=: newest first."""
     app = request.app
-    caller = app[ctx.KEYRING].authenticate(request)
+    caller = await app[ctx.KEYRING].authenticate(request)
     query = list_query(request.query, LIST_SCAN)
     status, team, limit = query.status, query.team, query.limit
     scan = limit if team == caller.name and query.policy is None else LIST_SCAN
@@ -252,7 +252,7 @@ async def post_approval(request: web.Request) -> web.Response:
 
     # The decision, its trace line and its audit record in one store step.
     run, lines, _ = await commit_run(store, run, change, trace, None, audit=recorded)
-    append_trace_file(app[ctx.CONFIG].trace_file, lines)
+    append_trace_file(app[ctx.LIVE].config.trace_file, lines)
     request[ctx.RUN] = run
     app[ctx.DRIVER].approvals_changed()
     resumes = after_decision(app[BACKGROUND], run, policy, resume_decided(RESUMED_BY))
@@ -311,7 +311,7 @@ async def _reopen_passthrough(request: web.Request, run: RunState, policy: Polic
                                                                   "costUsd": round(state.cost_usd, 9)})]
 
     run, lines, _ = await commit_run(app[ctx.STORE], run, change, trace, None, audit=lambda _: entries)
-    append_trace_file(app[ctx.CONFIG].trace_file, lines)
+    append_trace_file(app[ctx.LIVE].config.trace_file, lines)
     request[ctx.RUN] = run
     return _json({"run": run_json(run)}, run=run)
 
@@ -423,6 +423,6 @@ async def _cancel_undriven(app: web.Application, run: RunState, reason: str, by:
     run, lines, _ = await commit_run(store, run, stop_run("interrupted", "cancelled",
                                                           Interruption("cancelled", reason=reason)), trace, None,
                                      audit=lambda _: entries, lease=lease)
-    append_trace_file(app[ctx.CONFIG].trace_file, lines)
+    append_trace_file(app[ctx.LIVE].config.trace_file, lines)
     return run
 

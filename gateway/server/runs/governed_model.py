@@ -12,6 +12,7 @@ raised (`RateLimited`) and the run stops, interrupted and resumable (driver).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -33,7 +34,8 @@ from gateway.tokens import TokenCounter
 
 
 class UpstreamModel:
-    """One run's model: the team, policy and mode are fixed; the model name comes per request."""
+    """One run's model: the policy is fixed, the model name comes per request, and the team
+    and budget mode are those of the config served when each turn starts (`for_run`)."""
 
     def __init__(self, *, config: Config, upstreams: ctx.Upstreams, governor: Governor, metrics: Metrics,
                  counter: TokenCounter, team: TeamConfig, policy: str, strict: bool) -> None:
@@ -47,25 +49,26 @@ class UpstreamModel:
         self.strict = strict
         self.user: str | None = None
         """The user its turns are held to and spent by (the run's, `RunState.user`)."""
+        self._live: ctx.Live | None = None  # the config served now (`for_run`), and how to read the run's team in it
+        self._governing: Callable[[], tuple[Config, TeamConfig, bool]] | None = None
 
     @classmethod
     def for_run(cls, app: web.Application, state: RunState) -> UpstreamModel:
-        """The model of a run served by `app` (its team and budget mode from config and policy)."""
-        config = app[ctx.CONFIG]
-        team = config.team(state.team)
-        if team is None:
-            raise ApiError(f"run {state.public_id} belongs to team '{state.team}', which the config no longer has",
-                           status=409, type="conflict_error", code="team_not_found")
-        strict = team.budget_mode == "strict" or state.limits.budget_mode == "strict"
-        # The key that started the run, while it may still be used (its budget and rate limits
-        # hold every turn, wherever the run is driven); else the team alone.
-        view = app[ctx.KEYRING].view_by_id(state.key_id) if state.key_id else None
-        if view is not None and view.name == team.name:
-            team = view
+        """The model of a run served by `app` (its team and budget mode from config and policy).
+        A reload during the drive applies from the next turn on (the turn in flight keeps the
+        config it started with), as it does for the next pass-through call."""
+        config, team, strict = _governing(app, state)
         model = cls(config=config, upstreams=app[ctx.UPSTREAMS], governor=app[ctx.GOVERNOR], metrics=app[ctx.METRICS],
                     counter=app[ctx.COUNTER], team=team, policy=state.policy, strict=strict)
         model.user = state.user
+        model._live, model._governing = app[ctx.LIVE], lambda: _governing(app, state)
         return model
+
+    def _follow_reload(self) -> None:
+        """A config reload since the last turn: the team and mode as the new config has them
+        (409 `team_not_found` when it has no such team any more)."""
+        if self._live is not None and self._governing is not None and self._live.config is not self.config:
+            self.config, self.team, self.strict = self._governing()
 
     def route(self, model: str) -> ModelRoute:
         route = self.config.route(model)
@@ -92,6 +95,7 @@ class UpstreamModel:
         the team's ledger when it comes (or releases its hold if the upstream fails), since
         the upstream is paid for an answer whether or not anyone reads it. The run, which
         stopped without that answer, does not count it."""
+        self._follow_reload()
         route = self.route(request.model)
         metrics = self.metrics
         routed = self.upstreams.call(route, request.model, lambda a: metrics.on_attempt(a.upstream, a.outcome))
@@ -143,3 +147,20 @@ class UpstreamModel:
         return ModelReply(message, usage, parsed.finish_reason, reported=checked.reported, upstream=upstream.name,
                           cost_usd=cost, attempts=tuple(a.fields() for a in routed.attempts),
                           repairs=tuple(r.to_json() for r in reply.repairs))
+
+
+def _governing(app: web.Application, state: RunState) -> tuple[Config, TeamConfig, bool]:
+    """The config served now, the run's team in it (seen through the key that started the run,
+    while that key may still be used) and whether its turns are held in strict mode."""
+    config = app[ctx.LIVE].config
+    team = config.team(state.team)
+    if team is None:
+        raise ApiError(f"run {state.public_id} belongs to team '{state.team}', which the config no longer has",
+                       status=409, type="conflict_error", code="team_not_found")
+    strict = team.budget_mode == "strict" or state.limits.budget_mode == "strict"
+    # The key that started the run, while it may still be used (its budget and rate limits
+    # hold every turn, wherever the run is driven); else the team alone.
+    view = app[ctx.KEYRING].view_by_id(state.key_id) if state.key_id else None
+    if view is not None and view.name == team.name:
+        team = view
+    return config, team, strict

@@ -95,7 +95,7 @@ def pending_refusal(app: web.Application, run: RunState, policy: Policy) -> Limi
     """The answer to a pass-through call of a run that waits for a grant: who may grant it, and where."""
     waiting = waits_on_limit(run)
     assert waiting is not None and waiting.limit is not None
-    base = app[ctx.CONFIG].server.public_url or app.get(ctx.SELF_URL) or ""
+    base = app[ctx.LIVE].config.server.public_url or app.get(ctx.SELF_URL) or ""
     who = ", ".join(approvers(policy)) or "an approver"
     return LimitApprovalPending(
         LIMIT_KINDS[waiting.limit],
@@ -154,7 +154,7 @@ async def ask_passthrough(app: web.Application, call: Call, exc: LimitExceeded) 
             run = fresh
             continue
         app[ctx.RUN_CACHE].put(attempt)
-        tracefile.append(app[ctx.CONFIG].trace_file, events)
+        tracefile.append(app[ctx.LIVE].config.trace_file, events)
         metrics = app[ctx.METRICS]
         metrics.on_limit_lines(call.policy.name, events)
         metrics.on_run_stopped(call.team.name, call.policy.name, attempt.status, attempt.reason or "", attempt.turns,
@@ -243,7 +243,7 @@ async def decide(app: web.Application, run: RunState, policy: Policy, team: Team
 
     # The decision, its trace lines and its audit record in one store step.
     run, events, _ = await commit_run(store, run, change, trace, None, audit=recorded)
-    tracefile.append(app[ctx.CONFIG].trace_file, events)
+    tracefile.append(app[ctx.LIVE].config.trace_file, events)
     metrics = app[ctx.METRICS]
     metrics.on_limit_lines(policy.name, events)
     if not made:
