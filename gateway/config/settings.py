@@ -38,6 +38,8 @@ Settings beyond the first contract's shape (all in docs/config.md):
   unreachable store answers calls 503 `store_unavailable` within it.
 - `retention` (see `RetentionConfig`): finished runs, their events, closed ledgers and the
   trace file deleted or rotated as they age.
+- `telemetry` (default: off) and `access_log` (default: JSON lines on stderr): read by
+  `gateway.config.telemetry` (docs/telemetry.md).
 - `teams[i].admin` (default false): keys of an admin team may call the admin API
   (`POST /v1/admin/reload`) and resume or cancel any team's runs (docs/runs.md). Admin
   is an explicit grant: being named as an approver by a policy does not make a team an
@@ -60,6 +62,7 @@ from gateway.config.fields import ConfigError, Field
 from gateway.harness.usage import Price
 from gateway.config.keys import MAX_GLOB_CHARS, MAX_GLOBS, Caller, ConfigKey, check_user
 from gateway.config.rates import RateLimits, parse_rate_limits
+from gateway.config.telemetry import AccessLogConfig, TelemetryConfig, parse_access_log, parse_telemetry
 from gateway.config.upstreams import UpstreamConfig, UpstreamKind, parse_upstreams
 from gateway.config.yamlfile import parse as parse_yaml
 from gateway.config.webhooks import WebhookConfig, parse_public_url, parse_webhooks
@@ -106,6 +109,9 @@ class ServerConfig:
     """How often the webhook delivery task looks for due messages another process wrote."""
     budget_scan_s: float = DEFAULT_BUDGET_SCAN_S
     """How often the webhook delivery task reads team spend for `budget_threshold` messages."""
+    shutdown_delay_s: float = 0.0
+    """After SIGTERM, how long the process goes on serving with GET /readyz failing before it
+    stops listening and drains (time for a load balancer to see it is not ready)."""
 
 
 REFUSAL_STATUSES = (429, 400, 402, 403)
@@ -247,6 +253,8 @@ class Config:
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     webhooks: tuple[WebhookConfig, ...] = ()
     console: ConsoleConfig = field(default_factory=ConsoleConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    access_log: AccessLogConfig = field(default_factory=AccessLogConfig)
     _routes: dict[str, ModelRoute | None] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def route(self, model: str) -> ModelRoute | None:
@@ -296,7 +304,7 @@ def parse_config(data: Any, file: Path) -> Config:
     base = file.resolve().parent
     root = Field(str(file), "", data if data is not None else {})
     root.keys_only({"server", "store", "policies_dir", "runs_dir", "trace_file", "spool_file", "upstreams", "models",
-                    "teams", "defaults", "metrics", "retention", "webhooks", "console"})
+                    "teams", "defaults", "metrics", "retention", "webhooks", "console", "telemetry", "access_log"})
     upstreams = parse_upstreams(root.get("upstreams"), base)
     store = _store(root.get("store"), base)
     server = _server(root.get("server"))
@@ -321,6 +329,8 @@ def parse_config(data: Any, file: Path) -> Config:
         retention=_retention(root.get("retention")),
         webhooks=parse_webhooks(root.get("webhooks"), [t.name for t in teams]),
         console=_console(root.get("console")),
+        telemetry=parse_telemetry(root.get("telemetry")),
+        access_log=parse_access_log(root.get("access_log"), base),
     )
 
 
@@ -340,7 +350,7 @@ def _server(at: Field) -> ServerConfig:
     if at.missing:
         return ServerConfig()
     at.keys_only({"host", "port", "max_body_bytes", "lease_ttl_s", "refusal_status", "public_url", "webhook_poll_s",
-                  "budget_scan_s"})
+                  "budget_scan_s", "shutdown_delay_s"})
     refusal = at.get("refusal_status")
     status = refusal.optional_int(429)
     if status not in REFUSAL_STATUSES:
@@ -354,7 +364,19 @@ def _server(at: Field) -> ServerConfig:
         refusal_status=status,
         webhook_poll_s=at.get("webhook_poll_s").optional_number(DEFAULT_WEBHOOK_POLL_S, positive=True),
         budget_scan_s=at.get("budget_scan_s").optional_number(DEFAULT_BUDGET_SCAN_S, positive=True),
+        shutdown_delay_s=_shutdown_delay(at.get("shutdown_delay_s")),
     )
+
+
+MAX_SHUTDOWN_DELAY_S = 15.0
+"""Below the 20 s a worker of `--workers N` is given to stop before it is killed."""
+
+
+def _shutdown_delay(at: Field) -> float:
+    delay = at.optional_number(0.0, nonnegative=True)
+    if delay > MAX_SHUTDOWN_DELAY_S:
+        at.fail(f"must be at most {MAX_SHUTDOWN_DELAY_S:g} (the drain that follows needs time too), got {delay:g}")
+    return delay
 
 
 def _store(at: Field, base: Path) -> StoreConfig:
