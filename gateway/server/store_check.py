@@ -23,6 +23,7 @@ from gateway.config.settings import StoreConfig
 from gateway.server.http.listener import StartError
 from gateway.store import Store, StoreError
 from gateway.store.redis import RedisStore
+from gateway.store.timed import unwrapped
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ SAFE_POLICY = "noeviction"
 
 async def check_store(store: Store, config: StoreConfig) -> None:
     """Refuse to start on a Redis that may evict the gateway's keys (see the module docstring)."""
+    store = unwrapped(store)  # the kind of store behind the timing (`gateway.store.timed`)
     if not isinstance(store, RedisStore):
         return
     try:
