@@ -11,6 +11,11 @@ starts it again, no sooner than a backoff that doubles with each failure in a ro
 Cancelling `call()` (a Stop, a timeout) returns at once; the session's task is cancelled
 on the private loop, which sends the MCP `notifications/cancelled` (or, on the 2026
 streamable HTTP wire, aborts the request) to the server.
+
+Trace context: a call runs on the hub's loop in a copy of its caller's context (as
+`run_coroutine_threadsafe` does), so the SDK puts the caller's span in the request's
+`_meta.traceparent` (SEP-414); with `propagate` (tracing on), each HTTP request to a server
+over streamable HTTP also carries it as its `traceparent` header.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -39,6 +44,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 State = Literal["idle", "starting", "up", "down", "stopped"]
+Propagate = Callable[[MutableMapping[str, str]], None]
+"""Adds the current trace context to outgoing headers (`traceparent`)."""
 
 START_TIMEOUT_S = 30.0
 """How long a server may take to start and answer the handshake."""
@@ -110,9 +117,10 @@ def _progress_label(progress: float, total: float | None, message: str | None) -
 class _Connection:
     """The session of one server, on the hub's loop."""
 
-    def __init__(self, config: McpServerConfig, changed: Callable[[], None]) -> None:
+    def __init__(self, config: McpServerConfig, changed: Callable[[], None], propagate: Propagate | None) -> None:
         self.config = config
-        self._changed = changed  # the hub's watchers: health moved (up, down, stopped, a start)
+        self._changed = changed
+        self._propagate = propagate  # the hub's watchers: health moved (up, down, stopped, a start)
         self.state: State = "idle"
         self.error: str | None = None
         self.starts = 0
@@ -172,6 +180,12 @@ class _Connection:
             async with contextlib.AsyncExitStack() as stack:
                 if c.url is not None:
                     http = await stack.enter_async_context(create_mcp_http_client(headers=c.headers()))
+                    propagate = self._propagate
+                    if propagate is not None:  # sent in the context of the call that sends (the SDK keeps it)
+                        async def traced(request: Any) -> None:
+                            propagate(request.headers)
+
+                        http.event_hooks["request"].append(traced)
                     target: Any = streamable_http_client(c.url, http_client=http)
                 else:
                     target = StdioServerParameters(command=c.command[0], args=list(c.command[1:]),
@@ -282,7 +296,9 @@ class McpHub:
     """The MCP sessions of one gateway process (servers with the same transport settings
     share one session, whichever policies name them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, propagate: Propagate | None = None) -> None:
+        """`propagate`: adds the calling span's `traceparent` to HTTP servers' requests (tracing on)."""
+        self._propagate = propagate
         self._guard = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -319,7 +335,7 @@ class McpHub:
             conn = self._connections.get(config.key)
             if conn is not None:
                 return conn
-            conn = self._connections[config.key] = _Connection(config, self._changed)
+            conn = self._connections[config.key] = _Connection(config, self._changed, self._propagate)
         self._changed()
         return conn
 

@@ -7,7 +7,7 @@ need the event loop (store, HTTP session, governor, upstreams) are set by the ap
 
 from __future__ import annotations
 
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import aiohttp
 from aiohttp import web
@@ -23,6 +23,7 @@ from gateway.providers.routing import Router
 from gateway.providers.transport import Sessions
 from gateway.providers.upstream import Upstream
 from gateway.server.http.auth import KeyRing
+from gateway.server.http.readiness import Readiness
 from gateway.server.metrics import Metrics
 from gateway.server.runs.driver import RunDriver
 from gateway.server.runs.governor import Governor
@@ -30,6 +31,9 @@ from gateway.server.runs.run_cache import RunCache
 from gateway.store.base import Store
 from gateway.store.spool import Spool
 from gateway.tokens import TokenCounter
+
+if TYPE_CHECKING:  # the `otel` extra may not be installed: imported only when tracing is on
+    from gateway.telemetry.tracing import ChatSpan, Tracing
 
 """What serves a call whose policy runs the loop server-side (gateway.server.chat.server_side)."""
 
@@ -49,17 +53,22 @@ class Upstreams:
     config reload can build a new `Upstreams` and `close()` the old one once its calls are
     done."""
 
-    def __init__(self, config: Config, session: aiohttp.ClientSession, scripted_key: str | None = None) -> None:
+    def __init__(self, config: Config, session: aiohttp.ClientSession, scripted_key: str | None = None,
+                 tracing: Tracing | None = None) -> None:
         """`session`: the app's shared session (its owner closes it), used by every upstream
         without `tls` or a proxy; `scripted_key`: what this process's calls to its own
-        scripted mount authenticate with. A TLS file that cannot be used is a ConfigError."""
+        scripted mount authenticate with; `tracing`: each attempt a span, its `traceparent`
+        sent. A TLS file that cannot be used is a ConfigError."""
         self.self_url: str | None = None
         self.sessions = Sessions(session)
+        self.tracing = tracing
         self._by_name: dict[str, Upstream] = {}
+        propagate = tracing.inject if tracing is not None else None
         for name, u in config.upstreams.items():
             way = self.sessions.for_upstream(u)
             self._by_name[name] = Upstream(u, way.session, self._scripted_base,
-                                           scripted_key if uses_mount(u) else None, way.proxy, way.proxy_headers)
+                                           scripted_key if uses_mount(u) else None, way.proxy, way.proxy_headers,
+                                           propagate)
         self.router = Router()  # every deployment's health in this process (cooldowns, calls in flight)
         self.discovery = ModelDiscovery(self._list_models)
 
@@ -80,7 +89,7 @@ class Upstreams:
 
     def call(self, route: ModelRoute, model: str, on_attempt: AttemptSink) -> RoutedCall:
         """One call of `model` over `route`'s deployments and fallbacks (`gateway.providers.failover`)."""
-        return RoutedCall(route.plan, model, self.router, self.__getitem__, on_attempt)
+        return RoutedCall(route.plan, model, self.router, self.__getitem__, on_attempt, tracer=self.tracing)
 
     def learn_self_url(self, request: web.Request) -> None:
         """Take this server's address from the socket a request arrived on."""
@@ -109,14 +118,28 @@ SELF_URL: Final = web.AppKey("self_url", str)
 WORKER: Final = web.AppKey("worker", int)
 """This process's index among `gateway serve --workers N`'s; absent when it serves alone."""
 SPOOL: Final = web.AppKey("spool", Spool)
+READINESS: Final = web.AppKey("readiness", Readiness)
+"""The named checks of GET /readyz (`gateway.server.http.readiness`, `gateway.server.probes`)."""
 RUN_CACHE: Final = web.AppKey("run_cache", RunCache)
 """The runs this process booked last, parsed (`runs.run_cache`): a call of one skips its load."""
 MCP: Final = web.AppKey("mcp", McpHub)
 """The process's MCP sessions: one per server, shared by every policy version that names it."""
 SCRIPTED_KEY: Final = web.AppKey("scripted_key", str)
 """A random secret made at start: the key of the gateway's own calls to its scripted mount."""
+TRACING: Final = web.AppKey["Tracing"]("tracing")
+"""The process's OpenTelemetry tracing (`gateway.telemetry.tracing`); absent while `telemetry` is off."""
 
 # Per request: the run as last known (error responses carry its headers) and the time
 # spent waiting on the upstream (the overhead metric subtracts it).
 RUN: Final = web.RequestKey("run", RunState)
 UPSTREAM_SECONDS: Final = web.RequestKey("upstream_seconds", float)
+# What the access log and the traces learn of a request on its way (`telemetry`).
+CHAT_SPAN: Final = web.RequestKey["ChatSpan"]("chat_span")
+"""A pass-through call's `chat {model}` span (tracing on): booking records the turn on it."""
+TRACE_ID: Final = web.RequestKey("trace_id", str)
+"""The trace id of the request's span (tracing on, sampled)."""
+MODEL: Final = web.RequestKey("model", str)
+"""The model a chat, Responses or embeddings call asked for."""
+ERROR_CODE: Final = web.RequestKey("error_code", str)
+"""The `error.code` the request was answered with, if it failed."""
+

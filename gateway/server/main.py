@@ -21,9 +21,12 @@ from aiohttp import web
 from gateway.config.settings import Config, ConfigError, load_config
 from gateway.server.api.admin import reload_in_thread
 from gateway.server.app import build_app, open_configured_store, process_owner
+from gateway.server.context import READINESS
+from gateway.server.http.access import access_logger
 from gateway.server.http.listener import StartError, bound_port, listen_sockets, run
 from gateway.server.workers import parse_workers, report_start_error, shared_key, signal_ready, supervise
 from gateway.store import StoreError
+from gateway.telemetry.access_log import AccessLog
 
 log = logging.getLogger("gateway")
 
@@ -154,11 +157,18 @@ def serve_command(args: argparse.Namespace) -> int:
         if signal is not None:
             signal()
 
-    # web.run_app, with parser errors (oversized headers) in the OpenAI shape
+    # web.run_app, with parser errors (oversized headers) in the OpenAI shape, the access log,
+    # and /readyz failing from the SIGTERM on (server.shutdown_delay_s before the listener closes)
+    sink = AccessLog(config.access_log) if config.access_log.enabled else None
     try:
-        run(app, sockets, ready=ready, loop=getattr(args, "loop", "auto"))
+        run(app, sockets, ready=ready, loop=getattr(args, "loop", "auto"),
+            access=access_logger(sink) if sink is not None else None, on_drain=app[READINESS].drain,
+            drain_delay_s=config.server.shutdown_delay_s)
     except StartError as exc:  # raised while the app started (the metrics listener's port)
         return _cannot_start(str(exc), worker, ready_fd)
+    finally:
+        if sink is not None:
+            sink.close()
     return 0
 
 

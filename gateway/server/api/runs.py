@@ -27,7 +27,7 @@ from aiohttp import web
 from gateway.config.settings import TeamConfig
 from gateway.harness.approvals import ApprovalError, decide
 from gateway.harness.state import Decision, Interruption, RunState, scoped_run_id
-from gateway.harness.trace import Event, StartSetup, Tracer, with_run_id
+from gateway.harness.trace import Event, StartSetup, TraceLink, Tracer, with_run_id
 from gateway.policy.approval import expired, expiry_decision
 from gateway.policy.decl import Policy
 from gateway.server import audit
@@ -222,11 +222,21 @@ async def post_approval(request: web.Request) -> web.Response:
         except ApprovalError as exc:
             raise Conflict(str(exc), code="not_waiting_for_call") from None
 
+    tracing = app.get(ctx.TRACING)
+    link: TraceLink = {}
+    if tracing is not None:  # the decision's span: an event with its actor, and the resumed drive's link
+        tracing.decision(tool=waiting.tool_name if waiting else None, call_id=call_id, run_id=run.public_id,
+                         decision=decision.decision, by=decision.by,
+                         key_id=team.caller.key_id if team.caller is not None else None, expired=late)
+        ids = tracing.current_ids()
+        if ids is not None:
+            link = {"traceId": ids[0], "spanId": ids[1]}
+
     def trace(state: RunState) -> list[Event]:
         return [Tracer(state.run_id)(
             "approval_decided", callId=call_id, toolName=waiting.tool_name if waiting else None,
             args=waiting.args if waiting else None, decision=decision.decision, reason=decision.reason,
-            by=decision.by, expired=late)]
+            by=decision.by, expired=late, **link)]
 
     def recorded(state: RunState) -> list[AuditEntry]:
         return [audit.entry(team, audit.APPROVAL_DECIDED, state.public_id, concerns=state.team, details={

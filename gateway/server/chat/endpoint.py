@@ -25,6 +25,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     app = request.app
     team = app[ctx.KEYRING].authenticate(request)
     chat = parse_chat_request(await read_body(request, app[ctx.CONFIG].server.max_body_bytes))
+    request[ctx.MODEL] = chat.model
     route = app[ctx.CONFIG].route(chat.model)
     if route is None:
         raise NotFound(f"model '{chat.model}' is not routed by this gateway (see GET /v1/models)",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from typing import Any, TypeVar
 
@@ -22,7 +23,9 @@ from gateway.providers.upstream import UpstreamReply
 from gateway.server import context as ctx
 from gateway.server.chat.passthrough_stream import charge_received, stream_through
 from gateway.server.chat.stream_events import Reassembly
+from gateway.providers.errors import UpstreamError
 from gateway.server.http.errors import (
+    ApiError,
     ClientLeft,
     Conflict,
     LimitExceeded,
@@ -100,7 +103,35 @@ async def governed(request: web.Request, call: Call) -> AsyncIterator[tuple[Admi
     """The frame of every pass-through call (chat or Responses): the run must take calls, the
     call is admitted (its holds booked or released on every exit, `Admission` being a
     context manager) and counted active; yields the admission and the routed call that
-    forwards it (its attempts traced with the turn, or on their own when none was booked)."""
+    forwards it (its attempts traced with the turn, or on their own when none was booked).
+    With tracing on, the whole frame is the call's `chat {model}` span (`ctx.CHAT_SPAN`)."""
+    tracing = request.app.get(ctx.TRACING)
+    if tracing is None:
+        async with _governed(request, call) as framed:
+            yield framed
+        return
+    chat = call.chat
+    span = tracing.chat(chat.model, run_id=call.run.public_id, team=call.team.name, policy=call.policy.name,
+                        stream=chat.stream, messages=chat.messages)
+    request[ctx.CHAT_SPAN] = span
+    try:
+        async with _governed(request, call) as framed:
+            yield framed
+    except LimitExceeded as exc:
+        span.refused(exc.code or exc.type)
+        raise
+    except UpstreamError as exc:
+        span.failed(exc.code or "upstream_error")
+        raise
+    except ApiError as exc:
+        span.failed(exc.code or exc.type)
+        raise
+    finally:
+        span.end()
+
+
+@contextlib.asynccontextmanager
+async def _governed(request: web.Request, call: Call) -> AsyncIterator[tuple[Admission, RoutedCall]]:
     try:
         _check_open(call)
     except Conflict:
@@ -108,7 +139,11 @@ async def governed(request: web.Request, call: Call) -> AsyncIterator[tuple[Admi
             raise
         await _reload(request, call)  # the cached run may be out of date: the stored one decides
     metrics = request.app[ctx.METRICS]
+    span = request.get(ctx.CHAT_SPAN)
+    asked = time.perf_counter()
     async with await admit(request, call) as adm:
+        if span is not None:
+            span.admitted(time.perf_counter() - asked, adm.max_tokens)
         keep_rate_clocks(request, adm.rate_headers)
         metrics.run_active(1)
         routed = routed_call(request.app, call.route, call.chat.model)

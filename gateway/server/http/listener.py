@@ -33,9 +33,10 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong, PayloadEncodingError
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
@@ -173,8 +174,11 @@ class GatewayRunner(web.AppRunner):
 
 
 async def _serve(app: web.Application, sockets: Sequence[socket.socket],
-                 ready: Callable[[], None] | None) -> None:
-    runner = GatewayRunner(app, handle_signals=True, access_log=None)
+                 ready: Callable[[], None] | None, access: type[AbstractAccessLogger] | None,
+                 on_drain: Callable[[], None] | None, drain_delay_s: float) -> None:
+    extra: dict[str, Any] = {} if access is None else {"access_log": logging.getLogger("gateway.access"),
+                                                         "access_log_class": access}
+    runner = GatewayRunner(app, handle_signals=True, **({"access_log": None} | extra))
     serving = False
     try:
         await runner.setup()
@@ -186,12 +190,25 @@ async def _serve(app: web.Application, sockets: Sequence[socket.socket],
         while True:
             await asyncio.sleep(3600)
     finally:
+        if on_drain is not None and serving:  # before the listener closes: readiness fails first
+            on_drain()
+            if drain_delay_s > 0:
+                await _keep_serving(drain_delay_s)
         busy = in_flight(runner)
         started = time.monotonic()
         await runner.cleanup()
         if serving:
             print(f"gateway: stopped (pid {os.getpid()}) in {time.monotonic() - started:.1f} s, having drained "
                   f"{busy} request{'' if busy == 1 else 's'} in flight", file=sys.stderr, flush=True)
+
+
+async def _keep_serving(seconds: float) -> None:
+    """Serve on for `seconds` (`server.shutdown_delay_s`), whatever cancels the task meanwhile:
+    the load balancer's probes see the process not ready, and calls still arriving are answered."""
+    waiting = asyncio.ensure_future(asyncio.sleep(seconds))
+    while not waiting.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(waiting)
 
 
 def in_flight(runner: web.AppRunner) -> int:
@@ -219,13 +236,17 @@ def new_loop(kind: LoopKind = "auto") -> asyncio.AbstractEventLoop:
 
 
 def run(app: web.Application, sockets: Sequence[socket.socket], *, ready: Callable[[], None] | None = None,
-        loop: LoopKind = "auto") -> None:
+        loop: LoopKind = "auto", access: type[AbstractAccessLogger] | None = None,
+        on_drain: Callable[[], None] | None = None, drain_delay_s: float = 0.0) -> None:
     """Serve `app` on `sockets` (`listen_sockets`) until SIGINT or SIGTERM, then shut it down
-    like `web.run_app`; `ready` is called once it serves. A `StartError` raised while the app
-    starts (its cleanup contexts: another listener's port) comes out of here as it was."""
+    like `web.run_app`; `ready` is called once it serves; `access` is the access logger's
+    class (None: no access log); `on_drain` is called first thing on the way down, and the
+    process serves on `drain_delay_s` more before its listener closes. A `StartError` raised
+    while the app starts (its cleanup contexts: another listener's port) comes out of here
+    as it was."""
     loop_ = new_loop(loop)
     asyncio.set_event_loop(loop_)
-    main = loop_.create_task(_serve(app, sockets, ready))
+    main = loop_.create_task(_serve(app, sockets, ready, access, on_drain, drain_delay_s))
     try:
         loop_.run_until_complete(main)
     except (web.GracefulExit, KeyboardInterrupt):

@@ -13,17 +13,18 @@ is booked, exactly once, when the store is back (`replay_spool`, run in the back
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from aiohttp import web
 
 from gateway.harness.state import Message, RunState
 from gateway.harness.trace import RepairFields, Tracer, UpstreamAttemptFields, usage_clamped
 from gateway.harness.usage import Usage
-from gateway.providers.failover import RoutedCall
+from gateway.providers.failover import Answer, RoutedCall
 from gateway.providers.repair import Repair
 from gateway.server import context as ctx
 from gateway.server.http.errors import Conflict, LimitExceeded, limit_stop
@@ -34,6 +35,9 @@ from gateway.server.runs.replies import checked_usage
 from gateway.store import tracefile
 from gateway.store.base import Booking, Event, Ledger, TokenCharge
 from gateway.store.errors import AlreadyBooked, RunNotFound, StaleRun, StoreError
+
+if TYPE_CHECKING:
+    from gateway.telemetry.tracing import ChatSpan
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +185,8 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
     metrics.on_tool_call_repairs(upstream, repairs)
     metrics.on_turn(call.team.name, call.policy.name, chat.model, usage, cost)
     metrics.on_usage_clamped(upstream, checked.clamped)
+    span = request.get(ctx.CHAT_SPAN)
+    started = time.perf_counter()
     try:
         run, ledger = await commit_turn_record(app, call.run, record)
     except StoreError as exc:
@@ -190,7 +196,11 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
         run = await _spool(app, call.run, record, exc)
         call.run = run
         request[ctx.RUN] = run
+        if span is not None:
+            _on_span(span, record, answer, time.perf_counter() - started, message, spooled=True)
         return Booked(run, None, usage)
+    if span is not None:
+        _on_span(span, record, answer, time.perf_counter() - started, message)
     app[ctx.RUN_CACHE].put(run)  # the run as stored now: its next call need not load it
     call.run = run
     request[ctx.RUN] = run
@@ -199,6 +209,15 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
     team = call.team
     left = governor.remaining(team, ledger) if ledger is not None else await governor.team_remaining(team)
     return Booked(run, left, usage)
+
+
+def _on_span(span: ChatSpan, record: TurnRecord, answer: Answer | None, seconds: float, message: Message,
+             spooled: bool = False) -> None:
+    """The booked turn on the call's `chat {model}` span (tracing on)."""
+    span.booked(usage=record.usage, cost_usd=record.cost_usd, finish=record.finish,
+                upstream=answer.upstream if answer is not None else None,
+                deployment=answer.model if answer is not None else record.model, seconds=seconds, spooled=spooled)
+    span.output(message)
 
 
 async def commit_turn_record(app: web.Application, run: RunState, record: TurnRecord) -> tuple[RunState, Ledger | None]:

@@ -11,23 +11,27 @@ raised (`RateLimited`) and the run stops, interrupted and resumable (driver).
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
 
 from gateway.config.settings import Config, ModelRoute, TeamConfig
 from gateway.harness.model import ModelReply, ModelRequest
-from gateway.harness.state import RunState
+from gateway.harness.state import RunState, public_run_id
 from gateway.providers.errors import UpstreamError
 from gateway.server import context as ctx
-from gateway.server.http.errors import ApiError, NotFound
+from gateway.server.http.errors import ApiError, LimitExceeded, NotFound
 from gateway.server.metrics import Metrics
 from gateway.server.runs import rate_limits
 from gateway.server.runs.forwarding import complete_chat
 from gateway.server.runs.governor import Ask, Governor
 from gateway.server.runs.replies import checked_usage
 from gateway.tokens import TokenCounter
+
+if TYPE_CHECKING:
+    from gateway.telemetry.tracing import ChatSpan, Tracing
 
 
 class UpstreamModel:
@@ -45,6 +49,8 @@ class UpstreamModel:
         self.strict = strict
         self.user: str | None = None
         """The user its turns are held to and spent by (the run's, `RunState.user`)."""
+        self.tracing: Tracing | None = None
+        """Each turn a `chat {model}` span (tracing on)."""
 
     @classmethod
     def for_run(cls, app: web.Application, state: RunState) -> UpstreamModel:
@@ -63,6 +69,7 @@ class UpstreamModel:
         model = cls(config=config, upstreams=app[ctx.UPSTREAMS], governor=app[ctx.GOVERNOR], metrics=app[ctx.METRICS],
                     counter=app[ctx.COUNTER], team=team, policy=state.policy, strict=strict)
         model.user = state.user
+        model.tracing = app.get(ctx.TRACING)
         return model
 
     def route(self, model: str) -> ModelRoute:
@@ -83,16 +90,39 @@ class UpstreamModel:
     async def complete(self, request: ModelRequest) -> ModelReply:
         """One turn over the route's deployments and fallbacks (held at the dearest of them,
         booked at the price of the one that answered). An `UpstreamError` carries the trace
-        fields of the failed attempts (`attempts`), which the driver writes."""
+        fields of the failed attempts (`attempts`), which the driver writes. With tracing on,
+        the turn is a `chat {model}` span: its attempts nest under it."""
+        if self.tracing is None:
+            return await self._complete(request, None)
+        span = self.tracing.chat(request.model, run_id=public_run_id(request.run_id), team=self.team.name,
+                                 policy=self.policy, messages=request.messages)
+        try:
+            return await self._complete(request, span)
+        except LimitExceeded as exc:
+            span.refused(exc.code or exc.type)
+            raise
+        except UpstreamError as exc:
+            span.failed(exc.code or "upstream_error")
+            raise
+        except ApiError as exc:
+            span.failed(exc.code or exc.type)
+            raise
+        finally:
+            span.end()
+
+    async def _complete(self, request: ModelRequest, span: ChatSpan | None) -> ModelReply:
         route = self.route(request.model)
         metrics = self.metrics
         routed = self.upstreams.call(route, request.model, lambda a: metrics.on_attempt(a.upstream, a.outcome))
         ask = Ask(route.price, request.messages, request.tools or None, request.max_tokens, model=request.model,
                   user=self.user, policy=self.policy)
+        asked = time.perf_counter()
         admission = await rate_limits.waiting(
             lambda: self.governor.admit_call(request.run_id, self.team, self.strict, ask, request.budget_remaining_usd),
             self.config.defaults.rate_limit_wait_s)
         async with admission as adm:
+            if span is not None:
+                span.admitted(time.perf_counter() - asked, adm.max_tokens or request.max_tokens)
             max_tokens = adm.max_tokens or request.max_tokens
             sent: list[bytes] = []  # the body of each attempt: the last one is what was answered
 
@@ -113,7 +143,12 @@ class UpstreamModel:
             usage = checked.usage
             assert routed.answer is not None
             cost = routed.answer.price.cost(usage)
+            settling = time.perf_counter()
             await self.governor.settle(adm, cost, usage.total_tokens)
+            if span is not None:
+                span.booked(usage=usage, cost_usd=cost, finish=parsed.finish_reason, upstream=upstream,
+                            deployment=routed.answer.model, seconds=time.perf_counter() - settling)
+                span.output(message)
         self.metrics.on_upstream(upstream.name, request.model, reply.seconds)
         self.metrics.on_tool_call_repairs(upstream.name, reply.repairs)
         self.metrics.on_turn(self.team.name, self.policy, request.model, usage, cost)

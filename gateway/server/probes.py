@@ -1,0 +1,94 @@
+"""GET /livez and /readyz: is the process alive, and may it take calls (docs/http-api.md#probes).
+
+- `/livez`: 200 while the process serves HTTP (its event loop runs); nothing else is asked.
+  A failing liveness probe means: restart the process.
+- `/readyz`: 200 `{"status": "ready", "checks": {...}}` when every readiness check passes
+  (`gateway.server.http.readiness`), else 503 in the OpenAI error shape (code `not_ready`,
+  naming each failing check) with the same `status` and `checks`. A failing readiness probe
+  means: send no calls here for now; the process recovers by itself (or is shutting down).
+- `/healthz` stays what it was (the store answers), for the probes configured with it.
+
+The checks: `draining` (comes with `Readiness`: a SIGTERM was received; it fails first,
+`server.shutdown_delay_s` before the listener closes), `store` (the store answers a read,
+within its own deadline), `policies` (every team's policies are loaded) and `mcp` (every MCP
+server of a loaded policy is up, unless its `mcp:` entry says `optional: true`; one that is
+down is started again by the check, within its backoff).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.server import context as ctx
+from gateway.server.http.errors import ApiError
+from gateway.server.http.readiness import Check, Readiness
+from gateway.store.errors import StoreError
+
+log = logging.getLogger(__name__)
+
+PROBE_RUN_ID = "healthz-probe"
+
+
+def setup(app: web.Application, readiness: Readiness) -> None:
+    """Add the checks of `app` (store, policies, MCP servers) to `readiness`."""
+
+    async def store() -> Check:
+        try:
+            await app[ctx.STORE].load_run(PROBE_RUN_ID)
+        except StoreError as exc:
+            log.warning("readiness: the store failed: %s", exc)  # its words name hosts and files: the log has them
+            return Check(False, "the store does not answer")
+        return Check(True)
+
+    async def policies() -> Check:
+        registry = app[ctx.POLICIES]
+        missing = sorted({name for team in app[ctx.CONFIG].teams for name in team.policies if name not in registry})
+        if missing:
+            return Check(False, f"policies named by teams are not loaded: {', '.join(missing)}")
+        return Check(True)
+
+    async def mcp() -> Check:
+        hub = app[ctx.MCP]
+        down = []
+        seen = set()
+        for policy in app[ctx.POLICIES].all():
+            for server in policy.mcp:
+                if server.optional or server.key in seen:
+                    continue
+                seen.add(server.key)
+                health = hub.health_of(server)
+                if health.state in ("up", "starting"):
+                    continue
+                if health.state != "stopped":
+                    hub.start_soon(server)  # a server that died is otherwise started again only by a call
+                down.append(f"'{server.name}' ({health.error or health.state})")
+        if down:
+            return Check(False, f"MCP servers of loaded policies are down: {', '.join(down)}")
+        return Check(True)
+
+    readiness.add("store", store)
+    readiness.add("policies", policies)
+    readiness.add("mcp", mcp)
+
+
+async def livez(request: web.Request) -> web.Response:
+    """200 while the process serves."""
+    return web.Response(body=orjson.dumps({"status": "alive"}), content_type="application/json")
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """200 when every readiness check passes, else 503 naming the failing ones."""
+    checks = await request.app[ctx.READINESS].run()
+    shown: dict[str, Any] = {name: {"ok": c.ok, **({"detail": c.detail} if c.detail else {})}
+                             for name, c in checks.items()}
+    failing = [f"{name} ({c.detail})" if c.detail else name for name, c in checks.items() if not c.ok]
+    if not failing:
+        return web.Response(body=orjson.dumps({"status": "ready", "checks": shown}), content_type="application/json")
+    error = ApiError("this gateway process is not ready: " + "; ".join(failing), status=503, type="server_error",
+                     code="not_ready", headers={"retry-after": "1"})
+    error.extra.update({"status": "not_ready", "checks": shown})
+    raise error

@@ -1,0 +1,94 @@
+"""A driven run's trace events, as OpenTelemetry spans (tracing on; docs/telemetry.md).
+
+The driver opens the drive's `invoke_agent {policy}` span (`agent_span`), linked to the run's
+earlier drive and to the approval decisions made since (their span ids are in the run's own
+trace events: `run_started`/`run_resumed` and `approval_decided` carry `traceId`/`spanId`,
+so a drive on another replica, or after a restart, links across the pause). `RunSpans`, a
+listener of the run's `TraceWriter`, turns the loop's events into spans as they are
+emitted, in the loop's own task: `tool_start` opens `execute_tool {name}` and makes it
+current (an HTTP tool, an MCP server and a sub-run's turns are its children), `tool_result`
+ends it with its outcome; a deduped or denied call is an `execute_tool` span of no length;
+`approval_required` is an event on the drive's span. The model turns are spans of their own
+(`governed_model`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from gateway.harness.state import RunState, public_run_id
+from gateway.harness.trace import TraceLink
+from gateway.store.base import Event
+
+if TYPE_CHECKING:
+    from gateway.telemetry.tracing import AgentSpan, Opened, Tracing
+
+DRIVE_STARTS = frozenset({"run_started", "run_resumed"})
+
+
+def agent_span(tracing: Tracing, state: RunState, seen: Sequence[tuple[int, Event]], start: str) -> AgentSpan:
+    """The drive's span, linked to the run's last drive and the decisions recorded since."""
+    from gateway.telemetry.tracing import link_to
+
+    links: list[Any] = []
+    for _, event in reversed(seen):
+        if "traceId" not in event:
+            continue
+        kind = event.get("type")
+        if kind == "approval_decided":
+            link = link_to(event.get("traceId"), event.get("spanId"), **{"gateway.link": "approval_decision"})
+        elif kind in DRIVE_STARTS:
+            link = link_to(event.get("traceId"), event.get("spanId"), **{"gateway.link": "earlier_drive"})
+        else:
+            continue
+        if link is not None:
+            links.append(link)
+        if kind in DRIVE_STARTS:
+            break
+    return tracing.agent(state.policy, version=state.policy_version, run_id=state.public_id, team=state.team,
+                         model=state.model, drive=start, links=reversed(links))
+
+
+def trace_link(opened: Opened) -> TraceLink:
+    """The fields naming `opened`'s span in a trace event (none when it is not recorded)."""
+    ids = opened.ids if opened.span.is_recording() else None
+    return {"traceId": ids[0], "spanId": ids[1]} if ids is not None else {}
+
+
+class RunSpans:
+    """The listener (see the module docstring); `close()` ends what a failed drive left open."""
+
+    def __init__(self, tracing: Tracing, agent: AgentSpan) -> None:
+        self.tracing = tracing
+        self.agent = agent
+        self._tools: dict[tuple[str, str], Opened] = {}
+
+    def __call__(self, event: Event) -> None:
+        kind = event["type"]
+        if kind not in _KINDS:
+            return
+        run_id, call_id, name = str(event["runId"]), str(event.get("callId") or ""), str(event.get("toolName") or "")
+        args = event.get("args")
+        args = str(args) if args is not None else None
+        tracing = self.tracing
+        if kind == "tool_start":
+            self._tools[(run_id, call_id)] = tracing.tool(name, call_id, public_run_id(run_id), args)
+        elif kind == "tool_result":
+            opened = self._tools.pop((run_id, call_id), None)
+            if opened is not None:
+                tracing.tool_ended(opened, str(event.get("outcome") or ("ok" if event.get("ok") else "error")))
+        elif kind in ("tool_deduped", "tool_denied"):
+            opened = tracing.tool(name, call_id, public_run_id(run_id), args)
+            tracing.tool_ended(opened, "deduped" if kind == "tool_deduped" else "denied",
+                               deduped=kind == "tool_deduped")
+        elif kind == "approval_required":
+            self.agent.event("gateway.approval.required", tracing.call_attributes(name, call_id, run_id))
+
+    def close(self) -> None:
+        for opened in self._tools.values():
+            opened.abandon()
+        self._tools.clear()
+
+
+_KINDS = frozenset({"tool_start", "tool_result", "tool_deduped", "tool_denied", "approval_required"})
