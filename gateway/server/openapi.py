@@ -206,6 +206,9 @@ OPERATIONS: Final[dict[tuple[str, str], Operation]] = {
                                    auth=False, ok=("text/plain", "application/openmetrics-text"), errors=(401,)),
     ("GET", "/healthz"): Operation("200 when the store answers, 503 otherwise", "operations", auth=False,
                                    errors=(503,)),
+    ("GET", "/livez"): Operation("200 while the process serves (liveness)", "operations", auth=False, errors=()),
+    ("GET", "/readyz"): Operation("200 when every readiness check passes (draining, store, policies, mcp), 503 "
+                                  "naming those that fail", "operations", auth=False, errors=(503,)),
     ("GET", "/openapi.json"): Operation("This document", "operations", auth=False, errors=()),
     ("POST", "/scripted/v1/chat/completions"): Operation(
         "The built-in scripted upstream (tests and demos; a team key or the gateway's own)", "scripted upstream",
@@ -225,7 +228,8 @@ DESCRIPTIONS: Final[dict[int, str]] = {
     403: "The team may not do this", 404: "No such run, model, route or response (for this team)",
     409: "The run cannot take this call now (`x-should-retry` says whether a retry can succeed)",
     413: "Body too large", 429: "A limit refused the call before anything was forwarded",
-    502: "The upstream failed or answered malformed", 503: "The store is unavailable (retryable)",
+    502: "The upstream failed or answered malformed",
+    503: "The store is unavailable, or this process is not ready (retryable)",
     504: "The upstream timed out",
 }
 

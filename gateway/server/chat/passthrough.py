@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from gateway.harness.state import RunState
-from gateway.providers.reply import ParsedReply
+from gateway.providers.reply import ParsedReply, response_model
 from gateway.providers.failover import RoutedCall
 from gateway.providers.upstream import UpstreamReply
 from gateway.server import context as ctx
@@ -194,5 +194,5 @@ async def complete_and_book(request: web.Request, call: Call, adm: Admission, ro
     request.app[ctx.METRICS].on_upstream(upstream.name, call.chat.model, reply.seconds)
     booked = await book_turn(request, call, adm, reported=parsed.usage, message=parsed.message,
                              finish=parsed.finish_reason, routed=routed, repairs=reply.repairs,
-                             others=parsed.others)
+                             others=parsed.others, response_model=response_model(reply.data))
     return reply, parsed, booked

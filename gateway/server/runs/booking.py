@@ -150,7 +150,7 @@ class TurnRecord:
 
 async def book_turn(request: web.Request, call: Call, adm: Admission, *, reported: Usage | None, message: Message,
                     finish: str, routed: RoutedCall | None = None, repairs: Sequence[Repair] = (),
-                    others: Sequence[Message] = ()) -> Booked:
+                    others: Sequence[Message] = (), response_model: str | None = None) -> Booked:
     """Settle, save and trace one turn in one store step; returns the updated run.
 
     The turn costs the price of the deployment that answered `routed` (or that had the
@@ -159,7 +159,8 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
 
     The usage booked is the upstream's `reported` one unless it is absent or beyond belief
     (`checked_usage`, counting `message` and the `others` choices of the answer); then the
-    gateway's count is booked, and a `usage_clamped` line says so.
+    gateway's count is booked, and a `usage_clamped` line says so. `response_model`: the model
+    the upstream's answer names (its trace span's `gen_ai.response.model`).
     If the store cannot be reached, the turn is written to the spool (booked when the store
     is back) and the call is answered with the run as it will be.
     """
@@ -197,10 +198,10 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
         call.run = run
         request[ctx.RUN] = run
         if span is not None:
-            _on_span(span, record, answer, time.perf_counter() - started, message, spooled=True)
+            _on_span(span, record, answer, time.perf_counter() - started, message, response_model, spooled=True)
         return Booked(run, None, usage)
     if span is not None:
-        _on_span(span, record, answer, time.perf_counter() - started, message)
+        _on_span(span, record, answer, time.perf_counter() - started, message, response_model)
     app[ctx.RUN_CACHE].put(run)  # the run as stored now: its next call need not load it
     call.run = run
     request[ctx.RUN] = run
@@ -212,11 +213,12 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
 
 
 def _on_span(span: ChatSpan, record: TurnRecord, answer: Answer | None, seconds: float, message: Message,
-             spooled: bool = False) -> None:
+             response_model: str | None, spooled: bool = False) -> None:
     """The booked turn on the call's `chat {model}` span (tracing on)."""
     span.booked(usage=record.usage, cost_usd=record.cost_usd, finish=record.finish,
                 upstream=answer.upstream if answer is not None else None,
-                deployment=answer.model if answer is not None else record.model, seconds=seconds, spooled=spooled)
+                deployment=answer.model if answer is not None else record.model, response_model=response_model,
+                seconds=seconds, spooled=spooled)
     span.output(message)
 
 

@@ -21,6 +21,7 @@ from gateway.config.settings import Config, ModelRoute, TeamConfig
 from gateway.harness.model import ModelReply, ModelRequest
 from gateway.harness.state import RunState, public_run_id
 from gateway.providers.errors import UpstreamError
+from gateway.providers.reply import response_model
 from gateway.server import context as ctx
 from gateway.server.http.errors import ApiError, LimitExceeded, NotFound
 from gateway.server.metrics import Metrics
@@ -147,7 +148,8 @@ class UpstreamModel:
             await self.governor.settle(adm, cost, usage.total_tokens)
             if span is not None:
                 span.booked(usage=usage, cost_usd=cost, finish=parsed.finish_reason, upstream=upstream,
-                            deployment=routed.answer.model, seconds=time.perf_counter() - settling)
+                            deployment=routed.answer.model, response_model=response_model(reply.data),
+                            seconds=time.perf_counter() - settling)
                 span.output(message)
         self.metrics.on_upstream(upstream.name, request.model, reply.seconds)
         self.metrics.on_tool_call_repairs(upstream.name, reply.repairs)
