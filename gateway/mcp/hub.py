@@ -283,6 +283,33 @@ class _Connection:
         return CallResult(flatten(result.content, result.structured_content, named.max_result_chars),
                           is_error=bool(result.is_error))
 
+    async def probe(self, timeout_s: float) -> None:
+        """Is the server there now: `ping` a live session (one that does not answer in time is
+        torn down), or start a session that is down (within its backoff). Never raises."""
+        from mcp.shared.exceptions import MCPError
+        from mcp_types import CONNECTION_CLOSED
+
+        client = self._client
+        try:
+            async with asyncio.timeout(timeout_s):
+                if client is None or _closed(client):
+                    if self.state != "stopped":
+                        await self.client()
+                    return
+                await client.send_ping()
+        except (McpUnavailable, TimeoutError):
+            if client is not None and self._client is client:
+                self._died("it did not answer a ping", client)
+        except MCPError as exc:
+            if exc.code == CONNECTION_CLOSED and client is not None:
+                self._died(exc.message, client)
+            # any other answer (a server without `ping`: "method not found") is an answer: it is there
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # the transport failed (a refused connection)
+            if client is not None:
+                self._died(_reason(exc), client)
+
     async def stop(self) -> None:
         self.state = "stopped"
         self._changed()
@@ -375,6 +402,12 @@ class McpHub:
 
         future = self._submit(self._connection(config).call(config, tool, args, on_progress))
         return await asyncio.wrap_future(future)
+
+    async def probe(self, config: McpServerConfig, timeout_s: float = 1.0) -> ServerHealth:
+        """The server's health after asking it now (`ping`, or a start if it is down), from any event loop."""
+        conn = self._connection(config)
+        await asyncio.wrap_future(self._submit(conn.probe(timeout_s)))
+        return conn.health()
 
     def health(self) -> list[ServerHealth]:
         """Every server this process has been asked about, in the order it was first asked."""

@@ -11,18 +11,21 @@
 The checks: `draining` (comes with `Readiness`: a SIGTERM was received; it fails first,
 `server.shutdown_delay_s` before the listener closes), `store` (the store answers a read,
 within its own deadline), `policies` (every team's policies are loaded) and `mcp` (every MCP
-server of a loaded policy is up, unless its `mcp:` entry says `optional: true`; one that is
-down is started again by the check, within its backoff).
+server of a loaded policy answers a `ping` within `MCP_PROBE_S`, unless its `mcp:` entry
+says `optional: true`; one that is down is started again by the check, within its backoff:
+a server over HTTP that went away is otherwise noticed only by the next call of its tools).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from gateway.mcp.hub import McpUnavailable
 from gateway.server import context as ctx
 from gateway.server.http.errors import ApiError
 from gateway.server.http.readiness import Check, Readiness
@@ -31,6 +34,8 @@ from gateway.store.errors import StoreError
 log = logging.getLogger(__name__)
 
 PROBE_RUN_ID = "healthz-probe"
+MCP_PROBE_S = 1.0
+"""How long an MCP server has to answer the readiness check's `ping` (or to start)."""
 
 
 def setup(app: web.Application, readiness: Readiness) -> None:
@@ -53,19 +58,13 @@ def setup(app: web.Application, readiness: Readiness) -> None:
 
     async def mcp() -> Check:
         hub = app[ctx.MCP]
-        down = []
-        seen = set()
-        for policy in app[ctx.POLICIES].all():
-            for server in policy.mcp:
-                if server.optional or server.key in seen:
-                    continue
-                seen.add(server.key)
-                health = hub.health_of(server)
-                if health.state in ("up", "starting"):
-                    continue
-                if health.state != "stopped":
-                    hub.start_soon(server)  # a server that died is otherwise started again only by a call
-                down.append(f"'{server.name}' ({health.error or health.state})")
+        servers = {server.key: server for policy in app[ctx.POLICIES].all() for server in policy.mcp
+                   if not server.optional}
+        try:
+            healths = await asyncio.gather(*(hub.probe(server, MCP_PROBE_S) for server in servers.values()))
+        except McpUnavailable as exc:  # the hub is closed: the process is stopping
+            return Check(False, str(exc))
+        down = [f"'{h.name}' ({h.error or h.state})" for h in healths if not h.up]
         if down:
             return Check(False, f"MCP servers of loaded policies are down: {', '.join(down)}")
         return Check(True)
