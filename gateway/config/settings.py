@@ -29,6 +29,7 @@ Settings beyond the first contract's shape (all in docs/config.md):
   so a run resumed on another replica finds its files.
 - `spool_file` (default `spool.jsonl` next to this file): where a turn that was paid
   upstream while the store was unreachable is written (durably) until the store books it.
+  `spool_reserve_mb` (default 64): the space it keeps allocated for that (gateway.store.spool).
 - `metrics` (default: none, /metrics open on the main address as before):
   `token_env: NAME` makes /metrics require `Authorization: Bearer <the value of $NAME>`
   (the token itself is never written in the config); `listen: "HOST:PORT"` serves
@@ -91,6 +92,20 @@ DEFAULT_BUDGET_SCAN_S = 2.0
 DEFAULT_RATE_LIMIT_WAIT_S = 30.0
 DEFAULT_STORE_TIMEOUT_S = 2.0
 """The deadline of one store command (`store.timeout_s`, Redis): a frozen store is a 503 this soon."""
+DEFAULT_TOOL_THREADS = 32
+"""Threads for sync python tools (`server.tool_threads`): as many as asyncio's default pool
+has at most, for tools alone."""
+MAX_TOOL_THREADS = 1024
+DEFAULT_SPOOL_RESERVE_MB = 64
+"""Room the spool keeps allocated for the calls in flight when the store fails (`spool_reserve_mb`)."""
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 60.0
+DEFAULT_IDLE_TIMEOUT_S = 75.0
+"""Longer than the idle timeout of common load balancers (60 s), which must close first."""
+DEFAULT_MAX_CONNECTIONS = 4096
+DEFAULT_WORK_SLOTS = 1
+"""Calls of one team at once in the process's own work while other teams have calls in
+flight (`server.work_slots`, gateway.server.runs.fair_share)."""
 SCRIPTED_PREFIX = "/scripted/v1"
 ROUTE_CACHE_SIZE = 1024
 """Model names remembered by `Config.route` (it runs on every call; names come from clients)."""
@@ -112,6 +127,18 @@ class ServerConfig:
     shutdown_delay_s: float = 0.0
     """After SIGTERM, how long the process goes on serving with GET /readyz failing before it
     stops listening and drains (time for a load balancer to see it is not ready)."""
+    tool_threads: int = DEFAULT_TOOL_THREADS
+    """Threads of the process's pool for sync python tools (`gateway.policy.threads`)."""
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    """A request's head must arrive within this of its first byte (gateway.server.http.listener)."""
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    """A request's body must arrive within this of its head."""
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+    """A keep-alive connection with no request for this long is closed."""
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    """Client connections one process holds; past it a new one is refused (503)."""
+    work_slots: int = DEFAULT_WORK_SLOTS
+    """A team's share of the process's own work (admission, booking) while others have calls in flight."""
 
 
 REFUSAL_STATUSES = (429, 400, 402, 403)
@@ -255,6 +282,8 @@ class Config:
     console: ConsoleConfig = field(default_factory=ConsoleConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     access_log: AccessLogConfig = field(default_factory=AccessLogConfig)
+    spool_reserve_bytes: int = DEFAULT_SPOOL_RESERVE_MB * 1024 * 1024
+    """Space the spool keeps allocated for turns the store cannot take (`spool_reserve_mb`)."""
     _routes: dict[str, ModelRoute | None] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def route(self, model: str) -> ModelRoute | None:
@@ -303,7 +332,7 @@ def parse_config(data: Any, file: Path) -> Config:
     """Validate an already-parsed YAML document as if it were read from `file`."""
     base = file.resolve().parent
     root = Field(str(file), "", data if data is not None else {})
-    root.keys_only({"server", "store", "policies_dir", "runs_dir", "trace_file", "spool_file", "upstreams", "models",
+    root.keys_only({"server", "store", "policies_dir", "runs_dir", "trace_file", "spool_file", "spool_reserve_mb", "upstreams", "models",
                     "teams", "defaults", "metrics", "retention", "webhooks", "console", "telemetry", "access_log"})
     upstreams = parse_upstreams(root.get("upstreams"), base)
     store = _store(root.get("store"), base)
@@ -321,6 +350,7 @@ def parse_config(data: Any, file: Path) -> Config:
         runs_dir=_optional_path(root.get("runs_dir"), base) or _default_runs_dir(store, base),
         trace_file=_optional_path(root.get("trace_file"), base),
         spool_file=_optional_path(root.get("spool_file"), base) or base / "spool.jsonl",
+        spool_reserve_bytes=_spool_reserve(root.get("spool_reserve_mb")),
         upstreams=upstreams,
         models=_models(root.get("models"), upstreams),
         teams=teams,
@@ -350,7 +380,8 @@ def _server(at: Field) -> ServerConfig:
     if at.missing:
         return ServerConfig()
     at.keys_only({"host", "port", "max_body_bytes", "lease_ttl_s", "refusal_status", "public_url", "webhook_poll_s",
-                  "budget_scan_s", "shutdown_delay_s"})
+                  "budget_scan_s", "shutdown_delay_s", "tool_threads", "header_timeout_s", "body_timeout_s",
+                  "idle_timeout_s", "max_connections", "work_slots"})
     refusal = at.get("refusal_status")
     status = refusal.optional_int(429)
     if status not in REFUSAL_STATUSES:
@@ -365,6 +396,12 @@ def _server(at: Field) -> ServerConfig:
         webhook_poll_s=at.get("webhook_poll_s").optional_number(DEFAULT_WEBHOOK_POLL_S, positive=True),
         budget_scan_s=at.get("budget_scan_s").optional_number(DEFAULT_BUDGET_SCAN_S, positive=True),
         shutdown_delay_s=_shutdown_delay(at.get("shutdown_delay_s")),
+        tool_threads=at.get("tool_threads").optional_int(DEFAULT_TOOL_THREADS, low=1, high=MAX_TOOL_THREADS),
+        header_timeout_s=at.get("header_timeout_s").optional_number(DEFAULT_HEADER_TIMEOUT_S, positive=True),
+        body_timeout_s=at.get("body_timeout_s").optional_number(DEFAULT_BODY_TIMEOUT_S, positive=True),
+        idle_timeout_s=at.get("idle_timeout_s").optional_number(DEFAULT_IDLE_TIMEOUT_S, positive=True),
+        max_connections=at.get("max_connections").optional_int(DEFAULT_MAX_CONNECTIONS, low=1, high=1_000_000),
+        work_slots=at.get("work_slots").optional_int(DEFAULT_WORK_SLOTS, low=0, high=100_000),
     )
 
 
@@ -397,6 +434,13 @@ def _store(at: Field, base: Path) -> StoreConfig:
         options["timeout_s"] = timeout
     return StoreConfig(kind=kind, path=resolved, url=at.get("url").optional_str_or_none(), options=options,
                        timeout_s=timeout, allow_eviction=allow_eviction)
+
+
+def _spool_reserve(at: Field) -> int:
+    megabytes = at.optional_number(DEFAULT_SPOOL_RESERVE_MB, nonnegative=True)
+    if megabytes > 1024 * 1024:
+        at.fail(f"must be at most {1024 * 1024} (a terabyte), got {megabytes:g}")
+    return int(megabytes * 1024 * 1024)
 
 
 def _optional_path(at: Field, base: Path) -> Path | None:

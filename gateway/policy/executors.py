@@ -1,10 +1,11 @@
 """Tools from declarations, and a policy compiled into the harness's `RunOptions`.
 
-Four executor kinds: `python` (a sync function runs in a worker thread, an async one is
-awaited), `http` (POST the call as JSON; the response body is the result; non-2xx is a
-tool error), `agent` (a sub-run under another policy, with its own transcript and
-limits, capped by the parent's remaining budget and stopped with its parent) and `mcp`
-(a tool discovered on an MCP server, called through the process's session to it). Every kind
+Four executor kinds: `python` (a sync function runs on a thread of the process's tool
+pool, `gateway.policy.threads`; an async one is awaited), `http` (POST the call as JSON;
+the response body is the result; non-2xx is a tool error), `agent` (a sub-run under
+another policy, with its own transcript and limits, capped by the parent's remaining
+budget and stopped with its parent) and `mcp` (a tool discovered on an MCP server,
+called through the process's session to it). Every kind
 first checks the arguments against the tool's JSON schema: a mismatch is a tool error
 the model reads, never a crash. Timeouts (`timeout_s`) are enforced by the harness.
 """
@@ -58,6 +59,7 @@ from gateway.policy.decl import (
 )
 from gateway.policy.registry import PolicyRegistry
 from gateway.policy.resolve import resolve_callable, resolve_exception
+from gateway.policy.threads import ToolThreads
 
 DEFAULT_SUBRUN_SYSTEM = "You are a sub-agent. Use your tools to work on the task, then reply with a short summary."
 BODY_EXCERPT = 300
@@ -87,6 +89,8 @@ class ToolEnv:
     checkpoint: Checkpoint | None = None  # where sub-run states are saved, if anywhere
     propagate: Callable[[MutableMapping[str, str]], None] | None = None
     """Adds the calling tool span's `traceparent` to an HTTP tool's request (tracing on)."""
+    threads: ToolThreads | None = None
+    """Where sync python tools run (the process's tool pool); None: asyncio's default executor."""
 
     def model_for(self, name: str) -> Model:
         """The model a sub-run asking for `name` talks to."""
@@ -125,7 +129,8 @@ def _output(value: Any) -> ToolOutput:
 
 
 def python_tool(spec: ToolSpec, config: PythonExecutor, env: ToolEnv) -> ToolFunction:
-    """`python: "module:function"`; sync functions run in a thread with a thread-safe progress()."""
+    """`python: "module:function"`; sync functions run on a thread of `env.threads` with a
+    thread-safe progress()."""
     func = resolve_callable(config.target)
     is_async = inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
 
@@ -137,7 +142,11 @@ def python_tool(spec: ToolSpec, config: PythonExecutor, env: ToolEnv) -> ToolFun
             loop = asyncio.get_running_loop()
             progress = ctx.progress
             fields["progress"] = lambda label: loop.call_soon_threadsafe(progress, label)
-            out = await asyncio.to_thread(func, args, PolicyToolContext(**fields, sandbox=env.sandbox_root))
+            call_ctx = PolicyToolContext(**fields, sandbox=env.sandbox_root)
+            if env.threads is not None:
+                out = await env.threads.run(func, args, call_ctx)
+            else:
+                out = await asyncio.to_thread(func, args, call_ctx)
         if inspect.isawaitable(out):
             out = await out
         return _output(out)

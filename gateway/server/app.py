@@ -1,7 +1,7 @@
 """`build_app(config)`: the gateway as an aiohttp application.
 
 Routes: POST /v1/chat/completions, GET /v1/models and /v1/models/{model}, GET /metrics (`metrics_route`: maybe
-with a token, maybe on its own address), GET /healthz, /livez and /readyz (`probes`), the web console under /console/ (`console.setup`), the scripted provider at
+with a token, maybe on its own address), GET /livez, /readyz and /healthz (`probes`), the web console under /console/ (`console.setup`), the scripted provider at
 /scripted/v1 (only when a `kind: scripted` upstream without `base_url` uses this mount,
 and only for callers with a gateway key: a team's, or the random one this process makes
 at start for its own upstream calls), plus what the optional modules add:
@@ -48,7 +48,6 @@ from gateway.server.api import metrics as metrics_route
 from gateway.server.api import runs as runs_api
 from gateway.server.chat import endpoint as chat
 from gateway.server.http.auth import SYNC_S, KeyRing
-from gateway.server.http.errors import StoreUnavailable
 from gateway.server.http.middleware import gateway_middleware
 from gateway.server.http.readiness import Readiness
 from gateway.server.http.sse import STREAMS_END, end_streams
@@ -56,19 +55,19 @@ from gateway.server.metrics import KnownPolicy, Metrics
 from gateway.server.notify import delivery as notify_delivery
 from gateway.server.responses import endpoint as responses
 from gateway.server.runs import rate_limits, retention, runtime
-from gateway.server.runs.booking import replay_spool
+from gateway.server.runs.booking import keep_booking
+from gateway.server.runs.fair_share import FairShare
 from gateway.server.runs.governor import Governor
 from gateway.server.runs.run_cache import RunCache
 from gateway.server.store_check import check_store
 from gateway.store import Store, StoreConfigError, StoreError, open_store
+from gateway.store.health import Condition
 from gateway.store.timed import timed
 from gateway.store.spool import Spool
 from gateway.tokens import get_counter
 
 if TYPE_CHECKING:
     from gateway.telemetry.tracing import Tracing
-
-SPOOL_REPLAY_S = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +117,10 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     session = new_session()
     app[ctx.SESSION] = session
     owner = process_owner(app.get(ctx.SELF_URL), app.get(ctx.WORKER))
-    governor = Governor(store, app[ctx.COUNTER], config.defaults, owner=owner, ttl_s=config.server.lease_ttl_s)
+    spool = app[ctx.SPOOL]
+    spool.open()  # its reserve, before anything is admitted (admission waits for it: /readyz says so)
+    governor = Governor(store, app[ctx.COUNTER], config.defaults, owner=owner, ttl_s=config.server.lease_ttl_s,
+                        spool=spool)
     app[ctx.GOVERNOR] = governor
     upstreams = ctx.Upstreams(config, session, app.get(ctx.SCRIPTED_KEY), app.get(ctx.TRACING))
     upstreams.self_url = app.get(ctx.SELF_URL)
@@ -134,7 +136,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         log.warning("cannot read the store's keys yet (retried every %.2f s): %s", SYNC_S, exc)
     keeper = asyncio.ensure_future(governor.keep_alive())
     giver = asyncio.ensure_future(governor.give_back_idle())
-    replayer = asyncio.ensure_future(_replay_spool_forever(app))
+    replayer = asyncio.ensure_future(keep_booking(app))
     syncer = asyncio.ensure_future(keyring.keep_synced())
     toucher = asyncio.ensure_future(keyring.keep_touching())
     try:
@@ -171,20 +173,6 @@ def start_tracing(config: Config, worker: int | None) -> Tracing | None:
                           f"tracing needs the OpenTelemetry packages ({exc.name} is not installed): "
                           "pip install 'gateway[otel]'") from None
     return Tracing.start(config.telemetry, worker)
-
-
-async def _replay_spool_forever(app: web.Application) -> None:
-    """Book spooled turns as soon as the store takes them again (checked every second)."""
-    spool = app[ctx.SPOOL]
-    while True:
-        if spool.has_pending():
-            try:
-                booked = await replay_spool(app)
-                if booked:
-                    log.warning("booked %d spooled turns", booked)
-            except Exception:
-                log.exception("replaying the spool failed")
-        await asyncio.sleep(SPOOL_REPLAY_S)
 
 
 def process_owner(self_url: str | None, worker: int | None = None) -> str:
@@ -243,11 +231,15 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
     if tracing is not None:
         app[ctx.METRICS].trace_id = tracing.trace_id
     app[ctx.STORE] = timed(open_configured_store(config), app[ctx.METRICS].on_store)
-    app[ctx.READINESS] = Readiness()
-    probes.setup(app, app[ctx.READINESS])
     app[ctx.KEYRING] = KeyRing(config.teams, app[ctx.STORE])
-    app[ctx.SPOOL] = Spool(config.spool_file)
+    metrics = app[ctx.METRICS]
+    readiness = app[ctx.READINESS] = Readiness(metrics.on_ready)
+    app[ctx.STORE_HEALTH] = Condition("store", logging.getLogger("gateway.store"),
+                                      lambda ok: readiness.set("store", ok))
+    app[ctx.SPOOL] = Spool(config.spool_file, config.spool_reserve_bytes, lambda ok: readiness.set("spool", ok))
+    probes.setup(app, readiness)
     app[ctx.RUN_CACHE] = RunCache()
+    app[ctx.FAIR_SHARE] = FairShare(config.server.work_slots, metrics.on_work_wait)
     if self_url is not None:
         app[ctx.SELF_URL] = self_url.rstrip("/")
     if worker is not None:
@@ -273,14 +265,6 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
     return app
 
 
-async def healthz(request: web.Request) -> web.Response:
-    """200 when the store answers, 503 (naming the problem) when it does not."""
-    try:
-        await request.app[ctx.STORE].load_run("healthz-probe")
-    except StoreError as exc:
-        log.warning("health check: the store failed: %s", exc)  # its words name hosts and files
-        raise StoreUnavailable("the gateway's store is unavailable") from None
-    return web.Response(body=orjson.dumps({"status": "ok"}), content_type="application/json")
 
 
 ROUTES: Final[tuple[tuple[str, str, Handler], ...]] = (
@@ -306,9 +290,9 @@ ROUTES: Final[tuple[tuple[str, str, Handler], ...]] = (
     ("POST", "/v1/admin/keys/{id}/rotate", admin_keys.rotate_key),
     ("GET", "/v1/admin/audit", spend.get_audit),
     ("GET", "/v1/spend", spend.get_spend),
-    ("GET", "/healthz", healthz),
     ("GET", "/livez", probes.livez),
     ("GET", "/readyz", probes.readyz),
+    ("GET", "/healthz", probes.readyz),
     ("GET", "/openapi.json", openapi.openapi_json),
 )
 """Every route of the gateway app (GET /metrics and the scripted mount are added beside them, see above)."""

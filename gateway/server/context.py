@@ -26,9 +26,11 @@ from gateway.server.http.auth import KeyRing
 from gateway.server.http.readiness import Readiness
 from gateway.server.metrics import Metrics
 from gateway.server.runs.driver import RunDriver
+from gateway.server.runs.fair_share import FairShare, Share
 from gateway.server.runs.governor import Governor
 from gateway.server.runs.run_cache import RunCache
 from gateway.store.base import Store
+from gateway.store.health import Condition
 from gateway.store.spool import Spool
 from gateway.tokens import TokenCounter
 
@@ -118,6 +120,12 @@ SELF_URL: Final = web.AppKey("self_url", str)
 WORKER: Final = web.AppKey("worker", int)
 """This process's index among `gateway serve --workers N`'s; absent when it serves alone."""
 SPOOL: Final = web.AppKey("spool", Spool)
+STORE_HEALTH: Final = web.AppKey("store_health", Condition)
+"""Whether the store takes this process's writes: failing from the first that fails (logged
+once), ok from the first that succeeds (`runs.booking`)."""
+FAIR_SHARE: Final = web.AppKey("fair_share", FairShare)
+"""Slots of the process's own work (admissions, bookings), shared fairly between teams
+(`runs.fair_share`)."""
 READINESS: Final = web.AppKey("readiness", Readiness)
 """The named checks of GET /readyz (`gateway.server.http.readiness`, `gateway.server.probes`)."""
 RUN_CACHE: Final = web.AppKey("run_cache", RunCache)
@@ -132,6 +140,8 @@ TRACING: Final = web.AppKey["Tracing"]("tracing")
 # Per request: the run as last known (error responses carry its headers) and the time
 # spent waiting on the upstream (the overhead metric subtracts it).
 RUN: Final = web.RequestKey("run", RunState)
+SHARE: Final = web.RequestKey("share", Share)
+"""A pass-through call's hold on its team's share of the process's own work (`runs.fair_share`)."""
 UPSTREAM_SECONDS: Final = web.RequestKey("upstream_seconds", float)
 # What the access log and the traces learn of a request on its way (`telemetry`).
 CHAT_SPAN: Final = web.RequestKey["ChatSpan"]("chat_span")

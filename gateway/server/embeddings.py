@@ -12,13 +12,14 @@ rule every booking follows (`replies.checked_usage`: a count beyond belief is bo
 gateway's own, with a `usage_clamped` line and metric), or the gateway's count when it
 reports none. The upstream's body goes back as it came (plus the `run` object). A client
 that leaves before the answer stops the upstream call; its input, counted, is booked at the
-price of the deployment that had it.
+price of the deployment that had it. When the run's step fails, the spend is booked on the
+ledgers all the same (`booking.book_alone`: spooled while the store cannot take it); the
+call answers the store's error and the run's cost does not include it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -45,7 +46,7 @@ from gateway.server.http.leaving import upstream_wait
 from gateway.server.http.validation import kind as _kind
 from gateway.server.http.scope import call_user, require_model
 from gateway.server.http.validation import read_body
-from gateway.server.runs.booking import append_trace_file, refuse
+from gateway.server.runs.booking import append_trace_file, book_alone, refuse
 from gateway.server.runs.forwarding import attempt_events, routed_call, trace_unbooked
 from gateway.server.runs.governor import Admission, Ask
 from gateway.server.runs.keying import Call, commit_run, resolve_call, run_id_from
@@ -211,10 +212,9 @@ async def _book_on_run(app: web.Application, run: RunState, adm: Admission, chec
     try:
         async with governor.run_lock(run.run_id):
             state, events, _ = await commit_run(app[ctx.STORE], run.copy(), apply, trace, booking)
-    except BaseException:
-        if booking is not None:  # the run could not take it: the team's ledger still must (settle is idempotent)
-            with contextlib.suppress(Exception):
-                await governor.book(booking)
+    except BaseException as exc:
+        if booking is not None:  # the run could not take it: the ledgers still must (spooled if the store is down)
+            await book_alone(governor, booking, exc)
         raise
     append_trace_file(app[ctx.CONFIG].trace_file, events)
     return state

@@ -21,11 +21,12 @@ from aiohttp import web
 from gateway.config.settings import Config, ConfigError, load_config
 from gateway.server.api.admin import reload_in_thread
 from gateway.server.app import build_app, open_configured_store, process_owner
-from gateway.server.context import READINESS
+from gateway.server.context import METRICS, READINESS
 from gateway.server.http.access import access_logger
-from gateway.server.http.listener import StartError, bound_port, listen_sockets, run
+from gateway.server.http.listener import Connections, StartError, bound_port, listen_sockets, run
 from gateway.server.workers import parse_workers, report_start_error, shared_key, signal_ready, supervise
 from gateway.store import StoreError
+from gateway.store.spool import Spool
 from gateway.telemetry.access_log import AccessLog
 
 log = logging.getLogger("gateway")
@@ -67,10 +68,11 @@ def _release_previous_workers(config: Config, host: str, count: int) -> Callable
 
     def release(port: int) -> None:
         async def each_worker() -> int:
+            spooled = Spool(config.spool_file).reservations()  # held until the spool books them
             store = open_configured_store(config)
             try:
                 url = _self_url(host, port)
-                return sum([await store.release_owner(process_owner(url, i)) for i in range(count)])
+                return sum([await store.release_owner(process_owner(url, i), keep=spooled) for i in range(count)])
             finally:
                 await store.close()
 
@@ -162,7 +164,8 @@ def serve_command(args: argparse.Namespace) -> int:
     sink = AccessLog(config.access_log) if config.access_log.enabled else None
     try:
         run(app, sockets, ready=ready, loop=getattr(args, "loop", "auto"),
-            access=access_logger(sink) if sink is not None else None, on_drain=app[READINESS].drain,
+            access=access_logger(sink) if sink is not None else None,
+            connections=Connections.of(config.server, app[METRICS].on_connection), on_drain=app[READINESS].drain,
             drain_delay_s=config.server.shutdown_delay_s)
     except StartError as exc:  # raised while the app started (the metrics listener's port)
         return _cannot_start(str(exc), worker, ready_fd)

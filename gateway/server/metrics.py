@@ -197,6 +197,29 @@ class Metrics:
             for event in events:
                 for outcome in WEBHOOK_OUTCOMES:
                     self.webhook_deliveries.labels(name, event, outcome)
+        self.tool_threads = Gauge("gateway_tool_threads", "Threads of the pool sync python tools run on "
+                                  "(server.tool_threads; summed over the live workers).", registry=r,
+                                  multiprocess_mode="livesum")
+        self.tool_threads_busy = Gauge("gateway_tool_threads_busy", "Tool threads running a sync python tool now.",
+                                       registry=r, multiprocess_mode="livesum")
+        self.tool_calls_waiting = Gauge("gateway_tool_calls_waiting", "Sync python tool calls waiting for a tool "
+                                        "thread (all busy): the pool is saturated while this is above 0.",
+                                        registry=r, multiprocess_mode="livesum")
+        self.work_waits = Counter("gateway_work_waits_total", "Calls that waited for a slot of the process's own "
+                                  "work (server.work_slots), by team: the fair share at work.", ["team"], registry=r)
+        self.connections = Gauge("gateway_connections", "Client connections this process serves now.", registry=r,
+                                 multiprocess_mode="livesum")
+        self.connections_refused = Counter("gateway_connections_refused_total",
+                                           "Client connections refused past server.max_connections.", registry=r)
+        self.request_timeouts = Counter("gateway_request_timeouts_total", "Requests whose head or body a client "
+                                        "sent too slowly (kind header | body), answered 408.", ["kind"], registry=r)
+        for kind in ("header", "body"):
+            self.request_timeouts.labels(kind)
+        self.ready = Gauge("gateway_ready", "1 while the readiness check passes in this process, 0 while it fails "
+                           "(GET /readyz; the minimum over the live workers).", ["check"], registry=r,
+                           multiprocess_mode="livemin")
+        self.spooled = Gauge("gateway_spool_records", "Turns (and spend) waiting in the spool for the store to take "
+                             "them.", registry=r, multiprocess_mode="livemax")
         self.webhook_outbox = Gauge("gateway_webhook_outbox_depth",
                                     "Notices in the store's outbox not yet delivered nor given up (every replica's).",
                                     registry=r, multiprocess_mode="mostrecent")
@@ -344,6 +367,35 @@ class Metrics:
         """One delivery attempt of a notice: delivered, retried (it failed, and will be tried
         again) or failed (it failed for the last time)."""
         self._child(self.webhook_deliveries, webhook, _code(event), _code(outcome)).inc()
+
+    def on_tool_threads(self, busy: int, waiting: int) -> None:
+        """Tool threads that started or ended a call, calls that began or ended waiting for
+        one (changes; called from any thread: prometheus_client's values are thread-safe)."""
+        if busy:
+            self.tool_threads_busy.inc(busy)
+        if waiting:
+            self.tool_calls_waiting.inc(waiting)
+
+    def on_connection(self, event: str) -> None:
+        """A client connection opened, closed, refused or timed out (`listener.ConnectionEvent`)."""
+        if event == "opened":
+            self.connections.inc()
+        elif event == "closed":
+            self.connections.dec()
+        elif event == "refused":
+            self.connections_refused.inc()
+        elif event in ("header_timeout", "body_timeout"):
+            self.request_timeouts.labels(event.partition("_")[0]).inc()
+
+    def on_work_wait(self, team: str) -> None:
+        self._child(self.work_waits, team).inc()
+
+    def on_ready(self, check: str, ok: bool) -> None:
+        """A readiness check's state (`gateway.server.http.readiness`)."""
+        self._child(self.ready, _code(check)).set(1 if ok else 0)
+
+    def set_spooled(self, records: int) -> None:
+        self.spooled.set(records)
 
     def set_outbox_depth(self, depth: int) -> None:
         self.webhook_outbox.set(depth)

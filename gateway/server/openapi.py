@@ -204,11 +204,10 @@ OPERATIONS: Final[dict[tuple[str, str], Operation]] = {
         errors=(400, 401, 403)),
     ("GET", "/metrics"): Operation("Prometheus metrics (OpenMetrics with run-id exemplars when asked)", "operations",
                                    auth=False, ok=("text/plain", "application/openmetrics-text"), errors=(401,)),
-    ("GET", "/healthz"): Operation("200 when the store answers, 503 otherwise", "operations", auth=False,
-                                   errors=(503,)),
     ("GET", "/livez"): Operation("200 while the process serves (liveness)", "operations", auth=False, errors=()),
-    ("GET", "/readyz"): Operation("200 when every readiness check passes (draining, store, policies, mcp), 503 "
-                                  "naming those that fail", "operations", auth=False, errors=(503,)),
+    ("GET", "/readyz"): Operation("200 when every readiness check passes (draining, store, spool, policies, mcp), "
+                                  "503 naming those that fail", "operations", auth=False, errors=(503,)),
+    ("GET", "/healthz"): Operation("The same as /readyz (its older name)", "operations", auth=False, errors=(503,)),
     ("GET", "/openapi.json"): Operation("This document", "operations", auth=False, errors=()),
     ("POST", "/scripted/v1/chat/completions"): Operation(
         "The built-in scripted upstream (tests and demos; a team key or the gateway's own)", "scripted upstream",
@@ -229,7 +228,7 @@ DESCRIPTIONS: Final[dict[int, str]] = {
     409: "The run cannot take this call now (`x-should-retry` says whether a retry can succeed)",
     413: "Body too large", 429: "A limit refused the call before anything was forwarded",
     502: "The upstream failed or answered malformed",
-    503: "The store is unavailable, or this process is not ready (retryable)",
+    503: "The store is unavailable, or this process is not ready or holds too many connections (retryable)",
     504: "The upstream timed out",
 }
 

@@ -1,19 +1,22 @@
-"""GET /livez and /readyz: is the process alive, and may it take calls (docs/http-api.md#probes).
+"""GET /livez, /readyz and /healthz: is the process alive, and may it take calls
+(docs/http-api.md#probes).
 
-- `/livez`: 200 while the process serves HTTP (its event loop runs); nothing else is asked.
+- `/livez`: 200 while the process serves HTTP (its event loop runs); no store is asked.
   A failing liveness probe means: restart the process.
 - `/readyz`: 200 `{"status": "ready", "checks": {...}}` when every readiness check passes
   (`gateway.server.http.readiness`), else 503 in the OpenAI error shape (code `not_ready`,
   naming each failing check) with the same `status` and `checks`. A failing readiness probe
-  means: send no calls here for now; the process recovers by itself (or is shutting down).
-- `/healthz` stays what it was (the store answers), for the probes configured with it.
+  means: send no calls here for now (they would be refused); the process recovers by itself.
+- `/healthz`: the same as `/readyz` (its older name).
 
-The checks: `draining` (comes with `Readiness`: a SIGTERM was received; it fails first,
-`server.shutdown_delay_s` before the listener closes), `store` (the store answers a read,
-within its own deadline), `policies` (every team's policies are loaded) and `mcp` (every MCP
-server of a loaded policy answers a `ping` within `MCP_PROBE_S`, unless its `mcp:` entry
-says `optional: true`; one that is down is started again by the check, within its backoff:
-a server over HTTP that went away is otherwise noticed only by the next call of its tools).
+The checks added here: `store` (the store answers a read now, with its own deadline, and
+took this process's last write: `ctx.STORE_HEALTH`), `spool` (its reserve is intact and
+every spooled record is written: no call is admitted otherwise), `policies` (every team's
+policies are loaded) and `mcp` (every MCP server of a loaded policy answers a `ping` within
+`MCP_PROBE_S`, unless its `mcp:` entry says `optional: true`; one that is down is started
+again by the check, within its backoff: a server over HTTP that went away is otherwise
+noticed only by the next call of its tools). `draining` comes with `Readiness` (it fails
+first, `server.shutdown_delay_s` before the listener closes).
 """
 
 from __future__ import annotations
@@ -39,15 +42,25 @@ MCP_PROBE_S = 1.0
 
 
 def setup(app: web.Application, readiness: Readiness) -> None:
-    """Add the checks of `app` (store, policies, MCP servers) to `readiness`."""
+    """Add the checks of `app` (store, spool, policies, MCP servers) to `readiness`, and keep
+    the gauges of those that track a condition (store, spool) current."""
 
     async def store() -> Check:
+        health = app[ctx.STORE_HEALTH]
         try:
             await app[ctx.STORE].load_run(PROBE_RUN_ID)
         except StoreError as exc:
-            log.warning("readiness: the store failed: %s", exc)  # its words name hosts and files: the log has them
+            health.fail(str(exc))  # its words name hosts and files: the log has them
             return Check(False, "the store does not answer")
+        if not health.ok:
+            return Check(False, "the store does not take this process's writes (see the log)")
         return Check(True)
+
+    async def spool() -> Check:
+        spool = app[ctx.SPOOL]
+        if spool.intact:
+            return Check(True)
+        return Check(False, "the spool's reserve is not intact (a full disk?): calls are refused until it is")
 
     async def policies() -> Check:
         registry = app[ctx.POLICIES]
@@ -70,6 +83,7 @@ def setup(app: web.Application, readiness: Readiness) -> None:
         return Check(True)
 
     readiness.add("store", store)
+    readiness.add("spool", spool)
     readiness.add("policies", policies)
     readiness.add("mcp", mcp)
 

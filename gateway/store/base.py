@@ -377,10 +377,11 @@ class Store(Protocol):
         """Push back the expiry of held reservations (their process is alive)."""
         ...
 
-    async def release_owner(self, owner: str) -> int:
+    async def release_owner(self, owner: str, keep: Collection[str] = ()) -> int:
         """Release every reservation and every run lease `owner` still holds, and make the
         notices it was delivering due again at once (it restarted: an owner name is never live
-        in two processes); returns how many reservations."""
+        in two processes); returns how many reservations. The reservations in `keep` stay
+        held: turns waiting in the spool, booked against them once the store takes them."""
         ...
 
     async def settle(self, reservation_id: str, actual_usd: float, tokens: Sequence[TokenCharge] = ()) -> None:

@@ -12,6 +12,11 @@ class StoreError(Exception):
     """The store cannot do what was asked (backend unreachable, corrupt data, bad config)."""
 
 
+class SpoolNotReady(StoreError):
+    """The spool has no room set aside (`Spool.intact` is false): a call is refused before
+    it is forwarded, since its turn could not be kept if the store failed to take it."""
+
+
 class StoreConfigError(StoreError, ValueError):
     """The `store:` section of the configuration is wrong; the message names the field."""
 

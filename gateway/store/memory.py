@@ -352,9 +352,9 @@ class MemoryStore:
             if r is not None and not r.expired:
                 r.expires_at = max(r.expires_at, until)
 
-    async def release_owner(self, owner: str) -> int:
+    async def release_owner(self, owner: str, keep: Collection[str] = ()) -> int:
         self._check_open()
-        mine = [rid for rid, r in self._reservations.items() if r.owner == owner and not r.expired]
+        mine = [rid for rid, r in self._reservations.items() if r.owner == owner and not r.expired and rid not in keep]
         for rid in mine:
             del self._reservations[rid]
         for run_id in [run_id for run_id, (held_by, _) in self._leases.items() if held_by == owner and owner]:

@@ -357,10 +357,10 @@ class RedisStore:
         async with self._errors:
             await self._lane.run(_RENEW, [self.prefix, str(ttl_ms), *reservation_ids])
 
-    async def release_owner(self, owner: str) -> int:
+    async def release_owner(self, owner: str, keep: Collection[str] = ()) -> int:
         self._redis()
         async with self._errors:
-            return int(await self._lane.run(_RELEASE_OWNER, [self.prefix, owner]))
+            return int(await self._lane.run(_RELEASE_OWNER, [self.prefix, owner, *sorted(keep)]))
 
     async def settle(self, reservation_id: str, actual_usd: float, tokens: Sequence[TokenCharge] = ()) -> None:
         actual = to_micros(actual_usd, "actual_usd")

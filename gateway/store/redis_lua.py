@@ -480,11 +480,19 @@ return release(ARGV[1], ARGV[2])
 
 RELEASE_OWNER: Final = _HELPERS + _RELEASE + """
 local p, owner = ARGV[1], ARGV[2]
+local keep = {}
+for i = 3, #ARGV do keep[ARGV[i]] = true end
 local n = 0
+local kept = {}
 for _, rid in ipairs(redis.call('SMEMBERS', p .. 'owner:' .. owner)) do
-  if redis.call('HGET', p .. 'res:' .. rid, 'state') == 'held' then n = n + release(p, rid) end
+  if keep[rid] then
+    kept[#kept + 1] = rid
+  elseif redis.call('HGET', p .. 'res:' .. rid, 'state') == 'held' then
+    n = n + release(p, rid)
+  end
 end
 redis.call('DEL', p .. 'owner:' .. owner)
+for _, rid in ipairs(kept) do redis.call('SADD', p .. 'owner:' .. owner, rid) end
 -- Its leases too: a process's owner name is never live twice, so its previous life's
 -- leases are dead and another worker or replica may take those runs at once.
 local leases = p .. 'leases-of:' .. owner

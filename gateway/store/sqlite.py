@@ -611,13 +611,15 @@ class SqliteStore:
 
         await self._write(step, atomic=True)
 
-    async def release_owner(self, owner: str) -> int:
+    async def release_owner(self, owner: str, keep: Collection[str] = ()) -> int:
+        kept = orjson.dumps(sorted(keep)).decode()
+
         def step(db: sqlite3.Connection) -> int:
             db.execute("DELETE FROM leases WHERE owner = ? AND owner != ''", (owner,))
             db.execute("UPDATE outbox SET due_at = ?, owner = '' WHERE state = 'pending' AND owner = ? AND owner != ''",
                        (time.time(), owner))
-            return int(db.execute("DELETE FROM reservations WHERE owner = ? AND owner != '' AND state = 'held'",
-                                  (owner,)).rowcount)
+            return int(db.execute("DELETE FROM reservations WHERE owner = ? AND owner != '' AND state = 'held'"
+                                  " AND id NOT IN (SELECT value FROM json_each(?))", (owner, kept)).rowcount)
 
         return await self._write(step, atomic=True)
 

@@ -27,6 +27,8 @@ import sqlite3
 import threading
 from typing import Final
 
+from gateway.store.health import Condition
+
 log = logging.getLogger(__name__)
 
 PASS_INTERVAL_S: Final = 0.1
@@ -62,6 +64,8 @@ class Checkpointer:
         self._wake = threading.Event()
         self._closing = False
         self._busy_timeout_s = busy_timeout_s
+        self.condition = Condition(f"sqlite store {path}", log)
+        """Whether passes succeed (a full disk fails them ten times a second: logged once)."""
         self._conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
         self._thread = threading.Thread(target=self._run, name=f"sqlite-checkpointer:{path}", daemon=True)
         self._thread.start()
@@ -108,9 +112,10 @@ class Checkpointer:
                     busy, frames, copied = self._conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
                 finally:
                     self._conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_s * 1000)}")
-        except sqlite3.Error:  # the next pass tries again; the WAL keeps every commit meanwhile
-            log.exception("sqlite store %s: WAL checkpoint failed", self.path)
+        except sqlite3.Error as exc:  # the next pass tries again; the WAL keeps every commit meanwhile
+            self.condition.fail(f"WAL checkpoint failed: {exc}", exc)
             return
+        self.condition.recover()
         self.passes += 1
         # `frames` is the WAL's length when the pass began. All of it copied with no write
         # since (or held by a fence, or by RESTART): the next write restarts the WAL.

@@ -16,6 +16,7 @@ from pathlib import Path
 import orjson
 
 from gateway.store.base import Event
+from gateway.store.health import Condition
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,8 @@ class Rotation:
 
 
 _ROTATIONS: dict[Path, Rotation] = {}
+_WRITES: dict[Path, Condition] = {}
+"""Per trace file: whether appends succeed (a full disk fails each one: logged once)."""
 
 
 def configure(path: Path, max_bytes: int | None, keep: int) -> None:
@@ -43,7 +46,8 @@ def rotated(path: Path, keep: int) -> list[Path]:
 
 
 def append(path: Path | None, events: list[Event]) -> None:
-    """Append the lines (a failure is logged: the store has them), rotating when due."""
+    """Append the lines, rotating when due. A failure is logged once until appends work
+    again (the store has the lines; the trace file misses them)."""
     if path is None or not events:
         return
     try:
@@ -53,8 +57,20 @@ def append(path: Path | None, events: list[Event]) -> None:
         rule = _ROTATIONS.get(path)
         if rule is not None and size >= rule.max_bytes:
             rotate(path, rule.keep)
-    except OSError:
-        log.exception("cannot append to the trace file %s", path)
+    except OSError as exc:
+        writes(path).fail(f"cannot append to the trace file: {exc}")
+        return
+    condition = _WRITES.get(path)
+    if condition is not None:
+        condition.recover()
+
+
+def writes(path: Path) -> Condition:
+    """Whether appends to `path` succeed (made on its first failure)."""
+    condition = _WRITES.get(path)
+    if condition is None:
+        condition = _WRITES[path] = Condition(f"trace file {path}", log)
+    return condition
 
 
 def rotate(path: Path, keep: int) -> None:

@@ -6,7 +6,7 @@ a scripted provider of its own process (`gateway scripted`), so a call can be ma
 (`X-Scripted-Latency-Ms`) without the gateway calling itself.
 
 - Everything up: ready, every check named and passing; alive.
-- Redis stopped: not ready (`store`), still alive, /healthz as it always was (503); ready
+- Redis stopped: not ready (`store`), still alive, /healthz the same as /readyz (503); ready
   again once Redis is back.
 - The optional MCP server stopped: still ready. The required one stopped: not ready
   (`mcp`, naming it); once it listens again, the check itself starts its session again.
@@ -152,7 +152,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 def test_ready_names_every_check_and_alive_asks_nothing(stack: Stack) -> None:
     status, body = wait_until(lambda: (r := ready(stack.gateway.url))[0] == 200 and r)
     assert body["status"] == "ready"
-    assert body["checks"] == {name: {"ok": True} for name in ("draining", "store", "policies", "mcp")}
+    assert body["checks"] == {name: {"ok": True} for name in ("draining", "store", "spool", "policies", "mcp")}
     assert get(stack.gateway.url, "/livez") == (200, {"status": "alive"})
 
 
@@ -167,7 +167,8 @@ def test_a_stopped_store_is_not_ready_but_alive_and_ready_again_once_back(stack:
         assert all(c["ok"] for name, c in body["checks"].items() if name != "store"), body
         assert "store (the store does not answer)" in body["error"]["message"]
         assert get(url, "/livez")[0] == 200
-        assert get(url, "/healthz")[0] == 503  # as it always was
+        status, body = get(url, "/healthz")  # the same as /readyz
+        assert status == 503 and body["error"]["code"] == "not_ready", body
     finally:
         stack.redis.start()
     wait_until(lambda: ready(url)[0] == 200)

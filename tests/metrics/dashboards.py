@@ -66,6 +66,15 @@ METRIC_LABELS: dict[str, frozenset[str]] = {name: frozenset(labels) for name, la
     "gateway_store_seconds": ("op",),
     "gateway_event_loop_lag_seconds": (),
     "gateway_upstream_connections": ("state",),
+    "gateway_tool_threads": (),
+    "gateway_tool_threads_busy": (),
+    "gateway_tool_calls_waiting": (),
+    "gateway_connections": (),
+    "gateway_connections_refused_total": (),
+    "gateway_request_timeouts_total": ("kind",),
+    "gateway_ready": ("check",),
+    "gateway_spool_records": (),
+    "gateway_work_waits_total": ("team",),
 }.items()}
 STANDARD_PREFIXES = ("process_", "python_")
 """The standard collectors' families (prometheus-client's own names; with `--workers`, labelled by pid)."""

@@ -128,6 +128,27 @@ async def test_release_owner_gives_back_every_hold_of_a_restarted_process(store:
     assert await store.release_owner("host/a") == 0
 
 
+async def test_release_owner_keeps_the_holds_of_spooled_turns(store: Store) -> None:
+    """A restarted process's turns waiting in the spool keep their holds: the replay books
+    them against those (a released one would read as booked already, and the spend be lost)."""
+    await new_run(store)
+    mine = [await store.admit(slot(owner="host/a", amount_usd=0.01, budget_usd=1.0)) for _ in range(3)]
+    spooled = mine[0].reservation_id
+    assert spooled is not None
+    assert await store.release_owner("host/a", keep={spooled, "gone"}) == 2
+    figures = await store.figures("demo", "total", "run_a")
+    assert (figures.run_in_flight, figures.reserved_usd) == (1, 0.01)
+    await store.commit_turn(await _loaded(store), [], Booking("demo", "total", 0.004, spooled, if_held=True))
+    assert await store.team_spend("demo", "total") == (0.004, 0.0)
+    assert await store.release_owner("host/a") == 0
+
+
+async def _loaded(store: Store) -> RunState:
+    run = await store.load_run("run_a")
+    assert run is not None
+    return run
+
+
 @pytest.mark.parametrize("field", ["amount_usd", "budget_usd", "run_budget_usd"])
 async def test_bad_amounts_are_refused_by_name(store: Store, field: str) -> None:
     with pytest.raises(ValueError, match=field):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -67,10 +68,16 @@ def team_check(config: Config) -> Callable[[Mapping[str, Policy]], Sequence[Poli
 
 async def reload_in_thread(app: web.Application, by: str) -> ReloadResult:
     """`reload_policies` off the event loop: a reload may start MCP servers and list their
-    tools, which must not stall every request in flight. A worker of `--workers N` then
+    tools, which must not stall every request in flight. It gets a thread of its own, not
+    one of a shared pool, so it never queues behind other work (tools have their own pool,
+    but DNS lookups and the like use asyncio's default one). A worker of `--workers N` then
     notes that it serves the files as they were when this began."""
     read_at = time.time()
-    result = await asyncio.to_thread(reload_policies, app, by)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-reload")
+    try:
+        result = await asyncio.get_running_loop().run_in_executor(pool, reload_policies, app, by)
+    finally:
+        pool.shutdown(wait=False)
     if ctx.WORKER in app:
         mark_reloaded(app[ctx.WORKER], read_at)
     return result

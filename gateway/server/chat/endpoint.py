@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from gateway.config.settings import TeamConfig
 from gateway.server import context as ctx
 from gateway.server.chat.passthrough import pass_through
 from gateway.server.chat.server_side import handle_server_side
@@ -17,6 +18,7 @@ from gateway.server.http.chat_request import parse_chat_request
 from gateway.server.http.errors import NotFound
 from gateway.server.http.scope import call_user, require_model
 from gateway.server.http.validation import read_body
+from gateway.server.runs.fair_share import Share
 from gateway.server.runs.keying import ServerSideRun, resolve_call
 
 
@@ -24,7 +26,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     """The route handler: every refusal here happens before the store is touched."""
     app = request.app
     team = app[ctx.KEYRING].authenticate(request)
-    chat = parse_chat_request(await read_body(request, app[ctx.CONFIG].server.max_body_bytes))
+    raw = await read_body(request, app[ctx.CONFIG].server.max_body_bytes)
+    share = request[ctx.SHARE] = Share(app[ctx.FAIR_SHARE], team.name)
+    await share.take()  # the gateway's own work for the call, in its team's share (given back while forwarded)
+    try:
+        return await _serve(request, team, raw, share)
+    finally:
+        share.close()
+
+
+async def _serve(request: web.Request, team: TeamConfig, raw: bytes, share: Share) -> web.StreamResponse:
+    app = request.app
+    chat = parse_chat_request(raw)
     request[ctx.MODEL] = chat.model
     route = app[ctx.CONFIG].route(chat.model)
     if route is None:
@@ -36,9 +49,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                               user=call_user(team, chat.body, request.headers))
     request[ctx.RUN] = call.run
     if call.policy.server_side:
+        share.give_back()  # a run driven here is not one step of work: it takes its turns as calls
         return await handle_server_side(request, call)
     try:
         return await pass_through(request, call)
     except ServerSideRun:  # a blind call's run is stored under a server-side policy
+        share.give_back()
         return await handle_server_side(request, call)
 

@@ -32,6 +32,7 @@ from gateway.server.http.errors import (
 )
 from gateway.server.http.leaving import upstream_wait
 from gateway.server.runs.booking import Booked, book_turn, refuse
+from gateway.server.runs.fair_share import Share
 from gateway.server.runs.forwarding import Body, complete_chat, routed_call, trace_unbooked
 from gateway.server.runs.governor import Admission, Ask
 from gateway.server.runs.keying import Call, join_created
@@ -104,10 +105,29 @@ async def governed(request: web.Request, call: Call) -> AsyncIterator[tuple[Admi
     call is admitted (its holds booked or released on every exit, `Admission` being a
     context manager) and counted active; yields the admission and the routed call that
     forwards it (its attempts traced with the turn, or on their own when none was booked).
-    With tracing on, the whole frame is the call's `chat {model}` span (`ctx.CHAT_SPAN`)."""
+    The gateway's own work for it is done in its team's share (`runs.fair_share`): a slot
+    held until it is forwarded (taken by the endpoint, else here) and again for the booking.
+    With tracing on, the frame is the call's `chat {model}` span (`ctx.CHAT_SPAN`)."""
+    share = request.get(ctx.SHARE)
+    own = share is None  # the endpoint made none (the Responses API): this call's, from here
+    if share is None:
+        share = request[ctx.SHARE] = Share(request.app[ctx.FAIR_SHARE], call.team.name)
+    try:
+        await share.take()
+        async with _traced(request, call, share) as pair:
+            yield pair
+    finally:
+        if own:
+            share.close()
+        else:
+            share.give_back()
+
+
+@contextlib.asynccontextmanager
+async def _traced(request: web.Request, call: Call, share: Share) -> AsyncIterator[tuple[Admission, RoutedCall]]:
     tracing = request.app.get(ctx.TRACING)
     if tracing is None:
-        async with _governed(request, call) as framed:
+        async with _governed(request, call, share) as framed:
             yield framed
         return
     chat = call.chat
@@ -115,7 +135,7 @@ async def governed(request: web.Request, call: Call) -> AsyncIterator[tuple[Admi
                         stream=chat.stream, messages=chat.messages)
     request[ctx.CHAT_SPAN] = span
     try:
-        async with _governed(request, call) as framed:
+        async with _governed(request, call, share) as framed:
             yield framed
     except LimitExceeded as exc:
         span.refused(exc.code or exc.type)
@@ -131,7 +151,7 @@ async def governed(request: web.Request, call: Call) -> AsyncIterator[tuple[Admi
 
 
 @contextlib.asynccontextmanager
-async def _governed(request: web.Request, call: Call) -> AsyncIterator[tuple[Admission, RoutedCall]]:
+async def _governed(request: web.Request, call: Call, share: Share) -> AsyncIterator[tuple[Admission, RoutedCall]]:
     try:
         _check_open(call)
     except Conflict:
@@ -147,6 +167,7 @@ async def _governed(request: web.Request, call: Call) -> AsyncIterator[tuple[Adm
         keep_rate_clocks(request, adm.rate_headers)
         metrics.run_active(1)
         routed = routed_call(request.app, call.route, call.chat.model)
+        share.give_back()  # no slot while the upstream works: taken again for the booking
         try:
             yield adm, routed
         finally:

@@ -37,6 +37,7 @@ from gateway.server.http.errors import (
     ApiError,
     Conflict,
     InvalidField,
+    StoreUnavailable,
     from_store_error,
     upstream_failed,
 )
@@ -48,7 +49,7 @@ from gateway.server.runs.auto_resume import follow_until_stopped, resumes_on_dec
 from gateway.server.runs.driver import Drive, FromClient, Prepare, StartKind, last_answer
 from gateway.server.runs.keying import Call
 from gateway.store.base import Event
-from gateway.store.errors import StoreError
+from gateway.store.errors import SpoolNotReady, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +139,10 @@ async def drive_watched(request: web.Request, run_id: str, prepare: Prepare, sta
     except RunBusy as exc:  # it stops soon: a retry can succeed
         raise Conflict(str(exc), code="run_busy", headers={"x-should-retry": "true", "retry-after": "1"}) from None
     except StoreError as exc:  # an ApiError here, so a stream already open ends with it too
-        log.warning("run %s: the store failed: %s", run_id, exc)
-        raise from_store_error(exc) from None
+        error = from_store_error(exc)
+        if isinstance(error, StoreUnavailable) and not isinstance(exc, SpoolNotReady):  # logged once until it recovers
+            request.app[ctx.STORE_HEALTH].fail(f"{exc} (driving run {run_id})")
+        raise error from None
     finally:
         watcher.cancel()
 

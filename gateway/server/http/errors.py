@@ -11,6 +11,8 @@ Handlers raise; one middleware renders. The tree (HTTP status, `error.type`):
     ├── Forbidden                    403 permission_error, code policy_not_allowed
     ├── NotFound                     404 not_found_error, code model_not_found | run_not_found | route_not_found
     ├── MethodNotAllowed             405 invalid_request_error
+    ├── RequestTimeout               408 invalid_request_error, code header_timeout | body_timeout
+    │                                    (the client sent its request too slowly; the connection closes)
     ├── Conflict                     409 conflict_error (a run that cannot take calls now;
     │                                    x-should-retry: false, but true on run_busy)
     ├── PayloadTooLarge              413 invalid_request_error, code body_too_large
@@ -29,6 +31,8 @@ Handlers raise; one middleware renders. The tree (HTTP status, `error.type`):
     │                                    code content_filter: + param, innererror as the upstream gave)
     ├── StoreUnavailable             503 server_error, code store_unavailable
     │                                    (+ headers retry-after, x-should-retry: true)
+    ├── Overloaded                   503 server_error, code too_many_connections
+    │                                    (+ headers retry-after, x-should-retry: true; the connection closes)
     └── InternalError                500 server_error
 
 A `StoreError` that reaches the middleware is answered by `from_store_error`: a store
@@ -55,7 +59,7 @@ from aiohttp import web
 
 from gateway.harness.state import Interruption, InterruptionType, Status, public_run_id
 from gateway.providers.errors import UpstreamError
-from gateway.store.errors import RunExists, RunNotFound, StaleRun, StoreError
+from gateway.store.errors import RunExists, RunNotFound, SpoolNotReady, StaleRun, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -269,6 +273,27 @@ class StoreUnavailable(ApiError):
                          headers={"retry-after": str(STORE_RETRY_AFTER_S), "x-should-retry": "true"})
 
 
+class RequestTimeout(ApiError):
+    """The client did not send its request head, or its body, within the server's timeout."""
+
+    status = 408
+    type = "invalid_request_error"
+
+    def __init__(self, message: str, code: Literal["header_timeout", "body_timeout"]) -> None:
+        super().__init__(message, code=code, headers={"Connection": "close"})
+
+
+class Overloaded(ApiError):
+    """This process holds as many connections as it may (`server.max_connections`)."""
+
+    status = 503
+    type = "server_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="too_many_connections",
+                         headers={"retry-after": "1", "x-should-retry": "true", "Connection": "close"})
+
+
 def from_store_error(exc: StoreError) -> ApiError:
     """The answer to a store failure: 409 for a refusal about one run, else 503 (retryable)."""
     if isinstance(exc, RunNotFound):
@@ -277,8 +302,12 @@ def from_store_error(exc: StoreError) -> ApiError:
     if isinstance(exc, (StaleRun, RunExists)):
         return Conflict(f"run {public_run_id(exc.run_id)} changed while this call used it; retry the call",
                         code="run_conflict")
-    # The store's own words name hosts and files: they go to the log, not to clients.
-    log.warning("the store failed: %s", exc)
+    if isinstance(exc, SpoolNotReady):
+        return StoreUnavailable("this gateway process cannot take calls now: the spool, where it keeps a paid turn "
+                                "its store cannot take, has no room set aside (a full disk?); nothing was forwarded, "
+                                "retry in a moment (GET /readyz says when it is ready)")
+    # The store's own words name hosts and files: they go to the log (the caller's, once per
+    # failure of the store: `ctx.STORE_HEALTH`), not to clients.
     return StoreUnavailable("the gateway's store is unavailable; retry in a moment")
 
 

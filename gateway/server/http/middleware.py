@@ -4,7 +4,8 @@ Every request's headers are checked first (`request_headers.check`: UTF-8 text, 
 or 401), so no handler meets an undecodable one. Any `ApiError` becomes its JSON answer (with the run's headers when a run is known);
 aiohttp's own errors (unknown route, wrong method, body too big) get the same shape; an
 unexpected exception is logged and answered 500 without details; a store failure is a
-503 `store_unavailable` (`errors.from_store_error`). `requests_total` is
+503 `store_unavailable` (`errors.from_store_error`), and fails the store's health (logged
+once until it recovers, `ctx.STORE_HEALTH`). `requests_total` is
 labelled by route template (never the raw path, so run ids stay out of labels), and
 `overhead_seconds` is the handler's time minus the time spent waiting on the upstream.
 The scripted provider mounted at /scripted/v1 is an upstream that happens to live in this
@@ -30,6 +31,7 @@ from gateway.server.http.errors import (
     ApiError,
     InternalError,
     LimitExceeded,
+    StoreUnavailable,
     from_http_exception,
     from_store_error,
     upstream_failed,
@@ -37,7 +39,7 @@ from gateway.server.http.errors import (
 from gateway.server.http import request_headers
 from gateway.server.http.headers import run_headers
 from gateway.server.metrics import end_exemplar_run, exemplar_run
-from gateway.store.errors import StoreError
+from gateway.store.errors import SpoolNotReady, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +104,10 @@ async def gateway_middleware(request: web.Request, handler: Handler) -> web.Stre
             error.message = f"no route for {request.method} {request.path}; this gateway serves {served_routes(request.app)}"
         response = _error_response(request, error)
     except StoreError as exc:
-        log.warning("store failed on %s %s: %s", request.method, request.path, exc)
-        response = _error_response(request, from_store_error(exc))
+        error = from_store_error(exc)
+        if isinstance(error, StoreUnavailable) and not isinstance(exc, SpoolNotReady):  # logged once until it recovers
+            request.config_dict[ctx.STORE_HEALTH].fail(f"{exc} (on {request.method} {request.path})")
+        response = _error_response(request, error)
     except Exception:
         log.exception("unexpected error on %s %s", request.method, request.path)
         response = _error_response(request, InternalError("the gateway failed on this request; see its log"))

@@ -20,7 +20,9 @@ from gateway.server.http.errors import (
     InvalidField,
     InvalidJSON,
     PayloadTooLarge,
+    RequestTimeout,
 )
+from gateway.server.http.listener import BodyTimedOut
 
 MAX_DEPTH: Final = 64
 """Containers (objects, arrays) nested in a body, counting the body itself: deeper bodies
@@ -166,12 +168,15 @@ def json_object(raw: bytes, expected: str) -> dict[str, Any]:
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
-    """The body, refused with 413 past `limit` (declared or actual size)."""
+    """The body, refused with 413 past `limit` (declared or actual size), and with 408
+    `body_timeout` when it did not arrive within `server.body_timeout_s`."""
     size = request.content_length
     if size is not None and size > limit:
         raise PayloadTooLarge(limit, size)
     try:
         return await request.read()
+    except BodyTimedOut as exc:  # the listener's body_timeout_s: the rest of the body cannot be awaited
+        raise RequestTimeout(str(exc), "body_timeout") from None
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLarge(limit) from None
     except web.RequestPayloadError:  # aiohttp's decoder refused the bytes (bad gzip, broken chunks)

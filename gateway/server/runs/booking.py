@@ -6,12 +6,16 @@ store step (`Store.commit_turn`, which also reports the team's ledger for the he
 writes the line to the trace file and counts the turn in the metrics, before the client sees
 the answer's end, so the client's next call always meets the updated run. If that step
 fails for good, the spend is still booked on its own: the money was spent upstream; if the
-store cannot be reached at all, the turn waits in a local durable spool (`spool_file`) and
-is booked, exactly once, when the store is back (`replay_spool`, run in the background).
+store cannot take it at all (unreachable, or its disk full), the turn waits in a local
+durable spool (`spool_file`, with room set aside for it) with its reservation held, and is
+booked, exactly once, when the store takes writes again (`keep_booking`, in the background).
+The store's health (`ctx.STORE_HEALTH`) follows these writes: failing from the first that
+fails, ok again from the first that succeeds (or a probe write, `probe_write`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -29,11 +33,12 @@ from gateway.providers.repair import Repair
 from gateway.server import context as ctx
 from gateway.server.http.errors import Conflict, LimitExceeded, limit_stop
 from gateway.server.http.headers import run_headers
-from gateway.server.runs.governor import Admission
+from gateway.server.runs.governor import Admission, Governor
 from gateway.server.runs.keying import Call, add_turn, commit_run, stop_run
 from gateway.server.runs.replies import checked_usage
 from gateway.store import tracefile
-from gateway.store.base import Booking, Event, Ledger, TokenCharge
+from gateway.store.base import Booking, Event, Ledger
+from gateway.store.spool import BOOKING_ONLY, booking_from_json, booking_json
 from gateway.store.errors import AlreadyBooked, RunNotFound, StaleRun, StoreError
 
 if TYPE_CHECKING:
@@ -41,6 +46,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+SPOOL_REPLAY_S = 1.0
+"""How often the spool is looked at (`keep_booking`)."""
 
 
 @dataclass(frozen=True)
@@ -130,9 +137,7 @@ class TurnRecord:
                 "upstream": self.upstream, "reported": None if self.reported is None else self.reported.to_json(),
                 "attempts": list(self.attempts),
                 "repairs": list(self.repairs),
-                "booking": None if b is None else {"team": b.team, "period": b.period, "actual_usd": b.actual_usd,
-                                                   "reservation_id": b.reservation_id,
-                                                   "tokens": [[c.scope, c.tokens, c.tokens_s] for c in b.tokens]}}
+                "booking": None if b is None else booking_json(b)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TurnRecord:
@@ -140,10 +145,7 @@ class TurnRecord:
         return cls(str(data["run_id"]), str(data["model"]), Usage.from_json(data["usage"]), float(data["cost_usd"]),
                    list(data["transcript"]), bool(data["completed"]), str(data["finish"]), str(data["upstream"]),
                    None if data.get("reported") is None else Usage.from_json(data["reported"]),
-                   None if b is None else Booking(str(b["team"]), str(b["period"]), float(b["actual_usd"]),
-                                                  b.get("reservation_id"), if_held=True, tokens=tuple(
-                                                      TokenCharge(str(s), int(n), float(per))
-                                                      for s, n, per in b.get("tokens") or ())),
+                   None if b is None else booking_from_json(b),
                    tuple(data.get("attempts") or ()),
                    tuple(cast(RepairFields, {str(k): str(v) for k, v in r.items()}) for r in data.get("repairs") or ()))
 
@@ -161,9 +163,25 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
     (`checked_usage`, counting `message` and the `others` choices of the answer); then the
     gateway's count is booked, and a `usage_clamped` line says so. `response_model`: the model
     the upstream's answer names (its trace span's `gen_ai.response.model`).
-    If the store cannot be reached, the turn is written to the spool (booked when the store
-    is back) and the call is answered with the run as it will be.
+    If the store cannot take it (unreachable, or its disk full), the turn is written to the
+    spool (booked when the store is back) and the call is answered with the run as it will be.
     """
+    share = request.get(ctx.SHARE)
+    cancelled = share is not None and not await share.take_for_booking()
+    try:
+        booked = await _book_turn(request, call, adm, reported, message, finish, routed, repairs, others,
+                                  response_model)
+    finally:
+        if share is not None:  # the slot is the booking's alone, not the writing of the answer's end
+            share.give_back()  # (a client reading slowly would hold its team's share)
+    if cancelled:  # a cancel came while it waited for its slot: raised once the spend is booked
+        raise asyncio.CancelledError
+    return booked
+
+
+async def _book_turn(request: web.Request, call: Call, adm: Admission, reported: Usage | None, message: Message,
+                     finish: str, routed: RoutedCall | None, repairs: Sequence[Repair],
+                     others: Sequence[Message], response_model: str | None) -> Booked:
     app = request.app
     governor = app[ctx.GOVERNOR]
     chat = call.chat
@@ -194,7 +212,7 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
         app[ctx.RUN_CACHE].drop(call.run.run_id)
         if isinstance(exc, (StaleRun, RunNotFound)):
             raise
-        run = await _spool(app, call.run, record, exc)
+        run = _spool(app, call.run, record, exc)
         call.run = run
         request[ctx.RUN] = run
         if span is not None:
@@ -224,8 +242,10 @@ def _on_span(span: ChatSpan, record: TurnRecord, answer: Answer | None, seconds:
 
 async def commit_turn_record(app: web.Application, run: RunState, record: TurnRecord) -> tuple[RunState, Ledger | None]:
     """Book `record` on `run` in one store step (`commit_run`), then append its trace lines to
-    the trace file. A failure other than the store's being unreachable still books the spend."""
+    the trace file. A failure other than the store's being unreachable still books the spend
+    (into the spool, if the store cannot take that either)."""
     governor = app[ctx.GOVERNOR]
+    health = app[ctx.STORE_HEALTH]
     try:
         # Bookings of one run take turns here; between replicas, each round of revision
         # conflicts books at least one of the run's calls in flight, which are bounded.
@@ -234,9 +254,12 @@ async def commit_turn_record(app: web.Application, run: RunState, record: TurnRe
                                                    record.booking,
                                                    attempts=app[ctx.CONFIG].defaults.max_calls_in_flight_per_run + 8)
     except BaseException as exc:
-        if record.booking is not None and not _unreachable(exc):
-            await _book_alone(governor.book, record.booking, exc)
+        if _unreachable(exc):
+            health.fail(str(exc))
+        elif record.booking is not None:
+            await book_alone(governor, record.booking, exc)
         raise
+    health.recover()
     append_trace_file(app[ctx.CONFIG].trace_file, events)
     return run, ledger
 
@@ -245,54 +268,98 @@ def _unreachable(exc: BaseException) -> bool:
     return isinstance(exc, StoreError) and not isinstance(exc, (StaleRun, RunNotFound, AlreadyBooked))
 
 
-async def _spool(app: web.Application, run: RunState, record: TurnRecord, exc: StoreError) -> RunState:
-    """The store is unreachable after the upstream was paid: keep the turn durably in the
-    spool and answer with the run as it will be once booked."""
-    try:
-        app[ctx.SPOOL].append(record.to_json())
-    except StoreError:
-        log.exception("cannot spool a turn of run %s ($%.9f): the store failed with %s", run.run_id,
-                      record.cost_usd, exc)
-        raise exc from None
-    log.warning("run %s: the store failed (%s); its turn ($%.9f) is spooled until the store is back", run.run_id,
-                exc, record.cost_usd)
+def _spool(app: web.Application, run: RunState, record: TurnRecord, exc: StoreError) -> RunState:
+    """The store failed after the upstream was paid: keep the turn durably in the spool, its
+    reservation held, and answer with the run as it will be once booked."""
+    app[ctx.GOVERNOR].keep(record.booking, record.to_json(), exc)
     ahead = run.copy()
     record.change()(ahead)
     return ahead
 
 
 async def replay_spool(app: web.Application) -> int:
-    """Book every spooled turn, oldest first, exactly once; stops at the first that the store
-    still cannot take. Returns how many were booked."""
+    """Book every spooled turn (and spend), oldest first, exactly once; stops at the first
+    that the store still cannot take. Returns how many were booked."""
     spool = app[ctx.SPOOL]
-    done: set[str] = set()
+    governor = app[ctx.GOVERNOR]
+    done: dict[str, str | None] = {}  # record id -> its reservation
     try:
         for data in spool.pending():
-            record = TurnRecord.from_json(data)
-            run = await app[ctx.STORE].load_run(record.run_id)
+            record = None if data.get("only") == BOOKING_ONLY else TurnRecord.from_json(data)
+            booking = record.booking if record is not None else booking_from_json(data["booking"])
             try:
-                if run is None:  # the run is gone: the money was spent all the same
-                    if record.booking is not None:
-                        await app[ctx.GOVERNOR].book(record.booking)
+                if record is None:
+                    if booking is not None:
+                        await governor.book(booking)
                 else:
-                    await commit_turn_record(app, run, record)
+                    run = await app[ctx.STORE].load_run(record.run_id)
+                    if run is None:  # the run is gone: the money was spent all the same
+                        if booking is not None:
+                            await governor.book(booking)
+                    else:
+                        await commit_turn_record(app, run, record)
             except AlreadyBooked:
                 pass  # booked before a crash kept it from being dropped
-            done.add(str(data["id"]))
+            done[str(data["id"])] = booking.reservation_id if booking is not None else None
     except StoreError as exc:
         if not done:
             log.debug("the spool waits for the store: %s", exc)
     finally:
-        spool.drop(done)
+        spool.drop(set(done))
+        governor.booked([rid for rid in done.values() if rid is not None])
+    if done:
+        app[ctx.STORE_HEALTH].recover()
     return len(done)
 
 
-async def _book_alone(book: Callable[[Booking], Awaitable[None]], booking: Booking, exc: BaseException) -> None:
-    """The turn's save failed for good: book its spend anyway. A settle is idempotent, so it
-    is safe whatever happened; a charge only when the store surely wrote nothing."""
-    if booking.reservation_id is None and not isinstance(exc, (StaleRun, RunNotFound, Conflict)):
+async def keep_booking(app: web.Application) -> None:
+    """Every `SPOOL_REPLAY_S`, until cancelled: records the spool could not write are written,
+    its reserve checked and topped up, spooled spend booked as soon as the store takes it, and, while the
+    store is failing with nothing spooled, a probe write tells when it takes writes again."""
+    spool, governor, health = app[ctx.SPOOL], app[ctx.GOVERNOR], app[ctx.STORE_HEALTH]
+    while True:
+        try:
+            spool.write_unwritten()
+            spool.keep_reserve()  # every pass: another process sharing the spool may have used its room
+            if spool.has_pending():
+                booked = await replay_spool(app)
+                if booked:
+                    log.warning("booked %d spooled turns", booked)
+            elif not health.ok:
+                await probe_write(app)
+            waiting = spool.reservations() if governor.spooled else set()
+            governor.booked(governor.spooled - waiting)  # booked by another process sharing the spool
+            app[ctx.METRICS].set_spooled(len(spool.pending()) if spool.has_pending() else 0)
+        except StoreError as exc:
+            log.debug("the spool waits: %s", exc)
+        except Exception:
+            log.exception("booking the spool failed")
+        await asyncio.sleep(SPOOL_REPLAY_S)
+
+
+async def probe_write(app: web.Application) -> None:
+    """One small write (a lease of this process's own, taken and given back): the store's
+    health recovers when it succeeds."""
+    owner = app[ctx.GOVERNOR].owner or "gateway"
+    store = app[ctx.STORE]
+    try:
+        await store.acquire_lease(f"probe:{owner}", owner, 5.0)
+        await store.release_lease(f"probe:{owner}", owner)
+    except StoreError as exc:
+        app[ctx.STORE_HEALTH].fail(str(exc))
+        return
+    app[ctx.STORE_HEALTH].recover()
+
+
+async def book_alone(governor: Governor, booking: Booking, exc: BaseException) -> None:
+    """A call's save on its run failed with `exc` (a turn's for good, or embeddings' on a run):
+    book its spend on the ledgers anyway, into the spool when the store cannot take it now
+    (`Governor.book_surely`). A settle is idempotent, so it is safe whatever happened; a charge
+    when the store refused the save (it wrote nothing) or could not be reached (like a
+    spooled turn's), not when the call was cancelled mid-save (it may have been written)."""
+    if booking.reservation_id is None and not (isinstance(exc, (StaleRun, RunNotFound, Conflict)) or _unreachable(exc)):
         return
     try:
-        await book(booking)
+        await governor.book_surely(booking)
     except Exception:
-        log.exception("cannot book $%.9f of team %s after a failed turn save", booking.actual_usd, booking.team)
+        log.exception("cannot book $%.9f of team %s after a failed save on its run", booking.actual_usd, booking.team)

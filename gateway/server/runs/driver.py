@@ -52,6 +52,7 @@ from gateway.policy.decl import Policy
 from gateway.policy.executors import CompileError, ToolEnv, compile_options
 from gateway.policy.registry import PolicyRegistry
 from gateway.policy.sandbox import prepare_sandbox, sandbox_config
+from gateway.policy.threads import ToolThreads
 from gateway.providers.errors import UpstreamError
 from gateway.server.http.errors import (
     ApiError,
@@ -137,7 +138,8 @@ class RunDriver:
                  price_for: Callable[[str], Price], runs_dir: Path, session: aiohttp.ClientSession | None = None,
                  trace_file: Path | None = None, metrics: Metrics | None = None, owner: str | None = None,
                  lease_ttl_s: float = DEFAULT_LEASE_TTL_S, cancel_poll_s: float = 0.1,
-                 store_deadline_s: float = DEFAULT_STORE_TIMEOUT_S, tracing: Tracing | None = None) -> None:
+                 store_deadline_s: float = DEFAULT_STORE_TIMEOUT_S, threads: ToolThreads | None = None,
+                 tracing: Tracing | None = None) -> None:
         self.store = store
         self.policies = policies
         self.model_for = model_for
@@ -150,6 +152,7 @@ class RunDriver:
         self.lease_ttl_s = lease_ttl_s
         self.cancel_poll_s = cancel_poll_s
         self.store_deadline_s = store_deadline_s
+        self.threads = threads
         self.active = ActiveRuns()
         self.approvals = PendingApprovals(store, metrics)
         self.tracing = tracing
@@ -227,7 +230,7 @@ class RunDriver:
         try:
             env = ToolEnv(session=self.session, model=model, model_name=state.model, price_for=self.price_for,
                           registry=self.policies, sandbox_root=self.sandbox_of(state, policy), on_event=writer,
-                          propagate=tracing.inject if tracing is not None else None)
+                          threads=self.threads, propagate=tracing.inject if tracing is not None else None)
             options = compile_options(policy, env, client_tools=list(client.tools), sampling=dict(client.sampling),
                                       max_tokens=client.max_tokens, checkpoint=checkpoint)
         except (CompileError, OSError) as exc:

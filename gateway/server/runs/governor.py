@@ -41,7 +41,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import TracebackType
@@ -64,8 +64,9 @@ from gateway.store.base import (
     RateLimit,
     Store,
 )
-from gateway.store.errors import StoreError
+from gateway.store.errors import AlreadyBooked, RunNotFound, SpoolNotReady, StaleRun, StoreError
 from gateway.store.periods import PeriodKind, period_key
+from gateway.store.spool import BOOKING_ONLY, Spool, booking_json
 from gateway.tokens import TokenCounter
 
 log = logging.getLogger(__name__)
@@ -155,8 +156,11 @@ class Governor:
     """Admission control shared by the pass-through route and server-side runs."""
 
     def __init__(self, store: Store, counter: TokenCounter, defaults: Defaults, clock: Clock = _utc_now, *,
-                 owner: str = "", ttl_s: float = DEFAULT_RESERVATION_TTL_S) -> None:
+                 owner: str = "", ttl_s: float = DEFAULT_RESERVATION_TTL_S, spool: Spool | None = None) -> None:
         self.store = store
+        self.spool = spool
+        """Where spend the store cannot take waits (`book_surely`); while its reserve is not
+        intact, no call is admitted."""
         self.counter = counter
         self.defaults = defaults
         self.clock = clock
@@ -164,6 +168,8 @@ class Governor:
         self.ttl_s = ttl_s
         self._periods: dict[tuple[object, ...], str] = {}
         self._live: set[str] = set()  # reservations of calls in flight here (renewed)
+        self.spooled: set[str] = set()
+        """Reservations of spend waiting in the spool: held (renewed) until it is booked."""
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         # by team and key scope: the rate limits, and the fewest tokens one of them allows per window
         self._rates: dict[int, tuple[TeamConfig, tuple[RateLimit, ...], int | None]] = {}
@@ -285,6 +291,9 @@ class Governor:
 
     async def _admit(self, adm: Admission, ask: Ask, claim: Claims, run_budget: float | None,
                      run_left: float | None = None) -> None:
+        if self.spool is not None and not self.spool.intact:
+            adm.closed = True
+            raise SpoolNotReady(f"the spool {self.spool.path} has no room set aside: {self.spool.condition.detail}")
         team = adm.team
         limited = adm.token_cap is not None  # a limit of tokens: the prompt is counted against it
         budgeted = team.budget_usd is not None or bool(adm.holds)
@@ -431,14 +440,11 @@ class Governor:
 
     async def settle(self, adm: Admission, actual_usd: float, tokens: int | None = None) -> None:
         """Book the call's actual cost (the team's ledger holds it even without a budget) and
-        reconcile its rate limits with the `tokens` it really used (prompt + completion)."""
-        if not self._close(adm):
-            return
-        if adm.reservation is not None:
-            await self.store.settle(adm.reservation, actual_usd,
-                                    self.allowances.charges(adm.allowance, adm.rates, adm.counted_tokens, tokens))
-        elif actual_usd > 0:
-            await self.store.charge(adm.team.name, adm.period or self.period(adm.team), actual_usd, adm.attribution)
+        reconcile its rate limits with the `tokens` it really used (prompt + completion).
+        When the store cannot take it now, it waits in the spool (`book_surely`)."""
+        booking = self.booking(adm, actual_usd, tokens)
+        if booking is not None:
+            await self.book_surely(booking)
 
     def booking(self, adm: Admission, actual_usd: float, tokens: int | None = None) -> Booking | None:
         """Close the call and say what `Store.commit_turn` must book for it (what `settle`
@@ -458,6 +464,38 @@ class Governor:
             await self.store.settle(booking.reservation_id, booking.actual_usd, booking.tokens)
         elif booking.actual_usd > 0:
             await self.store.charge(booking.team, booking.period, booking.actual_usd, booking.attribution)
+
+    async def book_surely(self, booking: Booking) -> None:
+        """`book`, and when the store cannot take it now, keep it in the spool (booked once
+        the store takes it, by `booking.replay_spool`) with its reservation held meanwhile:
+        spent money is never unbooked. Raises only what the store refuses about the booking."""
+        try:
+            await self.book(booking)
+        except (AlreadyBooked, StaleRun, RunNotFound):
+            raise
+        except StoreError as exc:
+            if self.spool is None:
+                raise
+            self.keep(booking, {"only": BOOKING_ONLY, "booking": booking_json(booking)}, exc)
+
+    def keep(self, booking: Booking | None, record: dict[str, Any], exc: StoreError) -> None:
+        """`record` (spend the store failed to take with `exc`) into the spool, `booking`'s
+        reservation held until it is booked. A record the spool cannot write either waits in
+        this process's memory (`Spool.append`); the spool's condition says so."""
+        assert self.spool is not None
+        if booking is not None and booking.reservation_id is not None:
+            self.spooled.add(booking.reservation_id)
+            self._live.add(booking.reservation_id)
+        with contextlib.suppress(StoreError):  # kept in memory, and logged (once) by the spool's condition
+            self.spool.append(record)
+        log.debug("$%.9f of team %s waits in the spool: the store failed with %s",
+                  booking.actual_usd if booking else 0.0, booking.team if booking else "-", exc)
+
+    def booked(self, reservation_ids: Collection[str]) -> None:
+        """Spooled spend now booked (or booked elsewhere): its reservations are not held any more."""
+        for rid in reservation_ids:
+            self.spooled.discard(rid)
+            self._live.discard(rid)
 
     async def release(self, adm: Admission) -> None:
         """Nothing to pay: give the reservation (and the run's slot) back."""
@@ -496,9 +534,13 @@ class Governor:
                 self._locks[run_id] = (lock, users - 1)
 
     async def start(self) -> None:
-        """A restarted process gives back what its previous life still held."""
+        """A restarted process gives back what its previous life still held, but for the
+        reservations of spend waiting in the spool: those it holds until they are booked."""
+        spooled = self.spool.reservations() if self.spool is not None else set()
+        self.spooled |= spooled
+        self._live |= spooled
         if self.owner:
-            released = await self.store.release_owner(self.owner)
+            released = await self.store.release_owner(self.owner, keep=spooled)
             if released:
                 log.info("released %d reservations left by this gateway's previous process", released)
 

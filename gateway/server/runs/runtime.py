@@ -13,6 +13,7 @@ from aiohttp import web
 
 from gateway.harness.state import RunState
 from gateway.harness.usage import DEFAULT_PRICE, Price
+from gateway.policy.threads import ToolThreads
 from gateway.server import context as ctx
 from gateway.server.runs.auto_resume import BACKGROUND
 from gateway.server.runs.cancels import ActiveRuns
@@ -40,10 +41,13 @@ async def driver_ctx(app: web.Application) -> AsyncIterator[None]:
         return route.price if route is not None else DEFAULT_PRICE
 
     owner = app[ctx.GOVERNOR].owner  # the same name for its leases as for its reservations
+    metrics = app[ctx.METRICS]
+    threads = ToolThreads(config.server.tool_threads, metrics.on_tool_threads)
+    metrics.tool_threads.set(threads.size)
     driver = RunDriver(app[ctx.STORE], app[ctx.POLICIES], model_for=model_for, price_for=price_for,
                        runs_dir=config.runs_dir, session=app[ctx.SESSION], trace_file=config.trace_file,
-                       metrics=app[ctx.METRICS], owner=owner, lease_ttl_s=config.server.lease_ttl_s,
-                       store_deadline_s=config.store.timeout_s, tracing=app.get(ctx.TRACING))
+                       metrics=metrics, owner=owner, lease_ttl_s=config.server.lease_ttl_s,
+                       store_deadline_s=config.store.timeout_s, threads=threads, tracing=app.get(ctx.TRACING))
     driver.approvals.teams = lambda: [team.name for team in app[ctx.CONFIG].teams]
     app[ctx.DRIVER] = driver
     sweeper = Sweeper(driver, trace_file=config.trace_file, period_s=config.server.lease_ttl_s / 2)
@@ -61,6 +65,7 @@ async def driver_ctx(app: web.Application) -> AsyncIterator[None]:
         await asyncio.wait({sweeping}, timeout=SHUTDOWN_GRACE_S)
         await sweeper.close()
         await stop_all(driver.active, SHUTTING_DOWN)
+        threads.close()
 
 
 async def stop_runs(app: web.Application) -> None:
