@@ -1,16 +1,19 @@
-"""`gateway approvals`: decide pending tool calls from a terminal, over the runs API.
+"""`gateway approvals`: decide pending tool calls and limit requests from a terminal, over the runs API.
 
-    gateway approvals list                         calls waiting for a decision you may make
-    gateway approvals show RUN                     one run: the call it waits for, its arguments, context
-    gateway approvals approve RUN CALL [--reason]  approve the call
+    gateway approvals list                         calls and limit requests waiting for a decision you may make
+    gateway approvals show RUN                     one run: what it waits for (a call and its arguments, or a
+                                                   limit and the grant proposed), its context
+    gateway approvals approve RUN CALL [--reason] [--grant LIMIT=AMOUNT ...]
+                                                   approve the call, or grant more (the proposed grant, or yours)
     gateway approvals reject RUN CALL --reason ... reject it, saying why (the model reads it)
 
 RUN is the run's id, or TEAM/ID for another team's run. The gateway is `--url`, else the
 one `--config FILE` describes (its `server.public_url`, else `server.host`/`server.port`),
 else $GATEWAY_URL, else http://127.0.0.1:8080; the key is `--key` (else $GATEWAY_KEY).
-`--json` prints JSON instead of text: `list` gives one object per pending call (its
-`call_id`, `tool_name`, `args`, `run` as TEAM/ID and `waiting_s` at the top, beside the
-run object's fields, as before), the other commands the API's answer. Exit codes: 0 done,
+`--json` prints JSON instead of text: `list` gives one object per pending call or limit
+request (its `kind`, `call_id`, `tool_name`, `args` (a limit request: `limit`, `used`,
+`cap`, `grant`), `run` as TEAM/ID and `waiting_s` at the top, beside the run object's
+fields, as before), the other commands the API's answer. Exit codes: 0 done,
 1 refused or unreachable (the gateway's words are printed), 2 usage.
 """
 
@@ -43,14 +46,14 @@ class CliError(Exception):
 
 def add_parser(sub: Any) -> None:
     """The `approvals` subcommand and its own subcommands (called by `gateway.cli`)."""
-    parser = sub.add_parser("approvals", help="list, show, approve and reject pending tool calls")
+    parser = sub.add_parser("approvals", help="list, show, approve and reject pending tool calls and limit requests")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", help=f"the gateway (default: --config's, else $GATEWAY_URL, else {DEFAULT_URL})")
     common.add_argument("--config", help="a gateway config file: the gateway is the address it serves on")
     common.add_argument("--key", help="an approver team's key (default $GATEWAY_KEY)")
     common.add_argument("--json", action="store_true", help="print the API's JSON")
     actions = parser.add_subparsers(dest="approvals_command", required=True)
-    actions.add_parser("list", parents=[common], help="calls waiting for a decision, oldest first")
+    actions.add_parser("list", parents=[common], help="calls and limit requests waiting for a decision, oldest first")
     show = actions.add_parser("show", parents=[common], help="a run and the call it waits for")
     show.add_argument("run", help="the run's id, or TEAM/ID")
     for verb in ("approve", "reject"):
@@ -59,6 +62,10 @@ def add_parser(sub: Any) -> None:
         decide.add_argument("call", help="the call's id (see `gateway approvals show RUN`)")
         decide.add_argument("--reason", required=verb == "reject", default="",
                             help="why (required to reject: the model is told)")
+        if verb == "approve":
+            decide.add_argument("--grant", action="append", default=[], metavar="LIMIT=AMOUNT",
+                                help="for a limit request: raise LIMIT (max_turns, max_budget_usd, max_tool_calls, "
+                                     "max_duration_s) by AMOUNT instead of the proposed grant; repeatable")
 
 
 def approvals_command(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
@@ -75,7 +82,8 @@ def approvals_command(args: argparse.Namespace, out: TextIO = sys.stdout) -> int
             out.write(_dumps(run) if args.json else render_run(run, time.time()))
         else:
             verdict = "approve" if action == "approve" else "reject"
-            answer = client.decide(args.run, args.call, verdict, args.reason)
+            grant = parse_grant(getattr(args, "grant", None) or [])
+            answer = client.decide(args.run, args.call, verdict, args.reason, grant)
             out.write(_dumps(answer) if args.json else render_decision(answer))
     except CliError as exc:
         print(f"gateway approvals: {exc}", file=sys.stderr)
@@ -101,9 +109,12 @@ class Client:
     def run(self, run: str) -> dict[str, Any]:
         return self._call("GET", _run_path(run))
 
-    def decide(self, run: str, call: str, decision: str, reason: str) -> dict[str, Any]:
-        return self._call("POST", _run_path(run, "/approvals"),
-                          {"call_id": call, "decision": decision, "reason": reason})
+    def decide(self, run: str, call: str, decision: str, reason: str,
+               grant: dict[str, float] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"call_id": call, "decision": decision, "reason": reason}
+        if grant:
+            body["grant"] = grant
+        return self._call("POST", _run_path(run, "/approvals"), body)
 
     def _call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> dict[str, Any]:
         data = None if body is None else json.dumps(body).encode()
@@ -126,37 +137,65 @@ class Client:
         return answer
 
 
+GRANTABLE: Final = ("max_turns", "max_budget_usd", "max_tool_calls", "max_duration_s")
+
+
+def parse_grant(items: list[str]) -> dict[str, float] | None:
+    """`--grant max_turns=3 --grant max_budget_usd=0.25` -> {"max_turns": 3, "max_budget_usd": 0.25}."""
+    out: dict[str, float] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        if not sep or name not in GRANTABLE:
+            raise CliError(f"--grant {item!r}: expected LIMIT=AMOUNT with LIMIT one of {', '.join(GRANTABLE)}", 2)
+        try:
+            value = float(raw)
+        except ValueError:
+            raise CliError(f"--grant {item!r}: {raw!r} is not a number", 2) from None
+        out[name] = int(value) if name in ("max_turns", "max_tool_calls") and value.is_integer() else value
+    return out or None
+
+
 def waiting_call(run: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The approval an interrupted run waits for, if nobody decided it yet."""
+    """The call or limit request an interrupted run waits for, if nobody decided it yet."""
     waiting = run.get("interruption")
-    if run.get("status") != "interrupted" or not isinstance(waiting, dict) or waiting.get("type") != "approval":
+    if run.get("status") != "interrupted" or not isinstance(waiting, dict) or \
+            waiting.get("type") not in ("approval", "limit"):
         return None
     decisions = run.get("decisions") or {}
     return None if waiting.get("call_id") in decisions else waiting
 
 
 def pending_calls(runs: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
-    """One object per pending call, for scripts: the call's fields at the top level (a run
-    waits for one call at a time), the run object's fields beside them as before."""
+    """One object per pending call or limit request, for scripts: its fields at the top
+    level (a run waits for one at a time; `kind` says which), the run object's fields
+    beside them as before."""
     out = []
     for run in runs:
         call = waiting_call(run) or {}
-        out.append({**run, "call_id": call.get("call_id"), "tool_name": call.get("tool_name"),
-                    "args": call.get("args"), "run": f"{run.get('team')}/{run.get('id')}",
-                    "waiting_s": round(max(0.0, now - float(run.get("updated_at") or now)), 3)})
+        item = {**run, "kind": "limit" if call.get("type") == "limit" else "tool_call", "call_id": call.get("call_id"),
+                "tool_name": call.get("tool_name"), "args": call.get("args"),
+                "run": f"{run.get('team')}/{run.get('id')}",
+                "waiting_s": round(max(0.0, now - float(run.get("updated_at") or now)), 3)}
+        if call.get("type") == "limit":
+            item.update(limit=call.get("limit"), used=call.get("used"), cap=call.get("cap"), grant=call.get("grant"))
+        out.append(item)
     return out
 
 
 def render_list(runs: list[dict[str, Any]], now: float) -> str:
     """One line per pending call: run (TEAM/ID), policy, call, tool, arguments (short), waiting for."""
     if not runs:
-        return "No calls wait for a decision.\n"
+        return "No calls or limit requests wait for a decision.\n"
     rows = [("RUN", "POLICY", "CALL", "TOOL", "ARGUMENTS", "WAITING")]
     for run in runs:
         call = waiting_call(run) or {}
+        if call.get("type") == "limit":
+            tool, args = f"limit {call.get('limit')}", f"used {_num(call.get('used'))} of {_num(call.get('cap'))}; " \
+                                                        f"grant {_grant(call.get('grant'))}"
+        else:
+            tool, args = str(call.get("tool_name")), _args(call.get("args"))
         rows.append((f"{run.get('team')}/{run.get('id')}", str(run.get("policy")), str(call.get("call_id")),
-                     str(call.get("tool_name")), _short(_args(call.get("args"))),
-                     _age(now - float(run.get("updated_at") or now))))
+                     tool, _short(args), _age(now - float(run.get("updated_at") or now))))
     safe = [tuple(_safe(c) for c in row) for row in rows]
     widths = [max(len(row[i]) for row in safe) for i in range(len(rows[0]))]
     return "".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() + "\n" for row in safe)
@@ -169,7 +208,12 @@ def render_run(run: dict[str, Any], now: float) -> str:
              f"policy    {run.get('policy')}   model {run.get('model')}",
              f"turns     {run.get('turns')}   cost ${float(run.get('cost_usd') or 0):.6f}"]
     call = waiting_call(run)
-    if call is not None:
+    if call is not None and call.get("type") == "limit":
+        lines += [f"waiting   {_age(now - float(run.get('updated_at') or now))} for a grant on limit request "
+                  f"{call.get('call_id')}: its {call.get('limit')} ({_num(call.get('used'))} of "
+                  f"{_num(call.get('cap'))} used)", f"proposed  {_grant(call.get('grant'))}",
+                  f"why       {call.get('reason') or ''}"]
+    elif call is not None:
         lines += [f"waiting   {_age(now - float(run.get('updated_at') or now))} for a decision on call "
                   f"{call.get('call_id')}: {call.get('tool_name')}", "arguments", _indent(_args(call.get("args")))]
     transcript = run.get("transcript") or []
@@ -189,16 +233,36 @@ def render_run(run: dict[str, Any], now: float) -> str:
 def render_decision(answer: dict[str, Any]) -> str:
     decision = answer.get("decision") or {}
     run = answer.get("run") or {}
-    verb = "approved" if decision.get("decision") == "approve" else "rejected"
-    note = " (the approval had expired: recorded as a rejection)" if decision.get("expired") else ""
     rid = str(run.get("id"))
     if answer.get("run_resumes_on_decision"):
         then = "the gateway resumes the run now (its policy says on_decision: resume)"
     else:
         then = (f"the run waits for its owner to resume it (POST /v1/runs/{quote(rid, safe='')}/resume with "
                 f"team {run.get('team')}'s key, or the run's next chat call)")
+    if decision.get("kind") == "limit":
+        if decision.get("decision") == "approve":
+            raised = ", ".join(f"{k} {_num((decision.get('before') or {}).get(k))} -> {_num(v)}"
+                               for k, v in (decision.get("after") or {}).items())
+            text = f"granted more to run {run.get('team')}/{rid}: {raised}; {then}"
+        else:
+            note = " (the request had expired)" if decision.get("expired") else ""
+            text = (f"rejected more {decision.get('limit')} for run {run.get('team')}/{rid}{note}; "
+                    f"the run is {run.get('status')}")
+        return _safe(text) + "\n"
+    verb = "approved" if decision.get("decision") == "approve" else "rejected"
+    note = " (the approval had expired: recorded as a rejection)" if decision.get("expired") else ""
     text = f"{verb} call {decision.get('call_id')} of run {run.get('team')}/{rid}{note}; {then}"
     return _safe(text) + "\n"
+
+
+def _num(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
+def _grant(grant: Any) -> str:
+    if not isinstance(grant, dict) or not grant:
+        return "nothing"
+    return " ".join(f"{k}+{_num(v)}" for k, v in grant.items())
 
 
 def _url(given: str | None, config: str | None = None) -> str:

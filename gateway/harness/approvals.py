@@ -66,9 +66,11 @@ def resume(state: RunState, limits: Limits | None = None) -> None:
     """Make a stopped-but-resumable run `running` again, optionally with raised limits."""
     if not state.resumable:
         raise ApprovalError(f"run {state.public_id} ended with status {state.status} and cannot be resumed")
-    interruption = state.interruption
-    if interruption is not None and state.waits_for_decision:
-        raise ApprovalError(f"run {state.public_id} waits for a decision on call {interruption.call_id}")
+    waiting = state.waiting_request
+    if waiting is not None:
+        what = f"call {waiting.call_id}" if waiting.type == "approval" else \
+            f"its {waiting.limit} (limit request {waiting.call_id})"
+        raise ApprovalError(f"run {state.public_id} waits for a decision on {what}")
     if limits is not None:
         state.limits = limits
     state.status, state.reason, state.interruption, state.error = "running", None, None, None

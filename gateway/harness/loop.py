@@ -1,5 +1,9 @@
 """The loop: a pure async function over a `RunState`, with five exits.
 
+A limit that asks a person (`RunOptions.limit_ask`, policy `on_exceed: ask`) is one of
+them too: reaching it stops the run as a request for more (`limit_requests`), and the
+decision is applied like a call's, as data, before the next drive.
+
 Each iteration checks the stop conditions first (turn cap, budget, tool-call cap,
 wall-clock cap, the policy's own), then drains `pending(state)` (calls of the last
 assistant message without a result) and only asks the model when nothing is pending. So
@@ -23,9 +27,10 @@ from typing import Any, Final, Literal
 
 import orjson
 
+from gateway.harness import limit_requests
 from gateway.harness.approvals import denial_text
 from gateway.harness.execute import CancelScope, execute, race
-from gateway.harness.model import Model, ModelRequest
+from gateway.harness.model import LimitReached, Model, ModelRequest
 from gateway.harness.options import RunOptions, Stop
 from gateway.harness.state import Interruption, Message, RunState, own_calls, pending
 from gateway.harness.stops import execution_stop, first_stop, signature
@@ -108,9 +113,14 @@ async def _loop(state: RunState, model: Model, options: RunOptions, scope: Cance
         request = ModelRequest(
             model=state.model, messages=state.messages if offers else _asking_the_answer(state.messages),
             tools=specs if offers else [], max_tokens=options.max_tokens,
-            run_id=state.run_id, budget_remaining_usd=_remaining(state), extra=dict(options.sampling),
+            run_id=state.run_id, budget_remaining_usd=_remaining(state), fit_budget=_fits_budget(state, options),
+            extra=dict(options.sampling),
         )
-        finished, reply = await race(model.complete(request), scope)
+        try:
+            finished, reply = await race(model.complete(request), scope)
+        except LimitReached as exc:  # nothing was spent: the budget stops (or asks) before the call
+            return await _stop(state, Stop("budget_exceeded", "max_budget", exc.detail, Interruption("max_budget")),
+                               options, trace)
         if not finished:
             return await _stop(state, _cancelled(scope), options, trace)
         message: Message = own_calls(state, reply.message)
@@ -301,6 +311,13 @@ def _earlier_result(state: RunState, call: dict[str, Any]) -> str | None:
     return None
 
 
+def _fits_budget(state: RunState, options: RunOptions) -> bool:
+    """Whether the run's budget asks a person before it is passed: then a model call must fit
+    in what is left as a whole (`ModelRequest.fit_budget`), so no dollar is spent past it."""
+    ask = options.limit_ask
+    return ask is not None and ask.asks("max_budget_usd") and state.limits.max_budget_usd is not None
+
+
 def _remaining(state: RunState) -> float | None:
     budget = state.limits.max_budget_usd
     return None if budget is None else max(0.0, budget - state.cost_usd)
@@ -318,6 +335,11 @@ async def _save(state: RunState, options: RunOptions) -> None:
 
 
 async def _stop(state: RunState, stop: Stop, options: RunOptions, trace: Tracer, answer: str | None = None) -> Outcome:
+    if options.limit_ask is not None:  # a limit that asks a person becomes a request
+        reached = limit_requests.reached(state, stop, options.limit_ask, options.clock())
+        if reached is not None:
+            stop = reached.stop
+            limit_requests.reached_line(trace, reached, len(state.grants))
     state.status, state.reason, state.interruption = stop.status, stop.reason, stop.interruption
     if stop.status == "failed" and state.error is None:
         state.error = stop.detail

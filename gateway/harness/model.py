@@ -25,6 +25,10 @@ class ModelRequest:
     run_id: str = ""
     # What the run may still spend (None: no run budget); strict-mode adapters clamp to it.
     budget_remaining_usd: float | None = None
+    # The run's budget asks a person before it is passed (`on_exceed: ask`): the whole call (its
+    # prompt and its output allowance) must fit in `budget_remaining_usd`, and its output is
+    # held to that allowance; else the model raises `LimitReached` without making the call.
+    fit_budget: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -47,6 +51,15 @@ class ModelReply:
     # What the gateway repaired in the upstream's tool calls (gateway.providers.repair), as
     # `{repair, tool, detail}`: the loop traces a `tool_call_repaired` line for each.
     repairs: tuple[RepairFields, ...] = ()
+
+
+class LimitReached(Exception):
+    """A model call refused before it was made because it could pass the run's budget
+    (`ModelRequest.fit_budget`): nothing was spent; the loop stops at the budget."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
 
 
 class Model(Protocol):

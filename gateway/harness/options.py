@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from gateway.harness.approvals import rejection_text
-from gateway.harness.state import Interruption, RunState, Status
+from gateway.harness.state import Amounts, Interruption, LimitName, RunState, Status
 from gateway.harness.tools import PermanentToolError, Tool, ToolSpec
 from gateway.harness.trace import EventSink
 from gateway.harness.usage import DEFAULT_PRICE, Price, Usage
@@ -55,6 +55,26 @@ class ToolErrorPolicy:
         return self.text.format(message=message, tool=tool, error_type=type(exc).__name__)
 
 
+@dataclass(frozen=True)
+class LimitAsk:
+    """A policy's `limits: {on_exceed: ask, ask: {...}}`: a limit that `grant` names asks a
+    person for more instead of stopping the run (gateway.harness.limit_requests).
+
+    `approvers` may grant (team names); `grant` is what one grant adds to each limit;
+    after `max_grants` grants (None: no such bound), or once a limit reached `max_total`,
+    the limit stops the run as `on_exceed: stop` does.
+    """
+
+    approvers: tuple[str, ...]
+    grant: Amounts
+    max_grants: int | None = None
+    max_total: Amounts = field(default_factory=dict)
+
+    def asks(self, name: LimitName) -> bool:
+        """Whether reaching limit `name` asks a person (else it stops the run)."""
+        return name in self.grant
+
+
 StopReason = Literal[
     "completed",  # the model answered in prose
     "max_turns",  # the turn cap
@@ -62,6 +82,7 @@ StopReason = Literal[
     "max_tool_calls",  # the cap on tool executions
     "max_duration",  # the wall-clock cap
     "approval",  # a call waits for a person
+    "limit",  # a limit was reached and waits for a person's grant (on_exceed: ask)
     "cancelled",  # Stop, client disconnect (detail says which)
     "tool_error",  # a tool failed and the policy says tool errors are fatal
     "permanent_error",  # a tool failed in a way no retry can fix
@@ -113,6 +134,7 @@ class RunOptions:
     tool_rounds: int | None = None
     stop_when: Sequence[StopCondition] = ()
     approval: ApprovalPolicy = default_approval
+    limit_ask: LimitAsk | None = None  # None: a limit stops the run (on_exceed: stop)
     rejection_text: RejectionText = rejection_text  # never return "": silence reads as success
     max_tokens: int | None = None
     sampling: Mapping[str, Any] = field(default_factory=dict)  # temperature, seed, ...: sent with every call

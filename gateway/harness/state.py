@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Required, TypedDict, cast, get_args
 
 import orjson
 
 from gateway.harness.usage import Usage
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """v2: `model_call_ids` (the calls the gateway's own model turns made: the only ones it
 runs), `tool_calls` (tool executions so far), `started_at` (the first drive), and the
 limits `max_tool_calls` and `max_duration_s`. v3: `key_id` and `user`, the key and the user
 that started the run (a server-side run's turns are held to their budgets and spent in their
-name)."""
+name). v4: limit requests (`on_exceed: ask`): an interruption of type `limit` (`limit`,
+`used`, `cap`, `grant`) and `grants`, the limits a person raised."""
 
 DEFAULT_MAX_TOOL_CALLS = 100
 """Tool executions a run may make when its policy names no `max_tool_calls`: there is
@@ -32,12 +33,21 @@ Status = Literal["running", "completed", "failed", "max_turns_exceeded", "budget
 STATUSES: tuple[Status, ...] = get_args(Status)
 RESUMABLE: frozenset[Status] = frozenset({"running", "max_turns_exceeded", "budget_exceeded",
                                           "max_tool_calls_exceeded", "max_duration_exceeded", "interrupted"})
-InterruptionType = Literal["approval", "max_turns", "max_budget", "max_tool_calls", "max_duration", "cancelled",
-                           "crashed", "rate_limited"]
+InterruptionType = Literal["approval", "limit", "max_turns", "max_budget", "max_tool_calls", "max_duration",
+                           "cancelled", "crashed", "rate_limited"]
+ASKING: frozenset[InterruptionType] = frozenset({"approval", "limit"})
+"""Interruptions that ask a person to decide: a call (`approval`) or a limit request (`limit`).
+Both follow one rule (`RunState.waits_for_decision`, `decided`, `waiting_for`)."""
 WaitingFor = Literal["decision", "resume"]
-"""What a stopped, resumable run waits for: a person's `decision` on the call it stopped
-at, or a `resume` (its owner's `POST /v1/runs/{id}/resume`, the client's next call, or,
-under `approval: {on_decision: resume}`, the gateway itself)."""
+"""What a stopped, resumable run waits for: a person's `decision` on the call (or limit
+request) it stopped at, or a `resume` (its owner's `POST /v1/runs/{id}/resume`, the client's
+next call, or, under `approval: {on_decision: resume}`, the gateway itself)."""
+LimitName = Literal["max_turns", "max_budget_usd", "max_tool_calls", "max_duration_s"]
+"""The limits of a run a person may raise (`Limits` fields; a policy's `limits.ask.grant`)."""
+LIMIT_NAMES: tuple[LimitName, ...] = get_args(LimitName)
+Amounts = dict[LimitName, float]
+"""Figures by limit: a grant (what is added to each), caps, a policy's `max_total`. Turns and
+tool calls are whole numbers (kept as ints)."""
 
 class Message(TypedDict, total=False):
     """One chat message as the wire carries it (system, user, assistant or tool); checked at
@@ -61,14 +71,26 @@ class Interruption:
 
     type: InterruptionType
     call_id: str | None = None
+    """The call a person decides (`approval`), or the id of a limit request (`limit`)."""
     tool_name: str | None = None
     args: Any = None
     reason: str | None = None
+    limit: LimitName | None = None
+    """`limit`: the limit that was reached."""
+    used: float | None = None
+    """`limit`: what the run used of it (turns, USD, tool calls, seconds)."""
+    cap: float | None = None
+    """`limit`: the limit as it was."""
+    grant: Amounts | None = None
+    """`limit`: the grant proposed to the person (what each limit would be raised by)."""
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type}
         if self.type == "approval":
             out.update(call_id=self.call_id, tool_name=self.tool_name, args=self.args)
+        elif self.type == "limit":
+            out.update(call_id=self.call_id, limit=self.limit, used=self.used, cap=self.cap,
+                       grant=dict(self.grant or {}))
         if self.reason is not None:
             out["reason"] = self.reason
         return out
@@ -77,6 +99,9 @@ class Interruption:
     def from_json(cls, data: Any) -> Interruption | None:
         if data is None:
             return None
+        if data["type"] == "limit":
+            return cls("limit", data.get("call_id"), reason=data.get("reason"), limit=data.get("limit"),
+                       used=data.get("used"), cap=data.get("cap"), grant=amounts(data.get("grant")))
         return cls(data["type"], data.get("call_id"), data.get("tool_name"), data.get("args"), data.get("reason"))
 
 
@@ -98,6 +123,20 @@ class Limits:
         return {"max_turns": self.max_turns, "max_budget_usd": self.max_budget_usd, "budget_mode": self.budget_mode,
                 "max_tool_calls": self.max_tool_calls, "max_duration_s": self.max_duration_s}
 
+    def value(self, name: LimitName) -> float | None:
+        """The cap of limit `name` (None: no cap)."""
+        value: float | None = getattr(self, name)
+        return value
+
+    def raised(self, grant: Amounts) -> Limits:
+        """These limits, each one `grant` names raised by its amount (a limit with no cap stays so)."""
+        changes: dict[str, float] = {}
+        for name, add in grant.items():
+            cap = self.value(name)
+            if cap is not None:
+                changes[name] = cap + add
+        return replace(self, **changes)  # type: ignore[arg-type]
+
     @classmethod
     def from_json(cls, data: Any) -> Limits:
         data = data or {}
@@ -115,6 +154,37 @@ class Decision:
 
     def to_json(self) -> dict[str, Any]:
         return {"decision": self.decision, "reason": self.reason, "by": self.by}
+
+
+@dataclass(frozen=True)
+class LimitGrant:
+    """Limits a person raised on a run (`on_exceed: ask`): who, when, by how much, and each
+    raised limit before and after (the run's audit of its own limits)."""
+
+    call_id: str
+    by: str
+    at: float
+    grant: Amounts
+    before: Amounts
+    after: Amounts
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"call_id": self.call_id, "by": self.by, "at": self.at, "grant": dict(self.grant),
+                "before": dict(self.before), "after": dict(self.after), "reason": self.reason}
+
+    @classmethod
+    def from_json(cls, data: Any) -> LimitGrant:
+        return cls(str(data["call_id"]), str(data.get("by") or ""), float(data.get("at") or 0.0),
+                   amounts(data.get("grant")), amounts(data.get("before")), amounts(data.get("after")),
+                   str(data.get("reason") or ""))
+
+
+def amounts(data: Any) -> Amounts:
+    """Figures by limit read back (unknown names dropped; ints kept ints)."""
+    if not isinstance(data, dict):
+        return {}
+    return {name: data[name] for name in LIMIT_NAMES if isinstance(data.get(name), (int, float))}
 
 
 @dataclass
@@ -140,6 +210,7 @@ class RunState:
     model_call_ids: list[str] = field(default_factory=list)  # calls its own model turns made: the only ones run
     tool_calls: int = 0  # tool executions so far (counted against limits.max_tool_calls)
     started_at: float | None = None  # its first drive (limits.max_duration_s counts from here)
+    grants: list[LimitGrant] = field(default_factory=list)  # limits people raised (on_exceed: ask)
     error: str | None = None
     parent_run_id: str | None = None
     key_id: str = ""  # the key that started the run ('' for runs stored before v3)
@@ -165,19 +236,28 @@ class RunState:
 
     @property
     def waits_for_decision(self) -> bool:
-        """Stopped on a call nobody has decided yet."""
+        """Stopped on a call (or a limit request) nobody has decided yet."""
+        return self.waiting_request is not None
+
+    @property
+    def waiting_request(self) -> Interruption | None:
+        """The call (`approval`) or limit request (`limit`) the run is stopped on, nobody
+        having decided it yet; None when it waits for no decision."""
         i = self.interruption
-        return (self.status == "interrupted" and i is not None and i.type == "approval"
-                and i.call_id not in self.decisions)
+        if self.status == "interrupted" and i is not None and i.type in ASKING and i.call_id not in self.decisions:
+            return i
+        return None
 
     @property
     def decided(self) -> bool:
-        """Stopped on a call that a person (or the expiry) has decided since: it waits for a
-        resume. A decision never makes a run `running`; only a drive does, under the run's
-        lease, so a `running` server-side run is always one that a process drives (or that
-        waits for its client's tool results) and recovery may treat it so."""
+        """Stopped on a call (or a limit request) that a person (or the expiry) has decided
+        since: it waits for a resume. A decision never makes a run `running`; only a drive
+        does, under the run's lease (a pass-through run's: its client's next call), so a
+        `running` server-side run is always one that a process drives (or that waits for its
+        client's tool results) and recovery may treat it so. (A rejected limit request ends
+        the run as the limit does: a decided limit request is a granted one.)"""
         i = self.interruption
-        return (self.status == "interrupted" and i is not None and i.type == "approval"
+        return (self.status == "interrupted" and i is not None and i.type in ASKING
                 and i.call_id in self.decisions)
 
     @property
@@ -193,7 +273,7 @@ class RunState:
         if i is None:
             return None
         out = i.to_json()
-        if i.type == "approval" and i.call_id in self.decisions:
+        if i.type in ASKING and i.call_id in self.decisions:
             out["decision"] = self.decisions[i.call_id].decision
         waiting = self.waiting_for
         if waiting is not None:
@@ -207,6 +287,18 @@ class RunState:
     @property
     def rejected(self) -> dict[str, str]:
         return {cid: d.reason for cid, d in self.decisions.items() if d.decision == "reject"}
+
+    def used(self, name: LimitName, now: float) -> float:
+        """What the run used of limit `name`: turns, USD, tool executions, seconds since its
+        first drive (`now`: the clock)."""
+        if name == "max_turns":
+            return self.turns
+        if name == "max_budget_usd":
+            return self.cost_usd
+        if name == "max_tool_calls":
+            return self.tool_calls
+        started = self.started_at if self.started_at is not None else self.created_at
+        return max(0.0, now - started)
 
     def count_turn(self, usage: Usage, cost_usd: float) -> None:
         """Book one model turn on the run: its usage and its cost (the one place, for both modes)."""
@@ -250,6 +342,7 @@ class RunState:
             "model_call_ids": self.model_call_ids,
             "tool_calls": self.tool_calls,
             "started_at": self.started_at,
+            "grants": [g.to_json() for g in self.grants],
             "error": self.error,
             "key_id": self.key_id,
             "user": self.user,
@@ -269,8 +362,8 @@ class RunState:
         version = data.get("version")
         if version == 1:
             data = upgrade_v1(data)
-        elif version == 2:
-            data = {**data, "version": SCHEMA_VERSION}  # v3 only adds key_id and user: none known
+        elif version in (2, 3):  # v3 added key_id and user (none known), v4 limit requests: defaults
+            data = {**data, "version": SCHEMA_VERSION}
         elif version != SCHEMA_VERSION:
             raise StateError(f"run schema version {version!r} is not supported (this gateway reads 1 to "
                              f"{SCHEMA_VERSION})")
@@ -299,6 +392,7 @@ class RunState:
                 model_call_ids=[str(c) for c in data.get("model_call_ids") or []],
                 tool_calls=int(data.get("tool_calls") or 0),
                 started_at=_optional_float(data.get("started_at")),
+                grants=[LimitGrant.from_json(g) for g in data.get("grants") or ()],
                 error=data.get("error"),
                 key_id=str(data.get("key_id") or ""),
                 user=data.get("user"),
@@ -329,11 +423,12 @@ class RunState:
         fields["per_turn"] = list(self.per_turn)
         fields["failed_calls"] = list(self.failed_calls)
         fields["model_call_ids"] = list(self.model_call_ids)
+        fields["grants"] = list(self.grants)
         return new
 
 
 def upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
-    """A v1 run in the v2 shape.
+    """A v1 run in the current shape (v2's fields made up as below; later ones have defaults).
 
     v1 recorded no origin of tool calls. A v1 run's assistant tool calls after its first
     turn were made by its model (a server-side run appends only model replies; a

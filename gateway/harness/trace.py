@@ -36,6 +36,9 @@ EventKind = Literal[
     "approval_decided",
     "approval_dropped",
     "approval_expired",
+    "limit_reached",
+    "limit_granted",
+    "limit_rejected",
     "run_started",
     "run_resumed",
     "run_stopped",
@@ -153,6 +156,41 @@ class ApprovalDroppedFields(TypedDict):
     args: str | None
     reason: str
     by: str
+
+
+class LimitReachedFields(TypedDict):
+    """A limit that asks a person was reached (`on_exceed: ask`)."""
+
+    callId: str | None  # the request's id; None when nobody is asked (max_grants, max_total)
+    limit: str
+    used: float
+    cap: float
+    grant: dict[str, float]  # the grant proposed
+    grants: int  # grants the run had before
+    asked: bool
+    detail: str
+
+
+class LimitGrantedFields(TypedDict):
+    """A person raised a run's limits: by how much, each limit before and after."""
+
+    callId: str
+    limit: str
+    grant: dict[str, float]
+    before: dict[str, float]
+    after: dict[str, float]
+    by: str
+    reason: str
+
+
+class LimitRejectedFields(TypedDict):
+    """A limit request declined (by a person, or by the expiry): the run ends at the limit."""
+
+    callId: str
+    limit: str
+    reason: str
+    by: str
+    expired: bool
 
 
 class RunCounts(TypedDict):
@@ -285,6 +323,18 @@ class ApprovalExpiredEvent(_Stamped, DecisionFields):
     type: Literal["approval_expired"]
 
 
+class LimitReachedEvent(_Stamped, LimitReachedFields):
+    type: Literal["limit_reached"]
+
+
+class LimitGrantedEvent(_Stamped, LimitGrantedFields):
+    type: Literal["limit_granted"]
+
+
+class LimitRejectedEvent(_Stamped, LimitRejectedFields):
+    type: Literal["limit_rejected"]
+
+
 class RunStartedEvent(_Stamped, RunStartedFields):
     type: Literal["run_started"]
 
@@ -311,7 +361,8 @@ class EmbeddingsEvent(_Stamped, EmbeddingsFields):
 
 Event = (TurnEvent | UsageClampedEvent | UpstreamAttemptEvent | ToolCallRepairedEvent | ToolStartEvent
          | ToolProgressEvent | ToolResultEvent | ToolDedupedEvent | ToolDeniedEvent | ApprovalRequiredEvent
-         | ApprovalDecidedEvent | ApprovalDroppedEvent | ApprovalExpiredEvent | RunStartedEvent | RunResumedEvent
+         | ApprovalDecidedEvent | ApprovalDroppedEvent | ApprovalExpiredEvent | LimitReachedEvent | LimitGrantedEvent
+         | LimitRejectedEvent | RunStartedEvent | RunResumedEvent
          | RunStoppedEvent | SubrunStartedEvent | CancelRequestedEvent | EmbeddingsEvent)
 """A trace line: one of the kinds above, told apart by `type`."""
 
@@ -364,6 +415,15 @@ class Tracer:
     @overload
     def __call__(self, kind: Literal["approval_expired"], /,
                  **fields: Unpack[DecisionFields]) -> ApprovalExpiredEvent: ...
+    @overload
+    def __call__(self, kind: Literal["limit_reached"], /,
+                 **fields: Unpack[LimitReachedFields]) -> LimitReachedEvent: ...
+    @overload
+    def __call__(self, kind: Literal["limit_granted"], /,
+                 **fields: Unpack[LimitGrantedFields]) -> LimitGrantedEvent: ...
+    @overload
+    def __call__(self, kind: Literal["limit_rejected"], /,
+                 **fields: Unpack[LimitRejectedFields]) -> LimitRejectedEvent: ...
     @overload
     def __call__(self, kind: Literal["run_started"], /, **fields: Unpack[RunStartedFields]) -> RunStartedEvent: ...
     @overload

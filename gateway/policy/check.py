@@ -97,6 +97,12 @@ def describe(policy: Policy, mcp: McpHub | None = None) -> str:
     lim = policy.limits
     lines.append(f"  limits: max_turns={lim.max_turns} max_budget_usd={lim.max_budget_usd} budget_mode={lim.budget_mode}"
                  f" max_tool_calls={lim.max_tool_calls} max_duration_s={lim.max_duration_s}")
+    ask = policy.limit_ask
+    if ask is not None:
+        grants = f"at most {ask.max_grants} grant(s)" if ask.max_grants is not None else "no bound on grants"
+        total = " ".join(f"{k}={v:g}" for k, v in ask.max_total.items()) or "none"
+        lines.append(f"  on_exceed=ask: {', '.join(ask.grant)} ask {', '.join(ask.approvers)} for more; one grant "
+                     f"adds {' '.join(f'{k}={v:g}' for k, v in ask.grant.items())}; {grants}; max_total: {total}")
     if policy.server_side:
         stops = ", ".join(f"repeated_call {s.n}" for s in policy.stop_when) or "none"
         te = policy.tool_errors

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from gateway.harness.options import ApprovalAction, Dedupe
+from gateway.harness.options import ApprovalAction, Dedupe, LimitAsk
 from gateway.harness.state import Limits
 from gateway.harness.tools import ToolSpec
 from gateway.mcp.config import McpServerConfig
@@ -177,6 +177,9 @@ class Policy:
     crashed: its owner sees it and may resume it) or `resume` it at once."""
     mcp: tuple[McpServerConfig, ...] = ()
     """The MCP servers whose discovered tools are part of `tools` (in the order listed)."""
+    limit_ask: LimitAsk | None = None
+    """`limits: {on_exceed: ask, ask: {...}}`: the limits that ask a person for more instead of
+    stopping the run; None: every limit stops it (`on_exceed: stop`)."""
 
     @property
     def server_side(self) -> bool:

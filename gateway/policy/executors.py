@@ -292,6 +292,7 @@ def compile_options(policy: Policy, env: ToolEnv, **overrides: Any) -> RunOption
         "tool_rounds": policy.tool_rounds,
         "stop_when": stop_conditions(policy.stop_when),
         "approval": compile_approval(policy.approval, policy.specs),
+        "limit_ask": policy.limit_ask,
         "on_event": env.on_event,
     }
     if env.price_for is not None and env.model_name:

@@ -11,13 +11,13 @@ import fnmatch
 import hashlib
 import re
 from pathlib import Path
-from typing import Any, cast, get_args
+from typing import Any, Literal, cast, get_args
 from urllib.parse import urlparse
 
 import jsonschema
 
-from gateway.harness.options import ApprovalAction, Dedupe
-from gateway.harness.state import DEFAULT_MAX_TOOL_CALLS, Limits
+from gateway.harness.options import ApprovalAction, Dedupe, LimitAsk
+from gateway.harness.state import DEFAULT_MAX_TOOL_CALLS, LIMIT_NAMES, Amounts, LimitName, Limits
 from gateway.harness.tools import ToolSpec
 from gateway.mcp.hub import McpHub
 from gateway.policy.decl import (
@@ -49,7 +49,7 @@ from gateway.policy.mcp_source import (
     version_input,
 )
 from gateway.policy.resolve import ResolveError, resolve_callable, resolve_exception
-from gateway.policy.source import At, Source
+from gateway.policy.source import At, Fields, Source
 
 # sandbox.py imports the registry, which imports this module: take only the sample names
 _SAMPLES_DIR = Path(__file__).resolve().parents[1] / "data"
@@ -117,10 +117,12 @@ def parse_policy(raw: bytes, path: str | Path, mcp: McpHub | None = None) -> Pol
     # Discovery starts servers: only for a file valid up to here.
     discovered, found = discover(servers, mcp, {t.name for t in declared})
     tools = (*declared, *apply_overrides(discovered, overrides))
+    approval = _approval(f.get("approval"), tools)
     return Policy(
         **fields,
         tools=tools,
-        approval=_approval(f.get("approval"), tools),
+        approval=approval,
+        limit_ask=_limit_ask(f.get("limits"), fields["limits"], approval),
         version=hashlib.sha256(version_input(raw, found)).hexdigest()[:12],
         mcp=tuple(config for config, _ in servers),
     )
@@ -137,7 +139,8 @@ def _dedupe(at: At | None) -> Dedupe:
 def _limits(at: At | None) -> Limits:
     if at is None:
         return Limits()
-    f = at.fields(("max_turns", "max_budget_usd", "budget_mode", "max_tool_calls", "max_duration_s"))
+    f = at.fields(("max_turns", "max_budget_usd", "budget_mode", "max_tool_calls", "max_duration_s", "on_exceed",
+                   "ask"))
     return Limits(
         max_turns=t.positive_int() if (t := f.get("max_turns")) else None,
         max_budget_usd=b.positive_number() if (b := f.get("max_budget_usd")) else None,
@@ -145,6 +148,62 @@ def _limits(at: At | None) -> Limits:
         max_tool_calls=c.positive_int() if (c := f.get("max_tool_calls")) else DEFAULT_MAX_TOOL_CALLS,
         max_duration_s=d.positive_number() if (d := f.get("max_duration_s")) else None,
     )
+
+
+OnExceed = Literal["stop", "ask"]
+WHOLE_LIMITS = ("max_turns", "max_tool_calls")
+
+
+def _limit_ask(at: At | None, limits: Limits, approval: ApprovalConfig) -> LimitAsk | None:
+    """`limits.on_exceed` and `limits.ask`: None for `stop` (the default)."""
+    if at is None:
+        return None
+    f = Fields(at)  # `_limits` read it first: a mapping of known fields
+    on_exceed = cast(OnExceed, o.choice(get_args(OnExceed))) if (o := f.get("on_exceed")) else "stop"
+    ask_at = f.get("ask")
+    if on_exceed == "stop":
+        if ask_at is not None:
+            ask_at.fail("on_exceed is 'stop', so no limit asks anyone: set limits.on_exceed: ask, or remove ask")
+        return None
+    if ask_at is None:
+        at.child("on_exceed", on_exceed).fail("'ask' needs limits.ask with a grant (what one grant adds to "
+                                             "which limits)")
+    a = ask_at.fields(("approvers", "grant", "max_grants", "max_total"), required=("grant",))
+    grant = _amounts(a.req("grant"), limits, "raise")
+    if not grant:
+        a.req("grant").fail("must name at least one limit to raise (max_turns, max_budget_usd, max_tool_calls, "
+                            "max_duration_s)")
+    max_total = _amounts(m, limits, "bound") if (m := a.get("max_total")) is not None else {}
+    for name, total in max_total.items():
+        cap = limits.value(name)
+        if cap is not None and total < cap:
+            assert m is not None
+            m.child(name, total).fail(f"{total:g} is below limits.{name} ({cap:g}): a total bounds what grants "
+                                      "may raise the limit to")
+    approvers_at = a.get("approvers")
+    approvers = tuple(x.string() for x in approvers_at.items()) if approvers_at else approval.approvers
+    if not approvers:
+        (approvers_at or ask_at).fail("no approvers: name the teams that may grant more in limits.ask.approvers "
+                                      "(or approval.approvers); a run's own team raises its limits by resuming it")
+    return LimitAsk(approvers=approvers, grant=grant,
+                    max_grants=g.positive_int() if (g := a.get("max_grants")) else None, max_total=max_total)
+
+
+def _amounts(at: At, limits: Limits, verb: str) -> Amounts:
+    """A mapping of limit name to a positive amount (whole for turns and tool calls); each
+    limit named must be one the policy sets."""
+    if not isinstance(at.value, dict):
+        at.fail(f"must be a mapping of limit name to amount ({', '.join(LIMIT_NAMES)})")
+    out: Amounts = {}
+    for key, value in at.value.items():
+        item = at.child(str(key), value)
+        if key not in LIMIT_NAMES:
+            item.fail(f"unknown limit (expected one of: {', '.join(LIMIT_NAMES)})")
+        name = cast(LimitName, key)
+        if limits.value(name) is None:
+            item.fail(f"the policy sets no limits.{name} to {verb}")
+        out[name] = item.positive_int() if name in WHOLE_LIMITS else item.positive_number()
+    return out
 
 
 def _tools(at: At | None, mcp: bool) -> tuple[tuple[ToolDecl, ...], list[ToolOverride]]:

@@ -76,7 +76,9 @@ def known_policies(config: Config, registry: PolicyRegistry) -> dict[str, list[K
     out: dict[str, list[KnownPolicy]] = {}
     for team in config.teams:
         policies = [registry.get(name) for name in team.policies]
-        out[team.name] = [KnownPolicy(p.name, tuple(t.name for t in p.tools)) for p in policies if p is not None]
+        out[team.name] = [KnownPolicy(p.name, tuple(t.name for t in p.tools),
+                                      tuple(p.limit_ask.grant) if p.limit_ask is not None else ())
+                          for p in policies if p is not None]
     return out
 
 

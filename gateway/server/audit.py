@@ -33,13 +33,15 @@ KEY_UPDATED: Final = "key.updated"
 KEY_ROTATED: Final = "key.rotated"
 KEY_REVOKED: Final = "key.revoked"
 APPROVAL_DECIDED: Final = "approval.decided"
+LIMIT_GRANTED: Final = "limit.granted"
+LIMIT_REJECTED: Final = "limit.rejected"
 RUN_RESUMED: Final = "run.resumed_with_limits"
 RUN_CANCELLED: Final = "run.cancelled"
 CONFIG_RELOADED: Final = "config.reloaded"
 SIGNED_IN: Final = "console.signed_in"
 SIGNED_OUT: Final = "console.signed_out"
-ACTIONS: Final = (KEY_CREATED, KEY_UPDATED, KEY_ROTATED, KEY_REVOKED, APPROVAL_DECIDED, RUN_RESUMED, RUN_CANCELLED,
-                  CONFIG_RELOADED, SIGNED_IN, SIGNED_OUT)
+ACTIONS: Final = (KEY_CREATED, KEY_UPDATED, KEY_ROTATED, KEY_REVOKED, APPROVAL_DECIDED, LIMIT_GRANTED, LIMIT_REJECTED,
+                  RUN_RESUMED, RUN_CANCELLED, CONFIG_RELOADED, SIGNED_IN, SIGNED_OUT)
 """Every action the gateway records (other code may record actions of its own: a string with a dot)."""
 
 

@@ -83,12 +83,17 @@ def _exemplar(trace_id: TraceIdSource | None = None) -> dict[str, str] | None:
 
 WEBHOOK_OUTCOMES = ("delivered", "retried", "failed")
 TOOL_OUTCOMES = ("ok", "error", "deduped", "denied")
+LIMIT_OUTCOMES = ("asked", "exhausted", "granted", "rejected", "expired")
+"""The outcomes of `gateway_limit_requests_total` (`Metrics.on_limit_lines`)."""
 PASS_THROUGH_STOPS: tuple[tuple[str, str], ...] = (
     ("completed", "completed"), ("max_turns_exceeded", "max_turns"), ("budget_exceeded", "max_budget"),
     ("budget_exceeded", "team_budget"), ("max_duration_exceeded", "max_duration"), ("interrupted", "cancelled"))
 """(status, reason) a pass-through run can stop with (docs/runs.md, Reasons)."""
+ASK_STOP: tuple[str, str] = ("interrupted", "limit")
+"""The stop of a run whose policy asks a person for more of a limit (`on_exceed: ask`), in
+either mode; exported at 0 only for such policies."""
 RUN_STOPS: tuple[tuple[str, str], ...] = (*PASS_THROUGH_STOPS, ("max_tool_calls_exceeded", "max_tool_calls"),
-                                          ("interrupted", "approval"), ("interrupted", "crashed"),
+                                          ("interrupted", "approval"), ASK_STOP, ("interrupted", "crashed"),
                                           ("interrupted", "rate_limited"), ("failed", "permanent_error"),
                                           ("failed", "tool_error"), ("failed", "repeated_call"),
                                           ("failed", "upstream_error"), ("failed", "internal_error"))
@@ -97,10 +102,12 @@ RUN_STOPS: tuple[tuple[str, str], ...] = (*PASS_THROUGH_STOPS, ("max_tool_calls_
 
 @dataclass(frozen=True)
 class KnownPolicy:
-    """What the metrics know of a policy at start: its name, and its tools if it runs them."""
+    """What the metrics know of a policy at start: its name, its tools if it runs them, and
+    the limits it asks a person about (`limits.on_exceed: ask`)."""
 
     name: str
     tools: tuple[str, ...] = ()
+    asks: tuple[str, ...] = ()
 
 ToolOutcome = str
 """ok | error | denied | rejected | deduped | cancelled | timeout (any short code)."""
@@ -181,6 +188,10 @@ class Metrics:
                                     multiprocess_mode="mostrecent")
         self.approvals_pending = Gauge("gateway_approvals_pending", "Calls waiting for a person's decision.",
                                        ["team"], registry=r, multiprocess_mode="mostrecent")
+        self.limit_requests = Counter(
+            "gateway_limit_requests_total",
+            "Limits that ask a person (on_exceed: ask), by policy, limit and outcome (asked, exhausted: reached with "
+            "no grant left, granted, rejected, expired).", ["policy", "limit", "outcome"], registry=r)
         self.runs_active = Gauge("gateway_runs_active", "Runs with a call in progress (summed over the live workers).",
                                  registry=r, multiprocess_mode="livesum")
         self.turns_per_run = Histogram("gateway_turns_per_run", "Turns of a run when it stops.", ["team", "policy"],
@@ -239,27 +250,32 @@ class Metrics:
     def start_at_zero(self, teams: Mapping[str, Sequence[KnownPolicy]]) -> None:
         """Export at 0 the label sets of the counters the dashboards query that the config
         knows before any traffic: each team's turns, tokens and cost for each model it routes
-        by name, its runs' stops by policy (the reasons the policy's mode can have), and each
-        policy's tool calls by outcome. So `rate()` and `increase()` panels read 0, not "No
-        data", and count a series' first increment (Prometheus cannot see the 0 -> 1 of a
-        series born at 1). `teams`: team -> the policies it may use."""
+        by name, its runs' stops by policy (the reasons the policy's mode can have), each
+        policy's tool calls by outcome, and its limit requests by limit and outcome. So
+        `rate()` and `increase()` panels read 0, not "No data", and count a series' first
+        increment (Prometheus cannot see the 0 -> 1 of a series born at 1). `teams`: team ->
+        the policies it may use."""
         models = sorted(self.known_models)
-        tools: dict[str, tuple[str, ...]] = {}
+        known: dict[str, KnownPolicy] = {}
         for team, policies in teams.items():
             for model in models:
                 self._child(self.cost, team, model)
                 for kind in ("prompt", "completion"):
                     self._child(self.tokens, team, model, kind)
             for policy in policies:
-                tools[policy.name] = policy.tools
+                known[policy.name] = policy
                 for model in models:
                     self._child(self.turns, team, policy.name, model)
-                for status, reason in RUN_STOPS if policy.tools else PASS_THROUGH_STOPS:
+                stops = [s for s in (RUN_STOPS if policy.tools else PASS_THROUGH_STOPS) if s != ASK_STOP]
+                for status, reason in [*stops, ASK_STOP] if policy.asks else stops:
                     self._child(self.runs_stopped, team, policy.name, status, reason)
-        for policy_name, names in tools.items():
-            for tool in names:
+        for policy in known.values():
+            for tool in policy.tools:
                 for outcome in TOOL_OUTCOMES:
-                    self._child(self.tool_calls, policy_name, tool, outcome)
+                    self._child(self.tool_calls, policy.name, tool, outcome)
+            for limit in policy.asks:
+                for outcome in LIMIT_OUTCOMES:
+                    self._child(self.limit_requests, policy.name, limit, outcome)
 
     def _exemplar(self) -> dict[str, str] | None:
         return _exemplar(self.trace_id)
@@ -341,6 +357,22 @@ class Metrics:
         self._child(self.runs_stopped, team, policy, status, _code(reason)).inc(1, exemplar)
         self._child(self.turns_per_run, team, policy).observe(turns, exemplar)
         self._child(self.cost_per_run, team, policy).observe(cost_usd, exemplar)
+
+    def on_limit_lines(self, policy: str, events: Iterable[Mapping[str, Any]]) -> None:
+        """`gateway_limit_requests_total` from the trace lines of limit requests: `limit_reached`
+        (asked, or exhausted: no grant left), `limit_granted`, `limit_rejected` (rejected, or
+        expired); other lines are ignored. Every path that writes those lines counts here."""
+        for event in events:
+            kind = event.get("type")
+            if kind == "limit_reached":
+                outcome = "asked" if event.get("asked") else "exhausted"
+            elif kind == "limit_granted":
+                outcome = "granted"
+            elif kind == "limit_rejected":
+                outcome = "expired" if event.get("expired") else "rejected"
+            else:
+                continue
+            self._child(self.limit_requests, policy, _code(str(event.get("limit"))), outcome).inc()
 
     def set_approvals_pending(self, team: str, count: int) -> None:
         self.approvals_pending.labels(team).set(count)

@@ -57,10 +57,19 @@ RESPONSES_BODY: Final[Schema] = {
                    "previous_response_id": {"type": ["string", "null"]}, "stream": {"type": "boolean"},
                    "max_output_tokens": {"type": "integer", "minimum": 1}, "store": {"type": "boolean"}},
 }
+GRANT: Final[Schema] = {
+    "type": "object", "minProperties": 1, "additionalProperties": False,
+    "description": "A limit request only: what to raise each limit by (default: the grant proposed).",
+    "properties": {"max_turns": {"type": "integer", "minimum": 1, "maximum": 1_000_000},
+                   "max_budget_usd": {"type": "number", "exclusiveMinimum": 0, "maximum": 1_000_000},
+                   "max_tool_calls": {"type": "integer", "minimum": 1, "maximum": 1_000_000},
+                   "max_duration_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 10_000_000}},
+}
 APPROVAL_BODY: Final[Schema] = {
     "type": "object", "required": ["call_id", "decision"],
     "properties": {"call_id": {"type": "string", "maxLength": 256},
-                   "decision": {"enum": ["approve", "reject"]}, "reason": {"type": "string", "maxLength": 2000}},
+                   "decision": {"enum": ["approve", "reject"]}, "reason": {"type": "string", "maxLength": 2000},
+                   "grant": GRANT},
 }
 RESUME_BODY: Final[Schema] = {
     "type": "object",
@@ -152,7 +161,8 @@ OPERATIONS: Final[dict[tuple[str, str], Operation]] = {
                                            "schema": {"type": "integer", "minimum": 0}},
                     {"name": "follow", "in": "query", "required": False, "schema": {"type": "string"}}],
         errors=(400, 401, 404, 409)),
-    ("POST", "/v1/runs/{id}/approvals"): Operation("Approve or reject the call a run waits for (approvers)",
+    ("POST", "/v1/runs/{id}/approvals"): Operation("Approve or reject the call (or limit request) a run waits for "
+                                                   "(approvers)",
                                                    "runs", APPROVAL_BODY, parameters=[ID_PARAM, TEAM_PARAM],
                                                    errors=(400, 401, 403, 404, 409)),
     ("POST", "/v1/runs/{id}/resume"): Operation("Continue a run, optionally with raised limits (owner, admins)",

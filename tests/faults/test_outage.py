@@ -141,6 +141,9 @@ async def test_a_store_restarted_under_load_gives_503s_not_500s(gw: Proc, redis_
 
     async def none_running() -> bool:  # runs cut by the outage are recovered, not left running
         status, _, listed = await request(session, "GET", f"{gw.url}/v1/runs?status=running&limit=1000")
+        if status == 503:  # the restarted store answered a read too slowly (a loaded machine): ask again
+            assert listed["error"]["code"] == "store_unavailable", listed
+            return False
         assert status == 200, listed
         return not [r for r in listed["data"] if r["policy"] == "files"]
 

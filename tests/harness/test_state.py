@@ -75,6 +75,28 @@ def test_v2_fixture_keeps_the_new_fields() -> None:
     assert state.started_at == 1796000000.0
 
 
+@pytest.mark.parametrize("version", [2, 3])
+def test_v2_and_v3_read_as_the_current_version_with_no_grants(version: int) -> None:
+    state = RunState.loads((FIXTURES / f"run_v{version}.json").read_bytes())
+    assert state.version == SCHEMA_VERSION and state.grants == []
+    assert RunState.loads(state.dumps()) == state
+
+
+def test_v4_fixtures_keep_grants_and_a_pending_limit_request() -> None:
+    granted = RunState.loads((FIXTURES / "run_v4.json").read_bytes())
+    [g] = granted.grants
+    assert (g.by, g.grant, g.before, g.after) == ("ops", {"max_turns": 3}, {"max_turns": 20}, {"max_turns": 23})
+    assert type(g.after["max_turns"]) is int and granted.limits.max_turns == 23
+    assert granted.key_id == "key_0LkDmkqAb3XqYg7tH2Pz" and granted.user == "ana@example.com"  # v3's fields too
+    waiting = RunState.loads((FIXTURES / "run_v4_limit.json").read_bytes())
+    i = waiting.interruption
+    assert i is not None and (i.type, i.limit, i.used, i.cap, i.grant) == ("limit", "max_turns", 2, 2, {"max_turns": 3})
+    assert i.to_json() == {"type": "limit", "call_id": "lim_5b1e7c3a9f2d4e6b8a0c1d2e", "limit": "max_turns",
+                           "used": 2, "cap": 2, "grant": {"max_turns": 3}, "reason": "reached the cap of 2 turns"}
+    assert RunState.loads(waiting.dumps()).dumps() == waiting.dumps() and pending(waiting) == []
+    assert waiting.waits_for_decision and waiting.waiting_for == "decision" and not waiting.decided
+
+
 def test_own_calls_names_missing_and_repeated_ids_uniquely() -> None:
     state = RunState.loads((FIXTURES / "run_v2.json").read_bytes())
     reply = {"role": "assistant", "content": None, "tool_calls": [
@@ -103,6 +125,7 @@ def test_a_copy_is_equal_and_its_lists_and_dicts_are_its_own() -> None:
     copy.decisions.clear()
     copy.failed_calls.append("c9")
     copy.model_call_ids.append("c9")
+    copy.grants.clear()
     copy.turns += 5
     assert run.dumps() == saved  # the original is untouched
 

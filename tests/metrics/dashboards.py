@@ -11,7 +11,6 @@ import json
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from tests.support.procs import ROOT
@@ -36,7 +35,7 @@ DESIGN_METRICS: dict[str, str] = {
 }
 EXTRA_HISTOGRAMS = ("gateway_ttft_seconds", "gateway_turns_per_run", "gateway_cost_per_run_usd", "gateway_store_seconds")
 EXTRA_COUNTERS = ("gateway_usage_clamped_total", "gateway_webhook_deliveries_total", "gateway_upstream_attempts_total",
-                  "gateway_tool_call_repairs_total")
+                  "gateway_tool_call_repairs_total", "gateway_limit_requests_total")
 EXTRA_GAUGES = ("gateway_webhook_outbox_depth", "gateway_event_loop_lag_seconds", "gateway_upstream_connections")
 KNOWN_METRICS: frozenset[str] = (frozenset(DESIGN_METRICS) | frozenset(EXTRA_HISTOGRAMS) | frozenset(EXTRA_COUNTERS)
                                  | frozenset(EXTRA_GAUGES))
@@ -75,6 +74,7 @@ METRIC_LABELS: dict[str, frozenset[str]] = {name: frozenset(labels) for name, la
     "gateway_ready": ("check",),
     "gateway_spool_records": (),
     "gateway_work_waits_total": ("team",),
+    "gateway_limit_requests_total": ("policy", "limit", "outcome"),
 }.items()}
 STANDARD_PREFIXES = ("process_", "python_")
 """The standard collectors' families (prometheus-client's own names; with `--workers`, labelled by pid)."""

@@ -42,7 +42,7 @@ pytestmark = pytest.mark.timeout(240)
 
 STOP_REASONS = {
     ("completed", "completed"), ("max_turns_exceeded", "max_turns"), ("budget_exceeded", "max_budget"),
-    ("budget_exceeded", "team_budget"), ("interrupted", "approval"), ("interrupted", "cancelled"),
+    ("budget_exceeded", "team_budget"), ("interrupted", "approval"), ("interrupted", "limit"), ("interrupted", "cancelled"),
     ("failed", "permanent_error"), ("failed", "repeated_call"), ("failed", "upstream_error"),
 }
 
@@ -175,8 +175,8 @@ def test_every_stop_reason_is_counted_once_per_round(stack: Stack, traffic: Traf
 
 
 def test_gauges_after_the_traffic(stack: Stack, traffic: Traffic) -> None:
-    # one destructive run per round is left waiting for a person
-    assert stack.prom.scalar(f'sum(gateway_approvals_pending{{job="{JOB}", team="demo"}})') == len(traffic.rounds)
+    # one destructive run and one limit request per round are left waiting for a person
+    assert stack.prom.scalar(f'sum(gateway_approvals_pending{{job="{JOB}", team="demo"}})') == 2 * len(traffic.rounds)
     # nothing is running any more
     assert stack.prom.scalar(f'sum(gateway_runs_active{{job="{JOB}"}})') == 0
     # the tight team has spent nothing and has no budget left for a call's reservation

@@ -24,6 +24,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 
 from gateway.store.periods import period_key
 from tests.metrics.dashboards import load_dashboards, metric_names, panel_queries, substitute, variables
@@ -31,6 +32,7 @@ from tests.metrics.prom import JOB, Prometheus, start_prometheus
 from tests.server.served import OPS, chat_body, poll, request
 from tests.server.test_replicas import Pair, start_pair
 from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
+from tests.support.procs import ROOT
 
 STORE_WIDE = frozenset({"gateway_team_spend_usd", "gateway_team_budget_remaining_usd", "gateway_approvals_pending",
                         "gateway_webhook_outbox_depth"})
@@ -46,7 +48,8 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Stack]:  # noqa: F811
-    pair = start_pair(tmp_path_factory.mktemp("metrics-replicas"), redis_url)
+    supervised = yaml.safe_load((ROOT / "policies" / "supervised.yaml").read_text())  # asks for more of its limits
+    pair = start_pair(tmp_path_factory.mktemp("metrics-replicas"), redis_url, {"supervised": supervised})
     try:
         targets = [url.removeprefix("http://") for url in (pair.a.url, pair.b.url)]
         prom = start_prometheus(targets, tmp_path_factory.mktemp("prom-replicas"))
@@ -171,9 +174,12 @@ QUIET_TEAM = {"team": "thrifty", "policy": "passthrough"}
 """A team (with its one policy) no test of this module sends traffic for."""
 QUIET_POLICY = {"policy": "files_auto"}
 """A server-side policy no test of this module runs (for panels filtered by policy only)."""
+QUIET_ASKING = {"policy": "supervised"}
+"""A policy whose limits ask a person (`on_exceed: ask`) that no test of this module runs."""
+LIMIT_PANEL = "Limit requests by limit and outcome (per minute)"
 COUNTER_PANELS = ("Stop reasons", "Stop reasons over time (runs per minute)", "Cost by team and model (USD per hour)",
                   "Tokens by team, model and kind (per second)", "Turns by team, policy and model (per minute)",
-                  "Tool calls by outcome (per minute)", "Tool calls in range by outcome")
+                  "Tool calls by outcome (per minute)", "Tool calls in range by outcome", LIMIT_PANEL)
 
 
 def test_counter_panels_read_zero_before_any_traffic_of_theirs(stack: Stack) -> None:
@@ -185,7 +191,7 @@ def test_counter_panels_read_zero_before_any_traffic_of_theirs(stack: Stack) -> 
     dashboards = load_dashboards()
     for q in quiet:
         [values] = [variables(d) for d in dashboards.values() if d["title"] == q.dashboard]
-        quiet_ones = QUIET_TEAM if "$team" in q.raw else QUIET_POLICY
+        quiet_ones = QUIET_TEAM if "$team" in q.raw else QUIET_ASKING if q.panel == LIMIT_PANEL else QUIET_POLICY
         expr = substitute(q.raw, {**values, **quiet_ones})
 
         def zeros(expr: str = expr) -> list[float] | None:

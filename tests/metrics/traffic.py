@@ -70,7 +70,7 @@ def write_gateway_config(tmp: Path, *, trace_file: bool = True) -> Path:
         '  - {match: "*", upstream: down, price_in: 0.0, price_out: 0.0}',
         "teams:",
         "  - {name: demo, keys: [sk-demo], budget_usd: 10.0, budget_period: month,",
-        "     policies: [passthrough, files, research, capped, tiny, passcap]}",
+        "     policies: [passthrough, files, research, capped, tiny, passcap, supervised]}",
         "  - {name: ops, keys: [sk-ops], budget_usd: null, policies: [passthrough]}",
         "  - {name: tight, keys: [sk-tight], budget_usd: 0.0001, budget_period: total, policies: [passthrough]}",
     ]
@@ -190,7 +190,7 @@ class Exits:
 
 def drive_every_exit(demo: Client, ops: Client, tight: Client) -> Exits:
     """One round of traffic taking every exit: completed, max_turns, max_budget, team_budget,
-    approval (one decided, one left pending), cancelled, permanent_error, repeated_call,
+    approval (one decided, one left pending), limit (a request for more, left pending), cancelled, permanent_error, repeated_call,
     upstream_error, plus streaming, tool errors and deduped calls."""
     exits = Exits()
     # completed, server-side: list, read, answer (the chapter's `plan` run, to the token)
@@ -224,6 +224,8 @@ def drive_every_exit(demo: Client, ops: Client, tight: Client) -> Exits:
     if run_status(decided) != "completed":
         resumed = demo.request("POST", f"/v1/runs/{approved}/resume", {})
         assert resumed.status == 200 and run_status(resumed) == "completed", (resumed.status, resumed.text)
+    # limit: the shipped supervised policy asks ops for more at 2 turns (left waiting)
+    exits.add("limit", demo.chat("scripted-plan", policy="supervised"), 200, "interrupted")
     # upstream failure: a server-side run whose upstream is down fails with a reason; a
     # pass-through call the scripted upstream answers 500 is answered 502 (the client may retry)
     exits.add("upstream_error", demo.chat("broken-model", policy="files"), 200, "failed")

@@ -32,7 +32,9 @@ def test_the_shipped_policies_pass_with_each_tool_and_its_outcome() -> None:
     assert "list_files({}) -> ALLOW (the tool's needs_approval flag)" in out
     assert "executor agent: sub-run under policy files (model scripted-plan, max_turns 6, max_budget_usd 0.05)" in out
     assert "approvers: ops; pending approvals expire after 1 day" in out
-    assert out.rstrip().endswith("3 of 3 policy file(s) valid")
+    assert ("  on_exceed=ask: max_turns, max_budget_usd ask ops for more; one grant adds max_turns=3 "
+            "max_budget_usd=0.25; at most 3 grant(s); max_total: max_turns=12 max_budget_usd=2") in out
+    assert out.rstrip().endswith("4 of 4 policy file(s) valid")
 
 
 def test_a_file_checked_alone_may_name_its_siblings() -> None:

@@ -76,7 +76,42 @@ def test_tool_call_and_wall_clock_limits(write: WriteFile) -> None:
     assert b.limits.max_tool_calls == DEFAULT_MAX_TOOL_CALLS and b.limits.max_duration_s is None  # always a cap
 
 
+def test_limits_that_ask_a_person(write: WriteFile) -> None:
+    p = load_policy(write("ask.yaml", "limits:\n  max_turns: 20\n  max_budget_usd: 0.5\n  on_exceed: ask\n"
+                                      "  ask:\n    grant: {max_turns: 10, max_budget_usd: 0.25}\n    max_grants: 3\n"
+                                      "    max_total: {max_turns: 60, max_budget_usd: 2}\n"
+                                      "approval: {approvers: [ops, sre]}\n"))
+    ask = p.limit_ask
+    assert ask is not None and ask.approvers == ("ops", "sre")  # the approval's approvers by default
+    assert ask.grant == {"max_turns": 10, "max_budget_usd": 0.25} and type(ask.grant["max_turns"]) is int
+    assert ask.max_grants == 3 and ask.max_total == {"max_turns": 60, "max_budget_usd": 2.0}
+    own = load_policy(write("own.yaml", "limits: {max_turns: 2, on_exceed: ask, ask: {approvers: [leads], "
+                                        "grant: {max_turns: 1}}}\napproval: {approvers: [ops]}\n"))
+    assert own.limit_ask is not None and own.limit_ask.approvers == ("leads",) and own.limit_ask.max_grants is None
+    assert load_policy(write("stop.yaml", "limits: {max_turns: 2, on_exceed: stop}\n")).limit_ask is None
+    assert load_policy(write("plain.yaml", "limits: {max_turns: 2}\n")).limit_ask is None
+
+
+ASK = "limits:\n  max_turns: 2\n  on_exceed: ask\n"
 BAD = [
+    ("on_exceed", "limits: {on_exceed: pause}\n", 1, "limits.on_exceed", "must be one of stop, ask"),
+    ("ask without grant", ASK + "approval: {approvers: [ops]}\n", 3, "limits.on_exceed", "needs limits.ask"),
+    ("ask under stop", "limits: {max_turns: 2, ask: {grant: {max_turns: 1}}}\n", 1, "limits.ask",
+     "on_exceed is 'stop'"),
+    ("no approvers", ASK + "  ask: {grant: {max_turns: 1}}\n", 4, "limits.ask", "no approvers"),
+    ("grant of no cap", ASK + "  ask: {approvers: [ops], grant: {max_budget_usd: 1}}\n", 4,
+     "limits.ask.grant.max_budget_usd", "sets no limits.max_budget_usd"),
+    ("grant of a fraction of a turn", ASK + "  ask: {approvers: [ops], grant: {max_turns: 1.5}}\n", 4,
+     "limits.ask.grant.max_turns", "whole number"),
+    ("grant of an unknown limit", ASK + "  ask: {approvers: [ops], grant: {max_tokens: 5}}\n", 4,
+     "limits.ask.grant.max_tokens", "unknown limit"),
+    ("empty grant", ASK + "  ask: {approvers: [ops], grant: {}}\n", 4, "limits.ask.grant", "at least one"),
+    ("total below the cap", ASK + "  ask: {approvers: [ops], grant: {max_turns: 1}, max_total: {max_turns: 1}}\n",
+     4, "limits.ask.max_total.max_turns", "below limits.max_turns"),
+    ("zero grants", ASK + "  ask: {approvers: [ops], grant: {max_turns: 1}, max_grants: 0}\n", 4,
+     "limits.ask.max_grants", "at least 1"),
+    ("unknown ask field", ASK + "  ask: {approvers: [ops], grant: {max_turns: 1}, every: 2}\n", 4,
+     "limits.ask.every", "unknown field"),
     ("unknown top field", "name: x\nmax_turns: 3\n", 2, "max_turns", "unknown field"),
     ("zero tool calls", "limits: {max_tool_calls: 0}\n", 1, "limits.max_tool_calls", "at least 1"),
     ("negative duration", "limits: {max_duration_s: -5}\n", 1, "limits.max_duration_s", "positive number"),

@@ -60,7 +60,7 @@ async def drive(reg: PolicyRegistry, name: str, model: Model, model_name: str, t
 
 
 def test_the_shipped_set_loads_and_matches_the_chapter(shipped: PolicyRegistry) -> None:
-    assert shipped.names() == ("files", "passthrough", "research")
+    assert shipped.names() == ("files", "passthrough", "research", "supervised")
     passthrough, files, research = shipped.get("passthrough"), shipped.get("files"), shipped.get("research")
     assert passthrough is not None and files is not None and research is not None
     assert not passthrough.server_side and passthrough.limits.max_turns == 20

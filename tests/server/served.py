@@ -3,7 +3,8 @@
 The config lives in a temp folder: the shipped policies plus two test policies
 (`hybrid`: only list_files runs server-side, so a client-supplied read_file comes back to
 the client; `files_expiring`: approvals expire after 50 ms; `limited`: 3 tool calls, no
-dedupe; `timed`: 2 s of wall-clock; `files_auto`: resumes by itself after a decision), a SQLite store, teams demo
+dedupe; `timed`: 2 s of wall-clock; `files_auto`: resumes by itself after a decision;
+`files_ask`: at 2 turns asks ops for 3 more, and goes on by itself after a grant), a SQLite store, teams demo
 (sk-demo, runs the policies), ops (sk-ops, the approver), other (sk-other) and poor
 (sk-poor, a team budget of $0.001: too little for one turn's reservation).
 """
@@ -34,6 +35,9 @@ EXPIRES_AFTER_S = 0.05
 LIMITED_TOOL_CALLS = 3
 TIMED_DURATION_S = 2.0  # under the 3 s scan_archive, over a model turn on a busy machine
 """Less than the 3 s scan_archive takes, far more than a scripted turn."""
+ASK_MAX_TURNS = 2
+ASK_GRANT_TURNS = 3
+"""`files_ask`: the turn cap that asks, and the grant it proposes."""
 
 
 def _files_policy() -> dict[str, Any]:
@@ -65,6 +69,11 @@ def write_config(folder: Path, port: int) -> Path:
     auto["name"] = "files_auto"
     auto["approval"]["on_decision"] = "resume"
     (policies / "files_auto.yaml").write_text(yaml.safe_dump(auto))
+    asks = _files_policy()  # asks ops for more turns at 2, and goes on by itself after a grant
+    asks["name"] = "files_ask"
+    asks["limits"].update(max_turns=ASK_MAX_TURNS, on_exceed="ask", ask={"grant": {"max_turns": ASK_GRANT_TURNS}})
+    asks["approval"]["on_decision"] = "resume"
+    (policies / "files_ask.yaml").write_text(yaml.safe_dump(asks))
     config = {
         "server": {"host": "127.0.0.1", "port": port},
         "store": {"kind": "sqlite", "path": "./gateway.db"},
@@ -76,7 +85,7 @@ def write_config(folder: Path, port: int) -> Path:
             {"name": "demo", "keys": [DEMO, {"key": KEYS, "manage_keys": True, "name": "key manager"}],
              "budget_usd": 10.0,
              "policies": ["passthrough", "files", "research", "hybrid", "files_expiring", "limited", "timed",
-                          "files_auto"]},
+                          "files_auto", "files_ask"]},
             {"name": "ops", "keys": [OPS], "budget_usd": None, "policies": ["passthrough"]},
             {"name": "other", "keys": [OTHER], "budget_usd": None, "policies": ["passthrough", "files"]},
             {"name": "poor", "keys": [POOR], "budget_usd": 0.001, "budget_period": "total", "policies": ["files"]},

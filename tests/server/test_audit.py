@@ -2,9 +2,10 @@
 act appears exactly once, with its actor (team and key id, never a secret), and the chain of
 hashes verifies (`gateway audit verify`), then fails once a record is changed in the file.
 
-The acts: a key created, updated, rotated and revoked; an approval decided; a run resumed
-with raised limits; a run cancelled by an admin team (not its owner; its owner's own cancel
-is not an administrative act); the policies reloaded; a console sign-in and sign-out.
+The acts: a key created, updated, rotated and revoked; an approval decided; a limit request
+granted (its limits old -> new) and one rejected (`on_exceed: ask`); a run resumed with
+raised limits; a run cancelled by an admin team (not its owner; its owner's own cancel is
+not an administrative act); the policies reloaded; a console sign-in and sign-out.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 import yaml
 
 from gateway.config.keys import config_key_id
-from tests.server.served import DEMO, OPS, Served, chat_body, request, write_config
+from tests.server.served import ASK_GRANT_TURNS, ASK_MAX_TURNS, DEMO, OPS, Served, chat_body, request, write_config
 from tests.support.procs import START_TIMEOUT_S, free_port, run_gateway, start_gateway
 
 ROOT = "sk-audit-root"
@@ -48,6 +49,14 @@ async def destructive(session: aiohttp.ClientSession, served: Served) -> str:
                                           body=chat_body("scripted-destructive"), headers={"X-Policy": "files"})
     assert status == 200 and body["run"]["status"] == "interrupted", body
     return str(headers["X-Run-Id"])
+
+
+async def asking(session: aiohttp.ClientSession, served: Served) -> tuple[str, str]:
+    """A run of `files_ask` paused at its turn cap, asking for more: (its id, the request's id)."""
+    status, headers, body = await request(session, "POST", f"{served.url}/v1/chat/completions",
+                                          body=chat_body("scripted-plan"), headers={"X-Policy": "files_ask"})
+    assert status == 200 and body["run"]["reason"] == "limit", body
+    return str(headers["X-Run-Id"]), str(body["run"]["interruption"]["call_id"])
 
 
 async def audit_log(session: aiohttp.ClientSession, served: Served, **query: Any) -> list[dict[str, Any]]:
@@ -79,6 +88,17 @@ async def test_each_administrative_act_is_recorded_once_with_its_actor(served: S
     status, _, answer = await request(session, "POST", f"{url}/v1/runs/{decided}/resume",
                                       body={"max_turns": 40})
     assert status == 200, answer
+    granted, grant_id = await asking(session, served)
+    status, _, answer = await request(session, "POST", f"{url}/v1/runs/{granted}/approvals", key=OPS,
+                                      body={"call_id": grant_id, "decision": "approve", "reason": "nearly done"})
+    assert status == 200 and answer["decision"]["after"] == {"max_turns": ASK_MAX_TURNS + ASK_GRANT_TURNS}, answer
+    status, _, answer = await request(session, "POST", f"{url}/v1/runs/{granted}/approvals", key=OPS,
+                                      body={"call_id": grant_id, "decision": "approve"})
+    assert status == 409, answer  # decided already: no second grant, no second record
+    refused, refused_id = await asking(session, served)
+    status, _, answer = await request(session, "POST", f"{url}/v1/runs/{refused}/approvals", key=OPS,
+                                      body={"call_id": refused_id, "decision": "reject", "reason": "not worth it"})
+    assert status == 200 and answer["run"]["status"] == "max_turns_exceeded", answer
     cancelled = await destructive(session, served)
     status, _, answer = await request(session, "POST", f"{url}/v1/runs/{cancelled}/cancel", key=ROOT,
                                       body={"reason": "stop it"})
@@ -97,10 +117,12 @@ async def test_each_administrative_act_is_recorded_once_with_its_actor(served: S
             assert resp.status == 200
 
     records = await audit_log(session, served, limit=1000)
-    mine = [r for r in records if r["target"] in (key_id, decided, cancelled, own, "policies", "console")]
+    mine = [r for r in records if r["target"] in (key_id, decided, granted, refused, cancelled, own, "policies",
+                                                  "console")]
     counts = Counter((r["action"], r["target"]) for r in mine)
     assert counts == {("key.created", key_id): 1, ("key.updated", key_id): 1, ("key.rotated", key_id): 1,
                       ("key.revoked", key_id): 1, ("approval.decided", decided): 1,
+                      ("limit.granted", granted): 1, ("limit.rejected", refused): 1,
                       ("run.resumed_with_limits", decided): 1, ("run.cancelled", cancelled): 1,
                       ("config.reloaded", "policies"): 1, ("console.signed_in", "console"): 1,
                       ("console.signed_out", "console"): 1}, counts
@@ -109,6 +131,14 @@ async def test_each_administrative_act_is_recorded_once_with_its_actor(served: S
         assert by[action]["actor"] == {"team": "root", "key_id": root_id}, by[action]
     assert by["approval.decided"]["actor"] == {"team": "ops", "key_id": config_key_id(OPS)}
     assert by["approval.decided"]["details"]["decision"] == "approve" and by["approval.decided"]["team"] == "demo"
+    for action in ("limit.granted", "limit.rejected"):
+        assert by[action]["actor"] == {"team": "ops", "key_id": config_key_id(OPS)}, by[action]
+        assert by[action]["team"] == "demo" and by[action]["details"]["limit"] == "max_turns", by[action]
+    assert by["limit.granted"]["details"]["max_turns"] == [ASK_MAX_TURNS, ASK_MAX_TURNS + ASK_GRANT_TURNS]
+    assert by["limit.granted"]["details"]["call_id"] == grant_id
+    assert by["limit.granted"]["details"]["reason"] == "nearly done"
+    assert by["limit.rejected"]["details"]["max_turns"] == [ASK_MAX_TURNS, ASK_MAX_TURNS]  # unchanged
+    assert by["limit.rejected"]["details"]["reason"] == "not worth it"
     assert by["run.resumed_with_limits"]["actor"]["team"] == "demo"
     assert by["run.resumed_with_limits"]["details"]["max_turns"][1] == 40
     assert by["key.updated"]["details"] == {"budget_usd": [2.0, 3.0]}

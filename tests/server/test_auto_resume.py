@@ -41,6 +41,23 @@ async def sse_lines(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[str, st
             yield field, value
 
 
+async def streamed_chat(session: aiohttp.ClientSession, url: str, run_id: str, policy: str,
+                        model: str) -> tuple[str, list[str]]:
+    """A streamed chat call starting run `run_id` under `policy`: (its answer, its progress comments)."""
+    body = chat_body(model, stream=True)
+    content, comments = "", []
+    async with session.post(f"{url}/v1/chat/completions", data=orjson.dumps(body),
+                            headers=auth(**{"X-Policy": policy, "X-Run-Id": run_id})) as resp:
+        assert resp.status == 200, await resp.text()
+        async for field, value in sse_lines(resp):
+            if field == "comment":
+                comments.append(value)
+            elif field == "data" and value != "[DONE]":
+                chunk = orjson.loads(value)
+                content += "".join(c["delta"].get("content") or "" for c in chunk["choices"])
+    return content, comments
+
+
 async def test_a_follower_sees_the_run_go_on_after_the_approval(served: Served,
                                                                  session: aiohttp.ClientSession) -> None:
     status, headers, body = await request(session, "POST", f"{served.url}/v1/chat/completions",

@@ -18,8 +18,8 @@ import orjson
 
 from gateway.harness.approvals import decide
 from gateway.harness.state import Decision, scoped_run_id
-from tests.server.served import OPS, auth, chat_body, events, get_run, poll, request, wait_event
-from tests.server.test_auto_resume import sse_lines
+from tests.server.served import OPS, chat_body, events, get_run, poll, request, wait_event
+from tests.server.test_auto_resume import streamed_chat
 from tests.server.test_replicas import LEASE_TTL_S, Pair, pair, replica_pair, session  # noqa: F401  (fixtures)
 from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
 
@@ -28,18 +28,7 @@ DELETED = "Deleted access.log to free space."
 
 async def streamed_answer(session: aiohttp.ClientSession, url: str, run_id: str) -> tuple[str, list[str]]:
     """A streamed chat call starting a files_auto run: (its answer, its progress comments)."""
-    body = chat_body("scripted-destructive", stream=True)
-    headers = auth(**{"X-Policy": "files_auto", "X-Run-Id": run_id})
-    content, comments = "", []
-    async with session.post(f"{url}/v1/chat/completions", data=orjson.dumps(body), headers=headers) as resp:
-        assert resp.status == 200, await resp.text()
-        async for field, value in sse_lines(resp):
-            if field == "comment":
-                comments.append(value)
-            elif field == "data" and value != "[DONE]":
-                chunk = orjson.loads(value)
-                content += "".join(c["delta"].get("content") or "" for c in chunk["choices"])
-    return content, comments
+    return await streamed_chat(session, url, run_id, "files_auto", "scripted-destructive")
 
 
 def tool_starts(pair: Pair, run_id: str) -> dict[str, Counter[str]]:

@@ -9,7 +9,6 @@ the trace file, the log, /metrics or the database."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp

@@ -27,7 +27,7 @@ import yaml
 from aiohttp import web
 from playwright.async_api import Browser, Page, expect
 
-from tests.server.served import DEMO, OPS, Served, chat_body, get_run, poll, request, write_config
+from tests.server.served import ASK_GRANT_TURNS, DEMO, OPS, Served, chat_body, get_run, poll, request, write_config
 from tests.server.test_admission import serving
 from tests.support.browser import chromium
 from tests.support.procs import free_port, start_gateway
@@ -104,6 +104,16 @@ async def start_destructive(session: aiohttp.ClientSession, served: Served, run_
     assert status == 200 and body["run"]["status"] == "interrupted", body
 
 
+async def completed(session: aiohttp.ClientSession, served: Served, run_id: str) -> dict[str, Any]:
+    """The run once it completed."""
+    async def check() -> dict[str, Any] | None:
+        run = await get_run(session, served.url, run_id)
+        return run if run["status"] == "completed" else None
+
+    found: dict[str, Any] = await poll(check, timeout=UI_TIMEOUT_MS / 1000)
+    return found
+
+
 async def test_an_approver_decides_in_the_console_and_runs_go_on_by_themselves(
         served: Served, session: aiohttp.ClientSession, browser: Browser) -> None:
     page = await sign_in(browser, served.url, OPS)
@@ -127,11 +137,7 @@ async def test_an_approver_decides_in_the_console_and_runs_go_on_by_themselves(
     decided = page.locator("#decided-list article", has_text="run console-approve")
     await expect(decided.locator(".verdict")).to_have_text("approved by ops")
 
-    async def completed() -> dict[str, Any] | None:  # nobody calls resume: the gateway does
-        run = await get_run(session, served.url, "console-approve")
-        return run if run["status"] == "completed" else None
-
-    run = await poll(completed, timeout=UI_TIMEOUT_MS / 1000)
+    run = await completed(session, served, "console-approve")  # nobody calls resume: the gateway does
     assert run["transcript"][-1]["content"] == "Deleted access.log to free space."
     assert served.deleted("console-approve") == ["access.log"]
 
@@ -188,6 +194,31 @@ async def test_a_decision_taken_elsewhere_shows_who_took_it(
     await expect(decided.locator(".verdict")).to_have_text("rejected by ops")
     await expect(decided).to_contain_text("not today")
     await expect(decided.locator("button.approve")).to_be_disabled()
+
+
+async def test_an_approver_grants_a_run_more_turns_in_the_console_and_it_goes_on(
+        served: Served, session: aiohttp.ClientSession, browser: Browser) -> None:
+    page = await sign_in(browser, served.url, OPS)
+    status, _, body = await request(session, "POST", f"{served.url}/v1/chat/completions",
+                                    body=chat_body("scripted-plan"),
+                                    headers={"X-Policy": "files_ask", "X-Run-Id": "console-grant"})
+    assert status == 200 and body["run"]["reason"] == "limit", body  # paused at its cap of 2 turns
+    card = page.locator("#pending-list article.pending.limit", has_text="run console-grant")
+    await expect(card).to_be_visible()
+    await expect(card.locator(".tool")).to_have_text("limit max_turns")
+    await expect(card.locator(".used")).to_have_text("2 of 2 turns used")
+    await expect(card.locator(".meta")).to_contain_text("2 turns · $")
+    await expect(card.locator(".msg.assistant")).to_have_text('read_file({"path":"errors.log"})')
+    grant = card.locator("input.grant[data-limit=max_turns]")
+    await expect(grant).to_have_value(str(ASK_GRANT_TURNS))
+    await grant.fill("1")  # a smaller grant than the policy proposes: the run needs one more turn
+    await card.locator("button.approve").click()
+    decided = page.locator("#decided-list article", has_text="run console-grant")
+    await expect(decided.locator(".verdict")).to_have_text("granted by ops")
+
+    run = await completed(session, served, "console-grant")  # nobody calls resume: the gateway does
+    assert run["turns"] == 3 and run["limits"]["max_turns"] == 3
+    assert [(g["by"], g["grant"]) for g in run["grants"]] == [("ops", {"max_turns": 1})]
 
 
 async def test_a_decision_without_a_reason_reads_plainly_and_the_run_says_it_waits_for_its_resume(

@@ -9,7 +9,7 @@ from gateway.harness.state import scoped_run_id
 from gateway.harness.usage import Price, Usage
 from gateway.server import context as ctx
 from gateway.tokens import get_counter
-from tests.server.conftest import PLAN_USER, CountingUpstream, Gateway, MakeGateway, counted_config
+from tests.server.conftest import PLAN_USER, CountingUpstream, MakeGateway, counted_config
 
 RUNAWAY: dict[str, Any] = {"model": "scripted-runaway", "messages": [PLAN_USER]}
 PRICE = Price(2.0, 12.0)

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from tests.mcptools.fixtures import BIN, http_server, plan_task, planning_upstream, server_log, stdio_server
-from tests.server.served import events, get_run, poll, request, wait_event
+from tests.server.served import events, get_run, poll, request
 from tests.support.procs import ROOT, START_TIMEOUT_S, Proc, free_port, start_gateway
 from tests.support.upstreams import chat_app, in_thread
 

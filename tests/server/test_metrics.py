@@ -12,9 +12,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.harness.usage import Usage
 from gateway.server.metrics import (
+    LIMIT_OUTCOMES,
     MAX_EXEMPLAR_RUN_ID,
     PASS_THROUGH_STOPS,
     RUN_STOPS,
+    KnownPolicy,
     Metrics,
     end_exemplar_run,
     exemplar_run,
@@ -260,3 +262,17 @@ def test_the_stops_exported_at_zero_are_the_reasons_table_of_docs_runs() -> None
             re.findall(r"^\| `([a-z_]+)` \| `([a-z_]+)` \|", table.split("\n## ", 1)[0], flags=re.M)}
     assert set(RUN_STOPS) == rows and len(RUN_STOPS) == len(rows)
     assert set(PASS_THROUGH_STOPS) < set(RUN_STOPS)
+
+
+def test_limit_requests_and_their_stop_are_exported_at_zero_only_for_policies_that_ask() -> None:
+    metrics = Metrics(["m"])
+    metrics.start_at_zero({"t": [KnownPolicy("asks", ("list_files",), ("max_turns", "max_budget_usd")),
+                                 KnownPolicy("pt_asks", (), ("max_turns",)), KnownPolicy("plain", ("list_files",))]})
+    found = samples(metrics.exposition(PROMETHEUS_ACCEPT)[0].decode())
+    limits = {(dict(labels)["policy"], dict(labels)["limit"], dict(labels)["outcome"]): v
+              for (name, labels), v in found.items() if name == "gateway_limit_requests_total"}
+    assert limits == {(p, limit, o): 0.0 for p, limit in (("asks", "max_turns"), ("asks", "max_budget_usd"),
+                                                          ("pt_asks", "max_turns")) for o in LIMIT_OUTCOMES}
+    stops = {dict(labels)["policy"] for (name, labels), v in found.items() if name == "gateway_runs_stopped_total"
+             and dict(labels)["reason"] == "limit"}
+    assert stops == {"asks", "pt_asks"}  # a pass-through policy that asks can pause too; one that does not, never

@@ -53,6 +53,33 @@ def test_a_signature_verifies_only_fresh_and_for_the_same_bytes() -> None:
     assert not verify(SECRET, "garbage", body, 1_000_000)
 
 
+def test_limit_requests_notify_as_approvals_of_kind_limit() -> None:
+    lines = [{"runId": "demo/r9", "type": "limit_reached", "callId": "lim_1", "limit": "max_turns", "used": 2,
+              "cap": 2, "grant": {"max_turns": 3}, "grants": 0, "asked": True, "detail": "d", "ts": 5.0},
+             {"runId": "demo/r9", "type": "limit_reached", "callId": None, "limit": "max_turns", "asked": False},
+             {"runId": "demo/r9", "type": "limit_granted", "callId": "lim_1", "limit": "max_turns",
+              "grant": {"max_turns": 3}, "before": {"max_turns": 2}, "after": {"max_turns": 5}, "by": "ops",
+              "reason": ""},
+             {"runId": "demo/r9", "type": "limit_rejected", "callId": "lim_2", "limit": "max_turns",
+              "reason": "<!channel> no", "by": "ops", "expired": False},
+             {"runId": "demo/r9", "type": "approval_required", "toolName": "delete_file", "callId": "c2"}]
+    records = [read_record(n.body) for n in notices_for([hook()], "demo/r9", lines, 1.0)]
+    assert [(r["event"], r.get("kind")) for r in records] == [  # a limit reached with no grant left asks nobody
+        ("approval_required", "limit"), ("approval_decided", "limit"), ("approval_decided", "limit"),
+        ("approval_required", "tool_call")]
+    bodies = [payload("n", r, None, "https://gw.example") for r in records]
+    assert [b["kind"] for b in bodies] == ["limit", "limit", "limit", "tool_call"]
+    old = dict(records[3])
+    del old["kind"]  # a record written before kinds existed: a call
+    assert payload("n", old, None, None)["kind"] == "tool_call"  # type: ignore[arg-type]
+    assert "kind" not in payload("n", {**records[0], "event": "run_stopped"}, None, None)  # type: ignore[typeddict-item]
+    texts = [slack_text(b) for b in bodies[:3]]
+    assert texts[0].startswith(":raising_hand: More needed: run `r9` of team *demo* reached its `max_turns` (2 of 2)")
+    assert "asks for max_turns +3" in texts[0]
+    assert "was granted more of its `max_turns` by *ops*" in texts[1]
+    assert "was refused more of its `max_turns` by *ops*: &lt;!channel&gt; no" in texts[2]
+
+
 def test_lines_notify_the_webhooks_that_want_them() -> None:
     lines = [{"runId": "demo/r1", "type": "turn"},
              {"runId": "demo/r1", "type": "approval_required", "toolName": "delete_file", "callId": "c2", "ts": 5.0},

@@ -96,7 +96,7 @@ class Pair:
 
 
 def write_replica_config(folder: Path, port: int, shared: Path, redis_url: str, prefix: str,
-                         budget_usd: float) -> Path:
+                         budget_usd: float, policies: tuple[str, ...] = ()) -> Path:
     folder.mkdir(parents=True)
     config = {
         "server": {"host": "127.0.0.1", "port": port, "lease_ttl_s": LEASE_TTL_S},
@@ -107,7 +107,8 @@ def write_replica_config(folder: Path, port: int, shared: Path, redis_url: str, 
         "upstreams": [{"name": "scripted", "kind": "scripted"}],
         "models": [{"match": "scripted-*", "upstream": "scripted", "price_in": 2.0, "price_out": 12.0}],
         "teams": [
-            {"name": "demo", "keys": [DEMO], "budget_usd": 10.0, "policies": ["passthrough", "files", "files_auto"]},
+            {"name": "demo", "keys": [DEMO], "budget_usd": 10.0,
+             "policies": ["passthrough", "files", "files_auto", *policies]},
             {"name": "ops", "keys": [OPS], "budget_usd": None, "policies": ["passthrough"]},
             {"name": "thrifty", "keys": [THRIFTY], "budget_usd": budget_usd, "budget_period": "total",
              "budget_mode": "strict", "policies": ["passthrough"]},
@@ -124,9 +125,12 @@ def storm_turn_cost() -> float:
     return PRICE.cost(Usage(prompt, 23))
 
 
-def start_pair(shared: Path, redis_url: str) -> Pair:
-    """Replicas a and b on one redis (a prefix of their own), one policies folder, one runs_dir."""
+def start_pair(shared: Path, redis_url: str, extra: dict[str, dict[str, Any]] | None = None) -> Pair:
+    """Replicas a and b on one redis (a prefix of their own), one policies folder, one runs_dir;
+    `extra` policies (by name) are added to the folder and to team demo's."""
     (shared / "policies").mkdir(parents=True)
+    for name, data in (extra or {}).items():
+        (shared / "policies" / f"{name}.yaml").write_text(yaml.safe_dump({**data, "name": name}))
     for path in (ROOT / "policies").glob("*.yaml"):
         (shared / "policies" / path.name).write_text(path.read_text())
     auto = yaml.safe_load((ROOT / "policies" / "files.yaml").read_text())  # resumes by itself after a decision
@@ -138,7 +142,7 @@ def start_pair(shared: Path, redis_url: str) -> Pair:
 
     def start(name: str) -> Proc:
         port = free_port()
-        config = write_replica_config(shared / name, port, shared, redis_url, prefix, budget)
+        config = write_replica_config(shared / name, port, shared, redis_url, prefix, budget, tuple(extra or ()))
         return start_gateway(["serve", "--config", str(config)], "/healthz", port, shared / name / "gateway.log",
                              timeout=START_TIMEOUT_S)
 

@@ -7,8 +7,9 @@
 | admin team      | yes                | only if also an approver | yes             | yes    |
 | any other team  | 404                | 404                | 404                   | 404    |
 
-An approver is a team named in the run's policy's `approval.approvers`: it reviews calls,
-so it sees the runs it can decide and decides, nothing more. Resuming (which may raise the
+An approver is a team named in the run's policy's `approval.approvers` (or, for limit
+requests, `limits.ask.approvers`): it reviews calls and limits, so it sees the runs it can
+decide and decides, nothing more. Resuming (which may raise the
 run's limits, charged to the owning team's budget) and cancelling steer the run, which
 belongs to its team; admin teams (`admin: true`) may steer any run, as operators. A team
 that may not see a run gets the same 404 as for a run that does not exist; a team that
@@ -24,8 +25,11 @@ from gateway.harness.state import RunState
 from gateway.policy.approval import can_decide
 from gateway.policy.decl import Policy
 from gateway.server.http.errors import Forbidden
+from gateway.server.runs.limit_requests import approvers as limit_approvers
 
 Role = Literal["owner", "approver", "admin", "other"]
+RequestKind = Literal["tool_call", "limit"]
+"""What a person decides: a call (`approval.approvers`) or a limit request (`limits.ask.approvers`)."""
 Steer = Literal["resume", "cancel"]
 
 
@@ -34,7 +38,7 @@ def roles(team: TeamConfig, run: RunState, policy: Policy | None) -> frozenset[R
     held: set[Role] = set()
     if run.team == team.name:
         held.add("owner")
-    if policy is not None and team.name in policy.approval.approvers:
+    if policy is not None and (team.name in policy.approval.approvers or team.name in limit_approvers(policy)):
         held.add("approver")
     if team.admin:
         held.add("admin")
@@ -46,9 +50,21 @@ def may_see(team: TeamConfig, run: RunState, policy: Policy | None) -> bool:
     return bool(roles(team, run, policy))
 
 
-def may_decide(team: TeamConfig, run: RunState, policy: Policy | None) -> bool:
-    """The policy's approvers (or, when it names none, the owning team)."""
-    return policy is not None and can_decide(policy.approval, team.name, run.team)
+def may_decide(team: TeamConfig, run: RunState, policy: Policy | None, kind: RequestKind = "tool_call") -> bool:
+    """Calls: the policy's approvers (or, when it names none, the owning team). Limit
+    requests: `limits.ask.approvers` only (a policy that asks always names some): the team
+    that owns the run does not raise its own limits this way unless it is one of them."""
+    if policy is None:
+        return False
+    if kind == "limit":
+        return team.name in limit_approvers(policy)
+    return can_decide(policy.approval, team.name, run.team)
+
+
+def request_kind(run: RunState) -> RequestKind:
+    """What the run waits for a person on: a tool call, or a limit request."""
+    waiting = run.interruption
+    return "limit" if waiting is not None and waiting.type == "limit" else "tool_call"
 
 
 def may_steer(team: TeamConfig, run: RunState) -> bool:

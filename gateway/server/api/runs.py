@@ -4,7 +4,8 @@
 | GET  /v1/runs?status=&team=&policy= | runs visible to the caller                            |
 | GET  /v1/runs/{id}               | the run with its transcript                              |
 | GET  /v1/runs/{id}/events        | its trace as JSONL (`?follow=1`: SSE until it stops)     |
-| POST /v1/runs/{id}/approvals     | approve or reject the call it waits for (approvers only) |
+| POST /v1/runs/{id}/approvals     | approve or reject the call (or limit request: grant more) |
+|                                  | it waits for (approvers only)                            |
 |                                  | (policy `on_decision: resume`: the run then goes on)     |
 | POST /v1/runs/{id}/resume        | continue it; answers like chat completions               |
 | POST /v1/runs/{id}/cancel        | stop it within milliseconds, tools included              |
@@ -33,8 +34,9 @@ from gateway.policy.decl import Policy
 from gateway.server import audit
 from gateway.server import context as ctx
 from gateway.store.audit import AuditEntry
-from gateway.server.api.access import may_decide, may_see, require_steer
+from gateway.server.api.access import may_decide, may_see, request_kind, require_steer
 from gateway.server.api.runs_input import (
+    ApprovalInput,
     approval_input,
     cancel_reason,
     events_after,
@@ -43,7 +45,7 @@ from gateway.server.api.runs_input import (
     resume_input,
 )
 from gateway.server.chat.server_side import answer
-from gateway.server.http.errors import Conflict, Forbidden, NotFound
+from gateway.server.http.errors import Conflict, Forbidden, InvalidField, NotFound
 from gateway.server.http.headers import run_headers
 from gateway.server.http.sse import ClientGone, SSEStream
 from gateway.server.http.validation import check_depth, json_object, read_body
@@ -53,8 +55,10 @@ from gateway.server.runs.auto_resume import (
     RESUMED_BY,
     after_decision,
     follow_until_stopped,
+    resume_decided,
 )
 from gateway.server.runs.cancels import RunBusy, cancel_event
+from gateway.server.runs import limit_requests
 from gateway.server.runs.continuations import resume_with
 from gateway.server.runs.driver import Audited, Prepare
 from gateway.server.runs.booking import append_trace_file
@@ -115,7 +119,7 @@ async def run_for(request: web.Request) -> tuple[TeamConfig, RunState]:
 def _reviews_others(app: web.Application, team: TeamConfig) -> bool:
     """Whether `team` may see other teams' runs at all (an admin, or a policy's approver)."""
     policies = app[ctx.POLICIES]
-    return team.admin or any(team.name in p.approval.approvers
+    return team.admin or any(team.name in p.approval.approvers or team.name in limit_requests.approvers(p)
                              for name in policies.names() if (p := policies.get(name)) is not None)
 
 
@@ -142,6 +146,7 @@ def run_json(run: RunState, *, transcript: bool = False) -> dict[str, Any]:
         "object": "run", **run.summary(), "team": run.team, "policy": run.policy,
         "policy_version": run.policy_version, "model": run.model, "limits": run.limits.to_json(),
         "error": run.error, "decisions": {cid: d.to_json() for cid, d in run.decisions.items()},
+        "grants": [g.to_json() for g in run.grants],
         "created_at": run.created_at, "updated_at": run.updated_at,
     }
     if transcript:
@@ -204,12 +209,23 @@ async def post_approval(request: web.Request) -> web.Response:
     app = request.app
     team, run = await run_for(request)
     policy = run_policy(app, run)
-    if policy is None or not may_decide(team, run, policy):
+    kind = request_kind(run)
+    if policy is None or not may_decide(team, run, policy, kind):
+        if kind == "limit":
+            who = ", ".join(limit_requests.approvers(policy)) or "none"
+            raise Forbidden(f"team '{team.name}' may not grant more to runs of policy '{run.policy}' (limit "
+                            f"approvers: {who}); the run's own team raises its limits only by resuming it",
+                            code="not_an_approver")
         approvers = ", ".join(policy.approval.approvers) if policy else "unknown"
         raise Forbidden(f"team '{team.name}' may not decide calls of policy '{run.policy}' (approvers: {approvers})",
                         code="not_an_approver")
     given = approval_input(await _body(request))
     call_id, verdict, reason = given.call_id, given.decision, given.reason
+    if kind == "limit":
+        return await _decide_limit(request, team, run, policy, given)
+    if given.grant is not None:
+        raise InvalidField("grant", f"run {run.public_id} waits for a decision on a call, not on a limit: a grant "
+                                    "goes with a limit request only")
     store = app[ctx.STORE]
     asked = await asked_at(app[ctx.STORE], run, call_id)
     late = asked is not None and expired(asked, time.time(), policy.approval)
@@ -248,9 +264,23 @@ async def post_approval(request: web.Request) -> web.Response:
     append_trace_file(app[ctx.CONFIG].trace_file, lines)
     request[ctx.RUN] = run
     app[ctx.DRIVER].approvals_changed()
-    resumes = after_decision(app[BACKGROUND], run, policy, resume_with(None, None, RESUMED_BY))
+    resumes = after_decision(app[BACKGROUND], run, policy, resume_decided(RESUMED_BY))
     return _json({"run": run_json(run), "decision": {"call_id": call_id, **decision.to_json(), "expired": late},
                   "run_resumes_on_decision": resumes}, run=run)
+
+
+async def _decide_limit(request: web.Request, team: TeamConfig, run: RunState, policy: Policy,
+                        given: ApprovalInput) -> web.Response:
+    """A verdict on a limit request (`on_exceed: ask`): raised limits (or the run ended), its
+    trace lines and its audit record in one store step. Like a call's decision, a grant leaves
+    the run `interrupted` until its resume: under `on_decision: resume` the gateway's own."""
+    app = request.app
+    run, decision = await limit_requests.decide(app, run, policy, team, given.call_id, given.decision,
+                                                given.reason, given.grant)
+    request[ctx.RUN] = run
+    app[ctx.DRIVER].approvals_changed()
+    resumes = after_decision(app[BACKGROUND], run, policy, resume_decided(RESUMED_BY))
+    return _json({"run": run_json(run), "decision": decision, "run_resumes_on_decision": resumes}, run=run)
 
 
 async def post_resume(request: web.Request) -> web.StreamResponse:
@@ -365,12 +395,12 @@ async def _reload(app: web.Application, run: RunState) -> RunState:
 
 
 def _waiting_decision(run: RunState) -> Interruption | None:
-    """The approval an interrupted run waits for, if it waits for one still undecided."""
-    return run.interruption if run.waits_for_decision else None
+    """The call or limit request an interrupted run waits for, if still undecided."""
+    return run.waiting_request
 
 
 def _cancellable(run: RunState) -> bool:
-    """Running, or stopped on a call (decided or not) that would let it go on."""
+    """Running, or stopped on a call or limit request (decided or not) that would let it go on."""
     return run.status == "running" or run.waits_for_decision or run.decided
 
 

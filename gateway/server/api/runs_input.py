@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, cast
 
-from gateway.harness.state import STATUSES
+from gateway.harness.state import STATUSES, Amounts, LimitName
 from gateway.server.http.errors import InvalidField
 from gateway.server.http.validation import (
     INT64_MAX,
@@ -87,10 +87,46 @@ class ApprovalInput:
     call_id: str
     decision: Literal["approve", "reject"]
     reason: str
+    grant: Amounts | None = None
+    """For a limit request: what to raise each limit by (None: the grant proposed)."""
+
+
+GRANT_BOUNDS: Final[Mapping[LimitName, float]] = {
+    "max_turns": MAX_RESUME_TURNS, "max_budget_usd": MAX_BUDGET_USD, "max_tool_calls": MAX_RESUME_TURNS,
+    "max_duration_s": MAX_DURATION_S,
+}
+
+
+def grant_input(body: Mapping[str, Any]) -> Amounts | None:
+    """`grant`: {limit name: a positive amount}, turns and tool calls whole, each bounded."""
+    raw = body.get("grant")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise wrong_type("grant", "an object of limit name to amount", raw)
+    if not raw:
+        raise InvalidField("grant", "grant must name at least one limit to raise")
+    out: Amounts = {}
+    for key in raw:
+        if key not in GRANT_BOUNDS:
+            shown = key if len(key) <= 40 else key[:40] + "..."
+            raise InvalidField(f"grant.{shown}", f"grant.{shown} is not a limit (expected "
+                                                 f"{', '.join(GRANT_BOUNDS)})")
+        name = cast(LimitName, key)
+        high = GRANT_BOUNDS[name]
+        if name in ("max_turns", "max_tool_calls"):
+            value: float | None = optional_int(raw, name, 1, int(high), f"grant.{name}")
+        else:
+            value = optional_number(raw, name, 0, high, f"grant.{name}")
+            if value is not None and value <= 0:
+                raise InvalidField(f"grant.{name}", f"grant.{name} must be > 0 and <= {high:g}, got {value:g}")
+        if value is not None:
+            out[name] = value
+    return out
 
 
 def approval_input(body: Mapping[str, Any]) -> ApprovalInput:
-    """{"call_id", "decision": "approve"|"reject", "reason"?}."""
+    """{"call_id", "decision": "approve"|"reject", "reason"?, "grant"?}."""
     call_id = body.get("call_id")
     if call_id is None:
         raise InvalidField("call_id", "call_id must be the id of the call the run waits for (a string)",
@@ -105,7 +141,10 @@ def approval_input(body: Mapping[str, Any]) -> ApprovalInput:
         raise InvalidField("decision", f"decision must be \"approve\" or \"reject\", got {shown}",
                            "missing_field" if verdict is None else "invalid_value")
     reason = optional_str(body, "reason", max_len=MAX_REASON_CHARS) or ""
-    return ApprovalInput(call_id, "approve" if verdict == "approve" else "reject", reason)
+    grant = grant_input(body)
+    if grant is not None and verdict != "approve":
+        raise InvalidField("grant", "grant goes with decision \"approve\" only")
+    return ApprovalInput(call_id, "approve" if verdict == "approve" else "reject", reason, grant)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,16 @@ from gateway.harness.usage import Usage
 
 
 def exit_sentence(state: RunState) -> str:
-    """The run's exit in one sentence, for the person reading the chat."""
+    """The run's exit in one sentence (two when a person said why), for the person reading the chat."""
+    sentence = _exit(state)
+    i = state.interruption
+    if state.status != "interrupted" and i is not None and i.reason and i.type in (
+            "max_turns", "max_budget", "max_tool_calls", "max_duration"):  # a person declined to raise it
+        return f"{sentence} {i.reason}"
+    return sentence
+
+
+def _exit(state: RunState) -> str:
     limits, i = state.limits, state.interruption
     if state.status == "max_turns_exceeded":
         return f"The run stopped: it reached its cap of {limits.max_turns} turns."
@@ -45,6 +54,12 @@ def exit_sentence(state: RunState) -> str:
                     f"(POST /v1/runs/{state.public_id}/resume, or its next chat call) to go on.")
         if i.type == "approval":
             return f"The run is waiting for a person to approve {i.tool_name}({json.dumps(i.args)})."
+        if i.type == "limit":
+            if i.call_id in state.decisions:
+                return (f"A person granted the run more (its {i.limit}); the run waits to be resumed "
+                        f"(POST /v1/runs/{state.public_id}/resume, or its next chat call) to go on.")
+            return (f"The run is waiting for a person to grant more: it reached its {i.limit} "
+                    f"({i.used or 0:g} of {i.cap or 0:g} used).")
         if i.type == "cancelled":
             return f"The run was interrupted: {i.reason or 'cancelled'}."
         if i.type == "max_turns":

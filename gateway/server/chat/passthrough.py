@@ -28,9 +28,11 @@ from gateway.server.http.errors import (
     ApiError,
     ClientLeft,
     Conflict,
+    LimitApprovalPending,
     LimitExceeded,
 )
 from gateway.server.http.leaving import upstream_wait
+from gateway.server.runs import limit_requests
 from gateway.server.runs.booking import Booked, book_turn, refuse
 from gateway.server.runs.fair_share import Share
 from gateway.server.runs.forwarding import Body, complete_chat, routed_call, trace_unbooked
@@ -43,8 +45,10 @@ from gateway.store.errors import RunExists
 T = TypeVar("T")
 
 
-def _check_open(call: Call) -> None:
+def _check_open(request: web.Request, call: Call) -> None:
     run = call.run
+    if limit_requests.waits_on_limit(run) is not None:
+        raise limit_requests.pending_refusal(request.app, run, call.policy)
     if run.status == "failed":
         raise Conflict(f"run {run.public_id} failed ({run.error or run.reason}); start a new run", code="run_failed")
     if run.status == "interrupted" and run.interruption is not None and run.interruption.type == "cancelled":
@@ -61,41 +65,67 @@ async def _reload(request: web.Request, call: Call, stored: RunState | None = No
                            request.headers.get("X-Policy") or None)
     finally:
         request[ctx.RUN] = call.run
-    _check_open(call)
+    _check_open(request, call)
+
+
+ASK_ATTEMPTS = 3
+"""Admissions of one call refused at a limit that asks, whose run's limits were raised
+meanwhile (a grant between its load and its refusal): each is judged again on the stored run."""
 
 
 async def admit(request: web.Request, call: Call) -> Admission:
     """Admit the call (turn slot, budget holds), or refuse it with 429 (the run takes the
-    refusal's status) or 409 `run_busy` before anything is forwarded. A call that started
-    from a cached run is judged again on the stored run when its admission refuses, or finds
-    the stored revision different (the admission is then given back first)."""
+    refusal's status, or, at a limit that asks a person, records the request: 429
+    `limit_approval_pending`) or 409 `run_busy` before anything is forwarded. A call that
+    started from a cached run is judged again on the stored run when its admission refuses,
+    or finds the stored revision different (the admission is then given back first)."""
+    again = False
+    for attempt in range(ASK_ATTEMPTS):
+        try:
+            if again:
+                await _reload(request, call)
+            adm = await _admit_once(request, call)
+        except LimitExceeded as exc:
+            if not call.stored:  # refused before the store step that would have stored the new run
+                with contextlib.suppress(RunExists):
+                    await request.app[ctx.STORE].create_run(call.run)
+            call.stored = True
+            answer = await limit_requests.ask_passthrough(request.app, call, exc)
+            if answer is None:  # the run's limits were raised meanwhile: judge it again
+                again = True
+                continue
+            raise await refuse(request, call, answer) from None
+        call.stored = True
+        return adm
+    raise Conflict(f"run {call.run.public_id}'s limits changed while this call was judged; retry", code="run_contended",
+                   headers={"x-should-retry": "true", "retry-after": "1"})
+
+
+async def _admit_once(request: web.Request, call: Call) -> Admission:
     chat = call.chat
     ask = Ask(call.route.price, chat.messages, chat.tools, chat.max_tokens, chat.n, chat.model, call.user)
     app = request.app
     governor = app[ctx.GOVERNOR]
+
+    async def admit_turn(create: bool = False) -> Admission:
+        return await governor.admit_turn(call.run, call.team, ask, create=create,
+                                         fit=limit_requests.asks_budget(call.policy, call.run))
+
     try:
-        try:
-            adm = await governor.admit_turn(call.run, call.team, ask, create=not call.stored)
-        except RunExists as exc:  # stored already (a blind call's run, or a concurrent first call's)
-            await _reload(request, call, exc.stored)
-            adm = await governor.admit_turn(call.run, call.team, ask)
-        except LimitExceeded:
-            if not call.cached:
-                raise
-            await _reload(request, call)  # a refusal judged on a cached copy (e.g. older limits) is not final
-            adm = await governor.admit_turn(call.run, call.team, ask)
-        if call.cached and adm.run_revision != call.run.revision:
-            app[ctx.RUN_CACHE].stale += 1
-            await governor.release(adm)
-            await _reload(request, call)
-            adm = await governor.admit_turn(call.run, call.team, ask)
-    except LimitExceeded as exc:
-        if not call.stored:  # refused before the store step that would have stored the new run
-            with contextlib.suppress(RunExists):
-                await app[ctx.STORE].create_run(call.run)
-        call.stored = True
-        raise await refuse(request, call, exc) from None
-    call.stored = True
+        adm = await admit_turn(create=not call.stored)
+    except RunExists as exc:  # stored already (a blind call's run, or a concurrent first call's)
+        await _reload(request, call, exc.stored)
+        adm = await admit_turn()
+    except LimitExceeded:
+        if not call.cached:
+            raise
+        await _reload(request, call)  # a refusal judged on a cached copy (e.g. older limits) is not final
+        adm = await admit_turn()
+    if call.cached and adm.run_revision != call.run.revision:
+        app[ctx.RUN_CACHE].stale += 1
+        await governor.release(adm)
+        await _reload(request, call)
+        adm = await admit_turn()
     return adm
 
 
@@ -153,11 +183,14 @@ async def _traced(request: web.Request, call: Call, share: Share) -> AsyncIterat
 @contextlib.asynccontextmanager
 async def _governed(request: web.Request, call: Call, share: Share) -> AsyncIterator[tuple[Admission, RoutedCall]]:
     try:
-        _check_open(call)
-    except Conflict:
-        if not call.cached:
-            raise
-        await _reload(request, call)  # the cached run may be out of date: the stored one decides
+        try:
+            _check_open(request, call)
+        except (Conflict, LimitApprovalPending):
+            if not call.cached:
+                raise
+            await _reload(request, call)  # the cached run may be out of date: the stored one decides
+    except LimitApprovalPending as exc:
+        raise await refuse(request, call, exc) from None
     metrics = request.app[ctx.METRICS]
     span = request.get(ctx.CHAT_SPAN)
     asked = time.perf_counter()

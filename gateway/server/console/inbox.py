@@ -1,11 +1,13 @@
-"""The approver's inbox: every pending call the signed-in team may decide, oldest first.
+"""The approver's inbox: every pending request the signed-in team may decide, oldest first.
 
-An item is a run waiting for a decision (`interrupted`, an `approval` interruption not
-yet decided) that the team may see and decide (`run_access.may_see`, `may_decide`: the
-runs API's own rules), with what a person needs to judge it: the tool and its arguments,
-the policy rule that asked (`RuleApproval.explain`, the rule the loop applied), the run's
-team, policy, model, turns and cost, the last user message and the assistant message
-that made the call, and when the request expires.
+An item is a run waiting for a decision (`interrupted`, an `approval` or `limit`
+interruption not yet decided) that the team may see and decide (`run_access.may_see`,
+`may_decide`: the runs API's own rules), with what a person needs to judge it: the tool
+and its arguments and the policy rule that asked (`RuleApproval.explain`, the rule the
+loop applied), or, for a limit request (`kind: "limit"`), the limit, what the run used,
+the grant proposed and how far `max_total` lets it go; the run's team, policy, model,
+turns and cost, the last user message and the assistant message that made the call (for
+a limit: the run's last one, what it was doing), and when the request expires.
 
 `GET /console/api/inbox/events` streams changes as server-sent events, read from the
 shared store (so a decision taken on another replica, or by the API, shows too):
@@ -25,7 +27,10 @@ from gateway.harness.state import Message, RunState
 from gateway.policy.approval import compile_approval
 from gateway.policy.decl import Policy, Rule
 from gateway.server import context as ctx
-from gateway.server.api.access import may_decide, may_see
+from gateway.harness.approvals import describe_call
+from gateway.harness.limit_requests import plain
+from gateway.harness.limit_requests import room as room_left
+from gateway.server.api.access import may_decide, may_see, request_kind
 from gateway.server.api.runs import LIST_SCAN, run_policy
 from gateway.server.console.session import json_answer, signed_in
 from gateway.server.http.errors import Unauthorized
@@ -61,6 +66,17 @@ class InboxItem(TypedDict):
     assistant: str | None
     decision: str
     run_resumes_on_decision: bool
+    kind: str
+    """`tool_call`, or `limit` (then `tool` and `args` are empty and the fields below are set)."""
+    limit: str | None
+    used: float | None
+    cap: float | None
+    grant: dict[str, float] | None
+    """The grant proposed (what each limit would be raised by)."""
+    room: dict[str, float] | None
+    """How far each limit the grant names may still be raised (`limits.ask.max_total`; absent: no bound)."""
+    grants: int
+    """Grants the run had so far."""
 
 
 class Decided(TypedDict):
@@ -95,6 +111,37 @@ def _context(messages: list[Message], call_id: str) -> tuple[str | None, str | N
             user = next((messages[j] for j in range(i - 1, -1, -1) if messages[j].get("role") == "user"), None)
             return (_text(user.get("content")) if user else None), _text(m.get("content"))
     return None, None
+
+
+def _doing(messages: list[Message]) -> str | None:
+    """What a run was doing: its last assistant message (its text, or the calls it made)."""
+    for m in reversed(messages):
+        if m.get("role") != "assistant":
+            continue
+        calls = m.get("tool_calls")
+        if isinstance(calls, list) and calls:
+            named = [describe_call(str((c.get("function") or {}).get("name")), (c.get("function") or {}).get(
+                "arguments") or "{}") for c in calls if isinstance(c, dict)]
+            said = _text(m.get("content"))
+            return _text(("; ".join(named)) if not said else f"{said}\n{'; '.join(named)}")
+        return _text(m.get("content"))
+    return None
+
+
+def _last_user(messages: list[Message]) -> str | None:
+    user = next((m for m in reversed(messages) if m.get("role") == "user"), None)
+    return _text(user.get("content")) if user else None
+
+
+def limit_rule(policy: Policy, limit: str | None) -> str:
+    """Which part of the policy asked a person for more of a limit."""
+    ask = policy.limit_ask
+    if ask is None:
+        return f"policy '{policy.name}' no longer asks for its limits"
+    bound = f"; at most {ask.max_grants} grant(s)" if ask.max_grants is not None else ""
+    total = next((v for k, v in ask.max_total.items() if k == limit), None)
+    return f"limits.on_exceed: ask ({limit} asks {', '.join(ask.approvers)}{bound}" + (
+        f"; max_total {total:g})" if total is not None else ")")
 
 
 def describe_rule(rule: Rule, index: int) -> str:
@@ -133,22 +180,34 @@ async def pending_items(app: web.Application, team: TeamConfig,
         if waiting is None or waiting.call_id is None or not waits_for_decision(run):
             continue
         policy = run_policy(app, run)
-        if policy is None or not may_see(team, run, policy) or not may_decide(team, run, policy):
+        kind = request_kind(run)
+        if policy is None or not may_see(team, run, policy) or not may_decide(team, run, policy, kind):
             continue
         key = item_key(run, waiting.call_id)
         if key not in asked:
             asked[key] = await asked_at(app[ctx.STORE], run, waiting.call_id)
         when = asked[key]
         expires = policy.approval.expires_after_s
-        user, assistant = _context(run.messages, waiting.call_id)
+        if kind == "limit":
+            user, assistant = _last_user(run.messages), _doing(run.messages)
+            rule = limit_rule(policy, waiting.limit)
+        else:
+            user, assistant = _context(run.messages, waiting.call_id)
+            rule = asking_rule(policy, waiting.tool_name or "", waiting.args)
+        ask = policy.limit_ask
+        room = {n: r for n in (waiting.grant or {}) if ask is not None
+                and (r := room_left(run.limits, ask, n)) is not None} if kind == "limit" else None
         items.append({
             "key": key, "run_id": run.public_id, "team": run.team,
             "policy": run.policy, "policy_version": run.policy_version, "model": run.model, "turns": run.turns,
             "cost_usd": round(run.cost_usd, 9), "call_id": waiting.call_id, "tool": waiting.tool_name or "",
-            "args": waiting.args, "rule": asking_rule(policy, waiting.tool_name or "", waiting.args),
+            "args": waiting.args, "rule": rule,
             "asked_at": when, "expires_at": when + expires if when is not None and expires is not None else None,
             "last_user": user, "assistant": assistant, "decision": "pending",
-            "run_resumes_on_decision": policy.approval.on_decision == "resume",
+            "run_resumes_on_decision": policy.approval.on_decision == "resume" and policy.server_side,
+            "kind": kind, "limit": waiting.limit, "used": waiting.used, "cap": waiting.cap,
+            "grant": plain(waiting.grant) if waiting.grant is not None else None,
+            "room": plain(room) if room is not None else None, "grants": len(run.grants),
         })
     items.sort(key=lambda item: (item["asked_at"] or 0.0, item["key"]))
     return items

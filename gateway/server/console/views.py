@@ -5,7 +5,7 @@ each turn, and each team's spend against its budget for the current period."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypedDict
+from typing import TypedDict
 
 from aiohttp import web
 

@@ -19,8 +19,10 @@ Handlers raise; one middleware renders. The tree (HTTP status, `error.type`):
     ├── ClientLeft                   499 client_closed_request, code client_disconnected (nginx's
     │                                    499: the client closed its connection first; nobody reads it)
     ├── LimitExceeded                429 max_turns_exceeded | budget_exceeded | team_budget_exceeded
-    │                                    | key_budget_exceeded | user_budget_exceeded | max_duration_exceeded
-    │                                    (+ header x-should-retry: false, + top-level `run`)
+    │   │                                | key_budget_exceeded | user_budget_exceeded | max_duration_exceeded
+    │   │                                (+ header x-should-retry: false, + top-level `run`)
+    │   └── LimitApprovalPending     429 limit_approval_pending: a limit that asks a person
+    │                                    waits for a grant (`kind`: the limit's own refusal)
     ├── RateLimited                  429 requests | tokens | in_flight, code rate_limit_exceeded
     │                                    (+ retry-after, retry-after-ms, x-ratelimit-*,
     │                                    x-should-retry: true; false for a call too large
@@ -207,6 +209,16 @@ class LimitExceeded(ApiError):
         self.kind: LimitKind = kind
         if run is not None:
             self.extra["run"] = dict(run)
+
+
+class LimitApprovalPending(LimitExceeded):
+    """A pass-through call refused because its run reached a limit that asks a person
+    (`on_exceed: ask`) and waits for a grant: retrying as is cannot help until someone
+    grants more. `kind` is the refusal the limit itself makes."""
+
+    def __init__(self, kind: LimitKind, message: str) -> None:
+        super().__init__(kind, message)
+        self.code = self.type = "limit_approval_pending"
 
 
 class RateLimited(ApiError):

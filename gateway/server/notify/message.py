@@ -14,7 +14,7 @@ import hashlib
 import hmac
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, TypedDict
+from typing import Any, Final, Literal, NotRequired, TypedDict
 from urllib.parse import quote
 
 import orjson
@@ -28,11 +28,23 @@ SIGNATURE_TOLERANCE_S: Final = 300
 """How old (or how far in the future) a signature's timestamp may be before a receiver
 rejects the message as a replay; what `verify` checks by default."""
 RUN_EVENTS: Final[frozenset[str]] = frozenset({"approval_required", "approval_decided", "run_stopped"})
+NOTICES: Final[Mapping[str, tuple[NoticeEvent, RequestKind | None]]] = {
+    "approval_required": ("approval_required", "tool_call"),
+    "approval_decided": ("approval_decided", "tool_call"),
+    "limit_reached": ("approval_required", "limit"),  # only when a person is asked (`asked`)
+    "limit_granted": ("approval_decided", "limit"),
+    "limit_rejected": ("approval_decided", "limit"),
+    "run_stopped": ("run_stopped", None),
+}
+"""Trace line -> the webhook event it sends, and (approvals) what is decided: a call or a limit."""
 THRESHOLDS_PCT: Final = (80, 100)
 RETRY_BASE_S: Final = 1.0
 RETRY_CAP_S: Final = 300.0
 TEXT_MAX: Final = 500
 """Characters of model- or user-controlled text (tool arguments, reasons) a Slack line shows."""
+
+
+RequestKind = Literal["tool_call", "limit"]
 
 
 class Record(TypedDict):
@@ -45,6 +57,8 @@ class Record(TypedDict):
     """The stored id (TEAM/ID); None for a budget notice."""
     detail: dict[str, Any]
     at: float
+    kind: NotRequired[RequestKind]
+    """Approval events: what a person decides (a record written before it existed: a call)."""
 
 
 class Payload(TypedDict):
@@ -59,6 +73,8 @@ class Payload(TypedDict):
     run: dict[str, Any] | None
     detail: dict[str, Any]
     link: str | None
+    kind: NotRequired[RequestKind]
+    """`approval_required` and `approval_decided`: `tool_call` or `limit`."""
 
 
 def notices_for(webhooks: Sequence[WebhookConfig], run_id: str, events: Sequence[Mapping[str, Any]],
@@ -69,10 +85,10 @@ def notices_for(webhooks: Sequence[WebhookConfig], run_id: str, events: Sequence
     out: list[Notice] = []
     for line in events:
         kind = line.get("type")
-        if kind not in RUN_EVENTS:
+        found = NOTICES.get(str(kind))
+        if found is None or (kind == "limit_reached" and not line.get("asked")):
             continue
-        event: NoticeEvent = "run_stopped" if kind == "run_stopped" else (
-            "approval_required" if kind == "approval_required" else "approval_decided")
+        event, asked = found
         reason = line.get("reason") if kind == "run_stopped" else None
         subject = line.get("runId") if isinstance(line.get("runId"), str) else run_id
         detail = {k: v for k, v in line.items() if k not in ("runId", "type")}
@@ -80,6 +96,8 @@ def notices_for(webhooks: Sequence[WebhookConfig], run_id: str, events: Sequence
             if hook.wants(event, team, reason if isinstance(reason, str) else None):
                 record = Record(webhook=hook.name, event=event, team=team, run_id=str(subject), detail=detail,
                                 at=_ts(line.get("ts"), now))
+                if asked is not None:
+                    record["kind"] = asked
                 out.append(Notice(f"{event}:{uuid.uuid4().hex}:{hook.name}", orjson.dumps(record)))
     return out
 
@@ -123,9 +141,12 @@ def console_link(base: str | None, team: str, run_id: str | None) -> str | None:
 def payload(notice_id: str, record: Record, run: dict[str, Any] | None, base_url: str | None) -> Payload:
     """The body of a notice as sent; `run` is the run's summary at delivery (None: none/gone)."""
     rid = record["run_id"]
-    return Payload(id=notice_id, event=record["event"], created_at=record["at"], team=record["team"],
+    body = Payload(id=notice_id, event=record["event"], created_at=record["at"], team=record["team"],
                    run_id=None if rid is None else public_run_id(rid), run=run, detail=record["detail"],
                    link=console_link(base_url, record["team"], rid))
+    if record["event"] in ("approval_required", "approval_decided"):
+        body["kind"] = record.get("kind", "tool_call")
+    return body
 
 
 def encode(body: Payload, fmt: str) -> bytes:
@@ -141,7 +162,17 @@ def slack_text(body: Payload) -> str:
     d, team = body["detail"], _esc(body["team"])
     rid = _esc(str(body["run_id"]))
     tool = _esc(str(d.get("toolName") or "a tool"))
-    if body["event"] == "approval_required":
+    limit = _esc(str(d.get("limit") or "a limit"))
+    if body.get("kind") == "limit" and body["event"] == "approval_required":
+        grant = ", ".join(f"{_esc(str(k))} +{_esc(str(v))}" for k, v in (d.get("grant") or {}).items()) or "nothing"
+        text = f":raising_hand: More needed: run `{rid}` of team *{team}* reached its `{limit}` " \
+               f"({_esc(str(d.get('used')))} of {_esc(str(d.get('cap')))}) and asks for {grant}"
+    elif body.get("kind") == "limit":
+        verdict = "granted more" if d.get("grant") is not None else "refused more"
+        why = f": {_esc(_short(d.get('reason')))}" if d.get("reason") else ""
+        text = f":ballot_box_with_check: Run `{rid}` (team *{team}*) was {verdict} of its `{limit}` by " \
+               f"*{_esc(str(d.get('by') or 'nobody'))}*{why}"
+    elif body["event"] == "approval_required":
         text = f":raising_hand: Approval needed: run `{rid}` of team *{team}* wants to call `{tool}` with " \
                f"`{_esc(_short(d.get('args')))}`"
     elif body["event"] == "approval_decided":

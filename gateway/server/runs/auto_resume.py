@@ -1,7 +1,8 @@
 """Runs that continue after a decision: policy option `approval: {on_decision: resume}`.
 
-With it, the gateway resumes a server-side run itself as soon as the call it waits for
-is decided (by a person, or by expiry): the replica that recorded the decision starts a
+With it, the gateway resumes a server-side run itself as soon as the call (or the limit
+request, `on_exceed: ask`) it waits for is decided (by a person, or by expiry; a rejected
+limit request ends the run instead): the replica that recorded the decision starts a
 drive in the background (`BackgroundDrives.spawn`), and the run's lease decides who
 drives (another replica already holding it means this one stands down). Should the
 deciding replica die before it drives, recovery on any replica finds the run decided and
@@ -29,10 +30,12 @@ from typing import Final
 from aiohttp import web
 
 from gateway.harness.state import RunState, pending
+from gateway.harness.trace import StartSetup
 from gateway.policy.decl import Policy
 from gateway.providers.errors import UpstreamError
-from gateway.server.http.errors import ApiError
+from gateway.server.http.errors import ApiError, Conflict
 from gateway.server.runs.cancels import RunBusy
+from gateway.server.runs.continuations import resume_with
 from gateway.server.runs.driver import Prepare, RunDriver
 from gateway.store.base import Event, Store
 from gateway.store.errors import StoreError
@@ -53,13 +56,13 @@ def resumes_on_decision(policy: Policy | None) -> bool:
 
 
 def waits_for_decision(run: RunState) -> bool:
-    """The run is stopped on a call nobody has decided yet."""
+    """The run is stopped on a call (or a limit request) nobody has decided yet."""
     return run.waits_for_decision
 
 
 def continues_by_itself(run: RunState, policy: Policy | None) -> bool:
-    """Still going, as a follower sees it: running, or stopped on a call whose decision
-    (still to come, or just recorded) resumes it."""
+    """Still going, as a follower sees it: running, or stopped on a call (or a limit request)
+    whose decision (still to come, or just recorded) resumes it."""
     return run.status == "running" or ((run.waits_for_decision or run.decided) and resumes_on_decision(policy))
 
 
@@ -70,6 +73,22 @@ def decided_undriven(run: RunState, policy: Policy | None) -> bool:
     if not resumes_on_decision(policy):
         return False
     return run.decided or (run.status == "running" and any(str(c.get("id")) in run.decisions for c in pending(run)))
+
+
+def resume_decided(by: str) -> Prepare:
+    """The gateway's own resume of a decided run (`after_decision`, and recovery's
+    `decided_undriven`): once, whichever replica takes the lease first. The run is read
+    under the lease; one no longer waiting for this resume (driven since, cancelled,
+    stopped again) is refused with 409 and left as it is."""
+    resume = resume_with(None, None, by)
+
+    def prepare(state: RunState, policy: Policy) -> StartSetup | None:
+        if not decided_undriven(state, policy):
+            raise Conflict(f"run {state.public_id} does not wait to go on after a decision (status {state.status})",
+                           code="run_not_resumable")
+        return resume(state, policy)
+
+    return prepare
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from gateway.harness.usage import Usage
 from gateway.providers.failover import Answer, RoutedCall
 from gateway.providers.repair import Repair
 from gateway.server import context as ctx
-from gateway.server.http.errors import Conflict, LimitExceeded, limit_stop
+from gateway.server.http.errors import Conflict, LimitApprovalPending, LimitExceeded, limit_stop
 from gateway.server.http.headers import run_headers
 from gateway.server.runs.governor import Admission, Governor
 from gateway.server.runs.keying import Call, add_turn, commit_run, stop_run
@@ -68,11 +68,13 @@ def append_trace_file(path: Path | None, events: list[Event]) -> None:
 
 
 async def refuse(request: web.Request, call: Call, exc: LimitExceeded) -> LimitExceeded:
-    """The run takes the refusal's status (once); the 429 carries the run object and headers."""
+    """The run takes the refusal's status (once; a `LimitApprovalPending` finds the run
+    waiting already); the 429 carries the run object and headers."""
     app = request.app
     status, reason, interruption = limit_stop(exc.kind)
     run = call.run
-    if (run.status, run.reason) != (status, reason):
+    asked = isinstance(exc, LimitApprovalPending) or run.waits_for_decision  # it stays asked
+    if not asked and (run.status, run.reason) != (status, reason):
         detail = exc.message if reason in ("team_budget", "key_budget", "user_budget") else None
 
         def trace(r: RunState) -> list[Event]:

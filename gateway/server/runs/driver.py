@@ -350,7 +350,7 @@ class RunDriver:
         return Outcome(state, "stopped")
 
     def approvals_changed(self) -> None:
-        """A call started or stopped waiting for a person here: `gateway_approvals_pending`
+        """A call (or a limit request) started or stopped waiting for a person here: `gateway_approvals_pending`
         is recounted from the store at the next scrape (`PendingApprovals`)."""
         self.approvals.changed()
 
@@ -361,7 +361,7 @@ def _log_failure(task: asyncio.Future[None]) -> None:
 
 
 def _waits_for_approval(state: RunState) -> bool:
-    return state.interruption is not None and state.interruption.type == "approval"
+    return state.waits_for_decision
 
 
 def _minus(a: Usage, b: Usage) -> Usage:
@@ -393,6 +393,8 @@ class _MetricsListener:
             m.on_tool(self.policy, str(event.get("toolName")), "deduped")
         elif event["type"] == "tool_denied":
             m.on_tool(self.policy, str(event.get("toolName")), "denied")
+        elif event["type"] in ("limit_reached", "limit_granted", "limit_rejected") and event["runId"] == s.run_id:
+            m.on_limit_lines(self.policy, (event,))
         elif event["type"] == "run_stopped" and event["runId"] == s.run_id:
             m.on_run_stopped(s.team, self.policy, str(event.get("status")), str(event.get("reason")),
                              int(event.get("turns") or 0), float(event.get("costUsd") or 0.0))

@@ -18,7 +18,7 @@ import orjson
 from aiohttp import web
 
 from gateway.config.settings import Config, ModelRoute, TeamConfig
-from gateway.harness.model import ModelReply, ModelRequest
+from gateway.harness.model import LimitReached, ModelReply, ModelRequest
 from gateway.harness.state import RunState, public_run_id
 from gateway.providers.errors import UpstreamError
 from gateway.providers.reply import response_model
@@ -102,6 +102,9 @@ class UpstreamModel:
         except LimitExceeded as exc:
             span.refused(exc.code or exc.type)
             raise
+        except LimitReached:  # the run's own budget, asking a person for more (on_exceed: ask)
+            span.refused("budget_exceeded")
+            raise
         except UpstreamError as exc:
             span.failed(exc.code or "upstream_error")
             raise
@@ -118,9 +121,15 @@ class UpstreamModel:
         ask = Ask(route.price, request.messages, request.tools or None, request.max_tokens, model=request.model,
                   user=self.user, policy=self.policy)
         asked = time.perf_counter()
-        admission = await rate_limits.waiting(
-            lambda: self.governor.admit_call(request.run_id, self.team, self.strict, ask, request.budget_remaining_usd),
-            self.config.defaults.rate_limit_wait_s)
+        try:
+            admission = await rate_limits.waiting(
+                lambda: self.governor.admit_call(request.run_id, self.team, self.strict, ask,
+                                                 request.budget_remaining_usd, fit=request.fit_budget),
+                self.config.defaults.rate_limit_wait_s)
+        except LimitExceeded as exc:
+            if request.fit_budget and exc.kind == "budget_exceeded":  # the run's own budget: it asks a person
+                raise LimitReached(exc.message) from None
+            raise
         async with admission as adm:
             if span is not None:
                 span.admitted(time.perf_counter() - asked, adm.max_tokens or request.max_tokens)

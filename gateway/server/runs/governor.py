@@ -132,6 +132,11 @@ class Admission:
     """The rate allowance the call was admitted through (its booking's tokens are paid from it)."""
     run_revision: int | None = None
     """The run's stored revision when it was admitted (`Grant.run_revision`)."""
+    fit: bool = False
+    """The run's budget asks a person before it is passed (`on_exceed: ask`): the call's whole
+    hold must fit in it, and its output is held to its allowance (`max_tokens`)."""
+    run_budget_usd: float | None = None
+    """The run's budget a pass-through claim is checked against (strict, or `fit`)."""
     holds: tuple[Hold, ...] = ()
     """The key's and the user's budgets the call holds against besides the team's."""
     attribution: Attribution | None = None
@@ -235,12 +240,16 @@ class Governor:
 
     # --- admission -------------------------------------------------------------------------
 
-    async def admit_turn(self, run: RunState, team: TeamConfig, ask: Ask, *, create: bool = False) -> Admission:
+    async def admit_turn(self, run: RunState, team: TeamConfig, ask: Ask, *, create: bool = False,
+                         fit: bool = False) -> Admission:
         """Admit one pass-through call of `run`: its turn slot and budget holds, or a refusal
         (LimitExceeded, RunCrowded) before anything is forwarded. With `create`, `run` is new
-        and is stored by the first store step of the admission (RunExists if it was taken)."""
+        and is stored by the first store step of the admission (RunExists if it was taken).
+        With `fit` (the run's budget asks a person before it is passed), the call's whole
+        hold must fit in the run's budget, checked in the store step like strict mode's."""
         limits = run.limits
         strict = limits.budget_mode == "strict" or team.budget_mode == "strict"
+        fit = fit and limits.max_budget_usd is not None
         if limits.max_duration_s is not None:
             started = run.started_at or run.created_at
             if time.time() - started >= limits.max_duration_s:
@@ -252,8 +261,9 @@ class Governor:
                                 f"run {run.run_id} spent ${run.cost_usd:.6f} of its ${limits.max_budget_usd:.6f} "
                                 "budget; nothing was forwarded")
         rates, token_cap = self._limits(team)
-        adm = self._admission(run.run_id, team, strict, ask, rates, token_cap, run.policy)
-        run_budget = limits.max_budget_usd if strict else None
+        adm = self._admission(run.run_id, team, strict, ask, rates, token_cap, run.policy, fit)
+        run_budget = limits.max_budget_usd if strict or fit else None
+        adm.run_budget_usd = run_budget
 
         pending = [run] if create else []
 
@@ -268,24 +278,27 @@ class Governor:
         return adm
 
     async def admit_call(self, run_id: str, team: TeamConfig, strict: bool, ask: Ask,
-                         run_remaining_usd: float | None) -> Admission:
-        """Admit one model call of a server-side run (its loop checks the run's own caps)."""
+                         run_remaining_usd: float | None, *, fit: bool = False) -> Admission:
+        """Admit one model call of a server-side run (its loop checks the run's own caps; with
+        `fit`, the call's whole hold must fit in `run_remaining_usd`: the run's budget asks a
+        person before it is passed)."""
         rates, token_cap = self._limits(team)
-        adm = self._admission(run_id, team, strict, ask, rates, token_cap, ask.policy)
+        fit = fit and run_remaining_usd is not None
+        adm = self._admission(run_id, team, strict, ask, rates, token_cap, ask.policy, fit)
 
         def claim(amount: float, rates: tuple[RateLimit, ...], tokens: int) -> Claim:
             return Claim(team.name, adm.period or "", amount, team.budget_usd, owner=self.owner, ttl_s=self.ttl_s,
                          rates=rates, tokens=tokens, holds=adm.holds, attribution=adm.attribution)
 
-        run_left = run_remaining_usd if strict else None
+        run_left = run_remaining_usd if strict or fit else None
         await self._admit(adm, ask, claim, None, run_left)
         return adm
 
     def _admission(self, run_id: str, team: TeamConfig, strict: bool, ask: Ask, rates: tuple[RateLimit, ...],
-                   token_cap: int | None, policy: str) -> Admission:
+                   token_cap: int | None, policy: str, fit: bool) -> Admission:
         caller = team.caller
         return Admission(self, run_id, team, strict, n=ask.n, period=self.period(team), rates=rates,
-                         token_cap=token_cap, holds=self.holds(team, ask.user),
+                         token_cap=token_cap, fit=fit, holds=self.holds(team, ask.user),
                          attribution=Attribution("" if caller is None else caller.key_id, ask.user or "", ask.model,
                                                  policy))
 
@@ -296,7 +309,7 @@ class Governor:
             raise SpoolNotReady(f"the spool {self.spool.path} has no room set aside: {self.spool.condition.detail}")
         team = adm.team
         limited = adm.token_cap is not None  # a limit of tokens: the prompt is counted against it
-        budgeted = team.budget_usd is not None or bool(adm.holds)
+        budgeted = team.budget_usd is not None or bool(adm.holds) or adm.fit
         counts = adm.strict or budgeted or limited
         prompt = self.counter.count_request(ask.messages, ask.tools) if counts else 0
         adm.prompt_tokens = prompt if counts else None
@@ -307,10 +320,15 @@ class Governor:
                 adm.closed = True
                 raise too_large
         allowance = ask.max_tokens or self.defaults.output_allowance_tokens
+        if adm.fit:  # the whole hold must fit in the run's budget (pass-through: the store step checks it)
+            if run_left is not None and ask.price.cost(Usage(prompt, allowance * ask.n)) > run_left:
+                raise self._refusal(adm, "run_budget", Figures(), ask, prompt, allowance, run_left)
+            adm.max_tokens = allowance
         if not adm.strict:
             amount = ask.price.cost(Usage(prompt, allowance * ask.n)) if budgeted else 0.0
             self._close_on_refusal(adm, await self._claim(adm, claim, amount), ask, prompt, allowance)
-            adm.allowed_completion = None if ask.max_tokens is None else ask.max_tokens * ask.n
+            adm.allowed_completion = allowance * ask.n if adm.fit else (
+                None if ask.max_tokens is None else ask.max_tokens * ask.n)
             return
         figures = await self.store.figures(team.name, adm.period or "", adm.run_id if run_budget is not None else None,
                                            adm.holds)
@@ -361,6 +379,8 @@ class Governor:
         out = allowance
         if run_budget is not None:
             run_left = run_budget - figures.run_cost_usd - figures.run_held_usd
+        if adm.fit and run_left is not None and ask.price.cost(Usage(prompt, allowance * ask.n)) > run_left:
+            raise self._refusal(adm, "run_budget", figures, ask, prompt, allowance, run_left)
         if run_left is not None:
             out = min(out, ask.price.max_output_tokens(run_left - MARGIN_USD, prompt) // ask.n)
             if out <= 0:
@@ -401,6 +421,16 @@ class Governor:
                            f"(defaults.max_calls_in_flight_per_run); nothing was forwarded, retry when one is done")
         if why == "run_missing":
             return Conflict(f"run {run_id} is no longer stored; nothing was forwarded", code="run_not_found")
+        if why == "run_budget" and adm.fit:
+            left = run_left
+            if left is None and adm.run_budget_usd is not None:
+                left = adm.run_budget_usd - figures.run_cost_usd - figures.run_held_usd
+            shown = f"${max(left, 0.0):.6f}" if left is not None else "not enough"
+            held = f" (held by calls in flight: ${figures.run_held_usd:.6f})" if figures.run_held_usd else ""
+            return LimitExceeded("budget_exceeded",
+                                 f"run {run_id} has {shown} of its budget left{held}: "
+                                 f"the next call may cost up to ${need:.6f} (prompt {prompt} tokens + {out} output "
+                                 f"tokens{choices}); nothing was forwarded")
         if why == "run_budget":
             left = run_left if run_left is not None else None
             shown = f"${max(left, 0.0):.6f}" if left is not None else "not enough"

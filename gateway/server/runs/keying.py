@@ -255,6 +255,8 @@ def add_turn(*, model: str, usage: Usage, cost_usd: float, transcript: list[Mess
         run.count_turn(usage, cost_usd)
         if transcript is not None:
             run.messages = transcript
+        if run.waits_for_decision:  # a call admitted before a limit request was made: it stays asked
+            return
         # A final answer completes the run; a further call (the client's loop went on) reopens it.
         if completed:
             run.status, run.reason, run.interruption = "completed", "completed", None
@@ -267,9 +269,12 @@ def add_turn(*, model: str, usage: Usage, cost_usd: float, transcript: list[Mess
 
 def stop_run(status: Status, reason: str, interruption: Interruption | None,
              error: str | None = None) -> Callable[[RunState], None]:
-    """The change a refused call makes: the run takes the refusal's status."""
+    """The change a refused call makes: the run takes the refusal's status (unless it waits
+    for a person: a limit request stays asked until someone decides it)."""
 
     def change(run: RunState) -> None:
+        if run.waits_for_decision and reason != "cancelled":
+            return
         run.status, run.reason, run.interruption, run.error = status, reason, interruption, error
 
     return change

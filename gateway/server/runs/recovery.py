@@ -11,12 +11,13 @@ A `Sweeper` runs once when the gateway starts and then every `period_s` (half of
   pass-through run: left alone. This rests on one rule: only a drive makes a server-side
   run `running`, under its lease (a decision, a grant, a cancel leave it stopped, saying
   what it waits for), so `running` with a free lease means its driver died.
-- a run of an `approval: {on_decision: resume}` policy whose decided call was never
-  driven (the deciding replica died) is resumed.
+- a run of an `approval: {on_decision: resume}` policy whose decided call (or granted
+  limit request) was never driven (the deciding replica died) is resumed, once.
 - a run waiting for a decision past its policy's `approval.expires_after_s` gets the
   expiry's rejection (as when someone decides late), traced `approval_expired` (the
   approvals gauge is recounted at the next scrape); under `on_decision: resume` the run
-  then goes on (the model reads the rejection).
+  then goes on (the model reads the rejection). A limit request (`on_exceed: ask`) that
+  expires ends the run as the limit does (`limit_rejected`, `by: "approval-expiry"`).
 
 Each change is made while holding the run's lease (and its `ActiveRuns` claim), and
 saved with the run's revision: two replicas sweeping at once never change a run twice.
@@ -39,16 +40,18 @@ from gateway.harness.state import Interruption, RunState, pending
 from gateway.harness.trace import Tracer
 from gateway.policy.approval import EXPIRED_BY, expired, expiry_decision
 from gateway.policy.decl import Policy
+from gateway.server.runs import limit_requests
 from gateway.server.runs.auto_resume import (
     RESUMED_BY,
     BackgroundDrives,
     after_decision,
     decided_undriven,
+    resume_decided,
     resumes_on_decision,
 )
 from gateway.server.runs.cancels import RunBusy
 from gateway.server.runs.continuations import resume_with
-from gateway.server.runs.driver import PolicyGone, RunDriver
+from gateway.server.runs.driver import PolicyGone, Prepare, RunDriver
 from gateway.server.runs.tracelog import TraceWriter, asked_at
 from gateway.store.errors import StaleRun, StoreError
 
@@ -93,7 +96,7 @@ class Sweeper:
         for run in await self.store.list_runs(status="interrupted", limit=scan, policies=waiting):
             if decided_undriven(run, self._policy(run)):
                 if time.time() - run.updated_at >= self.driver.lease_ttl_s:  # else its decider is starting it
-                    self._resume(run, report)
+                    self._resume(run, report, resume_decided(RECOVERED_BY))
                 continue
             await self._expire(run, report)
         return report
@@ -170,16 +173,14 @@ class Sweeper:
         run.status, run.reason, run.interruption = "interrupted", CRASHED, Interruption("crashed", reason=detail)
         await writer.commit(run)
 
-    def _resume(self, run: RunState, report: SweepReport) -> None:
+    def _resume(self, run: RunState, report: SweepReport, prepare: Prepare | None = None) -> None:
         # The lease decides who drives: `drive` takes it (or raises RunBusy) before loading the run.
-        self.drives.spawn(run.run_id, resume_with(None, None, RECOVERED_BY))
+        self.drives.spawn(run.run_id, prepare or resume_with(None, None, RECOVERED_BY))
         report.resumed.append(run.run_id)
 
     async def _expire(self, run: RunState, report: SweepReport) -> None:
-        waiting = run.interruption
-        if waiting is None or waiting.type != "approval" or waiting.call_id is None:
-            return
-        if waiting.call_id in run.decisions:
+        waiting = run.waiting_request
+        if waiting is None or waiting.call_id is None:
             return
         policy = self._policy(run)
         if policy is None or policy.approval.expires_after_s is None:
@@ -196,19 +197,28 @@ class Sweeper:
                     fresh = await self.store.load_run(run.run_id)
                     if fresh is None or fresh.revision != run.revision:
                         return
-                    decision = expiry_decision(policy.approval)
-                    decide(fresh, waiting.call_id, decision)
-                    writer = TraceWriter(self.store, run.run_id, trace_file=self.trace_file)
-                    Tracer(run.run_id, writer)(
-                        "approval_expired", callId=waiting.call_id, toolName=waiting.tool_name, args=waiting.args,
-                        decision=decision.decision, reason=decision.reason, by=EXPIRED_BY, expired=True)
-                    await writer.flush()
-                    await self.store.save_run(fresh)
+                    if waiting.type == "limit":  # the run ends as the limit does
+                        await limit_requests.expire(self.store, fresh, policy, self.trace_file, driver.metrics)
+                    else:
+                        await self._expire_call(fresh, waiting, policy)
                     report.expired.append(run.run_id)
-                    after_decision(self.drives, fresh, policy, resume_with(None, None, RESUMED_BY))
                 finally:
                     await self.store.release_lease(run.run_id, driver.owner)
         except (RunBusy, StaleRun, ApprovalError):
             return
         driver.approvals_changed()
+
+    async def _expire_call(self, run: RunState, waiting: Interruption, policy: Policy) -> None:
+        """The expiry's rejection of the call `run` waits for; under `on_decision: resume`
+        the run then goes on (its model reads the rejection)."""
+        assert waiting.call_id is not None
+        decision = expiry_decision(policy.approval)
+        decide(run, waiting.call_id, decision)
+        writer = TraceWriter(self.store, run.run_id, trace_file=self.trace_file)
+        Tracer(run.run_id, writer)(
+            "approval_expired", callId=waiting.call_id, toolName=waiting.tool_name, args=waiting.args,
+            decision=decision.decision, reason=decision.reason, by=EXPIRED_BY, expired=True)
+        await writer.flush()
+        await self.store.save_run(run)
+        after_decision(self.drives, run, policy, resume_decided(RESUMED_BY))
 

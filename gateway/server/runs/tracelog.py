@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 Listener = Callable[[Event], None]
 
-ANNOUNCING: Final = frozenset({"approval_required", "run_stopped"})
+ANNOUNCING: Final = frozenset({"approval_required", "limit_reached", "run_stopped"})
 """Trace lines that readers act on at once (decide, resume): written only with the run's
 state that they announce, never before it."""
 
@@ -120,11 +120,12 @@ def _append_lines(path: Path, events: list[Event]) -> None:
 
 
 async def asked_at(store: Store, run: RunState, call_id: str) -> float | None:
-    """When the run asked a person about `call_id`: its last `approval_required` line for it,
-    else (a trace without it) when the run last stopped, if it is waiting on that call; else None.
-    What an approval's expiry counts from, for the runs API, the console and the recovery sweep."""
+    """When the run asked a person about `call_id` (a call, or a limit request): its last
+    `approval_required` (or `limit_reached`) line for it, else (a trace without it) when the
+    run last stopped, if it is waiting on that call; else None. What an approval's expiry
+    counts from, for the runs API, the console and the recovery sweep."""
     asked = [e.get("ts") for _, e in await store.events(run.run_id)
-             if e.get("type") == "approval_required" and e.get("callId") == call_id]
+             if e.get("type") in ("approval_required", "limit_reached") and e.get("callId") == call_id]
     if asked and isinstance(asked[-1], (int, float)):
         return float(asked[-1])
     return run.updated_at if run.interruption is not None and run.interruption.call_id == call_id else None

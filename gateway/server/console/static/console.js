@@ -134,7 +134,74 @@
 
   // --- inbox ---------------------------------------------------------------------------
 
+  const LIMIT_WORDS = { max_turns: "turns", max_budget_usd: "USD", max_tool_calls: "tool calls", max_duration_s: "seconds" };
+
+  function limitCard(item) {
+    // A limit request (on_exceed: ask): the limit, what was used, a grant the approver may change.
+    const reason = el("input", { className: "reason", type: "text", maxlength: 2000, placeholder: "reason (recorded; the run's answer says it when rejecting)" });
+    const approve = el("button", { className: "approve", type: "button", text: "Grant" });
+    const reject = el("button", { className: "reject", type: "button", text: "Reject" });
+    const expiry = el("span", { className: "expiry", text: left(item.expires_at) });
+    const inputs = {};
+    const grantRows = Object.entries(item.grant || {}).map(([name, amount]) => {
+      const whole = name === "max_turns" || name === "max_tool_calls";
+      const input = el("input", { type: "number", className: "grant", min: whole ? 1 : 0, step: whole ? 1 : "any",
+        value: amount, dataset: { limit: name } });
+      inputs[name] = input;
+      const room = item.room && typeof item.room[name] === "number" ? " (at most " + item.room[name] + " more: max_total)" : "";
+      return el("label", { className: "grant-row" }, "+ ", input, " " + (LIMIT_WORDS[name] || name) + " of " + name + room);
+    });
+    const used = item.limit === "max_budget_usd" ? usd(item.used) + " of " + usd(item.cap) + " spent"
+      : item.used + " of " + item.cap + " " + (LIMIT_WORDS[item.limit] || "") + " used";
+    const card = el("article", { className: "card pending limit", dataset: { key: item.key, limit: item.limit } },
+      el("div", { className: "head" },
+        el("span", { className: "tool", text: "limit " + item.limit }),
+        el("a", { href: runHash(item.team, item.run_id), text: "run " + item.run_id }),
+        el("span", { className: "meta", text: "team " + item.team + " · policy " + item.policy + " · model " +
+          item.model + " · " + item.turns + " turns · " + usd(item.cost_usd) + " spent so far · " + item.grants + " grant(s) before" }),
+        expiry),
+      el("div", { className: "label", text: "reached" }),
+      el("div", { className: "used", text: used }),
+      el("div", { className: "label", text: "grant (edit to grant less or more)" }),
+      el("div", { className: "grants" }, grantRows),
+      el("div", { className: "label", text: "asked by" }),
+      el("div", { className: "rule", text: item.rule }),
+      item.last_user !== null ? el("div", { className: "label", text: "last user message" }) : null,
+      item.last_user !== null ? el("div", { className: "msg user", text: item.last_user }) : null,
+      el("div", { className: "label", text: "what the run was doing" }),
+      el("div", { className: "msg assistant", text: item.assistant || "(nothing yet)" }),
+      el("div", { className: "actions" }, approve, reason, reject),
+      el("div", { className: "outcome" }));
+    card._expiry = () => { expiry.textContent = left(item.expires_at); };
+    wireDecision(item, approve, reject, reason, (body) => {
+      if (body.decision !== "approve") return "Rejected more for run " + item.run_id;
+      body.grant = {};
+      for (const [name, input] of Object.entries(inputs)) if (input.value !== "") body.grant[name] = Number(input.value);
+      return "Granted more to run " + item.run_id;
+    });
+    return card;
+  }
+
+  function wireDecision(item, approve, reject, reason, shape) {
+    // The card's buttons post the decision (`shape` adds to the body and says what to toast).
+    const decide = async (decision) => {
+      approve.disabled = reject.disabled = true;
+      const body = { call_id: item.call_id, decision, reason: reason.value };
+      const done = shape(body);
+      try {
+        await call(runPath(item, "/approvals"), { method: "POST", body });
+        toast(done);
+      } catch (e) {
+        approve.disabled = reject.disabled = false;
+        toast(e.message, true);
+      }
+    };
+    approve.addEventListener("click", () => decide("approve"));
+    reject.addEventListener("click", () => decide("reject"));
+  }
+
   function inboxCard(item) {
+    if (item.kind === "limit") return limitCard(item);
     const reason = el("input", { className: "reason", type: "text", maxlength: 2000, placeholder: "reason (sent to the model when rejecting)" });
     const approve = el("button", { className: "approve", type: "button", text: "Approve" });
     const reject = el("button", { className: "reject", type: "button", text: "Reject" });
@@ -157,19 +224,8 @@
       el("div", { className: "actions" }, approve, reason, reject),
       el("div", { className: "outcome" }));
     card._expiry = () => { expiry.textContent = left(item.expires_at); };
-    const decide = async (decision) => {
-      approve.disabled = reject.disabled = true;
-      try {
-        await call(runPath(item, "/approvals"), {
-          method: "POST", body: { call_id: item.call_id, decision, reason: reason.value } });
-        toast((decision === "approve" ? "Approved " : "Rejected ") + item.tool + " of run " + item.run_id);
-      } catch (e) {
-        approve.disabled = reject.disabled = false;
-        toast(e.message, true);
-      }
-    };
-    approve.addEventListener("click", () => decide("approve"));
-    reject.addEventListener("click", () => decide("reject"));
+    wireDecision(item, approve, reject, reason, (body) =>
+      (body.decision === "approve" ? "Approved " : "Rejected ") + item.tool + " of run " + item.run_id);
     return card;
   }
 
@@ -180,7 +236,8 @@
     const outcome = card.querySelector(".outcome");
     clear(outcome);
     if (info.decision) {
-      const verb = info.decision === "approve" ? "approved" : "rejected";
+      const granted = card.classList.contains("limit");
+      const verb = info.decision === "approve" ? (granted ? "granted" : "approved") : "rejected";
       // a DOM append() writes null as the text "null": a decision without a reason adds nothing
       outcome.append(el("span", { className: "verdict " + info.decision, text: verb + " by " + info.by }));
       if (info.reason) outcome.append(el("span", { className: "meta", text: " — " + info.reason }));
@@ -313,19 +370,21 @@
     const grid = el("div", { className: "grid card", id: "run-facts" },
       facts.map(([k, v]) => el("div", { dataset: { fact: k } }, el("span", { text: k }), el("b", { text: v }))));
     const error = run.error ? el("p", { className: "error", text: run.error }) : null;
-    const asked = run.interruption && run.interruption.type === "approval" ? run.interruption : null;
+    const asked = run.interruption && (run.interruption.type === "approval" || run.interruption.type === "limit")
+      ? run.interruption : null;
+    const what = asked ? el("code", { text: asked.type === "limit" ? "more " + asked.limit : asked.tool_name }) : null;
     let waiting = null;
     if (asked && asked.waiting_for === "decision") {
-      waiting = el("p", { id: "waiting" }, "Waits for a decision on ", el("code", { text: asked.tool_name }),
+      waiting = el("p", { id: "waiting" }, "Waits for a decision on ", what,
         " — see the ", el("a", { href: "#/inbox", text: "inbox" }), ".");
     } else if (asked) {
-      waiting = el("p", { id: "waiting" }, (asked.decision === "approve" ? "Approved: " : "Rejected: "),
-        el("code", { text: asked.tool_name }), "; waits to be resumed by its team.");
+      const verdict = asked.decision === "approve" ? (asked.type === "limit" ? "Granted: " : "Approved: ") : "Rejected: ";
+      waiting = el("p", { id: "waiting" }, verdict, what, "; waits to be resumed by its team.");
     }
 
     const actions = el("div", { className: "actions card" });
     const cancel = el("button", { type: "button", id: "cancel", text: "Cancel run" });
-    cancel.disabled = !(run.status === "running" || (run.interruption && run.interruption.type === "approval"));
+    cancel.disabled = !(run.status === "running" || asked);
     cancel.addEventListener("click", async () => {
       cancel.disabled = true;
       try { await call(runPath(ref, "/cancel"), { method: "POST", body: { reason: "cancelled from the console" } }); toast("Cancelled run " + id); }
@@ -372,7 +431,7 @@
 
   function followRun(ref, run, after) {
     if (state.runSource) { state.runSource.close(); state.runSource = null; }
-    const live = run.status === "running" || (run.interruption && run.interruption.type === "approval");
+    const live = run.status === "running" || (run.interruption && (run.interruption.type === "approval" || run.interruption.type === "limit"));
     if (!live) return;
     const source = new EventSource(runPath(ref, "/events") + "&follow=1&after=" + after);
     state.runSource = source;
