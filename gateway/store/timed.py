@@ -3,7 +3,7 @@
 The wrapper is made once, when the app opens its store: each coroutine method of the
 `Store` protocol (`OPERATIONS`) becomes an attribute of the wrapper that awaits the store's
 own and tells `observe(op, seconds)`, whether it returned or raised; anything else (a
-store kind's own attributes) is the store's, reached through. So it works for every store
+store kind's own attributes) is the store's, reached through, read or set. So it works for every store
 kind, present and future, with no method written out twice; `inner` is the store itself.
 Its cost: one coroutine frame and two clock reads per store call.
 """
@@ -47,6 +47,13 @@ class TimedStore:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # What the app sets on its store (`notice_rule`, the webhooks' rule) is the store's own.
+        if name == "inner" or name in OPERATIONS:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
 
 
 def timed(store: Store, observe: Observe) -> Store:

@@ -152,3 +152,8 @@ async def test_every_store_operation_is_timed_and_what_is_not_one_passes_through
         await store.create_run(RunState.new("m", [], run_id="demo/r1", team="demo", policy="passthrough"))
     assert seen[-1][0] == "create_run"  # a call that raised is timed too
     assert store.lookup_in_admission == inner.lookup_in_admission  # not an operation: the store's own
+    def rule(run_id: str, events: Any) -> list[Any]:
+        return []
+
+    store.notice_rule = rule  # set on the store itself (the webhooks' rule: `notify.delivery`)
+    assert inner.notice_rule is rule and "notice_rule" not in vars(store)
