@@ -171,8 +171,9 @@ class LimitReachedFields(TypedDict):
     detail: str
 
 
-class LimitGrantedFields(TypedDict):
-    """A person raised a run's limits: by how much, each limit before and after."""
+class LimitGrantedFields(TraceLink):
+    """A person raised a run's limits: by how much, each limit before and after (and, while
+    tracing is on, the span of the request that granted it)."""
 
     callId: str
     limit: str

@@ -70,6 +70,8 @@ RUN_ID: Final = "gateway.run.id"
 TEAM: Final = "gateway.team"
 POLICY: Final = "gateway.policy"
 KEY_ID: Final = "gateway.key.id"
+LIMIT: Final = "gateway.limit"
+LIMIT_REQUEST: Final = "gateway.limit.request_id"
 RUN_STATUS: Final = "gateway.run.status"
 STOP_REASON: Final = "gateway.run.stop_reason"
 RUN_TURNS: Final = "gateway.run.turns"
@@ -319,10 +321,17 @@ class Tracing:
         """Which call of which run an event is about."""
         return {gen_ai.GEN_AI_TOOL_NAME: tool, gen_ai.GEN_AI_TOOL_CALL_ID: call_id, RUN_ID: run_id}
 
+    @staticmethod
+    def limit_attributes(limit: str, request_id: str, run_id: str) -> dict[str, Any]:
+        """Which limit request of which run an event is about."""
+        return {LIMIT: limit, LIMIT_REQUEST: request_id, RUN_ID: run_id}
+
     def decision(self, *, tool: str | None, call_id: str, run_id: str, decision: str, by: str,
-                 key_id: str | None, expired: bool) -> None:
-        """An approval decided: an event on the current span (the decision's request), with its actor."""
-        attributes = self.call_attributes(tool or "", call_id, run_id)
+                 key_id: str | None, expired: bool, limit: str | None = None) -> None:
+        """An approval decided (a call's, or a limit request's: `limit`): an event on the
+        current span (the decision's request), with its actor."""
+        attributes = self.limit_attributes(limit, call_id, run_id) if limit else self.call_attributes(
+            tool or "", call_id, run_id)
         attributes.update({"gateway.approval.decision": decision, "gateway.approval.by": by,
                            "gateway.approval.expired": expired})
         if key_id:

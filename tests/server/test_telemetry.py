@@ -9,7 +9,8 @@ over streamable HTTP (the test server of tests/mcptools) record theirs too.
 What is driven: a server-side run that calls the HTTP tool, the MCP tool, then a tool that
 needs a person's approval (on A); the decision (on A); the resume on B. A pass-through
 call that brings the client's own `traceparent`; a pass-through call whose first upstream
-answers 500 and whose fallback answers. Then the span tree is read back: names, parents,
+answers 500 and whose fallback answers; a server-side run that reaches its turn cap, which
+asks a person for more (`on_exceed: ask`): the grant on A, the resume on B. Then the span tree is read back: names, parents,
 links across the pause, the GenAI attributes and their values against the run's own
 figures, and the `traceparent` each outgoing call carried. A records no content; B records
 it (`capture_content`), each attribute cut to `content_max_chars`.
@@ -97,9 +98,17 @@ def _config(folder: Path, port: int, upstream: str, mcp_url: str, otlp: str, *, 
         ],
         "approval": {"approvers": ["ops"]},
     }
+    asking = {  # a run whose turn cap asks a person for more
+        "name": "asking", "limits": {"max_turns": 1, "on_exceed": "ask",
+                                     "ask": {"approvers": ["ops"], "grant": {"max_turns": 5}}},
+        "tools": [{"name": "note", "description": "Note a thing.", "read_only": True,
+                   "parameters": {"type": "object", "properties": {"what": {"type": "string"}}},
+                   "executor": {"http": {"url": upstream + "/tool"}}}],
+    }
     policies = folder / "policies"
     policies.mkdir(exist_ok=True)
     (policies / "agent.yaml").write_text(yaml.safe_dump(policy))
+    (policies / "asking.yaml").write_text(yaml.safe_dump(asking))
     (policies / "passthrough.yaml").write_text(yaml.safe_dump({"name": "passthrough", "limits": {"max_turns": 50}}))
     return {
         "server": {"host": "127.0.0.1", "port": port},
@@ -110,7 +119,7 @@ def _config(folder: Path, port: int, upstream: str, mcp_url: str, otlp: str, *, 
         "models": [{"match": "plan", "upstream": "model", "price_in": 2.0, "price_out": 12.0},
                    {"match": "flaky", "upstream": "broken", "fallbacks": ["plan"], "price_in": 2.0,
                     "price_out": 12.0}],
-        "teams": [{"name": "demo", "keys": [DEMO], "policies": ["passthrough", "agent"]},
+        "teams": [{"name": "demo", "keys": [DEMO], "policies": ["passthrough", "agent", "asking"]},
                   {"name": "ops", "keys": [OPS], "policies": ["passthrough"]}],
         "telemetry": {"otlp_endpoint": otlp, "service_name": "gateway-test", "resource": {"deployment.environment": "test",
                                                                                         "test.replica": replica},
@@ -204,12 +213,23 @@ def drive(a: Replica, b: Replica, receiver: Receiver, seen: Seen, mcp_log: Path,
     assert status == 404
     a.call("GET", "/healthz", "/healthz")  # excluded from the access log
     b.call("GET", "/readyz", "/readyz")
+    # a run at its turn cap asks for more (on A), ops grants it (on A), it resumes on B
+    status, asked = a.call("POST", "/v1/chat/completions", "/v1/chat/completions", {
+        "model": "plan", "messages": plan(("note", {"what": "x"}))}, headers={"X-Run-Id": "otel-limit",
+                                                                          "X-Policy": "asking"})
+    assert status == 200 and asked["run"]["interruption"]["type"] == "limit", asked
+    status, granted = a.call("POST", "/v1/runs/otel-limit/approvals", "/v1/runs/{id}/approvals",
+                             {"call_id": asked["run"]["interruption"]["call_id"], "decision": "approve"}, key=OPS)
+    assert status == 200, granted
+    status, resumed = b.call("POST", "/v1/runs/otel-limit/resume", "/v1/runs/{id}/resume", {})
+    assert status == 200 and resumed["run"]["status"] == "completed", resumed
 
     def complete(spans: list[Span]) -> list[Span] | None:
         names = [s.name for s in spans]
         done = (names.count("invoke_agent agent") >= 2 and names.count("execute_tool remove") >= 1
+                and names.count("invoke_agent asking") >= 2
                 and sum(1 for s in spans if s.name == "POST" and s.attr("gateway.attempt.outcome") == "server_error")
-                and sum(1 for s in spans if s.kind == SERVER) >= 7)
+                and sum(1 for s in spans if s.kind == SERVER) >= 10)
         return spans if done else None
 
     spans = receiver.wait_for(complete)
@@ -280,7 +300,8 @@ def test_the_run_is_one_trace_per_drive_with_its_turns_tools_and_attempts(world:
 def test_a_resumed_run_links_to_its_earlier_drive_and_to_the_decision(world: World) -> None:
     spans = world.spans
     first, second = sorted((s for s in spans if s.name == "invoke_agent agent"), key=lambda s: s.start_ns)
-    decision = next(s for s in spans if s.name == "POST /v1/runs/{id}/approvals")
+    decision = next(s for s in spans if s.name == "POST /v1/runs/{id}/approvals"
+                    and s.events[0].attributes.get("gateway.run.id") == "otel-run")
     [decided] = [e for e in decision.events if e.name == "gateway.approval.decided"]
     assert decided.attributes["gateway.approval.decision"] == "approve"
     assert decided.attributes["gateway.approval.by"] == "ops"  # the actor: the team, and its key's id
@@ -290,6 +311,24 @@ def test_a_resumed_run_links_to_its_earlier_drive_and_to_the_decision(world: Wor
     assert links == {(first.trace_id, first.span_id): "earlier_drive",
                      (decision.trace_id, decision.span_id): "approval_decision"}
     assert len({first.trace_id, decision.trace_id, second.trace_id}) == 3  # three requests, three traces
+
+
+def test_a_run_resumed_after_a_limit_grant_links_to_the_grant(world: World) -> None:
+    spans = world.spans
+    first, second = sorted((s for s in spans if s.name == "invoke_agent asking"), key=lambda s: s.start_ns)
+    assert (first.attr("gateway.run.status"), first.attr("gateway.run.stop_reason")) == ("interrupted", "limit")
+    [reached] = [e for e in first.events if e.name == "gateway.limit.reached"]
+    assert reached.attributes["gateway.limit"] == "max_turns" and reached.attributes["gateway.run.id"] == "otel-limit"
+    assert (reached.attributes["gateway.limit.used"], reached.attributes["gateway.limit.cap"]) == (1, 1)
+    grant = next(s for s in spans if s.name == "POST /v1/runs/{id}/approvals"
+                 and s.events[0].attributes.get("gateway.run.id") == "otel-limit")
+    [decided] = [e for e in grant.events if e.name == "gateway.approval.decided"]
+    assert decided.attributes["gateway.limit"] == "max_turns" and decided.attributes["gateway.approval.by"] == "ops"
+    assert decided.attributes["gateway.limit.request_id"] == reached.attributes["gateway.limit.request_id"]
+    assert decided.attributes["gateway.key.id"].startswith("cfg_") and "gen_ai.tool.name" not in decided.attributes
+    links = {(link.trace_id, link.span_id): link.attributes.get("gateway.link") for link in second.links}
+    assert links == {(first.trace_id, first.span_id): "earlier_drive", (grant.trace_id, grant.span_id): "limit_grant"}
+    assert (second.attr("gateway.run.status"), second.attr("gateway.run.turns")) == ("completed", 2)
 
 
 def test_tokens_and_cost_on_the_spans_are_the_runs(world: World) -> None:
@@ -346,7 +385,9 @@ def test_tools_get_the_traceparent_of_their_span(world: World) -> None:
     spans = world.spans
     fetch = next(s for s in spans if s.name == "execute_tool fetch")
     remove = next(s for s in spans if s.name == "execute_tool remove")
-    assert [parent(t) for t in world.seen.tool] == [(fetch.trace_id, fetch.span_id), (remove.trace_id, remove.span_id)]
+    note = next(s for s in spans if s.name == "execute_tool note")
+    assert [parent(t) for t in world.seen.tool] == [(fetch.trace_id, fetch.span_id), (remove.trace_id, remove.span_id),
+                                                    (note.trace_id, note.span_id)]
     lookup = next(s for s in spans if s.name == "execute_tool lookup")
     [called] = [e for e in server_log(world.mcp_log) if e["event"] == "lookup"]
     assert parent(called["meta_traceparent"]) == (lookup.trace_id, lookup.span_id)  # MCP's _meta (SEP-414)
@@ -396,7 +437,7 @@ def test_the_access_log_has_one_line_per_request_and_never_a_key(world: World) -
     for line in lines:
         assert list(line) == FIELDS
         assert line["duration_ms"] > 0 and line["bytes"] > 0 and line["time"].endswith("Z")
-    first, decision, passthrough, missing = lines
+    first, decision, passthrough, missing = lines[:4]
     assert (first["status"], first["team"], first["run_id"], first["model"], first["turns"]) == \
         (200, "demo", "otel-run", "plan", 3)
     assert first["key_id"].startswith("cfg_") and len(first["trace_id"]) == 32

@@ -28,7 +28,7 @@ from aiohttp import web
 from gateway.config.settings import TeamConfig
 from gateway.harness.approvals import ApprovalError, decide
 from gateway.harness.state import Decision, Interruption, RunState, scoped_run_id
-from gateway.harness.trace import Event, StartSetup, TraceLink, Tracer, with_run_id
+from gateway.harness.trace import Event, StartSetup, Tracer, with_run_id
 from gateway.policy.approval import expired, expiry_decision
 from gateway.policy.decl import Policy
 from gateway.server import audit
@@ -63,6 +63,7 @@ from gateway.server.runs.continuations import resume_with
 from gateway.server.runs.driver import Audited, Prepare
 from gateway.server.runs.booking import append_trace_file
 from gateway.server.runs.keying import commit_run, stop_run
+from gateway.server.runs.run_spans import decided
 from gateway.server.runs.tracelog import asked_at
 
 CANCEL_WAIT_S: Final = 5.0
@@ -238,15 +239,8 @@ async def post_approval(request: web.Request) -> web.Response:
         except ApprovalError as exc:
             raise Conflict(str(exc), code="not_waiting_for_call") from None
 
-    tracing = app.get(ctx.TRACING)
-    link: TraceLink = {}
-    if tracing is not None:  # the decision's span: an event with its actor, and the resumed drive's link
-        tracing.decision(tool=waiting.tool_name if waiting else None, call_id=call_id, run_id=run.public_id,
-                         decision=decision.decision, by=decision.by,
-                         key_id=team.caller.key_id if team.caller is not None else None, expired=late)
-        ids = tracing.current_ids()
-        if ids is not None:
-            link = {"traceId": ids[0], "spanId": ids[1]}
+    link = decided(app.get(ctx.TRACING), team, run.public_id, call_id, decision,
+                   tool=waiting.tool_name if waiting else None, expired=late)
 
     def trace(state: RunState) -> list[Event]:
         return [Tracer(state.run_id)(

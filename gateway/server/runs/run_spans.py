@@ -8,8 +8,10 @@ listener of the run's `TraceWriter`, turns the loop's events into spans as they 
 emitted, in the loop's own task: `tool_start` opens `execute_tool {name}` and makes it
 current (an HTTP tool, an MCP server and a sub-run's turns are its children), `tool_result`
 ends it with its outcome; a deduped or denied call is an `execute_tool` span of no length;
-`approval_required` is an event on the drive's span. The model turns are spans of their own
-(`governed_model`).
+`approval_required` and `limit_reached` are events on the drive's span. The model turns are
+spans of their own (`governed_model`). A person's decision is an event on the span of the
+request that made it (`decided`), and its trace line names that span: a call's
+(`approval_decided`) and a limit's grant (`limit_granted`) are what later drives link to.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from gateway.harness.state import RunState, public_run_id
+from gateway.config.settings import TeamConfig
+from gateway.harness.state import Decision, RunState, public_run_id
 from gateway.harness.trace import TraceLink
 from gateway.store.base import Event
 
@@ -25,6 +28,8 @@ if TYPE_CHECKING:
     from gateway.telemetry.tracing import AgentSpan, Opened, Tracing
 
 DRIVE_STARTS = frozenset({"run_started", "run_resumed"})
+DECISIONS = {"approval_decided": "approval_decision", "limit_granted": "limit_grant"}
+"""The trace lines of a person's decision that a later drive links to, and the link's kind."""
 
 
 def agent_span(tracing: Tracing, state: RunState, seen: Sequence[tuple[int, Event]], start: str) -> AgentSpan:
@@ -36,8 +41,8 @@ def agent_span(tracing: Tracing, state: RunState, seen: Sequence[tuple[int, Even
         if "traceId" not in event:
             continue
         kind = event.get("type")
-        if kind == "approval_decided":
-            link = link_to(event.get("traceId"), event.get("spanId"), **{"gateway.link": "approval_decision"})
+        if kind in DECISIONS:
+            link = link_to(event.get("traceId"), event.get("spanId"), **{"gateway.link": DECISIONS[kind]})
         elif kind in DRIVE_STARTS:
             link = link_to(event.get("traceId"), event.get("spanId"), **{"gateway.link": "earlier_drive"})
         else:
@@ -48,6 +53,19 @@ def agent_span(tracing: Tracing, state: RunState, seen: Sequence[tuple[int, Even
             break
     return tracing.agent(state.policy, version=state.policy_version, run_id=state.public_id, team=state.team,
                          model=state.model, drive=start, links=reversed(links))
+
+
+def decided(tracing: Tracing | None, team: TeamConfig, run_id: str, call_id: str, decision: Decision, *,
+            tool: str | None = None, limit: str | None = None, expired: bool = False) -> TraceLink:
+    """A person's decision on a run (on a call, or on a limit request: `limit`), made by the
+    current request: an event on its span with the actor (tracing on), and the fields of
+    the trace line that record it, so that the run's next drive links to that span."""
+    if tracing is None:
+        return {}
+    tracing.decision(tool=tool, call_id=call_id, run_id=run_id, decision=decision.decision, by=decision.by,
+                     key_id=team.caller.key_id if team.caller is not None else None, expired=expired, limit=limit)
+    ids = tracing.current_ids()
+    return {"traceId": ids[0], "spanId": ids[1]} if ids is not None else {}
 
 
 def trace_link(opened: Opened) -> TraceLink:
@@ -83,7 +101,11 @@ class RunSpans:
             tracing.tool_ended(opened, "deduped" if kind == "tool_deduped" else "denied",
                                deduped=kind == "tool_deduped")
         elif kind == "approval_required":
-            self.agent.event("gateway.approval.required", tracing.call_attributes(name, call_id, run_id))
+            self.agent.event("gateway.approval.required", tracing.call_attributes(name, call_id, public_run_id(run_id)))
+        elif kind == "limit_reached":
+            self.agent.event("gateway.limit.reached", {
+                **tracing.limit_attributes(str(event.get("limit")), call_id, public_run_id(run_id)),
+                **{f"gateway.limit.{k}": v for k in ("used", "cap") if isinstance(v := event.get(k), (int, float))}})
 
     def close(self) -> None:
         for opened in self._tools.values():
@@ -91,4 +113,4 @@ class RunSpans:
         self._tools.clear()
 
 
-_KINDS = frozenset({"tool_start", "tool_result", "tool_deduped", "tool_denied", "approval_required"})
+_KINDS = frozenset({"tool_start", "tool_result", "tool_deduped", "tool_denied", "approval_required", "limit_reached"})
