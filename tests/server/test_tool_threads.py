@@ -117,9 +117,28 @@ async def test_32_sync_tools_run_at_once_and_a_reload_answers_while_they_block(
 
 
 async def test_tool_thread_saturation_is_a_metric(gateway: tuple[Proc, Path]) -> None:
-    proc, _ = gateway
-    async with aiohttp.ClientSession() as session, session.get(f"{proc.url}/metrics", headers=auth(KEY)) as resp:
-        text = await resp.text()
-    assert "gateway_tool_threads 32.0" in text, text
-    assert "gateway_tool_threads_busy 0.0" in text
-    assert "gateway_tool_calls_waiting 0.0" in text
+    """One call more than the pool has threads waits for one, and the metrics say so."""
+    proc, folder = gateway
+    tools = folder / "tools"
+    for mark in tools.iterdir():
+        mark.unlink()  # the first test's marks and release
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
+        runs = [asyncio.ensure_future(_run(session, proc.url, f"saturated-{i}")) for i in range(TOOLS + 1)]
+        try:
+            running = await _running(tools, TOOLS, timeout=60)
+            deadline = time.monotonic() + 30
+            while True:
+                async with session.get(f"{proc.url}/metrics", headers=auth(KEY)) as resp:
+                    text = await resp.text()
+                saturated = "gateway_tool_threads_busy 32.0" in text and "gateway_tool_calls_waiting 1.0" in text
+                if saturated or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.1)  # polling until the 33rd call is waiting
+        finally:
+            (tools / "release").touch()
+        await asyncio.gather(*runs)
+        async with session.get(f"{proc.url}/metrics", headers=auth(KEY)) as resp:
+            idle = await resp.text()
+    assert running == TOOLS and saturated, "\n".join(line for line in text.splitlines() if line.startswith("gateway_tool"))
+    assert "gateway_tool_threads 32.0" in text
+    assert "gateway_tool_threads_busy 0.0" in idle and "gateway_tool_calls_waiting 0.0" in idle
