@@ -26,7 +26,6 @@ import socket
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Final
 
-import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 

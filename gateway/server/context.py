@@ -35,7 +35,7 @@ from gateway.store.spool import Spool
 from gateway.tokens import TokenCounter
 
 if TYPE_CHECKING:  # the `otel` extra may not be installed: imported only when tracing is on
-    from gateway.telemetry.tracing import ChatSpan, Tracing
+    from gateway.telemetry.tracing import ChatSpan, Tracing  # noqa: F401  (named in string annotations)
 
 """What serves a call whose policy runs the loop server-side (gateway.server.chat.server_side)."""
 

@@ -23,9 +23,7 @@ from gateway.providers.upstream import UpstreamReply
 from gateway.server import context as ctx
 from gateway.server.chat.passthrough_stream import charge_received, stream_through
 from gateway.server.chat.stream_events import Reassembly
-from gateway.providers.errors import UpstreamError
 from gateway.server.http.errors import (
-    ApiError,
     ClientLeft,
     Conflict,
     LimitApprovalPending,
@@ -40,6 +38,7 @@ from gateway.server.runs.governor import Admission, Ask
 from gateway.server.runs.keying import Call, join_created
 from gateway.server.runs.rate_limits import keep as keep_rate_clocks
 from gateway.server.runs.replies import with_run
+from gateway.server.runs.run_spans import chat_outcome
 from gateway.store.errors import RunExists
 
 T = TypeVar("T")
@@ -164,20 +163,9 @@ async def _traced(request: web.Request, call: Call, share: Share) -> AsyncIterat
     span = tracing.chat(chat.model, run_id=call.run.public_id, team=call.team.name, policy=call.policy.name,
                         stream=chat.stream, messages=chat.messages)
     request[ctx.CHAT_SPAN] = span
-    try:
+    with chat_outcome(span):
         async with _governed(request, call, share) as framed:
             yield framed
-    except LimitExceeded as exc:
-        span.refused(exc.code or exc.type)
-        raise
-    except UpstreamError as exc:
-        span.failed(exc.code or "upstream_error")
-        raise
-    except ApiError as exc:
-        span.failed(exc.code or exc.type)
-        raise
-    finally:
-        span.end()
 
 
 @contextlib.asynccontextmanager

@@ -27,6 +27,7 @@ from gateway.server.http.errors import ApiError, LimitExceeded, NotFound
 from gateway.server.metrics import Metrics
 from gateway.server.runs import rate_limits
 from gateway.server.runs.forwarding import complete_chat
+from gateway.server.runs.run_spans import chat_outcome
 from gateway.server.runs.governor import Ask, Governor
 from gateway.server.runs.replies import checked_usage
 from gateway.tokens import TokenCounter
@@ -97,22 +98,8 @@ class UpstreamModel:
             return await self._complete(request, None)
         span = self.tracing.chat(request.model, run_id=public_run_id(request.run_id), team=self.team.name,
                                  policy=self.policy, messages=request.messages)
-        try:
+        with chat_outcome(span):
             return await self._complete(request, span)
-        except LimitExceeded as exc:
-            span.refused(exc.code or exc.type)
-            raise
-        except LimitReached:  # the run's own budget, asking a person for more (on_exceed: ask)
-            span.refused("budget_exceeded")
-            raise
-        except UpstreamError as exc:
-            span.failed(exc.code or "upstream_error")
-            raise
-        except ApiError as exc:
-            span.failed(exc.code or exc.type)
-            raise
-        finally:
-            span.end()
 
     async def _complete(self, request: ModelRequest, span: ChatSpan | None) -> ModelReply:
         route = self.route(request.model)

@@ -16,16 +16,20 @@ request that made it (`decided`), and its trace line names that span: a call's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gateway.config.settings import TeamConfig
+from gateway.harness.model import LimitReached
 from gateway.harness.state import Decision, RunState, public_run_id
 from gateway.harness.trace import TraceLink
+from gateway.providers.errors import UpstreamError
+from gateway.server.http.errors import ApiError, LimitExceeded
 from gateway.store.base import Event
 
 if TYPE_CHECKING:
-    from gateway.telemetry.tracing import AgentSpan, Opened, Tracing
+    from gateway.telemetry.tracing import AgentSpan, ChatSpan, Opened, Tracing
 
 DRIVE_STARTS = frozenset({"run_started", "run_resumed"})
 DECISIONS = {"approval_decided": "approval_decision", "limit_granted": "limit_grant"}
@@ -53,6 +57,28 @@ def agent_span(tracing: Tracing, state: RunState, seen: Sequence[tuple[int, Even
             break
     return tracing.agent(state.policy, version=state.policy_version, run_id=state.public_id, team=state.team,
                          model=state.model, drive=start, links=reversed(links))
+
+
+@contextlib.contextmanager
+def chat_outcome(span: ChatSpan) -> Iterator[None]:
+    """Ends a `chat {model}` span (a pass-through call's, or a server-side run's model turn)
+    as the turn ended: refused by a limit, failed upstream or at the edge, or answered."""
+    try:
+        yield
+    except LimitExceeded as exc:
+        span.refused(exc.code or exc.type)
+        raise
+    except LimitReached:  # the run's own budget, asking a person for more (on_exceed: ask)
+        span.refused("budget_exceeded")
+        raise
+    except UpstreamError as exc:
+        span.failed(exc.code or "upstream_error")
+        raise
+    except ApiError as exc:
+        span.failed(exc.code or exc.type)
+        raise
+    finally:
+        span.end()
 
 
 def decided(tracing: Tracing | None, team: TeamConfig, run_id: str, call_id: str, decision: Decision, *,
