@@ -87,11 +87,11 @@ async def authentication(calls: int, keys: int) -> str:
         request = requests[label]
         started = time.perf_counter()
         for _ in range(BATCH):
-            ring.authenticate(request)
+            await ring.authenticate(request)
         elapsed = (time.perf_counter() - started) / BATCH
         if i >= warm:
             times[label].append(elapsed)
-    assert ring.authenticate(requests["store"]).caller is not None
+    assert (await ring.authenticate(requests["store"])).caller is not None
     return _summary(f"authentication ({keys} store keys in the keyring)", times, "config", "store")
 
 

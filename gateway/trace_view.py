@@ -49,7 +49,8 @@ def trace_command(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
     except ConfigError as exc:
-        print(f"gateway trace: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines():
+            print(f"gateway trace: {line}", file=sys.stderr)
         return 2
     loaded = asyncio.run(load_any(config, candidates(config, args.run_id, getattr(args, "team", None))))
     for note in loaded.notes:

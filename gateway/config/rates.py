@@ -51,8 +51,8 @@ def parse_rate_limits(at: Field) -> RateLimits | None:
             if field.missing or field.value is None:
                 continue
             if window is not None and window != unit:
-                field.fail(f"mixes windows: this block already names a limit per {window}; use one window per "
-                           f"block (all per_minute or all per_second)")
+                field.invalid(f"mixes windows: this block already names a limit per {window}; use one window per "
+                              f"block (all per_minute or all per_second)")
             window = unit
             counts[kind] = field.optional_int(0, low=1, high=MAX_RATE)
     in_flight_at = at.get("max_in_flight")

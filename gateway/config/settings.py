@@ -37,6 +37,9 @@ Settings beyond the first contract's shape (all in docs/config.md):
   main address no longer has it. Both may be set.
 - `store.timeout_s` (Redis, default 2): the deadline of one store command; a frozen or
   unreachable store answers calls 503 `store_unavailable` within it.
+- `store.wait_replicas` / `store.wait_timeout_s` (Redis, default 0 / 0.5): replicas that must
+  confirm each write, and how long they have (docs/stores.md, replication and failover);
+  checked with the other store fields by `gateway.store.factory.open_store`.
 - `retention` (see `RetentionConfig`): finished runs, their events, closed ledgers and the
   trace file deleted or rotated as they age.
 - `telemetry` (default: off) and `access_log` (default: JSON lines on stderr): read by
@@ -52,14 +55,14 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from gateway.config.fields import ConfigError, Field
+from gateway.config.fields import ConfigError, ConfigErrors, Errors, Field
 from gateway.harness.usage import Price
 from gateway.config.keys import MAX_GLOB_CHARS, MAX_GLOBS, Caller, ConfigKey, check_user
 from gateway.config.rates import RateLimits, parse_rate_limits
@@ -70,7 +73,7 @@ from gateway.config.webhooks import WebhookConfig, parse_public_url, parse_webho
 from gateway.providers.routing import Breaker, Deployment, Group, RoutePlan
 
 __all__ = [
-    "Config", "ConfigError", "Defaults", "MetricsConfig", "ModelRoute", "RetentionConfig", "ServerConfig", "StoreConfig",
+    "Config", "ConfigError", "ConfigErrors", "Defaults", "MetricsConfig", "ModelRoute", "RetentionConfig", "ServerConfig", "StoreConfig",
     "TeamConfig",
     "UpstreamConfig", "UpstreamKind", "load_config", "parse_config",
 ]
@@ -171,10 +174,11 @@ class ModelRoute:
     upstream: str
     price: Price
     plan: RoutePlan
+    is_glob: bool = field(init=False, compare=False)
+    """`match` is a glob (`*`, `?`, `[...]`), not a name: read on every routed call, so set once."""
 
-    @property
-    def is_glob(self) -> bool:
-        return any(c in self.match for c in "*?[")
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "is_glob", any(c in self.match for c in "*?["))
 
 
 @dataclass(frozen=True)
@@ -305,8 +309,15 @@ class Config:
         return next((t for t in self.teams if t.name == name), None)
 
 
-def load_config(path: str | Path) -> Config:
-    """Read and validate a config file; raises ConfigError naming file and field."""
+PolicyNames = Callable[[Path], Collection[str]]
+"""The names of the policies a folder holds (`gateway.policy.registry.policy_names`)."""
+
+
+def load_config(path: str | Path, policy_names: PolicyNames | None = None) -> Config:
+    """Read and validate a config file; raises ConfigError naming file and field (every
+    error of the file: `ConfigErrors`). With `policy_names`, the policies each team lists
+    must be among those of `policies_dir` (checked with the rest, so a start reports them
+    together; `gateway serve` and a reload pass it)."""
     file = Path(path)
     try:
         text = file.read_text("utf-8")
@@ -325,43 +336,75 @@ def load_config(path: str | Path) -> Config:
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError(str(file), "", f"not valid YAML{where}: {problem}") from None
-    return parse_config(data, file)
+    return parse_config(data, file, policy_names)
 
 
-def parse_config(data: Any, file: Path) -> Config:
-    """Validate an already-parsed YAML document as if it were read from `file`."""
+def parse_config(data: Any, file: Path, policy_names: PolicyNames | None = None) -> Config:
+    """Validate an already-parsed YAML document as if it were read from `file`; every error
+    of the document is reported at once (`ConfigErrors`, one line each)."""
     base = file.resolve().parent
-    root = Field(str(file), "", data if data is not None else {})
+    errors = Errors()
+    root = Field(str(file), "", data if data is not None else {}, errors)
+    root.mapping()  # a document that is not a mapping has nothing more to report
     root.keys_only({"server", "store", "policies_dir", "runs_dir", "trace_file", "spool_file", "spool_reserve_mb", "upstreams", "models",
                     "teams", "defaults", "metrics", "retention", "webhooks", "console", "telemetry", "access_log"})
-    upstreams = parse_upstreams(root.get("upstreams"), base)
-    store = _store(root.get("store"), base)
-    server = _server(root.get("server"))
-    metrics = _metrics(root.get("metrics"))
+    take = errors.take
+    upstreams: dict[str, UpstreamConfig] = take(lambda: parse_upstreams(root.get("upstreams"), base), {})
+    store = take(lambda: _store(root.get("store"), base), StoreConfig())
+    server = take(lambda: _server(root.get("server")), ServerConfig())
+    metrics = take(lambda: _metrics(root.get("metrics")), MetricsConfig())
     if metrics.listen == (server.host, server.port):
-        root.get("metrics").get("listen").fail("is the gateway's own address (server.host:server.port); give "
-                                               "/metrics another port, or leave listen out to serve it there")
-    teams = _teams(root.get("teams"))
-    return Config(
+        root.get("metrics").get("listen").invalid("is the gateway's own address (server.host:server.port); give "
+                                                  "/metrics another port, or leave listen out to serve it there")
+    teams: tuple[TeamConfig, ...] = take(lambda: _teams(root.get("teams")), ())
+    # What a section that failed declared, so the sections naming it do not fail again for it.
+    named_upstreams = {**{n: UpstreamConfig(n) for n in _declared(root.get("upstreams"))}, **upstreams}
+    team_names = [t.name for t in teams] or _declared(root.get("teams"))
+    config = Config(
         path=file,
         server=server,
         store=store,
-        policies_dir=base / root.get("policies_dir").optional_str("./policies"),
-        runs_dir=_optional_path(root.get("runs_dir"), base) or _default_runs_dir(store, base),
-        trace_file=_optional_path(root.get("trace_file"), base),
-        spool_file=_optional_path(root.get("spool_file"), base) or base / "spool.jsonl",
-        spool_reserve_bytes=_spool_reserve(root.get("spool_reserve_mb")),
+        policies_dir=base / take(lambda: root.get("policies_dir").optional_str("./policies"), "./policies"),
+        runs_dir=take(lambda: _optional_path(root.get("runs_dir"), base), None) or _default_runs_dir(store, base),
+        trace_file=take(lambda: _optional_path(root.get("trace_file"), base), None),
+        spool_file=take(lambda: _optional_path(root.get("spool_file"), base), None) or base / "spool.jsonl",
+        spool_reserve_bytes=take(lambda: _spool_reserve(root.get("spool_reserve_mb")), DEFAULT_SPOOL_RESERVE_MB * 1024 * 1024),
         upstreams=upstreams,
-        models=_models(root.get("models"), upstreams),
+        models=take(lambda: _models(root.get("models"), named_upstreams), ()),
         teams=teams,
-        defaults=_defaults(root.get("defaults")),
+        defaults=take(lambda: _defaults(root.get("defaults")), Defaults()),
         metrics=metrics,
-        retention=_retention(root.get("retention")),
-        webhooks=parse_webhooks(root.get("webhooks"), [t.name for t in teams]),
-        console=_console(root.get("console")),
-        telemetry=parse_telemetry(root.get("telemetry")),
-        access_log=parse_access_log(root.get("access_log"), base),
+        retention=take(lambda: _retention(root.get("retention")), RetentionConfig()),
+        webhooks=take(lambda: parse_webhooks(root.get("webhooks"), team_names), ()),
+        console=take(lambda: _console(root.get("console")), ConsoleConfig()),
+        telemetry=take(lambda: parse_telemetry(root.get("telemetry")), TelemetryConfig()),
+        access_log=take(lambda: parse_access_log(root.get("access_log"), base), AccessLogConfig()),
     )
+    if policy_names is not None and teams:
+        try:
+            names = policy_names(config.policies_dir)
+        except OSError:  # the folder's own error is the policy load's to report
+            names = None
+        if names is not None:
+            for i, j, problem in unlisted_policies(config, names):
+                Field(str(file), f"teams[{i}].policies[{j}]", None, errors).invalid(problem)
+    errors.raise_any()
+    return config
+
+
+def unlisted_policies(config: Config, names: Collection[str]) -> list[tuple[int, int, str]]:
+    """(team index, index in its policies, problem) for every policy a team lists that is not
+    among `names`: the rule of a start and of a reload, whatever read the names."""
+    known = ", ".join(sorted(names)) or "none"
+    return [(i, j, f"team '{team.name}' lists policy '{name}': no policy named '{name}' in {config.policies_dir} "
+             f"(policies: {known})")
+            for i, team in enumerate(config.teams) for j, name in enumerate(team.policies) if name not in names]
+
+
+def _declared(section: Field) -> list[str]:
+    """The names a list section declares (`name:` strings), whether or not its entries are valid."""
+    value = section.value if isinstance(section.value, list) else []
+    return [item["name"] for item in value if isinstance(item, dict) and isinstance(item.get("name"), str)]
 
 
 def _console(at: Field) -> ConsoleConfig:
@@ -385,7 +428,7 @@ def _server(at: Field) -> ServerConfig:
     refusal = at.get("refusal_status")
     status = refusal.optional_int(429)
     if status not in REFUSAL_STATUSES:
-        refusal.fail(f"must be one of {', '.join(map(str, REFUSAL_STATUSES))}, got {status}")
+        refusal.invalid(f"must be one of {', '.join(map(str, REFUSAL_STATUSES))}, got {status}")
     return ServerConfig(
         public_url=parse_public_url(at.get("public_url")),
         host=at.get("host").optional_str("127.0.0.1"),
@@ -457,12 +500,15 @@ def _models(section: Field, upstreams: Mapping[str, UpstreamConfig]) -> tuple[Mo
     """Two passes: every route's own deployments first, then the fallbacks, which name other
     models routed by this same table (their own fallbacks are not followed: one level)."""
     own: list[tuple[Field, str, tuple[Deployment, ...]]] = []
-    for at in section.required().list_of():
+
+    def one(at: Field) -> None:
         at.keys_only({"match", "upstream", "price_in", "price_out", "deployments", "fallbacks", "retries",
                       "deadline_s", "cooldown_s", "cooldown_after"})
         match = at.get("match").required().nonempty_str()
         own.append((at, match, _deployments(at, upstreams)))
-    if not own:
+
+    section.required().each(one)
+    if not own and not section.value:
         section.fail("at least one model route is required (e.g. {match: \"*\", upstream: local})")
 
     def routed(name: str) -> tuple[Deployment, ...] | None:
@@ -476,11 +522,12 @@ def _models(section: Field, upstreams: Mapping[str, UpstreamConfig]) -> tuple[Mo
             name = f.nonempty_str()
             target = routed(name)
             if target is None:
-                f.fail(f"fallback model '{name}' is not routed by any models[] entry")
+                f.invalid(f"fallback model '{name}' is not routed by any models[] entry")
+                continue
             groups.append(Group(name, target))
-        apis = {upstreams[d.upstream].api for g in groups for d in g.deployments}
+        apis = {upstreams[d.upstream].api for g in groups for d in g.deployments if d.upstream in upstreams}
         if len(apis) > 1:
-            at.fail("its deployments and fallbacks mix upstreams with api: chat and api: responses; a route's "
+            at.invalid("its deployments and fallbacks mix upstreams with api: chat and api: responses; a route's "
                     "upstreams must speak one API (the request body is built once for it)")
         several = not at.get("deployments").missing or len(groups) > 1
         breaker = Breaker(at.get("cooldown_after").optional_int(Breaker.cooldown_after, low=1, high=1000),
@@ -498,7 +545,7 @@ def _deployments(at: Field, upstreams: Mapping[str, UpstreamConfig]) -> tuple[De
     def upstream_of(f: Field) -> str:
         name = f.required().nonempty_str()
         if name not in upstreams:
-            f.fail(f"no upstream named '{name}' (known: {', '.join(upstreams)})")
+            f.invalid(f"no upstream named '{name}' (known: {', '.join(upstreams)})")
         return name
 
     price = Price(at.get("price_in").optional_number(2.00, nonnegative=True),
@@ -526,34 +573,39 @@ def _deployments(at: Field, upstreams: Mapping[str, UpstreamConfig]) -> tuple[De
 def _teams(section: Field) -> tuple[TeamConfig, ...]:
     teams: list[TeamConfig] = []
     seen_keys: dict[str, str] = {}
-    for at in section.required().list_of():
+
+    def one(at: Field) -> None:
         at.keys_only({"name", "keys", "key_env", "budget_usd", "budget_period", "budget_mode", "policies", "admin",
                       "rate_limits", "models", "user_budget_usd", "user_budget_period"})
         name = at.get("name").required().nonempty_str()
         if not TEAM_NAME.fullmatch(name):
-            at.get("name").fail(f"team name {name!r} must be 1-64 letters, digits, '_', '-' or '.', starting with a "
-                                "letter or digit (it scopes the team's run ids, stored as TEAM/ID)")
+            at.get("name").invalid(f"team name {name!r} must be 1-64 letters, digits, '_', '-' or '.', starting with "
+                                   "a letter or digit (it scopes the team's run ids, stored as TEAM/ID)")
         if any(t.name == name for t in teams):
-            at.get("name").fail(f"team '{name}' is defined twice")
+            at.get("name").invalid(f"team '{name}' is defined twice")
         config_keys: list[ConfigKey] = []
-        for k in at.get("keys").list_of():
+
+        def key_entry(k: Field) -> None:
             config_keys.append(_config_key(k) if isinstance(k.value, dict) else ConfigKey(k.nonempty_str()))
+
+        at.get("keys").each(key_entry)
         key_env = at.get("key_env").optional_str_or_none()
         if key_env:
             value = os.environ.get(key_env)
             if not value:
-                at.get("key_env").fail(f"environment variable {key_env} is not set (it should hold the team's key)")
-            config_keys.append(ConfigKey(str(value)))
-        if not config_keys:
-            at.get("keys").fail("a team needs at least one key (keys: [...] or key_env: VARIABLE)")
+                at.get("key_env").invalid(f"environment variable {key_env} is not set (it should hold the team's key)")
+            else:
+                config_keys.append(ConfigKey(value))
+        if not config_keys and not key_env and not at.get("keys").value:
+            at.get("keys").invalid("a team needs at least one key (keys: [...] or key_env: VARIABLE)")
         for i, ck in enumerate(config_keys):
             if ck.key in seen_keys:
-                at.get("keys").fail(f"key #{i + 1} is also a key of team '{seen_keys[ck.key]}'; a key names one team")
+                at.get("keys").invalid(f"key #{i + 1} is also a key of team '{seen_keys[ck.key]}'; a key names one team")
             seen_keys[ck.key] = name
         policies_at = at.get("policies")
         policies = [p.nonempty_str() for p in policies_at.required().list_of()]
         if not policies:
-            policies_at.fail("a team needs at least one policy (the first is its default)")
+            policies_at.invalid("a team needs at least one policy (the first is its default)")
         budget = at.get("budget_usd").optional_number_or_none(nonnegative=True)
         teams.append(TeamConfig(
             name=name, keys=tuple(ck.key for ck in config_keys), policies=tuple(policies), budget_usd=budget,
@@ -565,7 +617,9 @@ def _teams(section: Field) -> tuple[TeamConfig, ...]:
             user_budget_usd=at.get("user_budget_usd").optional_number_or_none(nonnegative=True),
             user_budget_period=at.get("user_budget_period").choice(BUDGET_PERIODS, "month"),
         ))
-    if not teams:
+
+    section.required().each(one)
+    if not teams and not _declared(section):
         section.fail("at least one team is required")
     return tuple(teams)
 

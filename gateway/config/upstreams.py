@@ -225,12 +225,15 @@ class UpstreamConfig:
 def parse_upstreams(section: Field, base: Path) -> dict[str, UpstreamConfig]:
     """`upstreams:` read and checked; relative TLS paths are taken from `base`."""
     out: dict[str, UpstreamConfig] = {}
-    for at in section.required().list_of():
+
+    def one(at: Field) -> None:  # with a sink, an entry with an error does not hide the next one's
         upstream = _upstream(at, base)
         if upstream.name in out:
-            at.get("name").fail(f"upstream '{upstream.name}' is defined twice")
+            at.get("name").invalid(f"upstream '{upstream.name}' is defined twice")
         out[upstream.name] = upstream
-    if not out:
+
+    section.required().each(one)
+    if not out and not section.value:
         section.fail("at least one upstream is required")
     return out
 

@@ -80,7 +80,8 @@ def parse_public_url(at: Field) -> str | None:
 def parse_webhooks(section: Field, teams: Collection[str]) -> tuple[WebhookConfig, ...]:
     """`webhooks:` validated against the configured `teams`."""
     out: list[WebhookConfig] = []
-    for at in section.list_of():
+
+    def one(at: Field) -> None:
         at.keys_only({"name", "url", "secret_env", "events", "teams", "reasons", "format", "timeout_s",
                       "max_attempts", "retry_base_s"})
         url_at = at.get("url")
@@ -92,7 +93,7 @@ def parse_webhooks(section: Field, teams: Collection[str]) -> tuple[WebhookConfi
         if not _NAME.fullmatch(name):
             name_at.fail(f"must be 1-100 letters, digits or '_.:-', starting with a letter or digit, got {name!r}")
         if any(w.name == name for w in out):
-            name_at.fail(f"webhook '{name}' is defined twice (give each a distinct name)")
+            name_at.invalid(f"webhook '{name}' is defined twice (give each a distinct name)")
         env_at = at.get("secret_env")
         env = env_at.required().nonempty_str()
         secret = os.environ.get(env) or None
@@ -117,6 +118,8 @@ def parse_webhooks(section: Field, teams: Collection[str]) -> tuple[WebhookConfi
             max_attempts=at.get("max_attempts").optional_int(DEFAULT_MAX_ATTEMPTS, low=1, high=100),
             retry_base_s=at.get("retry_base_s").optional_number(DEFAULT_RETRY_BASE_S, positive=True),
         ))
+
+    section.each(one)
     return tuple(out)
 
 

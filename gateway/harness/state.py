@@ -16,13 +16,21 @@ import orjson
 
 from gateway.harness.usage import Usage
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """v2: `model_call_ids` (the calls the gateway's own model turns made: the only ones it
 runs), `tool_calls` (tool executions so far), `started_at` (the first drive), and the
 limits `max_tool_calls` and `max_duration_s`. v3: `key_id` and `user`, the key and the user
 that started the run (a server-side run's turns are held to their budgets and spent in their
 name). v4: limit requests (`on_exceed: ask`): an interruption of type `limit` (`limit`,
-`used`, `cap`, `grant`) and `grants`, the limits a person raised."""
+`used`, `cap`, `grant`) and `grants`, the limits a person raised. v5: a run is stored as a
+head and its transcript beside it, so that a save writes what changed and no more
+(`head_json`, `transcript_change`): the head holds neither `messages` nor `per_turn` but
+`transcript: {"messages": N, "per_turn": M}`, how many of each the store keeps beside it,
+one item each; `per_turn` entries are `[prompt, completion]` pairs. The whole run
+(`to_json`) is the head's fields with `per_turn` and `messages` in place."""
+
+READ_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, SCHEMA_VERSION)
+"""The schema versions `RunState.from_json` reads (older ones upgraded in place)."""
 
 DEFAULT_MAX_TOOL_CALLS = 100
 """Tool executions a run may make when its policy names no `max_tool_calls`: there is
@@ -219,6 +227,12 @@ class RunState:
     updated_at: float = field(default_factory=time.time)
     revision: int = 0
     version: int = SCHEMA_VERSION
+    stored_messages: tuple[Message, ...] = field(default=(), repr=False, compare=False)
+    """The messages as the store keeps them beside the run's head at `revision` (the same
+    objects): a save stores only the messages after the first one that differs. Messages
+    are replaced, never edited in place. Not serialized; set by the store."""
+    stored_per_turn: int = field(default=0, repr=False, compare=False)
+    """How many `per_turn` entries the store keeps beside the head (the list only grows)."""
 
     @classmethod
     def new(cls, model: str, messages: list[Message], *, run_id: str | None = None, **kw: Any) -> RunState:
@@ -319,7 +333,9 @@ class RunState:
             "interruption": self.interruption_json(),
         }
 
-    def to_json(self) -> dict[str, Any]:
+    def head_json(self) -> dict[str, Any]:
+        """The run as its store keeps it in one place: everything but its transcript
+        (`messages`, `per_turn`), which is kept beside it item by item, and their counts."""
         return {
             "version": self.version,
             "run_id": self.run_id,
@@ -335,8 +351,6 @@ class RunState:
             "turns": self.turns,
             "usage": self.usage.to_json(),
             "cost_usd": self.cost_usd,
-            "per_turn": [{"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-                         for p, c in ((u.prompt_tokens, u.completion_tokens) for u in self.per_turn)],
             "decisions": {cid: d.to_json() for cid, d in self.decisions.items()},
             "failed_calls": self.failed_calls,
             "model_call_ids": self.model_call_ids,
@@ -346,27 +360,37 @@ class RunState:
             "error": self.error,
             "key_id": self.key_id,
             "user": self.user,
-            "messages": self.messages,
+            "transcript": {"messages": len(self.messages), "per_turn": len(self.per_turn)},
             "created_at": self.created_at,
             "updated_at": self.updated_at,
             "revision": self.revision,
         }
 
+    def to_json(self) -> dict[str, Any]:
+        """The whole run, its transcript in place (the head's fields, then `per_turn` and `messages`)."""
+        out = self.head_json()
+        del out["transcript"]
+        out["per_turn"] = [[u.prompt_tokens, u.completion_tokens] for u in self.per_turn]
+        out["messages"] = self.messages
+        return out
+
     def dumps(self) -> bytes:
         return orjson.dumps(self.to_json())
 
     @classmethod
-    def from_json(cls, data: Any) -> RunState:
+    def from_json(cls, data: Any, transcript: tuple[list[Any], list[Any]] | None = None) -> RunState:
+        """A run from its whole JSON (`to_json`, any version), or from its head (`head_json`)
+        and, in `transcript`, the messages and `per_turn` entries kept beside it."""
         if not isinstance(data, dict):
             raise StateError("a run must be a JSON object")
         version = data.get("version")
         if version == 1:
             data = upgrade_v1(data)
-        elif version in (2, 3):  # v3 added key_id and user (none known), v4 limit requests: defaults
-            data = {**data, "version": SCHEMA_VERSION}
-        elif version != SCHEMA_VERSION:
-            raise StateError(f"run schema version {version!r} is not supported (this gateway reads 1 to "
-                             f"{SCHEMA_VERSION})")
+        elif version not in READ_VERSIONS:  # v3 added key_id and user, v4 limit requests (defaults), v5 the head
+            raise StateError(f"run schema version {version!r} is not supported (this gateway reads "
+                             f"{', '.join(map(str, READ_VERSIONS))})")
+        if "transcript" in data:
+            data = _with_transcript(data, transcript)
         status = data.get("status")
         if status not in STATUSES:
             raise StateError(f"unknown run status {status!r}")
@@ -374,7 +398,7 @@ class RunState:
             return cls(
                 run_id=str(data["run_id"]),
                 model=str(data["model"]),
-                messages=list(data["messages"]),
+                messages=_messages(data["messages"]),
                 limits=Limits.from_json(data.get("limits")),
                 team=data.get("team", ""),
                 policy=data.get("policy", ""),
@@ -400,7 +424,7 @@ class RunState:
                 updated_at=float(data.get("updated_at", 0.0)),
                 revision=int(data.get("revision", 0)),
             )
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise StateError(f"malformed run: {exc}") from exc
 
     @classmethod
@@ -410,6 +434,12 @@ class RunState:
         except orjson.JSONDecodeError as exc:
             raise StateError(f"run is not valid JSON: {exc}") from exc
         return cls.from_json(data)
+
+    def mark_stored(self) -> None:
+        """The store now keeps this run's messages and `per_turn` as they are (after a load or
+        a save): the next save writes only what comes after them."""
+        self.stored_messages = tuple(self.messages)
+        self.stored_per_turn = len(self.per_turn)
 
     def copy(self) -> RunState:
         """A copy whose lists and dicts are its own (their items are shared: messages are
@@ -425,6 +455,58 @@ class RunState:
         fields["model_call_ids"] = list(self.model_call_ids)
         fields["grants"] = list(self.grants)
         return new
+
+
+@dataclass(frozen=True)
+class TranscriptChange:
+    """What a save must write of a run's transcript beside its head: keep the first
+    `messages_from` stored messages and store `messages` after them (anything stored after
+    that goes), and the same for `per_turn`."""
+
+    messages_from: int
+    messages: list[Message]
+    per_turn_from: int
+    per_turn: list[Usage]
+    truncates: bool
+    """Whether stored items past `messages_from` or `per_turn_from` must go (a transcript
+    that was rewritten, not only added to)."""
+
+
+def transcript_change(state: RunState) -> TranscriptChange:
+    """What changed in `state`'s transcript since the store last kept it (`stored_messages`):
+    the messages from the first one that is not the stored one (by identity, else by value,
+    so a client that sends the same history again adds nothing but what is new), and the
+    `per_turn` entries past `stored_per_turn`."""
+    stored, messages = state.stored_messages, state.messages
+    k, n = 0, min(len(stored), len(messages))
+    if n and n == len(stored) and messages[n - 1] is stored[-1] and messages[0] is stored[0]:
+        k = n  # the usual turn: the same list, added to (a list's items are replaced, never edited)
+    while k < n and (messages[k] is stored[k] or messages[k] == stored[k]):
+        k += 1
+    t = state.stored_per_turn if len(state.per_turn) >= state.stored_per_turn else 0
+    return TranscriptChange(k, messages[k:], t, state.per_turn[t:],
+                            k < len(stored) or t < state.stored_per_turn)
+
+
+def _with_transcript(head: dict[str, Any], transcript: tuple[list[Any], list[Any]] | None) -> dict[str, Any]:
+    """A head (`head_json`) with the messages and `per_turn` kept beside it, in place."""
+    counts = head.get("transcript")
+    if transcript is None or not isinstance(counts, dict):
+        raise StateError("malformed run: a stored head without its transcript")
+    messages, per_turn = transcript
+    if len(messages) != counts.get("messages") or len(per_turn) != counts.get("per_turn"):
+        raise StateError(f"malformed run: its head counts {counts.get('messages')} messages and "
+                         f"{counts.get('per_turn')} turns, the store holds {len(messages)} and {len(per_turn)}")
+    out = dict(head)
+    del out["transcript"]
+    out["messages"], out["per_turn"] = messages, per_turn
+    return out
+
+
+def _messages(items: Any) -> list[Message]:
+    if not isinstance(items, list):
+        raise StateError("malformed run: messages must be a list")
+    return list(items)
 
 
 def upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
@@ -449,7 +531,7 @@ def upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
     out["model_call_ids"] = ids
     out["tool_calls"] = sum(1 for m in messages if m.get("role") == "tool")
     out["started_at"] = data.get("created_at")
-    out["version"] = SCHEMA_VERSION
+    out["version"] = 2
     return out
 
 
@@ -472,10 +554,14 @@ def _optional_float(value: Any) -> float | None:
 
 
 def _usages(items: Any) -> list[Usage]:
-    """`per_turn` back into Usages, as `Usage.from_json` reads each; the usual entry (two
-    ints) skips its checks, since a run is loaded on every call and holds every turn."""
+    """`per_turn` back into Usages: `[prompt, completion]` pairs (v5), or objects as
+    `Usage.from_json` reads them (v2); the usual entry (two ints) skips the checks."""
     out: list[Usage] = []
     for item in items:
+        if (type(item) is list or type(item) is tuple) and len(item) == 2 and type(item[0]) is int \
+                and type(item[1]) is int:
+            out.append(Usage(item[0], item[1]))
+            continue
         if type(item) is dict:
             p, c = item.get("prompt_tokens"), item.get("completion_tokens")
             if type(p) is int and type(c) is int:

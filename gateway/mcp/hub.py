@@ -24,6 +24,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
+import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping, MutableMapping
@@ -95,6 +98,26 @@ def _reason(exc: BaseException) -> str:
         return exc.message
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return text[:300] or "no reason given"
+
+def find_program(command: str, path: str | None = None) -> str:
+    """Where a stdio server's program is: a command with a `/` as written (relative to the
+    server's `cwd`); a bare name on `path` (the server's PATH: its `env`'s, else the
+    gateway's), then next to the gateway's own interpreter (`sys.executable`'s folder,
+    where pip put the servers installed with the gateway, e.g. a venv's `bin`, which a
+    gateway started as `.venv/bin/gateway` does not have on its PATH)."""
+    if os.sep in command or (os.altsep and os.altsep in command):
+        return command
+    search = path if path is not None else os.environ.get("PATH", os.defpath)
+    found = shutil.which(command, path=search)
+    if found is not None:
+        return found
+    beside = os.path.dirname(sys.executable)  # not resolved: a venv's python is a link out of the venv
+    found = shutil.which(command, path=beside) if beside else None
+    if found is not None:
+        return found
+    raise McpUnavailable(f"program '{command}' not found: looked on PATH ({search or 'empty'}) and next to the "
+                         f"gateway's interpreter ({beside or 'unknown'})")
+
 
 def _closed(client: Client) -> bool:
     """Whether the session's transport has already closed (its server died while idle).
@@ -188,8 +211,8 @@ class _Connection:
                         http.event_hooks["request"].append(traced)
                     target: Any = streamable_http_client(c.url, http_client=http)
                 else:
-                    target = StdioServerParameters(command=c.command[0], args=list(c.command[1:]),
-                                                   env=dict(c.env) or None, cwd=c.cwd)
+                    target = StdioServerParameters(command=find_program(c.command[0], dict(c.env).get("PATH")),
+                                                   args=list(c.command[1:]), env=dict(c.env) or None, cwd=c.cwd)
                 client = await stack.enter_async_context(Client(target, cache=None, client_info=Implementation(name=CLIENT_NAME, version=CLIENT_VERSION)))
                 self._client = client
                 self.state, self.error = "up", None
@@ -199,8 +222,8 @@ class _Connection:
                     ready.set_result(client)
                 await stop.wait()
         except Exception as exc:
-            if not ready.done():
-                ready.set_exception(McpUnavailable(_reason(exc)))
+            if not ready.done():  # our own sentences whole (a program not found names where it looked)
+                ready.set_exception(exc if isinstance(exc, McpUnavailable) else McpUnavailable(_reason(exc)))
             else:
                 log.warning("MCP server '%s' session ended: %s", c.name, _reason(exc))
         finally:

@@ -4,7 +4,9 @@ For review in CI of a policy repository: every file is validated (errors name th
 line and field, and the exit code is 1); every tool of a valid policy is printed with
 its flags, its executor, and the approval outcome of representative calls (arguments
 made from the rules' globs, and no arguments at all). Rules that never decide any of
-those calls because an earlier rule always matches first are reported as shadowed.
+those calls because an earlier rule always matches first are reported as shadowed. An
+MCP server known to reach the filesystem that is started without a root (a git server
+without `--repository`) is warned about (`gateway.mcp.reach`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, TextIO
 import orjson
 
 from gateway.mcp.hub import McpHub, ServerHealth
+from gateway.mcp.reach import unscoped
 from gateway.policy.approval import (
     RuleApproval,
     compile_approval,
@@ -121,6 +124,9 @@ def describe(policy: Policy, mcp: McpHub | None = None) -> str:
             health = _health_text(mcp.health_of(server)) if mcp is not None else "not started here"
             lines.append(f"  mcp server {server.name} ({server.transport} {server.where}): {health}; "
                          f"{count} tool(s) discovered")
+            reach = unscoped(server)
+            if reach is not None:
+                lines.append(f"  warning: mcp server {server.name}: {reach}")
         approval = compile_approval(ap, policy.specs)
         decided: set[int] = set()
         for tool in policy.tools:

@@ -28,10 +28,12 @@ DEFAULT_PERMANENT: tuple[str, ...] = ("PermissionError", "gateway.harness.tools:
 
 @dataclass(frozen=True)
 class PythonExecutor:
-    """`python: "package.module:function"`: sync (run in a thread) or async."""
+    """`python: "package.module:function"`: sync (run in a thread) or async, imported with the
+    policy's folders (`search`) after the gateway's module path (`gateway.policy.resolve`)."""
 
     target: str
     kind: Literal["python"] = "python"
+    search: tuple[Path, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,8 @@ class ToolErrorConfig:
     text: str = "Error: {message}"
     fatal: bool = False
     permanent: tuple[str, ...] = DEFAULT_PERMANENT
+    search: tuple[Path, ...] = ()
+    """The policy's folders, where `module:Class` names are imported from (after the gateway's path)."""
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,9 @@ class Policy:
     crashed: its owner sees it and may resume it) or `resume` it at once."""
     mcp: tuple[McpServerConfig, ...] = ()
     """The MCP servers whose discovered tools are part of `tools` (in the order listed)."""
+    python_path: tuple[Path, ...] = ()
+    """Where its `module:function` names are imported from after the gateway's module path:
+    the file's folder, then its `python_path` entries (absolute)."""
     limit_ask: LimitAsk | None = None
     """`limits: {on_exceed: ask, ask: {...}}`: the limits that ask a person for more instead of
     stopping the run; None: every limit stops it (`on_exceed: stop`)."""

@@ -39,6 +39,26 @@ class PolicyError(ValueError):
         where = f"{self.file}:{self.line}" if self.line is not None else self.file
         return f"{where}: {self.field}: {self.problem}"
 
+    def each(self) -> tuple[PolicyError, ...]:
+        """The errors this one stands for (itself; every error of its file for `PolicyErrors`)."""
+        return (self,)
+
+
+class PolicyErrors(PolicyError):
+    """Every error found in one policy file (the first one's fields are this error's).
+    `str()` is one line per error."""
+
+    def __init__(self, errors: Sequence[PolicyError]) -> None:
+        self.errors: tuple[PolicyError, ...] = tuple(e for error in errors for e in error.each())
+        first = self.errors[0]
+        super().__init__(first.file, first.line, first.path, first.problem)
+
+    def describe(self) -> str:
+        return "\n".join(e.describe() for e in self.errors)
+
+    def each(self) -> tuple[PolicyError, ...]:
+        return self.errors
+
 
 class PolicySetError(ValueError):
     """A set of policy files that cannot be loaded together; nothing of it was applied."""

@@ -131,7 +131,7 @@ def _output(value: Any) -> ToolOutput:
 def python_tool(spec: ToolSpec, config: PythonExecutor, env: ToolEnv) -> ToolFunction:
     """`python: "module:function"`; sync functions run on a thread of `env.threads` with a
     thread-safe progress()."""
-    func = resolve_callable(config.target)
+    func = resolve_callable(config.target, config.search)
     is_async = inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
 
     async def run(args: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
@@ -274,7 +274,8 @@ def build_tool(decl: ToolDecl, env: ToolEnv) -> Tool:
 
 def tool_error_policy(config: ToolErrorConfig) -> ToolErrorPolicy:
     """`tool_errors` -> the harness's policy; `PermanentToolError` is always permanent."""
-    permanent = tuple(dict.fromkeys((*(resolve_exception(n) for n in config.permanent), PermanentToolError)))
+    permanent = tuple(dict.fromkeys((*(resolve_exception(n, config.search) for n in config.permanent),
+                                     PermanentToolError)))
     return ToolErrorPolicy(text=config.text, fatal=config.fatal, permanent=permanent)
 
 

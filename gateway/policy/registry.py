@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
+import yaml
+
+from gateway.config.yamlfile import parse
 from gateway.mcp.hub import McpHub
 from gateway.policy.decl import AgentExecutor, Policy
 from gateway.policy.errors import PolicyError, PolicySetError
@@ -45,9 +48,31 @@ class ReloadResult:
         }
 
 
+@dataclass(frozen=True)
+class StagedSet:
+    """A policy set loaded and checked, not served yet (`PolicyRegistry.commit` serves it)."""
+
+    policies: Mapping[str, Policy]
+    errors: tuple[PolicyError, ...] = ()
+
+
 def policy_files(directory: Path) -> list[Path]:
     """The policy files of a directory, in name order."""
     return sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+
+
+def policy_names(directory: Path) -> set[str]:
+    """The names the policy files of a folder declare (`name:`, else the file's stem), read
+    without validating them: for a config check that names every missing policy at once."""
+    names: set[str] = set()
+    for file in policy_files(directory):
+        try:
+            data = parse(file.read_text("utf-8"), lambda loader: loader.get_single_data())
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            data = None
+        name = data.get("name") if isinstance(data, dict) else None
+        names.add(name if isinstance(name, str) else file.stem)
+    return names
 
 
 def load_set(files: list[Path], known: Mapping[str, Policy] | None = None,
@@ -66,7 +91,7 @@ def load_set(files: list[Path], known: Mapping[str, Policy] | None = None,
         try:
             policy = load_policy(file, mcp)
         except PolicyError as exc:
-            errors.append(exc)
+            errors.extend(exc.each())  # every error of the file
             continue
         if policy.name in policies:
             errors.append(PolicyError(str(file), _line(policy, ("name",)), ("name",),
@@ -116,19 +141,26 @@ class PolicyRegistry:
         run one at a time, from any thread.
         """
         with self._reloading:
-            return self._reload(check)
+            return self.commit(self.stage(check))
 
-    def _reload(self, check: Callable[[Mapping[str, Policy]], Sequence[PolicyError]] | None) -> ReloadResult:
+    def stage(self, check: Callable[[Mapping[str, Policy]], Sequence[PolicyError]] | None = None) -> StagedSet:
+        """Load and check the directory without serving it yet (`commit` does), so a caller can
+        swap it in together with something else (a config reload: `gateway.server.reload`)."""
         try:
             files = policy_files(self.directory)
         except OSError as exc:
             error = PolicyError(str(self.directory), None, (), f"cannot list the policy directory: {exc.strerror or exc}")
-            return ReloadResult(loaded=self.names(), errors=(error,))
+            return StagedSet({}, (error,))
         policies, errors = load_set(files, mcp=self.mcp)
         if not errors and check is not None:
             errors = list(check(policies))
-        if errors:
-            return ReloadResult(loaded=self.names(), errors=tuple(errors))
+        return StagedSet(policies, tuple(errors))
+
+    def commit(self, staged: StagedSet) -> ReloadResult:
+        """Serve a staged set (or, when it has errors, keep the current one and say why)."""
+        if staged.errors:
+            return ReloadResult(loaded=self.names(), errors=staged.errors)
+        policies = staged.policies
         changed = tuple(
             name for name, p in sorted(policies.items())
             if name not in self._current or self._current[name].version != p.version

@@ -19,6 +19,7 @@ import jsonschema
 from gateway.harness.options import ApprovalAction, Dedupe, LimitAsk
 from gateway.harness.state import DEFAULT_MAX_TOOL_CALLS, LIMIT_NAMES, Amounts, LimitName, Limits
 from gateway.harness.tools import ToolSpec
+from gateway.mcp.config import McpServerConfig
 from gateway.mcp.hub import McpHub
 from gateway.policy.decl import (
     DEFAULT_PERMANENT,
@@ -67,7 +68,7 @@ __all__ = [
 
 TOP_FIELDS = ("name", "description", "limits", "tools", "tool_errors", "dedupe", "stop_when", "approval",
               "sandbox", "system_prompt", "recovery", "mcp",
-              "tool_rounds")
+              "tool_rounds", "python_path")
 TOOL_FIELDS = ("name", "description", "parameters", "read_only", "destructive", "needs_approval", "timeout_s",
                "executor")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -93,36 +94,49 @@ def parse_policy(raw: bytes, path: str | Path, mcp: McpHub | None = None) -> Pol
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise PolicyError(str(path), None, (), f"not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
-    root = Source(str(path), text).root()
+    src = Source(str(path), text)
+    root = src.root()
     f = root.fields(TOP_FIELDS)
+    take = src.take
     name_at = f.get("name")
-    name = name_at.string() if name_at else path.stem
+    name = take(lambda: name_at.string(), path.stem) if name_at else path.stem
     if not _NAME.match(name):
-        (name_at or root).fail(f"policy name '{name}' may only hold letters, digits, '_', '-' and '.'")
-    declared, overrides = _tools(f.get("tools"), f.has("mcp"))
-    servers = parse_servers(f.get("mcp"), path.parent)
+        take(lambda: (name_at or root).fail(f"policy name '{name}' may only hold letters, digits, '_', '-' and '.'"),
+             None)
+    no_folders: tuple[Path, ...] = ()
+    search = (path.parent.resolve(), *take(lambda: _python_path(f.get("python_path"), path.parent), no_folders))
+    no_tools: tuple[tuple[ToolDecl, ...], list[ToolOverride]] = ((), [])
+    declared, overrides = take(lambda: _tools(f.get("tools"), f.has("mcp"), search), no_tools)
+    servers: list[tuple[McpServerConfig, At]] = take(lambda: parse_servers(f.get("mcp"), path.parent), [])
     fields: dict[str, Any] = dict(
         name=name,
-        description=d.string(non_empty=False) if (d := f.get("description")) else "",
-        limits=_limits(f.get("limits")),
-        tool_errors=_tool_errors(f.get("tool_errors")),
-        dedupe=_dedupe(f.get("dedupe")),
-        stop_when=tuple(_stop_rule(item) for item in w.items()) if (w := f.get("stop_when")) else (),
+        description=take(lambda: d.string(non_empty=False), "") if (d := f.get("description")) else "",
+        limits=take(lambda: _limits(f.get("limits")), Limits()),
+        tool_errors=take(lambda: _tool_errors(f.get("tool_errors"), search), ToolErrorConfig(search=search)),
+        dedupe=take(lambda: _dedupe(f.get("dedupe")), "read_only"),
+        stop_when=tuple(w.each(_stop_rule)) if (w := f.get("stop_when")) else (),
         path=path,
-        sandbox=_sandbox(f.get("sandbox")),
-        system_prompt=s.string() if (s := f.get("system_prompt")) else None,
-        recovery=cast(Recovery, r.choice(get_args(Recovery))) if (r := f.get("recovery")) else "interrupt",
-        tool_rounds=n.positive_int() if (n := f.get("tool_rounds")) else None,
+        sandbox=take(lambda: _sandbox(f.get("sandbox")), None),
+        system_prompt=take(lambda: s.string(), None) if (s := f.get("system_prompt")) else None,
+        recovery=take(lambda: cast(Recovery, r.choice(get_args(Recovery))), "interrupt") if (r := f.get("recovery"))
+        else "interrupt",
+        tool_rounds=take(lambda: n.positive_int(), None) if (n := f.get("tool_rounds")) else None,
+        python_path=search,
     )
+    src.raise_any()  # every error of the file so far, at once
     # Discovery starts servers: only for a file valid up to here.
     discovered, found = discover(servers, mcp, {t.name for t in declared})
     tools = (*declared, *apply_overrides(discovered, overrides))
-    approval = _approval(f.get("approval"), tools)
+    approval = take(lambda: _approval(f.get("approval"), tools), None)
+    limit_ask = (take(lambda: _limit_ask(f.get("limits"), fields["limits"], approval), None)
+                 if approval is not None else None)
+    src.raise_any()
+    assert approval is not None
     return Policy(
         **fields,
         tools=tools,
         approval=approval,
-        limit_ask=_limit_ask(f.get("limits"), fields["limits"], approval),
+        limit_ask=limit_ask,
         version=hashlib.sha256(version_input(raw, found)).hexdigest()[:12],
         mcp=tuple(config for config, _ in servers),
     )
@@ -148,6 +162,19 @@ def _limits(at: At | None) -> Limits:
         max_tool_calls=c.positive_int() if (c := f.get("max_tool_calls")) else DEFAULT_MAX_TOOL_CALLS,
         max_duration_s=d.positive_number() if (d := f.get("max_duration_s")) else None,
     )
+
+
+def _python_path(at: At | None, base: Path) -> tuple[Path, ...]:
+    """`python_path`: folders (relative to the policy file) its modules are imported from."""
+    if at is None:
+        return ()
+    folders: list[Path] = []
+    for item in at.items():
+        folder = (base / item.string()).resolve()
+        if not folder.is_dir():
+            item.fail(f"'{item.value}' is not a folder (looked for {folder})")
+        folders.append(folder)
+    return tuple(folders)
 
 
 OnExceed = Literal["stop", "ask"]
@@ -206,28 +233,31 @@ def _amounts(at: At, limits: Limits, verb: str) -> Amounts:
     return out
 
 
-def _tools(at: At | None, mcp: bool) -> tuple[tuple[ToolDecl, ...], list[ToolOverride]]:
+def _tools(at: At | None, mcp: bool, search: tuple[Path, ...]) -> tuple[tuple[ToolDecl, ...], list[ToolOverride]]:
     """Declared tools, and (in a policy with `mcp:` servers) entries without an executor:
     overrides of discovered tools."""
     if at is None:
         return (), []
     tools: list[ToolDecl] = []
     overrides: list[ToolOverride] = []
-    for item in at.items():
+
+    def one(item: At) -> None:
         if mcp and isinstance(item.value, dict) and "executor" not in item.value:
             override = parse_override(item)
             if any(o.name == override.name for o in overrides):
                 item.child("name", override.name).fail(f"tool '{override.name}' is overridden twice")
             overrides.append(override)
-            continue
-        tool = _tool(item)
+            return
+        tool = _tool(item, search)
         if any(t.name == tool.name for t in tools):
             item.child("name", tool.name).fail(f"tool '{tool.name}' is declared twice")
         tools.append(tool)
+
+    at.each(one)
     return tuple(tools), overrides
 
 
-def _tool(at: At) -> ToolDecl:
+def _tool(at: At, search: tuple[Path, ...]) -> ToolDecl:
     f = at.fields(TOOL_FIELDS, required=("name", "description", "executor"))
     name_at = f.req("name")
     name = name_at.string()
@@ -243,7 +273,7 @@ def _tool(at: At) -> ToolDecl:
         needs_approval=n.boolean() if (n := f.get("needs_approval")) is not None else False,
         timeout_s=t.positive_number() if (t := f.get("timeout_s")) else None,
     )
-    return ToolDecl(spec=spec, executor=_executor(f.req("executor")))
+    return ToolDecl(spec=spec, executor=_executor(f.req("executor"), search))
 
 
 def _parameters(at: At | None) -> dict[str, Any]:
@@ -260,7 +290,7 @@ def _parameters(at: At | None) -> dict[str, Any]:
     return dict(at.value)
 
 
-def _executor(at: At) -> ExecutorConfig:
+def _executor(at: At, search: tuple[Path, ...]) -> ExecutorConfig:
     f = at.fields(("python", "http", "agent"))
     kinds = [k for k in ("python", "http", "agent") if f.has(k)]
     if len(kinds) != 1:
@@ -269,10 +299,10 @@ def _executor(at: At) -> ExecutorConfig:
     if kinds[0] == "python":
         target = kind.string()
         try:
-            resolve_callable(target)
+            resolve_callable(target, search)
         except ResolveError as exc:
             kind.fail(str(exc))
-        return PythonExecutor(target)
+        return PythonExecutor(target, search=search)
     if kinds[0] == "http":
         return _http(kind)
     a = kind.fields(("policy", "model", "max_turns", "max_budget_usd", "system_prompt"), required=("policy",))
@@ -305,9 +335,9 @@ def _http(at: At) -> HttpExecutor:
     return HttpExecutor(url=url, timeout_s=timeout, headers=headers)
 
 
-def _tool_errors(at: At | None) -> ToolErrorConfig:
+def _tool_errors(at: At | None, search: tuple[Path, ...]) -> ToolErrorConfig:
     if at is None:
-        return ToolErrorConfig()
+        return ToolErrorConfig(search=search)
     f = at.fields(("text", "fatal", "permanent"))
     text = ToolErrorConfig.text
     if (t := f.get("text")) is not None:
@@ -321,13 +351,13 @@ def _tool_errors(at: At | None) -> ToolErrorConfig:
         names: list[str] = []
         for item in p.items():
             try:
-                resolve_exception(item.string())
+                resolve_exception(item.string(), search)
             except ResolveError as exc:
                 item.fail(str(exc))
             names.append(item.value)
         permanent = tuple(names)
     return ToolErrorConfig(text=text, fatal=x.boolean() if (x := f.get("fatal")) is not None else False,
-                           permanent=permanent)
+                           permanent=permanent, search=search)
 
 
 def _stop_rule(at: At) -> StopRule:
@@ -342,8 +372,8 @@ def _approval(at: At | None, tools: tuple[ToolDecl, ...]) -> ApprovalConfig:
     if at is None:
         return ApprovalConfig()
     f = at.fields(("approvers", "expires_after_s", "rules", "on_decision"))
-    approvers = tuple(a.string() for a in p.items()) if (p := f.get("approvers")) else ()
-    rules = tuple(_rule(item, tools) for item in r.items()) if (r := f.get("rules")) else ()
+    approvers = tuple(p.each(lambda a: a.string())) if (p := f.get("approvers")) else ()
+    rules = tuple(r.each(lambda item: _rule(item, tools))) if (r := f.get("rules")) else ()
     return ApprovalConfig(
         approvers=approvers,
         expires_after_s=e.positive_number() if (e := f.get("expires_after_s")) else None,

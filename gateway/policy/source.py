@@ -8,14 +8,16 @@ hands out `At` views: a value plus its path, with typed readers that fail with a
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import yaml
 
 from gateway.config.yamlfile import parse
-from gateway.policy.errors import FieldPath, PolicyError, format_path
+from gateway.policy.errors import FieldPath, PolicyError, PolicyErrors, format_path
+
+T = TypeVar("T")
 
 
 class Source:
@@ -23,6 +25,8 @@ class Source:
 
     def __init__(self, file: str, text: str) -> None:
         self.file = file
+        self.errors: list[PolicyError] = []
+        """Errors reading went on after (`take`, `At.fields`); `raise_any` raises them."""
         self._lines: dict[FieldPath, int] = {}
         try:
             self.data: Any = parse(text, self._compose)
@@ -72,6 +76,21 @@ class Source:
     def error(self, path: FieldPath, problem: str) -> PolicyError:
         return PolicyError(self.file, self.line(path), path, problem)
 
+    def take(self, read: Callable[[], T], default: T) -> T:
+        """`read()`, or `default` when it raised: its error is noted and reading goes on, so
+        a file's every error is reported at once."""
+        try:
+            return read()
+        except PolicyError as exc:
+            self.errors.extend(exc.each())
+        return default
+
+    def raise_any(self) -> None:
+        """Raise the errors noted so far, in the order of their lines."""
+        if self.errors:
+            ordered = sorted(self.errors, key=lambda e: e.line or 0)
+            raise ordered[0] if len(ordered) == 1 else PolicyErrors(ordered)
+
     def root(self) -> At:
         return At(self, (), self.data)
 
@@ -106,14 +125,21 @@ class At:
         """Read a mapping whose keys must be among `allowed` and include `required`."""
         if not isinstance(self.value, dict):
             self.fail(f"must be a mapping, got {_kind(self.value)}")
-        for key in self.value:
+        for key in self.value:  # each unknown field is noted, and reading goes on
             if key not in allowed:
                 expected = ", ".join(sorted(allowed))
-                self.child(str(key), None).fail(f"unknown field (expected one of: {expected})")
+                self.src.errors.append(self.src.error((*self.path, str(key)), f"unknown field (expected one of: {expected})"))
         for key in required:
             if key not in self.value:
                 self.fail(f"missing required field '{key}'")
         return Fields(self)
+
+    def each(self, read: Callable[[At], T]) -> list[T]:
+        """`read(entry)` of every entry of a list; an entry whose read raised is noted and left out."""
+        out: list[T] = []
+        for item in self.items():
+            self.src.take(lambda: out.append(read(item)), None)
+        return out
 
     def items(self) -> Iterator[At]:
         """The entries of a list (a missing or null list is empty)."""

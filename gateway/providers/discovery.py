@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from gateway.providers.errors import UpstreamError
@@ -73,6 +73,12 @@ class ModelDiscovery:
         names = tuple(listed)
         self._known[upstream] = _Known(names, self._clock() + self._ttl_s)
         return names
+
+    def forget(self, upstreams: Iterable[str]) -> None:
+        """Drop what these upstreams said (a config reload changed or removed them): the next
+        listing asks them again."""
+        for upstream in upstreams:
+            self._known.pop(upstream, None)
 
     async def close(self) -> None:
         """Stop the refreshes under way (at shutdown: their sessions are closing)."""

@@ -116,6 +116,9 @@ class AttemptTracer(Protocol):
 
     def begin(self, number: int, upstream: Upstream, model: str, fallback: bool, probe: bool) -> AttemptEnd: ...
 
+_ANSWERED: frozenset[str] = frozenset({"upstream_malformed", "upstream_cut", "upstream_error"})
+"""Failures of an upstream that did answer: a glob route's failure names the route for the others."""
+
 
 @dataclass
 class RoutedCall:
@@ -132,6 +135,9 @@ class RoutedCall:
     abandoned: Answer | None = None  # who was being asked when the caller gave the call up (its client left)
     traced: bool = False  # set by whoever wrote the attempts into the run's trace
     tracer: AttemptTracer | None = None
+    route: str | None = None
+    """The glob of the route that matched the model (None: a route by name), named by the
+    failure that ends the call, so a typo'd model sent to a catch-all says so."""
     _tried: list[Deployment] = field(default_factory=list)
     _started: float | None = None
     _span_end: AttemptEnd | None = None  # the span of the attempt in progress (telemetry on)
@@ -146,13 +152,24 @@ class RoutedCall:
             return None
         return self._started + self.plan.deadline_s - self.clock()
 
+    def _ended(self, exc: UpstreamError) -> UpstreamError:
+        """The failure that ends the call before any answer, naming the glob route that sent
+        the model where it failed (`route '*' (model 'gpt-4o-mni') -> upstream 'local' is ...`)
+        when the name may be the reason: the upstream could not be reached or refused the call
+        (a reply that came but was broken is the upstream's, whatever the name)."""
+        if (self.route is not None and exc.code not in _ANSWERED
+                and not exc.message.startswith("route '")):
+            exc.message = f"route '{self.route}' (model '{self.model}') -> {exc.message}"
+            exc.args = (exc.message,)
+        return exc
+
     async def _next(self, last: UpstreamError | None) -> Pick:
         """The next attempt's pick, once its wait is over; raises `last` when the call must end."""
         if self._started is None:
             self._started = self.clock()
         elif len(self.attempts) > self.plan.retries:
             assert last is not None
-            raise last
+            raise self._ended(last)
         pick = self.router.pick(self.plan, self.model, self._tried, self.clock())
         wait = pick.wait_s
         if pick.deployment in self._tried:
@@ -162,10 +179,10 @@ class RoutedCall:
         if wait > MAX_WAIT_S or (left is not None and wait >= left):
             self.router.abandoned(pick)
             if last is not None:
-                raise last
-            raise UpstreamError("upstream_unavailable", f"every deployment of model '{self.model}' is cooling "
-                                f"down after failures (the first is back in {wait:.1f}s)",
-                                pick.deployment.upstream, None, retry_after_s=wait)
+                raise self._ended(last)
+            raise self._ended(UpstreamError("upstream_unavailable", f"every deployment of model '{self.model}' is "
+                                            f"cooling down after failures (the first is back in {wait:.1f}s)",
+                                            pick.deployment.upstream, None, retry_after_s=wait))
         if wait > 0:
             try:
                 await asyncio.sleep(wait)
@@ -250,7 +267,7 @@ class RoutedCall:
             outcome = outcome_of(last)
             self._record(pick, outcome, started, last)
             if outcome not in RETRYABLE:
-                raise last
+                raise self._ended(last)
 
     @asynccontextmanager
     async def stream(self, open_stream: Callable[[Upstream, str], AbstractAsyncContextManager[UpstreamStream]]
@@ -284,7 +301,7 @@ class RoutedCall:
             outcome = outcome_of(last)
             self._record(pick, outcome, started, last)
             if outcome not in RETRYABLE:
-                raise last
+                raise self._ended(last)
         self.answer = Answer(pick.deployment, upstream, pick.model)
         result = Opened(self.answer, first, rest)
         failure: UpstreamError | None = None

@@ -25,7 +25,7 @@ and no fallbacks has nothing to route around and is never cooled down.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -146,6 +146,11 @@ class Router:
 
     def __init__(self) -> None:
         self._health: dict[Deployment, Health] = {}
+
+    def keep(self, deployments: Set[Deployment]) -> None:
+        """Forget the health of every deployment but these (a reload's routes): a call still
+        on a forgotten one starts its health afresh."""
+        self._health = {d: h for d, h in self._health.items() if d in deployments}
 
     def health(self, deployment: Deployment) -> Health:
         found = self._health.get(deployment)

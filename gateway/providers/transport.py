@@ -7,11 +7,13 @@ the path they took before upstreams could have TLS settings or a proxy. An upstr
 when the config is read: aiohttp's `trust_env` would look the environment up again on every
 call, on a thread) gets a session of its own (with that SSL context; its calls name the
 proxy), so its calls run the same code with different connections. `Sessions.close` closes those at shutdown
-(the shared one belongs to whoever made it: the app).
+(the shared one belongs to whoever made it: the app); `Sessions.retire` one whose upstream a
+config reload replaced, once that upstream's last call ended (`Upstream.retire`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import ssl
 from collections.abc import Mapping
@@ -67,6 +69,7 @@ class Sessions:
     def __init__(self, shared: aiohttp.ClientSession) -> None:
         self.shared = shared
         self._own: list[aiohttp.ClientSession] = []
+        self._closing: set[asyncio.Future[None]] = set()  # held until done (the loop keeps weak references)
 
     def for_upstream(self, config: UpstreamConfig) -> Transport:
         """How `config`'s calls are sent (the shared session unless it has tls or a proxy)."""
@@ -76,6 +79,16 @@ class Sessions:
         session = new_session(config.tls.context() if config.tls is not None else True)
         self._own.append(session)
         return Transport(session, proxy, proxy_headers)
+
+    def retire(self, session: aiohttp.ClientSession) -> None:
+        """Close `session` now (on the running loop) if it is one of this set's own; the shared
+        one stays open."""
+        if session not in self._own:
+            return
+        self._own.remove(session)
+        closing = asyncio.ensure_future(session.close())
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
 
     def connections(self) -> tuple[int, int]:
         """(in use, idle) connections of these sessions to the upstreams, now."""
@@ -91,3 +104,5 @@ class Sessions:
         for session in self._own:
             await session.close()
         self._own.clear()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)

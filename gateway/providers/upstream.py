@@ -175,6 +175,8 @@ class Upstream:
         self._key_header, self._key_prefix = config.auth.header, config.auth.prefix
         self._scripted = config.kind == "scripted"
         self._tls = config.tls is not None  # a private endpoint: a dropped connection may be a refused client
+        self._calls = 0  # calls using the session now (`retire`)
+        self._when_idle: Callable[[], object] | None = None
         # Non-streamed: connect, then the first byte, then the whole answer, each bounded.
         # Streamed: connect, then the longest silence between events (`timeout_s`); the first
         # event's deadline (`first_byte_timeout_s`) is kept by the caller that reads it.
@@ -184,6 +186,20 @@ class Upstream:
         self._stream_timeout = aiohttp.ClientTimeout(total=config.timeout_s if config.kind == "local" else None,
                                                      sock_connect=config.connect_timeout_s,
                                                      sock_read=config.timeout_s)
+
+    def retire(self, when_idle: Callable[[], object]) -> None:
+        """Call `when_idle` once none of this upstream's calls uses its session (now if none
+        does): a config reload replaced it, and the calls it was given finish on it first."""
+        if self._calls == 0:
+            when_idle()
+        else:
+            self._when_idle = when_idle
+
+    def _call_ended(self) -> None:
+        self._calls -= 1
+        if self._calls == 0 and self._when_idle is not None:
+            when_idle, self._when_idle = self._when_idle, None
+            when_idle()
 
     def _make_urls(self) -> dict[Endpoint, str]:
         base = self.config.base_url or self._base_url()
@@ -316,6 +332,7 @@ class Upstream:
     async def _post(self, url: str | URL, body: bytes, headers: Mapping[str, str],
                     valid: Callable[[dict[str, Any]], bool], shape: str) -> UpstreamReply:
         started = time.perf_counter()
+        self._calls += 1
         try:
             async with self._request("POST", url, data=body, headers=headers, timeout=self._plain_timeout) as resp:
                 raw = await resp.read()
@@ -328,6 +345,8 @@ class Upstream:
                                 self.name) from None
         except UNREACHABLE as exc:
             raise self._unreachable(exc) from None
+        finally:
+            self._call_ended()
         if status != 200:
             raise self._status_error(status, raw, retry_after)
         try:
@@ -346,12 +365,18 @@ class Upstream:
         url = self.url(endpoint, model)
         if self.config.max_tokens is not None and endpoint == "chat":
             body = orjson.dumps(capped(orjson.loads(body), self.config.max_tokens))
+        self._calls += 1
         try:
             resp = await self._request("POST", url, data=body, headers=headers, timeout=self._stream_timeout)
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            self._call_ended()
             raise self._timed_out(exc, "no response headers") from None
         except UNREACHABLE as exc:
+            self._call_ended()
             raise self._unreachable(exc) from None
+        except BaseException:
+            self._call_ended()
+            raise
         try:
             if resp.status != 200:
                 try:
@@ -369,6 +394,7 @@ class Upstream:
                 resp.release()  # fully read: the connection goes back to the pool
             else:
                 resp.close()  # abandoned mid-body: the connection cannot be reused
+            self._call_ended()
 
     async def list_models(self, timeout_s: float) -> list[str]:
         """The model names the upstream lists at its models path (`GET {base_url}/models`, the
@@ -378,6 +404,7 @@ class Upstream:
         headers = self.headers()
         del headers["Content-Type"]
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, self.config.connect_timeout_s))
+        self._calls += 1
         try:
             async with self._request("GET", url, headers=headers, timeout=timeout) as resp:
                 if resp.status != 200:
@@ -393,6 +420,8 @@ class Upstream:
             raise self.timeout("its model list", timeout_s) from None
         except UNREACHABLE as exc:
             raise self._unreachable(exc) from None
+        finally:
+            self._call_ended()
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Final
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from gateway.config.settings import SCRIPTED_PREFIX, Config, ConfigError
+from gateway.config.settings import SCRIPTED_PREFIX, Config, ConfigError, ConfigErrors
 from gateway.config.upstreams import require_upstreams
 from gateway.config.webhooks import require_secrets
 from gateway.mcp.hub import McpHub
@@ -50,8 +50,9 @@ from gateway.server.http.auth import SYNC_S, KeyRing
 from gateway.server.http.middleware import gateway_middleware
 from gateway.server.http.readiness import Readiness
 from gateway.server.http.sse import STREAMS_END, end_streams
-from gateway.server.metrics import KnownPolicy, Metrics
+from gateway.server.metrics import Metrics
 from gateway.server.notify import delivery as notify_delivery
+from gateway.server.reload import known_policies, team_check
 from gateway.server.responses import endpoint as responses
 from gateway.server.runs import rate_limits, retention, runtime
 from gateway.server.runs.booking import keep_booking
@@ -70,34 +71,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-def known_policies(config: Config, registry: PolicyRegistry) -> dict[str, list[KnownPolicy]]:
-    """Team -> the policies it may use, as the metrics' zero series need them."""
-    out: dict[str, list[KnownPolicy]] = {}
-    for team in config.teams:
-        policies = [registry.get(name) for name in team.policies]
-        out[team.name] = [KnownPolicy(p.name, tuple(t.name for t in p.tools),
-                                      tuple(p.limit_ask.grant) if p.limit_ask is not None else ())
-                          for p in policies if p is not None]
-    return out
-
-
 def load_policies(config: Config, mcp: McpHub | None = None) -> PolicyRegistry:
     """Load `policies_dir` (MCP tools discovered through `mcp`) and check every team's
-    policies exist; ConfigError otherwise."""
+    policies exist (the rule a reload checks too: `reload.team_check`); ConfigError otherwise."""
     if not config.policies_dir.is_dir():
         problem = "is not a folder" if config.policies_dir.exists() else "does not exist"
         raise ConfigError(str(config.path), "policies_dir", f"{config.policies_dir} {problem}")
     registry = PolicyRegistry(config.policies_dir, mcp)
-    try:
-        registry.load()
-    except PolicySetError as exc:
-        raise ConfigError(str(config.path), "policies_dir", f"{config.policies_dir}: {exc}") from None
-    for i, team in enumerate(config.teams):
-        for j, name in enumerate(team.policies):
-            if registry.get(name) is None:
-                raise ConfigError(str(config.path), f"teams[{i}].policies[{j}]",
-                                  f"no policy named '{name}' in {config.policies_dir} "
-                                  f"(loaded: {', '.join(registry.names()) or 'none'})")
+    staged = registry.stage()
+    if staged.errors:
+        raise ConfigError(str(config.path), "policies_dir", f"{config.policies_dir}: {PolicySetError(staged.errors)}")
+    missing = [ConfigError(str(config.path), e.field, e.problem) for e in team_check(config)(staged.policies)]
+    if missing:
+        raise ConfigErrors(missing)
+    registry.commit(staged)
     return registry
 
 
@@ -112,7 +99,7 @@ def open_configured_store(config: Config) -> Store:
 
 
 async def _resources(app: web.Application) -> AsyncIterator[None]:
-    config = app[ctx.CONFIG]
+    config = app[ctx.LIVE].config
     store = app[ctx.STORE]
     await check_store(store, config.store)  # before anything of it is used: a StartError ends the start
     session = new_session()
@@ -194,7 +181,7 @@ def _scripted_guard(keyring: KeyRing, own_key: str) -> Middleware:
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
         if not (scheme.lower() == "bearer" and hmac.compare_digest(hashlib.sha256(key.strip().encode()).digest(), own)):
-            keyring.authenticate(request)  # a team key, or 401 naming what is wrong
+            await keyring.authenticate(request)  # a team key, or 401 naming what is wrong
         return await handler(request)
 
     return guard
@@ -216,7 +203,7 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
 
         middlewares.insert(0, tracing_middleware)
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_body_bytes)
-    app[ctx.CONFIG] = config
+    app[ctx.LIVE] = ctx.Live(config)
     if tracing is not None:
         app[ctx.TRACING] = tracing
     app[ctx.MCP] = McpHub(propagate=tracing.inject if tracing is not None else None)

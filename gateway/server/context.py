@@ -7,6 +7,8 @@ need the event loop (store, HTTP session, governor, upstreams) are set by the ap
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from typing import TYPE_CHECKING, Final
 
 import aiohttp
@@ -46,14 +48,25 @@ def uses_mount(upstream: UpstreamConfig) -> bool:
     return upstream.kind == "scripted" and upstream.base_url is None
 
 
+class Live:
+    """The config this process serves now. A reload (`gateway.server.reload`) replaces
+    `config` whole, in one step on the event loop; a call keeps the objects it read from it
+    (its team, its route), so it finishes under the config it started with."""
+
+    __slots__ = ("config", "reloading")
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.reloading = asyncio.Lock()  # one reload at a time (a SIGHUP and an admin call may come together)
+
+
 class Upstreams:
     """The configured upstreams by name, their sessions, their model lists and the router; a
     `scripted` one is this server's own mount, whose address is known once the server
     listens (set by `serve`, or learnt from the first request).
 
-    Everything about reaching the upstreams is made here, from the config alone, so a
-    config reload can build a new `Upstreams` and `close()` the old one once its calls are
-    done."""
+    Everything about reaching the upstreams is made here, from the config alone; a config
+    reload gives it the new config (`configure`)."""
 
     def __init__(self, config: Config, session: aiohttp.ClientSession, scripted_key: str | None = None,
                  tracing: Tracing | None = None) -> None:
@@ -62,17 +75,38 @@ class Upstreams:
         scripted mount authenticate with; `tracing`: each attempt a span, its `traceparent`
         sent. A TLS file that cannot be used is a ConfigError."""
         self.self_url: str | None = None
+        self._scripted_key = scripted_key
         self.sessions = Sessions(session)
         self.tracing = tracing
+        self._propagate = tracing.inject if tracing is not None else None
         self._by_name: dict[str, Upstream] = {}
-        propagate = tracing.inject if tracing is not None else None
-        for name, u in config.upstreams.items():
-            way = self.sessions.for_upstream(u)
-            self._by_name[name] = Upstream(u, way.session, self._scripted_base,
-                                           scripted_key if uses_mount(u) else None, way.proxy, way.proxy_headers,
-                                           propagate)
         self.router = Router()  # every deployment's health in this process (cooldowns, calls in flight)
         self.discovery = ModelDiscovery(self._list_models)
+        self.configure(config)
+
+    def configure(self, config: Config) -> None:
+        """Serve `config`'s upstreams (at start, and on a config reload, `gateway.server.reload`).
+        An upstream whose settings did not change keeps its object (its session, what its model
+        list said); calls already routed keep the upstreams they started with, so the session
+        of a changed or removed one (with `tls` or a proxy) is closed once its last call ended;
+        the health of deployments no route names any more is forgotten. A TLS file that cannot
+        be used is a ConfigError (nothing changed)."""
+        old = self._by_name
+        by_name: dict[str, Upstream] = {}
+        for name, u in config.upstreams.items():
+            if name in old and old[name].config == u:
+                by_name[name] = old[name]
+                continue
+            way = self.sessions.for_upstream(u)
+            by_name[name] = Upstream(u, way.session, self._scripted_base,
+                                     self._scripted_key if uses_mount(u) else None, way.proxy, way.proxy_headers,
+                                     self._propagate)
+        self._by_name = by_name
+        gone = [up for name, up in old.items() if by_name.get(name) is not up]
+        for up in gone:
+            up.retire(functools.partial(self.sessions.retire, up.session))
+        self.discovery.forget(up.name for up in gone)
+        self.router.keep({d for route in config.models for g in route.plan.groups for d in g.deployments})
 
     async def _list_models(self, name: str) -> list[str]:
         upstream = self._by_name[name]
@@ -90,8 +124,10 @@ class Upstreams:
         return self._by_name[name]
 
     def call(self, route: ModelRoute, model: str, on_attempt: AttemptSink) -> RoutedCall:
-        """One call of `model` over `route`'s deployments and fallbacks (`gateway.providers.failover`)."""
-        return RoutedCall(route.plan, model, self.router, self.__getitem__, on_attempt, tracer=self.tracing)
+        """One call of `model` over `route`'s deployments and fallbacks (`gateway.providers.failover`),
+        to the upstreams served now (a reload meanwhile does not change them under it)."""
+        return RoutedCall(route.plan, model, self.router, self._by_name.__getitem__, on_attempt,
+                          route=route.match if route.is_glob else None, tracer=self.tracing)
 
     def learn_self_url(self, request: web.Request) -> None:
         """Take this server's address from the socket a request arrived on."""
@@ -106,7 +142,8 @@ class Upstreams:
         self.self_url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-CONFIG: Final = web.AppKey("config", Config)
+LIVE: Final = web.AppKey("live", Live)
+"""The config served now (`Live.config`): read it where a call starts, never keep it across calls."""
 POLICIES: Final = web.AppKey("policies", PolicyRegistry)
 METRICS: Final = web.AppKey("metrics", Metrics)
 COUNTER: Final = web.AppKey("counter", TokenCounter)

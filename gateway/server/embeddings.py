@@ -100,11 +100,11 @@ def parse_embeddings(raw: bytes) -> tuple[dict[str, Any], str, list[Message], in
 async def create_embeddings(request: web.Request) -> web.Response:
     """Authenticate, key to the run (if X-Run-Id), admit, forward, book."""
     app = request.app
-    team = app[ctx.KEYRING].authenticate(request)
-    raw = await read_body(request, app[ctx.CONFIG].server.max_body_bytes)
+    team = await app[ctx.KEYRING].authenticate(request)
+    raw = await read_body(request, app[ctx.LIVE].config.server.max_body_bytes)
     body, model, messages, token_count = parse_embeddings(raw)
     request[ctx.MODEL] = model
-    route = app[ctx.CONFIG].route(model)
+    route = app[ctx.LIVE].config.route(model)
     if route is None:
         raise NotFound(f"model '{model}' is not routed by this gateway (see GET /v1/models)", code="model_not_found",
                        param="model")
@@ -216,5 +216,5 @@ async def _book_on_run(app: web.Application, run: RunState, adm: Admission, chec
         if booking is not None:  # the run could not take it: the ledgers still must (spooled if the store is down)
             await book_alone(governor, booking, exc)
         raise
-    append_trace_file(app[ctx.CONFIG].trace_file, events)
+    append_trace_file(app[ctx.LIVE].config.trace_file, events)
     return state

@@ -1,14 +1,17 @@
 """`gateway serve`: load and check the config, then run the gateway until stopped.
 
-A config error (file, field, problem), a port in use or a store that cannot be opened is
-one line on stderr and exit 2, before anything listens (`serve_command`). SIGHUP reloads the policies like POST /v1/admin/reload (new runs get the new
-versions) and logs the result.
+A config error (file, field, problem: every error of the file, one line each), a port in
+use or a store that cannot be opened is said on stderr with exit 2, before anything listens
+(`serve_command`). SIGHUP reloads config.yaml and the policies like POST /v1/admin/reload
+(`gateway.server.reload`), logs the result and records it in the audit log.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import functools
 import gc
 import logging
 import signal
@@ -19,12 +22,23 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 
 from gateway.config.settings import Config, ConfigError, load_config
-from gateway.server.api.admin import reload_in_thread
+from gateway.policy.registry import policy_names
 from gateway.server.app import build_app, open_configured_store, process_owner
 from gateway.server.context import METRICS, READINESS
 from gateway.server.http.access import access_logger
 from gateway.server.http.listener import Connections, StartError, bound_port, listen_sockets, run
-from gateway.server.workers import parse_workers, report_start_error, shared_key, signal_ready, supervise
+from gateway.server import context as ctx
+from gateway.server.reload import record_reload
+from gateway.server.reload import reload as reload_files
+from gateway.server.workers import (
+    RELOAD_ONLY,
+    note_stopped,
+    parse_workers,
+    report_start_error,
+    shared_key,
+    signal_ready,
+    supervise,
+)
 from gateway.store import StoreError
 from gateway.store.spool import Spool
 from gateway.telemetry.access_log import AccessLog
@@ -35,6 +49,23 @@ GC_YOUNG_THRESHOLD = 20_000
 """Allocations between two young-generation collections (CPython's default is 700): a call
 allocates a few hundred containers that reference counting frees anyway, so the default
 runs the cyclic collector every few calls."""
+
+
+LARGE_BLOCK_BYTES = 1 << 20
+"""Blocks at least this large (a request body of megabytes, the string of a long transcript)
+are mapped by glibc for themselves, and given back to the system when freed."""
+
+
+def _large_blocks_to_the_system() -> None:
+    """glibc raises its mmap threshold each time a mapped block is freed (up to 32 MiB), after
+    which big blocks come from the heap, whose freed middle it never gives back: a few runs
+    with a prompt of megabytes left the process 120 MB larger for good. A fixed threshold
+    keeps big blocks mapped (one mmap per such block, rare on a call's path)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    libc.mallopt(-3, LARGE_BLOCK_BYTES)  # M_MMAP_THRESHOLD
 
 
 async def _settle_heap(app: web.Application) -> None:
@@ -88,22 +119,34 @@ def _release_previous_workers(config: Config, host: str, count: int) -> Callable
 
 
 async def _reload_on_sighup(app: web.Application) -> AsyncIterator[None]:
+    """SIGHUP reloads the files and records the reload in the audit log as the gateway's own
+    act (whoever sent the signal is not known); a worker of `--workers N` also reloads on
+    `RELOAD_ONLY`, the supervisor's signal for a reload recorded elsewhere (by the worker
+    that served POST /v1/admin/reload, or that got the SIGHUP)."""
     loop = asyncio.get_running_loop()
 
     running: set[asyncio.Future[object]] = set()  # held until done (the loop keeps weak references)
 
-    def reload() -> None:  # logs what it loaded, or why it kept the old set
-        task: asyncio.Future[object] = asyncio.ensure_future(reload_in_thread(app, by="SIGHUP"))
+    async def reload_and_record(record: bool) -> None:  # logs what it loaded, or why it kept the old set
+        done = await reload_files(app, by="SIGHUP")
+        if record and done.ok:
+            await record_reload(app, done, None, by="SIGHUP")
+
+    def reload(record: bool) -> None:
+        task: asyncio.Future[object] = asyncio.ensure_future(reload_and_record(record))
         running.add(task)
         task.add_done_callback(running.discard)
 
+    signals = {signal.SIGHUP: True} | ({RELOAD_ONLY: False} if ctx.WORKER in app else {})
     try:
-        loop.add_signal_handler(signal.SIGHUP, reload)
+        for signum, record in signals.items():
+            loop.add_signal_handler(signum, reload, record)
     except (NotImplementedError, RuntimeError):  # no signals here (Windows, a non-main thread)
         yield
         return
     yield
-    loop.remove_signal_handler(signal.SIGHUP)
+    for signum in signals:
+        loop.remove_signal_handler(signum)
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -123,7 +166,7 @@ def serve_command(args: argparse.Namespace) -> int:
         return 2
     read_at = time.time()  # the policy files are read from here on
     try:
-        config = load_config(args.config)
+        config = load_config(args.config, policy_names)
         host = args.host or config.server.host
         port = args.port if args.port is not None else config.server.port
         if worker is None and workers > 1:
@@ -145,11 +188,13 @@ def serve_command(args: argparse.Namespace) -> int:
             for sock in sockets:
                 sock.close()
             raise
-    except ConfigError as exc:
-        return _cannot_start(f"config error: {exc}", worker, ready_fd)
+    except ConfigError as exc:  # every error of the file, one line each
+        return _cannot_start("\ngateway: ".join(f"config error: {line}" for line in str(exc).splitlines()), worker,
+                             ready_fd)
     except StartError as exc:
         return _cannot_start(str(exc), worker, ready_fd)
     app.cleanup_ctx.append(_reload_on_sighup)
+    _large_blocks_to_the_system()
     app.on_startup.append(_settle_heap)  # runs after the cleanup contexts have set up
     signal = signal_ready(ready_fd, worker, read_at)
 
@@ -165,6 +210,7 @@ def serve_command(args: argparse.Namespace) -> int:
     try:
         run(app, sockets, ready=ready, loop=getattr(args, "loop", "auto"),
             access=access_logger(sink) if sink is not None else None,
+            stopped=None if worker is None else functools.partial(note_stopped, worker),
             connections=Connections.of(config.server, app[METRICS].on_connection), on_drain=app[READINESS].drain,
             drain_delay_s=config.server.shutdown_delay_s)
     except StartError as exc:  # raised while the app started (the metrics listener's port)

@@ -131,7 +131,7 @@ class Metrics:
         # `gateway serve --workers N` sets it: every worker writes its figures to files in
         # that folder, and a scrape of any worker reads all of them (no exemplars then).
         self.multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
-        self.known_models = frozenset(known_models)
+        self.known_models: frozenset[str] = frozenset()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.trace_id: TraceIdSource | None = None
         """The current sampled trace's id, for the exemplars (set while tracing is on)."""
@@ -151,22 +151,14 @@ class Metrics:
                                      "Upstream replies whose reported usage was beyond belief and booked at the "
                                      "gateway's own count instead, by upstream and kind (prompt | completion).",
                                      ["upstream", "kind"], registry=r)
-        for upstream in upstreams:  # at 0 from the start: a dashboard shows "none" rather than "no data"
-            for kind in ("prompt", "completion"):
-                self.usage_clamped.labels(upstream, kind)
         self.upstream_attempts = Counter("gateway_upstream_attempts_total",
                                          "Upstream attempts (a call retried or failed over makes several), by "
                                          "upstream and outcome (ok, unreachable, timeout, rate_limited, "
                                          "server_error, denied, rejected, malformed, cut, misconfigured).",
                                          ["upstream", "outcome"], registry=r)
-        for upstream in upstreams:
-            self.upstream_attempts.labels(upstream, "ok")
         self.tool_call_repairs = Counter("gateway_tool_call_repairs_total",
                                          "Upstream tool calls the gateway repaired (upstream option tool_repair), "
                                          "by upstream and kind of repair.", ["upstream", "kind"], registry=r)
-        for upstream in upstreams:
-            for repair in REPAIR_KINDS:
-                self.tool_call_repairs.labels(upstream, repair)
         self.tool_calls = Counter("gateway_tool_calls_total", "Server-side tool calls by outcome.",
                                   ["policy", "tool", "outcome"], registry=r)
         self.tool_duration = Histogram("gateway_tool_duration_seconds", "Server-side tool run time.",
@@ -204,10 +196,6 @@ class Metrics:
             "gateway_webhook_deliveries_total",
             "Webhook delivery attempts by webhook name, event and outcome (delivered | retried | failed: given up).",
             ["webhook", "event", "outcome"], registry=r)
-        for name, events in webhooks:  # at 0 from the start, as usage_clamped: a dashboard shows "none"
-            for event in events:
-                for outcome in WEBHOOK_OUTCOMES:
-                    self.webhook_deliveries.labels(name, event, outcome)
         self.tool_threads = Gauge("gateway_tool_threads", "Threads of the pool sync python tools run on "
                                   "(server.tool_threads; summed over the live workers).", registry=r,
                                   multiprocess_mode="livesum")
@@ -246,6 +234,25 @@ class Metrics:
             self.upstream_connections.labels(state)
         if self.multiprocess_dir is None:  # multiprocess mode: every worker's, at scrape (`_scraped`)
             register_standard(r)
+        self.configure(known_models, upstreams, webhooks)
+
+    def configure(self, known_models: Iterable[str], upstreams: Iterable[str],
+                  webhooks: Iterable[tuple[str, Iterable[str]]]) -> None:
+        """What the config names (at start, and on a reload): its routed models become model
+        labels (the ones known before stay, so labels stay bounded by what configs named), and
+        the series of its upstreams and webhooks are exported at 0 from now on, so a dashboard
+        shows "none" rather than "no data"."""
+        self.known_models = self.known_models | frozenset(known_models)
+        for upstream in upstreams:
+            for kind in ("prompt", "completion"):
+                self.usage_clamped.labels(upstream, kind)
+            self.upstream_attempts.labels(upstream, "ok")
+            for repair in REPAIR_KINDS:
+                self.tool_call_repairs.labels(upstream, repair)
+        for name, events in webhooks:
+            for event in events:
+                for outcome in WEBHOOK_OUTCOMES:
+                    self.webhook_deliveries.labels(name, event, outcome)
 
     def start_at_zero(self, teams: Mapping[str, Sequence[KnownPolicy]]) -> None:
         """Export at 0 the label sets of the counters the dashboards query that the config

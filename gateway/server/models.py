@@ -64,7 +64,7 @@ def _asking(config: Config, route: ModelRoute) -> list[str]:
 async def discovered_models(app: web.Application) -> list[tuple[str, str]]:
     """(model, upstream) for each name a discovering upstream lists that a glob of the
     config routes to it; upstreams that cannot answer are left out."""
-    config = app[ctx.CONFIG]
+    config = app[ctx.LIVE].config
     asked = [name for name, u in config.upstreams.items() if u.discover_models]
     if not asked:
         return []
@@ -86,8 +86,8 @@ def _model(name: str, upstream: str) -> dict[str, object]:
 async def list_models(request: web.Request) -> web.Response:
     """The models this gateway routes, in the OpenAI list shape (auth required)."""
     app = request.app
-    team = app[ctx.KEYRING].authenticate(request)
-    listed = routed_models(app[ctx.CONFIG])
+    team = await app[ctx.KEYRING].authenticate(request)
+    listed = routed_models(app[ctx.LIVE].config)
     seen = {name for name, _ in listed}
     for name, upstream in await discovered_models(app):
         if name not in seen:
@@ -100,8 +100,8 @@ async def list_models(request: web.Request) -> web.Response:
 async def get_model(request: web.Request) -> web.Response:
     """One routed model (the SDKs' `models.retrieve`); 404 in the OpenAI shape otherwise."""
     app = request.app
-    team = app[ctx.KEYRING].authenticate(request)
-    config = app[ctx.CONFIG]
+    team = await app[ctx.KEYRING].authenticate(request)
+    config = app[ctx.LIVE].config
     name = request.match_info["model"]
     if not may_use_model(team, name):
         raise NotFound(f"model '{name}' is not one this key may use (see GET /v1/models)", code="model_not_found",

@@ -282,7 +282,7 @@ def document(app: web.Application) -> dict[str, Any]:
             entry["parameters"] = op.parameters
         body = op.body
         if body is KEY_CREATE_BODY:  # the teams a key may be issued for are this config's
-            teams = [t.name for t in app[ctx.CONFIG].teams]
+            teams = [t.name for t in app[ctx.LIVE].config.teams]
             body = {**body, "properties": {**body["properties"], "team": {"enum": teams}}}
         if body is not None:
             entry["requestBody"] = {"required": method in ("POST", "PATCH") and op.body is not CANCEL_BODY

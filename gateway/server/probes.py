@@ -64,7 +64,7 @@ def setup(app: web.Application, readiness: Readiness) -> None:
 
     async def policies() -> Check:
         registry = app[ctx.POLICIES]
-        missing = sorted({name for team in app[ctx.CONFIG].teams for name in team.policies if name not in registry})
+        missing = sorted({name for team in app[ctx.LIVE].config.teams for name in team.policies if name not in registry})
         if missing:
             return Check(False, f"policies named by teams are not loaded: {', '.join(missing)}")
         return Check(True)

@@ -17,13 +17,18 @@ there, and whichever worker a scrape lands on answers for all of them (docs/metr
 
 Lifecycle (docs/config.md, "Workers"):
 - SIGTERM or SIGINT to the supervisor: SIGTERM to every worker, which drains and stops as
-  a single gateway does; a worker still alive after `STOP_GRACE_S` is killed.
-- SIGHUP to the supervisor: forwarded to every worker that serves (each reloads its
-  policies); a worker still starting gets it once it serves (before, it would have no
-  handler yet, and the signal would kill it). A POST /v1/admin/reload that one worker served
-  sends the supervisor one (`reload_every_worker`) and answers once every worker has read
-  the policy files again since the call came: each worker notes when it last read them in a
-  file of the supervisor's folder (`mark_reloaded`).
+  a single gateway does; a worker still alive after `STOP_GRACE_S` is killed. Each worker
+  notes how many requests it drained in a file of the supervisor's folder (`note_stopped`)
+  instead of printing its own stop line; the supervisor prints one line for them all.
+- SIGHUP to the supervisor: every worker that serves reloads config.yaml and the policies;
+  a worker still starting gets its signal once it serves (before, it would have no handler
+  yet, and the signal would kill it). One worker gets the SIGHUP itself, and records the
+  reload in the audit log as the gateway's own act; the others get `RELOAD_ONLY` (SIGUSR1:
+  reload, record nothing), so one signal is one record. A POST /v1/admin/reload that one
+  worker served (and recorded as its caller's act) sends the supervisor `RELOAD_ONLY`
+  (`reload_every_worker`), which it forwards to every worker, and answers once every worker
+  has read the files again since the call came: each worker notes when it last read them in
+  a file of the supervisor's folder (`mark_reloaded`).
 - A worker that dies after it was serving is started again (same index, so it releases
   what its previous life held); one that fails before it serves (a bad store, a port
   taken) stops the whole server with its exit code, since a restart would fail alike. A
@@ -76,6 +81,11 @@ SHARED_KEY_ENV = "GATEWAY_WORKERS_KEY"
 RELOADS_ENV = "GATEWAY_WORKERS_RELOADS"
 """The folder where each worker notes when it last read the policy files (`mark_reloaded`)."""
 COUNT_ENV = "GATEWAY_WORKERS_COUNT"
+STOPS_ENV = "GATEWAY_WORKERS_STOPS"
+"""The folder where each worker notes how many requests it drained when it stopped (`note_stopped`)."""
+RELOAD_ONLY = signal.SIGUSR1
+"""The signal of a reload already recorded in the audit log (a worker of `--workers N` only):
+the supervisor forwards it to every worker, and sends it instead of SIGHUP to all but one."""
 RELOAD_WAIT_S = 15.0
 """How long POST /v1/admin/reload waits for the other workers (one may be restarting)."""
 RELOAD_POLL_S = 0.01
@@ -167,11 +177,33 @@ def mark_reloaded(index: int, read_at: float) -> None:
     folder = os.environ.get(RELOADS_ENV)
     if not folder or _read_since(folder, index) >= read_at:
         return
+    _note(folder, index, repr(read_at))
+
+
+def _note(folder: str, index: int, text: str) -> None:
+    """Worker `index`'s note in `folder`, written whole or not at all."""
     path = os.path.join(folder, str(index))
     with contextlib.suppress(OSError):
         with open(path + ".tmp", "w", encoding="ascii") as out:
-            out.write(repr(read_at))
+            out.write(text)
         os.replace(path + ".tmp", path)
+
+
+def note_stopped(index: int, drained: int) -> None:
+    """In a worker that stopped serving: it drained `drained` requests (for the supervisor's
+    one stop line). Written whole or not at all."""
+    folder = os.environ.get(STOPS_ENV)
+    if folder:
+        _note(folder, index, str(drained))
+
+
+def _drained(folder: str) -> int:
+    total = 0
+    for name in os.listdir(folder):
+        if name.isdigit():
+            with contextlib.suppress(OSError, ValueError), open(os.path.join(folder, name), encoding="ascii") as f:
+                total += int(f.read())
+    return total
 
 
 def _read_since(folder: str, index: int) -> float:
@@ -184,11 +216,11 @@ def _read_since(folder: str, index: int) -> float:
 
 async def reload_every_worker(since: float) -> tuple[int, int]:
     """In a worker that reloaded its policies (POST /v1/admin/reload) from files read at
-    `since` or later: SIGHUP to the supervisor, which forwards it to every worker, then wait
-    (`RELOAD_WAIT_S` at most) until each has read the files since then. (workers, how many did)."""
+    `since` or later: `RELOAD_ONLY` to the supervisor, which forwards it to every worker, then
+    wait (`RELOAD_WAIT_S` at most) until each has read the files since then. (workers, how many did)."""
     folder, count = os.environ.get(RELOADS_ENV), int(os.environ.get(COUNT_ENV) or 0)
     with contextlib.suppress(OSError):
-        os.kill(os.getppid(), signal.SIGHUP)
+        os.kill(os.getppid(), RELOAD_ONLY)
     if not folder or count < 1:
         return count, 0
     loop = asyncio.get_running_loop()
@@ -206,7 +238,7 @@ class _Worker:
     popen: subprocess.Popen[bytes] | None = None
     ready_fd: int | None = None
     serving: bool = False
-    reload_due: bool = False  # a SIGHUP came while it was starting: sent once it serves
+    reload_due: int | None = None  # the reload signal that came while it was starting: sent once it serves
     start_error: str | None = None  # the line it could not start with (`report_start_error`)
     deaths: int = 0
     restart_at: float | None = None
@@ -225,11 +257,14 @@ class Supervisor:
         self.folder = tempfile.mkdtemp(prefix="gateway-workers-")
         self.metrics_dir = os.path.join(self.folder, "metrics")
         self.reloads_dir = os.path.join(self.folder, "reloads")
-        os.mkdir(self.metrics_dir)
-        os.mkdir(self.reloads_dir)
+        self.stops_dir = os.path.join(self.folder, "stops")
+        for folder in (self.metrics_dir, self.reloads_dir, self.stops_dir):
+            os.mkdir(folder)
         self.key = secrets.token_urlsafe(32)
         self.selector = selectors.DefaultSelector()
         self.stopping = False
+        self.stop_asked_at = 0.0
+        self.served = False  # a worker has served: a stop then says what was drained
         self.exit_code = 0
         self.banner = f"gateway: {count} workers serving on port {port}"
         """Printed each time every worker serves (again)."""
@@ -241,6 +276,7 @@ class Supervisor:
         env[SHARED_KEY_ENV] = self.key
         env[RELOADS_ENV] = self.reloads_dir
         env[COUNT_ENV] = str(self.count)
+        env[STOPS_ENV] = self.stops_dir
         args = [sys.executable, "-m", "gateway", "serve", *self.argv, "--worker-index", str(w.index),
                 "--ready-fd", str(write_fd)]
         try:
@@ -248,7 +284,7 @@ class Supervisor:
         finally:
             os.close(write_fd)
         w.ready_fd, w.serving, w.restart_at, w.started_at = read_fd, False, None, time.monotonic()
-        w.reload_due = False  # it reads the policy files as they are now
+        w.reload_due = None  # it reads the files as they are now
         self.selector.register(read_fd, selectors.EVENT_READ, w)
 
     def _forget_pipe(self, w: _Worker) -> None:
@@ -266,10 +302,10 @@ class Supervisor:
         if data.startswith(START_ERROR):
             w.start_error = data[1:].decode(errors="replace").strip() or "the worker could not start"
         elif data == READY:
-            w.serving = True
-            if w.reload_due and w.popen is not None:
-                w.reload_due = False
-                w.popen.send_signal(signal.SIGHUP)
+            w.serving = self.served = True
+            if w.reload_due is not None and w.popen is not None:
+                w.popen.send_signal(w.reload_due)
+                w.reload_due = None
             if all(x.serving for x in self.workers):
                 print(self.banner, file=sys.stderr, flush=True)
 
@@ -309,18 +345,24 @@ class Supervisor:
         if self.stopping:
             return
         self.stopping = True
+        self.stop_asked_at = time.monotonic()
         for w in self.workers:
             if w.popen is not None and w.popen.poll() is None:
                 w.popen.send_signal(signal.SIGTERM)
 
-    def reload(self) -> None:
-        """SIGHUP to every worker that serves; one still starting gets it when it serves."""
-        for w in self.workers:
-            if w.popen is not None and w.popen.poll() is None:
-                if w.serving:
-                    w.popen.send_signal(signal.SIGHUP)
-                else:
-                    w.reload_due = True
+    def reload(self, signum: int) -> None:
+        """Every worker reloads: for a SIGHUP, one (the first that serves) gets SIGHUP and
+        records it, the others `RELOAD_ONLY`; for `RELOAD_ONLY` (already recorded), all get
+        that. One still starting gets its signal when it serves."""
+        alive = [w for w in self.workers if w.popen is not None and w.popen.poll() is None]
+        recorder = next((w for w in alive if w.serving), alive[0] if alive else None)
+        for w in alive:
+            sent = signal.SIGHUP if signum == signal.SIGHUP and w is recorder else RELOAD_ONLY
+            assert w.popen is not None
+            if w.serving:
+                w.popen.send_signal(sent)
+            elif w.reload_due != signal.SIGHUP:  # a SIGHUP it still owes is recorded when sent
+                w.reload_due = sent
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT (or a worker that cannot start); returns the exit code."""
@@ -330,7 +372,7 @@ class Supervisor:
         self.selector.register(wake_r, selectors.EVENT_READ, None)
         old_wakeup = signal.set_wakeup_fd(wake_w)
         pending: list[int] = []
-        handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD)
+        handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, RELOAD_ONLY, signal.SIGCHLD)
         previous = {s: signal.signal(s, lambda signum, _frame: pending.append(signum)) for s in handled}
         try:
             for w in self.workers:
@@ -342,6 +384,11 @@ class Supervisor:
             signal.set_wakeup_fd(old_wakeup)
             self.stop()
             self._wait_all()
+            if self.served and self.exit_code == 0:
+                drained = _drained(self.stops_dir)
+                print(f"gateway: stopped (pid {os.getpid()}, {self.count} workers) in "
+                      f"{time.monotonic() - self.stop_asked_at:.1f} s, having drained {drained} "
+                      f"request{'' if drained == 1 else 's'} in flight", file=sys.stderr, flush=True)
             self.selector.close()
             os.close(wake_r)
             os.close(wake_w)
@@ -363,8 +410,8 @@ class Supervisor:
                 signum = pending.pop(0)
                 if signum in (signal.SIGTERM, signal.SIGINT):
                     self.stop()
-                elif signum == signal.SIGHUP:
-                    self.reload()
+                elif signum in (signal.SIGHUP, RELOAD_ONLY):
+                    self.reload(signum)
             for w in self.workers:
                 if w.popen is not None and w.popen.poll() is not None:
                     self._reap(w)

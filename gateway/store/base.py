@@ -3,6 +3,15 @@
 Implementations: `memory` (tests), `sqlite` (one machine, the default) and `redis` (several
 replicas). All of them keep money as integer micro-dollars so that sums are exact; the
 Protocol speaks float USD at the edges because that is what prices produce.
+
+A run is kept as a head and a transcript (`RunWrite`): the head (`RunState.head_json`: the
+run's fields and counters, a few KB) is rewritten by every save; its messages and its
+`per_turn` entries are kept beside it as items, each written once, so that a save costs
+the same at turn 200 as at turn 2. A store must read a run back in one consistent snapshot
+(the head and exactly the items it counts, `parse_run`), and write a save's head and items
+in the one step that checks its revision (and lease, `Lease`). Runs stored before heads
+(schema 1 to 4, one body holding everything) are read as they are and take the new shape on
+their next save.
 """
 
 from __future__ import annotations
@@ -12,9 +21,11 @@ import os
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol
 
-from gateway.harness.state import STATUSES, RunState, StateError
+import orjson
+
+from gateway.harness.state import STATUSES, RunState, StateError, transcript_change
 from gateway.harness.trace import Event as Event  # the store keeps trace lines
 from gateway.store.audit import AuditEntry, AuditRecord
 from gateway.store.errors import StoreError
@@ -31,6 +42,40 @@ EXPIRED_RETENTION_S = 86_400.0
 """How long an expired reservation is remembered, so a late `settle` still books the spend."""
 PRUNE_BATCH = 500
 """Runs a prune deletes per step; the store serves other calls between steps."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The right to drive one run, as `Store.acquire_lease` granted it.
+
+    `epoch` is a fencing token. Every store keeps, per run, besides the lease itself (who
+    may take the run, until when), its **fence**: the last lease taken on the run, as
+    (owner, epoch), or "released". The rules every store follows:
+
+    - `acquire_lease(run, owner)` is granted when nobody else's lease is live. If the fence
+      names `owner` (it was the last to take the run and did not release it, whether its
+      lease is live or lapsed), the lease keeps that epoch; otherwise it gets a new epoch,
+      higher than every epoch the run's lease ever had, and the fence becomes (owner, epoch).
+    - `release_lease(run, owner)` and `release_owner(owner)` end the lease and set the fence
+      to "released" if it names `owner`: no write under that epoch counts again, and the
+      next lease, even the same owner's, gets a new epoch.
+    - A write given a lease (`save_run`, `commit_turn`, `append_events`) checks, in the same
+      atomic step as the write and before anything else, that the fence is exactly
+      (lease.owner, lease.epoch); otherwise it raises LeaseLost and writes nothing at all
+      (no head, no transcript item, no trace line, no outbox notice, no booking on any
+      ledger, no spend row, no audit record), even when it would also have been stale.
+      The lease's expiry is not checked there: a holder whose lease lapsed while nobody
+      took the run over goes on writing; once another process took it, it cannot.
+    - Writes without a lease are not fenced (the run's revision checks them), and neither
+      are reservations: `settle` and `release` of a model call's reservation book and free
+      it whatever happened to the run's lease, since the upstream was paid.
+
+    So a driver that stalled past its TTL (a frozen process, a long pause) and was replaced
+    can never write to the run again, even if it wakes up before it notices."""
+
+    run_id: str
+    owner: str
+    epoch: int
 
 
 @dataclass(frozen=True)
@@ -306,33 +351,40 @@ class Store(Protocol):
     written in the same step (None: no notices). Set once, before the store is used."""
 
     async def create_run(self, state: RunState) -> None:
-        """Store a new run as given (revision included). Raises RunExists if the id is taken."""
+        """Store a new run as given (revision included): its head and its whole transcript
+        (`new_run_write`). Raises RunExists if the id is taken. Then `state.mark_stored()`."""
         ...
 
     async def load_run(self, run_id: str) -> RunState | None:
-        """The stored run, or None if there is none."""
+        """The stored run (its head and its transcript, read in one snapshot: `parse_run`),
+        or None if there is none."""
         ...
 
-    async def save_run(self, state: RunState) -> None:
+    async def save_run(self, state: RunState, *, lease: Lease | None = None) -> None:
         """Save `state` if nobody saved since it was loaded (optimistic concurrency).
 
         `state.revision` must equal the stored revision, else StaleRun (RunNotFound if the
-        run was never created). On success the store holds revision + 1, and `state.revision`
-        and `state.updated_at` are updated in place. Durable once it returns: a SIGKILL of
-        the process right after loses nothing.
+        run was never created). With `lease`, only while the run's fence is that lease
+        (`Lease`), else LeaseLost; either refusal writes nothing. It writes `run_write(state, revision +
+        1, now)`: the head, and of the transcript only what the store does not hold yet
+        (`state.stored_messages`, `state.stored_per_turn`). On success the store holds
+        revision + 1, `state.revision` and `state.updated_at` are updated in place and
+        `state.mark_stored()` is called. Durable once it returns: a SIGKILL of the process
+        right after loses nothing.
         """
         ...
 
     async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None,
-                          audit: Sequence[AuditEntry] = ()) -> Ledger | None:
+                          audit: Sequence[AuditEntry] = (), *, lease: Lease | None = None) -> Ledger | None:
         """Save `state`, append `events`, book `booking` and record `audit` (the administrative
         act the save is, gateway.store.audit) as one step: all of it or nothing.
 
-        The save is `save_run`'s (StaleRun or RunNotFound, and then nothing at all is written;
-        on success `state.revision` and `state.updated_at` are updated in place), the events are
-        `append_events`', the booking is `settle`'s or `charge`'s (see `Booking`). Durable once
-        it returns. Returns the booking's team ledger (spent, reserved) right after, as
-        `team_spend` would; None without a booking.
+        The save is `save_run`'s (StaleRun, RunNotFound or, with `lease`, LeaseLost, and then
+        nothing at all is written: no line, no notice, no booking on any ledger, no spend row,
+        no audit record; on success `state.revision` and `state.updated_at` are updated in
+        place), the events are `append_events`', the booking is `settle`'s or `charge`'s (see
+        `Booking`). Durable once it returns. Returns the booking's team ledger (spent,
+        reserved) right after, as `team_spend` would; None without a booking.
         """
         ...
 
@@ -343,8 +395,10 @@ class Store(Protocol):
         runs that pass every filter are read and parsed, so a filter keeps a scan cheap."""
         ...
 
-    async def append_events(self, run_id: str, events: list[Event]) -> None:
-        """Append trace events to a run; they get the next sequence numbers (from 1), in order."""
+    async def append_events(self, run_id: str, events: list[Event], *, lease: Lease | None = None) -> None:
+        """Append trace events to a run; they get the next sequence numbers (from 1), in order.
+        With `lease`, only while the run's fence is that lease (`Lease`), else LeaseLost and
+        nothing is appended (nor any notice of the events)."""
         ...
 
     async def events(self, run_id: str, after: int = 0) -> list[tuple[int, Event]]:
@@ -378,10 +432,11 @@ class Store(Protocol):
         ...
 
     async def release_owner(self, owner: str, keep: Collection[str] = ()) -> int:
-        """Release every reservation and every run lease `owner` still holds, and make the
-        notices it was delivering due again at once (it restarted: an owner name is never live
-        in two processes); returns how many reservations. The reservations in `keep` stay
-        held: turns waiting in the spool, booked against them once the store takes them."""
+        """Release every reservation and every run lease `owner` still holds (each lease as
+        `release_lease`: its fence "released"), and make the notices it was delivering due
+        again at once (it restarted: an owner name is never live in two processes); returns
+        how many reservations. The reservations in `keep` stay held: turns waiting in the
+        spool, booked against them once the store takes them."""
         ...
 
     async def settle(self, reservation_id: str, actual_usd: float, tokens: Sequence[TokenCharge] = ()) -> None:
@@ -422,12 +477,19 @@ class Store(Protocol):
         """Retention: forget the spend rows of days before `before_day`; returns how many days."""
         ...
 
-    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
-        """Take (or extend) the right to drive a run: True if it was free, expired or ours."""
+    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> Lease | None:
+        """Take (or extend) the right to drive a run for `ttl_s`, in one atomic step: the
+        lease if it was free, released, expired or `owner`'s live one, else None. It keeps
+        its epoch when the run's fence names `owner` (it was the last to take the run and did
+        not release it); otherwise it gets a new, higher one and the fence names it (`Lease`),
+        so a holder whose lease was taken by another meanwhile sees a different epoch on its
+        next renewal, and knows it lost it."""
         ...
 
     async def release_lease(self, run_id: str, owner: str) -> None:
-        """Give the lease back, if `owner` still holds it."""
+        """Give the lease back, if the run's fence names `owner` (its lease live or lapsed):
+        the fence becomes "released", so writes under that epoch are refused from now on and
+        the next lease gets a new epoch (`Lease`). A no-op if another owner took the run."""
         ...
 
     async def prune_runs(self, updated_before: float, *, events_only: bool = False) -> int:
@@ -645,17 +707,63 @@ def new_reservation_id() -> str:
     return "res_" + os.urandom(16).hex()
 
 
-def stamped_body(state: RunState, revision: int, updated_at: float) -> dict[str, Any]:
-    """The run as it will be stored by a save: next revision, new timestamp, state untouched."""
-    body = state.to_json()
-    body["revision"] = revision
-    body["updated_at"] = updated_at
-    return body
+class RunWrite(NamedTuple):
+    """A run as one write stores it: its head (`RunState.head_json`, the one place a store
+    rewrites on every save, a few KB whatever the run's length) and what changed in its
+    transcript, which a store keeps beside the head as items, each written once:
+
+    - messages: keep the first `messages_from` stored ones, then store `messages` (JSON,
+      one item each) at positions `messages_from`, `messages_from` + 1, ...;
+    - `per_turn`: the same from `per_turn_from` ((prompt, completion) pairs);
+    - `truncates`: stored items past those positions must go first (a pass-through client
+      sent a history that differs from the stored one); else there are none.
+
+    The head's `transcript` counts what the store holds beside it after the write; a store
+    reads back exactly that many of each (`parse_run`)."""
+
+    head: bytes
+    messages_from: int
+    messages: list[bytes]
+    per_turn_from: int
+    per_turn: list[tuple[int, int]]
+    truncates: bool
 
 
-def parse_run(run_id: str, raw: bytes | str) -> RunState:
-    """A stored body back into a run; an unreadable one is a StoreError naming the run."""
+def run_write(state: RunState, revision: int | None = None, updated_at: float | None = None) -> RunWrite:
+    """What a save of `state` writes (`RunWrite`): its head at `revision` and `updated_at`
+    (as they are when None) and the part of its transcript the store does not hold yet."""
+    head = state.head_json()
+    if revision is not None:
+        head["revision"] = revision
+    if updated_at is not None:
+        head["updated_at"] = updated_at
+    change = transcript_change(state)
+    return RunWrite(orjson.dumps(head), change.messages_from, [orjson.dumps(m) for m in change.messages],
+                    change.per_turn_from, [(u.prompt_tokens, u.completion_tokens) for u in change.per_turn],
+                    change.truncates)
+
+
+def new_run_write(state: RunState) -> RunWrite:
+    """What storing `state` as a new run writes: its head and its whole transcript."""
+    return RunWrite(orjson.dumps(state.head_json()), 0, [orjson.dumps(m) for m in state.messages],
+                    0, [(u.prompt_tokens, u.completion_tokens) for u in state.per_turn], True)
+
+
+def parse_run(run_id: str, raw: bytes | str,
+              transcript: tuple[Sequence[bytes | str], Sequence[Sequence[int]]] = ((), ())) -> RunState:
+    """A stored run back: its head and the messages and `per_turn` pairs kept beside it (a
+    body stored before heads, schema 1 to 4, holds its transcript itself and nothing is
+    kept beside it). The run knows what the store holds (`RunState.mark_stored`). An
+    unreadable run is a StoreError naming it."""
     try:
-        return RunState.loads(raw)
+        data = orjson.loads(raw)
+        if isinstance(data, dict) and "transcript" in data:
+            messages, pairs = transcript
+            state = RunState.from_json(data, ([orjson.loads(m) for m in messages], [list(p) for p in pairs]))
+            state.mark_stored()
+            return state
+        return RunState.from_json(data)
+    except orjson.JSONDecodeError as exc:
+        raise StoreError(f"stored run {run_id!r} cannot be read: it is not valid JSON: {exc}") from exc
     except StateError as exc:
         raise StoreError(f"stored run {run_id!r} cannot be read: {exc}") from exc

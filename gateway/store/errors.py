@@ -52,6 +52,18 @@ class StaleRun(StoreError):
         self.stored = stored
 
 
+class LeaseLost(StoreError):
+    """A write made under a run's lease (`Lease`) found that lease no longer the run's: another
+    process took the run over, or the lease was released. Nothing was written; the writer
+    must stop driving."""
+
+    def __init__(self, run_id: str, epoch: int) -> None:
+        super().__init__(f"run {run_id!r}: this process no longer holds its lease (epoch {epoch}); "
+                         "another process drives it, or will")
+        self.run_id = run_id
+        self.epoch = epoch
+
+
 class AlreadyBooked(StoreError):
     """A `Booking(if_held=True)` whose reservation was settled or released already: the
     commit wrote nothing (the turn it books was booked before)."""

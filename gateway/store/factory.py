@@ -11,10 +11,11 @@ from gateway.store.errors import StoreConfigError
 
 _FIELDS: Final[Mapping[str, frozenset[str]]] = MappingProxyType({
     "sqlite": frozenset({"kind", "path"}),
-    "redis": frozenset({"kind", "url", "prefix", "timeout_s", "allow_eviction"}),
+    "redis": frozenset({"kind", "url", "prefix", "timeout_s", "allow_eviction", "wait_replicas", "wait_timeout_s"}),
     "memory": frozenset({"kind"}),
 })
 _REDIS_SCHEMES: Final = ("redis://", "rediss://", "unix://")
+MAX_WAIT_REPLICAS: Final = 16
 DEFAULT_REDIS_TIMEOUT_S: Final = 2.0
 """The deadline of one Redis command (connect, send, reply): past it the call fails with
 StoreError, so a frozen server costs a caller this long, not forever."""
@@ -30,7 +31,8 @@ def _text(config: Mapping[str, Any], name: str, example: str) -> str:
 
 
 def open_store(config: Mapping[str, Any]) -> Store:
-    """Open the store described by `{kind: sqlite, path}`, `{kind: redis, url[, prefix, timeout_s]}` or `{kind: memory}`.
+    """Open the store described by `{kind: sqlite, path}`, `{kind: redis, url[, prefix, timeout_s, allow_eviction,
+    wait_replicas, wait_timeout_s]}` or `{kind: memory}`.
 
     Errors (StoreConfigError) name the field and what is wrong. A Redis server is only
     contacted on first use; an unreachable one then raises StoreError naming it.
@@ -62,10 +64,19 @@ def open_store(config: Mapping[str, Any]) -> Store:
         timeout = config.get("timeout_s", DEFAULT_REDIS_TIMEOUT_S)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise StoreConfigError(f"store.timeout_s: expected a number of seconds > 0, got {timeout!r}")
-        from gateway.store.redis import RedisStore
+        replicas = config.get("wait_replicas", 0)
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or not 0 <= replicas <= MAX_WAIT_REPLICAS:
+            raise StoreConfigError(f"store.wait_replicas: expected a whole number from 0 to {MAX_WAIT_REPLICAS}, "
+                                   f"got {replicas!r}")
+        from gateway.store.redis import DEFAULT_WAIT_TIMEOUT_S, RedisStore
 
+        wait = config.get("wait_timeout_s", min(DEFAULT_WAIT_TIMEOUT_S, timeout / 2))
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait < timeout:
+            raise StoreConfigError(f"store.wait_timeout_s: expected a number of seconds > 0 and below store.timeout_s "
+                                   f"({timeout:g}), got {wait!r}")
         try:
-            return RedisStore(url, prefix, timeout_s=float(timeout))
+            return RedisStore(url, prefix, timeout_s=float(timeout), wait_replicas=replicas,
+                              wait_timeout_s=float(wait))
         except ValueError as exc:
             raise StoreConfigError(f"store.url: {exc}") from exc
     from gateway.store.memory import MemoryStore

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import orjson
 
@@ -27,6 +27,7 @@ from gateway.store.base import (
     Event,
     Figures,
     Grant,
+    Lease,
     Ledger,
     RateState,
     TokenCharge,
@@ -36,14 +37,17 @@ from gateway.store.base import (
     judge,
     new_reservation_id,
     optional_micros,
+    RunWrite,
+    new_run_write,
     parse_run,
-    stamped_body,
+    run_write,
     to_micros,
 )
 from gateway.store.errors import (
     AlreadyBooked,
     KeyExists,
     KeyNotFound,
+    LeaseLost,
     RunExists,
     RunNotFound,
     StaleKey,
@@ -67,6 +71,18 @@ class _StoredRun:
     cost: int = 0
     updated_at: float = 0.0
     policy: str = ""  # a run's policy never changes
+    messages: list[bytes] = field(default_factory=list)  # the transcript beside the head (`body`)
+    per_turn: list[tuple[int, int]] = field(default_factory=list)
+
+    def write(self, w: RunWrite) -> None:
+        self.body = w.head
+        del self.messages[w.messages_from:]
+        self.messages.extend(w.messages)
+        del self.per_turn[w.per_turn_from:]
+        self.per_turn.extend(w.per_turn)
+
+    def parse(self, run_id: str) -> RunState:
+        return parse_run(run_id, self.body, (self.messages, self.per_turn))
 
 
 @dataclass
@@ -108,7 +124,9 @@ class MemoryStore:
         self._events: dict[str, list[bytes]] = {}
         self._spent: dict[tuple[str, str], int] = {}
         self._reservations: dict[str, _Reservation] = {}
-        self._leases: dict[str, tuple[str, float]] = {}
+        self._leases: dict[str, tuple[str, float, int]] = {}  # run -> owner, expiry, epoch
+        self._epochs: dict[str, int] = {}  # run -> its lease's last epoch (kept after a release)
+        self._fences: dict[str, tuple[str, int]] = {}  # run -> who last took its lease (owner, epoch); ("", 0) released
         self._responses: dict[str, tuple[str, bytes]] = {}
         self._spend: dict[tuple[str, str, Attribution], list[int]] = {}  # (day, team, who) -> [micros, calls]
         self._clocks: dict[str, list[float]] = {}  # rate scope -> [requests tat, tokens tat]
@@ -131,19 +149,28 @@ class MemoryStore:
         self._check_open()
         if state.run_id in self._runs:
             raise RunExists(state.run_id)
-        self._runs[state.run_id] = _StoredRun(
-            state.team, state.status, state.created_at, len(self._runs), state.revision, state.dumps(),
-            state.turns, to_micros(state.cost_usd, "cost_usd"),
-            state.updated_at, state.policy,
-        )
+        stored = _StoredRun(state.team, state.status, state.created_at, len(self._runs), state.revision, b"",
+                            state.turns, to_micros(state.cost_usd, "cost_usd"), state.updated_at, state.policy)
+        stored.write(new_run_write(state))
+        self._runs[state.run_id] = stored
+        state.mark_stored()
 
     async def load_run(self, run_id: str) -> RunState | None:
         self._check_open()
         stored = self._runs.get(run_id)
-        return None if stored is None else parse_run(run_id, stored.body)
+        return None if stored is None else stored.parse(run_id)
 
-    async def save_run(self, state: RunState) -> None:
+    async def save_run(self, state: RunState, *, lease: Lease | None = None) -> None:
+        self._fence(lease)
         self._save(state, [])
+
+    def _fence(self, lease: Lease | None) -> None:
+        """LeaseLost unless `lease` (when given) is still the run's fence (`Lease`)."""
+        self._check_open()
+        if lease is None:
+            return
+        if self._fences.get(lease.run_id) != (lease.owner, lease.epoch):
+            raise LeaseLost(lease.run_id, lease.epoch)
 
     def _save(self, state: RunState, events: list[Event]) -> None:
         """Checks first, then writes: nothing is changed when anything is refused."""
@@ -154,10 +181,11 @@ class MemoryStore:
         if stored.revision != state.revision:
             raise StaleRun(state.run_id, state.revision, stored.revision)
         now = time.time()
-        body = orjson.dumps(stamped_body(state, state.revision + 1, now))
+        written = run_write(state, state.revision + 1, now)
         encoded = [orjson.dumps(e) for e in events]
         notices = self._notices(state.run_id, events)
-        stored.team, stored.status, stored.revision, stored.body = state.team, state.status, state.revision + 1, body
+        stored.team, stored.status, stored.revision = state.team, state.status, state.revision + 1
+        stored.write(written)
         stored.turns, stored.cost = state.turns, to_micros(state.cost_usd, "cost_usd")
         stored.updated_at = now
         if encoded:
@@ -165,9 +193,11 @@ class MemoryStore:
         self._enqueue(notices)
         state.revision += 1
         state.updated_at = now
+        state.mark_stored()
 
     async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None,
-                          audit: Sequence[AuditEntry] = ()) -> Ledger | None:
+                          audit: Sequence[AuditEntry] = (), *, lease: Lease | None = None) -> Ledger | None:
+        self._fence(lease)
         actual = 0 if booking is None else to_micros(booking.actual_usd, "actual_usd")
         rid = None if booking is None else booking.reservation_id
         if booking is not None and booking.if_held and rid is not None and rid not in self._reservations:
@@ -193,10 +223,11 @@ class MemoryStore:
             and (policies is None or s.policy in policies)
         ]
         chosen.sort(key=lambda item: (item[1].created_at, item[1].order), reverse=True)
-        return [parse_run(run_id, s.body) for run_id, s in chosen[:limit]]
+        return [s.parse(run_id) for run_id, s in chosen[:limit]]
 
-    async def append_events(self, run_id: str, events: list[Event]) -> None:
+    async def append_events(self, run_id: str, events: list[Event], *, lease: Lease | None = None) -> None:
         self._check_open()
+        self._fence(lease)
         encoded = [orjson.dumps(e) for e in events]
         notices = self._notices(run_id, events)
         self._events.setdefault(run_id, []).extend(encoded)
@@ -357,8 +388,9 @@ class MemoryStore:
         mine = [rid for rid, r in self._reservations.items() if r.owner == owner and not r.expired and rid not in keep]
         for rid in mine:
             del self._reservations[rid]
-        for run_id in [run_id for run_id, (held_by, _) in self._leases.items() if held_by == owner and owner]:
+        for run_id in [run_id for run_id, (held_by, _, _) in self._leases.items() if held_by == owner and owner]:
             del self._leases[run_id]
+            self._fences[run_id] = ("", 0)
         now = time.time()
         for o in self._outbox.values():
             if o.state == "pending" and owner and o.owner == owner:
@@ -427,6 +459,8 @@ class MemoryStore:
             del self._runs[run_id]
             self._events.pop(run_id, None)
             self._leases.pop(run_id, None)
+            self._epochs.pop(run_id, None)
+            self._fences.pop(run_id, None)
         return len(old)
 
     async def prune_ledgers(self, ended_before: float) -> int:
@@ -436,21 +470,28 @@ class MemoryStore:
             del self._spent[key]
         return len(old)
 
-    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
+    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> Lease | None:
         self._check_open()
         ttl = check_ttl(ttl_s, "ttl_s", allow_zero=False)
         now = time.time()
         held = self._leases.get(run_id)
         if held is not None and held[0] != owner and held[1] > now:
-            return False
-        self._leases[run_id] = (owner, now + ttl)
-        return True
+            return None
+        fence = self._fences.get(run_id)
+        if fence is not None and fence[0] == owner:  # ours, live or lapsed with nobody taking it: extended
+            epoch = fence[1]
+        else:
+            epoch = self._epochs[run_id] = self._epochs.get(run_id, 0) + 1
+            self._fences[run_id] = (owner, epoch)
+        self._leases[run_id] = (owner, now + ttl, epoch)
+        return Lease(run_id, owner, epoch)
 
     async def release_lease(self, run_id: str, owner: str) -> None:
         self._check_open()
         held = self._leases.get(run_id)
         if held is not None and held[0] == owner:
             del self._leases[run_id]
+            self._fences[run_id] = ("", 0)
 
     async def put_response(self, response_id: str, team: str, body: bytes) -> None:
         self._check_open()

@@ -55,6 +55,7 @@ from gateway.store.base import (
     Event,
     Figures,
     Grant,
+    Lease,
     Ledger,
     RateLimit,
     RateState,
@@ -65,14 +66,17 @@ from gateway.store.base import (
     from_micros,
     new_reservation_id,
     optional_micros,
+    RunWrite,
+    new_run_write,
     parse_run,
-    stamped_body,
+    run_write,
     to_micros,
 )
 from gateway.store.errors import (
     AlreadyBooked,
     KeyExists,
     KeyNotFound,
+    LeaseLost,
     RunExists,
     RunNotFound,
     StaleKey,
@@ -82,25 +86,28 @@ from gateway.store.errors import (
 from gateway.store.keys import ConsoleSession, KeyRecord
 from gateway.store.outbox import Claimed, Notice, NoticeRule, check_notices
 from gateway.store.periods import ended_before as period_ended
-from gateway.store.redis_wire import Lane, Script
+from gateway.store.redis_wire import Lane, Script, Unconfirmed, Wait
 
 DEFAULT_PREFIX: Final = "gw:"
 DEFAULT_TIMEOUT_S: Final = 2.0
+DEFAULT_WAIT_TIMEOUT_S: Final = 0.5
+"""How long replicas have to confirm a write when `store.wait_replicas` asks them to."""
 _RETENTION_MS: Final = str(int(EXPIRED_RETENTION_S * 1000))
 _CREATE_RUN: Final = Script(redis_lua.CREATE_RUN)
+_LOAD_RUN: Final = Script(redis_lua.LOAD_RUN, writes=False)
 _SAVE_RUN: Final = Script(redis_lua.SAVE_RUN)
 _COMMIT_TURN: Final = Script(redis_lua.COMMIT_TURN)
-_LIST_RUNS: Final = Script(redis_lua.LIST_RUNS)
+_LIST_RUNS: Final = Script(redis_lua.LIST_RUNS, writes=False)
 _ADMIT: Final = Script(redis_lua.ADMIT)
-_FIGURES: Final = Script(redis_lua.FIGURES)
+_FIGURES: Final = Script(redis_lua.FIGURES, writes=False)  # its reclaim is made again by the next admission
 _RENEW: Final = Script(redis_lua.RENEW)
 _RELEASE_OWNER: Final = Script(redis_lua.RELEASE_OWNER)
 _SETTLE: Final = Script(redis_lua.SETTLE)
 _RELEASE: Final = Script(redis_lua.RELEASE)
 _PUSH_CLOCKS: Final = Script(redis_lua.PUSH_CLOCKS)
-_TEAM_SPEND: Final = Script(redis_lua.TEAM_SPEND)
-_ACQUIRE_LEASE: Final = Script(redis_lua.ACQUIRE_LEASE, keys=2)
-_RELEASE_LEASE: Final = Script(redis_lua.RELEASE_LEASE, keys=2)
+_TEAM_SPEND: Final = Script(redis_lua.TEAM_SPEND, writes=False)
+_ACQUIRE_LEASE: Final = Script(redis_lua.ACQUIRE_LEASE, keys=4)
+_RELEASE_LEASE: Final = Script(redis_lua.RELEASE_LEASE, keys=3)
 _PRUNE_RUNS: Final = Script(redis_lua.PRUNE_RUNS)
 _ENQUEUE: Final = Script(redis_lua.ENQUEUE)
 _APPEND_EVENTS: Final = Script(redis_lua.APPEND_EVENTS)
@@ -108,8 +115,8 @@ _CLAIM_NOTICES: Final = Script(redis_lua.CLAIM_NOTICES)
 _NOTICE_OUTCOME: Final = Script(redis_lua.NOTICE_OUTCOME)
 _PUT_KEY: Final = Script(redis_lua.PUT_KEY)
 _CHARGE: Final = Script(redis_lua.CHARGE)
-_KEYS_SINCE: Final = Script(redis_lua.KEYS_SINCE)
-_LIST_KEYS: Final = Script(redis_lua.LIST_KEYS)
+_KEYS_SINCE: Final = Script(redis_lua.KEYS_SINCE, writes=False)
+_LIST_KEYS: Final = Script(redis_lua.LIST_KEYS, writes=False)
 _TOUCH_KEYS: Final = Script(redis_lua.TOUCH_KEYS)
 _PUT_SESSION: Final = Script(redis_lua.PUT_SESSION)
 _DELETE_SESSION: Final = Script(redis_lua.DELETE_SESSION)
@@ -164,7 +171,8 @@ class RedisStore:
 
     lookup_in_admission = True  # a look-up is a round trip; ADMIT reports a stored run
 
-    def __init__(self, url: str, prefix: str = DEFAULT_PREFIX, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, url: str, prefix: str = DEFAULT_PREFIX, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 wait_replicas: int = 0, wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S) -> None:
         self.url = url
         self.prefix = prefix
         self.timeout_s = timeout_s
@@ -178,7 +186,10 @@ class RedisStore:
             **_PLAIN_POOL)
         # The scripts (every call's round trips) go through a lane of their own, with the same
         # deadline and no retries either (redis_wire); the client serves the other commands.
-        self._lane = Lane(self._client.connection_pool, timeout_s)
+        # With `wait_replicas`, each write returns once that many replicas have it (WAIT, in
+        # the same round trip); one they did not confirm in time is a failed write.
+        self._lane = Lane(self._client.connection_pool, timeout_s,
+                          Wait(wait_replicas, wait_timeout_s) if wait_replicas > 0 else None)
         self.notice_rule: NoticeRule | None = None
         self._audit_turn = asyncio.Lock()
 
@@ -209,28 +220,34 @@ class RedisStore:
             created = await self._lane.run(_CREATE_RUN, [self.prefix, *_run_fields(state)])
         if int(created) != 1:
             raise RunExists(state.run_id)
+        state.mark_stored()
 
     async def load_run(self, run_id: str) -> RunState | None:
         self._redis()
         async with self._errors:
-            body = await self._lane.command("HGET", self._key("run", run_id), "body")
-        return None if body is None else parse_run(run_id, body)
+            found: list[Any] = await self._lane.run(_LOAD_RUN, [self.prefix, run_id])
+        return _parsed(run_id, found) if found else None
 
-    async def save_run(self, state: RunState) -> None:
+    async def save_run(self, state: RunState, *, lease: Lease | None = None) -> None:
         now = time.time()
         revision = state.revision + 1
-        body = orjson.dumps(stamped_body(state, revision, now))
+        written = run_write(state, revision, now)
         self._redis()
         async with self._errors:
             result: list[Any] = await self._lane.run(_SAVE_RUN, [
-                self.prefix, state.run_id, str(state.revision), str(revision), state.status, state.team, body,
-                str(state.turns), str(to_micros(state.cost_usd, "cost_usd"))])
-        self._check_saved(state, result)
+                self.prefix, state.run_id, str(state.revision), str(revision), state.status, state.team, written.head,
+                str(state.turns), str(to_micros(state.cost_usd, "cost_usd")), _lease_value(lease),
+                *_transcript_args(written)])
+        self._check_saved(state, result, lease=lease)
         state.revision = revision
         state.updated_at = now
+        state.mark_stored()
 
     @staticmethod
-    def _check_saved(state: RunState, result: list[Any], reservation_id: str | None = None) -> None:
+    def _check_saved(state: RunState, result: list[Any], reservation_id: str | None = None,
+                     lease: Lease | None = None) -> None:
+        if int(result[0]) == 4 and lease is not None:
+            raise LeaseLost(state.run_id, lease.epoch)
         if int(result[0]) == 3:
             raise AlreadyBooked(reservation_id or "")
         if int(result[0]) == 0:
@@ -239,20 +256,21 @@ class RedisStore:
             raise StaleRun(state.run_id, state.revision, int(result[1]))
 
     async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None,
-                          audit: Sequence[AuditEntry] = ()) -> Ledger | None:
+                          audit: Sequence[AuditEntry] = (), *, lease: Lease | None = None) -> Ledger | None:
         actual = 0 if booking is None else to_micros(booking.actual_usd, "actual_usd")
         now = time.time()
         revision = state.revision + 1
-        body = orjson.dumps(stamped_body(state, revision, now))
-        args: list[Any] = [self.prefix, state.run_id, str(state.revision), str(revision), state.status, state.team, body,
-                           str(state.turns), str(to_micros(state.cost_usd, "cost_usd"))]
+        written = run_write(state, revision, now)
+        args: list[Any] = [self.prefix, state.run_id, str(state.revision), str(revision), state.status, state.team,
+                           written.head, str(state.turns), str(to_micros(state.cost_usd, "cost_usd"))]
         if booking is None:
             args += ["0", "", "0", "", "", _RETENTION_MS]
         else:
             flag = "2" if booking.if_held and booking.reservation_id else "1"
             args += [flag, booking.reservation_id or "", str(actual), booking.team, booking.period, _RETENTION_MS]
         charges = () if booking is None else booking.tokens
-        args += [str(len(events)), *(orjson.dumps(e) for e in events), str(len(charges)), *_charges(charges)]
+        args += [_lease_value(lease), *_transcript_args(written), str(len(events)), *(orjson.dumps(e) for e in events),
+                 str(len(charges)), *_charges(charges)]
         notices = self._notice_args(state.run_id, events)
         self._redis()
 
@@ -261,9 +279,10 @@ class RedisStore:
                 return cast(list[Any], await self._lane.run(_COMMIT_TURN, [*args, *audited, *notices]))
 
         result, _ = await self._audited(audit, run)
-        self._check_saved(state, result, None if booking is None else booking.reservation_id)
+        self._check_saved(state, result, None if booking is None else booking.reservation_id, lease)
         state.revision = revision
         state.updated_at = now
+        state.mark_stored()
         return None if booking is None else (from_micros(int(result[1])), from_micros(int(result[2])))
 
     async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100,
@@ -274,22 +293,26 @@ class RedisStore:
         wanted = "" if policies is None else "|" + "|".join(sorted(set(policies))) + "|"
         self._redis()
         async with self._errors:
-            flat: list[bytes] = await self._lane.run(
+            flat: list[Any] = await self._lane.run(
                 _LIST_RUNS, [self.prefix, team or "", status or "", str(limit), wanted])
-        return [parse_run(flat[i].decode(), flat[i + 1]) for i in range(0, len(flat), 2)]
+        return [_parsed(_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
 
-    async def append_events(self, run_id: str, events: list[Event]) -> None:
+    async def append_events(self, run_id: str, events: list[Event], *, lease: Lease | None = None) -> None:
         if not events:
             return
         encoded = [orjson.dumps(e) for e in events]
         notices = self._notice_args(run_id, events)
-        if not notices:
+        if not notices and lease is None:
+            self._redis()
             async with self._errors:
-                await self._redis().rpush(self._key("events", run_id), *encoded)
+                await self._lane.command("RPUSH", self._key("events", run_id), *encoded, writes=True)
             return
         self._redis()
         async with self._errors:
-            await self._lane.run(_APPEND_EVENTS, [self.prefix, run_id, str(len(encoded)), *encoded, *notices])
+            added = await self._lane.run(_APPEND_EVENTS, [self.prefix, run_id, _lease_value(lease), str(len(encoded)),
+                                                          *encoded, *notices])
+        if int(added) < 0 and lease is not None:
+            raise LeaseLost(run_id, lease.epoch)
 
     def _notice_args(self, run_id: str, events: list[Event]) -> list[str | bytes]:
         """The notices of `events` as the Lua scripts take them: id, body, period triples."""
@@ -329,13 +352,21 @@ class RedisStore:
             args += _run_fields(claim.create)
         self._redis()
         async with self._errors:
-            result: list[Any] = await self._lane.run(_ADMIT, args)
+            try:
+                result: list[Any] = await self._lane.run(_ADMIT, args)
+            except Unconfirmed as exc:  # not held where a failover would find it: give it back, and fail
+                if isinstance(exc.reply, list) and exc.reply and int(exc.reply[0]) == 1:
+                    with contextlib.suppress(RedisError):
+                        await self._lane.run(_RELEASE, [self.prefix, rid])
+                raise
+        if int(result[0]) == 2 and claim.create is not None:
+            run_id = claim.create.run_id
+            raise RunExists(run_id, _parsed(run_id, result[1]) if result[1] else None)
+        if claim.create is not None:
+            claim.create.mark_stored()
         if int(result[0]) == 1:
             revision = None if claim.run_id is None else int(result[2])
             return Grant(rid, rates=_granted(claim, scopes, result[1]) if claim.rates else (), run_revision=revision)
-        if int(result[0]) == 2 and claim.create is not None:
-            run_id = claim.create.run_id
-            raise RunExists(run_id, None if result[1] is None else parse_run(run_id, result[1]))
         tail = len(result) - 2 * len(claim.holds)
         return Grant(None, cast(Refusal, _text(result[1])), _figures(result[2:8], result[tail:]),
                      _clocks(claim, scopes, result[8:tail]))
@@ -426,18 +457,20 @@ class RedisStore:
                     await pipe.execute()
         return len(days)
 
-    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
+    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> Lease | None:
         ttl_ms = max(1, math.ceil(check_ttl(ttl_s, "ttl_s", allow_zero=False) * 1000))
         self._redis()
         async with self._errors:
-            ok = await self._lane.run(_ACQUIRE_LEASE, [self._key("lease", run_id), self._key("leases-of", owner),
-                                                       owner, str(ttl_ms)])
-        return int(ok) == 1
+            epoch = int(await self._lane.run(_ACQUIRE_LEASE, [
+                self._key("lease", run_id), self._key("leases-of", owner), f"{self.prefix}lease-epoch",
+                self._key("fence", run_id), owner, str(ttl_ms)]))
+        return Lease(run_id, owner, epoch) if epoch > 0 else None
 
     async def release_lease(self, run_id: str, owner: str) -> None:
         self._redis()
         async with self._errors:
-            await self._lane.run(_RELEASE_LEASE, [self._key("lease", run_id), self._key("leases-of", owner), owner])
+            await self._lane.run(_RELEASE_LEASE, [self._key("lease", run_id), self._key("leases-of", owner),
+                                                  self._key("fence", run_id), owner])
 
     async def prune_runs(self, updated_before: float, *, events_only: bool = False) -> int:
         self._redis()
@@ -730,6 +763,11 @@ def _notice_triples(notices: Sequence[Notice]) -> list[str | bytes]:
     return [part for n in notices for part in (n.id, n.body, n.period or "")]
 
 
+def _lease_value(lease: Lease | None) -> str:
+    """A lease as its key holds it (ACQUIRE_LEASE: "epoch owner"); '' for none."""
+    return "" if lease is None else f"{lease.epoch} {lease.owner}"
+
+
 def _opt(value: int | None) -> str:
     return "" if value is None else str(value)
 
@@ -846,5 +884,18 @@ def _day_number(day: str) -> int:
 
 def _run_fields(state: RunState) -> list[str | bytes]:
     """A new run as the scripts store it (CREATE_RUN's arguments after the prefix)."""
-    return [state.run_id, state.team, state.status, repr(state.created_at), str(state.revision), state.dumps(),
-            str(state.turns), str(to_micros(state.cost_usd, "cost_usd")), state.policy]
+    written = new_run_write(state)
+    return [state.run_id, state.team, state.status, repr(state.created_at), str(state.revision), written.head,
+            str(state.turns), str(to_micros(state.cost_usd, "cost_usd")), state.policy, *_transcript_args(written)]
+
+
+def _transcript_args(w: RunWrite) -> list[str | bytes]:
+    """A save's transcript change as the scripts take it (redis_lua._TRANSCRIPT)."""
+    return [str(w.messages_from), str(len(w.messages)), *w.messages, str(w.per_turn_from), str(len(w.per_turn)),
+            *(f"{p} {c}" for p, c in w.per_turn), "1" if w.truncates else "0"]
+
+
+def _parsed(run_id: str, found: list[Any]) -> RunState:
+    """A run as the scripts read it back (redis_lua read_run: body, messages, per_turn)."""
+    body, messages, pairs = found
+    return parse_run(run_id, body, (messages, [[int(x) for x in _text(pair).split()] for pair in pairs]))

@@ -19,6 +19,28 @@ local function neg(s)
   if s == '0' then return '0' end
   return '-' .. s
 end
+-- Whether a write under a lease must be refused: `lease` ('' = none) is the lease as the
+-- writer took it ("epoch owner"); `fence:<id>` holds the last lease taken on the run (no
+-- expiry; '0' once released), so a writer whose lease lapsed may go on until someone else
+-- takes the run.
+local function fenced(p, id, lease)
+  return lease ~= '' and redis.call('GET', p .. 'fence:' .. id) ~= lease
+end
+-- The owner named by a lease key's value ("epoch owner"; before epochs, the owner alone).
+local function holder(v)
+  if not v then return nil end
+  return string.match(v, '^%d+ (.*)$') or v
+end
+-- Give back `owner`'s lease of a run (its key and fence keys): the key goes, and the fence no
+-- longer names that lease (its next one gets a new epoch), also when the lease had lapsed.
+local function release_lease(key, fence, owner)
+  local cur = redis.call('GET', key)
+  if cur and holder(cur) ~= owner then return 0 end
+  local last = redis.call('GET', fence)
+  if last and last ~= '0' and holder(last) == owner then redis.call('SET', fence, '0') end
+  if cur then return redis.call('DEL', key) end
+  return 0
+end
 -- A reservation that ends (settled, released, expired) leaves its run's slots, its owner's set
 -- and the calls in flight of its rate scopes ('|team:a|key:b|').
 local function unslot(p, rid, run, owner, scopes)
@@ -102,6 +124,43 @@ local function reclaim(p, team, now, retention)
 end
 """
 
+_TRANSCRIPT: Final = """
+-- A run's transcript beside its head (base.RunWrite), as the arguments from ARGV[i]: the
+-- messages kept, how many follow, the messages (JSON), the per_turn entries kept, how many
+-- follow, the entries ("prompt completion"), '1' if stored items past those kept must go.
+-- Kept in the lists `transcript:<id>` and `per_turn:<id>`, one item each.
+local function transcript_end(i)
+  local m = tonumber(ARGV[i + 1])
+  return i + 5 + m + tonumber(ARGV[i + 3 + m])
+end
+local function keep(key, n)
+  if n == 0 then redis.call('DEL', key) else redis.call('LTRIM', key, 0, n - 1) end
+end
+local function push(key, first, last)
+  for j = first, last, 1000 do  -- unpack has a limit of its own
+    redis.call('RPUSH', key, unpack(ARGV, j, math.min(j + 999, last)))
+  end
+end
+local function write_transcript(p, id, i)
+  local m = tonumber(ARGV[i + 1])
+  local t = tonumber(ARGV[i + 3 + m])
+  local mk, tk = p .. 'transcript:' .. id, p .. 'per_turn:' .. id
+  if ARGV[i + 4 + m + t] == '1' then
+    keep(mk, tonumber(ARGV[i]))
+    keep(tk, tonumber(ARGV[i + 2 + m]))
+  end
+  push(mk, i + 2, i + 1 + m)
+  push(tk, i + 4 + m, i + 3 + m + t)
+end
+-- A stored run as the store reads it back: {body, messages, per_turn} ({} if none).
+local function read_run(p, id)
+  local body = redis.call('HGET', p .. 'run:' .. id, 'body')
+  if not body then return {} end
+  return {body, redis.call('LRANGE', p .. 'transcript:' .. id, 0, -1),
+          redis.call('LRANGE', p .. 'per_turn:' .. id, 0, -1)}
+end
+"""
+
 _AUDIT: Final = """
 -- The audit entries of a step (gateway.store.audit), chained by the caller after the head it
 -- read: ARGV[at] the head's seq the caller chained after ('' when there are no entries),
@@ -123,10 +182,10 @@ local function audit_write(p, at)
 end
 """
 
-_CREATE: Final = """
+_CREATE: Final = _TRANSCRIPT + """
 -- Stores a new run from 9 arguments starting at ARGV[i]: id, team, status, created, revision,
--- body, turns, cost, policy (never changed: LIST_RUNS filters on it). Returns 0 (nothing
--- written) if the id is taken, else 1.
+-- head, turns, cost, policy (never changed: LIST_RUNS filters on it), then its transcript
+-- (_TRANSCRIPT's arguments). Returns 0 (nothing written) if the id is taken, else 1.
 local function create(p, i)
   local id, team, status, created = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local key = p .. 'run:' .. id
@@ -136,8 +195,13 @@ local function create(p, i)
   redis.call('ZADD', p .. 'runs', created, id)
   redis.call('ZADD', p .. 'runs:team:' .. team, created, id)
   redis.call('ZADD', p .. 'runs:status:' .. status, created, id)
+  write_transcript(p, id, i + 9)
   return 1
 end
+"""
+
+LOAD_RUN: Final = _TRANSCRIPT + """
+return read_run(ARGV[1], ARGV[2])
 """
 
 CREATE_RUN: Final = _CREATE + """
@@ -163,15 +227,22 @@ local function save(p, id, expected, new, status, team, body, turns, cost)
 end
 """
 
-# Returns {0} if the run does not exist, {1} when saved, {2, stored_revision} when stale.
-SAVE_RUN: Final = _SAVE + """
-return save(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]) or {1}
+# Returns {0} if the run does not exist, {1} when saved, {2, stored_revision} when stale, {4}
+# when ARGV[10] names a lease ("epoch owner") that no longer holds the run. The head is
+# ARGV[7]; its transcript's change follows from ARGV[11] (_TRANSCRIPT).
+SAVE_RUN: Final = _HELPERS + _TRANSCRIPT + _SAVE + """
+if fenced(ARGV[1], ARGV[2], ARGV[10]) then return {4} end
+local refused = save(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9])
+if refused then return refused end
+write_transcript(ARGV[1], ARGV[2], 11)
+return {1}
 """
 
-# Walks the smallest applicable index, newest first, filtering; returns id, body, id, body...
+# Walks the smallest applicable index, newest first, filtering; returns id, run, id, run...
+# (each run as read_run reads it).
 # ARGV[5]: '' (any policy) or '|a|b|', the policies whose runs are wanted (a run stored
 # before runs recorded their policy is always wanted).
-LIST_RUNS: Final = """
+LIST_RUNS: Final = _TRANSCRIPT + """
 local p, team, status, limit, policies = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local idx = p .. 'runs'
 if team ~= '' then idx = p .. 'runs:team:' .. team end
@@ -189,7 +260,7 @@ while #out < 2 * limit do
     if r[1] and (status == '' or r[1] == status) and (team == '' or r[2] == team)
         and (policies == '' or not r[3] or string.find(policies, '|' .. r[3] .. '|', 1, true)) then
       out[#out + 1] = id
-      out[#out + 1] = redis.call('HGET', p .. 'run:' .. id, 'body')
+      out[#out + 1] = read_run(p, id)
       if #out >= 2 * limit then break end
     end
   end
@@ -212,7 +283,7 @@ return out
 # scope, since each costs the client a parse), or {0, refusal, figures..., now, clocks...}
 # with requests tat, tokens tat and in flight per scope as checked (ARGV[16]'s scope first).
 # A run's first call adds
-# the run to store first (CREATE_RUN's nine arguments) after the scopes: {2, stored body} if
+# the run to store first (CREATE_RUN's arguments) after the scopes: {2, stored run} if
 # it exists (the caller goes on with the stored run without a look-up of its own).
 #
 # The claim's own team scope ('team:' .. team) lives in what the budget check reads and
@@ -227,14 +298,12 @@ local p, team, period, amount, budget, ttl, rid, retention, run, max_turns, max_
   ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11],
   ARGV[12], ARGV[13]
 -- After the scopes: the attribution, how many holds, one argument per hold ("kind budget
--- period scope"). A run's first call: the run (CREATE_RUN's nine arguments after the holds)
--- is stored first, in this step.
+-- period scope"). A run's first call: the run (CREATE_RUN's arguments after the holds) is
+-- stored first, in this step.
 local at = 17 + tonumber(ARGV[15])
 local attr, nholds = ARGV[at], tonumber(ARGV[at + 1])
 local made = at + 2 + nholds
-if #ARGV >= made + 8 and create(p, made) == 0 then
-  return {2, redis.call('HGET', p .. 'run:' .. ARGV[made], 'body')}
-end
+if #ARGV >= made + 8 and create(p, made) == 0 then return {2, read_run(p, ARGV[made])} end
 local now = now_ms()
 reclaim(p, team, now, retention)
 local hs, tags = {}, ''
@@ -497,7 +566,7 @@ for _, rid in ipairs(kept) do redis.call('SADD', p .. 'owner:' .. owner, rid) en
 -- leases are dead and another worker or replica may take those runs at once.
 local leases = p .. 'leases-of:' .. owner
 for _, key in ipairs(redis.call('SMEMBERS', leases)) do
-  if redis.call('GET', key) == owner then redis.call('DEL', key) end
+  release_lease(key, p .. 'fence:' .. string.sub(key, #p + 7), owner)  -- the run's id after '<p>lease:'
 end
 redis.call('DEL', leases)
 -- And the notices it was delivering: due again now (a claimed notice is due at its lease's
@@ -541,11 +610,13 @@ ENQUEUE: Final = _HELPERS + _ENQUEUE + """
 return enqueue(ARGV[1], 2, now_ms())
 """
 
-# A run's trace lines (ARGV[3] of them from ARGV[4]) and the notices they cause, at once.
+# A run's trace lines (ARGV[4] of them from ARGV[5]) and the notices they cause, at once;
+# with a lease (ARGV[3], '' = none), only while it holds the run (else -1, nothing written).
 APPEND_EVENTS: Final = _HELPERS + _ENQUEUE + """
-local p, id, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
-if n > 0 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, 4, 3 + n)) end
-return enqueue(p, 4 + n, now_ms())
+local p, id, n = ARGV[1], ARGV[2], tonumber(ARGV[4])
+if fenced(p, id, ARGV[3]) then return -1 end
+if n > 0 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, 5, 4 + n)) end
+return enqueue(p, 5 + n, now_ms())
 """
 
 # Up to ARGV[3] due notices, held for ARGV[2] for ARGV[4] ms (their due time pushed past the
@@ -591,18 +662,24 @@ redis.call('ZADD', p .. 'outbox:done', string.format('%d', now), id)
 return 1
 """
 
-# One turn: the run's save (refused as SAVE_RUN refuses, and then nothing is written), its
-# trace events (ARGV[16] of them from ARGV[17]) with the outbox notices after them, and its
-# booking (settle a reservation, or charge the period); returns
+# One turn: the run's save (refused as SAVE_RUN refuses, and then nothing is written; its
+# transcript's change from ARGV[17], _TRANSCRIPT), its trace events (ARGV[j] of them from
+# ARGV[j + 1], j the end of the transcript's arguments) with the outbox notices after them,
+# and its booking (settle a reservation, or charge the period); returns
 # {1, spent, reserved} of the booking's ledger after it ({1} without a booking). Booking
 # flag '2' (if_held): {3} and nothing written unless the reservation is still stored.
-# ARGV[17 + n]: how many token charges follow the events (one argument each, as SETTLE's), then
-# the step's audit entries (_AUDIT: {-1} and nothing written when the audit head moved), then the notices.
-COMMIT_TURN: Final = _HELPERS + _SAVE + _SETTLE + _ENQUEUE + _AUDIT + """
+# ARGV[16]: the lease the turn is written under ("epoch owner", '' = none): {4} and nothing
+# written unless it is still the run's (`fenced`).
+# ARGV[j + 1 + n]: how many token charges follow the events (one argument each, as SETTLE's),
+# then the step's audit entries (_AUDIT: {-1} and nothing written when the audit head moved),
+# then the notices.
+COMMIT_TURN: Final = _HELPERS + _TRANSCRIPT + _SAVE + _SETTLE + _ENQUEUE + _AUDIT + """
 local p, id = ARGV[1], ARGV[2]
-local n = tonumber(ARGV[16])
-local charges = 18 + n
-local audit_at = charges + tonumber(ARGV[17 + n])
+if fenced(p, id, ARGV[16]) then return {4} end
+local j = transcript_end(17)
+local n = tonumber(ARGV[j])
+local charges = j + n + 2
+local audit_at = charges + tonumber(ARGV[j + n + 1])
 local na = tonumber(ARGV[audit_at + 1])
 local notices = audit_at + 2
 if na > 0 then notices = notices + 2 * na + 1 end
@@ -610,8 +687,9 @@ if not audit_ok(p, audit_at) then return {-1} end
 if ARGV[10] == '2' and redis.call('EXISTS', p .. 'res:' .. ARGV[11]) == 0 then return {3} end
 local refused = save(p, id, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9])
 if refused then return refused end
+write_transcript(p, id, 17)
 local book, rid, actual, team, period, retention = ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[14], ARGV[15]
-if n > 0 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, 17, 16 + n)) end
+if n > 0 then redis.call('RPUSH', p .. 'events:' .. id, unpack(ARGV, j + 1, j + n)) end
 local now = now_ms()  -- once: the script is one atomic step
 enqueue(p, notices, now)
 audit_write(p, audit_at)
@@ -627,25 +705,41 @@ local l = redis.call('HMGET', p .. 'ledger:' .. team, 'spent:' .. period, 'reser
 return {1, l[1] or '0', l[2] or '0'}
 """
 
-# KEYS[2]: the set of the lease keys `owner` took (RELEASE_OWNER frees them after a restart).
+# The lease key of a run (KEYS[1]) holds "epoch owner" for its TTL: who may take the run.
+# Its fence key (KEYS[4]) holds the last lease taken, with no expiry: whose writes count. A
+# live lease of `owner` is extended; a free one (no key: never taken, released or expired)
+# is taken back with its epoch if `owner` was the last to take it and did not release it (it
+# lapsed, nobody took the run meanwhile), else with a new epoch from KEYS[3], a counter of
+# every lease taken under the prefix, so epochs never repeat. Returns the epoch, or 0 if
+# another owner holds it (a value without an epoch is a lease of a replica from before
+# epochs, held until it expires). KEYS[2]: the set of the lease keys `owner` took
+# (RELEASE_OWNER frees them after a restart).
 ACQUIRE_LEASE: Final = """
 local key, owner, ttl = KEYS[1], ARGV[1], ARGV[2]
-if redis.call('SET', key, owner, 'NX', 'PX', ttl) then
+local cur = redis.call('GET', key)
+if cur then
+  local epoch, held_by = string.match(cur, '^(%d+) (.*)$')
+  if held_by ~= owner then return 0 end
+  redis.call('PEXPIRE', key, ttl)
   redis.call('SADD', KEYS[2], key)
-  return 1
+  return tonumber(epoch)
 end
-if redis.call('GET', key) == owner then
-  redis.call('SET', key, owner, 'XX', 'PX', ttl)
-  redis.call('SADD', KEYS[2], key)
-  return 1
+local last = redis.call('GET', KEYS[4])
+local epoch, held_by = false, false
+if last then epoch, held_by = string.match(last, '^(%d+) (.*)$') end
+if held_by ~= owner then
+  epoch = redis.call('INCR', KEYS[3])
+  redis.call('SET', KEYS[4], epoch .. ' ' .. owner)
 end
-return 0
+redis.call('SET', key, epoch .. ' ' .. owner, 'PX', ttl)
+redis.call('SADD', KEYS[2], key)
+return tonumber(epoch)
 """
 
-RELEASE_LEASE: Final = """
+# KEYS[3]: the run's fence key, cleared ('0') with the lease: the next lease has a new epoch.
+RELEASE_LEASE: Final = _HELPERS + """
 redis.call('SREM', KEYS[2], KEYS[1])
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
+return release_lease(KEYS[1], KEYS[3], ARGV[1])
 """
 
 # Retention, one batch: runs created before `cutoff` (seconds) from `offset` on in the
@@ -664,8 +758,8 @@ for _, id in ipairs(ids) do
   elseif r[1] == 'running' then
     kept = kept + 1
   else
-    -- the body's last "updated_at" (stamped_body writes it after the transcript), read
-    -- without decoding a transcript that can be megabytes long while Redis waits
+    -- the body's last "updated_at" (a head's, or, in a body of before heads, the one after
+    -- its transcript), read without decoding what can be megabytes long while Redis waits
     local updated = tonumber(string.match(r[3], '.*"updated_at":([-+.%deE]+)')) or 0
     if updated >= cutoff then
       kept = kept + 1
@@ -673,7 +767,8 @@ for _, id in ipairs(ids) do
       pruned = pruned + redis.call('DEL', p .. 'events:' .. id)
       kept = kept + 1
     else
-      redis.call('DEL', key, p .. 'events:' .. id, p .. 'lease:' .. id)
+      redis.call('DEL', key, p .. 'events:' .. id, p .. 'lease:' .. id, p .. 'fence:' .. id,
+                 p .. 'transcript:' .. id, p .. 'per_turn:' .. id)
       redis.call('ZREM', p .. 'runs', id)
       redis.call('ZREM', p .. 'runs:team:' .. r[2], id)
       redis.call('ZREM', p .. 'runs:status:' .. r[1], id)

@@ -41,6 +41,7 @@ from gateway.store.base import (
     Event,
     Figures,
     Grant,
+    Lease,
     Ledger,
     RateLimit,
     RateState,
@@ -51,14 +52,17 @@ from gateway.store.base import (
     judge,
     new_reservation_id,
     optional_micros,
+    RunWrite,
+    new_run_write,
     parse_run,
-    stamped_body,
+    run_write,
     to_micros,
 )
 from gateway.store.errors import (
     AlreadyBooked,
     KeyExists,
     KeyNotFound,
+    LeaseLost,
     RunExists,
     RunNotFound,
     StaleKey,
@@ -88,15 +92,15 @@ from gateway.store.sqlite_rates import (
     team_in_flight,
 )
 from gateway.store.sqlite_rates import in_flight as count_in_flight
-from gateway.store.sqlite_wal import Checkpointer
+from gateway.store.sqlite_wal import FENCE_FRAMES, PAGE_BYTES, Checkpointer
 
 __all__ = ["MIGRATIONS", "SqliteStore", "connect", "migrate"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-JOURNAL_SIZE_LIMIT: Final = 64 * 1024 * 1024
-"""A WAL that grew past this is truncated back to it when it restarts."""
+JOURNAL_SIZE_LIMIT: Final = FENCE_FRAMES * PAGE_BYTES
+"""A WAL that grew past this (32 MiB, where a fence starts) is truncated back to it when it restarts."""
 FINISHED: Final = tuple(s for s in STATUSES if s != "running")
 """The statuses retention may prune: a `running` run is between calls or being driven."""
 MAX_RATE_PLANS: Final = 1024
@@ -162,6 +166,8 @@ _REVISION: Final = "(SELECT revision FROM runs WHERE id = :run)"
 """The run's stored revision, read back by the admission's RETURNING (`Grant.run_revision`):
 a statement less than a SELECT after it (3 us a call)."""
 
+_HELD: Final = "SELECT 1 FROM leases WHERE run_id = ? AND owner = ? AND epoch = ? AND expires_at > 0"
+"""Whether a lease (run, owner, epoch) is still the last one taken on its run and not released."""
 _READ_CLOCK: Final = "SELECT requests_tat, tokens_tat FROM reservations WHERE id = ?"
 _CLOCK_ROW: Final = ("INSERT OR IGNORE INTO reservations (id, team, period, amount_micros, expires_at, state)"
                      " VALUES (?1, ?1, '', 0, 0, 'clock')")
@@ -191,6 +197,73 @@ _SPEND: Final = (
 """A booking's spend added to its day's row (base.SpendRow)."""
 
 
+def _size(written: RunWrite) -> int:
+    return len(written.head) + sum(len(m) for m in written.messages)
+
+
+def _write_transcript(db: sqlite3.Connection, run_id: str, written: RunWrite) -> None:
+    """A save's transcript rows (`RunWrite`), in the caller's transaction: messages are rows
+    of kind 0, `per_turn` entries rows of kind 1 ("prompt completion")."""
+    if written.truncates:
+        db.execute("DELETE FROM transcripts WHERE run_id = ?1 AND (kind = 0 AND seq >= ?2 OR kind = 1 AND seq >= ?3)",
+                   (run_id, written.messages_from, written.per_turn_from))
+    rows: list[tuple[str, int, int, bytes | str]] = [
+        (run_id, 0, written.messages_from + i, m) for i, m in enumerate(written.messages)]
+    rows += [(run_id, 1, written.per_turn_from + i, f"{p} {c}") for i, (p, c) in enumerate(written.per_turn)]
+    if len(rows) <= len(_INSERT_ITEMS):  # a turn's few rows: one statement, no executemany iterator
+        if rows:
+            db.execute(_INSERT_ITEMS[len(rows) - 1], [v for row in rows for v in row])
+    else:
+        db.executemany(_INSERT_ITEMS[0], rows)
+
+
+_INSERT_ITEMS: Final = tuple("INSERT INTO transcripts (run_id, kind, seq, body) VALUES " + ", ".join(["(?, ?, ?, ?)"] * n)
+                             for n in range(1, 9))
+"""The INSERT of 1 to 8 transcript rows in one statement."""
+
+
+def _read_run(db: sqlite3.Connection, run_id: str, body: bytes | str) -> RunState:
+    """A run from its head and the rows beside it, in the caller's read transaction (a body
+    of schema 1 to 4 holds its transcript itself: no rows)."""
+    if b'"transcript":{' not in (body.encode() if isinstance(body, str) else body):  # migrated bodies are TEXT
+        return parse_run(run_id, body)
+    messages: list[bytes] = []
+    pairs: list[list[int]] = []
+    for kind, item in db.execute("SELECT kind, body FROM transcripts WHERE run_id = ? ORDER BY kind, seq", (run_id,)):
+        if kind == 0:
+            messages.append(item)
+        else:
+            pairs.append([int(x) for x in str(item).split()])
+    return parse_run(run_id, body, (messages, pairs))
+
+
+class _Snapshot:
+    """`with _Snapshot(db):` one read transaction (a head and its rows from the same commit),
+    unless the connection is in one already."""
+
+    __slots__ = ("db", "began")
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+        self.began = False
+
+    def __enter__(self) -> None:
+        if not self.db.in_transaction:
+            self.db.execute("BEGIN")
+            self.began = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self.began:
+            self.db.execute("COMMIT")
+
+
+def _fence(db: sqlite3.Connection, lease: Lease | None) -> None:
+    """LeaseLost (nothing written yet) unless `lease`, when given, is still its run's last
+    lease taken (a released one has expires_at 0)."""
+    if lease is not None and db.execute(_HELD, (lease.run_id, lease.owner, lease.epoch)).fetchone() is None:
+        raise LeaseLost(lease.run_id, lease.epoch)
+
+
 class SqliteStore:
     """The store in one SQLite file; several processes may open the same file."""
 
@@ -207,7 +280,7 @@ class SqliteStore:
         self._clock_rows: set[str] = set()  # scopes whose clock row this store made sure of
         self.notice_rule: NoticeRule | None = None
         self._batch = WriteBatch(self._db, self._translate, (StaleRun, RunNotFound, RunExists, AlreadyBooked,
-                                                             KeyExists, KeyNotFound, StaleKey))
+                                                             KeyExists, KeyNotFound, StaleKey, LeaseLost))
         try:
             with self._errors:
                 self._conn.execute("PRAGMA wal_autocheckpoint = 0")  # the checkpointer's thread does it
@@ -225,12 +298,13 @@ class SqliteStore:
         return exc
 
     async def _write(self, step: Step[T], *, atomic: bool, mine: str | None = None,
-                     skip_if_cancelled: bool = False) -> T:
+                     skip_if_cancelled: bool = False, size: int = 0) -> T:
         """Run a write: at once when no other call of this process is in flight (no
         reservation held but `mine`), else in this loop turn's batch. Alone, a step that is
         not `atomic` (each of its statements is, and it needs no more) runs in autocommit,
-        which spares a BEGIN and a COMMIT round trip."""
-        fence = self._wal.write()
+        which spares a BEGIN and a COMMIT round trip. `size`: about how many bytes it stores,
+        when that can be large (a run's transcript, trace lines), for the WAL's bound."""
+        fence = self._wal.write(size)
         if fence is not None:  # rarely: the checkpointer needs the WAL still (see sqlite_wal)
             await asyncio.shield(fence)
         if not self._batch.pending and len(self._held) <= (1 if mine in self._held else 0):
@@ -251,13 +325,15 @@ class SqliteStore:
         return Immediate(self._db())
 
     async def create_run(self, state: RunState) -> None:
-        await self._write(self._inserter(state), atomic=False)  # one INSERT
+        await self._write(self._inserter(state), atomic=True, size=_size(new_run_write(state)))
+        state.mark_stored()
 
     @staticmethod
     def _inserter(state: RunState) -> Step[None]:
         """The step that stores a new run (RunExists, nothing written, if the id is taken)."""
+        written = new_run_write(state)
         row = (state.run_id, state.team, state.status, state.policy, state.created_at, state.updated_at,
-               state.revision, state.dumps(), state.turns, to_micros(state.cost_usd, "cost_usd"))
+               state.revision, written.head, state.turns, to_micros(state.cost_usd, "cost_usd"))
 
         def step(db: sqlite3.Connection) -> None:
             try:
@@ -265,25 +341,42 @@ class SqliteStore:
                            " cost_micros) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
             except sqlite3.IntegrityError as exc:
                 raise RunExists(state.run_id) from exc
+            _write_transcript(db, state.run_id, written)
 
         return step
 
     async def load_run(self, run_id: str) -> RunState | None:
         with self._errors:
-            row = self._db().execute("SELECT body FROM runs WHERE id = ?", (run_id,)).fetchone()
-        return None if row is None else parse_run(run_id, row[0])
+            db = self._db()
+            with _Snapshot(db):
+                row = db.execute("SELECT body FROM runs WHERE id = ?", (run_id,)).fetchone()
+                return None if row is None else _read_run(db, run_id, row[0])
 
-    async def save_run(self, state: RunState) -> None:
+    async def save_run(self, state: RunState, *, lease: Lease | None = None) -> None:
         now = time.time()
         revision = state.revision + 1
-        body = orjson.dumps(stamped_body(state, revision, now))
-        # Each UPDATE is conditional on the revision: no transaction needed around them.
-        await self._write(lambda db: self._update_run(db, state, revision, now, body), atomic=False)
+        written = run_write(state, revision, now)
+
+        def step(db: sqlite3.Connection) -> None:
+            _fence(db, lease)
+            self._update_run(db, state, revision, now, written)
+
+        # The head's UPDATE is conditional on the revision; a transaction keeps the
+        # transcript's rows with it (and the lease's check, when there is one).
+        await self._write(step, atomic=lease is not None or bool(written.messages or written.per_turn
+                                                                  or written.truncates), size=_size(written))
         state.revision = revision
         state.updated_at = now
+        state.mark_stored()
+
+    @classmethod
+    def _update_run(cls, db: sqlite3.Connection, state: RunState, revision: int, now: float,
+                    written: RunWrite) -> None:
+        cls._update_head(db, state, revision, now, written.head)
+        _write_transcript(db, state.run_id, written)
 
     @staticmethod
-    def _update_run(db: sqlite3.Connection, state: RunState, revision: int, now: float, body: bytes) -> None:
+    def _update_head(db: sqlite3.Connection, state: RunState, revision: int, now: float, body: bytes) -> None:
         # SQLite rewrites an index whenever its column is SET, changed or not: the usual save
         # (same team, status and policy) leaves them out, which keeps the two run indexes clean.
         cost = to_micros(state.cost_usd, "cost_usd")
@@ -308,20 +401,21 @@ class SqliteStore:
             raise StaleRun(state.run_id, state.revision, int(row[0]))
 
     async def commit_turn(self, state: RunState, events: list[Event], booking: Booking | None = None,
-                          audit: Sequence[AuditEntry] = ()) -> Ledger | None:
+                          audit: Sequence[AuditEntry] = (), *, lease: Lease | None = None) -> Ledger | None:
         actual = 0 if booking is None else to_micros(booking.actual_usd, "actual_usd")
         now = time.time()
         revision = state.revision + 1
-        body = orjson.dumps(stamped_body(state, revision, now))
+        written = run_write(state, revision, now)
         encoded = [orjson.dumps(e) for e in events]
         notices = self._notices(state.run_id, events)
         mine = None if booking is None else booking.reservation_id
 
         def step(db: sqlite3.Connection) -> Ledger | None:  # a refusal undoes all of it
+            _fence(db, lease)
             if booking is not None and booking.if_held and booking.reservation_id is not None and db.execute(
                     "SELECT 1 FROM reservations WHERE id = ?", (booking.reservation_id,)).fetchone() is None:
                 raise AlreadyBooked(booking.reservation_id)
-            self._update_run(db, state, revision, now, body)
+            self._update_run(db, state, revision, now, written)
             if encoded:
                 self._insert_events(db, state.run_id, encoded)
             if notices:
@@ -337,13 +431,15 @@ class SqliteStore:
             return self._spend(db, booking.team, booking.period)
 
         try:
-            ledger = await self._write(step, atomic=True, mine=mine)
+            ledger = await self._write(step, atomic=True, mine=mine,
+                                       size=_size(written) + sum(len(e) for e in encoded))
         except asyncio.CancelledError:
             self._held.pop(mine or "", None)  # the batch commits it all the same
             raise
         self._held.pop(mine or "", None)
         state.revision = revision
         state.updated_at = now
+        state.mark_stored()
         return ledger
 
     async def list_runs(self, team: str | None = None, status: str | None = None, limit: int = 100,
@@ -368,21 +464,25 @@ class SqliteStore:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
         with self._errors:
-            rows = self._db().execute(sql, (*params, limit)).fetchall()
-        return [parse_run(run_id, body) for run_id, body in rows]
+            db = self._db()
+            with _Snapshot(db):
+                rows = db.execute(sql, (*params, limit)).fetchall()
+                return [_read_run(db, run_id, body) for run_id, body in rows]
 
-    async def append_events(self, run_id: str, events: list[Event]) -> None:
+    async def append_events(self, run_id: str, events: list[Event], *, lease: Lease | None = None) -> None:
         if not events:
             return
         encoded = [orjson.dumps(e) for e in events]
         notices = self._notices(run_id, events)
 
         def step(db: sqlite3.Connection) -> None:
+            _fence(db, lease)
             self._insert_events(db, run_id, encoded)
             if notices:
                 self._insert_notices(db, notices)
 
-        await self._write(step, atomic=len(encoded) > 1 or bool(notices))
+        await self._write(step, atomic=len(encoded) > 1 or bool(notices) or lease is not None,
+                          size=sum(len(e) for e in encoded))
 
     def _notices(self, run_id: str, events: list[Event]) -> Sequence[Notice]:
         notices = self.notice_rule(run_id, events) if self.notice_rule is not None and events else ()
@@ -559,6 +659,8 @@ class SqliteStore:
             raise
         if grant.reservation_id is not None:
             self._held[grant.reservation_id] = granted[0][1]
+        if claim.create is not None:  # stored, granted or not
+            claim.create.mark_stored()
         return grant
 
     def _plain_sql(self, without_run: bool, holds: int) -> str:
@@ -615,7 +717,7 @@ class SqliteStore:
         kept = orjson.dumps(sorted(keep)).decode()
 
         def step(db: sqlite3.Connection) -> int:
-            db.execute("DELETE FROM leases WHERE owner = ? AND owner != ''", (owner,))
+            db.execute("UPDATE leases SET expires_at = 0 WHERE owner = ? AND owner != ''", (owner,))
             db.execute("UPDATE outbox SET due_at = ?, owner = '' WHERE state = 'pending' AND owner = ? AND owner != ''",
                        (time.time(), owner))
             return int(db.execute("DELETE FROM reservations WHERE owner = ? AND owner != '' AND state = 'held'"
@@ -684,7 +786,7 @@ class SqliteStore:
 
     async def release(self, reservation_id: str) -> None:
         self._held.pop(reservation_id, None)
-        await self._write(lambda db: self._delete(db, "DELETE FROM reservations WHERE id = ?", reservation_id),
+        await self._write(lambda db: self._exec(db, "DELETE FROM reservations WHERE id = ?", reservation_id),
                           atomic=False)
 
     async def team_spend(self, team: str, period: str) -> tuple[float, float]:
@@ -723,19 +825,22 @@ class SqliteStore:
 
         return await self._write(step, atomic=True)
 
-    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
+    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> Lease | None:
         ttl = check_ttl(ttl_s, "ttl_s", allow_zero=False)
 
-        def step(db: sqlite3.Connection) -> bool:
+        def step(db: sqlite3.Connection) -> Lease | None:
             now = time.time()
-            return db.execute(
-                "INSERT INTO leases (run_id, owner, expires_at) VALUES (?1, ?2, ?3)"
-                " ON CONFLICT (run_id) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at"
-                " WHERE leases.owner = excluded.owner OR leases.expires_at <= ?4",
+            row = db.execute(
+                "INSERT INTO leases (run_id, owner, expires_at, epoch) VALUES (?1, ?2, ?3, 1)"
+                " ON CONFLICT (run_id) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at,"
+                " epoch = CASE WHEN leases.owner = excluded.owner AND leases.expires_at > 0 THEN leases.epoch"
+                " ELSE leases.epoch + 1 END"
+                " WHERE leases.owner = excluded.owner OR leases.expires_at <= ?4 RETURNING epoch",
                 (run_id, owner, now + ttl, now),
-            ).rowcount == 1
+            ).fetchone()
+            return None if row is None else Lease(run_id, owner, int(row[0]))
 
-        return await self._write(step, atomic=False)
+        return await self._write(step, atomic=False)  # one statement
 
     async def prune_runs(self, updated_before: float, *, events_only: bool = False) -> int:
         # created_at <= updated_at, so the (status, created_at) index narrows the scan.
@@ -747,6 +852,7 @@ class SqliteStore:
             db.executemany("DELETE FROM events WHERE run_id = ?", ids)
             if not events_only:
                 db.executemany("DELETE FROM runs WHERE id = ?", ids)
+                db.executemany("DELETE FROM transcripts WHERE run_id = ?", ids)
                 db.executemany("DELETE FROM leases WHERE run_id = ?", ids)
             return len(ids)
 
@@ -770,11 +876,12 @@ class SqliteStore:
         return await self._write(step, atomic=True)
 
     async def release_lease(self, run_id: str, owner: str) -> None:
-        await self._write(lambda db: self._delete(db, "DELETE FROM leases WHERE run_id = ? AND owner = ?", run_id, owner),
-                          atomic=False)
+        # Expired rather than deleted: the run's next lease takes the next epoch.
+        await self._write(lambda db: self._exec(db, "UPDATE leases SET expires_at = 0 WHERE run_id = ? AND owner = ?",
+                                                  run_id, owner), atomic=False)
 
     @staticmethod
-    def _delete(db: sqlite3.Connection, sql: str, *params: str) -> None:
+    def _exec(db: sqlite3.Connection, sql: str, *params: str) -> None:
         db.execute(sql, params)
 
     async def put_response(self, response_id: str, team: str, body: bytes) -> None:

@@ -166,6 +166,21 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     """CREATE TABLE spend (day TEXT NOT NULL, team TEXT NOT NULL, key_id TEXT NOT NULL, user TEXT NOT NULL,
         model TEXT NOT NULL, policy TEXT NOT NULL, cost_micros INTEGER NOT NULL, calls INTEGER NOT NULL,
         PRIMARY KEY (day, team, key_id, user, model, policy)) WITHOUT ROWID""",
+    # Lease epochs (fencing tokens): a lease taken by another owner than the row's (or after a
+    # release) gets the next epoch of its run, and every write made under a lease checks it
+    # in its own transaction (base.Lease). A released lease keeps its row (expires_at 0), so
+    # a run's epochs only ever grow.
+    "ALTER TABLE leases ADD COLUMN epoch INTEGER NOT NULL DEFAULT 0",
+    # A run's transcript beside its head (run schema 5): `runs.body` holds the head (a few
+    # KB, rewritten by each save) and counts what this table holds for it; each message
+    # (kind 0, its JSON) and each turn's usage (kind 1, "prompt completion") is one row,
+    # written once. One table for both (a turn's rows are one INSERT, on the table's last
+    # page and one page of its index); a rowid table, since a message can be large (a tool's
+    # result) and rows appended in rowid order keep its pages full. Runs saved before keep
+    # their whole body (messages inside, nothing here) until their next save.
+    """CREATE TABLE transcripts (
+        run_id TEXT NOT NULL, kind INTEGER NOT NULL, seq INTEGER NOT NULL, body BLOB NOT NULL,
+        PRIMARY KEY (run_id, kind, seq))""",
 )
 
 BUSY_TIMEOUT_S: Final = 10.0

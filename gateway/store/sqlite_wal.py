@@ -15,8 +15,13 @@ the loop goes on serving) while one pass copies everything, then lets them go; t
 of them restarts the WAL. Other processes writing the same file (workers, replicas) are
 held too, for the end of that pass only: it finishes with a RESTART checkpoint, which waits
 for their transactions and keeps new ones out while it copies the last frames (their
-writes wait in SQLite's busy handler: milliseconds, `RESTART_WAIT_S` at most). Between
-fences at least `FENCE_WRITES` writes pass.
+writes wait in SQLite's busy handler: milliseconds, `RESTART_WAIT_S` at most).
+
+The WAL's length is what the last pass saw plus what this process wrote since (each write
+says roughly how many bytes it stores), so a few large writes between two passes start a
+fence as surely as many small ones. A fence that could not restart the WAL (a reader held
+it) is not tried again before `FENCE_WRITES` more writes; after one that did, the next may
+come as soon as the WAL is long again, whatever the size of the writes.
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ PASS_INTERVAL_S: Final = 0.1
 FENCE_FRAMES: Final = 8192
 """WAL frames (pages of 4 KiB) past which writes are held for one complete pass (32 MiB)."""
 FENCE_WRITES: Final = 1000
-"""Writes that pass between two fences, whatever happens."""
+"""Writes that pass after a fence that could not restart the WAL, before the next fence."""
+PAGE_BYTES: Final = 4096
+"""The size of a WAL frame's page, to count a write's bytes in frames."""
 RESTART_WAIT_S: Final = 0.1
 """How long a fenced pass's RESTART waits for other processes' transactions. It holds off
 their writers meanwhile (a transaction held open elsewhere, say a person's sqlite3 shell,
@@ -58,6 +65,12 @@ class Checkpointer:
         """Checkpoint passes done."""
         self.fences = 0
         """Fences lifted (times writes were held for a complete pass)."""
+        self.written = 0
+        """Bytes this process's writes stored so far (as they said); bumped by the event loop."""
+        self._written_at_pass = 0
+        """`written` when the last pass began (the pass saw those in the WAL's length)."""
+        self._restarted = True
+        """Whether the last fence restarted the WAL (else the next waits FENCE_WRITES writes)."""
         self._fenced_at = -FENCE_WRITES
         self._fence: asyncio.Future[None] | None = None
         self._fence_request: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
@@ -70,11 +83,15 @@ class Checkpointer:
         self._thread = threading.Thread(target=self._run, name=f"sqlite-checkpointer:{path}", daemon=True)
         self._thread.start()
 
-    def write(self) -> asyncio.Future[None] | None:
-        """Count a write about to be made (event loop only); returns the fence it must await
-        (shielded) first, if there is one, starting one when the WAL has grown too long."""
+    def write(self, size: int = 0) -> asyncio.Future[None] | None:
+        """Count a write about to be made, of about `size` bytes (event loop only); returns
+        the fence it must await (shielded) first, if there is one, starting one when the WAL
+        has grown too long."""
         self.writes += 1
-        if self._fence is None and self.frames >= FENCE_FRAMES and self.writes - self._fenced_at >= FENCE_WRITES:
+        self.written += size
+        frames = self.frames + (self.written - self._written_at_pass) // PAGE_BYTES
+        if self._fence is None and frames >= FENCE_FRAMES and (
+                self._restarted or self.writes - self._fenced_at >= FENCE_WRITES):
             loop = asyncio.get_running_loop()
             self._fenced_at = self.writes
             self._fence = loop.create_future()
@@ -99,6 +116,7 @@ class Checkpointer:
 
     def _pass(self, fenced: bool) -> None:
         before = self.writes
+        written = self.written
         try:
             busy, frames, copied = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
             if fenced:
@@ -121,6 +139,9 @@ class Checkpointer:
         # since (or held by a fence, or by RESTART): the next write restarts the WAL.
         done = not busy and frames == copied and (fenced or self.writes == before)
         self.frames = 0 if done else int(frames)
+        self._written_at_pass = written
+        if fenced:
+            self._restarted = done
 
     def _lift(self, loop: asyncio.AbstractEventLoop, fence: asyncio.Future[None]) -> None:
         def lift() -> None:

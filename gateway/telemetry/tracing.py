@@ -133,6 +133,11 @@ class Opened:
     def ids(self) -> tuple[str, str] | None:
         return hex_ids(self.span)
 
+    @property
+    def recording(self) -> bool:
+        """Not ended (and sampled): what is told to it now is kept."""
+        return self.span.is_recording()
+
     def event(self, name: str, attributes: Mapping[str, Any]) -> None:
         self.span.add_event(name, dict(attributes))
 

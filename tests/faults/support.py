@@ -35,6 +35,8 @@ class RedisProc:
     port: int = field(default_factory=free_port)
     popen: subprocess.Popen[bytes] | None = None
     appendonly: bool = True
+    args: tuple[str, ...] = ()
+    """More redis-server arguments (e.g. `--replicaof HOST PORT`)."""
 
     @property
     def url(self) -> str:
@@ -47,7 +49,8 @@ class RedisProc:
         log = (self.folder / "redis.log").open("ab")
         self.popen = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always", "--dir", str(self.folder)],
+             "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always", "--dir", str(self.folder),
+             *self.args],
             stdout=log, stderr=subprocess.STDOUT)
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5, socket_timeout=0.5)
         deadline = time.monotonic() + 15
@@ -63,6 +66,13 @@ class RedisProc:
                     time.sleep(0.02)  # readiness poll interval, not a synchronisation stand-in
         finally:
             client.close()
+
+    def kill(self) -> None:
+        """SIGKILL: the crash of a master that a failover follows."""
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(timeout=10)
+        self.popen = None
 
     def stop(self) -> None:
         if self.popen is not None and self.popen.poll() is None:

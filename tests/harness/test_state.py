@@ -9,19 +9,23 @@ import pytest
 
 from gateway.harness.state import (
     DEFAULT_MAX_TOOL_CALLS,
+    READ_VERSIONS,
     SCHEMA_VERSION,
     Decision,
     RunState,
     StateError,
     own_calls,
     pending,
+    transcript_change,
 )
+from gateway.harness.usage import Usage
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 def test_every_schema_version_has_a_saved_fixture_that_loads() -> None:
-    for version in range(1, SCHEMA_VERSION + 1):
+    assert READ_VERSIONS[-1] == SCHEMA_VERSION
+    for version in READ_VERSIONS:
         raw = (FIXTURES / f"run_v{version}.json").read_bytes()
         state = RunState.loads(raw)
         assert state.status == "interrupted" and state.interruption is not None
@@ -135,3 +139,36 @@ def test_v3_fixture_names_the_key_and_user_that_started_the_run() -> None:
     assert state.key_id == "key_0LkDmkqAb3XqYg7tH2Pz" and state.user == "ana@example.com"
     older = RunState.loads((FIXTURES / "run_v2.json").read_bytes())
     assert older.version == SCHEMA_VERSION and older.key_id == "" and older.user is None
+
+
+def test_v5_stored_fixture_is_a_head_and_its_transcript_beside_it() -> None:
+    stored = orjson.loads((FIXTURES / "run_v5_stored.json").read_bytes())
+    assert "messages" not in stored["head"] and "per_turn" not in stored["head"]
+    assert stored["head"]["transcript"] == {"messages": 4, "per_turn": 2}
+    state = RunState.from_json(stored["head"], (stored["messages"], stored["per_turn"]))
+    assert state == RunState.loads((FIXTURES / "run_v5.json").read_bytes())
+    with pytest.raises(StateError, match="counts 4 messages and 2 turns, the store holds 3 and 2"):
+        RunState.from_json(stored["head"], (stored["messages"][:3], stored["per_turn"]))
+    with pytest.raises(StateError, match="without its transcript"):
+        RunState.from_json(stored["head"])
+
+
+def test_a_transcript_change_is_what_came_after_the_stored_messages() -> None:
+    run = RunState.loads((FIXTURES / f"run_v{SCHEMA_VERSION}.json").read_bytes())
+    run.mark_stored()
+    unchanged = transcript_change(run)
+    assert (unchanged.messages_from, unchanged.messages, unchanged.per_turn_from, unchanged.per_turn,
+            unchanged.truncates) == (4, [], 2, [], False)
+    run.messages.append({"role": "tool", "tool_call_id": "c2", "name": "delete_file", "content": "ok"})
+    run.count_turn(Usage(1, 2), 0.0)
+    added = transcript_change(run)
+    assert (added.messages_from, len(added.messages), added.per_turn_from, added.per_turn,
+            added.truncates) == (4, 1, 2, [Usage(1, 2)], False)
+    # the same history sent again by a client (equal, not the same objects) is not new
+    run.mark_stored()
+    run.messages = [dict(m) for m in run.messages] + [{"role": "user", "content": "next"}]
+    assert transcript_change(run).messages_from == 5
+    # a history edited in the middle is stored again from there
+    run.messages = [run.messages[0], {"role": "assistant", "content": "other"}]
+    edited = transcript_change(run)
+    assert (edited.messages_from, edited.truncates) == (1, True)

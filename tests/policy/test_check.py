@@ -86,7 +86,9 @@ def test_the_shipped_mcp_example_lists_its_discovered_tools_with_their_outcomes(
     done = run_gateway(["policy", "check", "policies/mcp/git.yaml"], cwd=REPO, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert "mcp server git (stdio mcp-server-git): up (started 1 time(s), 0 failure(s)); 10 tool(s) discovered" in out
+    assert ("mcp server git (stdio mcp-server-git --repository .): up (started 1 time(s), 0 failure(s)); "
+            "10 tool(s) discovered") in out
+    assert "warning: mcp server git" not in out  # pinned to one repository
     assert ("tool git_status: read_only=yes destructive=no needs_approval=no timeout_s=30; "
             "executor mcp git: git_status") in out
     assert "git_status({}) -> ALLOW (the tool's needs_approval flag)" in out
@@ -94,3 +96,40 @@ def test_the_shipped_mcp_example_lists_its_discovered_tools_with_their_outcomes(
     assert "git_commit({}) -> ASK (the tool's needs_approval flag)" in out  # the override
     assert "git_checkout" not in out  # excluded
     assert out.rstrip().endswith("1 of 1 policy file(s) valid")
+
+
+def test_every_error_of_a_file_is_reported_at_once_one_line_each(tmp_path: Path) -> None:
+    (tmp_path / "broken.yaml").write_text(
+        "name: broken\n"                                  # 1
+        "colour: blue\n"                                  # 2: unknown field
+        "limits: {max_turns: -1}\n"                       # 3
+        "tools:\n"                                        # 4
+        "  - name: read\n"                                # 5
+        "    description: R.\n"
+        "    executor: {python: 'no_such_module:read'}\n"  # 7
+        "  - name: ok\n"
+        "    description: O.\n"
+        "    executor: {python: 'tests.policy.sample_tools:echo_sync'}\n"
+        "    timeout_s: soon\n"                           # 11
+        "recovery: later\n")                              # 12
+    done = gateway(str(tmp_path / "broken.yaml"))
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    file = tmp_path / "broken.yaml"
+    assert [e.split(": ", 3)[1:3] for e in errors] == [
+        [f"{file}:2", "colour"], [f"{file}:3", "limits.max_turns"], [f"{file}:7", "tools[0].executor.python"],
+        [f"{file}:11", "tools[1].timeout_s"], [f"{file}:12", "recovery"]], done.stderr
+    assert "0 of 1 policy file(s) valid, 1 invalid" in done.stdout
+
+
+def test_a_git_server_started_without_a_repository_is_warned_about(tmp_path: Path) -> None:
+    shipped = (REPO / "policies" / "mcp" / "git.yaml").read_text()
+    unpinned = shipped.replace('command: [mcp-server-git, --repository, "."]', "command: [mcp-server-git]")
+    assert unpinned != shipped
+    (tmp_path / "git.yaml").write_text(unpinned.replace("cwd: ../..", f"cwd: {REPO}"))
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    done = run_gateway(["policy", "check", str(tmp_path / "git.yaml")], cwd=REPO, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr  # a warning, not an error
+    assert ("warning: mcp server git: mcp-server-git is started without a root, so it reaches any git repository "
+            "the gateway's user can read; pin one with `--repository PATH`") in done.stdout

@@ -30,6 +30,14 @@ from tests.support.procs import START_TIMEOUT_S, free_port, start_gateway
 How = Literal["http", "sighup"]
 
 
+async def reloads_recorded(session: aiohttp.ClientSession, served: Served) -> list[dict[str, Any]]:
+    """The audit log's `config.reloaded` records."""
+    status, _, body = await request(session, "GET", f"{served.url}/v1/admin/audit?action=config.reloaded&limit=1000",
+                                    key=OPS)
+    assert status == 200, body
+    return list(body["data"])
+
+
 def start_served(folder: Path, *args: str, timeout: float = START_TIMEOUT_S) -> Served:
     """The served.py gateway, with team ops marked `admin: true` (`args`: more `serve` flags)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -114,6 +122,7 @@ async def test_an_edited_policy_governs_new_runs_while_old_runs_keep_theirs(
         assert {"name": "files", "version": v2} in body["loaded"]
         new = await start_run(session, served, "scripted-plan")
     else:
+        earlier = {r["seq"] for r in await reloads_recorded(session, served)}
         served.proc.popen.send_signal(signal.SIGHUP)
 
         async def a_new_run_under_v2() -> dict[str, Any] | None:
@@ -123,6 +132,13 @@ async def test_an_edited_policy_governs_new_runs_while_old_runs_keep_theirs(
         new = await poll(a_new_run_under_v2)
         log = log_since(served, logged)
         assert "policies reloaded by SIGHUP" in log and f"files@{v2}" in log, log
+
+        async def recorded() -> list[dict[str, Any]]:  # the signal's reload, as the gateway's own act
+            return [r for r in await reloads_recorded(session, served) if r["seq"] not in earlier]
+
+        by_signal = await poll(recorded)
+        assert [(r["actor"], r["details"]) for r in by_signal] == [
+            ({"team": "", "key_id": ""}, {"by": "SIGHUP", "changed": [["files", v2]], "config": []})], by_signal
     assert new["policy_version"] == v2 and new["limits"]["max_turns"] == 2
     assert new["status"] == "max_turns_exceeded" and new["turns"] == 2  # the plan needs 3 turns
 
@@ -159,10 +175,11 @@ async def test_a_broken_policy_file_is_refused_and_the_old_set_keeps_serving(
         status, _, body = await request(session, "POST", f"{served.url}/v1/admin/reload", key=OTHER)
         assert status == 403
     else:
+        earlier = {r["seq"] for r in await reloads_recorded(session, served)}
         served.proc.popen.send_signal(signal.SIGHUP)
 
         async def refusal_logged() -> bool:
-            return "policy reload by SIGHUP refused" in log_since(served, logged)
+            return "reload by SIGHUP refused, the previous config and policies kept" in log_since(served, logged)
 
         await poll(refusal_logged)
         assert f"{files_policy(served)}:{line}: limits.max_turns:" in log_since(served, logged)

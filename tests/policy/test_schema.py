@@ -47,7 +47,7 @@ def test_a_good_policy_loads_every_field(write: WriteFile) -> None:
     assert p.name == "good" and p.path == path
     assert p.limits == Limits(7, 0.25, "strict")
     assert [t.name for t in p.tools] == ["echo", "remote", "research"]
-    assert p.tools[0].executor == PythonExecutor("tests.policy.sample_tools:echo_sync")
+    assert p.tools[0].executor == PythonExecutor("tests.policy.sample_tools:echo_sync", search=(path.parent.resolve(),))
     assert p.tools[0].spec.read_only and p.tools[0].spec.timeout_s == 2.0
     assert p.tools[1].executor == HttpExecutor("http://127.0.0.1:9/tool", 1.5, {"X-Token": "abc"})
     assert p.tools[1].spec.parameters == {"type": "object", "properties": {}}
@@ -212,3 +212,17 @@ def test_unreadable_and_non_utf8_files(tmp_path: Path) -> None:
     bad.write_bytes("name: caf\xe9\n".encode("latin-1"))
     with pytest.raises(PolicyError, match="not UTF-8"):
         load_policy(bad)
+
+
+def test_a_policy_module_named_like_a_library_is_refused_naming_both(write: WriteFile) -> None:
+    path = write("clash.yaml", """
+name: clash
+tools:
+  - {name: dump, description: D., executor: {python: "json:dumps"}}
+""")
+    (path.parent / "json.py").write_text("def dumps(args, ctx):\n    return 'mine'\n")
+    with pytest.raises(PolicyError) as info:
+        load_policy(path)
+    assert info.value.field == "tools[0].executor.python"
+    assert f"not this policy's {path.parent.resolve() / 'json.py'}" in info.value.problem
+    assert "rename the policy's module" in info.value.problem

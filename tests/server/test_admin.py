@@ -110,7 +110,7 @@ async def test_a_broken_file_is_refused_and_the_old_set_keeps_serving(admin_gw: 
     status, body = await reload(gw)
     assert status == 400, body
     assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == "invalid_policy"
-    assert "previous policies keep serving" in body["error"]["message"]
+    assert "previous config and policies keep serving" in body["error"]["message"]
     [error] = body["errors"]
     assert (error["file"], error["line"], error["field"]) == (str(path), 3, "limits.max_turns")
     assert "-2" in error["problem"] and error["message"].startswith(f"{path}:3: limits.max_turns:")

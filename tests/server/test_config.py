@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -204,3 +205,37 @@ def test_a_missing_policies_dir_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         build_app(load_config(path))
     assert info.value.path == "policies_dir" and "no-such-folder" in info.value.problem
+
+
+def test_gateway_serve_reports_every_error_of_the_file_at_once(tmp_path: Path) -> None:
+    """The new user's case: a missing variable hid a bad upstream and a bad policy name."""
+    data = config_data()
+    data["teams"].append({"name": "beta", "key_env": "GATEWAY_TEST_BETA_KEY", "policies": ["passthrough"]})
+    data["models"].append({"match": "gpt-*", "upstream": "opneai"})
+    data["teams"][1]["policies"] = ["passthrough", "pasthrough"]
+    data["teams"][0]["budget_usd"] = "ten"
+    data["teams"][0]["budget_period"] = "fortnight"
+    data["servre"] = {"port": 1}
+    path = write_config(tmp_path, data)
+    env = {k: v for k, v in os.environ.items() if k != "GATEWAY_TEST_BETA_KEY"}
+    proc = subprocess.run([sys.executable, "-m", "gateway", "serve", "--config", str(path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    expected = ["servre", "models[1].upstream", "teams[0].budget_usd", "teams[0].budget_period",
+                "teams[2].key_env", "teams[1].policies[1]"]
+    for field in expected:
+        assert sum(line.startswith(f"gateway: config error: {path}: {field}: ") for line in lines) == 1, \
+            (field, proc.stderr)
+    assert len(lines) == len(expected), proc.stderr  # one line each, nothing else
+    assert "no upstream named 'opneai'" in proc.stderr and "GATEWAY_TEST_BETA_KEY is not set" in proc.stderr
+    assert "no policy named 'pasthrough'" in proc.stderr
+
+
+def test_an_invalid_entry_does_not_make_the_entries_naming_it_fail_too(tmp_path: Path) -> None:
+    data = config_data(upstreams=[{"name": "scripted", "kind": "scripted"},
+                                  {"name": "far", "base_url": "ftp://nowhere", "timeout_s": -1}],
+                       models=[{"match": "scripted-*", "upstream": "scripted"}, {"match": "x", "upstream": "far"}])
+    with pytest.raises(ConfigError) as info:
+        load_config(write_config(tmp_path, data))
+    assert [e.path for e in getattr(info.value, "errors", [info.value])] == ["upstreams[1].base_url"]  # not models[1]

@@ -3,8 +3,8 @@ real gateway process.
 
 A key manager (team demo's `manage_keys` key) signs in, creates a key on the Keys page: the
 secret is shown once (and works), is gone from the page once acknowledged and never listed;
-rotating shows the new secret once (the old one is refused); revoking takes effect (401 at
-once). The Spend page groups by key, user and model. A team key that may not manage keys
+rotating shows the new secret once (it works at once, the old one is refused within 1 s on
+every worker); revoking takes effect (401 within 1 s on every worker). The Spend page groups by key, user and model. A team key that may not manage keys
 sees no Keys page. After "Sign out", the cookie the browser held no longer works for
 anyone who copied it (issue 28 item 8).
 """
@@ -70,6 +70,15 @@ async def status_with(session: aiohttp.ClientSession, served: Served, key: str) 
     return status
 
 
+async def refused_within_a_second(session: aiohttp.ClientSession, served: Served, key: str, what: str) -> None:
+    """At once on the worker that made the change; on every worker within 1 s (docs/keys.md):
+    on `--workers 2` a call may land on the other one."""
+    deadline = time.monotonic() + 1.0
+    while await status_with(session, served, key) != 401:
+        assert time.monotonic() < deadline, f"{what} still works after 1 s"
+        await asyncio.sleep(0.05)
+
+
 async def test_a_key_manager_creates_rotates_and_revokes_keys_in_the_console(
         served: Served, browser: Browser, session: aiohttp.ClientSession) -> None:
     page = await sign_in(browser, served.url, KEYS)
@@ -96,16 +105,13 @@ async def test_a_key_manager_creates_rotates_and_revokes_keys_in_the_console(
     await expect(page.locator("#secret-once")).to_be_visible()
     rotated = (await page.locator("#secret-once").text_content() or "").strip()
     assert rotated != secret and SECRET.match(rotated)
-    assert await status_with(session, served, secret) == 401  # rotated with no grace
-    assert await status_with(session, served, rotated) == 200
+    assert await status_with(session, served, rotated) == 200  # the new secret works at once
+    await refused_within_a_second(session, served, secret, "a key rotated in the console with no grace")
     await page.click("#secret-done")
 
     await row.locator("button.revoke").click()
     await expect(row).to_have_count(0)  # revoked keys are not listed by default
-    deadline = time.monotonic() + 1.0
-    while await status_with(session, served, rotated) != 401:
-        assert time.monotonic() < deadline, "a key revoked in the console still works"
-        await asyncio.sleep(0.05)
+    await refused_within_a_second(session, served, rotated, "a key revoked in the console")
     await page.check("#k-all")
     await expect(page.locator("#keys tbody tr", has_text="from the console")).to_contain_text("revoked")
     await page.context.close()

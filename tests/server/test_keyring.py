@@ -1,9 +1,12 @@
 """The keyring (gateway/server/http/auth.py) over a real store: config keys as before, store
 keys seen after a sync, and every way a key stops working (revoked, expired, rotated out
-past its grace, its team gone), with no store round trip on a lookup."""
+past its grace, its team gone), with no store round trip on a lookup of a known secret; an
+unknown secret is looked for in the store's new keys first, by one read shared by every
+call waiting."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -105,3 +108,41 @@ async def test_last_use_is_written_coarsely(tmp_path: Path) -> None:
         assert got is not None and got.last_used_at is not None and ring.used == {}
     finally:
         await store.close()
+
+
+class CountingStore(SqliteStore):
+    """A real SQLite store that counts its key reads, each answered a little later, as a
+    store across the network (Redis) answers: calls arrive while a read is in flight."""
+
+    reads = 0
+
+    async def keys_since(self, revision: int) -> tuple[list[KeyRecord], int]:
+        self.reads += 1
+        await asyncio.sleep(0.01)
+        return await super().keys_since(revision)
+
+
+async def test_an_unknown_secret_is_looked_for_in_the_store_by_one_read_shared_by_every_call_waiting(
+        tmp_path: Path) -> None:
+    store, other = CountingStore(tmp_path / "s.db"), SqliteStore(tmp_path / "s.db")
+    ring = KeyRing(TEAMS, store)
+    try:
+        secret, record = issued()
+        await other.put_key(record, None)  # created on another process
+        assert ring.team(secret) is None and not ring.knows(secret)
+        view = await ring.find(secret)  # the keyring reads the store's new keys before refusing
+        assert view is not None and view.caller is not None and view.caller.key_id == record.id
+        assert await ring.find_by_id(record.id) is not None and store.reads == 1
+        assert await ring.find(secret) is not None and store.reads == 1  # known: no store round trip
+
+        reads = store.reads
+        found = await asyncio.gather(*(ring.find(f"gw-nobody-{i}") for i in range(50)))
+        assert found == [None] * 50 and store.reads - reads <= 2  # one read in flight, one after it
+        assert "no team has this key" in ring.refusal("gw-nobody-0")
+
+        secret2, record2 = issued()
+        await other.put_key(record2, None)
+        assert await ring.find_by_id(record2.id) is not None  # a console session's key, by id
+    finally:
+        await store.close()
+        await other.close()

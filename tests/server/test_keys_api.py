@@ -1,8 +1,9 @@
 """The admin keys API against real gateway processes: two replicas on one redis-server, and
 `--workers 2` on one SQLite file, in front of a real HTTP upstream.
 
-- a key created on one process works on every process within 1 s; revoked, it is refused
-  (401) on every process within 1 s; rotated with `grace_s: 5`, both secrets work, then only
+- a key created on one process works on every process at once (a process that does not
+  know a key reads the store's new keys before refusing it); revoked, it is refused (401)
+  on every process within 1 s; rotated with `grace_s: 5`, both secrets work, then only
   the new one;
 - no secret is ever written to the store (the SQLite file and its WAL, every Redis key's
   dump), the logs, the trace file or /metrics;
@@ -131,6 +132,17 @@ async def test_a_key_works_everywhere_within_a_second_and_revoked_is_refused_eve
     assert status == 401 and "revoked" in reply["error"]["message"]
     status, again = await api(session, a, ADMIN, "DELETE", f"/v1/admin/keys/{made['id']}")
     assert status == 200 and again["revoked_at"] == revoked["revoked_at"]  # idempotent
+
+
+async def test_a_key_just_created_works_on_every_process_at_once(
+        deployment: Deployment, session: aiohttp.ClientSession) -> None:
+    a, b = deployment.procs
+    for creator, other in ((a, b), (b, a), (a, b)):
+        made = await create(session, creator)
+        assert await works(session, other, made["key"]) == 200  # the next call, on the other process
+        assert await on_every_process(session, deployment, made["key"], 200)
+    status, _, reply = await chat(session, b, "gw-" + "x" * 43, {"model": "keys", "messages": TASK})
+    assert status == 401 and "no team has this key" in reply["error"]["message"]  # unknown stays unknown
 
 
 async def test_rotating_with_a_grace_keeps_both_secrets_then_only_the_new_one(

@@ -73,8 +73,23 @@ def _policies(folder: Path, log: Path, http_url: str) -> list[str]:
     }
     for name, body in written.items():
         (policies / f"{name}.yaml").write_text(yaml.safe_dump({"name": name, "limits": {"max_turns": 10}, **body}))
-    (policies / "git.yaml").write_text((ROOT / "policies" / "mcp" / "git.yaml").read_text())  # as shipped
+    git = yaml.safe_load((ROOT / "policies" / "mcp" / "git.yaml").read_text())  # as shipped...
+    assert git["mcp"][0]["command"] == ["mcp-server-git", "--repository", "."]
+    git["mcp"][0]["cwd"] = str(_repo(repo_of(folder)))  # ...pinned to the test's repository, as its comment says
+    (policies / "git.yaml").write_text(yaml.safe_dump(git, sort_keys=False))
     return [*written, "git"]
+
+
+def repo_of(folder: Path) -> Path:
+    """The one repository the module's git policy may use."""
+    return folder / "repo"
+
+
+def _repo(path: Path) -> Path:
+    subprocess.run(["git", "init", "-q", str(path)], check=True)
+    subprocess.run(["git", "-C", str(path), "config", "user.email", "t@example.com"], check=True)
+    subprocess.run(["git", "-C", str(path), "config", "user.name", "T"], check=True)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -201,11 +216,8 @@ async def test_a_destructive_tool_waits_for_approval_across_a_sigkill_and_runs_o
 
 
 async def test_the_shipped_git_policy_commits_once_after_approval_across_a_sigkill(
-        gateway: Gateway, tmp_path: Path, session: aiohttp.ClientSession) -> None:
-    repo = tmp_path / "repo"
-    subprocess.run(["git", "init", "-q", str(repo)], check=True)
-    subprocess.run(["git", "-C", str(repo), "config", "user.email", "t@example.com"], check=True)
-    subprocess.run(["git", "-C", str(repo), "config", "user.name", "T"], check=True)
+        gateway: Gateway, session: aiohttp.ClientSession) -> None:
+    repo = repo_of(gateway.folder)
     (repo / "notes.txt").write_text("hello\n")
     path = str(repo)
     run_id, _ = await run_plan(gateway, "git", ("git_status", {"repo_path": path}),
@@ -225,6 +237,23 @@ async def test_the_shipped_git_policy_commits_once_after_approval_across_a_sigki
     assert status == 200 and headers["X-Run-Status"] == "completed", body
     log = subprocess.run(["git", "-C", path, "log", "--format=%s"], check=True, capture_output=True, text=True)
     assert log.stdout.splitlines() == ["Add notes"]
+
+
+async def test_the_shipped_git_policy_refuses_a_repository_outside_its_pin(
+        gateway: Gateway, tmp_path: Path, session: aiohttp.ClientSession) -> None:
+    other = _repo(tmp_path / "elsewhere")
+    (other / "secret.txt").write_text("the other team's plans\n")
+    subprocess.run(["git", "-C", str(other), "add", "secret.txt"], check=True)
+    subprocess.run(["git", "-C", str(other), "commit", "-q", "-m", "Plans"], check=True)
+    pinned = str(repo_of(gateway.folder))
+    run_id, _ = await run_plan(gateway, "git", ("git_log", {"repo_path": str(other)}),
+                               ("git_show", {"repo_path": str(other), "revision": "HEAD:secret.txt"}),
+                               ("git_status", {"repo_path": pinned}))
+    log, show, status = await tool_results(session, gateway, run_id)
+    for refused in (log, show):
+        assert f"Repository path '{other}' is outside the allowed repository" in refused, refused
+        assert "Plans" not in refused and "the other team's plans" not in refused
+    assert "Repository status" in status  # the pinned one still answers
 
 
 async def test_cancel_reaches_the_mcp_server_over_http_within_100ms(gateway: Gateway, mcp_log: Path,

@@ -80,5 +80,8 @@ async def test_a_stop_lets_the_call_in_flight_finish_and_says_so(gateway: Served
     assert status == 200, body  # drained, not cut
     await asyncio.get_running_loop().run_in_executor(None, gateway.proc.popen.wait, STOPS_WITHIN_S * 4)
     assert gateway.proc.popen.returncode == 0
+    # One line for the whole gateway, whatever its number of workers (--workers N: the
+    # supervisor's, summing what each worker drained).
     [line] = [line for line in gateway.proc.output().splitlines() if "gateway: stopped" in line]
+    assert f"gateway: stopped (pid {gateway.proc.popen.pid}" in line, line
     assert "having drained 1 request in flight" in line, line

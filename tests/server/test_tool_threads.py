@@ -58,7 +58,9 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Pa
               "models": [{"match": "scripted-*", "upstream": "scripted", "price_in": 2.0, "price_out": 12.0}],
               "teams": [{"name": "tools", "keys": [KEY], "admin": True, "policies": ["blocking"]}]}
     (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    proc = start_gateway(["serve", "--config", str(folder / "config.yaml")], "/healthz", port,
+    # One process whatever GATEWAY_TEST_WORKERS says: the pool under test is one process's, and
+    # a second worker would run the 33rd call on a pool of its own.
+    proc = start_gateway(["serve", "--config", str(folder / "config.yaml"), "--workers", "1"], "/healthz", port,
                          folder / "gateway.log", env={"GATEWAY_TEST_TOOL_DIR": str(folder / "tools")})
     yield proc, folder
     (folder / "tools" / "release").touch()

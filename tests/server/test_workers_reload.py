@@ -18,7 +18,7 @@ import pytest
 
 from tests.policy.test_reload_http import files_policy, start_run, start_served, version_of
 from tests.server.served import OPS, Served, request
-from tests.server.test_workers import wait_until, workers_of
+from tests.server.test_workers import wait_serving, wait_until, workers_of
 from tests.support.procs import START_TIMEOUT_S
 
 
@@ -27,8 +27,7 @@ def served(tmp_path: Path) -> Iterator[Served]:
     """The served.py gateway (its policies, the scripted upstream, SQLite) with 2 workers, ops an admin."""
     served = start_served(tmp_path, "--workers", "2", timeout=120)
     try:
-        wait_until(lambda: len(workers_of(served.proc)) == 2 and "2 workers serving" in served.proc.output(),
-                   START_TIMEOUT_S)
+        wait_serving(served.proc)
         yield served
     finally:
         served.proc.stop()

@@ -10,8 +10,10 @@ import pytest
 
 from gateway.harness.state import RunState
 from gateway.harness.usage import Usage
-from gateway.store.base import Claim, Store
-from gateway.store.errors import RunExists, RunNotFound, StaleRun, StoreError
+from gateway.store.audit import AuditEntry
+from gateway.store.base import Attribution, Booking, Claim, Lease, Store
+from gateway.store.errors import LeaseLost, RunExists, RunNotFound, StaleRun, StoreError
+from gateway.store.outbox import Notice
 from gateway.store.periods import period_key
 from tests.store.conftest import Stores
 
@@ -342,6 +344,125 @@ async def test_a_restarted_owner_frees_the_leases_of_its_previous_life(stores: S
     assert await b.acquire_lease("run_a", "host/w1", 30)
     assert not await a.acquire_lease("run_b", "host/w0", 30)  # w1's leases are untouched
     assert not await a.acquire_lease("run_c", "host/w0", 30)
+
+
+async def test_a_lease_keeps_its_epoch_until_another_takes_the_run(stores: Stores) -> None:
+    a, b = stores.open(), stores.open()
+    first = await a.acquire_lease("run_a", "replica-a", 30)
+    assert first is not None and (first.run_id, first.owner) == ("run_a", "replica-a")
+    assert await a.acquire_lease("run_a", "replica-a", 30) == first  # renewed: the same lease
+    await a.release_lease("run_a", "replica-a")
+    taken = time.monotonic()
+    second = await b.acquire_lease("run_a", "replica-b", 0.3)
+    assert second is not None and second.epoch > first.epoch
+    await asyncio.sleep(max(0.0, taken + 0.4 - time.monotonic()))  # the TTL passing is the thing under test
+    # lapsed, and nobody took the run meanwhile: its holder takes it back, the same lease
+    assert await b.acquire_lease("run_a", "replica-b", 0.3) == second
+    await asyncio.sleep(0.4)
+    third = await a.acquire_lease("run_a", "replica-a", 30)  # lapsed again, and now another takes it
+    assert third is not None and third.epoch > second.epoch
+    assert await b.acquire_lease("run_a", "replica-b", 30) is None
+    await a.release_lease("run_a", "replica-a")
+    fourth = await a.acquire_lease("run_a", "replica-a", 30)  # after a release: a new lease, even for its owner
+    assert fourth is not None and fourth.epoch > third.epoch
+
+
+async def a_leased_run(store: Store, owner: str, ttl_s: float) -> tuple[RunState, Lease]:
+    """A new run `run_a` and a lease on it for `owner`."""
+    run = make_run("run_a")
+    await store.create_run(run)
+    lease = await store.acquire_lease("run_a", owner, ttl_s)
+    assert lease is not None
+    return run, lease
+
+
+async def taken_over(store: Store) -> Lease:
+    """`run_a`'s lease taken by replica-b through `store`, polled until the last one expired."""
+    deadline = time.monotonic() + 10
+    while (taken := await store.acquire_lease("run_a", "replica-b", 30)) is None:
+        assert time.monotonic() < deadline, "the lease never expired"
+        await asyncio.sleep(0.05)  # polling for expiry, the thing under test
+    return taken
+
+
+async def test_writes_under_a_lease_are_refused_once_another_holds_it(stores: Stores) -> None:
+    a, b = stores.open(), stores.open()
+    rule = lambda run_id, events: [Notice(f"{run_id}:{e['n']}", b"x") for e in events if e.get("n")]  # noqa: E731
+    a.notice_rule = b.notice_rule = rule
+    run, lease = await a_leased_run(a, "replica-a", 0.3)
+    await a.append_events("run_a", [{"type": "tool_start", "n": 1}], lease=lease)
+    await a.commit_turn(run, [{"type": "turn"}], lease=lease)
+    await a.save_run(run, lease=lease)
+    assert run.revision == 2
+    taken = await taken_over(b)
+    assert taken.epoch > lease.epoch
+    late = run.copy()
+    late.status = "interrupted"
+    late.messages.append({"role": "tool", "tool_call_id": "c1", "name": "write", "content": "late"})
+    with pytest.raises(LeaseLost, match="run_a"):
+        await a.append_events("run_a", [{"type": "tool_result", "n": 2}], lease=lease)
+    with pytest.raises(LeaseLost):
+        await a.commit_turn(late, [{"type": "run_stopped", "n": 3}], lease=lease)
+    with pytest.raises(LeaseLost):
+        await a.save_run(late, lease=lease)
+    assert late.revision == 2  # refused: the copy is untouched
+    stale = late.copy()
+    stale.revision = 1
+    with pytest.raises(LeaseLost):  # the fence is checked before the revision
+        await a.save_run(stale, lease=lease)
+    stored = await b.load_run("run_a")
+    assert stored is not None and (stored.revision, stored.status) == (2, "running")
+    assert stored.messages == run.messages  # nothing of the refused saves' transcript
+    assert [e["type"] for _, e in await b.events("run_a")] == ["tool_start", "turn"]
+    assert [c.id for c in await b.claim_notices("b", 10, 30.0)] == ["run_a:1"]  # no notice of a refused line
+    await b.commit_turn(stored, [{"type": "run_resumed"}], lease=taken)  # the holder writes
+    assert [e["type"] for _, e in await a.events("run_a")] == ["tool_start", "turn", "run_resumed"]
+
+
+async def test_a_fenced_commit_books_nothing_and_records_nothing(stores: Stores) -> None:
+    # The commit step of a drive that lost its lease carries a booking and audit records:
+    # refused, none of it lands (no ledger, no spend row, no audit record, no line).
+    a, b = stores.open(), stores.open()
+    run, lease = await a_leased_run(a, "replica-a", 0.2)
+    await taken_over(b)
+    period = period_key("day")
+    booking = Booking("demo", period, 0.25, attribution=Attribution("key_1", "ana", "gpt-x", "files"))
+    entry = AuditEntry("run.resumed", "ops", "key_ops", "run_a", team="demo")
+    with pytest.raises(LeaseLost):
+        await a.commit_turn(run.copy(), [{"type": "turn"}], booking, [entry], lease=lease)
+    assert await b.team_spend("demo", period) == (0.0, 0.0)
+    assert await b.spend("2000-01-01", "2999-12-31") == []
+    assert await b.audit_log() == [] and await b.events("run_a") == []
+    await a.commit_turn(run, [{"type": "turn"}], booking, [entry])  # the same step without the lease lands
+    assert (await b.team_spend("demo", period))[0] == pytest.approx(0.25)
+    assert [r.action for r in await b.audit_log()] == ["run.resumed"]
+
+
+async def test_a_write_under_a_lease_that_lapsed_counts_until_another_takes_the_run(store: Store) -> None:
+    run, lease = await a_leased_run(store, "replica-a", 0.2)
+    await asyncio.sleep(0.3)  # lapsed (the TTL passing is the thing under test), nobody took it
+    await store.commit_turn(run, [{"type": "turn"}], lease=lease)
+    assert run.revision == 1
+    await store.release_lease("run_a", "replica-a")
+    with pytest.raises(LeaseLost):  # released: its writes are over
+        await store.commit_turn(run, [{"type": "turn"}], lease=lease)
+    with pytest.raises(LeaseLost):
+        await store.append_events("run_a", [{"type": "turn"}], lease=lease)
+    assert [e["type"] for _, e in await store.events("run_a")] == ["turn"] and run.revision == 1
+
+
+async def test_a_restarted_owners_old_leases_write_nothing(stores: Stores) -> None:
+    a, b = stores.open(), stores.open()
+    run, lease = await a_leased_run(a, "host/w0", 30)
+    await b.release_owner("host/w0")  # w0 restarted, under the same owner name
+    with pytest.raises(LeaseLost):
+        await a.commit_turn(run.copy(), [{"type": "turn"}], lease=lease)
+    again = await a.acquire_lease("run_a", "host/w0", 30)  # its new life takes the run: a new lease
+    assert again is not None and again.epoch > lease.epoch
+    with pytest.raises(LeaseLost):
+        await a.save_run(run.copy(), lease=lease)
+    await a.commit_turn(run, [{"type": "turn"}], lease=again)
+    assert [e["type"] for _, e in await b.events("run_a")] == ["turn"]
 
 
 async def test_lease_ttl_must_be_positive(store: Store) -> None:

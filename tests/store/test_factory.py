@@ -49,6 +49,12 @@ async def test_each_kind_opens_a_working_store(tmp_path: Path, redis_url: str) -
         ({"kind": "redis", "url": "redis://127.0.0.1:6379", "timeout_s": 0}, r"store.timeout_s: expected a number"),
         ({"kind": "redis", "url": "redis://127.0.0.1:6379", "timeout_s": "2"}, r"store.timeout_s: .* got '2'"),
         ({"kind": "sqlite", "path": "x.db", "timeout_s": 2}, r"store: unknown field\(s\) timeout_s for kind sqlite"),
+        ({"kind": "redis", "url": "redis://127.0.0.1:6379", "wait_replicas": -1},
+         r"store.wait_replicas: expected a whole number from 0 to 16, got -1"),
+        ({"kind": "redis", "url": "redis://127.0.0.1:6379", "wait_replicas": True}, r"store.wait_replicas: .* got True"),
+        ({"kind": "redis", "url": "redis://127.0.0.1:6379", "wait_replicas": 1, "wait_timeout_s": 2},
+         r"store.wait_timeout_s: .* below store.timeout_s \(2\), got 2"),
+        ({"kind": "sqlite", "path": "x.db", "wait_replicas": 1}, r"store: unknown field\(s\) wait_replicas for kind sqlite"),
     ],
 )
 def test_bad_config_names_the_field(config: Any, message: str) -> None:

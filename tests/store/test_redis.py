@@ -14,7 +14,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.harness.state import RunState
 from gateway.store.base import EXPIRED_RETENTION_S, Booking, Claim, Figures, RateLimit, TokenCharge
-from gateway.store.errors import RunExists
+from gateway.store.errors import RunExists, StoreError
 from gateway.store.redis import RedisStore, redact
 from gateway.store.redis_wire import Script
 from tests.store.conftest import _start_redis
@@ -177,3 +177,22 @@ async def test_after_the_server_restarted_the_first_calls_are_served(tmp_path: P
         await store.close()
         proc.kill()
         proc.wait()
+
+
+async def test_with_wait_replicas_and_none_confirming_writes_fail_and_reads_do_not(redis_url: str) -> None:
+    # A lone master (no replica): every write waits for one that never confirms, and fails as
+    # a store outage; reads (a run, the ledger, the keys every process polls, the audit log,
+    # spend rows) never wait, so they are answered as usual.
+    plain = RedisStore(redis_url, "lone:")
+    waiting = RedisStore(redis_url, "lone:", wait_replicas=1, wait_timeout_s=0.05)
+    try:
+        await plain.create_run(RunState.new("m", [{"role": "user", "content": "x"}], run_id="demo/r", team="demo"))
+        with pytest.raises(StoreError):
+            await waiting.charge("demo", "total", 1.0)
+        assert (await waiting.load_run("demo/r")) is not None
+        assert await waiting.team_spend("demo", "total") == (1.0, 0.0)  # the master made the write: not confirmed
+        assert await waiting.keys_since(0) == ([], 0) and await waiting.list_keys() == []
+        assert await waiting.audit_log() == [] and await waiting.events("demo/r") == []
+    finally:
+        await plain.close()
+        await waiting.close()

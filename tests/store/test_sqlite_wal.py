@@ -68,6 +68,27 @@ async def test_a_steady_stream_of_writes_still_restarts_the_wal(tmp_path: Path, 
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
+async def test_large_writes_keep_the_wal_bounded_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fence after every FENCE_WRITES writes let 1,000 writes of a growing run body (MBs
+    # each) through between two fences: the WAL grew to hundreds of MB. It is now bounded by
+    # its bytes, whatever the size of the writes.
+    monkeypatch.setattr(sqlite_wal, "FENCE_FRAMES", 256)  # 1 MiB
+    monkeypatch.setattr(sqlite_store, "JOURNAL_SIZE_LIMIT", 256 * 4096)
+    db = tmp_path / "g.db"
+    store = SqliteStore(db)
+    try:
+        await store.create_run(RunState.new("m", [], run_id="run_a"))
+        largest = 0
+        for n in range(120):  # 256 KB each, 30 MB in all, as fast as the store takes them
+            await store.append_events("run_a", [{"type": "tool_result", "n": n, "text": "x" * 256_000}])
+            largest = max(largest, (tmp_path / "g.db-wal").stat().st_size)
+        assert store._wal.fences >= 5
+        assert largest < 4 * 1024 * 1024, f"the WAL reached {largest / 2**20:.1f} MiB"
+        assert [e["n"] for _, e in await store.events("run_a")] == list(range(120))
+    finally:
+        await store.close()
+
+
 async def test_a_write_waits_out_a_fence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sqlite_wal, "FENCE_FRAMES", 0)  # every write past FENCE_WRITES starts a fence
     monkeypatch.setattr(sqlite_wal, "FENCE_WRITES", 1)

@@ -103,6 +103,18 @@ def wait_http(url: str, proc: subprocess.Popen[bytes] | zygote.Child | None = No
             time.sleep(0.02)  # polling interval of a readiness probe, not a synchronisation sleep
 
 
+def wait_said(log: Path, text: str, proc: subprocess.Popen[bytes] | zygote.Child, timeout: float) -> None:
+    """Poll `log` until it holds `text`; fail early if the process died."""
+    deadline = time.monotonic() + timeout
+    while not (log.exists() and text in log.read_text(errors="replace")):
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before it said {text!r}:\n"
+                               f"{log.read_text(errors='replace') if log.exists() else ''}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the process did not say {text!r} within {timeout}s")
+        time.sleep(0.02)  # polling a log file, as a readiness probe
+
+
 TEST_WORKERS = "GATEWAY_TEST_WORKERS"
 """Set (e.g. to 2), every `gateway serve` a test starts runs that many workers (`--workers`),
 unless its store is the in-memory one, which cannot be shared: the server tests then run
@@ -146,6 +158,8 @@ def start_gateway(args: Sequence[str], ready_path: str, port: int, log: Path, cw
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + ready_path, popen, timeout, log)
+        if args != given:  # one worker answered; a call may land on another still starting
+            wait_said(log, f"{args[args.index('--workers') + 1]} workers serving", popen, timeout)
     except BaseException:  # not ready in time: never leave it serving behind the test's back
         Proc(popen, url, log).stop()
         raise

@@ -69,7 +69,7 @@ def _answer(data: Any, status: int = 200) -> web.Response:
 
 
 async def _body(request: web.Request, allowed: frozenset[str], *, optional: bool = False) -> dict[str, Any]:
-    raw = await read_body(request, min(MAX_BODY, request.app[ctx.CONFIG].server.max_body_bytes))
+    raw = await read_body(request, min(MAX_BODY, request.app[ctx.LIVE].config.server.max_body_bytes))
     if optional and not raw.strip():
         return {}
     body = json_object(raw, "a JSON object")
@@ -348,7 +348,7 @@ def _writable(record: KeyRecord) -> None:
 
 
 def _warnings(request: web.Request, team: TeamConfig, record: KeyRecord) -> list[str]:
-    config = request.app[ctx.CONFIG]
+    config = request.app[ctx.LIVE].config
     out = []
     for g in record.models or ():
         if not any(fnmatch.fnmatchcase(r.match, g) or fnmatch.fnmatchcase(g, r.match) for r in config.models):
@@ -385,7 +385,7 @@ def _public_changes(old: KeyRecord, new: KeyRecord) -> dict[str, list[Any]]:
 async def create_key(request: web.Request) -> web.Response:
     """POST /v1/admin/keys: issue a key; its secret is in this answer only."""
     app = request.app
-    caller = app[ctx.KEYRING].authenticate(request)
+    caller = await app[ctx.KEYRING].authenticate(request)
     _require_manager(caller)
     body = await _body(request, CREATE_FIELDS)
     team = _team(request, body.get("team"))
@@ -415,7 +415,7 @@ async def create_key(request: web.Request) -> web.Response:
 async def list_keys(request: web.Request) -> web.Response:
     """GET /v1/admin/keys?team=&user=&include_revoked=&after=&limit=: records by id (no secrets)."""
     app = request.app
-    caller = app[ctx.KEYRING].authenticate(request)
+    caller = await app[ctx.KEYRING].authenticate(request)
     _require_manager(caller)
     q = request.query
     team = q.get("team") or (None if caller.admin else caller.name)
@@ -461,7 +461,7 @@ def _flag(raw: str | None, name: str) -> bool:
 
 async def get_key(request: web.Request) -> web.Response:
     """GET /v1/admin/keys/{id}."""
-    caller = request.app[ctx.KEYRING].authenticate(request)
+    caller = await request.app[ctx.KEYRING].authenticate(request)
     _require_manager(caller)
     record = await _record(request, caller)
     return _answer({**record.public(), **await _budget_view(request, record)})
@@ -470,7 +470,7 @@ async def get_key(request: web.Request) -> web.Response:
 async def update_key(request: web.Request) -> web.Response:
     """PATCH /v1/admin/keys/{id}: change its name, scope, budget, limits, expiry or metadata."""
     app = request.app
-    caller = app[ctx.KEYRING].authenticate(request)
+    caller = await app[ctx.KEYRING].authenticate(request)
     _require_manager(caller)
     record = await _record(request, caller)
     body = await _body(request, FIELDS)
@@ -499,7 +499,7 @@ async def update_key(request: web.Request) -> web.Response:
 
 async def revoke_key(request: web.Request) -> web.Response:
     """DELETE /v1/admin/keys/{id}: revoke it (the record stays, with revoked_at)."""
-    caller = request.app[ctx.KEYRING].authenticate(request)
+    caller = await request.app[ctx.KEYRING].authenticate(request)
     _require_manager(caller)
     record = await _record(request, caller)
     _writable(record)
@@ -516,7 +516,7 @@ async def revoke_key(request: web.Request) -> web.Response:
 
 async def rotate_key(request: web.Request) -> web.Response:
     """POST /v1/admin/keys/{id}/rotate {grace_s?}: a new secret for the same record."""
-    caller = request.app[ctx.KEYRING].authenticate(request)
+    caller = await request.app[ctx.KEYRING].authenticate(request)
     _require_manager(caller)
     record = await _record(request, caller)
     body = await _body(request, frozenset({"grace_s"}), optional=True)

@@ -27,14 +27,14 @@ METRICS_APP: web.AppKey[web.Application] = web.AppKey("metrics_main_app", web.Ap
 
 def setup(app: web.Application) -> None:
     """Serve /metrics on the main app, or on the config's `metrics.listen` address instead."""
-    if app[ctx.CONFIG].metrics.listen is None:
+    if app[ctx.LIVE].config.metrics.listen is None:
         app.router.add_get("/metrics", metrics)
     else:
         app.cleanup_ctx.append(_separate_listener)
 
 
 def _authorize(app: web.Application, request: web.Request) -> None:
-    config = app[ctx.CONFIG].metrics
+    config = app[ctx.LIVE].config.metrics
     if config.token is None:
         return
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
@@ -51,7 +51,7 @@ async def _exposition(app: web.Application, request: web.Request) -> web.Respons
     _authorize(app, request)
     registry = app[ctx.METRICS]
     governor = app[ctx.GOVERNOR]
-    for team in app[ctx.CONFIG].teams:
+    for team in app[ctx.LIVE].config.teams:
         spent, reserved = await app[ctx.STORE].team_spend(team.name, governor.period(team))
         remaining = None if team.budget_usd is None else team.budget_usd - spent - reserved
         registry.set_team_budget(team.name, spent, remaining)
@@ -87,7 +87,7 @@ async def _separate_listener(app: web.Application) -> AsyncIterator[None]:
     """The second listener. A port in use is a `StartError` (one line, exit 2); the workers
     of `--workers N` each listen on it with SO_REUSEPORT, as on the main port (any of them
     answers for all, docs/metrics.md)."""
-    host, port = app[ctx.CONFIG].metrics.listen or ("127.0.0.1", 0)
+    host, port = app[ctx.LIVE].config.metrics.listen or ("127.0.0.1", 0)
     sockets = listen_sockets(host, port, reuse_port=app.get(ctx.WORKER) is not None, setting="metrics.listen")
     listener = web.Application(middlewares=[_errors])
     listener[METRICS_APP] = app

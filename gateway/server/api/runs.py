@@ -65,6 +65,7 @@ from gateway.server.runs.booking import append_trace_file
 from gateway.server.runs.keying import commit_run, stop_run
 from gateway.server.runs.run_spans import decided
 from gateway.server.runs.tracelog import asked_at
+from gateway.store.base import Lease
 
 CANCEL_WAIT_S: Final = 5.0
 LIST_SCAN: Final = 1000
@@ -92,10 +93,10 @@ async def run_for(request: web.Request) -> tuple[TeamConfig, RunState]:
     see (`?team=NAME` picks the team when several have one, which is a 409 otherwise).
     """
     app = request.app
-    team = app[ctx.KEYRING].authenticate(request)
+    team = await app[ctx.KEYRING].authenticate(request)
     run_id = request.match_info["id"]
     store = app[ctx.STORE]
-    config = app[ctx.CONFIG]
+    config = app[ctx.LIVE].config
     owner = request.query.get("team")
     if owner is not None and config.team(owner) is None:
         raise NotFound(f"run {run_id} not found (no team named {owner!r})", code="run_not_found", param="team")
@@ -133,7 +134,7 @@ def public_event(run: RunState, event: Event) -> Event:
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    raw = await read_body(request, request.app[ctx.CONFIG].server.max_body_bytes)
+    raw = await read_body(request, request.app[ctx.LIVE].config.server.max_body_bytes)
     if not raw.strip():
         return {}  # these bodies are all optional
     body = json_object(raw, "a JSON object")
@@ -165,7 +166,7 @@ def _json(data: Any, status: int = 200, run: RunState | None = None) -> web.Resp
 async def list_runs(request: web.Request) -> web.Response:
     """GET /v1/runs?status=&team=&policy=&limit=: newest first."""
     app = request.app
-    caller = app[ctx.KEYRING].authenticate(request)
+    caller = await app[ctx.KEYRING].authenticate(request)
     query = list_query(request.query, LIST_SCAN)
     status, team, limit = query.status, query.team, query.limit
     scan = limit if team == caller.name and query.policy is None else LIST_SCAN
@@ -255,7 +256,7 @@ async def post_approval(request: web.Request) -> web.Response:
 
     # The decision, its trace line and its audit record in one store step.
     run, lines, _ = await commit_run(store, run, change, trace, None, audit=recorded)
-    append_trace_file(app[ctx.CONFIG].trace_file, lines)
+    append_trace_file(app[ctx.LIVE].config.trace_file, lines)
     request[ctx.RUN] = run
     app[ctx.DRIVER].approvals_changed()
     resumes = after_decision(app[BACKGROUND], run, policy, resume_decided(RESUMED_BY))
@@ -314,7 +315,7 @@ async def _reopen_passthrough(request: web.Request, run: RunState, policy: Polic
                                                                   "costUsd": round(state.cost_usd, 9)})]
 
     run, lines, _ = await commit_run(app[ctx.STORE], run, change, trace, None, audit=lambda _: entries)
-    append_trace_file(app[ctx.CONFIG].trace_file, lines)
+    append_trace_file(app[ctx.LIVE].config.trace_file, lines)
     request[ctx.RUN] = run
     return _json({"run": run_json(run)}, run=run)
 
@@ -343,9 +344,10 @@ async def post_cancel(request: web.Request) -> web.Response:
     store = app[ctx.STORE]
     try:
         with driver.active.claim(run.run_id, lambda event: None):
-            if await store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s):
+            lease = await store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s)
+            if lease is not None:
                 try:
-                    run = await _cancel_undriven(app, await _reload(app, run), reason, team.name, entries)
+                    run = await _cancel_undriven(app, await _reload(app, run), reason, team.name, lease, entries)
                 finally:
                     await store.release_lease(run.run_id, driver.owner)
                 request[ctx.RUN] = run
@@ -398,12 +400,13 @@ def _cancellable(run: RunState) -> bool:
     return run.status == "running" or run.waits_for_decision or run.decided
 
 
-async def _cancel_undriven(app: web.Application, run: RunState, reason: str, by: str,
+async def _cancel_undriven(app: web.Application, run: RunState, reason: str, by: str, lease: Lease,
                            entries: Sequence[AuditEntry] = ()) -> RunState:
-    """A run nobody drives: `running` (it waits for client tools, or its replica died),
-    waiting for a decision, or decided and waiting for its resume (the decision stays: a
-    later resume acts on it). A pending approval is dropped: nobody can decide it any
-    more, and a later resume asks again (the call is still pending in the transcript)."""
+    """A run nobody drives, whose lease this process took: `running` (it waits for client
+    tools, or its replica died), waiting for a decision, or decided and waiting for its
+    resume (the decision stays: a later resume acts on it). A pending approval is dropped:
+    nobody can decide it any more, and a later resume asks again (the call is still pending
+    in the transcript)."""
     store = app[ctx.STORE]
     if not _cancellable(run):
         raise Conflict(f"run {run.public_id} is not running (status {run.status}); nothing to cancel",
@@ -423,7 +426,7 @@ async def _cancel_undriven(app: web.Application, run: RunState, reason: str, by:
     # the run stopped (and may resume it at once).
     run, lines, _ = await commit_run(store, run, stop_run("interrupted", "cancelled",
                                                           Interruption("cancelled", reason=reason)), trace, None,
-                                     audit=lambda _: entries)
-    append_trace_file(app[ctx.CONFIG].trace_file, lines)
+                                     audit=lambda _: entries, lease=lease)
+    append_trace_file(app[ctx.LIVE].config.trace_file, lines)
     return run
 

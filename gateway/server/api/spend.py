@@ -60,7 +60,7 @@ def _row_value(row: SpendRow, group: str) -> str:
 async def get_spend(request: web.Request) -> web.Response:
     """GET /v1/spend: spend grouped, as JSON or CSV."""
     app = request.app
-    caller = app[ctx.KEYRING].authenticate(request)
+    caller = await app[ctx.KEYRING].authenticate(request)
     q = request.query
     groups = _groups(q.get("group_by"))
     today = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
@@ -134,7 +134,7 @@ def _csv(data: list[dict[str, Any]], groups: tuple[str, ...]) -> web.Response:
 async def get_audit(request: web.Request) -> web.Response:
     """GET /v1/admin/audit?since=&action=&team=&after=&limit=: the audit log (admin teams)."""
     app = request.app
-    caller = app[ctx.KEYRING].authenticate(request)
+    caller = await app[ctx.KEYRING].authenticate(request)
     if not caller.admin:
         raise Forbidden(f"team '{caller.name}' may not read the audit log: only admin teams may",
                         code="not_an_admin")

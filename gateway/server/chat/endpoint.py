@@ -25,8 +25,8 @@ from gateway.server.runs.keying import ServerSideRun, resolve_call
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """The route handler: every refusal here happens before the store is touched."""
     app = request.app
-    team = app[ctx.KEYRING].authenticate(request)
-    raw = await read_body(request, app[ctx.CONFIG].server.max_body_bytes)
+    team = await app[ctx.KEYRING].authenticate(request)
+    raw = await read_body(request, app[ctx.LIVE].config.server.max_body_bytes)
     share = request[ctx.SHARE] = Share(app[ctx.FAIR_SHARE], team.name)
     await share.take()  # the gateway's own work for the call, in its team's share (given back while forwarded)
     try:
@@ -39,7 +39,7 @@ async def _serve(request: web.Request, team: TeamConfig, raw: bytes, share: Shar
     app = request.app
     chat = parse_chat_request(raw)
     request[ctx.MODEL] = chat.model
-    route = app[ctx.CONFIG].route(chat.model)
+    route = app[ctx.LIVE].config.route(chat.model)
     if route is None:
         raise NotFound(f"model '{chat.model}' is not routed by this gateway (see GET /v1/models)",
                        code="model_not_found", param="model")

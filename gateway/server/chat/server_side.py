@@ -100,7 +100,7 @@ async def answer(request: web.Request, run_id: str, *, prepare: Prepare, start: 
 
 
 async def _team_left(app: web.Application, state: RunState) -> float | None:
-    team = app[ctx.CONFIG].team(state.team)
+    team = app[ctx.LIVE].config.team(state.team)
     return None if team is None else await app[ctx.GOVERNOR].team_remaining(team)
 
 

@@ -90,11 +90,11 @@ async def signed_in(request: web.Request) -> tuple[str, TeamConfig]:
     if session is None or not session.live(now):
         raise Unauthorized("the console session ended (signed out, or expired): sign in again")
     generation = None if session.key_id.startswith("cfg_") else session.generation
-    view = app[ctx.KEYRING].view_by_id(session.key_id, generation)
+    view = await app[ctx.KEYRING].find_by_id(session.key_id, generation)
     if view is None or view.name != session.team:
         raise Unauthorized("the console session's key may no longer be used (revoked, rotated or removed): sign in "
                            "again")
-    idle_s = app[ctx.CONFIG].console.session_idle_s
+    idle_s = app[ctx.LIVE].config.console.session_idle_s
     if session.idle_until - now < idle_s - min(TOUCH_EVERY_S, idle_s / 2):  # used: its idle time starts again
         await app[ctx.STORE].touch_session(h, min(now + idle_s, session.expires_at))
     return session_id, view
@@ -164,20 +164,20 @@ async def sign_in(request: web.Request) -> web.Response:
         raise BadRequest("sign in with a JSON body {\"key\": \"...\"} (Content-Type: application/json)",
                          code="invalid_content_type")
     app = request.app
-    raw = await read_body(request, app[ctx.CONFIG].server.max_body_bytes)
+    raw = await read_body(request, app[ctx.LIVE].config.server.max_body_bytes)
     body = json_object(raw, "a JSON object")
     key = body.get("key")
     if not isinstance(key, str) or not key.strip() or len(key) > MAX_KEY_CHARS:
         raise InvalidField("key", f"key must be your gateway key (a string of at most {MAX_KEY_CHARS} characters)")
     key = key.strip()
     keyring = app[ctx.KEYRING]
-    team = keyring.team(key)
+    team = await keyring.find(key)
     if team is None:
         raise Unauthorized(keyring.refusal(key).replace("API key", "key"))
     caller = team.caller
     session_id = secrets.token_urlsafe(32)
     now = time.time()
-    console = app[ctx.CONFIG].console
+    console = app[ctx.LIVE].config.console
     session = ConsoleSession(session_hash(session_id), team.name, "" if caller is None else caller.key_id,
                              0 if caller is None else caller.generation, now,
                              now + min(console.session_idle_s, console.session_max_s), now + console.session_max_s)

@@ -72,7 +72,7 @@ async def spend(request: web.Request) -> web.Response:
     _, caller = await signed_in(request)
     governor, store = app[ctx.GOVERNOR], app[ctx.STORE]
     rows: list[TeamSpend] = []
-    for team in (app[ctx.CONFIG].teams if caller.admin else [caller]):
+    for team in (app[ctx.LIVE].config.teams if caller.admin else [caller]):
         period = governor.period(team)
         spent, reserved = await store.team_spend(team.name, period)
         remaining = None if team.budget_usd is None else round(team.budget_usd - spent - reserved, 9)

@@ -4,9 +4,11 @@ Keys come from config.yaml (read-only, `source: config`) and from the store (iss
 admin API, `gateway.store.keys.KeyRecord`). A call's key is looked up by its SHA-256 in this
 process's keyring, with no store round trip: the keyring reads the keys written since it
 last looked (`Store.keys_since`, one cheap read when nothing changed) every `SYNC_S`, so a
-key created, revoked, rotated or changed on any replica is seen by every process within
-that (docs/keys.md). Expiry and a rotated-out secret's grace are checked against the clock
-on every call.
+key revoked, rotated or changed on any replica is seen by every process within that
+(docs/keys.md). A secret the keyring does not know is not refused before one such read that
+started after the call arrived (`catch_up`, shared by every call waiting): a key created on
+one process works on the next call wherever it lands. Expiry and a rotated-out secret's
+grace are checked against the clock on every call.
 
 An authenticated call works as a view of its team (`TeamConfig`) carrying the key
 (`caller`): a store key's view narrows the team's policies to the key's, and names the
@@ -40,6 +42,9 @@ log = logging.getLogger(__name__)
 SYNC_S: Final = 0.25
 """How often each process reads the keys written since it last looked: a revoked key is
 refused everywhere within this (plus one store read)."""
+CATCH_UP_S: Final = 1.0
+"""How long a call with a secret the keyring does not know waits for the store's new keys
+before it is refused anyway (a store that does not answer)."""
 TOUCH_S: Final = 60.0
 """How often each process writes the `last_used_at` of the store keys it served."""
 AS_TEAM: Final = web.RequestKey("as_team", TeamConfig)
@@ -80,6 +85,9 @@ class KeyRing:
         self._config_views: dict[str, TeamConfig] = {}
         self.revision = 0
         """The store's key revision this keyring has read up to."""
+        self._syncing = asyncio.Lock()
+        self._syncs = 0
+        """Syncs started so far (under `_syncing`): a catch-up waits for one started after it."""
         self.used: dict[str, float] = {}
         """Store keys served since the last `flush_used`, and when."""
         self.set_teams(teams)
@@ -171,6 +179,19 @@ class KeyRing:
         self.used[record.id] = now
         return entry.view
 
+    def knows(self, key: str) -> bool:
+        """Whether the keyring has this secret, usable or not."""
+        digest = _digest(key)
+        return digest in self._config or digest in self._stored
+
+    async def find(self, key: str) -> TeamConfig | None:
+        """`team(key)`, after reading the store's new keys when the keyring does not know the
+        secret (a key just created on another process)."""
+        team = self.team(key)
+        if team is None and not self.knows(key) and await self.catch_up():
+            team = self.team(key)
+        return team
+
     def refusal(self, key: str) -> str:
         """Why `team(key)` is None, in words for the 401 (never naming another key)."""
         entry = self._stored.get(_digest(key))
@@ -185,7 +206,7 @@ class KeyRing:
             return f"this secret of key {record.id} was rotated out; use the new one"
         return f"this key ({record.id}) cannot be used: {entry.problem}"
 
-    def authenticate(self, request: web.Request) -> TeamConfig:
+    async def authenticate(self, request: web.Request) -> TeamConfig:
         """The caller's view of its team, or 401 naming what is wrong with the header."""
         signed_in: TeamConfig | None = request.get(AS_TEAM)
         if signed_in is not None:
@@ -198,7 +219,7 @@ class KeyRing:
         if scheme.lower() != "bearer" or not key.strip():
             raise Unauthorized("malformed Authorization header: expected 'Bearer <key>'")
         key = key.strip()
-        team = self.team(key)
+        team = await self.find(key)
         if team is None:
             raise Unauthorized(self.refusal(key))
         request[AUTHENTICATED] = team
@@ -218,17 +239,48 @@ class KeyRing:
         entry = self._stored.get(bytes.fromhex(record.secret_hash))
         return None if entry is None else entry.view
 
+    async def find_by_id(self, key_id: str, generation: int | None = None) -> TeamConfig | None:
+        """`view_by_id`, after reading the store's new keys when the keyring does not know the
+        key (a console session begun on another process with a key just created there)."""
+        view = self.view_by_id(key_id, generation)
+        if view is None and key_id not in self._records and key_id not in self._config_views \
+                and await self.catch_up():
+            view = self.view_by_id(key_id, generation)
+        return view
+
     # --- keeping current ------------------------------------------------------------------------
 
     async def sync(self) -> int:
         """Read the keys written since the last sync; returns how many changed."""
         if self._store is None:
             return 0
-        found, last = await self._store.keys_since(self.revision)
+        async with self._syncing:
+            return await self._read(self._store)
+
+    async def _read(self, store: Store) -> int:
+        self._syncs += 1
+        found, last = await store.keys_since(self.revision)
         for record in found:
             self._put(record)
         self.revision = max(self.revision, last)
         return len(found)
+
+    async def catch_up(self) -> bool:
+        """Wait for a sync that started after this call did (one store read at a time, shared
+        by every call waiting: unknown secrets cannot make a process read the store more
+        often than one read after the other); False when the store did not answer within
+        `CATCH_UP_S`, or there is none."""
+        if self._store is None:
+            return False
+        asked = self._syncs
+        try:
+            async with asyncio.timeout(CATCH_UP_S):
+                async with self._syncing:
+                    if self._syncs == asked:  # else one started after this call and has ended
+                        await self._read(self._store)
+        except (StoreError, TimeoutError):
+            return False  # the keyring keeps what it knew; `keep_synced` says so in the log
+        return True
 
     def learn(self, record: KeyRecord) -> None:
         """A key this process just wrote: known here at once, before the next sync."""

@@ -61,7 +61,7 @@ from aiohttp import web
 
 from gateway.harness.state import Interruption, InterruptionType, Status, public_run_id
 from gateway.providers.errors import UpstreamError
-from gateway.store.errors import RunExists, RunNotFound, SpoolNotReady, StaleRun, StoreError
+from gateway.store.errors import LeaseLost, RunExists, RunNotFound, SpoolNotReady, StaleRun, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -318,6 +318,9 @@ def from_store_error(exc: StoreError) -> ApiError:
         return StoreUnavailable("this gateway process cannot take calls now: the spool, where it keeps a paid turn "
                                 "its store cannot take, has no room set aside (a full disk?); nothing was forwarded, "
                                 "retry in a moment (GET /readyz says when it is ready)")
+    if isinstance(exc, LeaseLost):
+        return Conflict(f"run {public_run_id(exc.run_id)} is driven by another gateway replica now (this one stalled "
+                        "past its lease); read the run to follow it", code="run_conflict")
     # The store's own words name hosts and files: they go to the log (the caller's, once per
     # failure of the store: `ctx.STORE_HEALTH`), not to clients.
     return StoreUnavailable("the gateway's store is unavailable; retry in a moment")

@@ -9,7 +9,8 @@ stops the upstream call (its connection is closed, not drained), and the block r
 `ClientLeft` in place of the cancellation. The caller then books what the call used and
 frees what it held, at once. Outside such a block a lost client changes nothing.
 
-Arming costs one entry in the request's dict: no task, no timer, no polling.
+Arming costs one entry in the request's dict, removed when the block ends: no task, no
+timer, no polling.
 """
 
 from __future__ import annotations
@@ -45,14 +46,21 @@ class upstream_wait:  # noqa: N801  (used as a function: `with upstream_wait(req
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.armed = False
+        # The request no longer names this watch, and the watch lets go of its task (which
+        # ends holding its response, which holds the request): either would be a cycle
+        # keeping the request, its body of megabytes too, until a cyclic collection, which
+        # an idle process never runs.
+        if self.request.get(WATCH) is self:
+            del self.request[WATCH]
+        task, self.task = self.task, None
         if not self.fired:
             return
-        assert self.task is not None
+        assert task is not None
         if kind is not None and issubclass(kind, asyncio.CancelledError):
-            if self.task.uncancel() > 0:  # cancelled for another reason too (a shutdown): that one wins
+            if task.uncancel() > 0:  # cancelled for another reason too (a shutdown): that one wins
                 return
             raise ClientLeft() from None
-        self.task.uncancel()  # the awaited call swallowed the cancel and ended: take it back
+        task.uncancel()  # the awaited call swallowed the cancel and ended: take it back
 
 
 WATCH: Final = web.RequestKey("client_watch", upstream_wait)

@@ -13,7 +13,8 @@ aiohttp has no option for the class of its per-connection `RequestHandler`, so
 `JsonErrorHandler` (which also reports a lost connection to `leaving`, so a call waiting
 for its upstream stops when its client goes); `run(app, sockets)` is `web.run_app` with
 that runner, and says on stderr, once stopped, how long the graceful stop took and how
-many requests it let finish.
+many requests it let finish (a worker of `--workers N` hands that number to its supervisor
+instead, which says it once for all of them).
 
 The listening sockets are bound first (`listen_sockets`), before the app is built or
 started: a port in use is one line (`StartError`, exit 2) before anything else happens.
@@ -360,7 +361,8 @@ class GatewayRunner(web.AppRunner):
 
 async def _serve(app: web.Application, sockets: Sequence[socket.socket],
                  ready: Callable[[], None] | None, access: type[AbstractAccessLogger] | None,
-                 connections: Connections | None, on_drain: Callable[[], None] | None, drain_delay_s: float) -> None:
+                 stopped: Callable[[int], None] | None, connections: Connections | None,
+                 on_drain: Callable[[], None] | None, drain_delay_s: float) -> None:
     extra: dict[str, Any] = {} if connections is None else {"connections": connections}
     if access is not None:
         extra |= {"access_log": logging.getLogger("gateway.access"), "access_log_class": access}
@@ -383,7 +385,9 @@ async def _serve(app: web.Application, sockets: Sequence[socket.socket],
         busy = in_flight(runner)
         started = time.monotonic()
         await runner.cleanup()
-        if serving:
+        if serving and stopped is not None:
+            stopped(busy)
+        elif serving:
             print(f"gateway: stopped (pid {os.getpid()}) in {time.monotonic() - started:.1f} s, having drained "
                   f"{busy} request{'' if busy == 1 else 's'} in flight", file=sys.stderr, flush=True)
 
@@ -423,12 +427,14 @@ def new_loop(kind: LoopKind = "auto") -> asyncio.AbstractEventLoop:
 
 def run(app: web.Application, sockets: Sequence[socket.socket], *, ready: Callable[[], None] | None = None,
         loop: LoopKind = "auto", access: type[AbstractAccessLogger] | None = None,
+        stopped: Callable[[int], None] | None = None,
         connections: Connections | None = None, on_drain: Callable[[], None] | None = None,
         drain_delay_s: float = 0.0) -> None:
     """Serve `app` on `sockets` (`listen_sockets`) until SIGINT or SIGTERM, then shut it down
-    like `web.run_app`; `ready` is called once it serves; `access` is the access logger's
-    class (None: no access log); `connections` bounds slow and idle clients (None:
-    aiohttp's own); `on_drain` is called first thing on the way down, and the process
+    like `web.run_app`; `ready` is called once it serves, `stopped` once it stopped serving,
+    with the number of requests it drained (None: the stop line is printed); `access` is the
+    access logger's class (None: no access log); `connections` bounds slow and idle clients
+    (None: aiohttp's own); `on_drain` is called first thing on the way down, and the process
     serves on `drain_delay_s` more before its listener closes. A `StartError` raised while
     the app starts (its cleanup contexts: another listener's port) comes out of here as it
     was."""
@@ -436,7 +442,7 @@ def run(app: web.Application, sockets: Sequence[socket.socket], *, ready: Callab
         connections.fit_fd_limit()
     loop_ = new_loop(loop)
     asyncio.set_event_loop(loop_)
-    main = loop_.create_task(_serve(app, sockets, ready, access, connections, on_drain, drain_delay_s))
+    main = loop_.create_task(_serve(app, sockets, ready, access, stopped, connections, on_drain, drain_delay_s))
     try:
         loop_.run_until_complete(main)
     except (web.GracefulExit, KeyboardInterrupt):

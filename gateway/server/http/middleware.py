@@ -62,7 +62,7 @@ def is_scripted_mount(path: str) -> bool:
 
 def _error_response(request: web.Request, exc: ApiError) -> web.Response:
     if isinstance(exc, LimitExceeded):  # the operator's choice (server.refusal_status), for clients that retry 429s
-        exc.status = request.config_dict[ctx.CONFIG].server.refusal_status
+        exc.status = request.config_dict[ctx.LIVE].config.server.refusal_status
     run = request.get(ctx.RUN)
     extra = None
     if run is not None and "X-Run-Id" not in exc.headers:

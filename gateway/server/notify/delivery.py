@@ -1,7 +1,7 @@
 """The delivery task of one replica: claims due notices from the store's outbox and sends them.
 
-`background(app)` (a cleanup context; nothing at all without `webhooks:`) installs the
-notice rule on the store, so a notifying trace line and its notices are written in one
+`background(app)` (a cleanup context; nothing runs while the config has no `webhooks:`)
+installs the notice rule on the store, so a notifying trace line and its notices are written in one
 store step, and starts `Notifier.run`, which every `server.webhook_poll_s` (0.5 s by default;
 at once when this process wrote a notice):
 
@@ -57,19 +57,40 @@ class Notifier:
     def __init__(self, store: Store, config: Config, metrics: Metrics, session: aiohttp.ClientSession, owner: str,
                  base_url: str | None) -> None:
         self.store = store
-        self.config = config
         self.metrics = metrics
         self.session = session
         self.owner = owner
         self.base_url = base_url
-        self.hooks: Mapping[str, WebhookConfig] = {w.name: w for w in config.webhooks}
-        self.lease_s = max(w.timeout_s for w in config.webhooks) + LEASE_MARGIN_S
         self.wake = asyncio.Event()
         self._enqueued: set[str] = set()  # budget notices this process already wrote
         self._next_scan = 0.0
         self._next_depth = 0.0
         self.poll_s = config.server.webhook_poll_s
         self.scan_s = config.server.budget_scan_s
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.configure(config)
+
+    def configure(self, config: Config) -> None:
+        """Deliver to `config`'s webhooks from now on (at start, and on a config reload), on
+        the event loop. With webhooks, trace lines make notices (the store's rule) and the
+        delivery task runs; a reload that removes them all stops new notices, and the task
+        goes on (a notice already written for a webhook no longer configured is given up)."""
+        self.config = config
+        self.hooks: Mapping[str, WebhookConfig] = {w.name: w for w in config.webhooks}
+        self.lease_s = max((w.timeout_s for w in config.webhooks), default=0.0) + LEASE_MARGIN_S
+        self.store.notice_rule = self.rule if config.webhooks else None
+        if config.webhooks and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.run(self._stop))
+
+    async def close(self) -> None:
+        """Stop the delivery task (5 s for a round in progress) and the notice rule."""
+        self.store.notice_rule = None
+        self._stop.set()
+        if self._task is not None:
+            await asyncio.wait({self._task}, timeout=5.0)
+            if not self._task.done():
+                self._task.cancel()
 
     def rule(self, run_id: str, events: Sequence[Mapping[str, Any]]) -> list[Notice]:
         """The store's `notice_rule`: runs inside its write, so it only builds and signals."""
@@ -188,24 +209,19 @@ async def _first(*events: asyncio.Event) -> None:
 
 
 async def background(app: web.Application) -> AsyncIterator[None]:
-    """Cleanup context: with webhooks configured, the notice rule and this replica's delivery task."""
-    config = app[ctx.CONFIG]
-    if not config.webhooks:
-        yield
-        return
+    """Cleanup context: this replica's notifier (`NOTIFIER`), which installs the notice rule
+    and runs the delivery task while the config has webhooks (nothing runs without)."""
+    config = app[ctx.LIVE].config
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
-    store = app[ctx.STORE]
-    notifier = Notifier(store, config, app[ctx.METRICS], session, app[ctx.GOVERNOR].owner,
+    notifier = Notifier(app[ctx.STORE], config, app[ctx.METRICS], session, app[ctx.GOVERNOR].owner,
                         config.server.public_url or app.get(ctx.SELF_URL))
-    store.notice_rule = notifier.rule
-    stop = asyncio.Event()
-    task = asyncio.get_running_loop().create_task(notifier.run(stop))
+    app[NOTIFIER] = notifier
     try:
         yield
     finally:
-        stop.set()
-        await asyncio.wait({task}, timeout=5.0)
-        if not task.done():
-            task.cancel()
-        store.notice_rule = None
+        await notifier.close()
         await session.close()
+
+
+NOTIFIER: Final = web.AppKey("notifier", Notifier)
+"""This replica's notifier (a config reload gives it the new webhooks: `Notifier.configure`)."""

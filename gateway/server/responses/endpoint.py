@@ -74,7 +74,7 @@ deleted one falls back to the one before; the bound keeps a long junk history ch
 async def _stored(request: web.Request, response_id: str, param: str | None = None) -> dict[str, Any]:
     """The caller's team's stored response (404 for a missing one and another team's alike)."""
     app = request.app
-    team = app[ctx.KEYRING].authenticate(request)
+    team = await app[ctx.KEYRING].authenticate(request)
     got = await app[ctx.STORE].get_response(response_id)
     record: dict[str, Any] | None = orjson.loads(got[1]) if got is not None and got[0] == team.name else None
     if record is None or "response" not in record:  # missing, another team's, or created with store: false
@@ -100,12 +100,12 @@ async def delete_response(request: web.Request) -> web.Response:
 async def create_response(request: web.Request) -> web.StreamResponse:
     """The route handler: every refusal happens before anything is forwarded or stored."""
     app = request.app
-    team = app[ctx.KEYRING].authenticate(request)
-    body = load_body(await read_body(request, app[ctx.CONFIG].server.max_body_bytes))
+    team = await app[ctx.KEYRING].authenticate(request)
+    body = load_body(await read_body(request, app[ctx.LIVE].config.server.max_body_bytes))
     await _resolve_references(request, team.name, body)
     req = parse_responses_body(body)
     request[ctx.MODEL] = req.model
-    route = app[ctx.CONFIG].route(req.model)
+    route = app[ctx.LIVE].config.route(req.model)
     if route is None:
         raise NotFound(f"model '{req.model}' is not routed by this gateway (see GET /v1/models)",
                        code="model_not_found", param="model")

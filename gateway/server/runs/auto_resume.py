@@ -38,7 +38,7 @@ from gateway.server.runs.cancels import RunBusy
 from gateway.server.runs.continuations import resume_with
 from gateway.server.runs.driver import Prepare, RunDriver
 from gateway.store.base import Event, Store
-from gateway.store.errors import StoreError
+from gateway.store.errors import LeaseLost, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,8 @@ class BackgroundDrives:
             except RunBusy:
                 if time.monotonic() >= deadline:
                     return
+            except LeaseLost:  # another replica took the run over; the driver said so
+                return
             except (ApiError, UpstreamError, StoreError) as exc:
                 log.warning("could not resume run %s in the background: %s", run_id, exc)
                 return

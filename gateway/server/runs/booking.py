@@ -85,7 +85,7 @@ async def refuse(request: web.Request, call: Call, exc: LimitExceeded) -> LimitE
             run, events, _ = await commit_run(app[ctx.STORE], run, stop_run(status, reason, interruption, detail),
                                               trace, None)
         app[ctx.RUN_CACHE].put(run)
-        append_trace_file(app[ctx.CONFIG].trace_file, events)
+        append_trace_file(app[ctx.LIVE].config.trace_file, events)
         app[ctx.METRICS].on_run_stopped(call.team.name, call.policy.name, status, reason, run.turns, run.cost_usd)
     call.run = run
     request[ctx.RUN] = run
@@ -254,7 +254,7 @@ async def commit_turn_record(app: web.Application, run: RunState, record: TurnRe
         async with governor.run_lock(run.run_id):
             run, events, ledger = await commit_run(app[ctx.STORE], run.copy(), record.change(), record.trace,
                                                    record.booking,
-                                                   attempts=app[ctx.CONFIG].defaults.max_calls_in_flight_per_run + 8)
+                                                   attempts=app[ctx.LIVE].config.defaults.max_calls_in_flight_per_run + 8)
     except BaseException as exc:
         if _unreachable(exc):
             health.fail(str(exc))
@@ -262,7 +262,7 @@ async def commit_turn_record(app: web.Application, run: RunState, record: TurnRe
             await book_alone(governor, record.booking, exc)
         raise
     health.recover()
-    append_trace_file(app[ctx.CONFIG].trace_file, events)
+    append_trace_file(app[ctx.LIVE].config.trace_file, events)
     return run, ledger
 
 

@@ -16,9 +16,14 @@ run with a status and a reason, saved and traced like any other exit.
 
 The lease lasts `server.lease_ttl_s` and is renewed every third of it while the run is
 driven, so a replica that dies holds its runs at most that long; sandboxes live under
-`runs_dir`, which replicas share. A replica that cannot renew (another replica took the
-run after a stall, or the store was unreachable for a whole TTL) stops driving at its
-next renewal; until then the store's revision check refuses its saves.
+`runs_dir`, which replicas share. Every write of the drive (trace lines, the notices they
+cause, saves) is fenced by the lease's epoch in its own store step (`Lease`): once another
+replica (or this one's recovery sweep) took the run over after the lease lapsed (a frozen
+or stalled replica, a store unreachable for a whole TTL), nothing more of this drive is
+written (`LeaseLost`), and the run's metrics, which count stored lines only, say nothing
+of it either. A replica that cannot
+renew stops driving at its next renewal; a model call it has in flight is still booked on
+the team's ledger when its answer comes (`governed_model`).
 
 The lease keeper and the cancel watcher never hold a run's answer back: they stop on an
 event (a cancellation can be lost inside redis-py while a command is in flight), every
@@ -68,8 +73,8 @@ from gateway.server.runs.pending_approvals import PendingApprovals
 from gateway.server.runs.run_spans import RunSpans, agent_span, trace_link
 from gateway.server.runs.tracelog import Listener, TraceWriter
 from gateway.store.audit import AuditEntry
-from gateway.store.base import Event, Store
-from gateway.store.errors import StoreError
+from gateway.store.base import Event, Lease, Store
+from gateway.store.errors import LeaseLost, StoreError
 
 if TYPE_CHECKING:
     from gateway.telemetry.tracing import Tracing
@@ -188,15 +193,21 @@ class RunDriver:
         """
         writer = TraceWriter(self.store, run_id, trace_file=self.trace_file, listeners=listeners)
         with self.active.claim(run_id, writer) as scope:
-            if not await self.store.acquire_lease(run_id, self.owner, self.lease_ttl_s):
+            lease = await self.store.acquire_lease(run_id, self.owner, self.lease_ttl_s)
+            if lease is None:
                 raise RunBusy(run_id, "by another gateway replica")
+            writer.lease = lease
             if self.metrics is not None:
                 self.metrics.run_active(1)
             try:
-                drive = await self._drive(run_id, scope, writer, prepare, client, start)
+                drive = await self._drive(run_id, lease, scope, writer, prepare, client, start)
                 if _waits_for_approval(drive.state) and drive.driven:
                     self.approvals_changed()
                 return drive
+            except LeaseLost:
+                log.warning("run %s: this process lost its lease (it stalled past server.lease_ttl_s, or another "
+                            "replica took the run over); nothing more of this drive was written", run_id)
+                raise
             finally:
                 if self.metrics is not None:
                     self.metrics.run_active(-1)
@@ -205,8 +216,8 @@ class RunDriver:
                 except StoreError as exc:  # it expires by itself within lease_ttl_s; the answer stands
                     log.warning("run %s: could not release its lease: %s", run_id, exc)
 
-    async def _drive(self, run_id: str, scope: CancelScope, writer: TraceWriter, prepare: Prepare | None,
-                     client: FromClient, start: StartKind) -> Drive:
+    async def _drive(self, run_id: str, lease: Lease, scope: CancelScope, writer: TraceWriter,
+                     prepare: Prepare | None, client: FromClient, start: StartKind) -> Drive:
         # Cancel requests of other replicas are read from here on: any written before we held
         # the lease found the run undriven and stopped it themselves.
         seen = await self.store.events(run_id)
@@ -222,8 +233,8 @@ class RunDriver:
             return Drive(Outcome(state, "stopped", last_answer(state)), Usage(), driven=False)
         usage_before = state.usage
         model = self.model_for(state)
-        if self.metrics is not None:
-            writer.listeners.append(_MetricsListener(self.metrics, state, policy))
+        if self.metrics is not None:  # counts what the run's trace stores, never a lost drive's lines
+            writer.written.append(_MetricsListener(self.metrics, state, policy))
 
         checkpoint = writer.commit
         tracing = self.tracing
@@ -236,13 +247,14 @@ class RunDriver:
         except (CompileError, OSError) as exc:
             raise Conflict(f"run {public_run_id(run_id)} cannot be driven: {exc}", code="run_not_drivable") from None
         if tracing is None:
-            return await self._loop(run_id, state, model, options, scope, writer, seen, start, fields, usage_before)
+            return await self._loop(run_id, lease, state, model, options, scope, writer, seen, start, fields,
+                                    usage_before)
         agent = agent_span(tracing, state, seen, start)
         spans = RunSpans(tracing, agent)
         writer.listeners.append(spans)
         try:
-            drive = await self._loop(run_id, state, model, options, scope, writer, seen, start, fields, usage_before,
-                                     trace_link(agent))
+            drive = await self._loop(run_id, lease, state, model, options, scope, writer, seen, start, fields,
+                                     usage_before, trace_link(agent))
             agent.stopped(status=state.status, reason=state.reason or "", turns=state.turns,
                           cost_usd=round(state.cost_usd, 9), tool_calls=state.tool_calls, usage=drive.usage)
             return drive
@@ -250,8 +262,8 @@ class RunDriver:
             spans.close()
             agent.end()
 
-    async def _loop(self, run_id: str, state: RunState, model: Model, options: RunOptions, scope: CancelScope,
-                    writer: TraceWriter, seen: Sequence[tuple[int, Event]], start: StartKind,
+    async def _loop(self, run_id: str, lease: Lease, state: RunState, model: Model, options: RunOptions,
+                    scope: CancelScope, writer: TraceWriter, seen: Sequence[tuple[int, Event]], start: StartKind,
                     fields: StartSetup | None, usage_before: Usage, link: TraceLink | None = None) -> Drive:
         """The drive itself: its start line, the lease keeper, the cancel watcher, the loop."""
         checkpoint = writer.commit
@@ -260,13 +272,18 @@ class RunDriver:
         await checkpoint(state)
         writer.start()
         stop = asyncio.Event()
-        keeper = asyncio.ensure_future(self._keep_lease(run_id, scope, stop))
+        keep = _Keep()
+        keeper = asyncio.ensure_future(self._keep_lease(lease, scope, stop, keep))
         watcher = asyncio.ensure_future(watch_remote_cancel(
             self.store, run_id, scope, seen[-1][0] if seen else 0, self.cancel_poll_s, stop, self.store_deadline_s))
         try:
             try:
                 outcome = await run(state, model, options, scope)
             except (asyncio.CancelledError, KeyboardInterrupt):
+                raise
+            except LeaseLost as exc:
+                if keep.unrenewed:  # it lapsed while the store did not answer: an outage (503), not a takeover
+                    raise StoreError(f"run {run_id}: its lease lapsed while the store was unreachable") from exc
                 raise
             except Exception as exc:  # the loop let it through: end the run with a reason
                 if isinstance(exc, StoreError):  # StaleRun included: the saved run is not ours to overwrite
@@ -296,9 +313,12 @@ class RunDriver:
             else:
                 _log_failure(task)
 
-    async def _keep_lease(self, run_id: str, scope: CancelScope, stop: asyncio.Event) -> None:
-        """Renew the lease while driving; stop driving if another replica took it, or if
-        the store could not renew it for a whole TTL (others may take the run by then)."""
+    async def _keep_lease(self, lease: Lease, scope: CancelScope, stop: asyncio.Event, keep: _Keep) -> None:
+        """Renew the lease while driving; stop driving if another replica took it (held, or
+        taken and released meanwhile: a renewal then gets a new epoch, and this drive's
+        writes are fenced by the old one), or if the store could not renew it for a whole
+        TTL. `keep` says whether a renewal failed since the lease was last renewed."""
+        run_id = lease.run_id
         held_until = time.monotonic() + self.lease_ttl_s
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
@@ -311,15 +331,22 @@ class RunDriver:
                 async with asyncio.timeout(self.store_deadline_s):
                     renewed = await self.store.acquire_lease(run_id, self.owner, self.lease_ttl_s)
             except (StoreError, TimeoutError) as exc:
+                keep.unrenewed = True
                 if time.monotonic() < held_until:
                     log.warning("run %s: lease renewal failed, retrying: %s", run_id, exc)
                     continue
                 scope.cancel(f"the gateway lost the run's lease (store unreachable: {exc})")
                 return
-            if not renewed:
-                scope.cancel("another gateway replica took over the run")
+            if renewed is None or renewed.epoch != lease.epoch:
+                if renewed is not None:  # another took it and let go meanwhile: not the lease this drive writes under
+                    with contextlib.suppress(StoreError, TimeoutError):
+                        async with asyncio.timeout(self.store_deadline_s):
+                            await self.store.release_lease(run_id, self.owner)
+                scope.cancel("this gateway replica lost the run's lease (it stalled past server.lease_ttl_s, "
+                             "or another replica took the run over)")
                 return
             held_until = asked + self.lease_ttl_s
+            keep.unrenewed = False
 
     async def _end(self, state: RunState, exc: Exception, writer: TraceWriter,
                    checkpoint: Callable[[RunState], Any]) -> Outcome:
@@ -353,6 +380,14 @@ class RunDriver:
         """A call (or a limit request) started or stopped waiting for a person here: `gateway_approvals_pending`
         is recounted from the store at the next scrape (`PendingApprovals`)."""
         self.approvals.changed()
+
+
+@dataclass
+class _Keep:
+    """What a drive's lease keeper tells the drive: whether its last renewal failed (the
+    store did not answer), so that a lease found lost then is the outage's doing."""
+
+    unrenewed: bool = False
 
 
 def _log_failure(task: asyncio.Future[None]) -> None:

@@ -56,7 +56,7 @@ async def trace_unbooked(app: web.Application, routed: RoutedCall, run_id: str) 
     except StoreError as exc:
         log.warning("run %s: its failed upstream attempts could not be traced: %s", run_id, exc)
         return
-    append_trace_file(app[ctx.CONFIG].trace_file, lines)
+    append_trace_file(app[ctx.LIVE].config.trace_file, lines)
 
 
 async def complete_chat(routed: RoutedCall, body: Body,

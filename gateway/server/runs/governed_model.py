@@ -11,7 +11,9 @@ raised (`RateLimited`) and the run stops, interrupted and resumable (driver).
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -21,14 +23,15 @@ from gateway.config.settings import Config, ModelRoute, TeamConfig
 from gateway.harness.model import LimitReached, ModelReply, ModelRequest
 from gateway.harness.state import RunState, public_run_id
 from gateway.providers.errors import UpstreamError
+from gateway.providers.failover import RoutedCall
 from gateway.providers.reply import response_model
 from gateway.server import context as ctx
 from gateway.server.http.errors import ApiError, LimitExceeded, NotFound
 from gateway.server.metrics import Metrics
 from gateway.server.runs import rate_limits
 from gateway.server.runs.forwarding import complete_chat
+from gateway.server.runs.governor import Admission, Ask, Governor
 from gateway.server.runs.run_spans import chat_outcome
-from gateway.server.runs.governor import Ask, Governor
 from gateway.server.runs.replies import checked_usage
 from gateway.tokens import TokenCounter
 
@@ -37,7 +40,8 @@ if TYPE_CHECKING:
 
 
 class UpstreamModel:
-    """One run's model: the team, policy and mode are fixed; the model name comes per request."""
+    """One run's model: the policy is fixed, the model name comes per request, and the team
+    and budget mode are those of the config served when each turn starts (`for_run`)."""
 
     def __init__(self, *, config: Config, upstreams: ctx.Upstreams, governor: Governor, metrics: Metrics,
                  counter: TokenCounter, team: TeamConfig, policy: str, strict: bool) -> None:
@@ -53,26 +57,27 @@ class UpstreamModel:
         """The user its turns are held to and spent by (the run's, `RunState.user`)."""
         self.tracing: Tracing | None = None
         """Each turn a `chat {model}` span (tracing on)."""
+        self._live: ctx.Live | None = None  # the config served now (`for_run`), and how to read the run's team in it
+        self._governing: Callable[[], tuple[Config, TeamConfig, bool]] | None = None
 
     @classmethod
     def for_run(cls, app: web.Application, state: RunState) -> UpstreamModel:
-        """The model of a run served by `app` (its team and budget mode from config and policy)."""
-        config = app[ctx.CONFIG]
-        team = config.team(state.team)
-        if team is None:
-            raise ApiError(f"run {state.public_id} belongs to team '{state.team}', which the config no longer has",
-                           status=409, type="conflict_error", code="team_not_found")
-        strict = team.budget_mode == "strict" or state.limits.budget_mode == "strict"
-        # The key that started the run, while it may still be used (its budget and rate limits
-        # hold every turn, wherever the run is driven); else the team alone.
-        view = app[ctx.KEYRING].view_by_id(state.key_id) if state.key_id else None
-        if view is not None and view.name == team.name:
-            team = view
+        """The model of a run served by `app` (its team and budget mode from config and policy).
+        A reload during the drive applies from the next turn on (the turn in flight keeps the
+        config it started with), as it does for the next pass-through call."""
+        config, team, strict = _governing(app, state)
         model = cls(config=config, upstreams=app[ctx.UPSTREAMS], governor=app[ctx.GOVERNOR], metrics=app[ctx.METRICS],
                     counter=app[ctx.COUNTER], team=team, policy=state.policy, strict=strict)
         model.user = state.user
         model.tracing = app.get(ctx.TRACING)
+        model._live, model._governing = app[ctx.LIVE], lambda: _governing(app, state)
         return model
+
+    def _follow_reload(self) -> None:
+        """A config reload since the last turn: the team and mode as the new config has them
+        (409 `team_not_found` when it has no such team any more)."""
+        if self._live is not None and self._governing is not None and self._live.config is not self.config:
+            self.config, self.team, self.strict = self._governing()
 
     def route(self, model: str) -> ModelRoute:
         route = self.config.route(model)
@@ -93,7 +98,14 @@ class UpstreamModel:
         """One turn over the route's deployments and fallbacks (held at the dearest of them,
         booked at the price of the one that answered). An `UpstreamError` carries the trace
         fields of the failed attempts (`attempts`), which the driver writes. With tracing on,
-        the turn is a `chat {model}` span: its attempts nest under it."""
+        the turn is a `chat {model}` span: its attempts nest under it.
+
+        Once admitted, the call is never abandoned: stopped (a Stop, a lost lease, the run's
+        deadline), it returns at once, but goes on in the background and books its answer on
+        the team's ledger when it comes (or releases its hold if the upstream fails), since
+        the upstream is paid for an answer whether or not anyone reads it. The run, which
+        stopped without that answer, does not count it."""
+        self._follow_reload()
         if self.tracing is None:
             return await self._complete(request, None)
         span = self.tracing.chat(request.model, run_id=public_run_id(request.run_id), team=self.team.name,
@@ -117,8 +129,19 @@ class UpstreamModel:
             if request.fit_budget and exc.kind == "budget_exceeded":  # the run's own budget: it asks a person
                 raise LimitReached(exc.message) from None
             raise
+        call = asyncio.ensure_future(self._forward(request, admission, routed, span, asked))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            self.governor.finish_in_background(call, request.run_id)
+            raise
+
+    async def _forward(self, request: ModelRequest, admission: Admission, routed: RoutedCall,
+                       span: ChatSpan | None, asked: float) -> ModelReply:
+        """The admitted call: forwarded, its usage checked, its cost booked (and, tracing on,
+        told to its span; one the run gave up has ended: the rest of the call is not in it)."""
         async with admission as adm:
-            if span is not None:
+            if span is not None and span.recording:
                 span.admitted(time.perf_counter() - asked, adm.max_tokens or request.max_tokens)
             max_tokens = adm.max_tokens or request.max_tokens
             sent: list[bytes] = []  # the body of each attempt: the last one is what was answered
@@ -153,3 +176,20 @@ class UpstreamModel:
         return ModelReply(message, usage, parsed.finish_reason, reported=checked.reported, upstream=upstream.name,
                           cost_usd=cost, attempts=tuple(a.fields() for a in routed.attempts),
                           repairs=tuple(r.to_json() for r in reply.repairs))
+
+
+def _governing(app: web.Application, state: RunState) -> tuple[Config, TeamConfig, bool]:
+    """The config served now, the run's team in it (seen through the key that started the run,
+    while that key may still be used) and whether its turns are held in strict mode."""
+    config = app[ctx.LIVE].config
+    team = config.team(state.team)
+    if team is None:
+        raise ApiError(f"run {state.public_id} belongs to team '{state.team}', which the config no longer has",
+                       status=409, type="conflict_error", code="team_not_found")
+    strict = team.budget_mode == "strict" or state.limits.budget_mode == "strict"
+    # The key that started the run, while it may still be used (its budget and rate limits
+    # hold every turn, wherever the run is driven); else the team alone.
+    view = app[ctx.KEYRING].view_by_id(state.key_id) if state.key_id else None
+    if view is not None and view.name == team.name:
+        team = view
+    return config, team, strict

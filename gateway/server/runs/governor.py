@@ -50,7 +50,8 @@ from typing import Any, cast
 from gateway.config.settings import Defaults, TeamConfig
 from gateway.harness.state import RunState, public_run_id
 from gateway.harness.usage import Price, Usage
-from gateway.server.http.errors import Conflict, LimitExceeded
+from gateway.providers.errors import UpstreamError
+from gateway.server.http.errors import ApiError, Conflict, LimitExceeded
 from gateway.server.runs import rate_limits
 from gateway.server.runs.allowances import FRESH_S, Allowance, Allowances
 from gateway.store.base import (
@@ -176,9 +177,17 @@ class Governor:
         self.spooled: set[str] = set()
         """Reservations of spend waiting in the spool: held (renewed) until it is booked."""
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        self._detached: set[asyncio.Future[Any]] = set()  # calls whose caller stopped, still booking
         # by team and key scope: the rate limits, and the fewest tokens one of them allows per window
         self._rates: dict[int, tuple[TeamConfig, tuple[RateLimit, ...], int | None]] = {}
         self.allowances = Allowances()
+
+    def configure(self, defaults: Defaults) -> None:
+        """A config reload: its defaults from now on; the rate limits built for the old config's
+        views are dropped (each view of the new config builds its own; calls admitted before keep
+        what they claimed; what this process took ahead under the old limits is given back once idle)."""
+        self.defaults = defaults
+        self._rates = {}
 
     def rates(self, team: TeamConfig) -> tuple[RateLimit, ...]:
         """The rate limits a call of `team` claims (its key's and the team's), built once."""
@@ -573,6 +582,24 @@ class Governor:
             released = await self.store.release_owner(self.owner, keep=spooled)
             if released:
                 log.info("released %d reservations left by this gateway's previous process", released)
+
+    def finish_in_background(self, call: asyncio.Future[Any], run_id: str) -> None:
+        """Keep an admitted call its caller stopped waiting for until it ends: it books its
+        answer (or releases its hold) then. Kept here, so that it is not collected meanwhile."""
+        self._detached.add(call)
+
+        def ended(done: asyncio.Future[Any]) -> None:
+            self._detached.discard(done)
+            if done.cancelled():
+                return
+            exc = done.exception()
+            if exc is None:
+                log.info("run %s: a model call answered after the run stopped waiting for it; booked on the team",
+                         run_id)
+            elif not isinstance(exc, (ApiError, UpstreamError, StoreError)):
+                log.error("run %s: a model call left behind by a stop failed", run_id, exc_info=exc)
+
+        call.add_done_callback(ended)
 
     async def give_back(self, idle_s: float = FRESH_S) -> None:
         """Give back to the store's clocks what this process took ahead of its calls and has

@@ -42,7 +42,7 @@ from gateway.server.http.errors import (
 from gateway.server.http.headers import run_headers
 from gateway.server.runs.run_cache import RunCache
 from gateway.store.audit import AuditEntry
-from gateway.store.base import Booking, Event, Ledger, Store
+from gateway.store.base import Booking, Event, Lease, Ledger, Store
 from gateway.store.errors import RunExists, StaleRun
 
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$")
@@ -218,16 +218,19 @@ async def update_run(store: Store, run: RunState, change: Callable[[RunState], N
 async def commit_run(store: Store, run: RunState, change: Callable[[RunState], None],
                      trace: Callable[[RunState], list[Event]], booking: Booking | None,
                      attempts: int = UPDATE_ATTEMPTS,
-                     audit: Callable[[RunState], Sequence[AuditEntry]] | None = None,
+                     audit: Callable[[RunState], Sequence[AuditEntry]] | None = None, *,
+                     lease: Lease | None = None,
                      ) -> tuple[RunState, list[Event], Ledger | None]:
     """Apply `change`, then save it with `trace(run)`'s lines, `booking` and `audit(run)`'s
-    records (the act the change is) in one store step; on a concurrent save, reload and do it
-    again. Returns the run, the lines and the ledger."""
+    records (the act the change is) in one store step (under `lease`, when given: all of it
+    or none); on a concurrent save, reload and do it again. Returns the run, the lines and
+    the ledger."""
 
     async def commit(r: RunState) -> tuple[RunState, list[Event], Ledger | None]:
         change(r)
         events = trace(r)
-        return r, events, await store.commit_turn(r, events, booking, audit=() if audit is None else audit(r))
+        return r, events, await store.commit_turn(r, events, booking, audit=() if audit is None else audit(r),
+                                                  lease=lease)
 
     return await _retrying(store, run, commit, attempts)
 

@@ -44,7 +44,7 @@ from gateway.server.runs.run_spans import decided
 from gateway.server.runs.tracelog import asked_at
 from gateway.store import tracefile
 from gateway.store.audit import AuditEntry
-from gateway.store.base import Store
+from gateway.store.base import Lease, Store
 from gateway.store.errors import RunNotFound, StaleRun
 
 KIND_LIMITS: Final[Mapping[str, LimitName]] = {
@@ -96,7 +96,7 @@ def pending_refusal(app: web.Application, run: RunState, policy: Policy) -> Limi
     """The answer to a pass-through call of a run that waits for a grant: who may grant it, and where."""
     waiting = waits_on_limit(run)
     assert waiting is not None and waiting.limit is not None
-    base = app[ctx.CONFIG].server.public_url or app.get(ctx.SELF_URL) or ""
+    base = app[ctx.LIVE].config.server.public_url or app.get(ctx.SELF_URL) or ""
     who = ", ".join(approvers(policy)) or "an approver"
     return LimitApprovalPending(
         LIMIT_KINDS[waiting.limit],
@@ -155,7 +155,7 @@ async def ask_passthrough(app: web.Application, call: Call, exc: LimitExceeded) 
             run = fresh
             continue
         app[ctx.RUN_CACHE].put(attempt)
-        tracefile.append(app[ctx.CONFIG].trace_file, events)
+        tracefile.append(app[ctx.LIVE].config.trace_file, events)
         metrics = app[ctx.METRICS]
         metrics.on_limit_lines(call.policy.name, events)
         metrics.on_run_stopped(call.team.name, call.policy.name, attempt.status, attempt.reason or "", attempt.turns,
@@ -247,7 +247,7 @@ async def decide(app: web.Application, run: RunState, policy: Policy, team: Team
 
     # The decision, its trace lines and its audit record in one store step.
     run, events, _ = await commit_run(store, run, change, trace, None, audit=recorded)
-    tracefile.append(app[ctx.CONFIG].trace_file, events)
+    tracefile.append(app[ctx.LIVE].config.trace_file, events)
     metrics = app[ctx.METRICS]
     metrics.on_limit_lines(policy.name, events)
     if not made:
@@ -281,16 +281,17 @@ def _decision_lines(state: RunState, call_id: str, limit: LimitName, decision: D
 
 
 async def expire(store: Store, run: RunState, policy: Policy, trace_file: Any,
-                 metrics: Metrics | None) -> RunState:
+                 metrics: Metrics | None, *, lease: Lease | None = None) -> RunState:
     """The recovery sweep's rejection of a limit request nobody decided in time (the caller
-    holds the run's lease and loaded `run` fresh): the run ends as the limit does."""
+    holds the run's lease, `lease`, which fences the write, and loaded `run` fresh): the run
+    ends as the limit does."""
     waiting = waits_on_limit(run)
     if waiting is None or waiting.call_id is None or waiting.limit is None:
         raise ApprovalError(f"run {run.public_id} waits for no limit request")
     decision = expiry_decision(policy.approval)
     requests.refuse(run, waiting.call_id, decision)
     events = _decision_lines(run, waiting.call_id, waiting.limit, decision, None, True)
-    await store.commit_turn(run, events)
+    await store.commit_turn(run, events, lease=lease)
     tracefile.append(trace_file, events)
     if metrics is not None:
         metrics.on_limit_lines(policy.name, events)

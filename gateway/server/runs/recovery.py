@@ -53,7 +53,8 @@ from gateway.server.runs.cancels import RunBusy
 from gateway.server.runs.continuations import resume_with
 from gateway.server.runs.driver import PolicyGone, Prepare, RunDriver
 from gateway.server.runs.tracelog import TraceWriter, asked_at
-from gateway.store.errors import StaleRun, StoreError
+from gateway.store.base import Lease
+from gateway.store.errors import LeaseLost, StaleRun, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class Sweeper:
         for run in await self.store.list_runs(status="interrupted", limit=scan, policies=waiting):
             if decided_undriven(run, self._policy(run)):
                 if time.time() - run.updated_at >= self.driver.lease_ttl_s:  # else its decider is starting it
-                    self._resume(run, report, resume_decided(RECOVERED_BY))
+                    await self._take_over(run, report, resume_decided(RECOVERED_BY))
                 continue
             await self._expire(run, report)
         return report
@@ -146,37 +147,48 @@ class Sweeper:
             return
         assert policy is not None
         if policy.recovery == "resume" or decided_undriven(run, policy):
-            self._resume(run, report)
+            await self._take_over(run, report)
             return
         driver = self.driver
         try:
             with driver.active.claim(run.run_id, lambda event: None):
-                if not await self.store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s):
-                    return  # driven by a live replica
+                lease = await self.store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s)
+                if lease is None:
+                    return  # driven by a live replica: nothing to do, nothing to say
                 try:
                     fresh = await self.store.load_run(run.run_id)
                     if fresh is None or fresh.revision != run.revision or fresh.status != "running":
                         return
-                    await self._interrupt(fresh)
+                    await self._interrupt(fresh, lease)
                     report.interrupted.append(run.run_id)
                 finally:
                     await self.store.release_lease(run.run_id, driver.owner)
-        except (RunBusy, StaleRun):
+        except (RunBusy, StaleRun, LeaseLost):
             return
 
-    async def _interrupt(self, run: RunState) -> None:
+    async def _interrupt(self, run: RunState, lease: Lease) -> None:
         detail = ("the gateway process driving this run stopped (crashed or was killed) mid-run; "
                   "resume it to go on from its last saved step")
-        writer = TraceWriter(self.store, run.run_id, trace_file=self.trace_file)
+        writer = TraceWriter(self.store, run.run_id, trace_file=self.trace_file, lease=lease)
         Tracer(run.run_id, writer)("run_stopped", status="interrupted", reason=CRASHED, turns=run.turns,
                                    costUsd=round(run.cost_usd, 9), detail=detail)
         run.status, run.reason, run.interruption = "interrupted", CRASHED, Interruption("crashed", reason=detail)
         await writer.commit(run)
 
-    def _resume(self, run: RunState, report: SweepReport, prepare: Prepare | None = None) -> None:
-        # The lease decides who drives: `drive` takes it (or raises RunBusy) before loading the run.
-        self.drives.spawn(run.run_id, prepare or resume_with(None, None, RECOVERED_BY))
-        report.resumed.append(run.run_id)
+    async def _take_over(self, run: RunState, report: SweepReport, prepare: Prepare | None = None) -> None:
+        """Resume `run` here once this process holds its lease: a run another replica drives
+        (or is starting) is left alone and never reported, so the log's `resumed [...]` names
+        only the runs this replica took over. The drive takes the lease on (this process's,
+        still live: the same epoch)."""
+        driver = self.driver
+        try:
+            with driver.active.claim(run.run_id, lambda event: None):
+                if await self.store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s) is None:
+                    return
+                self.drives.spawn(run.run_id, prepare or resume_with(None, None, RECOVERED_BY))
+                report.resumed.append(run.run_id)
+        except RunBusy:
+            return
 
     async def _expire(self, run: RunState, report: SweepReport) -> None:
         waiting = run.waiting_request
@@ -191,34 +203,37 @@ class Sweeper:
         driver = self.driver
         try:
             with driver.active.claim(run.run_id, lambda event: None):
-                if not await self.store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s):
+                lease = await self.store.acquire_lease(run.run_id, driver.owner, driver.lease_ttl_s)
+                if lease is None:
                     return
                 try:
                     fresh = await self.store.load_run(run.run_id)
                     if fresh is None or fresh.revision != run.revision:
                         return
                     if waiting.type == "limit":  # the run ends as the limit does
-                        await limit_requests.expire(self.store, fresh, policy, self.trace_file, driver.metrics)
+                        await limit_requests.expire(self.store, fresh, policy, self.trace_file, driver.metrics,
+                                                    lease=lease)
                     else:
-                        await self._expire_call(fresh, waiting, policy)
+                        await self._expire_call(fresh, waiting, policy, lease)
                     report.expired.append(run.run_id)
                 finally:
                     await self.store.release_lease(run.run_id, driver.owner)
-        except (RunBusy, StaleRun, ApprovalError):
+        except (RunBusy, StaleRun, LeaseLost, ApprovalError):
             return
         driver.approvals_changed()
 
-    async def _expire_call(self, run: RunState, waiting: Interruption, policy: Policy) -> None:
-        """The expiry's rejection of the call `run` waits for; under `on_decision: resume`
-        the run then goes on (its model reads the rejection)."""
+    async def _expire_call(self, run: RunState, waiting: Interruption, policy: Policy, lease: Lease) -> None:
+        """The expiry's rejection of the call `run` waits for (written under the sweep's
+        `lease`); under `on_decision: resume` the run then goes on (its model reads the
+        rejection)."""
         assert waiting.call_id is not None
         decision = expiry_decision(policy.approval)
         decide(run, waiting.call_id, decision)
-        writer = TraceWriter(self.store, run.run_id, trace_file=self.trace_file)
+        writer = TraceWriter(self.store, run.run_id, trace_file=self.trace_file, lease=lease)
         Tracer(run.run_id, writer)(
             "approval_expired", callId=waiting.call_id, toolName=waiting.tool_name, args=waiting.args,
             decision=decision.decision, reason=decision.reason, by=EXPIRED_BY, expired=True)
         await writer.flush()
-        await self.store.save_run(run)
+        await self.store.save_run(run, lease=lease)
         after_decision(self.drives, run, policy, resume_decided(RESUMED_BY))
 

@@ -101,7 +101,7 @@ async def _loop(store: Store, retention: RetentionConfig, stop: asyncio.Event) -
 
 async def background(app: web.Application) -> AsyncIterator[None]:
     """Cleanup context: trace file rotation, and a retention pass now and every interval."""
-    config = app[ctx.CONFIG]
+    config = app[ctx.LIVE].config
     configure_trace_file(config)
     stop = asyncio.Event()
     task = asyncio.get_running_loop().create_task(_loop(app[ctx.STORE], config.retention, stop))
@@ -117,7 +117,8 @@ def prune_command(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
     except ConfigError as exc:
-        print(f"gateway: config error: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines():
+            print(f"gateway: config error: {line}", file=sys.stderr)
         return 2
 
     async def once() -> Pruned:

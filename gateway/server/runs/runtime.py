@@ -31,13 +31,14 @@ SHUTTING_DOWN: Final = "the gateway is shutting down"
 
 
 async def driver_ctx(app: web.Application) -> AsyncIterator[None]:
-    config = app[ctx.CONFIG]
+    live = app[ctx.LIVE]
+    config = live.config  # its settings below cannot change on a reload
 
     def model_for(state: RunState) -> UpstreamModel:
         return UpstreamModel.for_run(app, state)
 
     def price_for(model: str) -> Price:
-        route = config.route(model)
+        route = live.config.route(model)
         return route.price if route is not None else DEFAULT_PRICE
 
     owner = app[ctx.GOVERNOR].owner  # the same name for its leases as for its reservations
@@ -48,7 +49,7 @@ async def driver_ctx(app: web.Application) -> AsyncIterator[None]:
                        runs_dir=config.runs_dir, session=app[ctx.SESSION], trace_file=config.trace_file,
                        metrics=metrics, owner=owner, lease_ttl_s=config.server.lease_ttl_s,
                        store_deadline_s=config.store.timeout_s, threads=threads, tracing=app.get(ctx.TRACING))
-    driver.approvals.teams = lambda: [team.name for team in app[ctx.CONFIG].teams]
+    driver.approvals.teams = lambda: [team.name for team in app[ctx.LIVE].config.teams]
     app[ctx.DRIVER] = driver
     sweeper = Sweeper(driver, trace_file=config.trace_file, period_s=config.server.lease_ttl_s / 2)
     app[BACKGROUND] = sweeper.drives  # runs resumed after a decision (auto_resume) or by recovery

@@ -21,7 +21,8 @@ from typing import Final
 from gateway.harness.state import RunState
 from gateway.store import tracefile
 from gateway.store.audit import AuditEntry
-from gateway.store.base import Event, Store
+from gateway.store.base import Event, Lease, Store
+from gateway.store.errors import LeaseLost
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +37,16 @@ class TraceWriter:
     """The `on_event` sink of one driven run."""
 
     def __init__(self, store: Store, run_id: str, *, trace_file: Path | None = None,
-                 listeners: Sequence[Listener] = ()) -> None:
+                 listeners: Sequence[Listener] = (), lease: Lease | None = None) -> None:
         self.store = store
         self.run_id = run_id
         self.trace_file = trace_file
         self.listeners = list(listeners)
+        """Hear each line as it is made (the request's progress)."""
+        self.written: list[Listener] = []
+        """Hear each line once it is stored (the run's metrics)."""
+        self.lease = lease
+        """The lease every write is made under (None: none, e.g. a run nobody drives)."""
         self._buffer: list[Event] = []
         self._audit: list[AuditEntry] = []
         self._lock = asyncio.Lock()
@@ -68,6 +74,8 @@ class TraceWriter:
             self._wake.clear()
             try:
                 await self._write(ahead=True)
+            except LeaseLost:  # the next checkpoint raises it too, and the drive stops
+                return
             except Exception:  # kept in the buffer: the next checkpoint retries and raises
                 log.exception("cannot write the trace of run %s yet", self.run_id)
 
@@ -95,15 +103,21 @@ class TraceWriter:
             batch, self._buffer = self._buffer[:n], self._buffer[n:]
             try:
                 if state is None:
-                    await self.store.append_events(self.run_id, batch)
+                    await self.store.append_events(self.run_id, batch, lease=self.lease)
                 else:
-                    await self.store.commit_turn(state, batch, audit=self._audit)
+                    await self.store.commit_turn(state, batch, audit=self._audit, lease=self.lease)
                     self._audit = []
             except BaseException:
                 self._buffer[:0] = batch
                 raise
             if self.trace_file is not None and batch:
                 _append_lines(self.trace_file, batch)
+            for event in batch:
+                for listener in self.written:
+                    try:
+                        listener(event)
+                    except Exception:
+                        log.exception("trace listener failed on %s", event.get("type"))
 
     async def close(self) -> None:
         """Stop the background writer and write what is left."""
@@ -112,7 +126,12 @@ class TraceWriter:
         self._wake.set()
         if task is not None:
             await task  # lets a flush in progress finish: cancelling it could lose its batch
-        await self.flush()
+        try:
+            await self.flush()
+        except LeaseLost:  # another process drives the run now: what is left is not its to write
+            log.warning("run %s: %d trace lines of a drive that lost its lease were not written", self.run_id,
+                        len(self._buffer))
+            self._buffer.clear()
 
 
 def _append_lines(path: Path, events: list[Event]) -> None:
