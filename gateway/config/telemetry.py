@@ -38,12 +38,13 @@ _HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}$")
 
 @dataclass(frozen=True)
 class TelemetryConfig:
-    """`telemetry:`; `endpoint` None means tracing is off."""
+    """`telemetry:`; `otlp_endpoint` None means tracing is off. Each field is named as in the
+    file, so a reload names a changed one by its path (`telemetry.otlp_endpoint`)."""
 
-    endpoint: str | None = None
+    otlp_endpoint: str | None = None
     """Where spans are POSTed (the configured address, with `/v1/traces` added to a bare host)."""
     headers_env: str | None = None
-    headers: Mapping[str, str] = field(default_factory=dict, repr=False)
+    headers: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)  # read from headers_env
     service_name: str = DEFAULT_SERVICE_NAME
     sample_ratio: float = 1.0
     resource: Mapping[str, str | int | float | bool] = field(default_factory=dict)
@@ -52,7 +53,7 @@ class TelemetryConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.endpoint is not None
+        return self.otlp_endpoint is not None
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def parse_telemetry(at: Field) -> TelemetryConfig:
     if ratio > 1:
         ratio_at.fail(f"must be from 0 to 1 (the share of new traces recorded), got {ratio:g}")
     return TelemetryConfig(
-        endpoint=endpoint, headers_env=headers_env, headers=headers,
+        otlp_endpoint=endpoint, headers_env=headers_env, headers=headers,
         service_name=at.get("service_name").optional_str(DEFAULT_SERVICE_NAME),
         sample_ratio=ratio, resource=_resource(at.get("resource")),
         capture_content=at.get("capture_content").optional_bool(False),

@@ -276,12 +276,12 @@ class Tracing:
     @classmethod
     def start(cls, config: TelemetryConfig, worker: int | None = None) -> Tracing:
         """The tracer provider of `config` (its exporter's thread starts with the first span)."""
-        assert config.endpoint is not None
+        assert config.otlp_endpoint is not None
         instance = f"{socket.gethostname()}/{os.getpid()}" + ("" if worker is None else f"/worker{worker}")
         resource = Resource.create({SERVICE_NAME: config.service_name, SERVICE_VERSION: __version__,
                                     SERVICE_INSTANCE_ID: instance, PROCESS_PID: os.getpid(), **config.resource})
         provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)))
-        exporter = OTLPSpanExporter(endpoint=config.endpoint, headers=dict(config.headers) or None, timeout=10)
+        exporter = OTLPSpanExporter(endpoint=config.otlp_endpoint, headers=dict(config.headers) or None, timeout=10)
         provider.add_span_processor(BatchSpanProcessor(exporter))
         return cls(config, provider)
 

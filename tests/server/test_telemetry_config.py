@@ -65,12 +65,12 @@ def test_the_defaults_and_a_bare_collector_address(tmp_path: Path, monkeypatch: 
     data = {**config_data(), "telemetry": {"otlp_endpoint": "http://collector:4318/", "headers_env": "GATEWAY_TEST_OTLP"},
             "access_log": False}
     config = load_config(write_config(tmp_path, data))
-    assert config.telemetry.endpoint == "http://collector:4318/v1/traces"
+    assert config.telemetry.otlp_endpoint == "http://collector:4318/v1/traces"
     assert dict(config.telemetry.headers) == {"authorization": "Bearer s3cret", "x-tenant": "ops"}
     assert "s3cret" not in repr(config.telemetry)  # never in a log line or an error
     assert config.access_log.enabled is False
     data["telemetry"]["otlp_endpoint"] = "https://otlp.example.com/api/traces"  # a path: used as it is
-    assert load_config(write_config(tmp_path, data)).telemetry.endpoint == "https://otlp.example.com/api/traces"
+    assert load_config(write_config(tmp_path, data)).telemetry.otlp_endpoint == "https://otlp.example.com/api/traces"
 
 
 def test_malformed_exporter_headers_are_refused_without_showing_them(tmp_path: Path,
