@@ -1,12 +1,13 @@
 """What the gateway costs on the hot path, at every shape of traffic, next to a 30-line proxy.
 
 One run starts real processes on loopback: the scripted upstream (`gateway scripted`), a
-minimal aiohttp pass-through proxy (`MINIMAL_PROXY`, the floor), a redis-server, and
-gateways (`gateway serve`) on SQLite and on Redis, each with a team budget so that every
+minimal aiohttp pass-through proxy (`MINIMAL_PROXY`, the floor), a redis-server, a
+PostgreSQL cluster of its own (durable: fsync and synchronous_commit on), and gateways
+(`gateway serve`) on SQLite, on Redis and on PostgreSQL, each with a team budget so that every
 call is reserved and settled. It then measures a matrix of cells:
 
     {same run (10 turns per X-Run-Id), new run per call, no X-Run-Id}
-      x {SQLite, Redis} x {c=1, c=32} x {non-streamed latency and req/s, streamed TTFB}
+      x {SQLite, Redis, PostgreSQL} x {c=1, c=32} x {non-streamed latency and req/s, streamed TTFB}
 
 Each cell measures, back to back: the upstream directly, the floor proxy, the gateway.
 Added latency = p50 - direct p50; a cell's figure is the gateway's added latency as a
@@ -131,7 +132,7 @@ LIMIT_VARIANTS = {"off": (KEY, BODY), "limits": (LIMITED_KEY, BODY), "routed": (
                   "both": (LIMITED_KEY, ROUTED_BODY)}
 """The `--limits` cell's combinations: (key, body)."""
 MODES = ("same run", "new run", "no run id")
-STORES = ("sqlite", "redis")
+STORES = ("sqlite", "redis", "postgres")
 
 
 class CpuClock:
@@ -355,6 +356,8 @@ class Bench:
         cell.add("floor added ms", floor_added)
         cell.add("x floor", gw_added / floor_added if floor_added > 0 else float("inf"))
         cell.add("req/s x floor", through.rps / floor.rps)
+        if c > 1:
+            cell.add("req/s", through.rps)
         cell.add("own ms", own)
 
     async def ttfb_cell(self, store: str, mode: str, profile: Path | None) -> None:
@@ -564,6 +567,7 @@ async def main_async(args: argparse.Namespace) -> int:
         up_port, proxy_port = free_port(), free_port()
         procs: list[Proc] = []
         redis_proc: subprocess.Popen[bytes] | None = None
+        cluster = None
         try:
             procs.append(upstream := start_gateway(["scripted", "--port", str(up_port)], "/healthz", up_port,
                                                    folder / "upstream.log"))
@@ -581,6 +585,14 @@ async def main_async(args: argparse.Namespace) -> int:
                 redis_proc, redis_port = _start_redis(exe, folder)
                 helpers["redis"] = [redis_proc.pid]
                 stores["redis"] = {"kind": "redis", "url": f"redis://127.0.0.1:{redis_port}/0", "prefix": "bench:"}
+            if "postgres" in args.only:
+                from tests.support.postgres import Cluster
+
+                cluster = Cluster()  # durable, as a production database: every commit waits for its flush
+                cluster.settings = "-c fsync=on -c synchronous_commit=on -c max_connections=200"
+                cluster.start()
+                helpers["postgres"] = []  # its backends are many and come and go: not sampled
+                stores["postgres"] = {"kind": "postgres", "dsn": cluster.dsn}
             variants: list[tuple[str, str, list[str]]] = []
             for store in stores:
                 variants.append((store, store, ["--loop", args.loop]))
@@ -595,8 +607,10 @@ async def main_async(args: argparse.Namespace) -> int:
                 port = free_port()
                 sub = folder / name
                 spec = stores.get(store)
-                if spec is not None:
+                if spec is not None and spec["kind"] == "redis":
                     spec = {**spec, "prefix": f"bench-{name}:"}
+                elif spec is not None:
+                    spec = {**spec, "schema": "bench_" + name.replace("-", "_")}
                 config = gateway_config(sub, port, up_url, not args.no_team_budget, store_dir and store_dir / name,
                                         spec, limits=args.limits)
                 if store_dir is not None:
@@ -621,6 +635,8 @@ async def main_async(args: argparse.Namespace) -> int:
             if redis_proc is not None:
                 redis_proc.kill()
                 redis_proc.wait()
+            if cluster is not None:
+                cluster.remove()
     print_matrix(bench, args)
     print("\nresident memory after the load (current / peak MB, per serving process):")
     for name, figures in rss.items():

@@ -1,8 +1,10 @@
 """Soak: minutes of mixed traffic on each store, watching latency, memory, fds and storage.
 
-For each store (SQLite, then Redis) one run starts real processes on loopback: the
+For each store (SQLite, Redis, PostgreSQL) one run starts real processes on loopback: the
 scripted upstream (`gateway scripted`), a redis-server for the Redis store (no
-persistence: its memory is its storage), and the gateway (`gateway serve`) with retention
+persistence: its memory is its storage), a PostgreSQL cluster of its own for PostgreSQL
+(durable: fsync and synchronous_commit on; its storage the schema's tables and indexes),
+and the gateway (`gateway serve`) with retention
 on and a short window (`--window-s`, default 60 s, pruned every `--window-s / 6`), so
 storage should stop growing once the window has passed. `--concurrency` workers send,
 picked at random by weight:
@@ -16,7 +18,12 @@ Printed per minute: requests, errors (any non-2xx or transport error), p50/p99 l
 the gateway's RSS and open fds, storage (SQLite file + WAL, or Redis `used_memory`, plus
 the trace files) and its growth per 1,000 requests in that minute.
 
-Run: `.venv/bin/python benchmarks/soak.py [--minutes 10] [--stores sqlite,redis]`.
+At the end, the books: the team's ledger against the sum of every run's cost as its last
+answer gave it (`X-Run-Cost-Usd`, kept by the load generator, since retention deletes the
+runs themselves), to the micro-dollar; on PostgreSQL also against the `spend` view, and
+each run still stored against its own rows of the view.
+
+Run: `.venv/bin/python benchmarks/soak.py [--minutes 10] [--stores sqlite,redis,postgres]`.
 Everything shares the machine; the trend over the minutes is the point, not the level.
 """
 
@@ -83,6 +90,8 @@ class Load:
         self.started = time.monotonic()
         self.deadline = self.started + minutes * 60
         self.minutes: dict[int, Minute] = {}
+        self.costs: dict[str, float] = {}
+        """Each run's cost, as its latest answer said (X-Run-Cost-Usd)."""
 
     def now_minute(self) -> int:
         return int((time.monotonic() - self.started) // 60)
@@ -105,6 +114,9 @@ class Load:
             async with session.post(self.url + path, data=orjson.dumps(body), headers=h) as resp:
                 raw = await resp.read()
                 resp_headers = dict(resp.headers)
+                run_id, cost = resp_headers.get("X-Run-Id"), resp_headers.get("X-Run-Cost-Usd")
+                if run_id and cost:
+                    self.costs[run_id] = max(self.costs.get(run_id, 0.0), float(cost))
                 if resp.status >= 300:
                     error = f"{resp.status} {raw[:200]!r}"
                 elif not stream:
@@ -146,8 +158,14 @@ FINAL_TURN = [
 
 
 async def streamed(load: Load, session: aiohttp.ClientSession, n: int) -> None:
+    run_id = f"soak-s-{os.getpid()}-{n}"
     await load.call(session, "/v1/chat/completions", {"model": "scripted-plan", "messages": FINAL_TURN,
-                                                      "stream": True}, headers={"X-Policy": "passthrough"}, stream=True)
+                                                      "stream": True},
+                    headers={"X-Policy": "passthrough", "X-Run-Id": run_id}, stream=True)
+    # A stream's headers go out before its turn is booked: its cost is read from the run after.
+    async with session.get(f"{load.url}/v1/runs/{run_id}", headers={"Authorization": f"Bearer {KEY}"}) as resp:
+        if resp.status == 200:
+            load.costs[run_id] = float(orjson.loads(await resp.read())["cost_usd"])
 
 
 async def server_side(load: Load, session: aiohttp.ClientSession, n: int) -> None:
@@ -193,12 +211,14 @@ def fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def storage_parts(folder: Path, redis_port: int | None) -> dict[str, int]:
+def storage_parts(folder: Path, redis_port: int | None, pg: str | None = None) -> dict[str, int]:
     """Bytes of each part of the storage: the trace files, and the SQLite file and its WAL
-    (the WAL is reused after checkpoints: it grows to a high-water mark, then stays) or
-    Redis's used_memory."""
+    (the WAL is reused after checkpoints: it grows to a high-water mark, then stays),
+    Redis's used_memory, or the PostgreSQL schema's tables (with their indexes and TOAST)."""
     parts = {"trace": sum(p.stat().st_size for p in folder.glob("trace.jsonl*"))}
-    if redis_port is None:
+    if pg is not None:
+        parts.update(pg_sizes(pg))
+    elif redis_port is None:
         parts["db"] = sum(p.stat().st_size for p in folder.glob("gateway.db"))
         parts["wal"] = sum(p.stat().st_size for p in folder.glob("gateway.db-wal"))
     else:
@@ -208,6 +228,69 @@ def storage_parts(folder: Path, redis_port: int | None) -> dict[str, int]:
         finally:
             client.close()
     return parts
+
+
+def pg_sizes(dsn: str) -> dict[str, int]:
+    """The gateway schema's biggest tables, bytes each (the rest summed as `other`)."""
+    import asyncpg
+
+    async def read() -> dict[str, int]:
+        conn = await asyncpg.connect(dsn)
+        try:
+            rows = await conn.fetch("SELECT c.relname, pg_total_relation_size(c.oid) FROM pg_class c"
+                                    " JOIN pg_namespace n ON n.oid = c.relnamespace"
+                                    " WHERE n.nspname = 'gateway' AND c.relkind = 'r'")
+        finally:
+            await conn.close()
+        sizes = {str(r[0]): int(r[1]) for r in rows}
+        big = {k: v for k, v in sizes.items() if k in ("runs", "events", "spend_rows", "reservations", "outbox")}
+        big["other"] = sum(v for k, v in sizes.items() if k not in big)
+        return big
+
+    return dict(_run_sync(read()))
+
+
+def _run_sync(coro: Any) -> Any:
+    """A coroutine run to its end on a loop of its own (the soak's loop is busy with the load)."""
+    import threading
+
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(asyncio.run(coro)))
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+async def books(kind: str, store_config: dict[str, Any], folder: Path, load: Load) -> str:
+    """The ledger against the sum of the runs' costs (and, on PostgreSQL, the spend view)."""
+    from gateway.store import open_store
+
+    config = dict(store_config)
+    if kind == "sqlite":
+        config["path"] = str(folder / "gateway.db")
+    store = open_store(config)
+    try:
+        spent, reserved = await store.team_spend("soak", "total")
+        runs = round(sum(load.costs.values()) * 1e6)
+        line = (f"books: ledger {round(spent * 1e6)} micro-USD (reserved {round(reserved * 1e6)}), sum of the "
+                f"{len(load.costs)} runs' costs {runs}: {'equal' if round(spent * 1e6) == runs else 'DIFFERENT'}")
+        if kind == "postgres":
+            import asyncpg
+
+            conn = await asyncpg.connect(config["dsn"])
+            try:
+                view = await conn.fetchval("SELECT COALESCE(sum(cost_micros), 0) FROM gateway.spend"
+                                           " WHERE team = 'soak'")
+                wrong = await conn.fetchval(
+                    "SELECT count(*) FROM gateway.runs r JOIN (SELECT run, sum(cost_micros) AS c FROM gateway.spend"
+                    " GROUP BY run) s ON s.run = r.id WHERE r.cost_micros <> s.c")
+            finally:
+                await conn.close()
+            line += (f"; spend view {view}: {'equal' if view == round(spent * 1e6) else 'DIFFERENT'}; runs stored "
+                     f"whose cost differs from their spend rows: {wrong}")
+        return line
+    finally:
+        await store.close()
 
 
 def write_config(folder: Path, port: int, upstream: str, store: dict[str, Any], window_s: float) -> Path:
@@ -265,10 +348,20 @@ async def soak(kind: str, args: argparse.Namespace) -> list[Row]:
         procs: list[Proc] = [upstream]
         redis_proc: subprocess.Popen[bytes] | None = None
         redis_port: int | None = None
+        cluster = None
+        dsn: str | None = None
         try:
             if kind == "redis":
                 redis_proc, redis_port = start_redis(folder)
                 store: dict[str, Any] = {"kind": "redis", "url": f"redis://127.0.0.1:{redis_port}/0"}
+            elif kind == "postgres":
+                from tests.support.postgres import Cluster
+
+                cluster = Cluster()
+                cluster.settings = "-c fsync=on -c synchronous_commit=on -c max_connections=100"
+                cluster.start()
+                dsn = cluster.dsn
+                store = {"kind": "postgres", "dsn": dsn}
             else:
                 store = {"kind": "sqlite", "path": "./gateway.db"}
             config = write_config(folder, gw_port, upstream.url + "/v1", store, args.window_s)
@@ -276,13 +369,13 @@ async def soak(kind: str, args: argparse.Namespace) -> list[Row]:
             procs.append(gateway)
             load = Load(gateway.url, args.minutes)
             rows: list[Row] = []
-            last_storage = sum(storage_parts(folder, redis_port).values())
+            last_storage = sum(storage_parts(folder, redis_port, dsn).values())
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=args.concurrency)) as session:
                 tasks = [asyncio.ensure_future(worker(load, session, i)) for i in range(args.concurrency)]
                 minute = 0
                 while minute < math.ceil(args.minutes):
                     await asyncio.wait(tasks, timeout=max(0.0, load.started + 60 * (minute + 1) - time.monotonic()))
-                    parts = storage_parts(folder, redis_port)
+                    parts = storage_parts(folder, redis_port, dsn)
                     storage = sum(parts.values())
                     m = load.minutes.get(minute, Minute())
                     lat = sorted(m.latencies)
@@ -298,12 +391,15 @@ async def soak(kind: str, args: argparse.Namespace) -> list[Row]:
                     last_storage = storage
                     minute += 1
                 await asyncio.gather(*tasks)
+            print(f"  [{kind}] " + await books(kind, store, folder, load), file=sys.stderr, flush=True)
         finally:
             for p in reversed(procs):
                 p.stop()
             if redis_proc is not None:
                 redis_proc.terminate()
                 redis_proc.wait()
+            if cluster is not None:
+                cluster.remove()
     return rows
 
 
@@ -332,7 +428,7 @@ async def main_async(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0, help="soak length per store")
-    parser.add_argument("--stores", default="sqlite,redis", help="comma-separated: sqlite, redis")
+    parser.add_argument("--stores", default="sqlite,redis", help="comma-separated: sqlite, redis, postgres")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--window-s", type=float, default=60.0, help="retention window of the soak (runs, events)")
     return asyncio.run(main_async(parser.parse_args()))

@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "keys": "gateway.admin_cli:keys_command",
     "spend": "gateway.admin_cli:spend_command",
     "audit": "gateway.admin_cli:audit_command",
+    "db": "gateway.db_cli:db_command",
 }
 
 
@@ -113,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     from gateway import admin_cli  # stdlib only, like approvals_cli
 
     admin_cli.add_parsers(sub)
+    from gateway import db_cli  # stdlib only at import, like admin_cli
+
+    db_cli.add_parser(sub)
     return parser
 
 

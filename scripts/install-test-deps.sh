@@ -2,6 +2,8 @@
 # Install the Debian packages the test suite starts as real processes:
 #   redis-server  (the redis store tests)
 #   prometheus    (the metrics proof: a real Prometheus scraping a real gateway; ships promtool)
+#   postgresql    (the postgres store tests: initdb and pg_ctl, run as the `postgres` user in a
+#                  temporary folder by tests/support/postgres.py; no system service is used)
 #   chromium      (the console tests: a real headless browser, driven by Playwright, which
 #                  cannot download its own browser builds here)
 # Idempotent: does nothing when every command is already present, and runs
@@ -21,9 +23,13 @@ need redis-server redis-server
 need prometheus prometheus
 need promtool prometheus
 need chromium chromium
+# Debian keeps the server's programs out of the PATH, under /usr/lib/postgresql/<version>/bin.
+if ! ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 && ! command -v pg_ctl >/dev/null 2>&1; then
+    missing="$missing postgresql"
+fi
 
 if [ -z "$missing" ]; then
-    echo "install-test-deps: nothing to do (redis-server, prometheus, promtool, chromium present)"
+    echo "install-test-deps: nothing to do (redis-server, prometheus, promtool, chromium, postgresql present)"
     exit 0
 fi
 
@@ -54,4 +60,9 @@ for cmd in redis-server prometheus promtool chromium; do
         exit 1
     fi
 done
+if ! ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 && ! command -v pg_ctl >/dev/null 2>&1; then
+    echo "install-test-deps: postgresql (pg_ctl) still missing after install" >&2
+    exit 1
+fi
+# Debian's package may start a cluster of its own as a system service; the tests do not use it.
 echo "install-test-deps: done"

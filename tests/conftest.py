@@ -39,7 +39,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """On pytest-xdist's controller: one zygote (tests/support/zygote.py) for all workers.
+    """On pytest-xdist's controller: one zygote (tests/support/zygote.py) for all workers, and
+    the folder of the session's PostgreSQL cluster (tests/support/postgres.py).
 
     Workers inherit the environment variable naming its socket, so the gateway imports are
     paid once per run instead of once per worker (about 1.2 CPU-seconds each)."""
@@ -48,6 +49,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
     from tests.support import zygote
 
+    from tests.support import postgres
+
+    if not hasattr(config, "workerinput") and not os.environ.get(postgres.ENV):
+        # The session's PostgreSQL folder (its cluster starts when a test first needs it),
+        # inherited by the workers; this process stops the cluster at the end.
+        config.add_cleanup(lambda folder=postgres.prepare(): postgres.stop(folder))
     workers = getattr(config.option, "numprocesses", None)
     if not workers or hasattr(config, "workerinput") or not zygote.enabled() or os.environ.get(zygote.SHARED):
         return
@@ -64,6 +71,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture(scope="session")
+def postgres_dsn() -> str:
+    """The session's throwaway PostgreSQL cluster (tests/support/postgres.py), shared by the
+    workers; each test module (or test) takes a schema of its own."""
+    from tests.support import postgres
+
+    return postgres.dsn()
 
 
 CPU_REPORT = "GATEWAY_TEST_CPU_REPORT"

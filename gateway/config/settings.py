@@ -473,7 +473,7 @@ def _store(at: Field, base: Path) -> StoreConfig:
         options["path"] = resolved
     timeout = at.get("timeout_s").optional_number(DEFAULT_STORE_TIMEOUT_S, positive=True)
     allow_eviction = at.get("allow_eviction").optional_bool(False)
-    if kind == "redis":
+    if kind in ("redis", "postgres"):
         options["timeout_s"] = timeout
     return StoreConfig(kind=kind, path=resolved, url=at.get("url").optional_str_or_none(), options=options,
                        timeout_s=timeout, allow_eviction=allow_eviction)

@@ -31,8 +31,19 @@ SAFE_POLICY = "noeviction"
 
 
 async def check_store(store: Store, config: StoreConfig) -> None:
-    """Refuse to start on a Redis that may evict the gateway's keys (see the module docstring)."""
+    """Refuse to start on a Redis that may evict the gateway's keys (see the module docstring);
+    connect to PostgreSQL and migrate its schema (a database that cannot be reached is one
+    warning line and the gateway starts; a schema it cannot migrate stops the start)."""
     store = unwrapped(store)  # the kind of store behind the timing (`gateway.store.timed`)
+    start = getattr(store, "start", None)
+    if callable(start):
+        try:
+            await start()
+        except StoreError as exc:
+            if "cannot connect" not in str(exc):
+                raise StartError(f"store: {exc}") from None
+            log.warning("store: cannot reach the database at start (%s); calls are 503 until it answers", exc)
+        return
     if not isinstance(store, RedisStore):
         return
     try:

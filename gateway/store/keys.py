@@ -25,6 +25,8 @@ from typing import Any, Literal
 
 import orjson
 
+from gateway.store.errors import KeyExists, KeyNotFound, StaleKey
+
 SECRET_PREFIX = "gw-"
 SECRET_BYTES = 32
 VISIBLE_CHARS = 6
@@ -182,6 +184,18 @@ class ConsoleSession:
 
     def live(self, now: float) -> bool:
         return now < self.idle_until and now < self.expires_at
+
+
+def check_key_revision(key_id: str, expected: int | None, stored: int | None) -> None:
+    """A key write's precondition (`Store.put_key`): a new key (`expected` None) must not be
+    stored yet (KeyExists); an update must find the key (KeyNotFound) at `expected` (StaleKey)."""
+    if expected is None:
+        if stored is not None:
+            raise KeyExists(key_id)
+    elif stored is None:
+        raise KeyNotFound(key_id)
+    elif stored != expected:
+        raise StaleKey(key_id, expected, stored)
 
 
 def session_hash(session_id: str) -> str:

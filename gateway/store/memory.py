@@ -55,7 +55,7 @@ from gateway.store.errors import (
     StoreError,
 )
 from gateway.store.keys import ConsoleSession, KeyRecord
-from gateway.store.outbox import Claimed, Notice, NoticeRule, check_notices
+from gateway.store.outbox import Claimed, Notice, NoticeRule, check_notices, notices_of
 from gateway.store.periods import ended_before as period_ended
 
 
@@ -234,9 +234,7 @@ class MemoryStore:
         self._enqueue(notices)
 
     def _notices(self, run_id: str, events: list[Event]) -> Sequence[Notice]:
-        notices = self.notice_rule(run_id, events) if self.notice_rule is not None and events else ()
-        check_notices(notices)
-        return notices
+        return notices_of(self.notice_rule, run_id, events)
 
     def _enqueue(self, notices: Sequence[Notice]) -> int:
         now = time.time()

@@ -41,6 +41,13 @@ NoticeRule = Callable[[str, Sequence[Mapping[str, Any]]], Sequence[Notice]]
 inside the store's write (pure and quick: no I/O)."""
 
 
+def notices_of(rule: NoticeRule | None, run_id: str, events: list[Any]) -> Sequence[Notice]:
+    """The notices `rule` makes of a run's trace lines, checked (`check_notices`); none without a rule."""
+    notices = rule(run_id, events) if rule is not None and events else ()
+    check_notices(notices)
+    return notices
+
+
 def check_notices(notices: Sequence[Notice]) -> None:
     """Refuse ids a store could not key by (empty, too long)."""
     for n in notices:

@@ -69,8 +69,8 @@ from gateway.store.errors import (
     StaleRun,
     StoreError,
 )
-from gateway.store.keys import ConsoleSession, KeyRecord
-from gateway.store.outbox import Claimed, Notice, NoticeRule, check_notices
+from gateway.store.keys import ConsoleSession, KeyRecord, check_key_revision
+from gateway.store.outbox import Claimed, Notice, NoticeRule, check_notices, notices_of
 from gateway.store.periods import ended_before as period_ended
 from gateway.store.sqlite_batch import Step, WriteBatch
 from gateway.store.sqlite_schema import (
@@ -485,9 +485,7 @@ class SqliteStore:
                           size=sum(len(e) for e in encoded))
 
     def _notices(self, run_id: str, events: list[Event]) -> Sequence[Notice]:
-        notices = self.notice_rule(run_id, events) if self.notice_rule is not None and events else ()
-        check_notices(notices)
-        return notices
+        return notices_of(self.notice_rule, run_id, events)
 
     @staticmethod
     def _insert_notices(db: sqlite3.Connection, notices: Sequence[Notice]) -> int:
@@ -917,13 +915,7 @@ class SqliteStore:
 
         def step(db: sqlite3.Connection) -> tuple[int, float | None]:
             row = db.execute("SELECT revision, last_used_at FROM keys WHERE id = ?", (record.id,)).fetchone()
-            if expected_revision is None and row is not None:
-                raise KeyExists(record.id)
-            if expected_revision is not None:
-                if row is None:
-                    raise KeyNotFound(record.id)
-                if int(row[0]) != expected_revision:
-                    raise StaleKey(record.id, expected_revision, int(row[0]))
+            check_key_revision(record.id, expected_revision, None if row is None else int(row[0]))
             revision = int(db.execute("SELECT COALESCE(MAX(revision), 0) FROM keys").fetchone()[0]) + 1
             db.execute("INSERT INTO keys (id, team, revision, body) VALUES (?, ?, ?, ?) ON CONFLICT (id) DO UPDATE"
                        " SET revision = excluded.revision, body = excluded.body", (record.id, record.team, revision,

@@ -1,9 +1,9 @@
 """A store outage is a retryable 503, never a 500, and nothing goes upstream meanwhile;
 server-side runs the outage cut are not left `running` (the recovery sweeper stops them).
 
-Real processes: a gateway on a real redis-server (`store.timeout_s: 0.5`) that the test
-stops, restarts on the same port (append-only file: the data survives) or freezes with
-SIGSTOP. Calls made meanwhile get 503 `store_unavailable` with `retry-after` and
+Real processes: a gateway on a real redis-server, or on a real PostgreSQL
+(`store.timeout_s: 0.5`), that the test stops, restarts on the same port (append-only
+file, the cluster's data folder: the data survives) or freezes with SIGSTOP. Calls made meanwhile get 503 `store_unavailable` with `retry-after` and
 `x-should-retry: true`; the upstream sees none of them (its call count, read from the
 gateway's metrics, does not move); service returns with the store.
 
@@ -26,7 +26,9 @@ import pytest
 
 from tests.faults.support import FILES_HEADERS, PLAN_BODY, RedisProc, chat, serve
 from tests.server.served import poll, request, wait_event
+from tests.support.postgres import Cluster
 from tests.support.procs import Proc
+from tests.support.shared_store import SHARED_KINDS
 
 PASS_BODY: dict[str, Any] = {"model": "scripted-plan", "messages": [{"role": "user", "content": "hi"}]}
 PASS_HEADERS = {"X-Policy": "passthrough"}
@@ -35,24 +37,31 @@ CALL_TIMEOUT_S = 10.0
 """A call still unanswered after this long is a hang (a store call has a 0.5 s deadline)."""
 
 
-def redis_gateway(folder: Path, redis: RedisProc) -> Proc:
+StoreProc = RedisProc | Cluster
+
+
+def redis_gateway(folder: Path, redis: StoreProc) -> Proc:
+    if isinstance(redis, Cluster):
+        return serve(folder, redis.store(timeout_s=STORE_TIMEOUT_S), server={"lease_ttl_s": 1})
     return serve(folder, {"kind": "redis", "url": redis.url, "timeout_s": STORE_TIMEOUT_S},
                  server={"lease_ttl_s": 1})
 
 
-@pytest.fixture(scope="module")
-def redis_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProc]:
-    """The module's redis-server (append-only: a restart keeps the data)."""
-    proc = RedisProc(tmp_path_factory.mktemp("outage") / "redis")
+@pytest.fixture(scope="module", params=SHARED_KINDS)
+def redis_proc(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[StoreProc]:
+    """The module's store server: a redis-server (append-only: a restart keeps the data), or a
+    PostgreSQL cluster of its own."""
+    folder = tmp_path_factory.mktemp("outage")
+    proc: StoreProc = RedisProc(folder / "redis") if request.param == "redis" else Cluster()
     proc.start()
     try:
         yield proc
     finally:
-        proc.stop()
+        proc.remove() if isinstance(proc, Cluster) else proc.stop()
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory, redis_proc: RedisProc) -> Iterator[Proc]:
+def gateway(tmp_path_factory: pytest.TempPathFactory, redis_proc: StoreProc) -> Iterator[Proc]:
     gw = redis_gateway(tmp_path_factory.mktemp("outage") / "gw", redis_proc)
     try:
         yield gw
@@ -61,10 +70,14 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, redis_proc: RedisProc) -> 
 
 
 @pytest.fixture
-def gw(gateway: Proc, redis_proc: RedisProc) -> Iterator[Proc]:
+def gw(gateway: Proc, redis_proc: StoreProc) -> Iterator[Proc]:
     """The module's gateway; after the test its store is up (started, thawed) again."""
     yield gateway
-    if redis_proc.popen is None or redis_proc.popen.poll() is not None:
+    if isinstance(redis_proc, Cluster):
+        redis_proc.thaw()
+        if not redis_proc.running():
+            redis_proc.start()
+    elif redis_proc.popen is None or redis_proc.popen.poll() is not None:
         redis_proc.start()
     else:
         redis_proc.thaw()
@@ -97,7 +110,7 @@ async def every_kind_of_call(session: aiohttp.ClientSession, url: str) -> list[t
     ]
 
 
-async def test_a_stopped_store_is_a_503_and_nothing_is_forwarded(gw: Proc, redis_proc: RedisProc,
+async def test_a_stopped_store_is_a_503_and_nothing_is_forwarded(gw: Proc, redis_proc: StoreProc,
                                                                  session: aiohttp.ClientSession) -> None:
     logged = len(gw.output())
     assert [s for s, _, _ in await every_kind_of_call(session, gw.url)] == [200, 200, 200]
@@ -114,7 +127,7 @@ async def test_a_stopped_store_is_a_503_and_nothing_is_forwarded(gw: Proc, redis
     assert "Traceback" not in gw.output()[logged:]
 
 
-async def test_a_frozen_store_is_a_503_within_its_deadline(gw: Proc, redis_proc: RedisProc,
+async def test_a_frozen_store_is_a_503_within_its_deadline(gw: Proc, redis_proc: StoreProc,
                                                           session: aiohttp.ClientSession) -> None:
     assert [s for s, _, _ in await every_kind_of_call(session, gw.url)] == [200, 200, 200]
     redis_proc.freeze()
@@ -126,7 +139,7 @@ async def test_a_frozen_store_is_a_503_within_its_deadline(gw: Proc, redis_proc:
     assert [s for s, _, _ in await every_kind_of_call(session, gw.url)] == [200, 200, 200]
 
 
-async def test_a_store_restarted_under_load_gives_503s_not_500s(gw: Proc, redis_proc: RedisProc,
+async def test_a_store_restarted_under_load_gives_503s_not_500s(gw: Proc, redis_proc: StoreProc,
                                                                session: aiohttp.ClientSession) -> None:
     statuses: dict[int, int] = {}
     bodies: dict[int, Any] = {}
@@ -168,7 +181,7 @@ async def _at_least(counts: dict[int, int], status: int, n: int) -> bool:
 
 
 async def test_a_stream_whose_turn_cannot_be_saved_is_answered_whole_and_its_turn_spooled(
-        gw: Proc, redis_proc: RedisProc, session: aiohttp.ClientSession) -> None:
+        gw: Proc, redis_proc: StoreProc, session: aiohttp.ClientSession) -> None:
     """The upstream was paid while the store went away: the client gets the whole answer and
     the turn waits in the spool file (booked when the store is back: tests/server/test_spool.py)."""
     headers = {"Authorization": "Bearer sk-demo", "X-Scripted-Chunk-Delay-Ms": "100", "X-Run-Id": "run_spooled",
@@ -189,7 +202,7 @@ async def test_a_stream_whose_turn_cannot_be_saved_is_answered_whole_and_its_tur
 
 
 async def test_a_store_frozen_mid_run_ends_the_call_with_a_503_and_the_run_is_recovered(
-        gw: Proc, redis_proc: RedisProc, session: aiohttp.ClientSession) -> None:
+        gw: Proc, redis_proc: StoreProc, session: aiohttp.ClientSession) -> None:
     """The lease keeper's renewals time out; after a whole TTL it stops the run, whose save
     fails too: 503, not a call that waits on a frozen store. Thawed, recovery stops the run."""
     headers = {"X-Policy": "files", "X-Run-Id": "run_frozen"}

@@ -1,8 +1,8 @@
 """A replica frozen past its lease writes nothing to the runs another replica took over.
 
 Real processes: two gateway replicas (`server.lease_ttl_s: 3`, a policy with `recovery:
-resume`) on one redis-server, or on one SQLite file, and an upstream of the test's own that
-counts every call it answers and the tokens it bills, and serves the runs' one tool (a slow
+resume`) on one redis-server, one SQLite file or one PostgreSQL schema, and an upstream of
+the test's own that counts every call it answers and the tokens it bills, and serves the runs' one tool (a slow
 write, over HTTP, that records the idempotency key of every execution). Replica A drives two
 runs; it is frozen (SIGSTOP, its whole process tree) while one run is inside the tool and the
 other's model call is at the upstream. Replica B's recovery sweep resumes both once A's
@@ -167,9 +167,15 @@ class Setup:
     open_store: Any
 
 
-@pytest.fixture(params=["redis", "sqlite"])
+@pytest.fixture(params=["redis", "sqlite", "postgres"])
 async def setup(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Setup]:
-    if request.param == "redis":
+    if request.param == "postgres":
+        from gateway.store.postgres import PostgresStore
+        from tests.support import postgres
+
+        dsn, schema = request.getfixturevalue("postgres_dsn"), postgres.new_schema("zombie")
+        yield Setup({"kind": "postgres", "dsn": dsn, "schema": schema}, lambda: PostgresStore(dsn, schema))
+    elif request.param == "redis":
         proc = RedisProc(tmp_path / "redis")
         proc.start()
         from gateway.store.redis import RedisStore

@@ -34,10 +34,11 @@ from aiohttp import web
 
 from gateway.harness.state import scoped_run_id
 from gateway.harness.usage import Price, Usage
-from gateway.store.redis import RedisStore
+from gateway.store import Store
 from gateway.store.sqlite import SqliteStore
 from gateway.tokens import get_counter
 from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
+from tests.support.shared_store import SHARED_KINDS, shared_store, view
 from tests.support.procs import ROOT, START_TIMEOUT_S, Proc, free_port, start_gateway
 from tests.support.upstreams import chat_app, in_thread, serving  # serving: other tests import it from here
 
@@ -160,22 +161,23 @@ def two_replicas(starter: Callable[[Path, str, dict[str, Any]], Proc], tmp_path:
             proc.stop()
 
 
-@pytest.fixture(scope="module")
-def replicas(tmp_path_factory: pytest.TempPathFactory, redis_url: str,
-             upstream: Upstream) -> Iterator[tuple[Proc, Proc, str]]:
-    """Two replicas on one redis-server, shared by the module's tests (of distinct teams);
-    the store's key prefix."""
-    prefix = f"adm-{uuid.uuid4().hex[:8]}:"
-    store = {"kind": "redis", "url": redis_url, "prefix": prefix}
+@pytest.fixture(scope="module", params=SHARED_KINDS)
+def replicas(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest,
+             upstream: Upstream) -> Iterator[tuple[Proc, Proc, dict[str, Any]]]:
+    """Two replicas on one redis-server (or one PostgreSQL), shared by the module's tests (of
+    distinct teams); the store's config."""
+    store = shared_store(request.param, request, "adm")
     with two_replicas(start, tmp_path_factory.mktemp("pair"), upstream.url, store) as (a, b):
-        yield a, b, prefix
+        yield a, b, store
 
 
 @pytest.fixture
-def pair(replicas: tuple[Proc, Proc, str], redis_url: str) -> tuple[Proc, Proc, RedisStore]:
-    """The module's two replicas, and a view of their store for this test."""
-    a, b, prefix = replicas
-    return a, b, RedisStore(redis_url, prefix)
+def pair(replicas: tuple[Proc, Proc, dict[str, Any]], upstream: Upstream) -> tuple[Proc, Proc, Store]:
+    """The module's two replicas, and a view of their store for this test; the upstream's
+    counts start over (a test runs once per store kind, and reads the counts of its own model)."""
+    a, b, store = replicas
+    upstream.calls.clear()
+    return a, b, view(store)
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +206,7 @@ async def chat(session: aiohttp.ClientSession, proc: Proc, key: str, body: dict[
         return resp.status, dict(resp.headers), orjson.loads(await resp.read())
 
 
-async def test_a_turn_cap_is_exact_across_two_replicas(pair: tuple[Proc, Proc, RedisStore], upstream: Upstream,
+async def test_a_turn_cap_is_exact_across_two_replicas(pair: tuple[Proc, Proc, Store], upstream: Upstream,
                                                        session: aiohttp.ClientSession) -> None:
     a, b, store = pair
     run_id = f"cap-{uuid.uuid4().hex[:8]}"
@@ -225,7 +227,7 @@ async def test_a_turn_cap_is_exact_across_two_replicas(pair: tuple[Proc, Proc, R
 
 
 async def test_a_strict_team_budget_holds_with_n_choices_on_two_replicas(
-        pair: tuple[Proc, Proc, RedisStore], upstream: Upstream, session: aiohttp.ClientSession) -> None:
+        pair: tuple[Proc, Proc, Store], upstream: Upstream, session: aiohttp.ClientSession) -> None:
     a, b, store = pair
     results = await asyncio.gather(*(chat(session, (a, b)[i % 2], THRIFTY, {"model": "many", "messages": TASK, "n": 8})
                                      for i in range(24)))

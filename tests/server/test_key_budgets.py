@@ -32,8 +32,6 @@ import yaml
 from gateway.config.keys import config_key_id, key_scope_of
 from gateway.harness.usage import Usage
 from gateway.store.base import Hold, Store, spend_day
-from gateway.store.redis import RedisStore
-from gateway.store.sqlite import SqliteStore
 from gateway.tokens import get_counter
 from tests.server.test_admission import (  # noqa: F401  (session, upstream: the fixtures of the admission tests)
     PRICE,
@@ -46,6 +44,7 @@ from tests.server.test_admission import (  # noqa: F401  (session, upstream: the
     write_policies,
 )
 from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
+from tests.support.shared_store import SHARED_KINDS, shared_store, view
 from tests.support.procs import START_TIMEOUT_S, Proc, free_port, start_gateway
 
 KEYED, USERS, FIXED, NARROW, WIDE_KEY = "sk-kb", "sk-ub", "sk-fixed", "sk-narrow", "sk-narrow-key"
@@ -106,20 +105,17 @@ class Deployment:
         self.folder = folder
 
     def store(self) -> Store:
-        if self.spec["kind"] == "redis":
-            return RedisStore(self.spec["url"], self.spec["prefix"])
-        return SqliteStore(self.spec["path"])
+        return view(self.spec)
 
 
 @contextlib.contextmanager
 def deployed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, starter: Starter,
              upstream_url: str) -> Iterator[Deployment]:
-    """The module's deployment for `request.param`: "redis" (two replicas on one redis-server)
-    or "sqlite-workers" (one gateway with `--workers 2` on a SQLite file)."""
+    """The module's deployment for `request.param`: "redis" or "postgres" (two replicas on one
+    redis-server, one PostgreSQL) or "sqlite-workers" (one gateway with `--workers 2` on a SQLite file)."""
     folder = tmp_path_factory.mktemp(str(request.param))
-    if request.param == "redis":
-        store: dict[str, Any] = {"kind": "redis", "url": request.getfixturevalue("redis_url"),
-                                 "prefix": f"d-{uuid.uuid4().hex[:8]}:"}
+    if request.param in SHARED_KINDS:
+        store: dict[str, Any] = shared_store(str(request.param), request, "d")
         with two_replicas(starter, folder, upstream_url, store) as (a, b):
             yield Deployment((a, b), store, folder)
         return
@@ -131,7 +127,7 @@ def deployed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         proc.stop()
 
 
-@pytest.fixture(scope="module", params=["redis", "sqlite-workers"])
+@pytest.fixture(scope="module", params=[*SHARED_KINDS, "sqlite-workers"])
 def deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
                upstream: Upstream) -> Iterator[Deployment]:
     with deployed(request, tmp_path_factory, start, upstream.url) as d:

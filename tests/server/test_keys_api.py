@@ -39,6 +39,7 @@ from tests.server.test_admission import (  # noqa: F401  (session, upstream: the
 from tests.server.test_key_budgets import Deployment, deployed, starter
 from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
 from tests.support.procs import Proc
+from tests.support.shared_store import SHARED_KINDS
 
 ADMIN, DEMO, MANAGER, OTHER = "sk-ops-admin", "sk-demo-plain", "sk-demo-manager", "sk-other"
 WITHIN_S = 1.0
@@ -71,7 +72,7 @@ def write_config(folder: Path, port: int, upstream_url: str, store: dict[str, An
 start = starter(write_config)
 
 
-@pytest.fixture(scope="module", params=["redis", "sqlite-workers"])
+@pytest.fixture(scope="module", params=[*SHARED_KINDS, "sqlite-workers"])
 def deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
                upstream: Upstream) -> Iterator[Deployment]:
     with deployed(request, tmp_path_factory, start, upstream.url) as d:

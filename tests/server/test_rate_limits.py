@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from tests.server.test_admission import (  # noqa: F401  (session, upstream: the
     write_policies,
 )
 from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
+from tests.support.shared_store import SHARED_KINDS, shared_store
 from tests.support.procs import START_TIMEOUT_S, Proc, free_port, start_gateway
 
 LIMITED, QUICK, NARROW, KEYED, WAITS, STOPS = "sk-lim", "sk-quick", "sk-narrow", "sk-keyed", "sk-waits", "sk-stops"
@@ -88,12 +88,21 @@ def start(folder: Path, upstream_url: str, store: dict[str, Any], lease_ttl_s: f
                          timeout=START_TIMEOUT_S)
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory, redis_url: str, upstream: Upstream) -> Iterator[tuple[Proc, Proc]]:
-    """Two replicas on one redis-server, shared by the module's tests (each its own team)."""
-    store = {"kind": "redis", "url": redis_url, "prefix": f"rl-{uuid.uuid4().hex[:8]}:"}
+@pytest.fixture(scope="module", params=SHARED_KINDS)
+def replicas(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest,
+             upstream: Upstream) -> Iterator[tuple[Proc, Proc]]:
+    """Two replicas on one redis-server (or one PostgreSQL), shared by the module's tests (each its own team)."""
+    store = shared_store(request.param, request, "rl")
     with two_replicas(start, tmp_path_factory.mktemp("pair"), upstream.url, store) as procs:
         yield procs
+
+
+@pytest.fixture
+def pair(replicas: tuple[Proc, Proc], upstream: Upstream) -> tuple[Proc, Proc]:
+    """The module's two replicas, with the upstream's counts started over: a test runs once per
+    store kind, and reads the counts of its own model."""
+    upstream.calls.clear()
+    return replicas
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
-"""Two real gateway processes on one real redis-server and one shared `runs_dir`.
+"""Two real gateway processes on one real redis-server (or one PostgreSQL) and one shared `runs_dir`.
 
 Each replica has its own config file (own folder, port and trace file) naming the same
-redis store (a prefix of its own per test), the same policies folder and the same
+store (a Redis prefix or a PostgreSQL schema of the module's own), the same policies folder and the same
 `runs_dir`, with `server.lease_ttl_s: 1`. Shown here:
 
 - a strict team budget is shared: a storm of calls split over both replicas never
@@ -34,7 +34,7 @@ from gateway.config.settings import DEFAULT_LEASE_TTL_S, ConfigError, parse_conf
 from gateway.harness.usage import Price, Usage
 from gateway.server.runs.governor import MARGIN_USD
 from gateway.store.periods import period_key
-from gateway.store.redis import RedisStore
+from gateway.store import Store
 from gateway.tokens import get_counter
 from tests.server.conftest import config_data
 from tests.server.served import (
@@ -49,6 +49,7 @@ from tests.server.served import (
     wait_event,
 )
 from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
+from tests.support.shared_store import SHARED_KINDS, shared_store, view
 from tests.support.procs import ROOT, START_TIMEOUT_S, Proc, free_port, start_gateway
 
 THRIFTY = "sk-thrifty"
@@ -65,8 +66,7 @@ class Pair:
     a: Proc
     b: Proc
     folder: Path
-    redis_url: str
-    prefix: str
+    store_config: dict[str, Any]
 
     @property
     def runs_dir(self) -> Path:
@@ -79,9 +79,9 @@ class Pair:
         self.a = start_gateway(["serve", "--config", str(self.folder / "a" / "config.yaml")], "/healthz", port,
                                self.folder / "a" / f"gateway-{n}.log", timeout=START_TIMEOUT_S)
 
-    def store(self) -> RedisStore:
+    def store(self) -> Store:
         """Another client of the replicas' store, to read the ledger they share."""
-        return RedisStore(self.redis_url, self.prefix)
+        return view(self.store_config)
 
     def sandbox(self, run_id: str) -> Path:
         folders = [p for p in (self.runs_dir / "demo" / run_id).iterdir() if p.is_dir()]
@@ -95,12 +95,12 @@ class Pair:
         return [e for e in lines if e.get("runId") == f"demo/{run_id}"]
 
 
-def write_replica_config(folder: Path, port: int, shared: Path, redis_url: str, prefix: str,
+def write_replica_config(folder: Path, port: int, shared: Path, store: dict[str, Any],
                          budget_usd: float, policies: tuple[str, ...] = ()) -> Path:
     folder.mkdir(parents=True)
     config = {
         "server": {"host": "127.0.0.1", "port": port, "lease_ttl_s": LEASE_TTL_S},
-        "store": {"kind": "redis", "url": redis_url, "prefix": prefix},
+        "store": store,
         "policies_dir": str(shared / "policies"),
         "runs_dir": str(shared / "shared-runs"),
         "trace_file": "./trace.jsonl",
@@ -125,9 +125,10 @@ def storm_turn_cost() -> float:
     return PRICE.cost(Usage(prompt, 23))
 
 
-def start_pair(shared: Path, redis_url: str, extra: dict[str, dict[str, Any]] | None = None) -> Pair:
-    """Replicas a and b on one redis (a prefix of their own), one policies folder, one runs_dir;
-    `extra` policies (by name) are added to the folder and to team demo's."""
+def start_pair(shared: Path, store: str | dict[str, Any], extra: dict[str, dict[str, Any]] | None = None) -> Pair:
+    """Replicas a and b on one store (a Redis URL: a prefix of their own there; or a `store:`
+    config), one policies folder, one runs_dir; `extra` policies (by name) are added to the
+    folder and to team demo's."""
     (shared / "policies").mkdir(parents=True)
     for name, data in (extra or {}).items():
         (shared / "policies" / f"{name}.yaml").write_text(yaml.safe_dump({**data, "name": name}))
@@ -137,12 +138,13 @@ def start_pair(shared: Path, redis_url: str, extra: dict[str, dict[str, Any]] | 
     auto["name"] = "files_auto"
     auto["approval"]["on_decision"] = "resume"
     (shared / "policies" / "files_auto.yaml").write_text(yaml.safe_dump(auto))
-    prefix = f"replicas-{uuid.uuid4().hex[:12]}:"
+    if isinstance(store, str):
+        store = {"kind": "redis", "url": store, "prefix": f"replicas-{uuid.uuid4().hex[:12]}:"}
     budget = 8 * storm_turn_cost()
 
     def start(name: str) -> Proc:
         port = free_port()
-        config = write_replica_config(shared / name, port, shared, redis_url, prefix, budget, tuple(extra or ()))
+        config = write_replica_config(shared / name, port, shared, store, budget, tuple(extra or ()))
         return start_gateway(["serve", "--config", str(config)], "/healthz", port, shared / name / "gateway.log",
                              timeout=START_TIMEOUT_S)
 
@@ -154,13 +156,13 @@ def start_pair(shared: Path, redis_url: str, extra: dict[str, dict[str, Any]] | 
             proc.stop()
         for f in futures:
             f.result()
-    return Pair(started[0], started[1], shared, redis_url, prefix)
+    return Pair(started[0], started[1], shared, store)
 
 
-@pytest.fixture(scope="module")
-def replica_pair(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Pair]:
-    """Shared by the module's tests (each uses its own team or run ids)."""
-    started = start_pair(tmp_path_factory.mktemp("replicas"), redis_url)
+@pytest.fixture(scope="module", params=SHARED_KINDS)
+def replica_pair(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """Shared by the module's tests (each uses its own team or run ids), on Redis and on PostgreSQL."""
+    started = start_pair(tmp_path_factory.mktemp("replicas"), shared_store(request.param, request, "replicas"))
     yield started
     started.a.stop()
     started.b.stop()

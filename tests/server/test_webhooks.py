@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -22,10 +21,10 @@ import yaml
 from aiohttp import web
 
 from gateway.server.notify.message import SIGNATURE_HEADER, verify
-from gateway.store.redis import RedisStore
 from gateway.store.sqlite import SqliteStore
 from tests.server.served import DEMO, OPS, Served, chat_body, poll, request, write_config
 from tests.store.conftest import redis_url  # noqa: F401  (the session's redis-server)
+from tests.support.shared_store import SHARED_KINDS, shared_store, view
 from tests.support.procs import free_port, start_gateway
 
 SECRET = "whsec-test-0123456789"
@@ -254,17 +253,19 @@ async def test_a_notice_outlives_a_sigkill_between_the_event_and_its_delivery(
         served.proc.stop()
 
 
-async def test_two_replicas_on_one_redis_send_each_notice_once(tmp_path: Path, receiver: Receiver, redis_url: str,
+@pytest.mark.parametrize("kind", SHARED_KINDS)
+async def test_two_replicas_on_one_store_send_each_notice_once(tmp_path: Path, receiver: Receiver, kind: str,
+                                                               request: pytest.FixtureRequest,
                                                                session: aiohttp.ClientSession) -> None:
     receiver.delay_s = 0.2  # deliveries overlap: both replicas claim while the other sends
-    prefix = f"hooks-{uuid.uuid4().hex[:8]}:"
-    a = start(tmp_path / "gw", receiver, store={"kind": "redis", "url": redis_url, "prefix": prefix})
+    shared = shared_store(kind, request, "hooks")
+    a = start(tmp_path / "gw", receiver, store=shared)
     b_port = free_port()
     b = start_gateway(["serve", "--config", str(a.folder / "config.yaml"), "--port", str(b_port)], "/healthz", b_port,
                       a.folder / "replica-b.log", env={"GW_TEST_HOOK_SECRET": SECRET})
     try:
         runs = [await destructive_run(session, a), await destructive_run(session, Served(a.folder, b_port, b))]
-        store = RedisStore(redis_url, prefix)
+        store = view(shared)
         try:
             await store.charge("demo", "total", 10.0)  # both thresholds at once, seen by both replicas' scans
         finally:

@@ -1,8 +1,9 @@
-"""Fixtures of the store tests: a real redis-server, and one Store per backend.
+"""Fixtures of the store tests: a real redis-server, a real PostgreSQL, and one Store per backend.
 
 The contract suite runs once per backend through `stores` (memory, a SQLite file in
-tmp_path, a real redis-server). `stores.open()` gives another view of the same data
-(a second SQLite connection, a second Redis client), which is how two replicas see it.
+tmp_path, a real redis-server, a real PostgreSQL cluster). `stores.open()` gives another
+view of the same data (a second SQLite connection, a second Redis client, a second
+PostgreSQL pool), which is how two replicas see it.
 
 A new store gets the whole contract suite (tests/store/, the lease fence and the transcript
 included) by adding its name to BACKENDS and a branch to each method of `Stores` that
@@ -20,18 +21,21 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
+import asyncpg
 import pytest
 import redis
 import redis.asyncio as aioredis
 
 from gateway.store.base import Store
 from gateway.store.memory import MemoryStore
+from gateway.store.postgres import PostgresStore
 from gateway.store.redis import RedisStore
 from gateway.store.sqlite import SqliteStore
+from tests.support import postgres
 from tests.support.procs import free_port
 
-Backend = Literal["memory", "sqlite", "redis"]
-BACKENDS: tuple[Backend, ...] = ("memory", "sqlite", "redis")
+Backend = Literal["memory", "sqlite", "redis", "postgres"]
+BACKENDS: tuple[Backend, ...] = ("memory", "sqlite", "redis", "postgres")
 STORE_TIMEOUT_S = 10.0
 """The Redis views' command deadline in these tests."""
 
@@ -93,6 +97,7 @@ class Stores:
         self.path = tmp_path / "store.db"
         self.redis_url = redis_url
         self.prefix = f"test-{uuid.uuid4().hex[:12]}:"  # isolates this test's keys on the shared server
+        self.schema = postgres.new_schema()  # the same on the shared PostgreSQL
         self._memory = MemoryStore()
         self._opened: list[Store] = []
 
@@ -102,6 +107,9 @@ class Stores:
             store = self._memory  # one process: every "view" is the same object
         elif self.backend == "sqlite":
             store = SqliteStore(self.path)
+        elif self.backend == "postgres":
+            assert self.redis_url is not None  # the DSN, for this backend
+            store = PostgresStore(self.redis_url, self.schema, timeout_s=STORE_TIMEOUT_S, pool_max=32)
         else:
             assert self.redis_url is not None
             # These tests judge what the store decides, not its deadlines (tests/faults freeze a
@@ -125,6 +133,8 @@ class Stores:
                 await client.aclose()
             assert isinstance(body, bytes)
             return body
+        if isinstance(store, PostgresStore):
+            return bytes(await self._pg("SELECT body FROM runs WHERE id = $1", run_id))
         raise NotImplementedError(f"Stores.stored_head: add the {self.backend} backend")
 
     async def put_whole_body(self, store: Store, run_id: str, body: bytes) -> None:
@@ -144,6 +154,9 @@ class Stores:
                 await client.delete(f"{self.prefix}transcript:{run_id}", f"{self.prefix}per_turn:{run_id}")
             finally:
                 await client.aclose()
+        elif isinstance(store, PostgresStore):
+            await self._pg("WITH t AS (DELETE FROM transcripts WHERE run_id = $1) UPDATE runs SET body = $2 WHERE id = $1",
+                           run_id, body)
         else:
             raise NotImplementedError(f"Stores.put_whole_body: add the {self.backend} backend")
 
@@ -162,7 +175,17 @@ class Stores:
                     await client.llen(f"{self.prefix}per_turn:{run_id}"))
             finally:
                 await client.aclose()
+        if isinstance(store, PostgresStore):
+            return int(await self._pg("SELECT count(*) FROM transcripts WHERE run_id = $1", run_id))
         raise NotImplementedError(f"Stores.stored_items: add the {self.backend} backend")
+
+    async def _pg(self, sql: str, *args: object) -> object:
+        """One statement on this test's PostgreSQL schema, on a connection of its own."""
+        conn = await asyncpg.connect(self.redis_url, server_settings={"search_path": self.schema})
+        try:
+            return await conn.fetchval(sql, *args)
+        finally:
+            await conn.close()
 
     async def close_all(self) -> None:
         for store in self._opened:
@@ -172,6 +195,8 @@ class Stores:
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> tuple[Backend, str | None]:
     kind: Backend = request.param
+    if kind == "postgres":
+        return kind, request.getfixturevalue("postgres_dsn")
     return kind, (request.getfixturevalue("redis_url") if kind == "redis" else None)
 
 

@@ -35,6 +35,7 @@ from gateway.config.settings import TeamConfig
 from gateway.server.http.errors import Unauthorized
 from gateway.store.base import Store
 from gateway.store.errors import StoreError
+from gateway.store.signals import changed, poll_period
 from gateway.store.keys import KeyRecord
 
 log = logging.getLogger(__name__)
@@ -289,8 +290,9 @@ class KeyRing:
     async def keep_synced(self, interval_s: float = SYNC_S) -> None:
         """`sync` every `interval_s` (runs until cancelled); a failure is logged once a minute."""
         warned = 0.0
+        period = poll_period(self._store, interval_s)
         while True:
-            await asyncio.sleep(interval_s)
+            await changed(self._store, "keys", "", period)  # a sleep, cut short by a store that notifies
             try:
                 await self.sync()
             except StoreError as exc:

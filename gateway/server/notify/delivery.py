@@ -23,7 +23,6 @@ anyway.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -41,6 +40,7 @@ from gateway.store.base import Store
 from gateway.store.errors import StoreError
 from gateway.store.outbox import Claimed, Notice
 from gateway.store.periods import period_key
+from gateway.store.signals import changed
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +109,8 @@ class Notifier:
             except Exception:  # a bug must not end deliveries for the life of the process
                 log.exception("webhook delivery round failed")
             self.wake.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.poll_s):
-                    await _first(stop, self.wake)
+            # Until the poll, or sooner: this process wrote a notice, or (PostgreSQL) another did.
+            await changed(self.store, "outbox", "", self.poll_s, stop, self.wake)
 
     async def step(self) -> int:
         """One round: the budget scan when due, then one batch of due notices; returns how many were sent."""
@@ -196,16 +195,6 @@ class Notifier:
             return f"no answer within {hook.timeout_s:g}s"
         except aiohttp.ClientError as exc:
             return f"cannot reach the webhook ({type(exc).__name__})"
-
-
-async def _first(*events: asyncio.Event) -> None:
-    """Until one of `events` is set."""
-    waits = [asyncio.ensure_future(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
 
 
 async def background(app: web.Application) -> AsyncIterator[None]:

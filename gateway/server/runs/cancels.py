@@ -10,7 +10,6 @@ shares; the driving replica polls its own run's trace and presses its own scope.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +21,7 @@ from gateway.harness.state import public_run_id
 from gateway.harness.trace import CancelRequestedEvent, EventSink, Tracer
 from gateway.store.base import Store
 from gateway.store.errors import StoreError
+from gateway.store.signals import changed, poll_period
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,7 @@ async def watch_remote_cancel(store: Store, run_id: str, scope: CancelScope, aft
     """
     stop = stop or asyncio.Event()
     failing = False
+    period = poll_period(store, interval_s)
     while not scope.cancelled and not stop.is_set():
         try:
             async with asyncio.timeout(deadline_s):
@@ -135,6 +136,6 @@ async def watch_remote_cancel(store: Store, run_id: str, scope: CancelScope, aft
                 return
         if stop.is_set():
             return
-        with contextlib.suppress(TimeoutError):  # polling period of a cross-replica signal, cut short by stop
-            async with asyncio.timeout(interval_s):
-                await stop.wait()
+        # The polling period of a cross-replica signal, cut short by stop or by the store's
+        # notification of the run (PostgreSQL: then it polls only as a fallback).
+        await changed(store, "run", run_id, period, stop)
