@@ -14,7 +14,8 @@ same-run calls alternating a plain one and one of a team with rate limits on a r
 gateway's serving thread (and redis-server, on Redis) spent on "both" minus on the plain
 call, and the same for latency; printed per tree, with this tree's as a ratio to the base's.
 
-Run: `.venv/bin/python benchmarks/tree_ab.py --base /tmp/main-tree [--rounds 5] [--requests 300] [--limits]`.
+Run: `.venv/bin/python benchmarks/tree_ab.py --base /tmp/main-tree [--rounds 5] [--requests 300] [--limits]
+[--this-config '{"access_log": false}']` (`--this-config`: config sections for this tree's gateway only).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import statistics
@@ -30,6 +32,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -44,9 +48,11 @@ MODES = ("same run", "new run")
 
 
 def start(tree: Path, name: str, folder: Path, upstream: str, store: dict[str, Any] | None,
-          limits: bool = False) -> Proc:
+          limits: bool = False, extra: dict[str, Any] | None = None) -> Proc:
     port = free_port()
     config = gateway_config(folder / name, port, upstream, True, store=store, limits=limits)
+    if extra:  # top-level config sections for this gateway only (e.g. {"access_log": false})
+        config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), **extra}))
     # fresh: a gateway forked from the test zygote runs the code the zygote imported (this
     # tree's), whatever `tree` is; a new interpreter imports `tree`'s own.
     return start_gateway(["serve", "--config", str(config)], "/healthz", port, folder / name / "gateway.log",
@@ -128,7 +134,8 @@ async def main_async(args: argparse.Namespace) -> None:
             gws = []
             for tree, tag in ((base_tree, "base"), (ROOT, "this")):
                 s = None if spec is None else {**spec, "prefix": f"ab-{tag}:"}
-                gw = start(tree, f"{store}-{tag}", folder, up.url + "/v1", s, limits=args.limits)
+                gw = start(tree, f"{store}-{tag}", folder, up.url + "/v1", s, limits=args.limits,
+                           extra=json.loads(args.this_config) if tag == "this" else None)
                 running.callback(gw.stop)
                 gws.append(gw)
             if args.limits:
@@ -153,6 +160,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300, help="calls per round at c=1 (twice at c=32)")
     parser.add_argument("--sqlite-only", action="store_true")
     parser.add_argument("--limits", action="store_true", help="the cost of rate limits and route selection instead")
+    parser.add_argument("--this-config", default="{}",
+                        help='top-level config sections (JSON) for this tree\'s gateway only, e.g. \'{"access_log": false}\'')
     asyncio.run(main_async(parser.parse_args()))
 
 

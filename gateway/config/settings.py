@@ -42,6 +42,8 @@ Settings beyond the first contract's shape (all in docs/config.md):
   checked with the other store fields by `gateway.store.factory.open_store`.
 - `retention` (see `RetentionConfig`): finished runs, their events, closed ledgers and the
   trace file deleted or rotated as they age.
+- `telemetry` (default: off) and `access_log` (default: JSON lines on stderr): read by
+  `gateway.config.telemetry` (docs/telemetry.md).
 - `teams[i].admin` (default false): keys of an admin team may call the admin API
   (`POST /v1/admin/reload`) and resume or cancel any team's runs (docs/runs.md). Admin
   is an explicit grant: being named as an approver by a policy does not make a team an
@@ -64,6 +66,7 @@ from gateway.config.fields import ConfigError, ConfigErrors, Errors, Field
 from gateway.harness.usage import Price
 from gateway.config.keys import MAX_GLOB_CHARS, MAX_GLOBS, Caller, ConfigKey, check_user
 from gateway.config.rates import RateLimits, parse_rate_limits
+from gateway.config.telemetry import AccessLogConfig, TelemetryConfig, parse_access_log, parse_telemetry
 from gateway.config.upstreams import UpstreamConfig, UpstreamKind, parse_upstreams
 from gateway.config.yamlfile import parse as parse_yaml
 from gateway.config.webhooks import WebhookConfig, parse_public_url, parse_webhooks
@@ -124,6 +127,9 @@ class ServerConfig:
     """How often the webhook delivery task looks for due messages another process wrote."""
     budget_scan_s: float = DEFAULT_BUDGET_SCAN_S
     """How often the webhook delivery task reads team spend for `budget_threshold` messages."""
+    shutdown_delay_s: float = 0.0
+    """After SIGTERM, how long the process goes on serving with GET /readyz failing before it
+    stops listening and drains (time for a load balancer to see it is not ready)."""
     tool_threads: int = DEFAULT_TOOL_THREADS
     """Threads of the process's pool for sync python tools (`gateway.policy.threads`)."""
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
@@ -278,6 +284,8 @@ class Config:
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     webhooks: tuple[WebhookConfig, ...] = ()
     console: ConsoleConfig = field(default_factory=ConsoleConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    access_log: AccessLogConfig = field(default_factory=AccessLogConfig)
     spool_reserve_bytes: int = DEFAULT_SPOOL_RESERVE_MB * 1024 * 1024
     """Space the spool keeps allocated for turns the store cannot take (`spool_reserve_mb`)."""
     _routes: dict[str, ModelRoute | None] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -339,7 +347,7 @@ def parse_config(data: Any, file: Path, policy_names: PolicyNames | None = None)
     root = Field(str(file), "", data if data is not None else {}, errors)
     root.mapping()  # a document that is not a mapping has nothing more to report
     root.keys_only({"server", "store", "policies_dir", "runs_dir", "trace_file", "spool_file", "spool_reserve_mb", "upstreams", "models",
-                    "teams", "defaults", "metrics", "retention", "webhooks", "console"})
+                    "teams", "defaults", "metrics", "retention", "webhooks", "console", "telemetry", "access_log"})
     take = errors.take
     upstreams: dict[str, UpstreamConfig] = take(lambda: parse_upstreams(root.get("upstreams"), base), {})
     store = take(lambda: _store(root.get("store"), base), StoreConfig())
@@ -369,6 +377,8 @@ def parse_config(data: Any, file: Path, policy_names: PolicyNames | None = None)
         retention=take(lambda: _retention(root.get("retention")), RetentionConfig()),
         webhooks=take(lambda: parse_webhooks(root.get("webhooks"), team_names), ()),
         console=take(lambda: _console(root.get("console")), ConsoleConfig()),
+        telemetry=take(lambda: parse_telemetry(root.get("telemetry")), TelemetryConfig()),
+        access_log=take(lambda: parse_access_log(root.get("access_log"), base), AccessLogConfig()),
     )
     if policy_names is not None and teams:
         try:
@@ -413,8 +423,8 @@ def _server(at: Field) -> ServerConfig:
     if at.missing:
         return ServerConfig()
     at.keys_only({"host", "port", "max_body_bytes", "lease_ttl_s", "refusal_status", "public_url", "webhook_poll_s",
-                  "budget_scan_s", "tool_threads", "header_timeout_s", "body_timeout_s", "idle_timeout_s",
-                  "max_connections", "work_slots"})
+                  "budget_scan_s", "shutdown_delay_s", "tool_threads", "header_timeout_s", "body_timeout_s",
+                  "idle_timeout_s", "max_connections", "work_slots"})
     refusal = at.get("refusal_status")
     status = refusal.optional_int(429)
     if status not in REFUSAL_STATUSES:
@@ -428,6 +438,7 @@ def _server(at: Field) -> ServerConfig:
         refusal_status=status,
         webhook_poll_s=at.get("webhook_poll_s").optional_number(DEFAULT_WEBHOOK_POLL_S, positive=True),
         budget_scan_s=at.get("budget_scan_s").optional_number(DEFAULT_BUDGET_SCAN_S, positive=True),
+        shutdown_delay_s=_shutdown_delay(at.get("shutdown_delay_s")),
         tool_threads=at.get("tool_threads").optional_int(DEFAULT_TOOL_THREADS, low=1, high=MAX_TOOL_THREADS),
         header_timeout_s=at.get("header_timeout_s").optional_number(DEFAULT_HEADER_TIMEOUT_S, positive=True),
         body_timeout_s=at.get("body_timeout_s").optional_number(DEFAULT_BODY_TIMEOUT_S, positive=True),
@@ -435,6 +446,17 @@ def _server(at: Field) -> ServerConfig:
         max_connections=at.get("max_connections").optional_int(DEFAULT_MAX_CONNECTIONS, low=1, high=1_000_000),
         work_slots=at.get("work_slots").optional_int(DEFAULT_WORK_SLOTS, low=0, high=100_000),
     )
+
+
+MAX_SHUTDOWN_DELAY_S = 15.0
+"""Below the 20 s a worker of `--workers N` is given to stop before it is killed."""
+
+
+def _shutdown_delay(at: Field) -> float:
+    delay = at.optional_number(0.0, nonnegative=True)
+    if delay > MAX_SHUTDOWN_DELAY_S:
+        at.fail(f"must be at most {MAX_SHUTDOWN_DELAY_S:g} (the drain that follows needs time too), got {delay:g}")
+    return delay
 
 
 def _store(at: Field, base: Path) -> StoreConfig:

@@ -126,6 +126,14 @@ class ToolDeniedFields(ToolCallFields):
     reason: str
 
 
+class TraceLink(TypedDict):
+    """The OpenTelemetry span that wrote the line, while tracing is on: the run's later drives
+    link to it (docs/telemetry.md#runs-across-pauses)."""
+
+    traceId: NotRequired[str]
+    spanId: NotRequired[str]
+
+
 class DecisionFields(TypedDict):
     """A decision on a call (`approval_decided`, `approval_expired`)."""
 
@@ -136,6 +144,10 @@ class DecisionFields(TypedDict):
     reason: str
     by: str
     expired: bool
+
+
+class ApprovalDecidedFields(DecisionFields, TraceLink):
+    """A person's decision (`approval_decided`): also the span of the request that made it."""
 
 
 class ApprovalDroppedFields(TypedDict):
@@ -159,8 +171,9 @@ class LimitReachedFields(TypedDict):
     detail: str
 
 
-class LimitGrantedFields(TypedDict):
-    """A person raised a run's limits: by how much, each limit before and after."""
+class LimitGrantedFields(TraceLink):
+    """A person raised a run's limits: by how much, each limit before and after (and, while
+    tracing is on, the span of the request that granted it)."""
 
     callId: str
     limit: str
@@ -214,11 +227,11 @@ StartSetup = RunStartedSetup | RunResumedSetup
 """The fields a call gives the line that starts a drive (`run_started` or `run_resumed`)."""
 
 
-class RunStartedFields(RunStartedSetup, RunCounts):
+class RunStartedFields(RunStartedSetup, RunCounts, TraceLink):
     pass
 
 
-class RunResumedFields(RunResumedSetup, RunCounts):
+class RunResumedFields(RunResumedSetup, RunCounts, TraceLink):
     pass
 
 
@@ -299,7 +312,7 @@ class ApprovalRequiredEvent(_Stamped, ToolCallFields):
     type: Literal["approval_required"]
 
 
-class ApprovalDecidedEvent(_Stamped, DecisionFields):
+class ApprovalDecidedEvent(_Stamped, ApprovalDecidedFields):
     type: Literal["approval_decided"]
 
 
@@ -396,7 +409,7 @@ class Tracer:
                  **fields: Unpack[ToolCallFields]) -> ApprovalRequiredEvent: ...
     @overload
     def __call__(self, kind: Literal["approval_decided"], /,
-                 **fields: Unpack[DecisionFields]) -> ApprovalDecidedEvent: ...
+                 **fields: Unpack[ApprovalDecidedFields]) -> ApprovalDecidedEvent: ...
     @overload
     def __call__(self, kind: Literal["approval_dropped"], /,
                  **fields: Unpack[ApprovalDroppedFields]) -> ApprovalDroppedEvent: ...
@@ -438,11 +451,12 @@ class Tracer:
         return line
 
     def start(self, kind: Literal["run_started", "run_resumed"], setup: StartSetup | None,
-              counts: RunCounts) -> RunStartedEvent | RunResumedEvent:
+              counts: RunCounts, link: TraceLink | None = None) -> RunStartedEvent | RunResumedEvent:
         """The line that starts a drive: what the call gave (`setup`: a `RunStartedSetup` for
         `run_started`, which the caller pairs; None for a drive no call prepared), then where
-        the run stands."""
-        return cast(RunStartedEvent | RunResumedEvent, self(cast(Any, kind), **(setup or {}), **counts))
+        the run stands, then the drive's span (tracing on)."""
+        return cast(RunStartedEvent | RunResumedEvent, self(cast(Any, kind), **(setup or {}), **counts,
+                                                            **(link or {})))
 
 
 def with_run_id(event: E, run_id: str) -> E:

@@ -35,6 +35,8 @@ class McpServerConfig:
     rename: tuple[tuple[str, str], ...] = ()
     timeout_s: float | None = None
     max_result_chars: int = DEFAULT_MAX_RESULT_CHARS
+    optional: bool = False
+    """The gateway is ready (GET /readyz) while this server is down: its tools fail, the rest work."""
 
     @property
     def transport(self) -> Transport:

@@ -11,6 +11,11 @@ starts it again, no sooner than a backoff that doubles with each failure in a ro
 Cancelling `call()` (a Stop, a timeout) returns at once; the session's task is cancelled
 on the private loop, which sends the MCP `notifications/cancelled` (or, on the 2026
 streamable HTTP wire, aborts the request) to the server.
+
+Trace context: a call runs on the hub's loop in a copy of its caller's context (as
+`run_coroutine_threadsafe` does), so the SDK puts the caller's span in the request's
+`_meta.traceparent` (SEP-414); with `propagate` (tracing on), each HTTP request to a server
+over streamable HTTP also carries it as its `traceparent` header.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -42,6 +47,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 State = Literal["idle", "starting", "up", "down", "stopped"]
+Propagate = Callable[[MutableMapping[str, str]], None]
+"""Adds the current trace context to outgoing headers (`traceparent`)."""
 
 START_TIMEOUT_S = 30.0
 """How long a server may take to start and answer the handshake."""
@@ -133,9 +140,10 @@ def _progress_label(progress: float, total: float | None, message: str | None) -
 class _Connection:
     """The session of one server, on the hub's loop."""
 
-    def __init__(self, config: McpServerConfig, changed: Callable[[], None]) -> None:
+    def __init__(self, config: McpServerConfig, changed: Callable[[], None], propagate: Propagate | None) -> None:
         self.config = config
-        self._changed = changed  # the hub's watchers: health moved (up, down, stopped, a start)
+        self._changed = changed
+        self._propagate = propagate  # the hub's watchers: health moved (up, down, stopped, a start)
         self.state: State = "idle"
         self.error: str | None = None
         self.starts = 0
@@ -195,6 +203,12 @@ class _Connection:
             async with contextlib.AsyncExitStack() as stack:
                 if c.url is not None:
                     http = await stack.enter_async_context(create_mcp_http_client(headers=c.headers()))
+                    propagate = self._propagate
+                    if propagate is not None:  # sent in the context of the call that sends (the SDK keeps it)
+                        async def traced(request: Any) -> None:
+                            propagate(request.headers)
+
+                        http.event_hooks["request"].append(traced)
                     target: Any = streamable_http_client(c.url, http_client=http)
                 else:
                     target = StdioServerParameters(command=find_program(c.command[0], dict(c.env).get("PATH")),
@@ -292,6 +306,33 @@ class _Connection:
         return CallResult(flatten(result.content, result.structured_content, named.max_result_chars),
                           is_error=bool(result.is_error))
 
+    async def probe(self, timeout_s: float) -> None:
+        """Is the server there now: `ping` a live session (one that does not answer in time is
+        torn down), or start a session that is down (within its backoff). Never raises."""
+        from mcp.shared.exceptions import MCPError
+        from mcp_types import CONNECTION_CLOSED
+
+        client = self._client
+        try:
+            async with asyncio.timeout(timeout_s):
+                if client is None or _closed(client):
+                    if self.state != "stopped":
+                        await self.client()
+                    return
+                await client.send_ping()
+        except (McpUnavailable, TimeoutError):
+            if client is not None and self._client is client:
+                self._died("it did not answer a ping", client)
+        except MCPError as exc:
+            if exc.code == CONNECTION_CLOSED and client is not None:
+                self._died(exc.message, client)
+            # any other answer (a server without `ping`: "method not found") is an answer: it is there
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # the transport failed (a refused connection)
+            if client is not None:
+                self._died(_reason(exc), client)
+
     async def stop(self) -> None:
         self.state = "stopped"
         self._changed()
@@ -305,7 +346,9 @@ class McpHub:
     """The MCP sessions of one gateway process (servers with the same transport settings
     share one session, whichever policies name them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, propagate: Propagate | None = None) -> None:
+        """`propagate`: adds the calling span's `traceparent` to HTTP servers' requests (tracing on)."""
+        self._propagate = propagate
         self._guard = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -342,7 +385,7 @@ class McpHub:
             conn = self._connections.get(config.key)
             if conn is not None:
                 return conn
-            conn = self._connections[config.key] = _Connection(config, self._changed)
+            conn = self._connections[config.key] = _Connection(config, self._changed, self._propagate)
         self._changed()
         return conn
 
@@ -382,6 +425,12 @@ class McpHub:
 
         future = self._submit(self._connection(config).call(config, tool, args, on_progress))
         return await asyncio.wrap_future(future)
+
+    async def probe(self, config: McpServerConfig, timeout_s: float = 1.0) -> ServerHealth:
+        """The server's health after asking it now (`ping`, or a start if it is down), from any event loop."""
+        conn = self._connection(config)
+        await asyncio.wrap_future(self._submit(conn.probe(timeout_s)))
+        return conn.health()
 
     def health(self) -> list[ServerHealth]:
         """Every server this process has been asked about, in the order it was first asked."""

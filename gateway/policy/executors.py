@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,8 @@ class ToolEnv:
     sandbox_root: Path | None = None
     on_event: EventSink = _drop
     checkpoint: Checkpoint | None = None  # where sub-run states are saved, if anywhere
+    propagate: Callable[[MutableMapping[str, str]], None] | None = None
+    """Adds the calling tool span's `traceparent` to an HTTP tool's request (tracing on)."""
     threads: ToolThreads | None = None
     """Where sync python tools run (the process's tool pool); None: asyncio's default executor."""
 
@@ -159,6 +161,8 @@ def http_tool(spec: ToolSpec, config: HttpExecutor, env: ToolEnv) -> ToolFunctio
         body = {"tool": spec.name, "arguments": dict(args), "run_id": ctx.run_id, "call_id": ctx.call_id,
                 "idempotency_key": ctx.idempotency_key}
         headers = {"Content-Type": "application/json", "Idempotency-Key": ctx.idempotency_key, **config.headers}
+        if env.propagate is not None:
+            env.propagate(headers)
         timeout = aiohttp.ClientTimeout(total=config.timeout_s)
         try:
             async with session.post(config.url, data=orjson.dumps(body), headers=headers, timeout=timeout) as resp:

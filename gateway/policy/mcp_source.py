@@ -30,7 +30,7 @@ from gateway.policy.errors import PolicyError
 from gateway.policy.source import At, Fields, Source
 
 SERVER_FIELDS = ("name", "command", "url", "env", "cwd", "headers_env", "include", "exclude", "prefix", "rename",
-                 "timeout_s", "max_result_chars")
+                 "timeout_s", "max_result_chars", "optional")
 OVERRIDE_FIELDS = ("name", "description", "read_only", "destructive", "needs_approval", "timeout_s")
 MAX_RESULT_CHARS_CAP = 1_000_000
 MAX_DESCRIPTION = 4096
@@ -114,6 +114,7 @@ def parse_servers(at: At | None, base_dir: Path) -> list[tuple[McpServerConfig, 
             rename=rename,
             timeout_s=t.positive_number() if (t := f.get("timeout_s")) else None,
             **({"max_result_chars": max_chars} if max_chars is not None else {}),
+            optional=o.boolean() if (o := f.get("optional")) is not None else False,
         )
         if url is not None:
             try:

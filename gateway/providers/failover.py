@@ -13,7 +13,8 @@ Before another attempt on a deployment already tried in this call, the call back
 A move to another deployment or fallback does not wait.
 
 Every attempt is recorded (`Attempt`, in `attempts` and through `on_attempt`) and updates the
-deployment's health in the shared `Router`.
+deployment's health in the shared `Router`. With an `AttemptTracer` (telemetry on), each
+attempt is also a span, current while the attempt runs: the upstream is sent its `traceparent`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from gateway.harness.trace import UpstreamAttemptFields
 from gateway.harness.usage import Price
@@ -32,7 +33,7 @@ from gateway.providers.routing import RETRYABLE, Deployment, Outcome, Pick, Rout
 from gateway.providers.errors import UpstreamError
 from gateway.providers.upstream import Upstream, UpstreamStream
 
-__all__ = ["Answer", "Attempt", "Opened", "RoutedCall", "outcome_of"]
+__all__ = ["Answer", "Attempt", "AttemptEnd", "AttemptTracer", "Opened", "RoutedCall", "outcome_of"]
 
 BACKOFF_BASE_S = 0.1
 BACKOFF_MAX_S = 2.0
@@ -106,6 +107,14 @@ class Opened:
 
 
 AttemptSink = Callable[[Attempt], None]
+AttemptEnd = Callable[[Attempt | None], None]
+"""Ends an attempt's span: with how it went, or None when the caller gave it up."""
+
+
+class AttemptTracer(Protocol):
+    """Told as each attempt starts (`gateway.telemetry.tracing.Tracing` makes it a span)."""
+
+    def begin(self, number: int, upstream: Upstream, model: str, fallback: bool, probe: bool) -> AttemptEnd: ...
 
 _ANSWERED: frozenset[str] = frozenset({"upstream_malformed", "upstream_cut", "upstream_error"})
 """Failures of an upstream that did answer: a glob route's failure names the route for the others."""
@@ -125,11 +134,13 @@ class RoutedCall:
     answer: Answer | None = None  # who answered, once one did
     abandoned: Answer | None = None  # who was being asked when the caller gave the call up (its client left)
     traced: bool = False  # set by whoever wrote the attempts into the run's trace
+    tracer: AttemptTracer | None = None
     route: str | None = None
     """The glob of the route that matched the model (None: a route by name), named by the
     failure that ends the call, so a typo'd model sent to a catch-all says so."""
     _tried: list[Deployment] = field(default_factory=list)
     _started: float | None = None
+    _span_end: AttemptEnd | None = None  # the span of the attempt in progress (telemetry on)
 
     @property
     def api(self) -> str:
@@ -200,6 +211,12 @@ class RoutedCall:
         self.attempts.append(attempt)
         self._tried.append(pick.deployment)
         self.on_attempt(attempt)
+        self._end_span(attempt)
+
+    def _end_span(self, attempt: Attempt | None) -> None:
+        end, self._span_end = self._span_end, None
+        if end is not None:
+            end(attempt)
 
     @property
     def sent_to(self) -> Answer | None:
@@ -213,6 +230,7 @@ class RoutedCall:
         health = self.router.health(pick.deployment)
         health.in_flight = max(0, health.in_flight - 1)
         health.probing = False
+        self._end_span(None)
 
     async def _begin(self, last: UpstreamError | None,
                      stream: bool) -> tuple[Pick, Upstream, float | None, tuple[str, float | None], float]:
@@ -222,6 +240,9 @@ class RoutedCall:
         upstream = self.upstream_for(pick.deployment.upstream)
         limit, what, seconds = self._timeout_for(upstream, stream)
         self.router.started(pick.deployment)
+        if self.tracer is not None:
+            self._span_end = self.tracer.begin(len(self.attempts) + 1, upstream, pick.model, pick.group > 0,
+                                               pick.probe)
         return pick, upstream, limit, (what, seconds), self.clock()
 
     async def complete(self, send: Callable[[Upstream, str], Awaitable[R]]) -> tuple[R, Answer]:

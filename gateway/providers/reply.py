@@ -13,6 +13,7 @@ Call ids are not checked here: a call without a usable id is the harness's to na
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,3 +134,9 @@ def _kind(value: Any) -> str:
     names = {str: "a string", int: "a number", float: "a number", bool: "a boolean", dict: "an object",
              list: "a list"}
     return "null" if value is None else names.get(type(value), "a value of another type")
+
+
+def response_model(data: Mapping[str, Any]) -> str | None:
+    """The model an upstream's answer says produced it (a trace's `gen_ai.response.model`), cut at 256 characters."""
+    model = data.get("model")
+    return model[:256] if isinstance(model, str) and model else None

@@ -90,6 +90,16 @@ class Sessions:
         self._closing.add(closing)
         closing.add_done_callback(self._closing.discard)
 
+    def connections(self) -> tuple[int, int]:
+        """(in use, idle) connections of these sessions to the upstreams, now."""
+        in_use = idle = 0
+        for session in (self.shared, *self._own):
+            connector = session.connector
+            # aiohttp keeps no public count: its connector's own bookkeeping, read without a change
+            in_use += len(getattr(connector, "_acquired", ()))
+            idle += sum(len(c) for c in getattr(connector, "_conns", {}).values())
+        return in_use, idle
+
     async def close(self) -> None:
         for session in self._own:
             await session.close()

@@ -25,11 +25,11 @@ import errno
 import functools
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, urlencode, urlsplit
 
 import aiohttp
 import orjson
@@ -144,11 +144,14 @@ class Upstream:
 
     def __init__(self, config: UpstreamConfig, session: aiohttp.ClientSession,
                  base_url: Callable[[], str | None], key: str | None = None,
-                 proxy: str | None = None, proxy_headers: Mapping[str, str] | None = None) -> None:
+                 proxy: str | None = None, proxy_headers: Mapping[str, str] | None = None,
+                 propagate: Callable[[MutableMapping[str, str]], None] | None = None) -> None:
         """`key` is sent as the bearer key when the config names no `api_key_env` (the
         gateway's own secret for its scripted mount); `proxy`: the proxy its calls go
-        through, `proxy_headers` the credentials sent to that proxy only."""
+        through, `proxy_headers` the credentials sent to that proxy only; `propagate` adds
+        the trace context of the attempt in progress to a call's headers (telemetry on)."""
         self.config = config
+        self._propagate = propagate
         self.name = config.name
         self.session = session
         # Without a proxy, the session's own method: the calls of such an upstream take the same path as ever.
@@ -250,7 +253,18 @@ class Upstream:
             for name, value in client_headers.items():
                 if name.lower().startswith(FORWARDED_PREFIX):
                     out[name] = value
+        if self._propagate is not None:  # traceparent: the upstream's spans are children of this attempt's
+            self._propagate(out)
         return out
+
+    @property
+    def address(self) -> tuple[str | None, int | None]:
+        """(host, port) its calls go to, as far as known (the scripted mount: once the gateway knows its own)."""
+        parts = urlsplit(self.config.base_url or self._base_url() or "")
+        try:
+            return parts.hostname, parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+        except ValueError:
+            return parts.hostname, None
 
     def _misconfigured(self, problem: str) -> UpstreamError:
         return UpstreamError("upstream_misconfigured", f"upstream '{self.name}': {problem}", self.name)

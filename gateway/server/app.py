@@ -8,7 +8,9 @@ at start for its own upstream calls), plus what the optional modules add:
 `gateway.server.chat.server_side.setup(app)` (server-side runs: sets `app[HARNESS]`, adds
 the runs API; `gateway.server.responses.endpoint`: the Responses API). Resources that live on the event
 loop (HTTP session, governor, upstreams) come with `cleanup_ctx`; the store is opened
-when the app is built (so a bad `store:` section fails before listening) and closed by it.
+when the app is built (so a bad `store:` section fails before listening) and closed by it,
+its calls timed (`gateway_store_seconds`). With `telemetry` on, the app has its `Tracing`
+(`ctx.TRACING`) and the tracing middleware outside the gateway's own; without it, neither.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import os
 import secrets
 import socket
 from collections.abc import AsyncIterator
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
@@ -35,7 +37,7 @@ from gateway.policy.errors import PolicySetError
 from gateway.policy.registry import PolicyRegistry
 from gateway.providers.scripted import scripted_app
 from gateway.providers.transport import new_session
-from gateway.server import console, embeddings, mcp_servers, openapi, probes
+from gateway.server import console, embeddings, mcp_servers, openapi, probes, process_health
 from gateway.server.models import get_model, list_models, routed_models
 from gateway.server import context as ctx
 from gateway.server.api import admin
@@ -60,8 +62,12 @@ from gateway.server.runs.run_cache import RunCache
 from gateway.server.store_check import check_store
 from gateway.store import Store, StoreConfigError, StoreError, open_store
 from gateway.store.health import Condition
+from gateway.store.timed import timed
 from gateway.store.spool import Spool
 from gateway.tokens import get_counter
+
+if TYPE_CHECKING:
+    from gateway.telemetry.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +110,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     governor = Governor(store, app[ctx.COUNTER], config.defaults, owner=owner, ttl_s=config.server.lease_ttl_s,
                         spool=spool)
     app[ctx.GOVERNOR] = governor
-    upstreams = ctx.Upstreams(config, session, app.get(ctx.SCRIPTED_KEY))
+    upstreams = ctx.Upstreams(config, session, app.get(ctx.SCRIPTED_KEY), app.get(ctx.TRACING))
     upstreams.self_url = app.get(ctx.SELF_URL)
     app[ctx.UPSTREAMS] = upstreams
     try:
@@ -133,6 +139,28 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         await app[ctx.UPSTREAMS].close()  # the sessions of upstreams with tls or a proxy
         await session.close()
         await store.close()
+
+
+async def _tracing(app: web.Application) -> AsyncIterator[None]:
+    """The exporter's last spans are sent at shutdown (on a thread: it may wait for the collector)."""
+    yield
+    tracing = app.get(ctx.TRACING)
+    if tracing is not None:
+        await asyncio.to_thread(tracing.shutdown)
+
+
+def start_tracing(config: Config, worker: int | None) -> Tracing | None:
+    """The process's tracing when `telemetry` is on (it needs the `otel` extra: a ConfigError
+    naming `telemetry.otlp_endpoint` says so when it is not installed)."""
+    if not config.telemetry.enabled:
+        return None
+    try:
+        from gateway.telemetry.tracing import Tracing
+    except ImportError as exc:
+        raise ConfigError(str(config.path), "telemetry.otlp_endpoint",
+                          f"tracing needs the OpenTelemetry packages ({exc.name} is not installed): "
+                          "pip install 'gateway[otel]'") from None
+    return Tracing.start(config.telemetry, worker)
 
 
 def process_owner(self_url: str | None, worker: int | None = None) -> str:
@@ -168,9 +196,17 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
     key of this process's own."""
     require_secrets(str(config.path), config.webhooks)  # before anything is opened
     require_upstreams(str(config.path), config.upstreams)
-    app = web.Application(middlewares=[gateway_middleware], client_max_size=config.server.max_body_bytes)
+    tracing = start_tracing(config, worker)
+    middlewares: list[Middleware] = [gateway_middleware]
+    if tracing is not None:
+        from gateway.server.http.tracing import tracing_middleware
+
+        middlewares.insert(0, tracing_middleware)
+    app = web.Application(middlewares=middlewares, client_max_size=config.server.max_body_bytes)
     app[ctx.LIVE] = ctx.Live(config)
-    app[ctx.MCP] = McpHub()
+    if tracing is not None:
+        app[ctx.TRACING] = tracing
+    app[ctx.MCP] = McpHub(propagate=tracing.inject if tracing is not None else None)
     try:
         app[ctx.POLICIES] = load_policies(config, app[ctx.MCP])
     except ConfigError:
@@ -180,7 +216,9 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
     app[ctx.METRICS] = Metrics((name for name, _ in routed_models(config)), config.upstreams,
                                ((w.name, sorted(w.events)) for w in config.webhooks))
     app[ctx.METRICS].start_at_zero(known_policies(config, app[ctx.POLICIES]))
-    app[ctx.STORE] = open_configured_store(config)
+    if tracing is not None:
+        app[ctx.METRICS].trace_id = tracing.trace_id
+    app[ctx.STORE] = timed(open_configured_store(config), app[ctx.METRICS].on_store)
     app[ctx.KEYRING] = KeyRing(config.teams, app[ctx.STORE])
     metrics = app[ctx.METRICS]
     readiness = app[ctx.READINESS] = Readiness(metrics.on_ready)
@@ -194,7 +232,9 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
         app[ctx.SELF_URL] = self_url.rstrip("/")
     if worker is not None:
         app[ctx.WORKER] = worker
+    app.cleanup_ctx.append(_tracing)  # first in, last out: spans of the whole shutdown are sent
     app.cleanup_ctx.append(_resources)
+    app.cleanup_ctx.append(process_health.sample)
     app.cleanup_ctx.append(notify_delivery.background)  # before runs are driven: their notices need its rule
     app.cleanup_ctx.append(runtime.driver_ctx)
     app.cleanup_ctx.append(retention.background)

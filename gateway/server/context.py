@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import aiohttp
 from aiohttp import web
@@ -35,6 +35,9 @@ from gateway.store.base import Store
 from gateway.store.health import Condition
 from gateway.store.spool import Spool
 from gateway.tokens import TokenCounter
+
+if TYPE_CHECKING:  # the `otel` extra may not be installed: imported only when tracing is on
+    from gateway.telemetry.tracing import ChatSpan, Tracing  # noqa: F401  (named in string annotations)
 
 """What serves a call whose policy runs the loop server-side (gateway.server.chat.server_side)."""
 
@@ -65,13 +68,17 @@ class Upstreams:
     Everything about reaching the upstreams is made here, from the config alone; a config
     reload gives it the new config (`configure`)."""
 
-    def __init__(self, config: Config, session: aiohttp.ClientSession, scripted_key: str | None = None) -> None:
+    def __init__(self, config: Config, session: aiohttp.ClientSession, scripted_key: str | None = None,
+                 tracing: Tracing | None = None) -> None:
         """`session`: the app's shared session (its owner closes it), used by every upstream
         without `tls` or a proxy; `scripted_key`: what this process's calls to its own
-        scripted mount authenticate with. A TLS file that cannot be used is a ConfigError."""
+        scripted mount authenticate with; `tracing`: each attempt a span, its `traceparent`
+        sent. A TLS file that cannot be used is a ConfigError."""
         self.self_url: str | None = None
         self._scripted_key = scripted_key
         self.sessions = Sessions(session)
+        self.tracing = tracing
+        self._propagate = tracing.inject if tracing is not None else None
         self._by_name: dict[str, Upstream] = {}
         self.router = Router()  # every deployment's health in this process (cooldowns, calls in flight)
         self.discovery = ModelDiscovery(self._list_models)
@@ -92,7 +99,8 @@ class Upstreams:
                 continue
             way = self.sessions.for_upstream(u)
             by_name[name] = Upstream(u, way.session, self._scripted_base,
-                                     self._scripted_key if uses_mount(u) else None, way.proxy, way.proxy_headers)
+                                     self._scripted_key if uses_mount(u) else None, way.proxy, way.proxy_headers,
+                                     self._propagate)
         self._by_name = by_name
         gone = [up for name, up in old.items() if by_name.get(name) is not up]
         for up in gone:
@@ -119,7 +127,7 @@ class Upstreams:
         """One call of `model` over `route`'s deployments and fallbacks (`gateway.providers.failover`),
         to the upstreams served now (a reload meanwhile does not change them under it)."""
         return RoutedCall(route.plan, model, self.router, self._by_name.__getitem__, on_attempt,
-                          route=route.match if route.is_glob else None)
+                          route=route.match if route.is_glob else None, tracer=self.tracing)
 
     def learn_self_url(self, request: web.Request) -> None:
         """Take this server's address from the socket a request arrived on."""
@@ -163,6 +171,8 @@ MCP: Final = web.AppKey("mcp", McpHub)
 """The process's MCP sessions: one per server, shared by every policy version that names it."""
 SCRIPTED_KEY: Final = web.AppKey("scripted_key", str)
 """A random secret made at start: the key of the gateway's own calls to its scripted mount."""
+TRACING: Final = web.AppKey["Tracing"]("tracing")
+"""The process's OpenTelemetry tracing (`gateway.telemetry.tracing`); absent while `telemetry` is off."""
 
 # Per request: the run as last known (error responses carry its headers) and the time
 # spent waiting on the upstream (the overhead metric subtracts it).
@@ -170,3 +180,13 @@ RUN: Final = web.RequestKey("run", RunState)
 SHARE: Final = web.RequestKey("share", Share)
 """A pass-through call's hold on its team's share of the process's own work (`runs.fair_share`)."""
 UPSTREAM_SECONDS: Final = web.RequestKey("upstream_seconds", float)
+# What the access log and the traces learn of a request on its way (`telemetry`).
+CHAT_SPAN: Final = web.RequestKey["ChatSpan"]("chat_span")
+"""A pass-through call's `chat {model}` span (tracing on): booking records the turn on it."""
+TRACE_ID: Final = web.RequestKey("trace_id", str)
+"""The trace id of the request's span (tracing on, sampled)."""
+MODEL: Final = web.RequestKey("model", str)
+"""The model a chat, Responses or embeddings call asked for."""
+ERROR_CODE: Final = web.RequestKey("error_code", str)
+"""The `error.code` the request was answered with, if it failed."""
+

@@ -103,6 +103,7 @@ async def create_embeddings(request: web.Request) -> web.Response:
     team = await app[ctx.KEYRING].authenticate(request)
     raw = await read_body(request, app[ctx.LIVE].config.server.max_body_bytes)
     body, model, messages, token_count = parse_embeddings(raw)
+    request[ctx.MODEL] = model
     route = app[ctx.LIVE].config.route(model)
     if route is None:
         raise NotFound(f"model '{model}' is not routed by this gateway (see GET /v1/models)", code="model_not_found",

@@ -25,6 +25,7 @@ from gateway.config.settings import Config, ConfigError, load_config
 from gateway.policy.registry import policy_names
 from gateway.server.app import build_app, open_configured_store, process_owner
 from gateway.server.context import METRICS, READINESS
+from gateway.server.http.access import access_logger
 from gateway.server.http.listener import Connections, StartError, bound_port, listen_sockets, run
 from gateway.server import context as ctx
 from gateway.server.reload import record_reload
@@ -40,6 +41,7 @@ from gateway.server.workers import (
 )
 from gateway.store import StoreError
 from gateway.store.spool import Spool
+from gateway.telemetry.access_log import AccessLog
 
 log = logging.getLogger("gateway")
 
@@ -202,13 +204,20 @@ def serve_command(args: argparse.Namespace) -> int:
         if signal is not None:
             signal()
 
-    # web.run_app, with parser errors (oversized headers) in the OpenAI shape
+    # web.run_app, with parser errors (oversized headers) in the OpenAI shape, the access log,
+    # and /readyz failing from the SIGTERM on (server.shutdown_delay_s before the listener closes)
+    sink = AccessLog(config.access_log) if config.access_log.enabled else None
     try:
         run(app, sockets, ready=ready, loop=getattr(args, "loop", "auto"),
+            access=access_logger(sink) if sink is not None else None,
             stopped=None if worker is None else functools.partial(note_stopped, worker),
-            connections=Connections.of(config.server, app[METRICS].on_connection), on_drain=app[READINESS].drain)
+            connections=Connections.of(config.server, app[METRICS].on_connection), on_drain=app[READINESS].drain,
+            drain_delay_s=config.server.shutdown_delay_s)
     except StartError as exc:  # raised while the app started (the metrics listener's port)
         return _cannot_start(str(exc), worker, ready_fd)
+    finally:
+        if sink is not None:
+            sink.close()
     return 0
 
 

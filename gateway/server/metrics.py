@@ -22,6 +22,7 @@ from typing import Any
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    PlatformCollector,
     Gauge,
     Histogram,
     generate_latest,
@@ -31,14 +32,19 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from gateway.harness.usage import Usage
 from gateway.providers.repair import REPAIR_KINDS, Repair
+from gateway.server.process_metrics import WorkersCollector, register_standard
 
 OTHER = "other"
 _CODE = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 
 EXEMPLAR_LABEL = "run_id"
+TRACE_LABEL = "trace_id"
 MAX_EXEMPLAR_RUN_ID = 128 - len(EXEMPLAR_LABEL)
 """OpenMetrics caps an exemplar's label names and values at 128 characters together (and
 prometheus_client raises past it); a longer run id (up to 128 are valid) gets no exemplar."""
+MAX_RUN_ID_BESIDE_TRACE = MAX_EXEMPLAR_RUN_ID - len(TRACE_LABEL) - 32
+"""With tracing on, the trace id (32 hex digits) comes first; a run id longer than this is left out."""
+TraceIdSource = Callable[[], "str | None"]
 
 RunIdSource = Callable[[], "str | None"]
 """Tells the run id that metrics recorded now belong to (None: no run)."""
@@ -60,12 +66,17 @@ def end_exemplar_run(token: Token[RunIdSource | None]) -> None:
     _RUN_ID_SOURCE.reset(token)
 
 
-def _exemplar() -> dict[str, str] | None:
-    """`{"run_id": ...}` for the run being served, or None (no run, or an id too long)."""
+def _exemplar(trace_id: TraceIdSource | None = None) -> dict[str, str] | None:
+    """`{"run_id": ...}` for the run being served, or None (no run, or an id too long); with
+    tracing on, the sampled trace's `trace_id` too (Grafana jumps from it to the trace)."""
     source = _RUN_ID_SOURCE.get()
-    if source is None:
-        return None
-    run_id = source()
+    run_id = source() if source is not None else None
+    if trace_id is not None:
+        tid = trace_id()
+        if tid is not None:
+            if not run_id or len(run_id) > MAX_RUN_ID_BESIDE_TRACE:
+                return {TRACE_LABEL: tid}
+            return {EXEMPLAR_LABEL: run_id, TRACE_LABEL: tid}
     if not run_id or len(run_id) > MAX_EXEMPLAR_RUN_ID:
         return None
     return {EXEMPLAR_LABEL: run_id}
@@ -102,6 +113,9 @@ ToolOutcome = str
 """ok | error | denied | rejected | deduped | cancelled | timeout (any short code)."""
 
 
+STORE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
 def _code(value: str) -> str:
     """A label value that must be a short code; free text collapses to "other"."""
     return value if _CODE.match(value) else OTHER
@@ -119,6 +133,8 @@ class Metrics:
         self.multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
         self.known_models: frozenset[str] = frozenset()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self.trace_id: TraceIdSource | None = None
+        """The current sampled trace's id, for the exemplars (set while tracing is on)."""
         self._turn_children: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}
         r = self.registry
         self.requests = Counter("gateway_requests_total", "HTTP requests by route template and status.",
@@ -206,6 +222,18 @@ class Metrics:
         self.webhook_outbox = Gauge("gateway_webhook_outbox_depth",
                                     "Notices in the store's outbox not yet delivered nor given up (every replica's).",
                                     registry=r, multiprocess_mode="mostrecent")
+        self.store_seconds = Histogram("gateway_store_seconds", "Time of one store call, by operation (a method of "
+                                       "the Store protocol).", ["op"], registry=r, buckets=STORE_BUCKETS)
+        self._store_children: dict[str, Any] = {}
+        self.loop_lag = Gauge("gateway_event_loop_lag_seconds", "How late the event loop ran a timer due now, the "
+                              "most over the last 5 s (each live worker's).", registry=r, multiprocess_mode="liveall")
+        self.upstream_connections = Gauge("gateway_upstream_connections", "This process's connections to the "
+                                          "upstreams, by state (in_use | idle; summed over the live workers).",
+                                          ["state"], registry=r, multiprocess_mode="livesum")
+        for state in ("in_use", "idle"):
+            self.upstream_connections.labels(state)
+        if self.multiprocess_dir is None:  # multiprocess mode: every worker's, at scrape (`_scraped`)
+            register_standard(r)
         self.configure(known_models, upstreams, webhooks)
 
     def configure(self, known_models: Iterable[str], upstreams: Iterable[str],
@@ -256,6 +284,9 @@ class Metrics:
                 for outcome in LIMIT_OUTCOMES:
                     self._child(self.limit_requests, policy.name, limit, outcome)
 
+    def _exemplar(self) -> dict[str, str] | None:
+        return _exemplar(self.trace_id)
+
     def _child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, cached: the lookup runs on every call of the hot path."""
         key = (id(metric), labels)
@@ -275,7 +306,7 @@ class Metrics:
         self.overhead.observe(max(0.0, seconds))
 
     def on_upstream(self, upstream: str, model: str, seconds: float) -> None:
-        self._child(self.upstream_duration, upstream, self.model_label(model)).observe(seconds, _exemplar())
+        self._child(self.upstream_duration, upstream, self.model_label(model)).observe(seconds, self._exemplar())
 
     def on_usage_clamped(self, upstream: str, kinds: tuple[str, ...]) -> None:
         for kind in kinds:
@@ -283,14 +314,14 @@ class Metrics:
 
     def on_attempt(self, upstream: str, outcome: str) -> None:
         """One upstream attempt (`outcome` a short code from `gateway.providers.routing.Outcome`)."""
-        self._child(self.upstream_attempts, upstream, _code(outcome)).inc(1, _exemplar())
+        self._child(self.upstream_attempts, upstream, _code(outcome)).inc(1, self._exemplar())
 
     def on_tool_call_repairs(self, upstream: str, repairs: Iterable[Repair]) -> None:
         for repair in repairs:
             self.tool_call_repairs.labels(upstream, repair.kind).inc()
 
     def on_ttft(self, upstream: str, model: str, seconds: float) -> None:
-        self._child(self.ttft, upstream, self.model_label(model)).observe(seconds, _exemplar())
+        self._child(self.ttft, upstream, self.model_label(model)).observe(seconds, self._exemplar())
 
     def on_turn(self, team: str, policy: str, model: str, usage: Usage, cost_usd: float) -> None:
         """One model turn of a run (pass-through or server-side)."""
@@ -305,7 +336,7 @@ class Metrics:
             if label == model:
                 self._turn_children[key] = children
         turns, prompt, completion, cost = children
-        exemplar = _exemplar()
+        exemplar = self._exemplar()
         turns.inc(1, exemplar)
         prompt.inc(usage.prompt_tokens, exemplar)
         completion.inc(usage.completion_tokens, exemplar)
@@ -314,13 +345,13 @@ class Metrics:
     def on_spend(self, team: str, model: str, usage: Usage, cost_usd: float) -> None:
         """Tokens and dollars spent by a call that is not a turn (embeddings)."""
         label = self.model_label(model)
-        exemplar = _exemplar()
+        exemplar = self._exemplar()
         self._child(self.tokens, team, label, "prompt").inc(usage.prompt_tokens, exemplar)
         self._child(self.cost, team, label).inc(cost_usd, exemplar)
 
     def on_tool(self, policy: str, tool: str, outcome: ToolOutcome, seconds: float | None = None) -> None:
         """One server-side tool call; `seconds` only for calls that ran."""
-        exemplar = _exemplar()
+        exemplar = self._exemplar()
         self._child(self.tool_calls, policy, tool, _code(outcome)).inc(1, exemplar)
         if seconds is not None:
             self._child(self.tool_duration, tool).observe(seconds, exemplar)
@@ -329,7 +360,7 @@ class Metrics:
         """A run left `running`. `reason` is a short code (max_turns, max_budget, team_budget,
         max_tool_calls, max_duration, completed, cancelled, approval, upstream_error, ...);
         free text is counted as "other"."""
-        exemplar = _exemplar()
+        exemplar = self._exemplar()
         self._child(self.runs_stopped, team, policy, status, _code(reason)).inc(1, exemplar)
         self._child(self.turns_per_run, team, policy).observe(turns, exemplar)
         self._child(self.cost_per_run, team, policy).observe(cost_usd, exemplar)
@@ -367,6 +398,8 @@ class Metrics:
             return self.registry
         merged = CollectorRegistry()
         MultiProcessCollector(merged, self.multiprocess_dir)  # type: ignore[no-untyped-call]
+        merged.register(WorkersCollector(self.multiprocess_dir))
+        PlatformCollector(registry=merged)
         return merged
 
     def on_webhook(self, webhook: str, event: str, outcome: str) -> None:
@@ -405,6 +438,20 @@ class Metrics:
 
     def set_outbox_depth(self, depth: int) -> None:
         self.webhook_outbox.set(depth)
+
+    def on_store(self, op: str, seconds: float) -> None:
+        """One store call (`gateway.store.timed`); `op` is a method name of the Store protocol."""
+        child = self._store_children.get(op)
+        if child is None:
+            child = self._store_children[op] = self.store_seconds.labels(op)
+        child.observe(seconds)
+
+    def set_loop_lag(self, seconds: float) -> None:
+        self.loop_lag.set(seconds)
+
+    def set_upstream_connections(self, in_use: int, idle: int) -> None:
+        self._child(self.upstream_connections, "in_use").set(in_use)
+        self._child(self.upstream_connections, "idle").set(idle)
 
     def render(self) -> bytes:
         """The classic text format (no exemplars)."""

@@ -215,8 +215,8 @@ OPERATIONS: Final[dict[tuple[str, str], Operation]] = {
     ("GET", "/metrics"): Operation("Prometheus metrics (OpenMetrics with run-id exemplars when asked)", "operations",
                                    auth=False, ok=("text/plain", "application/openmetrics-text"), errors=(401,)),
     ("GET", "/livez"): Operation("200 while the process serves (liveness)", "operations", auth=False, errors=()),
-    ("GET", "/readyz"): Operation("200 when every readiness check passes (draining, store, spool), 503 naming "
-                                  "those that fail", "operations", auth=False, errors=(503,)),
+    ("GET", "/readyz"): Operation("200 when every readiness check passes (draining, store, spool, policies, mcp), "
+                                  "503 naming those that fail", "operations", auth=False, errors=(503,)),
     ("GET", "/healthz"): Operation("The same as /readyz (its older name)", "operations", auth=False, errors=(503,)),
     ("GET", "/openapi.json"): Operation("This document", "operations", auth=False, errors=()),
     ("POST", "/scripted/v1/chat/completions"): Operation(

@@ -117,8 +117,8 @@ def served_config(running: Config, read: Config) -> tuple[Config, tuple[str, ...
         if old == new:
             continue
         if dataclasses.is_dataclass(old) and dataclasses.is_dataclass(new):
-            restart.extend(f"{name}.{f.name}" for f in dataclasses.fields(old)
-                           if getattr(old, f.name) != getattr(new, f.name))
+            restart.extend(f"{name}.{f.name}" for f in dataclasses.fields(old)  # not what is derived (compare=False)
+                           if f.compare and getattr(old, f.name) != getattr(new, f.name))
         else:
             restart.append(name)
     return served, changed, tuple(restart)

@@ -23,6 +23,7 @@ from gateway.config.settings import StoreConfig
 from gateway.server.http.listener import StartError
 from gateway.store import Store, StoreError
 from gateway.store.redis import RedisStore
+from gateway.store.timed import unwrapped
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ async def check_store(store: Store, config: StoreConfig) -> None:
     """Refuse to start on a Redis that may evict the gateway's keys (see the module docstring);
     connect to PostgreSQL and migrate its schema (a database that cannot be reached is one
     warning line and the gateway starts; a schema it cannot migrate stops the start)."""
+    store = unwrapped(store)  # the kind of store behind the timing (`gateway.store.timed`)
     start = getattr(store, "start", None)
     if callable(start):
         try:

@@ -62,6 +62,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.server.http.listener import StartError, listen_sockets, port_problem
+from gateway.server.process_metrics import forget_worker
 
 log = logging.getLogger(__name__)
 
@@ -337,6 +338,7 @@ class Supervisor:
             from prometheus_client import multiprocess
 
             multiprocess.mark_process_dead(pid, self.metrics_dir)  # type: ignore[no-untyped-call]
+        forget_worker(self.metrics_dir, pid)  # its process_* and python_gc_* go with it
 
     def stop(self) -> None:
         """SIGTERM to every worker (once); `run` then waits for them."""

@@ -228,7 +228,10 @@ class PostgresStore:
                 result = await work(conn)
             ok = True
             return result
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+        # InternalClientError: a connection the server dropped mid-call, caught by asyncpg's own
+        # state check ("cannot switch to state ..."), is an outage like the others, not a 500
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError,
+                TimeoutError) as exc:
             raise StoreError(f"{self._where()}: {_reason(exc)}") from exc
         finally:
             if conn is not None:

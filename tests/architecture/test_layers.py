@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2] / "gateway"
 
 LOWER = ("gateway.harness", "gateway.tokens", "gateway.store", "gateway.policy", "gateway.tools",
-         "gateway.providers", "gateway.config", "gateway.local", "gateway.mcp")
+         "gateway.providers", "gateway.config", "gateway.local", "gateway.mcp", "gateway.telemetry")
 """Layers below the server: none of them may import the server, the CLI, the demo or the trace view."""
 UPPER = ("gateway.server", "gateway.cli", "gateway.demo", "gateway.trace_view")
 

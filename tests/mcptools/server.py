@@ -5,7 +5,8 @@ Tools: `lookup` (read-only), `wipe` (destructive), `touch` (not read-only, says 
 destructive), `slow` (reports progress), `fail` (errors), `hang` (waits until cancelled,
 recording the cancel on the server's clock), `crash` (the process dies mid-call),
 `whoami` (the process id: a restart shows), `grow` (adds a tool: the next tools/list
-differs) and `big` (a result of any size).
+differs) and `big` (a result of any size). `lookup` also records the trace context it was
+called with (`_meta.traceparent`, and over HTTP the `traceparent` header).
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ def record(event: str, **fields: object) -> None:
 
 
 @server.tool(annotations=ToolAnnotations(readOnlyHint=True))
-def lookup(key: str) -> str:
+def lookup(key: str, ctx: Context) -> str:
     """Look a key up in the test dictionary."""
-    record("lookup", key=key)
+    rc = ctx.request_context
+    http = rc.request.headers.get("traceparent") if rc.request is not None else None
+    record("lookup", key=key, meta_traceparent=(rc.meta or {}).get("traceparent"), header_traceparent=http)
     return f"value of {key}"
 
 

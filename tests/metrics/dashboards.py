@@ -33,10 +33,10 @@ DESIGN_METRICS: dict[str, str] = {
     "gateway_approvals_pending": "gauge",
     "gateway_runs_active": "gauge",
 }
-EXTRA_HISTOGRAMS = ("gateway_ttft_seconds", "gateway_turns_per_run", "gateway_cost_per_run_usd")
+EXTRA_HISTOGRAMS = ("gateway_ttft_seconds", "gateway_turns_per_run", "gateway_cost_per_run_usd", "gateway_store_seconds")
 EXTRA_COUNTERS = ("gateway_usage_clamped_total", "gateway_webhook_deliveries_total", "gateway_upstream_attempts_total",
                   "gateway_tool_call_repairs_total", "gateway_limit_requests_total")
-EXTRA_GAUGES = ("gateway_webhook_outbox_depth",)
+EXTRA_GAUGES = ("gateway_webhook_outbox_depth", "gateway_event_loop_lag_seconds", "gateway_upstream_connections")
 KNOWN_METRICS: frozenset[str] = (frozenset(DESIGN_METRICS) | frozenset(EXTRA_HISTOGRAMS) | frozenset(EXTRA_COUNTERS)
                                  | frozenset(EXTRA_GAUGES))
 # The labels of each metric (histograms' `le` aside): DESIGN's for its metrics.
@@ -62,6 +62,9 @@ METRIC_LABELS: dict[str, frozenset[str]] = {name: frozenset(labels) for name, la
     "gateway_tool_call_repairs_total": ("upstream", "kind"),
     "gateway_webhook_deliveries_total": ("webhook", "event", "outcome"),
     "gateway_webhook_outbox_depth": (),
+    "gateway_store_seconds": ("op",),
+    "gateway_event_loop_lag_seconds": (),
+    "gateway_upstream_connections": ("state",),
     "gateway_tool_threads": (),
     "gateway_tool_threads_busy": (),
     "gateway_tool_calls_waiting": (),
@@ -73,6 +76,8 @@ METRIC_LABELS: dict[str, frozenset[str]] = {name: frozenset(labels) for name, la
     "gateway_work_waits_total": ("team",),
     "gateway_limit_requests_total": ("policy", "limit", "outcome"),
 }.items()}
+STANDARD_PREFIXES = ("process_", "python_")
+"""The standard collectors' families (prometheus-client's own names; with `--workers`, labelled by pid)."""
 
 # Grafana's built-in interval variables, as the test evaluates them: windows wide enough to
 # hold the whole test's traffic (Grafana would derive them from the time range and scrape

@@ -18,6 +18,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from gateway.store.timed import OPERATIONS as STORE_OPERATIONS
+
 from tests.metrics.exposition import scrape
 from tests.metrics.traffic import GATEWAY_ENV, write_gateway_config
 from tests.support.procs import Proc, free_port, start_gateway
@@ -143,8 +145,10 @@ async def test_junk_adds_no_series(gateway: Proc) -> None:
     # scripted upstream's mount, which is not the gateway's API ...
     scripted = sum(1 for i in range(JUNK) if i % KINDS == SCRIPTED_KIND)
     assert after.total("gateway_requests_total") - before.total("gateway_requests_total") == JUNK - scripted + 1
-    # ... and not one series was added
-    added = after.series - before.series
+    # ... and not one series was added (but the store latency of an operation a background
+    # task made for the first time meanwhile: its `op` is a method of the Store protocol)
+    added = {(name, labels) for name, labels in after.series - before.series
+             if not (name.startswith("gateway_store_seconds") and dict(labels).get("op") in STORE_OPERATIONS)}
     assert not added, f"{len(added)} new series after {JUNK} junk requests, e.g. {sorted(added)[:10]}"
     # no random value reached any label
     leaked = [t for t in used if t in after.text]

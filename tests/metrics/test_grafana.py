@@ -219,10 +219,10 @@ def test_promtool_rejects_a_broken_config(tmp_path: Path) -> None:
 def test_provisioning_points_at_the_dashboards_and_prometheus() -> None:
     compose = yaml.safe_load((GRAFANA / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert set(services) == {"gateway", "prometheus", "grafana"}
+    assert set(services) == {"gateway", "prometheus", "grafana", "tempo"}
 
     mounts: dict[str, Path] = {}
-    for name in ("prometheus", "grafana"):
+    for name in ("prometheus", "grafana", "tempo"):
         for volume in services[name]["volumes"]:
             source, target = volume.split(":")[:2]
             if source.startswith("."):
@@ -233,8 +233,14 @@ def test_provisioning_points_at_the_dashboards_and_prometheus() -> None:
     assert "--enable-feature=exemplar-storage" in services["prometheus"]["command"]
 
     datasources = yaml.safe_load((GRAFANA / "provisioning/datasources/prometheus.yml").read_text())["datasources"]
-    (prom_ds,) = datasources
+    prom_ds, tempo_ds = datasources
     assert prom_ds["type"] == "prometheus" and prom_ds["isDefault"] is True
+    # an exemplar's trace_id opens its trace in the Tempo the compose file runs
+    assert prom_ds["jsonData"]["exemplarTraceIdDestinations"] == [{"name": "trace_id", "datasourceUid": tempo_ds["uid"]}]
+    assert tempo_ds["type"] == "tempo" and tempo_ds["url"] == f"http://tempo:{services['tempo']['ports'][0].split(':')[-1]}"
+    tempo = yaml.safe_load(mounts["/etc/tempo.yaml"].read_text())
+    otlp_port = tempo["distributor"]["receivers"]["otlp"]["protocols"]["http"]["endpoint"].rsplit(":", 1)[1]
+    assert f"{otlp_port}:{otlp_port}" in services["tempo"]["ports"]
     port = services["prometheus"]["ports"][0].split(":")[-1]
     assert prom_ds["url"] == f"http://prometheus:{port}"
     shipped = yaml.safe_load(SHIPPED_CONFIG.read_text())

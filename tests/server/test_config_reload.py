@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import signal
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -226,13 +227,19 @@ async def test_budgets_rate_limits_routes_and_upstreams_change_live_on_both_work
 async def test_settings_that_cannot_change_live_are_named_and_keep_their_value(gateway: Gateway) -> None:
     other = free_port()
     gateway.write(lambda data: (data["server"].update(port=other, max_body_bytes=1000),
+                                data.update(access_log={"format": "logfmt"},
+                                            telemetry={"otlp_endpoint": f"http://127.0.0.1:{free_port()}"}),
                                 add_team("beta", NEW_KEY)(data)))
     status, body = await reload(gateway)
     assert status == 200, body
     long = [{"role": "user", "content": "x" * 5000}]
     assert statuses(await calls(gateway, NEW_KEY, "m-x", 2, messages=long)) == [200, 200]  # old port, old cap
-    assert body["config"] == {"changed": ["teams"], "restart_required": ["server.port", "server.max_body_bytes"]}
-    assert "take effect at the next start: server.port, server.max_body_bytes" in gateway.proc.output()
+    restart = ["server.port", "server.max_body_bytes", "telemetry.otlp_endpoint", "access_log.format"]
+    assert body["config"] == {"changed": ["teams"], "restart_required": restart}
+    assert f"take effect at the next start: {', '.join(restart)}" in gateway.proc.output()
+    # the access log keeps its running format (JSON lines) for the calls after the reload
+    logged = [line for line in gateway.proc.output().splitlines() if '"route":"/v1/chat/completions"' in line]
+    assert logged and all(json.loads(line)["team"] for line in logged[-2:]), logged[-2:]
 
     gateway.write(lambda data: (data["upstreams"].append({"name": "own", "kind": "scripted"}),
                                 add_team("beta", NEW_KEY)(data)))

@@ -52,7 +52,8 @@ async def test_a_ready_gateway_passes_every_probe(tmp_path: Path, upstream: Upst
             assert await get(session, f"{gw.url}/livez") == (200, {"status": "alive"})
             status, body = await get(session, f"{gw.url}/readyz")
             assert status == 200 and body == {"status": "ready", "checks": {
-                "draining": {"ok": True}, "store": {"ok": True}, "spool": {"ok": True}}}, body
+                "draining": {"ok": True}, "store": {"ok": True}, "spool": {"ok": True}, "policies": {"ok": True},
+                "mcp": {"ok": True}}}, body
             assert await get(session, f"{gw.url}/healthz") == (status, body)
             async with session.get(f"{gw.url}/metrics") as resp:
                 text = await resp.text()

@@ -63,6 +63,7 @@ from gateway.server.runs.continuations import resume_with
 from gateway.server.runs.driver import Audited, Prepare
 from gateway.server.runs.booking import append_trace_file
 from gateway.server.runs.keying import commit_run, stop_run
+from gateway.server.runs.run_spans import decided
 from gateway.server.runs.tracelog import asked_at
 from gateway.store.base import Lease
 
@@ -239,11 +240,14 @@ async def post_approval(request: web.Request) -> web.Response:
         except ApprovalError as exc:
             raise Conflict(str(exc), code="not_waiting_for_call") from None
 
+    link = decided(app.get(ctx.TRACING), team, run.public_id, call_id, decision,
+                   tool=waiting.tool_name if waiting else None, expired=late)
+
     def trace(state: RunState) -> list[Event]:
         return [Tracer(state.run_id)(
             "approval_decided", callId=call_id, toolName=waiting.tool_name if waiting else None,
             args=waiting.args if waiting else None, decision=decision.decision, reason=decision.reason,
-            by=decision.by, expired=late)]
+            by=decision.by, expired=late, **link)]
 
     def recorded(state: RunState) -> list[AuditEntry]:
         return [audit.entry(team, audit.APPROVAL_DECIDED, state.public_id, concerns=state.team, details={

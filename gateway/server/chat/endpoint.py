@@ -38,6 +38,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, team: TeamConfig, raw: bytes, share: Share) -> web.StreamResponse:
     app = request.app
     chat = parse_chat_request(raw)
+    request[ctx.MODEL] = chat.model
     route = app[ctx.LIVE].config.route(chat.model)
     if route is None:
         raise NotFound(f"model '{chat.model}' is not routed by this gateway (see GET /v1/models)",

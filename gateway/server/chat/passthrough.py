@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from typing import Any, TypeVar
 
 from aiohttp import web
 
 from gateway.harness.state import RunState
-from gateway.providers.reply import ParsedReply
+from gateway.providers.reply import ParsedReply, response_model
 from gateway.providers.failover import RoutedCall
 from gateway.providers.upstream import UpstreamReply
 from gateway.server import context as ctx
@@ -37,6 +38,7 @@ from gateway.server.runs.governor import Admission, Ask
 from gateway.server.runs.keying import Call, join_created
 from gateway.server.runs.rate_limits import keep as keep_rate_clocks
 from gateway.server.runs.replies import with_run
+from gateway.server.runs.run_spans import chat_outcome
 from gateway.store.errors import RunExists
 
 T = TypeVar("T")
@@ -133,20 +135,37 @@ async def governed(request: web.Request, call: Call) -> AsyncIterator[tuple[Admi
     context manager) and counted active; yields the admission and the routed call that
     forwards it (its attempts traced with the turn, or on their own when none was booked).
     The gateway's own work for it is done in its team's share (`runs.fair_share`): a slot
-    held until it is forwarded (taken by the endpoint, else here) and again for the booking."""
+    held until it is forwarded (taken by the endpoint, else here) and again for the booking.
+    With tracing on, the frame is the call's `chat {model}` span (`ctx.CHAT_SPAN`)."""
     share = request.get(ctx.SHARE)
     own = share is None  # the endpoint made none (the Responses API): this call's, from here
     if share is None:
         share = request[ctx.SHARE] = Share(request.app[ctx.FAIR_SHARE], call.team.name)
     try:
         await share.take()
-        async with _governed(request, call, share) as pair:
+        async with _traced(request, call, share) as pair:
             yield pair
     finally:
         if own:
             share.close()
         else:
             share.give_back()
+
+
+@contextlib.asynccontextmanager
+async def _traced(request: web.Request, call: Call, share: Share) -> AsyncIterator[tuple[Admission, RoutedCall]]:
+    tracing = request.app.get(ctx.TRACING)
+    if tracing is None:
+        async with _governed(request, call, share) as framed:
+            yield framed
+        return
+    chat = call.chat
+    span = tracing.chat(chat.model, run_id=call.run.public_id, team=call.team.name, policy=call.policy.name,
+                        stream=chat.stream, messages=chat.messages)
+    request[ctx.CHAT_SPAN] = span
+    with chat_outcome(span):
+        async with _governed(request, call, share) as framed:
+            yield framed
 
 
 @contextlib.asynccontextmanager
@@ -161,7 +180,11 @@ async def _governed(request: web.Request, call: Call, share: Share) -> AsyncIter
     except LimitApprovalPending as exc:
         raise await refuse(request, call, exc) from None
     metrics = request.app[ctx.METRICS]
+    span = request.get(ctx.CHAT_SPAN)
+    asked = time.perf_counter()
     async with await admit(request, call) as adm:
+        if span is not None:
+            span.admitted(time.perf_counter() - asked, adm.max_tokens)
         keep_rate_clocks(request, adm.rate_headers)
         metrics.run_active(1)
         routed = routed_call(request.app, call.route, call.chat.model)
@@ -213,5 +236,5 @@ async def complete_and_book(request: web.Request, call: Call, adm: Admission, ro
     request.app[ctx.METRICS].on_upstream(upstream.name, call.chat.model, reply.seconds)
     booked = await book_turn(request, call, adm, reported=parsed.usage, message=parsed.message,
                              finish=parsed.finish_reason, routed=routed, repairs=reply.repairs,
-                             others=parsed.others)
+                             others=parsed.others, response_model=response_model(reply.data))
     return reply, parsed, booked

@@ -139,11 +139,14 @@ async def stream_through(request: web.Request, call: Call, adm: Admission, route
         if repair is not None:
             await response.write(repair.tail(out))
         if unbooked is not None:
+            request[ctx.ERROR_CODE] = unbooked.code or unbooked.type
             await response.write(b"data: " + orjson.dumps(unbooked.body()) + b"\n\n")
         elif failure is not None:
             if failure.upstream_status is None:  # it answered 200, then failed mid-stream
                 failure.upstream_status = 200
-            await response.write(out.failed(upstream_failed(failure).body()))
+            error = upstream_failed(failure)
+            request[ctx.ERROR_CODE] = error.code or error.type  # the stream's 200 ended in this error
+            await response.write(out.failed(error.body()))
         else:
             summary = booked.run.summary() if booked is not None else call.run.summary()
             await response.write(await out.end(booked, got, finish, summary))

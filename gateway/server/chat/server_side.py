@@ -186,6 +186,7 @@ async def _stream(request: web.Request, run_id: str, prepare: Prepare, start: St
         if sse is None:
             raise
         error = upstream_failed(exc) if isinstance(exc, UpstreamError) else exc
+        request[ctx.ERROR_CODE] = error.code or error.type  # the stream's 200 ended in this error
         if not gone:
             with contextlib.suppress(ClientGone):
                 await sse.data(error.body())

@@ -49,6 +49,9 @@ before it is refused anyway (a store that does not answer)."""
 TOUCH_S: Final = 60.0
 """How often each process writes the `last_used_at` of the store keys it served."""
 AS_TEAM: Final = web.RequestKey("as_team", TeamConfig)
+AUTHENTICATED: Final = web.RequestKey("authenticated", TeamConfig)
+"""The view a request authenticated as (its team, and its key as `caller`): the access log's
+team and key id."""
 """Set by the console on the request it hands a `/v1` handler: the signed-in session's view
 (the console has no key to put in an Authorization header)."""
 
@@ -208,6 +211,7 @@ class KeyRing:
         """The caller's view of its team, or 401 naming what is wrong with the header."""
         signed_in: TeamConfig | None = request.get(AS_TEAM)
         if signed_in is not None:
+            request[AUTHENTICATED] = signed_in
             return signed_in
         header = request.headers.get("Authorization")
         if not header:
@@ -219,6 +223,7 @@ class KeyRing:
         team = await self.find(key)
         if team is None:
             raise Unauthorized(self.refusal(key))
+        request[AUTHENTICATED] = team
         return team
 
     def view_by_id(self, key_id: str, generation: int | None = None) -> TeamConfig | None:

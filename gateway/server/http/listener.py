@@ -59,6 +59,7 @@ from typing import Any, Literal
 
 import orjson
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong, PayloadEncodingError
 from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 from aiohttp.web_protocol import RequestHandler
@@ -359,10 +360,13 @@ class GatewayRunner(web.AppRunner):
 
 
 async def _serve(app: web.Application, sockets: Sequence[socket.socket],
-                 ready: Callable[[], None] | None, stopped: Callable[[int], None] | None,
-                 connections: Connections | None, on_drain: Callable[[], None] | None) -> None:
+                 ready: Callable[[], None] | None, access: type[AbstractAccessLogger] | None,
+                 stopped: Callable[[int], None] | None, connections: Connections | None,
+                 on_drain: Callable[[], None] | None, drain_delay_s: float) -> None:
     extra: dict[str, Any] = {} if connections is None else {"connections": connections}
-    runner = GatewayRunner(app, handle_signals=True, access_log=None, **extra)
+    if access is not None:
+        extra |= {"access_log": logging.getLogger("gateway.access"), "access_log_class": access}
+    runner = GatewayRunner(app, handle_signals=True, **({"access_log": None} | extra))
     serving = False
     try:
         await runner.setup()
@@ -376,6 +380,8 @@ async def _serve(app: web.Application, sockets: Sequence[socket.socket],
     finally:
         if on_drain is not None:  # before the listener closes: readiness fails first
             on_drain()
+            if drain_delay_s > 0 and serving:
+                await _keep_serving(drain_delay_s)
         busy = in_flight(runner)
         started = time.monotonic()
         await runner.cleanup()
@@ -384,6 +390,15 @@ async def _serve(app: web.Application, sockets: Sequence[socket.socket],
         elif serving:
             print(f"gateway: stopped (pid {os.getpid()}) in {time.monotonic() - started:.1f} s, having drained "
                   f"{busy} request{'' if busy == 1 else 's'} in flight", file=sys.stderr, flush=True)
+
+
+async def _keep_serving(seconds: float) -> None:
+    """Serve on for `seconds` (`server.shutdown_delay_s`), whatever cancels the task meanwhile:
+    the load balancer's probes see the process not ready, and calls still arriving are answered."""
+    waiting = asyncio.ensure_future(asyncio.sleep(seconds))
+    while not waiting.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(waiting)
 
 
 def in_flight(runner: web.AppRunner) -> int:
@@ -411,19 +426,23 @@ def new_loop(kind: LoopKind = "auto") -> asyncio.AbstractEventLoop:
 
 
 def run(app: web.Application, sockets: Sequence[socket.socket], *, ready: Callable[[], None] | None = None,
-        loop: LoopKind = "auto", stopped: Callable[[int], None] | None = None,
-        connections: Connections | None = None, on_drain: Callable[[], None] | None = None) -> None:
+        loop: LoopKind = "auto", access: type[AbstractAccessLogger] | None = None,
+        stopped: Callable[[int], None] | None = None,
+        connections: Connections | None = None, on_drain: Callable[[], None] | None = None,
+        drain_delay_s: float = 0.0) -> None:
     """Serve `app` on `sockets` (`listen_sockets`) until SIGINT or SIGTERM, then shut it down
     like `web.run_app`; `ready` is called once it serves, `stopped` once it stopped serving,
-    with the number of requests it drained (None: the stop line is printed); `connections`
-    bounds slow and idle clients (None: aiohttp's own); `on_drain` is called first thing on
-    the way down. A `StartError` raised while the app starts (its cleanup contexts: another
-    listener's port) comes out of here as it was."""
+    with the number of requests it drained (None: the stop line is printed); `access` is the
+    access logger's class (None: no access log); `connections` bounds slow and idle clients
+    (None: aiohttp's own); `on_drain` is called first thing on the way down, and the process
+    serves on `drain_delay_s` more before its listener closes. A `StartError` raised while
+    the app starts (its cleanup contexts: another listener's port) comes out of here as it
+    was."""
     if connections is not None:
         connections.fit_fd_limit()
     loop_ = new_loop(loop)
     asyncio.set_event_loop(loop_)
-    main = loop_.create_task(_serve(app, sockets, ready, stopped, connections, on_drain))
+    main = loop_.create_task(_serve(app, sockets, ready, access, stopped, connections, on_drain, drain_delay_s))
     try:
         loop_.run_until_complete(main)
     except (web.GracefulExit, KeyboardInterrupt):

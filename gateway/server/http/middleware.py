@@ -55,7 +55,8 @@ def _run_id(request: web.Request) -> str | None:
     return run.public_id if run is not None else None
 
 
-def _scripted_mount(path: str) -> bool:
+def is_scripted_mount(path: str) -> bool:
+    """A path of the scripted provider's mount (an upstream that lives in this process)."""
     return path.startswith(SCRIPTED_PREFIX) and (len(path) == len(SCRIPTED_PREFIX) or path[len(SCRIPTED_PREFIX)] == "/")
 
 
@@ -66,6 +67,7 @@ def _error_response(request: web.Request, exc: ApiError) -> web.Response:
     extra = None
     if run is not None and "X-Run-Id" not in exc.headers:
         extra = run_headers(run)
+    request[ctx.ERROR_CODE] = exc.code or exc.type  # the access log's and the trace's
     return exc.response(extra)
 
 
@@ -74,7 +76,7 @@ def served_routes(app: web.Application) -> str:
     seen: dict[str, list[str]] = {}
     for route in app.router.routes():
         path = route.resource.canonical if route.resource is not None else ""
-        if route.method in ("HEAD", "*") or _scripted_mount(path) or not path:
+        if route.method in ("HEAD", "*") or is_scripted_mount(path) or not path:
             continue
         seen.setdefault(path, []).append(route.method)
     return ", ".join(f"{'|'.join(methods)} {path}" for path, methods in seen.items())
@@ -112,7 +114,7 @@ async def gateway_middleware(request: web.Request, handler: Handler) -> web.Stre
     finally:
         end_exemplar_run(exemplars)
     metrics = request.config_dict[ctx.METRICS]
-    if not _scripted_mount(request.path):
+    if not is_scripted_mount(request.path):
         metrics.on_request(route_label(request), response.status)
     upstream = request.get(ctx.UPSTREAM_SECONDS)
     if upstream is not None:

@@ -104,6 +104,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     body = load_body(await read_body(request, app[ctx.LIVE].config.server.max_body_bytes))
     await _resolve_references(request, team.name, body)
     req = parse_responses_body(body)
+    request[ctx.MODEL] = req.model
     route = app[ctx.LIVE].config.route(req.model)
     if route is None:
         raise NotFound(f"model '{req.model}' is not routed by this gateway (see GET /v1/models)",

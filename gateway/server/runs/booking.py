@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from aiohttp import web
 
 from gateway.harness.state import Message, RunState
 from gateway.harness.trace import RepairFields, Tracer, UpstreamAttemptFields, usage_clamped
 from gateway.harness.usage import Usage
-from gateway.providers.failover import RoutedCall
+from gateway.providers.failover import Answer, RoutedCall
 from gateway.providers.repair import Repair
 from gateway.server import context as ctx
 from gateway.server.http.errors import Conflict, LimitApprovalPending, LimitExceeded, limit_stop
@@ -39,6 +40,9 @@ from gateway.store import tracefile
 from gateway.store.base import Booking, Event, Ledger
 from gateway.store.spool import BOOKING_ONLY, booking_from_json, booking_json
 from gateway.store.errors import AlreadyBooked, RunNotFound, StaleRun, StoreError
+
+if TYPE_CHECKING:
+    from gateway.telemetry.tracing import ChatSpan
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +154,7 @@ class TurnRecord:
 
 async def book_turn(request: web.Request, call: Call, adm: Admission, *, reported: Usage | None, message: Message,
                     finish: str, routed: RoutedCall | None = None, repairs: Sequence[Repair] = (),
-                    others: Sequence[Message] = ()) -> Booked:
+                    others: Sequence[Message] = (), response_model: str | None = None) -> Booked:
     """Settle, save and trace one turn in one store step; returns the updated run.
 
     The turn costs the price of the deployment that answered `routed` (or that had the
@@ -159,14 +163,16 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
 
     The usage booked is the upstream's `reported` one unless it is absent or beyond belief
     (`checked_usage`, counting `message` and the `others` choices of the answer); then the
-    gateway's count is booked, and a `usage_clamped` line says so.
+    gateway's count is booked, and a `usage_clamped` line says so. `response_model`: the model
+    the upstream's answer names (its trace span's `gen_ai.response.model`).
     If the store cannot take it (unreachable, or its disk full), the turn is written to the
     spool (booked when the store is back) and the call is answered with the run as it will be.
     """
     share = request.get(ctx.SHARE)
     cancelled = share is not None and not await share.take_for_booking()
     try:
-        booked = await _book_turn(request, call, adm, reported, message, finish, routed, repairs, others)
+        booked = await _book_turn(request, call, adm, reported, message, finish, routed, repairs, others,
+                                  response_model)
     finally:
         if share is not None:  # the slot is the booking's alone, not the writing of the answer's end
             share.give_back()  # (a client reading slowly would hold its team's share)
@@ -177,7 +183,7 @@ async def book_turn(request: web.Request, call: Call, adm: Admission, *, reporte
 
 async def _book_turn(request: web.Request, call: Call, adm: Admission, reported: Usage | None, message: Message,
                      finish: str, routed: RoutedCall | None, repairs: Sequence[Repair],
-                     others: Sequence[Message]) -> Booked:
+                     others: Sequence[Message], response_model: str | None) -> Booked:
     app = request.app
     governor = app[ctx.GOVERNOR]
     chat = call.chat
@@ -200,6 +206,8 @@ async def _book_turn(request: web.Request, call: Call, adm: Admission, reported:
     metrics.on_tool_call_repairs(upstream, repairs)
     metrics.on_turn(call.team.name, call.policy.name, chat.model, usage, cost)
     metrics.on_usage_clamped(upstream, checked.clamped)
+    span = request.get(ctx.CHAT_SPAN)
+    started = time.perf_counter()
     try:
         run, ledger = await commit_turn_record(app, call.run, record)
     except StoreError as exc:
@@ -209,7 +217,11 @@ async def _book_turn(request: web.Request, call: Call, adm: Admission, reported:
         run = _spool(app, call.run, record, exc)
         call.run = run
         request[ctx.RUN] = run
+        if span is not None:
+            _on_span(span, record, answer, time.perf_counter() - started, message, response_model, spooled=True)
         return Booked(run, None, usage)
+    if span is not None:
+        _on_span(span, record, answer, time.perf_counter() - started, message, response_model)
     app[ctx.RUN_CACHE].put(run)  # the run as stored now: its next call need not load it
     call.run = run
     request[ctx.RUN] = run
@@ -218,6 +230,16 @@ async def _book_turn(request: web.Request, call: Call, adm: Admission, reported:
     team = call.team
     left = governor.remaining(team, ledger) if ledger is not None else await governor.team_remaining(team)
     return Booked(run, left, usage)
+
+
+def _on_span(span: ChatSpan, record: TurnRecord, answer: Answer | None, seconds: float, message: Message,
+             response_model: str | None, spooled: bool = False) -> None:
+    """The booked turn on the call's `chat {model}` span (tracing on)."""
+    span.booked(usage=record.usage, cost_usd=record.cost_usd, finish=record.finish,
+                upstream=answer.upstream if answer is not None else None,
+                deployment=answer.model if answer is not None else record.model, response_model=response_model,
+                seconds=seconds, spooled=spooled)
+    span.output(message)
 
 
 async def commit_turn_record(app: web.Application, run: RunState, record: TurnRecord) -> tuple[RunState, Ledger | None]:

@@ -41,7 +41,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 
@@ -50,7 +50,8 @@ from gateway.harness.execute import CancelScope
 from gateway.harness.loop import Outcome, run
 from gateway.harness.model import Model
 from gateway.harness.state import Interruption, RunState, public_run_id
-from gateway.harness.trace import RunStoppedFields, StartSetup, Tracer
+from gateway.harness.options import RunOptions
+from gateway.harness.trace import RunStoppedFields, StartSetup, TraceLink, Tracer
 from gateway.harness.usage import Price, Usage
 from gateway.policy.decl import Policy
 from gateway.policy.executors import CompileError, ToolEnv, compile_options
@@ -69,10 +70,14 @@ from gateway.server.http.errors import (
 from gateway.server.metrics import Metrics
 from gateway.server.runs.cancels import ActiveRuns, RunBusy, watch_remote_cancel
 from gateway.server.runs.pending_approvals import PendingApprovals
+from gateway.server.runs.run_spans import RunSpans, agent_span, trace_link
 from gateway.server.runs.tracelog import Listener, TraceWriter
 from gateway.store.audit import AuditEntry
 from gateway.store.base import Event, Lease, Store
 from gateway.store.errors import LeaseLost, StoreError
+
+if TYPE_CHECKING:
+    from gateway.telemetry.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +143,8 @@ class RunDriver:
                  price_for: Callable[[str], Price], runs_dir: Path, session: aiohttp.ClientSession | None = None,
                  trace_file: Path | None = None, metrics: Metrics | None = None, owner: str | None = None,
                  lease_ttl_s: float = DEFAULT_LEASE_TTL_S, cancel_poll_s: float = 0.1,
-                 store_deadline_s: float = DEFAULT_STORE_TIMEOUT_S, threads: ToolThreads | None = None) -> None:
+                 store_deadline_s: float = DEFAULT_STORE_TIMEOUT_S, threads: ToolThreads | None = None,
+                 tracing: Tracing | None = None) -> None:
         self.store = store
         self.policies = policies
         self.model_for = model_for
@@ -154,6 +160,8 @@ class RunDriver:
         self.threads = threads
         self.active = ActiveRuns()
         self.approvals = PendingApprovals(store, metrics)
+        self.tracing = tracing
+        """Each drive an `invoke_agent` span, each tool call an `execute_tool` one (`run_spans`)."""
 
     def policy_of(self, state: RunState) -> Policy:
         """The run's policy (`PolicyRegistry.for_run`); PolicyGone when none is loaded."""
@@ -229,16 +237,38 @@ class RunDriver:
             writer.written.append(_MetricsListener(self.metrics, state, policy))
 
         checkpoint = writer.commit
-
+        tracing = self.tracing
         try:
             env = ToolEnv(session=self.session, model=model, model_name=state.model, price_for=self.price_for,
                           registry=self.policies, sandbox_root=self.sandbox_of(state, policy), on_event=writer,
-                          threads=self.threads)
+                          threads=self.threads, propagate=tracing.inject if tracing is not None else None)
             options = compile_options(policy, env, client_tools=list(client.tools), sampling=dict(client.sampling),
                                       max_tokens=client.max_tokens, checkpoint=checkpoint)
         except (CompileError, OSError) as exc:
             raise Conflict(f"run {public_run_id(run_id)} cannot be driven: {exc}", code="run_not_drivable") from None
-        Tracer(run_id, writer).start(start, fields, {"turns": state.turns, "costUsd": round(state.cost_usd, 9)})
+        if tracing is None:
+            return await self._loop(run_id, lease, state, model, options, scope, writer, seen, start, fields,
+                                    usage_before)
+        agent = agent_span(tracing, state, seen, start)
+        spans = RunSpans(tracing, agent)
+        writer.listeners.append(spans)
+        try:
+            drive = await self._loop(run_id, lease, state, model, options, scope, writer, seen, start, fields,
+                                     usage_before, trace_link(agent))
+            agent.stopped(status=state.status, reason=state.reason or "", turns=state.turns,
+                          cost_usd=round(state.cost_usd, 9), tool_calls=state.tool_calls, usage=drive.usage)
+            return drive
+        finally:
+            spans.close()
+            agent.end()
+
+    async def _loop(self, run_id: str, lease: Lease, state: RunState, model: Model, options: RunOptions,
+                    scope: CancelScope, writer: TraceWriter, seen: Sequence[tuple[int, Event]], start: StartKind,
+                    fields: StartSetup | None, usage_before: Usage, link: TraceLink | None = None) -> Drive:
+        """The drive itself: its start line, the lease keeper, the cancel watcher, the loop."""
+        checkpoint = writer.commit
+        Tracer(run_id, writer).start(start, fields, {"turns": state.turns, "costUsd": round(state.cost_usd, 9)},
+                                     link)
         await checkpoint(state)
         writer.start()
         stop = asyncio.Event()

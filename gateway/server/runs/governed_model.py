@@ -12,25 +12,31 @@ raised (`RateLimited`) and the run stops, interrupted and resumable (driver).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
 
 from gateway.config.settings import Config, ModelRoute, TeamConfig
 from gateway.harness.model import LimitReached, ModelReply, ModelRequest
-from gateway.harness.state import RunState
+from gateway.harness.state import RunState, public_run_id
 from gateway.providers.errors import UpstreamError
 from gateway.providers.failover import RoutedCall
+from gateway.providers.reply import response_model
 from gateway.server import context as ctx
 from gateway.server.http.errors import ApiError, LimitExceeded, NotFound
 from gateway.server.metrics import Metrics
 from gateway.server.runs import rate_limits
 from gateway.server.runs.forwarding import complete_chat
 from gateway.server.runs.governor import Admission, Ask, Governor
+from gateway.server.runs.run_spans import chat_outcome
 from gateway.server.runs.replies import checked_usage
 from gateway.tokens import TokenCounter
+
+if TYPE_CHECKING:
+    from gateway.telemetry.tracing import ChatSpan, Tracing
 
 
 class UpstreamModel:
@@ -49,6 +55,8 @@ class UpstreamModel:
         self.strict = strict
         self.user: str | None = None
         """The user its turns are held to and spent by (the run's, `RunState.user`)."""
+        self.tracing: Tracing | None = None
+        """Each turn a `chat {model}` span (tracing on)."""
         self._live: ctx.Live | None = None  # the config served now (`for_run`), and how to read the run's team in it
         self._governing: Callable[[], tuple[Config, TeamConfig, bool]] | None = None
 
@@ -61,6 +69,7 @@ class UpstreamModel:
         model = cls(config=config, upstreams=app[ctx.UPSTREAMS], governor=app[ctx.GOVERNOR], metrics=app[ctx.METRICS],
                     counter=app[ctx.COUNTER], team=team, policy=state.policy, strict=strict)
         model.user = state.user
+        model.tracing = app.get(ctx.TRACING)
         model._live, model._governing = app[ctx.LIVE], lambda: _governing(app, state)
         return model
 
@@ -88,7 +97,8 @@ class UpstreamModel:
     async def complete(self, request: ModelRequest) -> ModelReply:
         """One turn over the route's deployments and fallbacks (held at the dearest of them,
         booked at the price of the one that answered). An `UpstreamError` carries the trace
-        fields of the failed attempts (`attempts`), which the driver writes.
+        fields of the failed attempts (`attempts`), which the driver writes. With tracing on,
+        the turn is a `chat {model}` span: its attempts nest under it.
 
         Once admitted, the call is never abandoned: stopped (a Stop, a lost lease, the run's
         deadline), it returns at once, but goes on in the background and books its answer on
@@ -96,11 +106,20 @@ class UpstreamModel:
         the upstream is paid for an answer whether or not anyone reads it. The run, which
         stopped without that answer, does not count it."""
         self._follow_reload()
+        if self.tracing is None:
+            return await self._complete(request, None)
+        span = self.tracing.chat(request.model, run_id=public_run_id(request.run_id), team=self.team.name,
+                                 policy=self.policy, messages=request.messages)
+        with chat_outcome(span):
+            return await self._complete(request, span)
+
+    async def _complete(self, request: ModelRequest, span: ChatSpan | None) -> ModelReply:
         route = self.route(request.model)
         metrics = self.metrics
         routed = self.upstreams.call(route, request.model, lambda a: metrics.on_attempt(a.upstream, a.outcome))
         ask = Ask(route.price, request.messages, request.tools or None, request.max_tokens, model=request.model,
                   user=self.user, policy=self.policy)
+        asked = time.perf_counter()
         try:
             admission = await rate_limits.waiting(
                 lambda: self.governor.admit_call(request.run_id, self.team, self.strict, ask,
@@ -110,16 +129,20 @@ class UpstreamModel:
             if request.fit_budget and exc.kind == "budget_exceeded":  # the run's own budget: it asks a person
                 raise LimitReached(exc.message) from None
             raise
-        call = asyncio.ensure_future(self._forward(request, admission, routed))
+        call = asyncio.ensure_future(self._forward(request, admission, routed, span, asked))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
             self.governor.finish_in_background(call, request.run_id)
             raise
 
-    async def _forward(self, request: ModelRequest, admission: Admission, routed: RoutedCall) -> ModelReply:
-        """The admitted call: forwarded, its usage checked, its cost booked."""
+    async def _forward(self, request: ModelRequest, admission: Admission, routed: RoutedCall,
+                       span: ChatSpan | None, asked: float) -> ModelReply:
+        """The admitted call: forwarded, its usage checked, its cost booked (and, tracing on,
+        told to its span; one the run gave up has ended: the rest of the call is not in it)."""
         async with admission as adm:
+            if span is not None and span.recording:
+                span.admitted(time.perf_counter() - asked, adm.max_tokens or request.max_tokens)
             max_tokens = adm.max_tokens or request.max_tokens
             sent: list[bytes] = []  # the body of each attempt: the last one is what was answered
 
@@ -140,7 +163,13 @@ class UpstreamModel:
             usage = checked.usage
             assert routed.answer is not None
             cost = routed.answer.price.cost(usage)
+            settling = time.perf_counter()
             await self.governor.settle(adm, cost, usage.total_tokens)
+            if span is not None:
+                span.booked(usage=usage, cost_usd=cost, finish=parsed.finish_reason, upstream=upstream,
+                            deployment=routed.answer.model, response_model=response_model(reply.data),
+                            seconds=time.perf_counter() - settling)
+                span.output(message)
         self.metrics.on_upstream(upstream.name, request.model, reply.seconds)
         self.metrics.on_tool_call_repairs(upstream.name, reply.repairs)
         self.metrics.on_turn(self.team.name, self.policy, request.model, usage, cost)

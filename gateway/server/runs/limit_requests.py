@@ -32,7 +32,7 @@ from gateway.harness import limit_requests as requests
 from gateway.harness.approvals import ApprovalError
 from gateway.harness.options import LimitAsk, Stop
 from gateway.harness.state import Amounts, Decision, Interruption, LimitGrant, LimitName, RunState
-from gateway.harness.trace import Event, Tracer
+from gateway.harness.trace import Event, TraceLink, Tracer
 from gateway.policy.approval import duration_text, expired
 from gateway.policy.decl import ApprovalConfig, Policy
 from gateway.server import audit
@@ -40,6 +40,7 @@ from gateway.server import context as ctx
 from gateway.server.http.errors import Conflict, InvalidField, LimitApprovalPending, LimitExceeded, LimitKind
 from gateway.server.metrics import Metrics
 from gateway.server.runs.keying import UPDATE_ATTEMPTS, Call, commit_run
+from gateway.server.runs.run_spans import decided
 from gateway.server.runs.tracelog import asked_at
 from gateway.store import tracefile
 from gateway.store.audit import AuditEntry
@@ -219,6 +220,9 @@ async def decide(app: web.Application, run: RunState, policy: Policy, team: Team
     made: list[LimitGrant] = []
     limit: list[LimitName] = []
     now = time.time()
+    asking = run.interruption
+    link = decided(app.get(ctx.TRACING), team, run.public_id, call_id, decision, expired=late,
+                   limit=asking.limit if asking is not None and asking.call_id == call_id else None)
 
     def change(state: RunState) -> None:
         made.clear()
@@ -236,7 +240,7 @@ async def decide(app: web.Application, run: RunState, policy: Policy, team: Team
         made.append(requests.grant(state, call_id, decision, amounts, now))
 
     def trace(state: RunState) -> list[Event]:
-        return _decision_lines(state, call_id, limit[0], decision, made[0] if made else None, late)
+        return _decision_lines(state, call_id, limit[0], decision, made[0] if made else None, late, link)
 
     def recorded(state: RunState) -> list[AuditEntry]:
         return [audit_entry(team, state, call_id, limit[0], decision, made[0] if made else None, late)]
@@ -265,12 +269,12 @@ def audit_entry(team: TeamConfig, run: RunState, call_id: str, limit: LimitName,
 
 
 def _decision_lines(state: RunState, call_id: str, limit: LimitName, decision: Decision, made: LimitGrant | None,
-                    late: bool) -> list[Event]:
+                    late: bool, link: TraceLink | None = None) -> list[Event]:
     tracer = Tracer(state.run_id)
     if made is not None:
         return [tracer("limit_granted", callId=call_id, limit=limit, grant=requests.plain(made.grant),
                        before=requests.plain(made.before), after=requests.plain(made.after), by=made.by,
-                       reason=made.reason)]
+                       reason=made.reason, **(link or {}))]
     detail = state.interruption.reason if state.interruption is not None else None
     return [tracer("limit_rejected", callId=call_id, limit=limit, reason=decision.reason, by=decision.by,
                    expired=late), _stopped_line(tracer, state, detail)]

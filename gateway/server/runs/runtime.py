@@ -48,7 +48,7 @@ async def driver_ctx(app: web.Application) -> AsyncIterator[None]:
     driver = RunDriver(app[ctx.STORE], app[ctx.POLICIES], model_for=model_for, price_for=price_for,
                        runs_dir=config.runs_dir, session=app[ctx.SESSION], trace_file=config.trace_file,
                        metrics=metrics, owner=owner, lease_ttl_s=config.server.lease_ttl_s,
-                       store_deadline_s=config.store.timeout_s, threads=threads)
+                       store_deadline_s=config.store.timeout_s, threads=threads, tracing=app.get(ctx.TRACING))
     driver.approvals.teams = lambda: [team.name for team in app[ctx.LIVE].config.teams]
     app[ctx.DRIVER] = driver
     sweeper = Sweeper(driver, trace_file=config.trace_file, period_s=config.server.lease_ttl_s / 2)
