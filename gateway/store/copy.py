@@ -194,7 +194,7 @@ class RedisSource:
         self._client: Any = aioredis.Redis.from_url(url, socket_timeout=30)  # replies vary by command
 
     def describe(self) -> str:
-        from gateway.store.redis import redact
+        from gateway.store.dsn import redact
 
         return f"redis:{redact(self.url)} prefix {self.prefix!r}"
 

@@ -8,6 +8,7 @@ from types import MappingProxyType
 from typing import Any, Final
 
 from gateway.store.base import Store
+from gateway.store.dsn import redact
 from gateway.store.errors import StoreConfigError
 
 _FIELDS: Final[Mapping[str, frozenset[str]]] = MappingProxyType({
@@ -56,7 +57,7 @@ def _postgres(config: Mapping[str, Any], environ: Mapping[str, str]) -> Store:
             raise StoreConfigError(f"store.dsn_env: the environment variable {name} is not set (it holds the "
                                    "PostgreSQL DSN, e.g. postgresql://gateway:secret@db:5432/gateway)")
     if not dsn.startswith(_PG_SCHEMES):
-        raise StoreConfigError(f"store.dsn: expected a {' or '.join(_PG_SCHEMES)} DSN, got {redacted(dsn)!r}")
+        raise StoreConfigError(f"store.dsn: expected a {' or '.join(_PG_SCHEMES)} DSN, got {redact(dsn)!r}")
     schema = config.get("schema", "gateway")
     if not isinstance(schema, str) or not schema.replace("_", "a").isalnum() or not schema[:1].isalpha() \
             or len(schema) > 48 or schema.lower() != schema:
@@ -82,15 +83,6 @@ def _postgres(config: Mapping[str, Any], environ: Mapping[str, str]) -> Store:
         raise StoreConfigError("store.kind: postgres needs the asyncpg package, in the extra 'postgres': "
                                "pip install 'gateway[postgres]'") from exc
     return PostgresStore(dsn, schema, pool_min=sizes[0], pool_max=sizes[1], timeout_s=_timeout(config))
-
-
-def redacted(dsn: str) -> str:
-    """A DSN without its password (no import of the driver)."""
-    head, at, tail = dsn.rpartition("@")
-    if not at or ":" not in head.split("//", 1)[-1]:
-        return dsn
-    scheme, _, auth = head.partition("//")
-    return f"{scheme}//{auth.split(':', 1)[0]}:***@{tail}"
 
 
 def open_store(config: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Store:

@@ -29,7 +29,6 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Final, TypeVar, cast
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import orjson
@@ -66,6 +65,7 @@ from gateway.store.base import (
     run_write,
     to_micros,
 )
+from gateway.store.dsn import redact
 from gateway.store.errors import (
     AlreadyBooked,
     LeaseLost,
@@ -120,18 +120,6 @@ SELECT (SELECT COALESCE(sum(spent_micros), 0)::bigint FROM ledger WHERE scope = 
                      AND expires_at > t.now AND budgets @> ARRAY[h.s || '#' || h.p])
              FROM unnest($4::text[], $5::text[]) WITH ORDINALITY AS h(s, p, i) ORDER BY h.i)
 """
-
-
-def redact(dsn: str) -> str:
-    """The DSN without its password, fit for errors and logs."""
-    parts = urlsplit(dsn)
-    if parts.password is None:
-        return dsn
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
 
 
 def _one_line(record: logging.LogRecord) -> bool:

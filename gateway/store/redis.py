@@ -18,7 +18,6 @@ from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from types import TracebackType
 from typing import Any, Final, NamedTuple, cast
-from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 import redis.asyncio as aioredis
@@ -72,6 +71,7 @@ from gateway.store.base import (
     run_write,
     to_micros,
 )
+from gateway.store.dsn import redact
 from gateway.store.errors import (
     AlreadyBooked,
     KeyExists,
@@ -126,18 +126,6 @@ AUDIT_ATTEMPTS: Final = 64
 """A step with audit entries is chained after the head it read; another replica's audited
 step in between makes it chain again, this many times at most."""
 AUDIT_PAGE: Final = 500
-
-
-def redact(url: str) -> str:
-    """The URL without its password, fit for error messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
 
 
 class _Translate:

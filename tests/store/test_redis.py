@@ -15,7 +15,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from gateway.harness.state import RunState
 from gateway.store.base import EXPIRED_RETENTION_S, Booking, Claim, Figures, RateLimit, TokenCharge
 from gateway.store.errors import RunExists, StoreError
-from gateway.store.redis import RedisStore, redact
+from gateway.store.dsn import redact
+from gateway.store.redis import RedisStore
 from gateway.store.redis_wire import Script
 from tests.store.conftest import _start_redis
 
