@@ -45,16 +45,13 @@ from gateway.store.base import (
 )
 from gateway.store.errors import (
     AlreadyBooked,
-    KeyExists,
-    KeyNotFound,
     LeaseLost,
     RunExists,
     RunNotFound,
-    StaleKey,
     StaleRun,
     StoreError,
 )
-from gateway.store.keys import ConsoleSession, KeyRecord
+from gateway.store.keys import ConsoleSession, KeyRecord, check_key_revision
 from gateway.store.outbox import Claimed, Notice, NoticeRule, check_notices, notices_of
 from gateway.store.periods import ended_before as period_ended
 
@@ -519,13 +516,7 @@ class MemoryStore:
                       audit: Sequence[AuditEntry] = ()) -> KeyRecord:
         self._check_open()
         stored = self._keys.get(record.id)
-        if expected_revision is None:
-            if stored is not None:
-                raise KeyExists(record.id)
-        elif stored is None:
-            raise KeyNotFound(record.id)
-        elif stored.revision != expected_revision:
-            raise StaleKey(record.id, expected_revision, stored.revision)
+        check_key_revision(record.id, expected_revision, None if stored is None else stored.revision)
         self._key_revision += 1
         saved = replace(record, revision=self._key_revision, last_used_at=None)
         self._keys[record.id] = saved

@@ -267,7 +267,7 @@ class PostgresStore:
             " cost_micros, prompt_tokens, completion_tokens, body) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,"
             " $11, $12) ON CONFLICT (id) DO NOTHING RETURNING id),"
             " t AS (SELECT gw_transcript(r.id, false, 0, $13, 0, $14) FROM r)"
-            " SELECT count(*) FROM r, t", *_run_row(state), *_items(written))
+            " SELECT count(*) FROM r, t", *_run_row(state, written), *_items(written))
         if not created:
             raise RunExists(state.run_id)
         state.mark_stored()
@@ -384,8 +384,11 @@ class PostgresStore:
         who = claim.attribution or Attribution()
         created = claim.create
         run_id = claim.run_id if created is None else created.run_id
-        create: tuple[Any, ...] = (None,) * 11 if created is None else _run_row(created)[1:]
-        items = (None, None) if created is None else _items(new_run_write(created))
+        create: tuple[Any, ...] = (None,) * 11
+        items: tuple[Any, ...] = (None, None)
+        if created is not None:
+            written = new_run_write(created)
+            create, items = _run_row(created, written)[1:], _items(written)
         row = await self._fetchrow(
             _ADMIT, rid, claim.team, claim.period, amount, ttl, run_id, claim.max_turns, claim.max_in_flight,
             run_budget, budget, claim.owner, claim.tokens, *_rate_columns(claim.rates), *_hold_columns(claim.holds),
@@ -521,13 +524,7 @@ class PostgresStore:
                 t AS (DELETE FROM transcripts WHERE run_id IN (SELECT id FROM doomed)),
                 r AS (DELETE FROM runs WHERE id IN (SELECT id FROM doomed) RETURNING 1)
                 SELECT count(*) FROM r"""
-        total = 0
-        while True:  # one short transaction per batch: other calls write between them
-            n = int(await self._fetchval(sql, updated_before, PRUNE_BATCH))
-            total += n
-            if n < PRUNE_BATCH:
-                return total
-            await asyncio.sleep(0)
+        return await self._batches(sql, updated_before)  # one short transaction per batch
 
     async def prune_ledgers(self, ended_before: float) -> int:
         rows = await self._fetch("SELECT DISTINCT scope, period FROM ledger")
@@ -771,11 +768,12 @@ def _reason(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _run_row(state: RunState) -> tuple[Any, ...]:
-    """A new run's INSERT values (id first, body last), as `create_run` and `gw_admit` take them."""
+def _run_row(state: RunState, written: RunWrite) -> tuple[Any, ...]:
+    """A new run's INSERT values (id first, body last: `written.head`), as `create_run` and
+    `gw_admit` take them."""
     return (state.run_id, state.team, state.status, state.policy, state.created_at, state.updated_at, state.revision,
             state.turns, to_micros(state.cost_usd, "cost_usd"), state.usage.prompt_tokens,
-            state.usage.completion_tokens, orjson.dumps(state.head_json()))
+            state.usage.completion_tokens, written.head)
 
 
 _TRANSCRIPT: Final = ("ARRAY(SELECT t.body FROM transcripts t WHERE t.run_id = r.id AND t.kind = 0 ORDER BY t.seq)"

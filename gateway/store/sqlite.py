@@ -325,13 +325,15 @@ class SqliteStore:
         return Immediate(self._db())
 
     async def create_run(self, state: RunState) -> None:
-        await self._write(self._inserter(state), atomic=True, size=_size(new_run_write(state)))
+        written = new_run_write(state)
+        await self._write(self._inserter(state, written), atomic=True, size=_size(written))
         state.mark_stored()
 
     @staticmethod
-    def _inserter(state: RunState) -> Step[None]:
-        """The step that stores a new run (RunExists, nothing written, if the id is taken)."""
-        written = new_run_write(state)
+    def _inserter(state: RunState, written: RunWrite | None = None) -> Step[None]:
+        """The step that stores a new run (RunExists, nothing written, if the id is taken);
+        `written`: its rows, when the caller made them already."""
+        written = new_run_write(state) if written is None else written
         row = (state.run_id, state.team, state.status, state.policy, state.created_at, state.updated_at,
                state.revision, written.head, state.turns, to_micros(state.cost_usd, "cost_usd"))
 
