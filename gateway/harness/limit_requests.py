@@ -21,10 +21,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Final
 
-from gateway.harness.approvals import ApprovalError
+from gateway.harness.approvals import EXPIRY, ApprovalError
 from gateway.harness.trace import Event, Tracer
 from gateway.harness.options import LimitAsk, Stop, StopReason
 from gateway.harness.state import (
+    WHOLE_LIMITS,
     Amounts,
     Decision,
     Interruption,
@@ -36,14 +37,6 @@ from gateway.harness.state import (
     Status,
 )
 
-EXPIRED_BY: Final = "approval-expiry"
-"""`Decision.by` of a rejection made because nobody decided in time (as for calls)."""
-
-STOP_LIMITS: Final[Mapping[str, LimitName]] = {
-    "max_turns": "max_turns", "max_budget": "max_budget_usd", "max_tool_calls": "max_tool_calls",
-    "max_duration": "max_duration_s",
-}
-"""The limit behind each stop reason of a limit."""
 LIMIT_STOPS: Final[Mapping[LimitName, tuple[Status, StopReason, InterruptionType]]] = {
     "max_turns": ("max_turns_exceeded", "max_turns", "max_turns"),
     "max_budget_usd": ("budget_exceeded", "max_budget", "max_budget"),
@@ -51,8 +44,8 @@ LIMIT_STOPS: Final[Mapping[LimitName, tuple[Status, StopReason, InterruptionType
     "max_duration_s": ("max_duration_exceeded", "max_duration", "max_duration"),
 }
 """The status, reason and interruption a limit ends a run with (as `on_exceed: stop` does)."""
-WHOLE: Final = frozenset({"max_turns", "max_tool_calls"})
-"""Limits counted in whole numbers: their figures stay ints."""
+STOP_LIMITS: Final[Mapping[str, LimitName]] = {reason: name for name, (_, reason, _) in LIMIT_STOPS.items()}
+"""The limit behind each stop reason of a limit."""
 
 
 def limit_name(reason: str | None) -> LimitName | None:
@@ -62,7 +55,7 @@ def limit_name(reason: str | None) -> LimitName | None:
 
 def figure(name: LimitName, value: float) -> float:
     """`value` as limit `name` counts it (turns and tool calls whole)."""
-    return int(value) if name in WHOLE else float(value)
+    return int(value) if name in WHOLE_LIMITS else float(value)
 
 
 def room(limits: Limits, ask: LimitAsk, name: LimitName) -> float | None:
@@ -169,7 +162,7 @@ def grant(state: RunState, call_id: str, decision: Decision, amounts: Amounts, a
 def refusal_text(limit: LimitName, cap: float | None, reason: str, by: str) -> str:
     """Why a run that asked for more of a limit ended: what the person (or the expiry) said."""
     shown = f" ({cap:g})" if cap is not None else ""
-    if by == EXPIRED_BY:
+    if by == EXPIRY:
         why = f" {reason.strip()}" if reason.strip() else ""
         return f"Nobody granted more than its {limit}{shown} in time, so the run stopped.{why}"
     why = f": {reason.strip()}" if reason.strip() else ""

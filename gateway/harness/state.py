@@ -53,6 +53,8 @@ next call, or, under `approval: {on_decision: resume}`, the gateway itself)."""
 LimitName = Literal["max_turns", "max_budget_usd", "max_tool_calls", "max_duration_s"]
 """The limits of a run a person may raise (`Limits` fields; a policy's `limits.ask.grant`)."""
 LIMIT_NAMES: tuple[LimitName, ...] = get_args(LimitName)
+WHOLE_LIMITS: frozenset[LimitName] = frozenset({"max_turns", "max_tool_calls"})
+"""Limits counted in whole numbers: their figures stay ints."""
 Amounts = dict[LimitName, float]
 """Figures by limit: a grant (what is added to each), caps, a policy's `max_total`. Turns and
 tool calls are whole numbers (kept as ints)."""

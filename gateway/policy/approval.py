@@ -13,12 +13,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.harness.approvals import EXPIRY
 from gateway.harness.options import Verdict, default_approval
 from gateway.harness.state import Decision
 from gateway.harness.tools import ToolSpec
 from gateway.policy.decl import ApprovalConfig, Rule, arg_text
-
-EXPIRED_BY = "approval-expiry"
 
 
 def rule_matches(rule: Rule, spec: ToolSpec, args: Mapping[str, Any]) -> bool:
@@ -93,4 +92,4 @@ def expiry_sentence(config: ApprovalConfig) -> str:
 
 def expiry_decision(config: ApprovalConfig) -> Decision:
     """The rejection to record (`gateway.harness.approvals.decide`) for an expired approval."""
-    return Decision("reject", expiry_sentence(config), EXPIRED_BY)
+    return Decision("reject", expiry_sentence(config), EXPIRY)

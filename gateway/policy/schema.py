@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 import jsonschema
 
 from gateway.harness.options import ApprovalAction, Dedupe, LimitAsk
-from gateway.harness.state import DEFAULT_MAX_TOOL_CALLS, LIMIT_NAMES, Amounts, LimitName, Limits
+from gateway.harness.state import DEFAULT_MAX_TOOL_CALLS, LIMIT_NAMES, WHOLE_LIMITS, Amounts, LimitName, Limits
 from gateway.harness.tools import ToolSpec
 from gateway.mcp.config import McpServerConfig
 from gateway.mcp.hub import McpHub
@@ -178,7 +178,6 @@ def _python_path(at: At | None, base: Path) -> tuple[Path, ...]:
 
 
 OnExceed = Literal["stop", "ask"]
-WHOLE_LIMITS = ("max_turns", "max_tool_calls")
 
 
 def _limit_ask(at: At | None, limits: Limits, approval: ApprovalConfig) -> LimitAsk | None:

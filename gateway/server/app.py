@@ -38,7 +38,7 @@ from gateway.policy.registry import PolicyRegistry
 from gateway.providers.scripted import scripted_app
 from gateway.providers.transport import new_session
 from gateway.server import console, embeddings, mcp_servers, openapi, probes, process_health
-from gateway.server.models import get_model, list_models, routed_models
+from gateway.server.models import get_model, list_models
 from gateway.server import context as ctx
 from gateway.server.api import admin
 from gateway.server.api import keys as admin_keys
@@ -52,7 +52,7 @@ from gateway.server.http.readiness import Readiness
 from gateway.server.http.sse import STREAMS_END, end_streams
 from gateway.server.metrics import Metrics
 from gateway.server.notify import delivery as notify_delivery
-from gateway.server.reload import known_policies, team_check
+from gateway.server.reload import configure_metrics, team_check
 from gateway.server.responses import endpoint as responses
 from gateway.server.runs import rate_limits, retention, runtime
 from gateway.server.runs.booking import keep_booking
@@ -213,9 +213,8 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
         app[ctx.MCP].close()  # the servers discovery started
         raise
     app[ctx.COUNTER] = get_counter()
-    app[ctx.METRICS] = Metrics((name for name, _ in routed_models(config)), config.upstreams,
-                               ((w.name, sorted(w.events)) for w in config.webhooks))
-    app[ctx.METRICS].start_at_zero(known_policies(config, app[ctx.POLICIES]))
+    app[ctx.METRICS] = Metrics()
+    configure_metrics(app[ctx.METRICS], config, app[ctx.POLICIES])
     if tracing is not None:
         app[ctx.METRICS].trace_id = tracing.trace_id
     app[ctx.STORE] = timed(open_configured_store(config), app[ctx.METRICS].on_store)

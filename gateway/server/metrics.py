@@ -224,7 +224,6 @@ class Metrics:
                                     registry=r, multiprocess_mode="mostrecent")
         self.store_seconds = Histogram("gateway_store_seconds", "Time of one store call, by operation (a method of "
                                        "the Store protocol).", ["op"], registry=r, buckets=STORE_BUCKETS)
-        self._store_children: dict[str, Any] = {}
         self.loop_lag = Gauge("gateway_event_loop_lag_seconds", "How late the event loop ran a timer due now, the "
                               "most over the last 5 s (each live worker's).", registry=r, multiprocess_mode="liveall")
         self.upstream_connections = Gauge("gateway_upstream_connections", "This process's connections to the "
@@ -441,10 +440,7 @@ class Metrics:
 
     def on_store(self, op: str, seconds: float) -> None:
         """One store call (`gateway.store.timed`); `op` is a method name of the Store protocol."""
-        child = self._store_children.get(op)
-        if child is None:
-            child = self._store_children[op] = self.store_seconds.labels(op)
-        child.observe(seconds)
+        self._child(self.store_seconds, op).observe(seconds)
 
     def set_loop_lag(self, seconds: float) -> None:
         self.loop_lag.set(seconds)

@@ -44,7 +44,7 @@ from gateway.policy.errors import PolicyError
 from gateway.policy.registry import PolicyRegistry, ReloadResult, StagedSet, policy_names
 from gateway.server import audit
 from gateway.server import context as ctx
-from gateway.server.metrics import KnownPolicy
+from gateway.server.metrics import KnownPolicy, Metrics
 from gateway.server.models import routed_models
 from gateway.server.notify.delivery import NOTIFIER
 from gateway.server.workers import mark_reloaded
@@ -148,6 +148,13 @@ def _stage(app: web.Application) -> _Staged:
     return _Staged(served, changed, restart, app[ctx.POLICIES].stage(check=team_check(served)))
 
 
+def configure_metrics(metrics: Metrics, config: Config, registry: PolicyRegistry) -> None:
+    """Export at zero the label sets `config` and its policies know (at start and on a reload)."""
+    metrics.configure((name for name, _ in routed_models(config)), config.upstreams,
+                      ((w.name, sorted(w.events)) for w in config.webhooks))
+    metrics.start_at_zero(known_policies(config, registry))
+
+
 def apply_config(app: web.Application, config: Config) -> None:
     """Serve `config` from the next call on: the one step, on the event loop, that makes the
     config and everything built from it current together (see the module docstring). The
@@ -155,10 +162,7 @@ def apply_config(app: web.Application, config: Config) -> None:
     keys through the new teams at once)."""
     app[ctx.LIVE].config = config
     app[ctx.KEYRING].set_teams(config.teams)
-    metrics = app[ctx.METRICS]
-    metrics.configure((name for name, _ in routed_models(config)), config.upstreams,
-                      ((w.name, sorted(w.events)) for w in config.webhooks))
-    metrics.start_at_zero(known_policies(config, app[ctx.POLICIES]))
+    configure_metrics(app[ctx.METRICS], config, app[ctx.POLICIES])
     if ctx.UPSTREAMS in app:  # the loop's resources, once the app has started
         app[ctx.UPSTREAMS].configure(config)
     if ctx.GOVERNOR in app:
@@ -216,14 +220,11 @@ async def record_reload(app: web.Application, done: Reloaded, team: TeamConfig |
 
 def _log(app: web.Application, by: str, done: Reloaded) -> None:
     registry = app[ctx.POLICIES]
-    if done.config_errors:
-        log.error("reload by %s refused, the previous config and policies kept:\n%s", by,
-                  "\n".join(f"  {e}" for e in done.config_errors))
-        return
     result = done.policies
-    if not result.ok:
+    errors = done.config_errors or result.errors
+    if errors:
         log.error("reload by %s refused, the previous config and policies kept:\n%s", by,
-                  "\n".join(f"  {e}" for e in result.errors))
+                  "\n".join(f"  {e}" for e in errors))
         return
     log.warning("policies reloaded by %s: %s (changed: %s); config fields served anew: %s", by,
                 ", ".join(f"{n}@{registry.version_of(n)}" for n in result.loaded),

@@ -25,12 +25,16 @@ from gateway.harness.state import RunState
 from gateway.policy.approval import can_decide
 from gateway.policy.decl import Policy
 from gateway.server.http.errors import Forbidden
+from gateway.server.notify.message import RequestKind
 from gateway.server.runs.limit_requests import approvers as limit_approvers
 
 Role = Literal["owner", "approver", "admin", "other"]
-RequestKind = Literal["tool_call", "limit"]
-"""What a person decides: a call (`approval.approvers`) or a limit request (`limits.ask.approvers`)."""
 Steer = Literal["resume", "cancel"]
+
+
+def is_approver(team: str, policy: Policy) -> bool:
+    """Whether `team` decides some of `policy`'s requests: its tool calls or its limits."""
+    return team in policy.approval.approvers or team in limit_approvers(policy)
 
 
 def roles(team: TeamConfig, run: RunState, policy: Policy | None) -> frozenset[Role]:
@@ -38,7 +42,7 @@ def roles(team: TeamConfig, run: RunState, policy: Policy | None) -> frozenset[R
     held: set[Role] = set()
     if run.team == team.name:
         held.add("owner")
-    if policy is not None and (team.name in policy.approval.approvers or team.name in limit_approvers(policy)):
+    if policy is not None and is_approver(team.name, policy):
         held.add("approver")
     if team.admin:
         held.add("admin")

@@ -34,7 +34,7 @@ from gateway.policy.decl import Policy
 from gateway.server import audit
 from gateway.server import context as ctx
 from gateway.store.audit import AuditEntry
-from gateway.server.api.access import may_decide, may_see, request_kind, require_steer
+from gateway.server.api.access import is_approver, may_decide, may_see, request_kind, require_steer
 from gateway.server.api.runs_input import (
     ApprovalInput,
     approval_input,
@@ -121,7 +121,7 @@ async def run_for(request: web.Request) -> tuple[TeamConfig, RunState]:
 def _reviews_others(app: web.Application, team: TeamConfig) -> bool:
     """Whether `team` may see other teams' runs at all (an admin, or a policy's approver)."""
     policies = app[ctx.POLICIES]
-    return team.admin or any(team.name in p.approval.approvers or team.name in limit_requests.approvers(p)
+    return team.admin or any(is_approver(team.name, p)
                              for name in policies.names() if (p := policies.get(name)) is not None)
 
 
@@ -390,11 +390,6 @@ async def _reload(app: web.Application, run: RunState) -> RunState:
     return await app[ctx.STORE].load_run(run.run_id) or run
 
 
-def _waiting_decision(run: RunState) -> Interruption | None:
-    """The call or limit request an interrupted run waits for, if still undecided."""
-    return run.waiting_request
-
-
 def _cancellable(run: RunState) -> bool:
     """Running, or stopped on a call or limit request (decided or not) that would let it go on."""
     return run.status == "running" or run.waits_for_decision or run.decided
@@ -411,7 +406,7 @@ async def _cancel_undriven(app: web.Application, run: RunState, reason: str, by:
     if not _cancellable(run):
         raise Conflict(f"run {run.public_id} is not running (status {run.status}); nothing to cancel",
                        code="run_not_running")
-    dropped = _waiting_decision(run)
+    dropped = run.waiting_request
 
     def trace(r: RunState) -> list[Event]:
         lines: list[Event] = [cancel_event(r.run_id, reason, by)]

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal, cast
 
-from gateway.harness.state import STATUSES, Amounts, LimitName
+from gateway.harness.state import STATUSES, WHOLE_LIMITS, Amounts, LimitName
 from gateway.server.http.errors import InvalidField
 from gateway.server.http.validation import (
     INT64_MAX,
@@ -114,7 +114,7 @@ def grant_input(body: Mapping[str, Any]) -> Amounts | None:
                                                  f"{', '.join(GRANT_BOUNDS)})")
         name = cast(LimitName, key)
         high = GRANT_BOUNDS[name]
-        if name in ("max_turns", "max_tool_calls"):
+        if name in WHOLE_LIMITS:
             value: float | None = optional_int(raw, name, 1, int(high), f"grant.{name}")
         else:
             value = optional_number(raw, name, 0, high, f"grant.{name}")

@@ -49,11 +49,11 @@ before it is refused anyway (a store that does not answer)."""
 TOUCH_S: Final = 60.0
 """How often each process writes the `last_used_at` of the store keys it served."""
 AS_TEAM: Final = web.RequestKey("as_team", TeamConfig)
+"""Set by the console on the request it hands a `/v1` handler: the signed-in session's view
+(the console has no key to put in an Authorization header)."""
 AUTHENTICATED: Final = web.RequestKey("authenticated", TeamConfig)
 """The view a request authenticated as (its team, and its key as `caller`): the access log's
 team and key id."""
-"""Set by the console on the request it hands a `/v1` handler: the signed-in session's view
-(the console has no key to put in an Authorization header)."""
 
 
 def _digest(key: str) -> bytes:

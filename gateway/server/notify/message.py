@@ -45,6 +45,7 @@ TEXT_MAX: Final = 500
 
 
 RequestKind = Literal["tool_call", "limit"]
+"""What a person decides: a call (`approval.approvers`) or a limit request (`limits.ask.approvers`)."""
 
 
 class Record(TypedDict):

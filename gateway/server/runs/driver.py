@@ -201,7 +201,7 @@ class RunDriver:
                 self.metrics.run_active(1)
             try:
                 drive = await self._drive(run_id, lease, scope, writer, prepare, client, start)
-                if _waits_for_approval(drive.state) and drive.driven:
+                if drive.state.waits_for_decision and drive.driven:
                     self.approvals_changed()
                 return drive
             except LeaseLost:
@@ -393,10 +393,6 @@ class _Keep:
 def _log_failure(task: asyncio.Future[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("a background task of a run failed", exc_info=task.exception())
-
-
-def _waits_for_approval(state: RunState) -> bool:
-    return state.waits_for_decision
 
 
 def _minus(a: Usage, b: Usage) -> Usage:

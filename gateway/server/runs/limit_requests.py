@@ -29,7 +29,7 @@ from aiohttp import web
 
 from gateway.config.settings import TeamConfig
 from gateway.harness import limit_requests as requests
-from gateway.harness.approvals import ApprovalError
+from gateway.harness.approvals import EXPIRY, ApprovalError
 from gateway.harness.options import LimitAsk, Stop
 from gateway.harness.state import Amounts, Decision, Interruption, LimitGrant, LimitName, RunState
 from gateway.harness.trace import Event, TraceLink, Tracer
@@ -47,14 +47,13 @@ from gateway.store.audit import AuditEntry
 from gateway.store.base import Lease, Store
 from gateway.store.errors import RunNotFound, StaleRun
 
-KIND_LIMITS: Final[Mapping[str, LimitName]] = {
-    "max_turns_exceeded": "max_turns", "budget_exceeded": "max_budget_usd", "max_duration_exceeded": "max_duration_s",
-}
-"""The run limit behind each refusal of a pass-through call (a team's budget is not a run's)."""
 LIMIT_KINDS: Final[Mapping[LimitName, LimitKind]] = {
     "max_turns": "max_turns_exceeded", "max_budget_usd": "budget_exceeded", "max_duration_s": "max_duration_exceeded",
     "max_tool_calls": "max_turns_exceeded",  # a pass-through run executes no tools: never asked for
 }
+KIND_LIMITS: Final[Mapping[str, LimitName]] = {kind: name for name, kind in LIMIT_KINDS.items()
+                                               if name != "max_tool_calls"}
+"""The run limit behind each refusal of a pass-through call (a team's budget is not a run's)."""
 UNITS: Final[Mapping[LimitName, str]] = {"max_turns": "turns", "max_budget_usd": "USD", "max_tool_calls": "tool calls",
                                          "max_duration_s": "s"}
 
@@ -194,7 +193,7 @@ def expiry_decision(config: ApprovalConfig) -> Decision:
     """The rejection recorded for a limit request nobody decided within `expires_after_s`."""
     after = duration_text(config.expires_after_s) if config.expires_after_s is not None else "its deadline"
     return Decision("reject", f"Nobody decided on this limit request within {after}, so it expired.",
-                    requests.EXPIRED_BY)
+                    EXPIRY)
 
 
 def decision_json(call_id: str, decision: Decision, expired_: bool, limit: LimitName | None,

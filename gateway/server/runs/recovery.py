@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from gateway.harness.approvals import ApprovalError, decide
+from gateway.harness.approvals import EXPIRY, ApprovalError, decide
 from gateway.harness.state import Interruption, RunState, pending
 from gateway.harness.trace import Tracer
-from gateway.policy.approval import EXPIRED_BY, expired, expiry_decision
+from gateway.policy.approval import expired, expiry_decision
 from gateway.policy.decl import Policy
 from gateway.server.runs import limit_requests
 from gateway.server.runs.auto_resume import (
@@ -232,7 +232,7 @@ class Sweeper:
         writer = TraceWriter(self.store, run.run_id, trace_file=self.trace_file, lease=lease)
         Tracer(run.run_id, writer)(
             "approval_expired", callId=waiting.call_id, toolName=waiting.tool_name, args=waiting.args,
-            decision=decision.decision, reason=decision.reason, by=EXPIRED_BY, expired=True)
+            decision=decision.decision, reason=decision.reason, by=EXPIRY, expired=True)
         await writer.flush()
         await self.store.save_run(run, lease=lease)
         after_decision(self.drives, run, policy, resume_decided(RESUMED_BY))
