@@ -455,7 +455,8 @@ MAX_SHUTDOWN_DELAY_S = 15.0
 def _shutdown_delay(at: Field) -> float:
     delay = at.optional_number(0.0, nonnegative=True)
     if delay > MAX_SHUTDOWN_DELAY_S:
-        at.fail(f"must be at most {MAX_SHUTDOWN_DELAY_S:g} (the drain that follows needs time too), got {delay:g}")
+        at.invalid(f"must be at most {MAX_SHUTDOWN_DELAY_S:g} (the drain that follows needs time too), got {delay:g}")
+        return 0.0
     return delay
 
 
@@ -482,7 +483,8 @@ def _store(at: Field, base: Path) -> StoreConfig:
 def _spool_reserve(at: Field) -> int:
     megabytes = at.optional_number(DEFAULT_SPOOL_RESERVE_MB, nonnegative=True)
     if megabytes > 1024 * 1024:
-        at.fail(f"must be at most {1024 * 1024} (a terabyte), got {megabytes:g}")
+        at.invalid(f"must be at most {1024 * 1024} (a terabyte), got {megabytes:g}")
+        return DEFAULT_SPOOL_RESERVE_MB * 1024 * 1024
     return int(megabytes * 1024 * 1024)
 
 

@@ -86,7 +86,8 @@ def parse_telemetry(at: Field) -> TelemetryConfig:
     ratio_at = at.get("sample_ratio")
     ratio = ratio_at.optional_number(1.0, nonnegative=True)
     if ratio > 1:
-        ratio_at.fail(f"must be from 0 to 1 (the share of new traces recorded), got {ratio:g}")
+        ratio_at.invalid(f"must be from 0 to 1 (the share of new traces recorded), got {ratio:g}")
+        ratio = 1.0
     return TelemetryConfig(
         otlp_endpoint=endpoint, headers_env=headers_env, headers=headers,
         service_name=at.get("service_name").optional_str(DEFAULT_SERVICE_NAME),

@@ -239,3 +239,17 @@ def test_an_invalid_entry_does_not_make_the_entries_naming_it_fail_too(tmp_path:
     with pytest.raises(ConfigError) as info:
         load_config(write_config(tmp_path, data))
     assert [e.path for e in getattr(info.value, "errors", [info.value])] == ["upstreams[1].base_url"]  # not models[1]
+
+
+def test_a_value_past_its_bound_does_not_hide_its_sections_other_errors(tmp_path: Path) -> None:
+    """A bound checked after the number was read (shutdown_delay_s, spool_reserve_mb,
+    telemetry.sample_ratio) names its field and lets the rest of its section be checked."""
+    data = config_data()
+    data.setdefault("server", {}).update({"shutdown_delay_s": 999, "max_body_bytes": "big"})
+    data["spool_reserve_mb"] = 10 ** 9
+    data["telemetry"] = {"sample_ratio": 3, "service_name": 5}
+    with pytest.raises(ConfigError) as info:
+        load_config(write_config(tmp_path, data))
+    paths = sorted(e.path for e in getattr(info.value, "errors", [info.value]))
+    assert paths == ["server.max_body_bytes", "server.shutdown_delay_s", "spool_reserve_mb",
+                     "telemetry.sample_ratio", "telemetry.service_name"], paths
