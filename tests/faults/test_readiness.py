@@ -141,7 +141,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             started.append(part)
         port = free_port()
         config = _config(folder, port, redis, scripted.url, required.url, optional.url)
-        gateway = start_gateway(["serve", "--config", str(config)], "/livez", port, folder / "gateway.log")
+        # One process whatever GATEWAY_TEST_WORKERS says: readiness is each process's own (a
+        # probe lands on one worker), and these tests follow one process's checks as they turn.
+        gateway = start_gateway(["serve", "--config", str(config), "--workers", "1"], "/livez", port,
+                                folder / "gateway.log")
         started.append(gateway)
         yield Stack(folder, redis, required, optional, scripted, gateway)
     finally:

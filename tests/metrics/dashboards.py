@@ -36,6 +36,9 @@ DESIGN_METRICS: dict[str, str] = {
 EXTRA_HISTOGRAMS = ("gateway_ttft_seconds", "gateway_turns_per_run", "gateway_cost_per_run_usd", "gateway_store_seconds")
 EXTRA_COUNTERS = ("gateway_usage_clamped_total", "gateway_webhook_deliveries_total", "gateway_upstream_attempts_total",
                   "gateway_tool_call_repairs_total", "gateway_limit_requests_total")
+PER_WORKER_GAUGES = frozenset({"gateway_event_loop_lag_seconds"})
+"""Gauges a `--workers` gateway exports once per live worker, labelled with its `pid`
+(docs/metrics.md)."""
 EXTRA_GAUGES = ("gateway_webhook_outbox_depth", "gateway_event_loop_lag_seconds", "gateway_upstream_connections")
 KNOWN_METRICS: frozenset[str] = (frozenset(DESIGN_METRICS) | frozenset(EXTRA_HISTOGRAMS) | frozenset(EXTRA_COUNTERS)
                                  | frozenset(EXTRA_GAUGES))

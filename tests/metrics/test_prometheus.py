@@ -28,6 +28,7 @@ from tests.metrics.dashboards import (
     DESIGN_METRICS,
     EXTRA_HISTOGRAMS,
     METRIC_LABELS,
+    PER_WORKER_GAUGES,
     load_dashboards,
     STANDARD_PREFIXES,
     metric_of_sample,
@@ -158,7 +159,8 @@ def test_every_design_metric_is_exported_with_its_type(stack: Stack, traffic: Tr
             continue
         name = metric_of_sample(sample_name)
         names = {label for label, _ in labels} - {"le"}
-        assert names == METRIC_LABELS[name], (sample_name, sorted(names), sorted(METRIC_LABELS[name]))
+        expected = METRIC_LABELS[name] | ({"pid"} if os.environ.get(TEST_WORKERS) and name in PER_WORKER_GAUGES else set())
+        assert names == expected, (sample_name, sorted(names), sorted(expected))
     # and Prometheus holds samples of each
     for name, kind in {**DESIGN_METRICS, **{n: "histogram" for n in EXTRA_HISTOGRAMS}}.items():
         series = name + "_count" if kind == "histogram" else name

@@ -68,10 +68,20 @@ class Proc:
     log: Path
 
     def kill(self) -> None:
-        """SIGKILL: the crash a test wants to survive."""
+        """SIGKILL: the crash a test wants to survive. A supervisor's workers die with it
+        (PR_SET_PDEATHSIG) a moment later: this returns once nothing listens on its port, so
+        that a restart on the same port is the restart of a gateway that is gone."""
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGKILL)
         self.popen.wait(timeout=10)
+        host, port = self.url.rsplit("//", 1)[1].rsplit(":", 1)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection((host, int(port)), timeout=1).close()
+            except OSError:
+                return  # refused: the workers are gone too
+            time.sleep(0.02)  # polling for the workers' exit
 
     def stop(self) -> None:
         if self.popen.poll() is None:
