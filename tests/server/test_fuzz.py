@@ -25,6 +25,7 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -45,6 +46,9 @@ CHAT_EXAMPLES = int(500 * SCALE)
 RUNS_EXAMPLES = int(250 * SCALE)
 HEADER_EXAMPLES = int(2000 * SCALE)
 ADMIN_EXAMPLES = int(250 * SCALE)
+# Lists, not sets: a set of strings iterates in an order that changes with PYTHONHASHSEED,
+# and values drawn in that order would make the derandomized examples differ between runs.
+distinct = partial(st.lists, unique=True)
 FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False,
                 suppress_health_check=list(HealthCheck))
 
@@ -254,7 +258,7 @@ def runs_cases(draw: st.DrawFn, ids: list[str]) -> tuple[str, str, bytes | None,
     route = draw(st.sampled_from(["list", "get", "events", "approvals", "resume", "cancel"]))
     headers: dict[str, str] = {}
     if route == "list":
-        query = {k: draw(NUMBERISH if k == "limit" else TEXT) for k in draw(st.sets(st.sampled_from(
+        query = {k: draw(NUMBERISH if k == "limit" else TEXT) for k in draw(distinct(st.sampled_from(
             ["status", "team", "limit"])))}
         return "GET", "/v1/runs?" + urlencode(query), None, key, headers
     path = f"/v1/runs/{quote(run_id, safe='')}"
@@ -273,7 +277,7 @@ def runs_cases(draw: st.DrawFn, ids: list[str]) -> tuple[str, str, bytes | None,
             headers["Last-Event-ID"] = draw(NUMBERISH).strip() or "0"
         return "GET", f"{path}/events?{urlencode(query)}", None, key, headers
     body: dict[str, Any] = {}
-    for name in draw(st.sets(st.sampled_from(BODY_KEYS), max_size=4)):
+    for name in draw(distinct(st.sampled_from(BODY_KEYS), max_size=4)):
         body[name] = copy.deepcopy(draw(st.one_of(st.just(GOOD_VALUES[name]), ODD)))
     raw = json.dumps(body).encode() if draw(st.integers(0, 9)) else draw(st.sampled_from(
         [b"", b"[]", b"{", b"null", b"\"x\"", b"{\"reason\": " + b"[" * 300 + b"]" * 300 + b"}"]))
@@ -471,7 +475,7 @@ def admin_cases(draw: st.DrawFn, ids: list[str]) -> tuple[str, str, bytes | None
     route = draw(st.sampled_from(["create", "create", "list", "get", "patch", "patch", "rotate", "revoke"]))
     key_id = quote(draw(st.one_of(st.sampled_from(ids), TEXT, st.just("cfg_" + "0" * 24))), safe="")
     if route == "list":
-        query = {k: draw(NUMBERISH if k == "limit" else TEXT) for k in draw(st.sets(st.sampled_from(
+        query = {k: draw(NUMBERISH if k == "limit" else TEXT) for k in draw(distinct(st.sampled_from(
             ["team", "user", "include_revoked", "after", "limit"])))}
         return "GET", "/v1/admin/keys?" + urlencode(query), None, key
     if route == "get":
@@ -479,7 +483,7 @@ def admin_cases(draw: st.DrawFn, ids: list[str]) -> tuple[str, str, bytes | None
     if route == "revoke":
         return "DELETE", f"/v1/admin/keys/{key_id}", None, key
     body: dict[str, Any] = {"team": "demo", "name": "fuzz"} if route == "create" else {}
-    for name in draw(st.sets(st.sampled_from(KEY_FIELDS), max_size=4)):
+    for name in draw(distinct(st.sampled_from(KEY_FIELDS), max_size=4)):
         body[name] = copy.deepcopy(draw(st.one_of(st.just(GOOD_KEY.get(name, 1)), ODD)))
     raw = json.dumps(body).encode() if draw(st.integers(0, 9)) else draw(st.sampled_from(
         [b"", b"[]", b"{", b"null", b"\"x\"", b"{\"name\": " + b"[" * 300 + b"]" * 300 + b"}"]))
@@ -513,10 +517,10 @@ def report_cases(draw: st.DrawFn) -> tuple[str, str | None]:
         names = ["group_by", "from", "to", "team", "format"]
         values = st.one_of(TEXT, st.sampled_from(["team,key", "day", "model,user,policy", "2026-12-01", "2026-02-30",
                                                    "1999-01-01", "csv", "json", "demo", "x" * 100]))
-        query = {k: draw(values) for k in draw(st.sets(st.sampled_from(names)))}
+        query = {k: draw(values) for k in draw(distinct(st.sampled_from(names)))}
         return "/v1/spend?" + urlencode(query), key
     query = {k: draw(NUMBERISH if k in ("since", "after", "limit") else TEXT)
-             for k in draw(st.sets(st.sampled_from(["since", "action", "team", "after", "limit"])))}
+             for k in draw(distinct(st.sampled_from(["since", "action", "team", "after", "limit"])))}
     return "/v1/admin/audit?" + urlencode(query), key
 
 
