@@ -37,7 +37,7 @@ from gateway.policy.errors import PolicySetError
 from gateway.policy.registry import PolicyRegistry
 from gateway.providers.scripted import scripted_app
 from gateway.providers.transport import new_session
-from gateway.server import console, embeddings, mcp_servers, openapi, probes, process_health
+from gateway.server import console, embeddings, mcp_servers, openapi, probes, process_health, reload_watch
 from gateway.server.models import get_model, list_models
 from gateway.server import context as ctx
 from gateway.server.api import admin
@@ -237,6 +237,7 @@ def build_app(config: Config, *, self_url: str | None = None, worker: int | None
     app.cleanup_ctx.append(notify_delivery.background)  # before runs are driven: their notices need its rule
     app.cleanup_ctx.append(runtime.driver_ctx)
     app.cleanup_ctx.append(retention.background)
+    reload_watch.setup(app)  # another replica's reload reloads this process too
     app[STREAMS_END] = asyncio.Event()
     app.on_shutdown.append(end_streams)
     app.on_shutdown.append(runtime.stop_runs)

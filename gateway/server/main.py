@@ -29,6 +29,7 @@ from gateway.server.http.access import access_logger
 from gateway.server.http.listener import Connections, StartError, bound_port, listen_sockets, run
 from gateway.server import context as ctx
 from gateway.server.reload import record_reload
+from gateway.server.reload_watch import announce
 from gateway.server.reload import reload as reload_files
 from gateway.server.workers import (
     RELOAD_ONLY,
@@ -130,6 +131,7 @@ async def _reload_on_sighup(app: web.Application) -> AsyncIterator[None]:
     async def reload_and_record(record: bool) -> None:  # logs what it loaded, or why it kept the old set
         done = await reload_files(app, by="SIGHUP")
         if record and done.ok:
+            await announce(app)  # every replica sharing the store reloads its own files too
             await record_reload(app, done, None, by="SIGHUP")
 
     def reload(record: bool) -> None:

@@ -20,7 +20,8 @@ reservation) and finishes under the config it started with; the next call reads 
 one. The caches built from the config are rebuilt in the same step (the keyring, the
 governor's rate limits, the upstreams and their deployments' health, the metrics' label
 sets, the webhooks). Each process reloads its own copy: the workers of `--workers N`
-together (`gateway.server.workers`), replicas each on their own SIGHUP or call.
+together (`gateway.server.workers`); the other replicas sharing the store when a SIGHUP's
+or a call's reload is announced there (`gateway.server.reload_watch`).
 """
 
 from __future__ import annotations

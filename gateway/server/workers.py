@@ -28,7 +28,10 @@ Lifecycle (docs/config.md, "Workers"):
   worker served (and recorded as its caller's act) sends the supervisor `RELOAD_ONLY`
   (`reload_every_worker`), which it forwards to every worker, and answers once every worker
   has read the files again since the call came: each worker notes when it last read them in
-  a file of the supervisor's folder (`mark_reloaded`).
+  a file of the supervisor's folder (`mark_reloaded`). Such a reload is also announced to
+  the other replicas sharing the store under the origin every worker shares (`ORIGIN_ENV`),
+  so the workers' own reload watches know it is their server's and leave it to this
+  fan-out (`gateway.server.reload_watch`).
 - A worker that dies after it was serving is started again (same index, so it releases
   what its previous life held); one that fails before it serves (a bad store, a port
   taken) stops the whole server with its exit code, since a restart would fail alike. A
@@ -80,6 +83,9 @@ SHARED_KEY_ENV = "GATEWAY_WORKERS_KEY"
 """The key the workers share for the built-in scripted mount (random per supervisor)."""
 RELOADS_ENV = "GATEWAY_WORKERS_RELOADS"
 """The folder where each worker notes when it last read the policy files (`mark_reloaded`)."""
+ORIGIN_ENV = "GATEWAY_WORKERS_ORIGIN"
+"""The name the workers share when they announce a reload to other replicas (`reload_watch`):
+the supervisor's fan-out reloads them all, so none reloads again for its own announcement."""
 COUNT_ENV = "GATEWAY_WORKERS_COUNT"
 STOPS_ENV = "GATEWAY_WORKERS_STOPS"
 """The folder where each worker notes how many requests it drained when it stopped (`note_stopped`)."""
@@ -132,6 +138,11 @@ def reserve_port(host: str, port: int, setting: str = "server.host/server.port o
 def shared_key() -> str | None:
     """In a worker: the scripted mount's key its supervisor gave every worker."""
     return os.environ.get(SHARED_KEY_ENV) or None
+
+
+def shared_origin() -> str | None:
+    """In a worker: the reload origin its supervisor gave every worker (`ORIGIN_ENV`)."""
+    return os.environ.get(ORIGIN_ENV) or None
 
 
 def die_with_parent() -> None:
@@ -261,6 +272,7 @@ class Supervisor:
         for folder in (self.metrics_dir, self.reloads_dir, self.stops_dir):
             os.mkdir(folder)
         self.key = secrets.token_urlsafe(32)
+        self.origin = "workers-" + secrets.token_hex(8)
         self.selector = selectors.DefaultSelector()
         self.stopping = False
         self.stop_asked_at = 0.0
@@ -276,6 +288,7 @@ class Supervisor:
         env[SHARED_KEY_ENV] = self.key
         env[RELOADS_ENV] = self.reloads_dir
         env[COUNT_ENV] = str(self.count)
+        env[ORIGIN_ENV] = self.origin
         env[STOPS_ENV] = self.stops_dir
         args = [sys.executable, "-m", "gateway", "serve", *self.argv, "--worker-index", str(w.index),
                 "--ready-fd", str(write_fd)]

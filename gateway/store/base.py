@@ -338,6 +338,15 @@ class Grant:
     (in the same step), so a caller that started from a cached run knows whether it was current."""
 
 
+class ReloadMark(NamedTuple):
+    """The last reload announced to every process sharing the store (`Store.announce_reload`)."""
+
+    generation: int
+    """How many reloads were announced so far (0: none)."""
+    origin: str
+    """Who announced the last one: the announcing server's `origin` ('' when none was)."""
+
+
 class Store(Protocol):
     """Durable state shared by every request (and every replica) of the gateway."""
 
@@ -619,6 +628,19 @@ class Store(Protocol):
     async def prune_audit(self, before: float) -> int:
         """Retention: forget records written before `before` (epoch s), oldest first, always
         keeping the newest (the next record chains after it). Returns how many."""
+        ...
+
+    # --- reloads across replicas (gateway.server.reload_watch) ---
+
+    async def reload_mark(self) -> ReloadMark:
+        """The last reload announced: one cheap read (each process reads it about once per
+        polling period, in the background, and when a notification of topic `reload` comes)."""
+        ...
+
+    async def announce_reload(self, origin: str) -> ReloadMark:
+        """Count one more reload announced by `origin` (a process, or the workers of one
+        server, that served its files anew) and return the mark as written. On a store that
+        notifies (PostgreSQL), the notification of topic `reload` is sent in the same step."""
         ...
 
     async def close(self) -> None:

@@ -28,6 +28,7 @@ from gateway.store.base import (
     Figures,
     Grant,
     Lease,
+    ReloadMark,
     Ledger,
     RateState,
     TokenCharge,
@@ -136,6 +137,7 @@ class MemoryStore:
         self._sessions: dict[str, ConsoleSession] = {}
         self._audit: list[AuditRecord] = []
         self._audit_head = (0, GENESIS)
+        self._reload = ReloadMark(0, "")
         self._closed = False
 
     def _check_open(self) -> None:
@@ -596,6 +598,15 @@ class MemoryStore:
         keep_from = min(keep_from, len(self._audit) - 1) if self._audit else 0
         del self._audit[:keep_from]
         return keep_from
+
+    async def reload_mark(self) -> ReloadMark:
+        self._check_open()
+        return self._reload
+
+    async def announce_reload(self, origin: str) -> ReloadMark:
+        self._check_open()
+        self._reload = ReloadMark(self._reload.generation + 1, origin)
+        return self._reload
 
     async def close(self) -> None:
         self._closed = True

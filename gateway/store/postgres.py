@@ -48,6 +48,7 @@ from gateway.store.base import (
     Grant,
     Hold,
     Lease,
+    ReloadMark,
     Ledger,
     RateLimit,
     RateState,
@@ -723,6 +724,21 @@ class PostgresStore:
             "WITH d AS (DELETE FROM audit WHERE seq IN (SELECT seq FROM audit WHERE at < $1"
             " AND seq < (SELECT seq FROM audit_head) ORDER BY seq LIMIT $2) RETURNING 1) SELECT count(*) FROM d",
             before)
+
+    # --- reloads across replicas --------------------------------------------------------------
+
+    async def reload_mark(self) -> ReloadMark:
+        row = await self._fetchrow("SELECT generation, origin FROM reloads WHERE id = 1")
+        return ReloadMark(0, "") if row is None else ReloadMark(int(row[0]), str(row[1]))
+
+    async def announce_reload(self, origin: str) -> ReloadMark:
+        async def step(conn: asyncpg.Connection) -> int:
+            generation = int(await conn.fetchval("UPDATE reloads SET generation = generation + 1, origin = $1"
+                                                 " WHERE id = 1 RETURNING generation", origin))
+            await conn.execute("SELECT pg_notify(current_schema() || '_reload', '')")
+            return generation
+
+        return ReloadMark(await self._transaction(step), origin)
 
     async def close(self) -> None:
         self._closed = True

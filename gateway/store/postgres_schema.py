@@ -597,10 +597,19 @@ BEGIN
 END $$;
 """
 
+_RELOADS: Final = """
+-- The last reload announced to every replica of the schema (base.ReloadMark): announcing one
+-- bumps `generation` and NOTIFYs `<schema>_reload` in the same transaction; replicas listen
+-- and poll it to reload their own files too (gateway.server.reload_watch).
+CREATE TABLE reloads (id smallint PRIMARY KEY CHECK (id = 1), generation bigint NOT NULL, origin text NOT NULL);
+INSERT INTO reloads (id, generation, origin) VALUES (1, 0, '');
+"""
+
 MIGRATIONS: Final[tuple[Migration, ...]] = (
     # Append only: a database records the versions applied in schema_migrations.
     Migration(1, "tables, indexes and the spend view", _TABLES),
     Migration(2, "booking, trace and admission functions", _BOOK + _EVENTS + _ADMIT + _COMMIT),
+    Migration(3, "the reload mark", _RELOADS),
 )
 
 LOCK_NAMESPACE: Final = 0x67770033

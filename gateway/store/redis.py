@@ -55,6 +55,7 @@ from gateway.store.base import (
     Figures,
     Grant,
     Lease,
+    ReloadMark,
     Ledger,
     RateLimit,
     RateState,
@@ -93,6 +94,9 @@ DEFAULT_TIMEOUT_S: Final = 2.0
 DEFAULT_WAIT_TIMEOUT_S: Final = 0.5
 """How long replicas have to confirm a write when `store.wait_replicas` asks them to."""
 _RETENTION_MS: Final = str(int(EXPIRED_RETENTION_S * 1000))
+_ANNOUNCE_RELOAD: Final = Script("local k = ARGV[1] .. 'reload'\n"
+                                  "local g = redis.call('HINCRBY', k, 'generation', 1)\n"
+                                  "redis.call('HSET', k, 'origin', ARGV[2])\nreturn g")
 _CREATE_RUN: Final = Script(redis_lua.CREATE_RUN)
 _LOAD_RUN: Final = Script(redis_lua.LOAD_RUN, writes=False)
 _SAVE_RUN: Final = Script(redis_lua.SAVE_RUN)
@@ -737,6 +741,20 @@ class RedisStore:
             total += n
             if n < PRUNE_BATCH:
                 return total
+
+    # --- reloads across replicas -----------------------------------------------------------------
+
+    async def reload_mark(self) -> ReloadMark:
+        self._redis()
+        async with self._errors:
+            generation, origin = await self._lane.command("HMGET", f"{self.prefix}reload", "generation", "origin")
+        return ReloadMark(int(generation or 0), _text(origin) if origin else "")
+
+    async def announce_reload(self, origin: str) -> ReloadMark:
+        self._redis()
+        async with self._errors:
+            generation = await self._lane.run(_ANNOUNCE_RELOAD, [self.prefix, origin])
+        return ReloadMark(int(generation), origin)
 
     async def close(self) -> None:
         client, self._client = self._client, None

@@ -42,6 +42,7 @@ from gateway.store.base import (
     Figures,
     Grant,
     Lease,
+    ReloadMark,
     Ledger,
     RateLimit,
     RateState,
@@ -1031,6 +1032,22 @@ class SqliteStore:
         return await self._write(lambda db: int(db.execute(
             "DELETE FROM audit WHERE at < ? AND seq < (SELECT MAX(seq) FROM audit)", (before,)).rowcount),
             atomic=False)
+
+    # --- reloads across replicas -----------------------------------------------------------
+
+    async def reload_mark(self) -> ReloadMark:
+        with self._errors:
+            row = self._db().execute("SELECT generation, origin FROM reloads WHERE id = 1").fetchone()
+        return ReloadMark(0, "") if row is None else ReloadMark(int(row[0]), str(row[1]))
+
+    async def announce_reload(self, origin: str) -> ReloadMark:
+        def step(db: sqlite3.Connection) -> ReloadMark:
+            row = db.execute("INSERT INTO reloads (id, generation, origin) VALUES (1, 1, ?) ON CONFLICT (id) DO UPDATE"
+                             " SET generation = generation + 1, origin = excluded.origin RETURNING generation",
+                             (origin,)).fetchone()
+            return ReloadMark(int(row[0]), origin)
+
+        return await self._write(step, atomic=True)
 
     async def close(self) -> None:
         self._wal.close()  # first: the last connection to close checkpoints and removes the WAL

@@ -181,6 +181,10 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     """CREATE TABLE transcripts (
         run_id TEXT NOT NULL, kind INTEGER NOT NULL, seq INTEGER NOT NULL, body BLOB NOT NULL,
         PRIMARY KEY (run_id, kind, seq))""",
+    # The last reload announced to every process sharing the file (base.ReloadMark; one row,
+    # written by the first announcement): each process polls it to reload its own files too.
+    """CREATE TABLE reloads (id INTEGER PRIMARY KEY CHECK (id = 1), generation INTEGER NOT NULL,
+        origin TEXT NOT NULL)""",
 )
 
 BUSY_TIMEOUT_S: Final = 10.0

@@ -22,9 +22,10 @@ the audit log (`config.reloaded`, once, by the worker that served it, as the cal
 SIGHUP's as the gateway's own act (no team, no key, `details.by: "SIGHUP"`: the log does not
 know who sent the signal), once per signal however many workers reload.
 
-A reload is per process: replicas each hold their own copy, so reload every replica (this
-route on each, or a SIGHUP to each). The workers of one `gateway serve --workers N` reload
-together: the one that served this route has the supervisor forward a SIGHUP to all of
+Each process holds its own copy. A reload that served is announced in the store
+(`reload_watch.announce`): every other replica sharing it then reloads its own files, after
+this answer and without being told (`gateway.server.reload_watch`); the answer speaks for
+this server only. The workers of one `gateway serve --workers N` reload together: the one that served this route has the supervisor forward a SIGHUP to all of
 them, and answers once every worker serves the files as they were when the call came (at
 most `workers.RELOAD_WAIT_S`); its answer then says how many did:
 `"workers": {"count": N, "reloaded": K}`.
@@ -42,6 +43,7 @@ from aiohttp import web
 from gateway.policy.registry import PolicyRegistry
 from gateway.server import context as ctx
 from gateway.server.reload import Reloaded, record_reload, reload
+from gateway.server.reload_watch import announce
 from gateway.server.workers import RELOAD_WAIT_S, reload_every_worker
 from gateway.server.http.errors import BadRequest, Forbidden
 
@@ -89,6 +91,7 @@ async def post_reload(request: web.Request) -> web.Response:
                            code="invalid_config" if done.config_errors else "invalid_policy")
         error.extra.update(body)
         raise error
+    await announce(app)  # every replica sharing the store reloads its own files too
     await record_reload(app, done, team, by=f"team {team.name}")
     if ctx.WORKER in app:  # one of `--workers N`: the others reload too
         count, reloaded = await reload_every_worker(asked_at)
