@@ -64,6 +64,9 @@ class Traffic:
     start: float
     end: float
     exposition: Exposition
+    scraped_at: float
+    """When Prometheus took the scrape that held all the traffic: the tests query at that
+    time, since a later scrape that failed (a loaded machine) would mark every series stale."""
 
 
 @pytest.fixture(scope="module")
@@ -87,17 +90,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         gateway.stop()
 
 
-def wait_scraped(stack: Stack, after: float) -> Exposition:
-    """Wait for a scrape that started after `after` and saw what /metrics shows now."""
-    def probe() -> Exposition | None:
-        if stack.prom.wait_scrape_after(after) is None:
-            return None
+def wait_scraped(stack: Stack, after: float) -> tuple[Exposition, float]:
+    """Wait for a scrape that started after `after` and saw what /metrics shows now: what
+    /metrics showed, and when Prometheus took that scrape."""
+    def probe() -> tuple[Exposition, float] | None:
+        at = stack.prom.wait_scrape_after(after)
         exposition = scrape(stack.gateway.url)
         for name in ("gateway_runs_stopped_total", "gateway_cost_usd_total", "gateway_turns_total"):
-            seen = stack.prom.scalar(f'sum({name}{{job="{JOB}"}})')
+            seen = stack.prom.scalar(f'sum({name}{{job="{JOB}"}})', at)
             if seen is None or not math.isclose(seen, exposition.total(name), rel_tol=0, abs_tol=1e-12):
                 return None
-        return exposition
+        return exposition, at
     return stack.prom.wait_for("a scrape holding all the traffic", probe, timeout=60)
 
 
@@ -108,8 +111,8 @@ def traffic(stack: Stack) -> Traffic:
     wait_scraped(stack, time.time())
     rounds.append(drive_every_exit(stack.demo, stack.ops, stack.tight))
     end = time.time()
-    exposition = wait_scraped(stack, end)
-    return Traffic(rounds, start, end, exposition)
+    exposition, scraped_at = wait_scraped(stack, end)
+    return Traffic(rounds, start, end, exposition, scraped_at)
 
 
 def has_data(result: list[dict[str, Any]]) -> bool:
@@ -122,14 +125,15 @@ def has_data(result: list[dict[str, Any]]) -> bool:
 
 
 def test_every_dashboard_panel_query_returns_data(stack: Stack, traffic: Traffic) -> None:
-    now = time.time()
+    now = traffic.scraped_at
     empty = []
     queries = panel_queries()
     for q in queries:
         if q.instant:
             result = stack.prom.query(q.expr, at=now)
         else:
-            # Grafana's grid ends at "now"; so does this one (start a whole number of steps back)
+            # Grafana's grid ends at "now"; this one at the scrape that held all the traffic
+            # (start a whole number of steps back)
             result = stack.prom.query_range(q.expr, now - math.ceil(now - traffic.start + 2), now, "1s")
         if not has_data(result):
             empty.append(f"{q.name}: {q.expr}")
@@ -164,11 +168,11 @@ def test_every_design_metric_is_exported_with_its_type(stack: Stack, traffic: Tr
     # and Prometheus holds samples of each
     for name, kind in {**DESIGN_METRICS, **{n: "histogram" for n in EXTRA_HISTOGRAMS}}.items():
         series = name + "_count" if kind == "histogram" else name
-        assert stack.prom.query(f'count({series}{{job="{JOB}"}})'), f"Prometheus has no {series}"
+        assert stack.prom.query(f'count({series}{{job="{JOB}"}})', traffic.scraped_at), f"Prometheus has no {series}"
 
 
 def test_every_stop_reason_is_counted_once_per_round(stack: Stack, traffic: Traffic) -> None:
-    result = stack.prom.query(f'sum by (status, reason) (gateway_runs_stopped_total{{job="{JOB}"}})')
+    result = stack.prom.query(f'sum by (status, reason) (gateway_runs_stopped_total{{job="{JOB}"}})', traffic.scraped_at)
     counted = {(r["metric"]["status"], r["metric"]["reason"]): float(r["value"][1]) for r in result}
     missing = STOP_REASONS - set(counted)
     assert not missing, f"stop reasons never counted: {sorted(missing)}; counted: {counted}"
@@ -178,11 +182,12 @@ def test_every_stop_reason_is_counted_once_per_round(stack: Stack, traffic: Traf
 
 def test_gauges_after_the_traffic(stack: Stack, traffic: Traffic) -> None:
     # one destructive run and one limit request per round are left waiting for a person
-    assert stack.prom.scalar(f'sum(gateway_approvals_pending{{job="{JOB}", team="demo"}})') == 2 * len(traffic.rounds)
+    at = traffic.scraped_at
+    assert stack.prom.scalar(f'sum(gateway_approvals_pending{{job="{JOB}", team="demo"}})', at) == 2 * len(traffic.rounds)
     # nothing is running any more
-    assert stack.prom.scalar(f'sum(gateway_runs_active{{job="{JOB}"}})') == 0
+    assert stack.prom.scalar(f'sum(gateway_runs_active{{job="{JOB}"}})', at) == 0
     # the tight team has spent nothing and has no budget left for a call's reservation
-    remaining = stack.prom.scalar(f'gateway_team_budget_remaining_usd{{job="{JOB}", team="tight"}}')
+    remaining = stack.prom.scalar(f'gateway_team_budget_remaining_usd{{job="{JOB}", team="tight"}}', at)
     assert remaining is not None and remaining <= 0.0001
 
 
@@ -199,14 +204,14 @@ def test_cost_counter_equals_the_runs_cost_in_the_store(stack: Stack, traffic: T
     made = {run_id for exits in traffic.rounds for run_id in exits.runs.values() if run_id}
     assert made <= set(runs), f"runs made by the traffic but not listed: {sorted(made - set(runs))}"
     store_total = sum(float(run["cost_usd"]) for run in runs.values())
-    counter = stack.prom.scalar(f'sum(gateway_cost_usd_total{{job="{JOB}"}})')
+    counter = stack.prom.scalar(f'sum(gateway_cost_usd_total{{job="{JOB}"}})', traffic.scraped_at)
     assert counter is not None and store_total > 0.01
     assert round(counter, 2) == round(store_total, 2)  # issue 5: to the cent
     assert counter == pytest.approx(store_total, abs=1e-6)  # in fact to the micro-dollar
     assert counter == pytest.approx(traffic.exposition.total("gateway_cost_usd_total"), abs=1e-12)
     # the team's spend gauge is the same money, seen from the ledger
     demo_total = sum(float(run["cost_usd"]) for run in runs.values() if run.get("team", "demo") == "demo")
-    spend = stack.prom.scalar(f'gateway_team_spend_usd{{job="{JOB}", team="demo"}}')
+    spend = stack.prom.scalar(f'gateway_team_spend_usd{{job="{JOB}", team="demo"}}', traffic.scraped_at)
     assert spend == pytest.approx(demo_total, abs=1e-6)
 
 

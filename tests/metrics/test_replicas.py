@@ -111,15 +111,18 @@ async def test_every_replica_reports_the_approvals_pending_in_the_store(
     await pending_on_both(session, pair, 0.0)  # before: B, where it paused, said 1 for ever
 
 
-def wait_both_scraped(prom: Prometheus, after: float) -> None:
-    """Until Prometheus holds a scrape of each replica that started after `after`."""
-    def probe() -> bool | None:
+def wait_both_scraped(prom: Prometheus, after: float) -> float:
+    """Until Prometheus holds a successful scrape of each replica that started after `after`:
+    a time at which both are the latest (queries are made at it, since a later scrape that
+    failed on a loaded machine would mark its replica's series stale)."""
+    def probe() -> float | None:
         result = prom.query(f'timestamp(up{{job="{JOB}"}})')
         if len(result) != 2 or any(float(r["value"][1]) <= after for r in result):
             return None
-        assert all(float(r["value"][1]) > 0 for r in result)
-        return True
-    prom.wait_for("a scrape of both replicas", probe, timeout=60)
+        at = max(float(r["value"][1]) for r in result)
+        up = [float(r["value"][1]) for r in prom.query(f'up{{job="{JOB}"}}', at)]
+        return at if up == [1.0, 1.0] else None
+    return prom.wait_for("a successful scrape of both replicas", probe, timeout=60)
 
 
 def one_copy(expr: str) -> str:
@@ -152,22 +155,22 @@ async def test_dashboards_show_one_copy_of_each_store_wide_gauge(stack: Stack, s
         await store.close()
     assert spent > 0
     settled = time.time()
-    wait_both_scraped(prom, settled)
+    at = wait_both_scraped(prom, settled)
 
     panels = [q for q in panel_queries() if metric_names(q.expr) and metric_names(q.expr) <= STORE_WIDE]
     assert {q.panel for q in panels} >= {"Team spend vs remaining budget", "Team budget used", "Approvals pending"}
     for q in panels:
-        shown = by_labels(prom.query(q.expr))
-        truth = by_labels(prom.query(one_copy(q.expr)))
+        shown = by_labels(prom.query(q.expr, at))
+        truth = by_labels(prom.query(one_copy(q.expr), at))
         doubled = {k: v for k, v in shown.items() if len(v) > 1}
         assert not doubled, f"{q.name}: one series per replica: {doubled}\n{q.expr}"
         assert shown == truth, f"{q.name} shows {shown}, one copy of each gauge gives {truth}\n{q.expr}"
 
     [spend] = [q for q in panels if q.panel == "Team spend vs remaining budget" and "spend" in q.expr]
-    [demo] = [v for k, v in by_labels(prom.query(spend.expr)).items() if ("team", "demo") in k]
+    [demo] = [v for k, v in by_labels(prom.query(spend.expr, at)).items() if ("team", "demo") in k]
     assert demo == [pytest.approx(spent)]
     [approvals] = [q for q in panels if q.panel == "Approvals pending"]
-    assert [v for k, v in by_labels(prom.query(approvals.expr)).items() if ("team", "demo") in k] == [[1.0]]
+    assert [v for k, v in by_labels(prom.query(approvals.expr, at)).items() if ("team", "demo") in k] == [[1.0]]
 
 
 QUIET_TEAM = {"team": "thrifty", "policy": "passthrough"}
