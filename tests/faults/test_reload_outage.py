@@ -13,7 +13,7 @@ import aiohttp
 from gateway.server.reload_watch import RELOAD_POLL_S
 from tests.faults.support import RedisProc
 from tests.server.test_reload_replicas import Replica, log_says, new_key, reload, serves, status
-from tests.support.procs import START_TIMEOUT_S, free_port, start_gateway
+from tests.support.procs import free_port
 
 DOWN = "reload watch: cannot read the store's reload mark"
 BACK = "reload watch: the store's reload mark can be read again"
@@ -26,10 +26,7 @@ async def test_the_watch_outlives_a_store_outage_and_logs_once_each_way(redis_pr
     replicas = [Replica(tmp_path / name, free_port(), store) for name in ("a", "b")]
     try:
         for r in replicas:
-            r.folder.mkdir()
-            r.write()
-            r.proc = start_gateway(["serve", "--config", str(r.folder / "config.yaml")], "/healthz", r.port,
-                                   r.folder / "gateway.log", timeout=START_TIMEOUT_S)
+            r.start()
         a, b = replicas
         redis_proc.stop()
         for r in replicas:

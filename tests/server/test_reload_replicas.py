@@ -81,6 +81,14 @@ class Replica:
     def log(self) -> str:
         return (self.folder / "gateway.log").read_text(errors="replace")
 
+    def start(self, *args: str) -> Proc:
+        """Write its config and start it (`args` added to `gateway serve`)."""
+        self.folder.mkdir()
+        self.write()
+        self.proc = start_gateway(["serve", "--config", str(self.folder / "config.yaml"), *args], "/healthz",
+                                  self.port, self.folder / "gateway.log", timeout=START_TIMEOUT_S)
+        return self.proc
+
 
 @dataclass
 class Pair:
@@ -98,14 +106,8 @@ def pair(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Pair]:
         store = shared_store(kind, request, "reloads")
     replicas = [Replica(tmp_path / name, free_port(), store) for name in ("a", "b")]
 
-    def start(r: Replica) -> Proc:
-        r.folder.mkdir()
-        r.write()
-        return start_gateway(["serve", "--config", str(r.folder / "config.yaml")], "/healthz", r.port,
-                             r.folder / "gateway.log", timeout=START_TIMEOUT_S)
-
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(start, r) for r in replicas]
+        futures = [pool.submit(r.start) for r in replicas]
     for r, f in zip(replicas, futures):
         r.proc = f.result() if f.exception() is None else None
     try:
@@ -249,10 +251,7 @@ async def test_a_missed_notification_is_made_up_for_by_the_poll(request: pytest.
     channel = f"{schema}_reload"
     replicas = [Replica(tmp_path / name, free_port(), store) for name in ("a", "b")]
     for r in replicas:
-        r.folder.mkdir()
-        r.write()
-        r.proc = start_gateway(["serve", "--config", str(r.folder / "config.yaml")], "/healthz", r.port,
-                               r.folder / "gateway.log", timeout=START_TIMEOUT_S)
+        r.start()
     a, b = replicas
     conn = await asyncpg.connect(dsn)
     try:
@@ -302,10 +301,7 @@ async def test_the_workers_of_one_server_reload_once_per_reload(request: pytest.
     b = Replica(tmp_path / "b", free_port(), store, workers=2)
     try:
         for r in (a, b):
-            r.folder.mkdir()
-            r.write()
-            r.proc = start_gateway(["serve", "--config", str(r.folder / "config.yaml"), "--workers", str(r.workers)],
-                                   "/healthz", r.port, r.folder / "gateway.log", timeout=START_TIMEOUT_S)
+            r.start("--workers", str(r.workers))
         wait_serving(b.proc)  # type: ignore[arg-type]
         keys: tuple[str, ...] = ()
         for told, other, round_ in ((a, b, 1), (b, a, 2), (a, b, 3)):
