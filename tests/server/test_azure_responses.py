@@ -99,9 +99,11 @@ async def test_the_sdk_reaches_azure_responses_with_key_version_and_deployment_a
     assert run["turns"] == 1 and run["cost_usd"] == pytest.approx(COST)
 
 
-async def test_the_run_id_and_figures_come_back_in_the_headers(gateway: Proc) -> None:
+async def test_the_run_id_and_figures_come_back_in_the_headers(gateway: Proc,
+                                                               fake: tuple[azure.FakeAzure, str]) -> None:
     async with client(gateway, "azr-headers") as sdk:
         raw = await sdk.responses.with_raw_response.create(model="gpt-4o", input="hi")
+    assert_azure_responses_call(fake[0].calls[-1])
     assert raw.headers["X-Run-Id"] == "azr-headers" and raw.headers["X-Run-Turns"] == "1"
     assert float(raw.headers["X-Run-Cost-Usd"]) == pytest.approx(COST)
 
@@ -125,10 +127,12 @@ async def test_a_content_filter_refusal_is_the_client_s_400_as_for_chat(
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_an_answer_cut_by_the_filter_is_an_incomplete_response_and_booked(gateway: Proc, stream: bool) -> None:
+async def test_an_answer_cut_by_the_filter_is_an_incomplete_response_and_booked(
+        gateway: Proc, fake: tuple[azure.FakeAzure, str], stream: bool) -> None:
     run_id = f"azr-cut-{stream}"
     async with client(gateway, run_id) as sdk:
         response, _ = await respond(sdk, stream, input="FILTER_ANSWER")
+    assert_azure_responses_call(fake[0].calls[-1])
     assert response.status == "incomplete" and response.incomplete_details.reason == "content_filter"
     assert response.output_text == "Here is how"
     run = await run_of(gateway, run_id)
