@@ -16,35 +16,23 @@ import aiohttp
 import openai
 import pytest
 
-from tests.server.conftest import KEY, config_data, write_config
-from tests.server.test_azure import client
+from tests.server.conftest import KEY
+from tests.server.test_azure import client, fake, serve  # fake: this module's own resource (a module fixture)
 from tests.support import azure
-from tests.support.procs import Proc, free_port, start_gateway
-from tests.support.upstreams import in_thread
+from tests.support.procs import Proc
 
 PRICE_IN, PRICE_OUT = 2.5, 10.0
 COST = (12 * PRICE_IN + 5 * PRICE_OUT) / 1e6  # the fake's usage: 12 tokens in, 5 out
 
 
 @pytest.fixture(scope="module")
-def fake() -> Iterator[tuple[azure.FakeAzure, str]]:
-    resource = azure.FakeAzure()
-    with in_thread(resource.app) as root:
-        yield resource, root
-
-
-@pytest.fixture(scope="module")
 def gateway(fake: tuple[azure.FakeAzure, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    folder = tmp_path_factory.mktemp("azure-responses") / "gw"
-    port = free_port()
-    data = config_data(
-        server={"port": port},
-        upstreams=[{"name": "azure", "kind": "azure", "base_url": fake[1], "api_key_env": "GW_TEST_AZURE_KEY",
-                    "api": "responses", "api_version": azure.RESPONSES_API_VERSION}],
-        models=[{"match": "gpt-4o", "deployments": [{"upstream": "azure", "model": "gpt4o-prod"}],
-                 "price_in": PRICE_IN, "price_out": PRICE_OUT}])
-    proc = start_gateway(["serve", "--config", str(write_config(folder, data))], "/healthz", port,
-                         folder / "gateway.log", env={"GW_TEST_AZURE_KEY": azure.KEY})
+    proc = serve(tmp_path_factory.mktemp("azure-responses") / "gw",
+                 upstreams=[{"name": "azure", "kind": "azure", "base_url": fake[1],
+                             "api_key_env": "GW_TEST_AZURE_KEY", "api": "responses",
+                             "api_version": azure.RESPONSES_API_VERSION}],
+                 models=[{"match": "gpt-4o", "deployments": [{"upstream": "azure", "model": "gpt4o-prod"}],
+                          "price_in": PRICE_IN, "price_out": PRICE_OUT}])
     yield proc
     proc.stop()
 
