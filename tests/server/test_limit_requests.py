@@ -130,12 +130,14 @@ def served(tmp_path_factory: pytest.TempPathFactory, hooks: Hooks) -> Iterator[S
                  **RESUME)
     files_policy(folder, "ask_self", {"max_turns": 2}, {"approvers": ["demo"], **grant3}, **RESUME)
     files_policy(folder, "ask_expiring", {"max_turns": 2}, grant3, expires_after_s=EXPIRES_S)
+    files_policy(folder, "ask_tools", {"max_tool_calls": 1}, {"grant": {"max_tool_calls": 2}}, **RESUME)
+    files_policy(folder, "ask_time", {"max_duration_s": 1}, {"grant": {"max_duration_s": 30}}, **RESUME)
     passthrough_policy(folder, "pt_ask", {"max_turns": 2}, grant3)
     passthrough_policy(folder, "pt_budget", {"max_budget_usd": PT_BUDGET}, {"grant": {"max_budget_usd": PT_BUDGET}})
     config = yaml.safe_load(path.read_text())
     config["server"].update(lease_ttl_s=LEASE_TTL_S, webhook_poll_s=0.05)
     config["defaults"] = {"output_allowance_tokens": ALLOWANCE}
-    mine = ["ask_wait", "ask_budget", "ask_once", "ask_total", "ask_self", "ask_expiring", "pt_ask", "pt_budget"]
+    mine = ["ask_tools", "ask_time", "ask_wait", "ask_budget", "ask_once", "ask_total", "ask_self", "ask_expiring", "pt_ask", "pt_budget"]
     config["teams"][0]["policies"] += mine
     config["teams"].append({"name": "asker", "keys": [ASKER], "budget_usd": None, "budget_period": "total",
                             "policies": ["ask_budget"]})
@@ -357,6 +359,38 @@ async def test_a_budget_that_asks_pauses_before_the_call_that_would_pass_it(
     finally:
         await store.close()
     assert reserved == 0 and spent == pytest.approx(run["cost_usd"], abs=1e-6)  # the ledger is the run's cost
+
+
+async def test_the_tool_call_cap_asks_before_the_tool_that_would_pass_it(
+        served: Served, session: aiohttp.ClientSession) -> None:
+    run = await start(session, served, "ask_tools", "tools-ask")  # scripted-plan: list_files, then read_file
+    assert run["status"] == "interrupted", run
+    waiting = run["interruption"]
+    assert (waiting["limit"], waiting["cap"], waiting["grant"]) == ("max_tool_calls", 1, {"max_tool_calls": 2})
+    trace = await events(session, served.url, "tools-ask")
+    assert [e["toolName"] for e in trace if e["type"] == "tool_start"] == ["list_files"]  # read_file waits
+    status, body = await decide(session, served, "tools-ask", {"call_id": waiting["call_id"], "decision": "approve"})
+    assert status == 200, body
+    run = await settled(session, served.url, "tools-ask")
+    assert (run["status"], run["limits"]["max_tool_calls"]) == ("completed", 3), run
+    trace = await events(session, served.url, "tools-ask")
+    assert [e["toolName"] for e in trace if e["type"] == "tool_start"] == ["list_files", "read_file"]
+    assert [e["toolCalls"] for e in trace if e["type"] == "run_stopped"][-1] == 2
+
+
+async def test_the_wall_clock_cap_asks_when_it_runs_out_and_a_grant_lets_the_run_finish(
+        served: Served, session: aiohttp.ClientSession) -> None:
+    # scripted-slow's scan_archive takes 3 s: the 1 s cap runs out during it.
+    run = await start(session, served, "ask_time", "time-ask", model="scripted-slow")
+    assert run["status"] == "interrupted", run
+    waiting = run["interruption"]
+    assert (waiting["limit"], waiting["cap"], waiting["grant"]) == ("max_duration_s", 1, {"max_duration_s": 30})
+    status, body = await decide(session, served, "time-ask", {"call_id": waiting["call_id"], "decision": "approve"})
+    assert status == 200, body
+    run = await settled(session, served.url, "time-ask")
+    assert (run["status"], run["limits"]["max_duration_s"]) == ("completed", 31), run
+    trace = await events(session, served.url, "time-ask")
+    assert [e["limit"] for e in trace if e["type"] == "limit_granted"] == ["max_duration_s"], trace
 
 
 async def test_a_rejection_ends_the_run_at_its_limit_with_the_reason_in_its_answer(

@@ -109,10 +109,10 @@ async def test_a_first_call_creates_its_run_in_the_same_step(stores: Stores) -> 
 async def test_expired_slots_do_not_count_and_renewed_ones_do(store: Store) -> None:
     await new_run(store)
     dead = await store.admit(slot(max_turns=2, amount_usd=0.01, budget_usd=1.0, ttl_s=0))
-    alive = await store.admit(slot(max_turns=2, amount_usd=0.01, budget_usd=1.0, ttl_s=0.5))
+    alive = await store.admit(slot(max_turns=2, amount_usd=0.01, budget_usd=1.0, ttl_s=1.5))
     assert dead.reservation_id and alive.reservation_id
     await store.renew([alive.reservation_id], 60)
-    await asyncio.sleep(0.6)  # past the first ttl: only a renewal keeps it
+    await asyncio.sleep(1.6)  # past the first ttl: only a renewal keeps it
     figures = await store.figures("demo", "total", "run_a")
     assert (figures.run_in_flight, figures.reserved_usd) == (1, 0.01)
 

@@ -131,17 +131,32 @@ unless its store is the in-memory one, which cannot be shared: the server tests 
 against a multi-worker gateway."""
 
 
+TEST_WORKERS_FILES = "GATEWAY_TEST_WORKERS_FILES"
+"""Set to a folder, each test file that starts a gateway GATEWAY_TEST_WORKERS would change
+leaves its name there (`/` as `%`): `scripts/test` runs only those files again against
+2-worker gateways, since every other test would run exactly as it just did."""
+
+
 def with_test_workers(args: Sequence[str], cwd: Path) -> list[str]:
     """`args` plus `--workers N` when GATEWAY_TEST_WORKERS asks for it and the config allows."""
-    workers = os.environ.get(TEST_WORKERS)
-    if not workers or not args or args[0] != "serve" or "--workers" in args:
+    if not args or args[0] != "serve" or "--workers" in args:
         return list(args)
     config = Path(args[list(args).index("--config") + 1] if "--config" in args else "config.yaml")
     try:
         kind = (yaml.safe_load((cwd / config).read_text()) or {}).get("store", {}).get("kind", "sqlite")
     except (OSError, yaml.YAMLError, AttributeError):
         return list(args)
-    return list(args) if kind == "memory" else [*args, "--workers", workers]
+    if kind == "memory":
+        return list(args)
+    _note_test_file()
+    workers = os.environ.get(TEST_WORKERS)
+    return [*args, "--workers", workers] if workers else list(args)
+
+
+def _note_test_file() -> None:
+    folder, test = os.environ.get(TEST_WORKERS_FILES), os.environ.get("PYTEST_CURRENT_TEST")
+    if folder and test:
+        (Path(folder) / test.split("::")[0].replace("/", "%")).touch()
 
 
 def start_gateway(args: Sequence[str], ready_path: str, port: int, log: Path, cwd: Path | None = None,
