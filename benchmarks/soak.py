@@ -26,7 +26,8 @@ growth after the window per 1,000 requests, and the server's autovacuum settings
 
 At the end, the books: the team's ledger against the sum of every run's cost as its last
 answer gave it (`X-Run-Cost-Usd`, kept by the load generator, since retention deletes the
-runs themselves), to the micro-dollar; on PostgreSQL also against the `spend` view, and
+runs themselves), to the micro-dollar; on PostgreSQL also the `spend` view, day by day against
+what the runs' costs grew by that day (a day pruned by `spend_days` is named), and
 each run still stored against its own rows of the view.
 
 Run: `.venv/bin/python benchmarks/soak.py [--minutes 10] [--stores sqlite,redis,postgres]`.
