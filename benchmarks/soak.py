@@ -4,9 +4,10 @@ For each store (SQLite, Redis, PostgreSQL) one run starts real processes on loop
 scripted upstream (`gateway scripted`), a redis-server for the Redis store (no
 persistence: its memory is its storage), a PostgreSQL cluster of its own for PostgreSQL
 (durable: fsync and synchronous_commit on; its storage the schema's tables and indexes),
-and the gateway (`gateway serve`) with retention
-on and a short window (`--window-s`, default 60 s, pruned every `--window-s / 6`), so
-storage should stop growing once the window has passed. `--concurrency` workers send,
+and the gateway (`gateway serve`) with every retention of the config (runs, events,
+ledgers, outbox, spend rows, audit) at a short window (`--window-s`, default 60 s, pruned
+every `--window-s / 6`), so storage should stop growing once the window has passed; except
+spend rows, which are of a UTC day: the current day's are kept whatever `spend_days` says. `--concurrency` workers send,
 picked at random by weight:
 
 - a client's agent loop through pass-through (3 non-streamed calls: list, read, answer),
@@ -18,9 +19,15 @@ Printed per minute: requests, errors (any non-2xx or transport error), p50/p99 l
 the gateway's RSS and open fds, storage (SQLite file + WAL, or Redis `used_memory`, plus
 the trace files) and its growth per 1,000 requests in that minute.
 
+On PostgreSQL, at the end: every table's size (indexes and TOAST included) at the end of
+each minute, its indexes, live and dead tuples and autovacuum runs, the reservations
+expired at each minute's end (a call admitted and never settled or released), each table's
+growth after the window per 1,000 requests, and the server's autovacuum settings.
+
 At the end, the books: the team's ledger against the sum of every run's cost as its last
 answer gave it (`X-Run-Cost-Usd`, kept by the load generator, since retention deletes the
-runs themselves), to the micro-dollar; on PostgreSQL also against the `spend` view, and
+runs themselves), to the micro-dollar; on PostgreSQL also the `spend` view, day by day against
+what the runs' costs grew by that day (a day pruned by `spend_days` is named), and
 each run still stored against its own rows of the view.
 
 Run: `.venv/bin/python benchmarks/soak.py [--minutes 10] [--stores sqlite,redis,postgres]`.
@@ -80,6 +87,10 @@ class Row:
     storage_mb: float
     growth_kb_per_1k: float
     parts_mb: str
+    tables: dict[str, PgTable] = field(default_factory=dict)
+    """PostgreSQL: every table of the schema at the minute's end."""
+    expired: int = 0
+    """PostgreSQL: reservations expired at the minute's end."""
 
 
 class Load:
@@ -92,6 +103,17 @@ class Load:
         self.minutes: dict[int, Minute] = {}
         self.costs: dict[str, float] = {}
         """Each run's cost, as its latest answer said (X-Run-Cost-Usd)."""
+        self.day_micros: dict[str, int] = {}
+        """What the runs' costs grew by on each UTC day (micro-dollars), by when the answer
+        told it: the spend rows of that day should hold as much."""
+
+    def cost(self, run_id: str, usd: float) -> None:
+        """A run's cost as an answer told it; its growth counts on today's spend."""
+        before = self.costs.get(run_id, 0.0)
+        if usd > before:
+            self.costs[run_id] = usd
+            day = time.strftime("%Y-%m-%d", time.gmtime())
+            self.day_micros[day] = self.day_micros.get(day, 0) + round(usd * 1e6) - round(before * 1e6)
 
     def now_minute(self) -> int:
         return int((time.monotonic() - self.started) // 60)
@@ -116,7 +138,7 @@ class Load:
                 resp_headers = dict(resp.headers)
                 run_id, cost = resp_headers.get("X-Run-Id"), resp_headers.get("X-Run-Cost-Usd")
                 if run_id and cost:
-                    self.costs[run_id] = max(self.costs.get(run_id, 0.0), float(cost))
+                    self.cost(run_id, float(cost))
                 if resp.status >= 300:
                     error = f"{resp.status} {raw[:200]!r}"
                 elif not stream:
@@ -165,7 +187,7 @@ async def streamed(load: Load, session: aiohttp.ClientSession, n: int) -> None:
     # A stream's headers go out before its turn is booked: its cost is read from the run after.
     async with session.get(f"{load.url}/v1/runs/{run_id}", headers={"Authorization": f"Bearer {KEY}"}) as resp:
         if resp.status == 200:
-            load.costs[run_id] = float(orjson.loads(await resp.read())["cost_usd"])
+            load.cost(run_id, float(orjson.loads(await resp.read())["cost_usd"]))
 
 
 async def server_side(load: Load, session: aiohttp.ClientSession, n: int) -> None:
@@ -230,24 +252,69 @@ def storage_parts(folder: Path, redis_port: int | None, pg: str | None = None) -
     return parts
 
 
-def pg_sizes(dsn: str) -> dict[str, int]:
-    """The gateway schema's biggest tables, bytes each (the rest summed as `other`)."""
+PG_TABLES = ("runs", "events", "transcripts", "spend_rows", "reservations", "outbox")
+"""The tables shown each minute (every table is in the end-of-soak table)."""
+
+
+@dataclass
+class PgTable:
+    """One table of the schema at one moment: bytes with its indexes and TOAST, of which
+    indexes, live and dead tuples (the statistics collector's estimate) and autovacuum runs."""
+
+    total: int
+    indexes: int
+    live: int
+    dead: int
+    autovacuums: int
+
+
+def pg_tables(dsn: str) -> tuple[dict[str, PgTable], int]:
+    """Every table of the gateway schema, and how many reservations have expired (calls
+    admitted and never settled or released)."""
     import asyncpg
 
-    async def read() -> dict[str, int]:
+    async def read() -> tuple[dict[str, PgTable], int]:
         conn = await asyncpg.connect(dsn)
         try:
-            rows = await conn.fetch("SELECT c.relname, pg_total_relation_size(c.oid) FROM pg_class c"
-                                    " JOIN pg_namespace n ON n.oid = c.relnamespace"
-                                    " WHERE n.nspname = 'gateway' AND c.relkind = 'r'")
+            rows = await conn.fetch(
+                "SELECT c.relname, pg_total_relation_size(c.oid), pg_indexes_size(c.oid),"
+                " COALESCE(s.n_live_tup, 0), COALESCE(s.n_dead_tup, 0), COALESCE(s.autovacuum_count, 0)"
+                " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid"
+                " WHERE n.nspname = 'gateway' AND c.relkind = 'r'")
+            expired = await conn.fetchval("SELECT count(*) FROM gateway.reservations"
+                                          " WHERE expires_at <= extract(epoch FROM clock_timestamp())")
         finally:
             await conn.close()
-        sizes = {str(r[0]): int(r[1]) for r in rows}
-        big = {k: v for k, v in sizes.items() if k in ("runs", "events", "spend_rows", "reservations", "outbox")}
-        big["other"] = sum(v for k, v in sizes.items() if k not in big)
-        return big
+        return {str(r[0]): PgTable(*(int(x) for x in r[1:])) for r in rows}, int(expired)
 
-    return dict(_run_sync(read()))
+    return _run_sync(read())  # type: ignore[no-any-return]
+
+
+def pg_settings(dsn: str) -> str:
+    """The server's version and the autovacuum settings that decide when dead rows' space is reused."""
+    import asyncpg
+
+    async def read() -> str:
+        conn = await asyncpg.connect(dsn)
+        try:
+            rows = await conn.fetch("SELECT name, setting, unit FROM pg_settings WHERE name IN ('server_version',"
+                                    " 'autovacuum', 'autovacuum_naptime', 'autovacuum_vacuum_threshold',"
+                                    " 'autovacuum_vacuum_scale_factor', 'autovacuum_vacuum_insert_threshold',"
+                                    " 'autovacuum_vacuum_cost_limit', 'autovacuum_vacuum_cost_delay') ORDER BY name")
+        finally:
+            await conn.close()
+        return ", ".join(f"{r[0]} {r[1]}{r[2] or ''}" for r in rows)
+
+    return _run_sync(read())  # type: ignore[no-any-return]
+
+
+def pg_sizes(dsn: str) -> dict[str, int]:
+    """The gateway schema's biggest tables, bytes each (the rest summed as `other`)."""
+    tables, _ = pg_tables(dsn)
+    big = {k: v.total for k, v in tables.items() if k in PG_TABLES}
+    big["other"] = sum(v.total for k, v in tables.items() if k not in big)
+    return big
 
 
 def _run_sync(coro: Any) -> Any:
@@ -279,15 +346,24 @@ async def books(kind: str, store_config: dict[str, Any], folder: Path, load: Loa
 
             conn = await asyncpg.connect(config["dsn"])
             try:
-                view = await conn.fetchval("SELECT COALESCE(sum(cost_micros), 0) FROM gateway.spend"
-                                           " WHERE team = 'soak'")
+                days = {str(r[0]): int(r[1]) for r in await conn.fetch(
+                    "SELECT to_char(day, 'YYYY-MM-DD'), sum(cost_micros) FROM gateway.spend WHERE team = 'soak'"
+                    " GROUP BY 1")}
                 wrong = await conn.fetchval(
                     "SELECT count(*) FROM gateway.runs r JOIN (SELECT run, sum(cost_micros) AS c FROM gateway.spend"
                     " GROUP BY run) s ON s.run = r.id WHERE r.cost_micros <> s.c")
             finally:
                 await conn.close()
-            line += (f"; spend view {view}: {'equal' if view == round(spent * 1e6) else 'DIFFERENT'}; runs stored "
-                     f"whose cost differs from their spend rows: {wrong}")
+            # Spend rows of a day before today are pruned once that day is `spend_days` (the
+            # window) old: the view holds the days kept, each as much as the runs' costs grew by
+            # that day (an answer given just after midnight for a call booked just before may
+            # count on the next day).
+            kept = [f"{day} {days[day]} against {load.day_micros.get(day, 0)}: "
+                    f"{'equal' if days[day] == load.day_micros.get(day, 0) else 'DIFFERENT'}" for day in sorted(days)]
+            pruned = [f"{day} ({micros})" for day, micros in sorted(load.day_micros.items()) if day not in days]
+            line += (f"; spend view by day: {', '.join(kept) or 'none'}"
+                     + (f"; pruned by spend_days: {', '.join(pruned)}" if pruned else "")
+                     + f"; runs stored whose cost differs from their spend rows: {wrong}")
         return line
     finally:
         await store.close()
@@ -310,8 +386,11 @@ def write_config(folder: Path, port: int, upstream: str, store: dict[str, Any], 
              "policies": ["passthrough", "files"]},
             {"name": "ops", "keys": [OPS], "budget_usd": None, "policies": ["passthrough"]},
         ],
-        "retention": {"runs_days": window_s / 86_400, "events_days": window_s / 86_400,
-                      "trace_file_max_mb": 5, "trace_file_keep": 2, "interval_s": window_s / 6},
+        # Every retention the config has, at the window (spend rows are of a UTC day: the
+        # current day's stay whatever spend_days says).
+        "retention": {name: window_s / 86_400 for name in ("runs_days", "events_days", "ledger_days", "outbox_days",
+                                                            "spend_days", "audit_days")}
+                     | {"trace_file_max_mb": 5, "trace_file_keep": 2, "interval_s": window_s / 6},
     }
     path = folder / "config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -376,6 +455,7 @@ async def soak(kind: str, args: argparse.Namespace) -> list[Row]:
                 while minute < math.ceil(args.minutes):
                     await asyncio.wait(tasks, timeout=max(0.0, load.started + 60 * (minute + 1) - time.monotonic()))
                     parts = storage_parts(folder, redis_port, dsn)
+                    tables, expired = pg_tables(dsn) if dsn is not None else ({}, 0)
                     storage = sum(parts.values())
                     m = load.minutes.get(minute, Minute())
                     lat = sorted(m.latencies)
@@ -385,13 +465,15 @@ async def soak(kind: str, args: argparse.Namespace) -> list[Row]:
                                     lat[min(n - 1, int(0.99 * n))] * 1000 if lat else 0.0,
                                     rss_mb(gateway.popen.pid), fds(gateway.popen.pid), storage / 1e6,
                                     (storage - last_storage) / 1024 / n * 1000 if n else 0.0,
-                                    " ".join(f"{k} {v / 1e6:.1f}" for k, v in parts.items())))
+                                    " ".join(f"{k} {v / 1e6:.1f}" for k, v in parts.items()), tables, expired))
                     if m.first_error:
                         print(f"  [{kind}] minute {minute + 1}: first error: {m.first_error}", file=sys.stderr)
                     last_storage = storage
                     minute += 1
                 await asyncio.gather(*tasks)
             print(f"  [{kind}] " + await books(kind, store, folder, load), file=sys.stderr, flush=True)
+            if dsn is not None:
+                print(f"  [{kind}] {pg_settings(dsn)}", file=sys.stderr, flush=True)
         finally:
             for p in reversed(procs):
                 p.stop()
@@ -401,6 +483,19 @@ async def soak(kind: str, args: argparse.Namespace) -> list[Row]:
             if cluster is not None:
                 cluster.remove()
     return rows
+
+
+def print_tables(rows: list[Row]) -> None:
+    """Each table's size (MB, indexes and TOAST included) at the end of each minute, and at
+    the end its indexes, live and dead tuples and autovacuum runs; then expired reservations."""
+    names = sorted(rows[-1].tables, key=lambda t: -rows[-1].tables[t].total)
+    print(f"{'table':<17}" + "".join(f"{'m' + str(r.minute):>7}" for r in rows)
+          + f"{'idx MB':>8}{'live':>9}{'dead':>8}{'autovac':>8}")
+    for name in names:
+        last = rows[-1].tables[name]
+        sizes = "".join(f"{(r.tables[name].total if name in r.tables else 0) / 1e6:>7.2f}" for r in rows)
+        print(f"{name:<17}{sizes}{last.indexes / 1e6:>8.2f}{last.live:>9}{last.dead:>8}{last.autovacuums:>8}")
+    print(f"{'expired reserv.':<17}" + "".join(f"{r.expired:>7}" for r in rows))
 
 
 async def main_async(args: argparse.Namespace) -> int:
@@ -422,6 +517,15 @@ async def main_async(args: argparse.Namespace) -> int:
             print(f"after the window (minutes {after[0].minute}-{after[-1].minute}): storage growth "
                   f"{sum(r.growth_kb_per_1k * r.requests for r in after) / max(1, sum(r.requests for r in after)):.1f}"
                   f" KB per 1,000 requests (first minute: {rows[0].growth_kb_per_1k:.1f})")
+        if rows and rows[-1].tables:
+            print_tables(rows)
+            if after and window_minutes <= len(rows):
+                base, n = rows[window_minutes - 1].tables, sum(r.requests for r in after)
+                growth = {t: (v.total - (base[t].total if t in base else 0)) / 1024 / max(1, n) * 1000
+                          for t, v in rows[-1].tables.items()}
+                grew = ", ".join(f"{t} {g:+.1f}" for t, g in sorted(growth.items(), key=lambda x: -abs(x[1]))
+                                 if abs(g) >= 0.05)
+                print(f"growth of each table after the window, KB per 1,000 requests: {grew}")
     return 0
 
 
