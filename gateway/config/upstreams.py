@@ -57,6 +57,9 @@ DEFAULT_CONNECT_TIMEOUT_S: Final = 10.0
 AZURE_API_VERSION: Final = "2024-10-21"
 """The `api-version` of a `kind: azure` upstream unless `api_version` says otherwise (the GA
 version of Azure OpenAI's data plane when this was written)."""
+AZURE_RESPONSES_SINCE: Final = "2025-03-01-preview"
+"""The first `api-version` of Azure's `/openai/responses`: Azure answers an older dated one
+400 ("Responses API is enabled only for api-version 2025-03-01-preview and later")."""
 MAX_HEADERS: Final = 50
 MAX_QUERY: Final = 50
 MAX_VALUE: Final = 8192
@@ -273,10 +276,17 @@ def _upstream(at: Field, base: Path) -> UpstreamConfig:
     auth, key_env = _auth(at, azure)
     query = _query(at.get("query"))
     version_at = at.get("api_version")
+    api: UpstreamApi = at.get("api").choice(("chat", "responses"), "chat")
     if azure:
         if any(k.lower() == "api-version" for k, _ in query):
             at.get("query").fail("kind azure sets api-version from api_version; give it there")
-        query = (("api-version", _text(version_at, AZURE_API_VERSION)), *query)
+        version = _text(version_at, AZURE_API_VERSION)
+        dated = re.match(r"\d{4}-\d{2}-\d{2}", version)
+        if api == "responses" and dated is not None and dated.group() < AZURE_RESPONSES_SINCE[:10]:
+            version_at.fail(f"api: responses needs api_version {AZURE_RESPONSES_SINCE} or later (Azure answers "
+                            f"/openai/responses 400 for an older one), got '{version}'"
+                            + (" (the default)" if version_at.missing else ""))
+        query = (("api-version", version), *query)
     elif not version_at.missing:
         version_at.fail(f"is for kind azure; for a {kind} upstream add it to query (query: {{api-version: ...}})")
     paths = _paths(at.get("path"), AZURE_PATHS if azure else Paths())
@@ -289,7 +299,7 @@ def _upstream(at: Field, base: Path) -> UpstreamConfig:
     proxy, proxy_from = _proxy(at.get("proxy"), base_url)
     return UpstreamConfig(
         name=name, kind=kind, base_url=base_url, api_key_env=key_env, timeout_s=timeout,
-        api=at.get("api").choice(("chat", "responses"), "chat"),
+        api=api,
         connect_timeout_s=min(timeout, at.get("connect_timeout_s").optional_number(DEFAULT_CONNECT_TIMEOUT_S,
                                                                                    positive=True)),
         first_byte_timeout_s=min(timeout, at.get("first_byte_timeout_s").optional_number(timeout, positive=True)),

@@ -9,6 +9,7 @@ the trace file, the log, /metrics or the database."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -33,14 +34,20 @@ def fake() -> Iterator[tuple[azure.FakeAzure, str]]:
         yield resource, root
 
 
+def serve(folder: Path, upstreams: list[dict[str, Any]], models: list[dict[str, Any]]) -> Proc:
+    """A gateway process with these upstreams and routes, ENV in its environment."""
+    port = free_port()
+    data = config_data(server={"port": port}, upstreams=upstreams, models=models)
+    return start_gateway(["serve", "--config", str(write_config(folder, data))], "/healthz", port,
+                         folder / "gateway.log", env=ENV)
+
+
 @pytest.fixture(scope="module")
 def gateway(fake: tuple[azure.FakeAzure, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     _, root = fake
-    folder = tmp_path_factory.mktemp("azure") / "gw"
-    port = free_port()
     base = {"kind": "azure", "base_url": root}
-    data = config_data(
-        server={"port": port},
+    proc = serve(
+        tmp_path_factory.mktemp("azure") / "gw",
         upstreams=[{"name": "azure", **base, "api_key_env": "GW_TEST_AZURE_KEY",
                     "headers": {"X-Tenant-Secret": {"env": "GW_TEST_TENANT_SECRET"}, "X-Team": "research"}},
                    {"name": "azure_unset", **base, "api_key_env": "GW_TEST_AZURE_KEY",
@@ -53,8 +60,6 @@ def gateway(fake: tuple[azure.FakeAzure, str], tmp_path_factory: pytest.TempPath
                 {"match": "gpt4o-prod", "upstream": "azure"},  # a route named after its deployment
                 {"match": "unset-model", "deployments": [{"upstream": "azure_unset", "model": "gpt4o-prod"}]},
                 {"match": "wrong-key", "deployments": [{"upstream": "azure_wrong_key", "model": "gpt4o-prod"}]}])
-    path = write_config(folder, data)
-    proc = start_gateway(["serve", "--config", str(path)], "/healthz", port, folder / "gateway.log", env=ENV)
     yield proc
     proc.stop()
 

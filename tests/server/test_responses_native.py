@@ -21,7 +21,7 @@ from gateway.harness.usage import Price, Usage
 from tests.server.conftest import config_data
 from tests.server.test_responses import TOOLS, load_run, sdk, serve, stored_run_id
 from tests.support.procs import Proc, free_port
-from tests.support.upstreams import responses_stream
+from tests.support.upstreams import answer_response, response_of
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 PRICE = Price(2.0, 12.0)
@@ -44,26 +44,8 @@ async def native(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     request.app[SEEN].append(body)
     output, usage = answer_for(body)
-    final = {"id": "resp_upstream", "object": "response", "created_at": 0, "status": "completed",
-             "model": body["model"], "output": output,
-             "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
-                       "total_tokens": usage.total_tokens}}
-    if not body.get("stream"):
-        return web.json_response(final)
-    item = output[0]
-    events: list[dict[str, Any]] = [{"type": "response.created", "response": {**final, "output": []}}]
-    if item["type"] == "message":
-        text = item["content"][0]["text"]
-        events += [{"type": "response.output_item.added", "output_index": 0,
-                    "item": {**item, "content": [], "status": "in_progress"}}]
-        events += [{"type": "response.output_text.delta", "output_index": 0, "content_index": 0, "delta": d}
-                   for d in (text[:3], text[3:])]
-    else:
-        events += [{"type": "response.output_item.added", "output_index": 0, "item": {**item, "arguments": ""}},
-                   {"type": "response.function_call_arguments.delta", "output_index": 0, "delta": item["arguments"]}]
-    events += [{"type": "response.output_item.done", "output_index": 0, "item": item},
-               {"type": "response.completed", "response": final}]
-    return await responses_stream(request, events)
+    return await answer_response(request, body, response_of(output, (usage.prompt_tokens, usage.completion_tokens),
+                                                            body["model"]))
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -26,7 +26,8 @@ def load(tmp_path: Path, *upstreams: dict[str, Any]) -> Any:
 
 def test_kind_azure_is_a_preset_of_auth_query_and_paths(tmp_path: Path) -> None:
     az = load(tmp_path, AZURE, {**AZURE, "name": "az2", "api_version": "2025-03-01-preview",
-                                "query": {"extra": "1"}, "path": {"responses": "/openai/v1/responses"}}).upstreams
+                                "query": {"extra": "1"}, "path": {"responses": "/openai/v1/responses"}},
+              {**AZURE, "name": "az3", "api": "responses", "api_version": "2025-04-01-preview"}).upstreams
     one, two = az["az"], az["az2"]
     assert (one.auth, one.api_key_env) == (Auth("header", "api-key"), "AZ_KEY")
     assert one.query == (("api-version", AZURE_API_VERSION),)
@@ -106,6 +107,10 @@ ERRORS = [
     (lambda d: d["upstreams"].append({**AZURE, "api_version": None}) or d["upstreams"][-1].update(
         api_version=20241021), "upstreams[1].api_version", "quote it"),
     (lambda d: d["upstreams"][0].update(proxy="http://p:3128"), "upstreams[0].proxy", "needs a base_url"),
+    (lambda d: d["upstreams"].append({**AZURE, "api": "responses"}), "upstreams[1].api_version",
+     "needs api_version 2025-03-01-preview or later"),  # not the GA default, which Azure answers 400
+    (lambda d: d["upstreams"].append({**AZURE, "api": "responses", "api_version": "2024-12-01-preview"}),
+     "upstreams[1].api_version", "got '2024-12-01-preview'"),
 ]
 
 

@@ -1,15 +1,20 @@
 """A fake Azure OpenAI resource: an aiohttp app that checks what Azure checks and answers
 as Azure answers.
 
-Every call must carry the resource's `api-key` header (else 401) and the `api-version`
-query parameter it was made with (else 404), at a deployment path it knows
-(`/openai/deployments/{deployment}/chat/completions` or `/embeddings`; else 404
-DeploymentNotFound). Chat answers carry Azure's `prompt_filter_results` and each choice's
-`content_filter_results`; a stream starts with Azure's choice-less chunk of prompt filter
-results. What it answers is chosen by the last user message:
+Every call must carry the resource's `api-key` header (else 401) and an `api-version`
+query parameter it serves (else 404), for a deployment it knows (else 404
+DeploymentNotFound): in the path for chat and embeddings
+(`/openai/deployments/{deployment}/chat/completions`, `.../embeddings`), as the body's
+`model` for the Responses API (`/openai/responses`, which answers 400 to an api-version
+before RESPONSES_API_VERSION, as Azure does). Chat answers carry Azure's
+`prompt_filter_results` and each choice's `content_filter_results`; a stream starts with
+Azure's choice-less chunk of prompt filter results. Responses are the Responses API's
+objects and typed events (`tests.support.upstreams.answer_response`). What it answers is
+chosen by the last user message (the last input item for Responses), alike for both APIs:
 
 - `FILTER_PROMPT`: 400 `content_filter` with its `innererror` (the prompt was refused);
-- `FILTER_ANSWER`: 200 with `finish_reason: content_filter` (the answer was cut);
+- `FILTER_ANSWER`: 200 with `finish_reason: content_filter` (the answer was cut; a
+  response `incomplete` for the reason `content_filter`);
 - `THROTTLE`: the first call with that message is a 429 with `retry-after-ms` (and
   `retry-after`), the next ones answer;
 - with `tools` and no tool result yet: a call of the first tool (arguments `{}`);
@@ -30,8 +35,12 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from tests.support.upstreams import answer_response, response_of
+
 KEY = "azure-test-key-7f3c"
 API_VERSION = "2024-10-21"
+RESPONSES_API_VERSION = "2025-03-01-preview"
+"""The first api-version that serves the Responses API (chat and embeddings too)."""
 RETRY_AFTER_MS = 700
 MODEL = "gpt-4o-2024-08-06"
 FILTERS_SAFE = {name: {"filtered": False, "severity": "safe"} for name in ("hate", "self_harm", "sexual", "violence")}
@@ -45,13 +54,23 @@ REFUSAL = {"error": {
 ANSWER_FILTERED = {**FILTERS_SAFE, "violence": {"filtered": True, "severity": "high"}}
 
 
+@dataclass(frozen=True)
+class Answer:
+    """What the fake answers a call it does not refuse: a call of tool `call`, or `text`
+    (`cut`: cut by the content filter)."""
+
+    text: str | None = None
+    call: str | None = None
+    cut: bool = False
+
+
 @dataclass
 class FakeAzure:
     """The resource's state: its deployments, key and api-version, and the calls it got."""
 
     deployments: frozenset[str] = frozenset({"gpt4o-prod", "embed-prod"})
     key: str = KEY
-    api_version: str = API_VERSION
+    api_versions: frozenset[str] = frozenset({API_VERSION, RESPONSES_API_VERSION})
     calls: list[dict[str, Any]] = field(default_factory=list)
     throttled: set[str] = field(default_factory=set)
 
@@ -59,6 +78,7 @@ class FakeAzure:
         app = web.Application()
         app.router.add_post("/openai/deployments/{deployment}/chat/completions", self.chat)
         app.router.add_post("/openai/deployments/{deployment}/embeddings", self.embeddings)
+        app.router.add_post("/openai/responses", self.responses)
         return app
 
     def chat_calls(self) -> list[dict[str, Any]]:
@@ -74,40 +94,56 @@ class FakeAzure:
             raise _error(401, "401", "Access denied due to invalid subscription key or wrong API endpoint. Make sure "
                          "to provide a valid key for an active subscription and use a correct regional API endpoint "
                          "for your resource.")
-        if request.query.get("api-version") != self.api_version:
+        version = request.query.get("api-version") or ""
+        if version not in self.api_versions:
             raise _error(404, "404", "Resource not found")
-        if request.match_info["deployment"] not in self.deployments:
+        if request.path == "/openai/responses" and version < RESPONSES_API_VERSION:
+            raise _error(400, "BadRequest", "Azure OpenAI Responses API is enabled only for api-version "
+                         "2025-03-01-preview and later")
+        if request.match_info.get("deployment", body.get("model")) not in self.deployments:
             raise _error(404, "DeploymentNotFound", "The API deployment for this resource does not exist. If you "
                          "created the deployment within the last 5 minutes, please wait a moment and try again.")
         return body  # type: ignore[no-any-return]
+
+    def _answer(self, last: str, tool: str | None, tool_output: Any, deployment: str,
+                operation: str) -> web.Response | Answer:
+        """What a call is answered, alike for chat and Responses (see the module docstring):
+        a refusal, or the answer to give. `tool`: the first tool offered; `tool_output`:
+        the latest tool result's content (None before any)."""
+        if "FILTER_PROMPT" in last:
+            return web.json_response(REFUSAL, status=400)
+        if "THROTTLE" in last and last not in self.throttled:
+            self.throttled.add(last)
+            return web.json_response({"error": {"code": "429", "message": f"Requests to the {operation} "
+                                                "Operation have exceeded the token rate limit."}}, status=429,
+                                     headers={"retry-after-ms": str(RETRY_AFTER_MS), "retry-after": "1"})
+        if tool is not None and tool_output is None:
+            return Answer(call=tool)
+        if tool_output is not None:
+            return Answer(text=f"The tool said: {tool_output}")
+        if "FILTER_ANSWER" in last:
+            return Answer(text="Here is how", cut=True)
+        return Answer(text=f"Hello from {deployment}.")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._checked(request)
         messages = body.get("messages") or []
         last = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), "") or ""
-        last = last if isinstance(last, str) else str(last)
-        if "FILTER_PROMPT" in last:
-            return web.json_response(REFUSAL, status=400)
-        if "THROTTLE" in last and last not in self.throttled:
-            self.throttled.add(last)
-            return web.json_response({"error": {"code": "429", "message": "Requests to the ChatCompletions_Create "
-                                                "Operation have exceeded the token rate limit."}}, status=429,
-                                     headers={"retry-after-ms": str(RETRY_AFTER_MS), "retry-after": "1"})
         tool_result = next((m for m in reversed(messages) if m.get("role") == "tool"), None)
-        message: dict[str, Any] = {"role": "assistant", "content": None}
+        answer = self._answer(last if isinstance(last, str) else str(last),
+                              body["tools"][0]["function"]["name"] if body.get("tools") else None,
+                              None if tool_result is None else tool_result.get("content"),
+                              request.match_info["deployment"], "ChatCompletions_Create")
+        if isinstance(answer, web.Response):
+            return answer
+        message: dict[str, Any] = {"role": "assistant", "content": answer.text}
         finish, filters = "stop", FILTERS_SAFE
-        if body.get("tools") and tool_result is None:
-            name = body["tools"][0]["function"]["name"]
+        if answer.call is not None:
             message["tool_calls"] = [{"id": "call_az1", "type": "function",
-                                      "function": {"name": name, "arguments": "{}"}}]
+                                      "function": {"name": answer.call, "arguments": "{}"}}]
             finish = "tool_calls"
-        elif tool_result is not None:
-            message["content"] = f"The tool said: {tool_result.get('content')}"
-        elif "FILTER_ANSWER" in last:
-            message["content"] = "Here is how"
+        elif answer.cut:
             finish, filters = "content_filter", ANSWER_FILTERED
-        else:
-            message["content"] = f"Hello from {request.match_info['deployment']}."
         usage = {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17}
         if not body.get("stream"):
             return web.json_response({
@@ -123,6 +159,32 @@ class FakeAzure:
             await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         return response
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """`POST /openai/responses`: the deployment is the body's `model`; Azure's Responses
+        objects are OpenAI's (its usage input_tokens and output_tokens)."""
+        body = await self._checked(request)
+        given = body.get("input")
+        items = [{"role": "user", "content": given}] if isinstance(given, str) else list(given or [])
+        last = next((i.get("content") for i in reversed(items) if i.get("role") == "user"), "") or ""
+        if not isinstance(last, str):  # input_text parts
+            last = "".join(str(p.get("text") or "") for p in last if isinstance(p, dict))
+        tool_result = next((i for i in reversed(items) if i.get("type") == "function_call_output"), None)
+        answer = self._answer(last, body["tools"][0]["name"] if body.get("tools") else None,
+                              None if tool_result is None else tool_result.get("output"), body["model"],
+                              "Responses_Create")
+        if isinstance(answer, web.Response):
+            return answer
+        fields: dict[str, Any] = {"id": "resp_az1"}
+        if answer.call is not None:
+            output = [{"id": "fc_az1", "type": "function_call", "status": "completed", "call_id": "call_az1",
+                       "name": answer.call, "arguments": "{}"}]
+        else:
+            output = [{"id": "msg_az1", "type": "message", "role": "assistant", "status": "completed",
+                       "content": [{"type": "output_text", "text": answer.text, "annotations": []}]}]
+        if answer.cut:
+            fields.update(status="incomplete", incomplete_details={"reason": "content_filter"})
+        return await answer_response(request, body, response_of(output, (12, 5), MODEL, **fields))
 
     async def embeddings(self, request: web.Request) -> web.Response:
         body = await self._checked(request)
@@ -154,6 +216,6 @@ def _chunks(message: dict[str, Any], finish: str, filters: dict[str, Any],
 
 
 def _error(status: int, code: str, message: str) -> web.HTTPException:
-    kind = {401: web.HTTPUnauthorized, 404: web.HTTPNotFound}[status]
+    kind = {400: web.HTTPBadRequest, 401: web.HTTPUnauthorized, 404: web.HTTPNotFound}[status]
     return kind(text=orjson.dumps({"error": {"code": code, "message": message}}).decode(),
                 content_type="application/json")

@@ -48,6 +48,53 @@ async def responses_stream(request: web.Request, events: list[dict[str, Any]]) -
     return response
 
 
+def response_of(output: list[dict[str, Any]], usage: tuple[int, int], model: str,
+                **fields: Any) -> dict[str, Any]:
+    """A Responses-API upstream's response object: `output`, `usage` (input, output tokens)
+    and `model`, completed unless `fields` say otherwise (status, incomplete_details, id)."""
+    given, made = usage
+    return {"id": "resp_upstream", "object": "response", "created_at": 0, "status": "completed", "model": model,
+            "output": output, "usage": {"input_tokens": given, "output_tokens": made, "total_tokens": given + made,
+                                        "input_tokens_details": {"cached_tokens": 0},
+                                        "output_tokens_details": {"reasoning_tokens": 0}}, **fields}
+
+
+def response_events(final: dict[str, Any]) -> list[dict[str, Any]]:
+    """The typed events of a stream that ends in `final`, as OpenAI sends them: created and
+    in progress, each output item added, its text or arguments in deltas and done, then
+    `response.completed` (or `response.incomplete`) with the whole response."""
+    start = {**final, "status": "in_progress", "output": [], "incomplete_details": None}
+    events: list[dict[str, Any]] = [{"type": "response.created", "response": start},
+                                    {"type": "response.in_progress", "response": start}]
+    for index, item in enumerate(final["output"]):
+        at = {"output_index": index, "item_id": item["id"]}
+        if item["type"] == "message":
+            events.append({"type": "response.output_item.added", "output_index": index,
+                           "item": {**item, "content": [], "status": "in_progress"}})
+            for part_index, part in enumerate(item["content"]):
+                part_at = {**at, "content_index": part_index}
+                text = part["text"]
+                events.append({"type": "response.content_part.added", **part_at, "part": {**part, "text": ""}})
+                events += [{"type": "response.output_text.delta", **part_at, "delta": d} for d in (text[:3], text[3:])]
+                events += [{"type": "response.output_text.done", **part_at, "text": text},
+                           {"type": "response.content_part.done", **part_at, "part": part}]
+        else:
+            events += [{"type": "response.output_item.added", "output_index": index,
+                        "item": {**item, "arguments": "", "status": "in_progress"}},
+                       {"type": "response.function_call_arguments.delta", **at, "delta": item["arguments"]},
+                       {"type": "response.function_call_arguments.done", **at, "arguments": item["arguments"]}]
+        events.append({"type": "response.output_item.done", "output_index": index, "item": item})
+    ended = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+    return [*events, {"type": ended, "response": final}]
+
+
+async def answer_response(request: web.Request, body: dict[str, Any], final: dict[str, Any]) -> web.StreamResponse:
+    """A Responses-API upstream's answer: `final` as JSON, or streamed when `body` asks."""
+    if not body.get("stream"):
+        return web.json_response(final)
+    return await responses_stream(request, response_events(final))
+
+
 def chat_app(handler: Handler) -> web.Application:
     """An app answering `POST /v1/chat/completions` with `handler`."""
     app = web.Application()
