@@ -8,7 +8,8 @@ the trace file, the log, /metrics or the database."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import orjson
 import pytest
 
 from tests.server.conftest import KEY, config_data, write_config
+from tests.server.test_agents_sdk import sdk
 from tests.support import azure
 from tests.support.procs import Proc, free_port, start_gateway
 from tests.support.upstreams import in_thread
@@ -209,13 +211,10 @@ async def test_embeddings_go_to_the_embeddings_deployment(gateway: Proc, fake: t
     assert call["body"] == {"model": "embed-prod", "input": ["a", "b"], "encoding_format": "base64"}
 
 
-async def test_the_agents_sdk_runs_its_tool_loop_against_azure_through_the_gateway(
-        gateway: Proc, fake: tuple[azure.FakeAzure, str]) -> None:
-    from tests.server.test_agents_sdk import sdk
-
-    resource, _ = fake
-    before = len(resource.calls)
-
+@contextlib.asynccontextmanager
+async def weather_agent(gateway: Proc) -> AsyncIterator[tuple[Any, Any]]:
+    """The Agents SDK's agent with one tool (`get_weather`: "sunny"), and a run config that
+    sends its model calls through `gateway`."""
     @sdk().function_tool
     def get_weather() -> str:
         """The weather now."""
@@ -223,8 +222,15 @@ async def test_the_agents_sdk_runs_its_tool_loop_against_azure_through_the_gatew
 
     agent = sdk().Agent(name="weather", instructions="Answer with the tool.", model="gpt-4o", tools=[get_weather])
     async with openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key=KEY) as oa:  # the SDK's defaults otherwise
-        config = sdk().RunConfig(model_provider=sdk().models.openai_provider.OpenAIProvider(openai_client=oa),
-                                 tracing_disabled=True)
+        yield agent, sdk().RunConfig(model_provider=sdk().models.openai_provider.OpenAIProvider(openai_client=oa),
+                                     tracing_disabled=True)
+
+
+async def test_the_agents_sdk_runs_its_tool_loop_against_azure_through_the_gateway(
+        gateway: Proc, fake: tuple[azure.FakeAzure, str]) -> None:
+    resource, _ = fake
+    before = len(resource.calls)
+    async with weather_agent(gateway) as (agent, config):
         result = await sdk().Runner.run(agent, "Weather?", run_config=config)
         assert result.final_output == "The tool said: sunny"
         calls = resource.calls[before:]

@@ -17,7 +17,8 @@ import openai
 import pytest
 
 from tests.server.conftest import KEY
-from tests.server.test_azure import client, fake, serve  # fake: this module's own resource (a module fixture)
+from tests.server.test_agents_sdk import sdk
+from tests.server.test_azure import client, fake, serve, weather_agent  # fake: this module's own resource (a module fixture)
 from tests.support import azure
 from tests.support.procs import Proc
 
@@ -142,19 +143,8 @@ async def test_a_429_s_retry_after_ms_is_waited_for_by_the_route_s_retry(
 
 async def test_the_agents_sdk_runs_its_tool_loop_on_azure_s_responses_api(
         gateway: Proc, fake: tuple[azure.FakeAzure, str]) -> None:
-    from tests.server.test_agents_sdk import sdk
-
     resource, _ = fake
-
-    @sdk().function_tool
-    def get_weather() -> str:
-        """The weather now."""
-        return "sunny"
-
-    agent = sdk().Agent(name="weather", instructions="Answer with the tool.", model="gpt-4o", tools=[get_weather])
-    async with openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key=KEY) as oa:  # the SDK's defaults otherwise
-        config = sdk().RunConfig(model_provider=sdk().models.openai_provider.OpenAIProvider(openai_client=oa),
-                                 tracing_disabled=True)
+    async with weather_agent(gateway) as (agent, config):
         before = len(resource.calls)
         result = await sdk().Runner.run(agent, "Weather?", run_config=config)
         assert result.final_output == "The tool said: sunny"
