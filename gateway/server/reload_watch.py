@@ -11,8 +11,10 @@ its own files (`by` "another replica"), logged as any reload and recorded in the
 
 - A process takes the count at its start as seen (it has just read its files). One whose
   store is down at start takes it at the first read that works.
-- Its own announcement is not reloaded again: the mark names its origin, and a count that
-  moved by exactly one, by its own origin, was this process's reload. The workers of one
+- Its own announcement is not reloaded again: the mark names the origin of the latest one,
+  and a latest announcement of its own origin was a reload this server made after every
+  announcement counted before it (its files were read then), however far the count moved
+  since this process last looked (two reloads of its own within a poll move it by two). The workers of one
   `--workers N` server share their origin (`workers.shared_origin`): the supervisor's
   fan-out already reloads them all, so their watchers skip it alike. A replica's reload
   reaches each worker of another server through its own watcher, once; only worker 0
@@ -86,7 +88,7 @@ def _moved(watch: ReloadWatch, mark: ReloadMark) -> bool:
     seen, watch.seen = watch.seen, mark.generation
     if seen is None or mark.generation <= seen:  # the first read, nothing new, or a store emptied since
         return False
-    return not (mark.generation == seen + 1 and mark.origin == watch.origin)
+    return mark.origin != watch.origin
 
 
 async def _reload_for_replica(app: web.Application, watch: ReloadWatch) -> None:
