@@ -191,7 +191,11 @@ async def test_a_full_disk_loses_no_answered_turn(tmp_path: Path, disk: Path, up
             while spool.exists() and spool.read_bytes().strip():
                 assert time.monotonic() < deadline, "the spooled turns were not booked once space was freed"
                 await asyncio.sleep(0.1)
-            after = await status_of(session, f"{gw.url}/readyz")
+            # Ready again: each process once a write of its own succeeds (a call's, or its probe
+            # write every second); with 2 workers, the one these calls missed a moment later.
+            while (after := await status_of(session, f"{gw.url}/readyz")) != 200:
+                assert time.monotonic() < deadline, "not ready again once space was freed"
+                await asyncio.sleep(0.1)  # polling for the recovery
     finally:
         gw.stop()
     log = gw.output()
