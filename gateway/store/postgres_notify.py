@@ -3,8 +3,9 @@
 The PostgreSQL store NOTIFYs in the same transaction as the write that matters to another
 replica (a run's `cancel_requested` or `approval_decided` line: channel `<schema>_run`,
 payload the run id; a key written: `<schema>_keys`; a notice added to the outbox:
-`<schema>_outbox`; a reload announced: `<schema>_reload`), so a notification is sent only once the write is visible. `Listener`
-holds one connection of its own that LISTENs to them and wakes whoever waits (`wait`).
+`<schema>_outbox`; a reload announced: `<schema>_reload`), so a notification is sent only
+once the write is visible. `Listener` holds one connection of its own that LISTENs to them
+and wakes whoever waits (`wait`).
 
 A notification is a hint, never the truth: a waiter always waits at most its polling
 period and then reads the store anyway, so a notification lost (the listening connection

@@ -94,9 +94,7 @@ DEFAULT_TIMEOUT_S: Final = 2.0
 DEFAULT_WAIT_TIMEOUT_S: Final = 0.5
 """How long replicas have to confirm a write when `store.wait_replicas` asks them to."""
 _RETENTION_MS: Final = str(int(EXPIRED_RETENTION_S * 1000))
-_ANNOUNCE_RELOAD: Final = Script("local k = ARGV[1] .. 'reload'\n"
-                                  "local g = redis.call('HINCRBY', k, 'generation', 1)\n"
-                                  "redis.call('HSET', k, 'origin', ARGV[2])\nreturn g")
+_ANNOUNCE_RELOAD: Final = Script(redis_lua.ANNOUNCE_RELOAD)
 _CREATE_RUN: Final = Script(redis_lua.CREATE_RUN)
 _LOAD_RUN: Final = Script(redis_lua.LOAD_RUN, writes=False)
 _SAVE_RUN: Final = Script(redis_lua.SAVE_RUN)

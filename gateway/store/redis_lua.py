@@ -905,3 +905,12 @@ redis.call('HINCRBY', p .. 'ledger:' .. ARGV[2], 'spent:' .. ARGV[3], ARGV[4])
 spend(p, ARGV[2], ARGV[5], ARGV[4], now_ms())
 return 1
 """
+
+ANNOUNCE_RELOAD: Final = """
+-- One more reload announced to every process sharing the prefix (base.ReloadMark).
+-- ARGV: prefix, origin. Returns the new generation.
+local k = ARGV[1] .. 'reload'
+local g = redis.call('HINCRBY', k, 'generation', 1)
+redis.call('HSET', k, 'origin', ARGV[2])
+return g
+"""

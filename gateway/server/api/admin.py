@@ -25,10 +25,11 @@ know who sent the signal), once per signal however many workers reload.
 Each process holds its own copy. A reload that served is announced in the store
 (`reload_watch.announce`): every other replica sharing it then reloads its own files, after
 this answer and without being told (`gateway.server.reload_watch`); the answer speaks for
-this server only. The workers of one `gateway serve --workers N` reload together: the one that served this route has the supervisor forward a SIGHUP to all of
-them, and answers once every worker serves the files as they were when the call came (at
-most `workers.RELOAD_WAIT_S`); its answer then says how many did:
-`"workers": {"count": N, "reloaded": K}`.
+this server only. The workers of one `gateway serve --workers N` reload together: the one
+that served this route has the supervisor forward a SIGHUP to all of them, and answers once
+every worker serves the files as they were when the call came (at most
+`workers.RELOAD_WAIT_S`); its answer then says how many did: `"workers": {"count": N,
+"reloaded": K}`.
 """
 
 from __future__ import annotations
