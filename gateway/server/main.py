@@ -43,6 +43,7 @@ from gateway.server.workers import (
 from gateway.store import StoreError
 from gateway.store.spool import Spool
 from gateway.telemetry.access_log import AccessLog
+from gateway.tokens import get_counter
 
 log = logging.getLogger("gateway")
 
@@ -176,8 +177,10 @@ def serve_command(args: argparse.Namespace) -> int:
                 raise ConfigError(str(config.path), "store.kind",
                                   f"--workers {workers} needs a store the workers share (sqlite or redis); the "
                                   "memory store lives in one process")
-            argv = ["--config", str(args.config), "--loop", getattr(args, "loop", "auto")]
-            return supervise(argv, workers, host, port, _release_previous_workers(config, host, workers),
+            get_counter()  # built once here: every forked worker shares it
+            gc.collect()
+            gc.freeze()  # a worker's collections then leave the supervisor's pages shared
+            return supervise(_worker(args, host), workers, host, port, _release_previous_workers(config, host, workers),
                              also_listen=config.metrics.listen,
                              banner=lambda bound: _banner(config, host, bound, f"{workers} workers serving"))
         # The port first: nothing is opened, and no store state touched, for a gateway that cannot serve.
@@ -221,6 +224,18 @@ def serve_command(args: argparse.Namespace) -> int:
         if sink is not None:
             sink.close()
     return 0
+
+
+def _worker(args: argparse.Namespace, host: str) -> Callable[[int, int, int], int]:
+    """What each forked worker of `--workers N` runs: this `gateway serve` as worker `index`
+    on the supervisor's `port` (`gateway.server.workers.supervise`)."""
+
+    def serve_worker(port: int, index: int, ready_fd: int) -> int:
+        return serve_command(argparse.Namespace(config=args.config, host=host, port=port, workers="1",
+                                                loop=getattr(args, "loop", "auto"), worker_index=index,
+                                                ready_fd=ready_fd))
+
+    return serve_worker
 
 
 def _cannot_start(line: str, worker: int | None, ready_fd: int | None) -> int:

@@ -4,8 +4,13 @@ The supervisor (the process the user started) checks the config, reserves the po
 socket bound with SO_REUSEPORT that never listens, so `--port 0` works too, after a plain
 bind has shown that nobody listens there: SO_REUSEPORT alone would share the port with
 another gateway's workers), and the `metrics.listen` port alike, and starts
-N workers: `python -m gateway serve` with the same config and the resolved host and port,
-plus `--worker-index I`. Each worker is a full gateway over the shared store, listening
+N workers: each is forked from the supervisor, which has already imported the gateway and
+built the tokenizer (`gateway.server.main`), and runs `gateway serve` with the same config,
+the resolved host and port and its index. A fork skips the second of imports and encoding
+a fresh interpreter would spend, for a restarted worker too, and the workers share those
+pages with the supervisor until they write them. The supervisor forks from one thread (its
+loop is a selector, and the store it opened to release old holds is closed by then), so
+the child holds no lock another thread had. Each worker is a full gateway over the shared store, listening
 on its own SO_REUSEPORT socket of that port, so the kernel spreads new connections over
 the workers. The workers share one key for the built-in scripted mount (a call a worker
 makes to it may land on another worker). What each worker holds in the store (reservations, leases) is named after
@@ -50,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import secrets
@@ -57,12 +63,13 @@ import selectors
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from gateway.server.http.listener import StartError, listen_sockets, port_problem
 from gateway.server.process_metrics import forget_worker
@@ -95,6 +102,55 @@ the supervisor forwards it to every worker, and sends it instead of SIGHUP to al
 RELOAD_WAIT_S = 15.0
 """How long POST /v1/admin/reload waits for the other workers (one may be restarting)."""
 RELOAD_POLL_S = 0.01
+WAIT_POLL_S = 0.01
+"""How often `Worker.wait` looks whether a worker it waits for (at stop) has exited."""
+HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, RELOAD_ONLY, signal.SIGCHLD)
+"""The signals the supervisor handles; a forked worker starts with their defaults."""
+
+WorkerMain = Callable[[int, int], int]
+"""What a forked worker runs: `gateway serve` as worker `index`, telling the supervisor on
+`ready_fd` once it serves; returns its exit code (`gateway.server.main`)."""
+
+
+class WorkerTimeout(Exception):
+    """A worker did not exit within the time `Worker.wait` was given."""
+
+
+class Worker:
+    """A forked worker process: the part of `subprocess.Popen` the supervisor uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """Its exit code once it has exited (negative: killed by that signal), else None."""
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped already: nothing more will be known
+                self.returncode = -signal.SIGKILL
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        """Its exit code, waiting `timeout` seconds at most (`WorkerTimeout`)."""
+        deadline = time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if time.monotonic() > deadline:
+                raise WorkerTimeout(self.pid)
+            time.sleep(WAIT_POLL_S)  # the supervisor's stop: nothing else to do meanwhile
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 def parse_workers(value: str) -> int:
@@ -145,11 +201,14 @@ def shared_origin() -> str | None:
     return os.environ.get(ORIGIN_ENV) or None
 
 
-def die_with_parent() -> None:
-    """In a worker, before exec: the kernel kills it when the supervisor dies (Linux)."""
+def die_with_parent(parent: int) -> None:
+    """In a forked worker: the kernel kills it when the supervisor (`parent`) dies (Linux);
+    if it died before this was asked, the worker exits now."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def signal_ready(fd: int | None, index: int | None = None, read_at: float = 0.0) -> Callable[[], None] | None:
@@ -246,7 +305,7 @@ async def reload_every_worker(since: float) -> tuple[int, int]:
 @dataclass
 class _Worker:
     index: int
-    popen: subprocess.Popen[bytes] | None = None
+    popen: Worker | None = None
     ready_fd: int | None = None
     serving: bool = False
     reload_due: int | None = None  # the reload signal that came while it was starting: sent once it serves
@@ -259,8 +318,8 @@ class _Worker:
 class Supervisor:
     """Starts, watches and stops the workers of one `gateway serve --workers N`."""
 
-    def __init__(self, argv: list[str], count: int, host: str, port: int) -> None:
-        self.argv = argv  # `gateway serve` arguments every worker gets (config, host, port)
+    def __init__(self, worker: WorkerMain, count: int, host: str, port: int) -> None:
+        self.worker = worker
         self.count = count
         self.host = host
         self.port = port
@@ -274,6 +333,8 @@ class Supervisor:
         self.key = secrets.token_urlsafe(32)
         self.origin = "workers-" + secrets.token_hex(8)
         self.selector = selectors.DefaultSelector()
+        self.wake: tuple[int, int] | None = None  # the signal wakeup pipe, while `run` runs
+        self.reserved: list[socket.socket] = []  # the ports `supervise` holds (a worker closes its copies)
         self.stopping = False
         self.stop_asked_at = 0.0
         self.served = False  # a worker has served: a stop then says what was drained
@@ -290,15 +351,53 @@ class Supervisor:
         env[COUNT_ENV] = str(self.count)
         env[ORIGIN_ENV] = self.origin
         env[STOPS_ENV] = self.stops_dir
-        args = [sys.executable, "-m", "gateway", "serve", *self.argv, "--worker-index", str(w.index),
-                "--ready-fd", str(write_fd)]
+        parent = os.getpid()
         try:
-            w.popen = subprocess.Popen(args, env=env, pass_fds=(write_fd,), preexec_fn=die_with_parent)
+            pid = os.fork()
+            if pid == 0:
+                os.close(read_fd)
+                self._become_worker(w.index, write_fd, env, parent)
+        except BaseException:
+            os.close(read_fd)
+            raise
         finally:
             os.close(write_fd)
+        w.popen = Worker(pid)
         w.ready_fd, w.serving, w.restart_at, w.started_at = read_fd, False, None, time.monotonic()
         w.reload_due = None  # it reads the files as they are now
         self.selector.register(read_fd, selectors.EVENT_READ, w)
+
+    def _become_worker(self, index: int, ready_fd: int, env: dict[str, str], parent: int) -> NoReturn:
+        """In the forked child: drop what is the supervisor's, run worker `index`, exit."""
+        code = 1
+        try:
+            signal.set_wakeup_fd(-1)
+            for s in HANDLED:
+                signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
+            die_with_parent(parent)
+            self.selector.close()
+            for sock in self.reserved:
+                sock.close()
+            for fd in (*(self.wake or ()), *(x.ready_fd for x in self.workers if x.ready_fd is not None)):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            os.environ.clear()
+            os.environ.update(env)
+            from prometheus_client import values
+
+            # prometheus-client picks its value class (multiprocess or not) when it is
+            # imported, which was in the supervisor, before PROMETHEUS_MULTIPROC_DIR was set.
+            values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
+            code = self.worker(index, ready_fd)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            with contextlib.suppress(BaseException):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
 
     def _forget_pipe(self, w: _Worker) -> None:
         if w.ready_fd is not None:
@@ -379,14 +478,13 @@ class Supervisor:
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT (or a worker that cannot start); returns the exit code."""
-        wake_r, wake_w = os.pipe()
+        wake_r, wake_w = self.wake = os.pipe()
         os.set_blocking(wake_w, False)
         os.set_blocking(wake_r, False)
         self.selector.register(wake_r, selectors.EVENT_READ, None)
         old_wakeup = signal.set_wakeup_fd(wake_w)
         pending: list[int] = []
-        handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, RELOAD_ONLY, signal.SIGCHLD)
-        previous = {s: signal.signal(s, lambda signum, _frame: pending.append(signum)) for s in handled}
+        previous = {s: signal.signal(s, lambda signum, _frame: pending.append(signum)) for s in HANDLED}
         try:
             for w in self.workers:
                 self._spawn(w)
@@ -442,32 +540,34 @@ class Supervisor:
                 continue
             try:
                 w.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            except WorkerTimeout:
                 log.error("worker %d did not stop within %.0f s; killing it", w.index, STOP_GRACE_S)
                 w.popen.kill()
-                w.popen.wait()
+                w.popen.wait(STOP_GRACE_S)  # SIGKILL: gone at once
             self._forget_pipe(w)
 
 
-def supervise(argv: list[str], count: int, host: str, port: int,
+def supervise(worker: Callable[[int, int, int], int], count: int, host: str, port: int,
               before: Callable[[int], None] | None = None, also_listen: tuple[str, int] | None = None,
               banner: Callable[[int], str] | None = None) -> int:
     """Reserve the port (and `also_listen`, the metrics listener's address, which every
     worker listens on too), call `before(port)` (the port bound), run `count` workers until
     stopped; the exit code. A port in use is one line and exit 2, before any worker starts.
+    Each worker is forked and runs `worker(port, index, ready_fd)` (`WorkerMain`).
     `banner(port)` is printed once every worker serves."""
     with contextlib.ExitStack() as held:
         try:
-            holder = held.enter_context(reserve_port(host, port))
+            reserved = [held.enter_context(reserve_port(host, port))]
             if also_listen is not None:
-                held.enter_context(reserve_port(*also_listen, setting="metrics.listen"))
+                reserved.append(held.enter_context(reserve_port(*also_listen, setting="metrics.listen")))
         except StartError as exc:
             print(f"gateway: {exc}", file=sys.stderr)
             return 2
-        bound = int(holder.getsockname()[1])
+        bound = int(reserved[0].getsockname()[1])
         if before is not None:
             before(bound)
-        supervisor = Supervisor([*argv, "--host", host, "--port", str(bound)], count, host, bound)
+        supervisor = Supervisor(functools.partial(worker, bound), count, host, bound)
+        supervisor.reserved = reserved
         if banner is not None:
             supervisor.banner = banner(bound)
         return supervisor.run()
