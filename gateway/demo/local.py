@@ -72,7 +72,7 @@ KEY: Final = "sk-demo"
 LOCAL_START_TIMEOUT_S: Final = 600.0  # the first start assembles the model (seconds to minutes)
 GATEWAY_START_TIMEOUT_S: Final = 120.0  # a loaded 2-core machine starts a Python process slowly
 DEMO_MAX_TURNS: Final = 6
-DEMO_TOOL_ROUNDS: Final = 1  # measured best of 1, 2 and always (README)
+DEMO_TOOL_ROUNDS: Final = 1  # measured best of 1, 2 and always (docs/local-models.md)
 DEMO_MAX_TOKENS: Final = 256  # a call or a one-sentence answer needs under 100 tokens
 # On two shared cores under load the model writes 0.3-3 tokens a second (measured 2026-12-01),
 # so the demo gives a call ten minutes; still a deadline, and the cap bounds the work.
@@ -351,7 +351,7 @@ async def ensure_local(session: aiohttp.ClientSession, base_url: str, folder: Pa
         _say(f"nothing answers at {base_url}: starting `gateway local --model {model} --port {url.port} "
              "--no-prompt-cache` "
              f"(log {folder}/local.log)")
-        # Without the prompt cache, a task's answers do not depend on the tasks before it (README).
+        # Without the prompt cache, a task's answers do not depend on the tasks before it (docs/local-models.md).
         child = Child.start(["local", "--model", model, "--host", url.hostname, "--port", str(url.port),
                              "--no-prompt-cache"], folder / "local.log")
     deadline = time.monotonic() + LOCAL_START_TIMEOUT_S

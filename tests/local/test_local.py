@@ -190,7 +190,7 @@ def _complete(base_url: str, prompt: str) -> dict[str, Any]:
 def test_without_the_prompt_cache_every_prompt_is_evaluated_whole_and_answered_alike(tmp_path: Path) -> None:
     """`--no-prompt-cache`: the same prompt is evaluated in full each time, so its greedy answer does not
     depend on what the server was asked before (with the cache, the reused prefix changes the batches
-    the rest is evaluated in, and a near tie can go the other way: README, "A real local model")."""
+    the rest is evaluated in, and a near tie can go the other way: docs/local-models.md, "The prompt cache")."""
     require_local_extra()
     served = start_local(free_port(), tmp_path / "local.log", "--threads", "1", "--no-prompt-cache")
     try:
