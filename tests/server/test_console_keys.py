@@ -6,7 +6,8 @@ secret is shown once (and works), is gone from the page once acknowledged and ne
 rotating shows the new secret once (it works at once, the old one is refused within 1 s on
 every worker); revoking takes effect (401 within 1 s on every worker). The Spend page groups by key, user and model. A team key that may not manage keys
 sees no Keys page. After "Sign out", the cookie the browser held no longer works for
-anyone who copied it (issue 28 item 8).
+anyone who copied it, and a key rotated or revoked ends the console sessions signed in with
+it: the browser is back at the sign-in form (issue 28 item 8).
 """
 
 from __future__ import annotations
@@ -149,3 +150,31 @@ async def test_sign_out_ends_the_session_for_a_copied_cookie(served: Served, bro
         async with copy.get(f"{served.url}/console/session", headers=headers) as resp:
             assert resp.status == 401
     await page.context.close()
+
+
+async def test_rotating_or_revoking_a_key_ends_the_console_sessions_signed_in_with_it(
+        served: Served, browser: Browser, session: aiohttp.ClientSession) -> None:
+    pages: dict[str, Page] = {}
+    ids: dict[str, str] = {}
+    for change in ("rotate", "revoke"):
+        status, _, made = await request(session, "POST", f"{served.url}/v1/admin/keys", key=KEYS,
+                                        body={"team": "demo", "name": f"console {change}"})
+        assert status == 201, made
+        ids[change] = made["id"]
+        pages[change] = await sign_in(browser, served.url, made["key"])
+    status, _, _ = await request(session, "POST", f"{served.url}/v1/admin/keys/{ids['rotate']}/rotate", key=KEYS,
+                                 body={"grace_s": 60})  # the old secret still calls for a minute: not its session
+    assert status == 200
+    status, _, _ = await request(session, "DELETE", f"{served.url}/v1/admin/keys/{ids['revoke']}", key=KEYS)
+    assert status == 200
+    for change, page in pages.items():
+        deadline = time.monotonic() + 5
+        while True:  # a worker that did not make the change learns it from the store within 1 s
+            await page.reload()
+            try:
+                await expect(page.locator("#signin")).to_be_visible(timeout=1_000)
+                break
+            except AssertionError:
+                assert time.monotonic() < deadline, f"a console session outlived its key's {change}"
+        await expect(page.locator("#inbox-live")).to_have_count(0)
+        await page.context.close()
