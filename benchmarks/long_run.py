@@ -10,10 +10,12 @@ every frame written; `sqlite*` is a second run with checkpoints, as a gateway ru
 time); Redis, the bytes the server read from the client (`INFO stats`
 `total_net_input_bytes`). A load of the whole run at the end checks it is all there.
 
-It prints, per store, the median time and bytes of the first 10 turns and of the last 10,
-and their ratio (last / first): flat is ~1; and the size of the head (`RunState.head_json`,
-what every save rewrites) after turn 10 and after the last. Before the transcript was stored beside the
-run's head, every turn rewrote the whole run, and both grew with the run (ratios of ~40
+Every turn's tool result is exactly `--kb` KB (before 2026-12-06 the first 10 turns' were
+12% smaller, "line 0 " being shorter than "line 10 ", which made up most of the growth in
+bytes the ratios showed). It prints, per store, the median time and bytes of the first 10
+turns and of the last 10, and their ratio (last / first): flat is ~1; and the size of the
+head (`RunState.head_json`, what every save rewrites) after turn 10 and after the last.
+Before the transcript was stored beside the run's head, every turn rewrote the whole run, and both grew with the run (ratios of ~40
 for bytes at 200 turns). It also prints this process's resident memory before, after the
 runs, and once they are dropped.
 
@@ -70,7 +72,7 @@ def a_turn(run: RunState, i: int, kb: int) -> None:
         {"id": call, "type": "function", "function": {"name": "read_file", "arguments": f'{{"path": "f{i}.log"}}'}}]})
     run.model_call_ids.append(call)
     run.messages.append({"role": "tool", "tool_call_id": call, "name": "read_file",
-                         "content": (f"line {i} " * (kb * 1024 // 8 + 1))[:kb * 1024]})
+                         "content": (f"line {i} " * (kb * 1024 // 7 + 1))[:kb * 1024]})  # "line 0 ": 7 chars
     run.count_turn(Usage(1000 + i * kb * 256, 40), 0.001)
     run.tool_calls += 1
 
