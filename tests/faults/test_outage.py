@@ -40,11 +40,17 @@ CALL_TIMEOUT_S = 10.0
 StoreProc = RedisProc | Cluster
 
 
+LEASE_TTL_S = 3
+"""Short, so that recovery comes soon, but longer than a loaded machine stalls a process: a
+worker that stalled past it would rightly lose its run to another worker (409 `run_conflict`,
+not the outage under test)."""
+
+
 def redis_gateway(folder: Path, redis: StoreProc) -> Proc:
     if isinstance(redis, Cluster):
-        return serve(folder, redis.store(timeout_s=STORE_TIMEOUT_S), server={"lease_ttl_s": 1})
+        return serve(folder, redis.store(timeout_s=STORE_TIMEOUT_S), server={"lease_ttl_s": LEASE_TTL_S})
     return serve(folder, {"kind": "redis", "url": redis.url, "timeout_s": STORE_TIMEOUT_S},
-                 server={"lease_ttl_s": 1})
+                 server={"lease_ttl_s": LEASE_TTL_S})
 
 
 @pytest.fixture(scope="module", params=SHARED_KINDS)
