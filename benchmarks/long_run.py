@@ -10,9 +10,12 @@ every frame written; `sqlite*` is a second run with checkpoints, as a gateway ru
 time); Redis, the bytes the server read from the client (`INFO stats`
 `total_net_input_bytes`). A load of the whole run at the end checks it is all there.
 
-It prints, per store, the median time and bytes of the first 10 turns and of the last 10,
-and their ratio (last / first): flat is ~1. Before the transcript was stored beside the
-run's head, every turn rewrote the whole run, and both grew with the run (ratios of ~40
+Every turn's tool result is exactly `--kb` KB (before 2026-12-06 the first 10 turns' were
+12% smaller, "line 0 " being shorter than "line 10 ", which made up most of the growth in
+bytes the ratios showed). It prints, per store, the median time and bytes of the first 10
+turns and of the last 10, and their ratio (last / first): flat is ~1; and the size of the
+head (`RunState.head_json`, what every save rewrites) after turn 10 and after the last.
+Before the transcript was stored beside the run's head, every turn rewrote the whole run, and both grew with the run (ratios of ~40
 for bytes at 200 turns). It also prints this process's resident memory before, after the
 runs, and once they are dropped.
 
@@ -42,6 +45,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import orjson  # noqa: E402
+
 from gateway.harness.state import RunState  # noqa: E402
 from gateway.harness.usage import Usage  # noqa: E402
 from gateway.store.base import Store  # noqa: E402
@@ -67,17 +72,17 @@ def a_turn(run: RunState, i: int, kb: int) -> None:
         {"id": call, "type": "function", "function": {"name": "read_file", "arguments": f'{{"path": "f{i}.log"}}'}}]})
     run.model_call_ids.append(call)
     run.messages.append({"role": "tool", "tool_call_id": call, "name": "read_file",
-                         "content": (f"line {i} " * (kb * 1024 // 8 + 1))[:kb * 1024]})
+                         "content": (f"line {i} " * (kb * 1024 // 7 + 1))[:kb * 1024]})  # "line 0 ": 7 chars
     run.count_turn(Usage(1000 + i * kb * 256, 40), 0.001)
     run.tool_calls += 1
 
 
 async def measure(store: Store, written: Callable[[], Awaitable[int]], turns: int, kb: int,
-                  run_id: str) -> tuple[list[float], list[int]]:
+                  run_id: str) -> tuple[list[float], list[int], list[int]]:
     run = RunState.new("scripted-plan", [{"role": "user", "content": "scan the logs"}], run_id=run_id,
                        team="bench", policy="files")
     await store.create_run(run)
-    times, sizes = [], []
+    times, sizes, heads = [], [], []
     for i in range(turns):
         a_turn(run, i, kb)
         before = await written()
@@ -85,12 +90,13 @@ async def measure(store: Store, written: Callable[[], Awaitable[int]], turns: in
         await store.commit_turn(run, [{"type": "turn", "runId": run_id, "turn": i + 1}])
         times.append(time.perf_counter() - started)
         sizes.append(await written() - before)
+        heads.append(len(orjson.dumps(run.head_json())))  # the head just stored
     loaded = await store.load_run(run_id)
     assert loaded is not None and loaded.to_json() == run.to_json(), "the stored run is not the run"
-    return times, sizes
+    return times, sizes, heads
 
 
-def report(name: str, times: list[float], sizes: list[int] | None) -> None:
+def report(name: str, times: list[float], sizes: list[int] | None, heads: list[int] | None = None) -> None:
     first_t, last_t = statistics.median(times[:EDGE]), statistics.median(times[-EDGE:])
     line = (f"{name:7s} time/turn: first {EDGE} {first_t * 1000:7.3f} ms, last {EDGE} {last_t * 1000:7.3f} ms, "
             f"ratio {last_t / first_t:5.2f}")
@@ -98,6 +104,8 @@ def report(name: str, times: list[float], sizes: list[int] | None) -> None:
         first_b, last_b = statistics.median(sizes[:EDGE]), statistics.median(sizes[-EDGE:])
         line += (f" | bytes/turn: first {first_b / 1024:8.1f} KB, last {last_b / 1024:8.1f} KB, "
                  f"ratio {last_b / max(first_b, 1):5.2f}")
+    if heads is not None:
+        line += f" | head: turn {EDGE} {heads[EDGE - 1]} B, turn {len(heads)} {heads[-1]} B"
     print(line, flush=True)
 
 
@@ -106,8 +114,8 @@ async def bench_memory(args: argparse.Namespace) -> None:
         return 0
 
     store = MemoryStore()
-    times, _ = await measure(store, nothing, args.turns, args.kb, "bench/memory")
-    report("memory", times, None)
+    times, _, heads = await measure(store, nothing, args.turns, args.kb, "bench/memory")
+    report("memory", times, None, heads)
     await store.close()
 
 
@@ -131,7 +139,7 @@ async def bench_sqlite(args: argparse.Namespace) -> None:
                 largest[0] = max(largest[0], size)
                 return size
 
-            times, sizes = await measure(store, wal_size, args.turns, args.kb, "bench/sqlite")
+            times, sizes, _ = await measure(store, wal_size, args.turns, args.kb, "bench/sqlite")
             report("sqlite" if held else "sqlite*", times, sizes if held else None)
             if not held:
                 print(f"sqlite* WAL: largest {largest[0] / 2**20:.1f} MiB after a turn "
@@ -174,7 +182,7 @@ async def bench_redis(args: argparse.Namespace) -> None:
             return int((await client.info("stats"))["total_net_input_bytes"])
 
         store = RedisStore(url, "bench:", timeout_s=30.0)
-        times, sizes = await measure(store, net_in, args.turns, args.kb, "bench/redis")
+        times, sizes, _ = await measure(store, net_in, args.turns, args.kb, "bench/redis")
         # net_in's own INFO command is in each figure: the same few dozen bytes every turn
         report("redis", times, sizes)
         await store.close()
@@ -192,7 +200,6 @@ def proc_rss_mb(pid: int) -> float:
 
 async def bench_passthrough(megabytes: float) -> int:
     import aiohttp
-    import orjson
     import yaml
     from aiohttp import web
 

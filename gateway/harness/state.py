@@ -16,7 +16,7 @@ import orjson
 
 from gateway.harness.usage import Usage
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """v2: `model_call_ids` (the calls the gateway's own model turns made: the only ones it
 runs), `tool_calls` (tool executions so far), `started_at` (the first drive), and the
 limits `max_tool_calls` and `max_duration_s`. v3: `key_id` and `user`, the key and the user
@@ -27,9 +27,16 @@ head and its transcript beside it, so that a save writes what changed and no mor
 (`head_json`, `transcript_change`): the head holds neither `messages` nor `per_turn` but
 `transcript: {"messages": N, "per_turn": M}`, how many of each the store keeps beside it,
 one item each; `per_turn` entries are `[prompt, completion]` pairs. The whole run
-(`to_json`) is the head's fields with `per_turn` and `messages` in place."""
+(`to_json`) is the head's fields with `per_turn` and `messages` in place. v6: the ids of the
+model's calls are kept with the turns that made them, so the head no longer grows with the
+run: a stored `per_turn` entry is `[prompt, completion, [ids]]` when ids came with it (the ids
+recorded since the entry before it was stored), and the head's `model_call_ids` holds only
+the ids no entry holds yet (none in a run the loop drives, whose ids come with their turn; a
+v5 head's all, until its next turn). `model_call_ids` is the entries' ids in order, then the
+head's (`_with_transcript`). The whole run is v5's shape: `model_call_ids` whole, `per_turn`
+pairs."""
 
-READ_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, SCHEMA_VERSION)
+READ_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, 5, SCHEMA_VERSION)
 """The schema versions `RunState.from_json` reads (older ones upgraded in place)."""
 
 DEFAULT_MAX_TOOL_CALLS = 100
@@ -235,6 +242,8 @@ class RunState:
     are replaced, never edited in place. Not serialized; set by the store."""
     stored_per_turn: int = field(default=0, repr=False, compare=False)
     """How many `per_turn` entries the store keeps beside the head (the list only grows)."""
+    stored_call_ids: int = field(default=0, repr=False, compare=False)
+    """How many of `model_call_ids` (the first ones) those entries hold; the head holds the rest."""
 
     @classmethod
     def new(cls, model: str, messages: list[Message], *, run_id: str | None = None, **kw: Any) -> RunState:
@@ -355,7 +364,7 @@ class RunState:
             "cost_usd": self.cost_usd,
             "decisions": {cid: d.to_json() for cid, d in self.decisions.items()},
             "failed_calls": self.failed_calls,
-            "model_call_ids": self.model_call_ids,
+            "model_call_ids": self.model_call_ids[_held_call_ids(self):],
             "tool_calls": self.tool_calls,
             "started_at": self.started_at,
             "grants": [g.to_json() for g in self.grants],
@@ -372,6 +381,7 @@ class RunState:
         """The whole run, its transcript in place (the head's fields, then `per_turn` and `messages`)."""
         out = self.head_json()
         del out["transcript"]
+        out["model_call_ids"] = self.model_call_ids
         out["per_turn"] = [[u.prompt_tokens, u.completion_tokens] for u in self.per_turn]
         out["messages"] = self.messages
         return out
@@ -391,13 +401,14 @@ class RunState:
         elif version not in READ_VERSIONS:  # v3 added key_id and user, v4 limit requests (defaults), v5 the head
             raise StateError(f"run schema version {version!r} is not supported (this gateway reads "
                              f"{', '.join(map(str, READ_VERSIONS))})")
-        if "transcript" in data:
-            data = _with_transcript(data, transcript)
+        stored, held = "transcript" in data, 0
+        if stored:
+            data, held = _with_transcript(data, transcript)
         status = data.get("status")
         if status not in STATUSES:
             raise StateError(f"unknown run status {status!r}")
         try:
-            return cls(
+            state = cls(
                 run_id=str(data["run_id"]),
                 model=str(data["model"]),
                 messages=_messages(data["messages"]),
@@ -428,6 +439,9 @@ class RunState:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise StateError(f"malformed run: {exc}") from exc
+        if stored:  # what the store holds beside the head: the entries, and the ids they hold
+            state.stored_per_turn, state.stored_call_ids = len(state.per_turn), held
+        return state
 
     @classmethod
     def loads(cls, raw: bytes | str) -> RunState:
@@ -439,9 +453,19 @@ class RunState:
 
     def mark_stored(self) -> None:
         """The store now keeps this run's messages and `per_turn` as they are (after a load or
-        a save): the next save writes only what comes after them."""
+        a save, `from_json` having counted what a load found): the next save writes only what
+        comes after them."""
+        self.stored_call_ids = _held_call_ids(self)
         self.stored_messages = tuple(self.messages)
         self.stored_per_turn = len(self.per_turn)
+
+    def unstored(self) -> RunState:
+        """A view of this run as a store that holds none of it sees it (what creating it
+        writes): its lists are this run's own, not copies."""
+        new = object.__new__(RunState)
+        new.__dict__.update(self.__dict__)
+        new.stored_messages, new.stored_per_turn, new.stored_call_ids = (), 0, 0
+        return new
 
     def copy(self) -> RunState:
         """A copy whose lists and dicts are its own (their items are shared: messages are
@@ -472,6 +496,9 @@ class TranscriptChange:
     truncates: bool
     """Whether stored items past `messages_from` or `per_turn_from` must go (a transcript
     that was rewritten, not only added to)."""
+    call_ids: list[str] = field(default_factory=list)
+    """The ids of the model's calls the last of `per_turn` holds (the ids recorded since the
+    store last kept the run): each turn's ids go with it, not in the head (schema 6)."""
 
 
 def transcript_change(state: RunState) -> TranscriptChange:
@@ -485,13 +512,34 @@ def transcript_change(state: RunState) -> TranscriptChange:
         k = n  # the usual turn: the same list, added to (a list's items are replaced, never edited)
     while k < n and (messages[k] is stored[k] or messages[k] == stored[k]):
         k += 1
-    t = state.stored_per_turn if len(state.per_turn) >= state.stored_per_turn else 0
+    t, c = _kept_turns(state)
     return TranscriptChange(k, messages[k:], t, state.per_turn[t:],
-                            k < len(stored) or t < state.stored_per_turn)
+                            k < len(stored) or t < state.stored_per_turn,
+                            state.model_call_ids[c:] if t < len(state.per_turn) else [])
 
 
-def _with_transcript(head: dict[str, Any], transcript: tuple[list[Any], list[Any]] | None) -> dict[str, Any]:
-    """A head (`head_json`) with the messages and `per_turn` kept beside it, in place."""
+def _kept_turns(state: RunState) -> tuple[int, int]:
+    """How many stored `per_turn` entries a save keeps, and how many ids of the model's calls
+    they hold: all the store has, unless either list is shorter than what is stored (a
+    rewritten history): then none, and every entry is written again."""
+    if len(state.per_turn) >= state.stored_per_turn and len(state.model_call_ids) >= state.stored_call_ids:
+        return state.stored_per_turn, state.stored_call_ids
+    return 0, 0
+
+
+def _held_call_ids(state: RunState) -> int:
+    """How many ids of the model's calls the stored `per_turn` entries hold once `state` is
+    saved: all of them when the save writes an entry (the last it writes takes the new ones),
+    else what they held (the head keeps the rest)."""
+    t, c = _kept_turns(state)
+    return len(state.model_call_ids) if t < len(state.per_turn) else c
+
+
+def _with_transcript(head: dict[str, Any],
+                     transcript: tuple[list[Any], list[Any]] | None) -> tuple[dict[str, Any], int]:
+    """A head (`head_json`) with the messages and `per_turn` kept beside it, in place, and
+    how many ids of the model's calls the entries held: theirs come first in
+    `model_call_ids`, then the head's (v6; a v5 entry holds none)."""
     counts = head.get("transcript")
     if transcript is None or not isinstance(counts, dict):
         raise StateError("malformed run: a stored head without its transcript")
@@ -501,8 +549,16 @@ def _with_transcript(head: dict[str, Any], transcript: tuple[list[Any], list[Any
                          f"{counts.get('per_turn')} turns, the store holds {len(messages)} and {len(per_turn)}")
     out = dict(head)
     del out["transcript"]
+    ids: list[Any] = []
+    for entry in per_turn:
+        if type(entry) is list and len(entry) == 3:
+            if not isinstance(entry[2], list):
+                raise StateError("malformed run: a turn's call ids must be a list")
+            ids.extend(entry[2])
+    if ids:
+        out["model_call_ids"] = ids + list(head.get("model_call_ids") or [])
     out["messages"], out["per_turn"] = messages, per_turn
-    return out
+    return out, len(ids)
 
 
 def _messages(items: Any) -> list[Message]:
@@ -556,11 +612,12 @@ def _optional_float(value: Any) -> float | None:
 
 
 def _usages(items: Any) -> list[Usage]:
-    """`per_turn` back into Usages: `[prompt, completion]` pairs (v5), or objects as
+    """`per_turn` back into Usages: `[prompt, completion]` pairs (v5; v6 stored entries may
+    hold their turn's call ids third, read by `_with_transcript`), or objects as
     `Usage.from_json` reads them (v2); the usual entry (two ints) skips the checks."""
     out: list[Usage] = []
     for item in items:
-        if (type(item) is list or type(item) is tuple) and len(item) == 2 and type(item[0]) is int \
+        if (type(item) is list or type(item) is tuple) and 2 <= len(item) <= 3 and type(item[0]) is int \
                 and type(item[1]) is int:
             out.append(Usage(item[0], item[1]))
             continue

@@ -21,12 +21,13 @@ import os
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import orjson
 
 from gateway.harness.state import STATUSES, RunState, StateError, transcript_change
 from gateway.harness.trace import Event as Event  # the store keeps trace lines
+from gateway.harness.usage import Usage
 from gateway.store.audit import AuditEntry, AuditRecord
 from gateway.store.errors import StoreError
 from gateway.store.keys import ConsoleSession, KeyRecord
@@ -736,7 +737,9 @@ class RunWrite(NamedTuple):
 
     - messages: keep the first `messages_from` stored ones, then store `messages` (JSON,
       one item each) at positions `messages_from`, `messages_from` + 1, ...;
-    - `per_turn`: the same from `per_turn_from` ((prompt, completion) pairs);
+    - `per_turn`: the same from `per_turn_from`, each entry b"prompt completion", or, the
+      last one a save writes when it holds the ids of the model's calls recorded since the
+      store last kept the run (schema 6), `[prompt, completion, [ids]]` as JSON (`turn_item`);
     - `truncates`: stored items past those positions must go first (a pass-through client
       sent a history that differs from the stored one); else there are none.
 
@@ -747,7 +750,7 @@ class RunWrite(NamedTuple):
     messages_from: int
     messages: list[bytes]
     per_turn_from: int
-    per_turn: list[tuple[int, int]]
+    per_turn: list[bytes]
     truncates: bool
 
 
@@ -761,27 +764,51 @@ def run_write(state: RunState, revision: int | None = None, updated_at: float | 
         head["updated_at"] = updated_at
     change = transcript_change(state)
     return RunWrite(orjson.dumps(head), change.messages_from, [orjson.dumps(m) for m in change.messages],
-                    change.per_turn_from, [(u.prompt_tokens, u.completion_tokens) for u in change.per_turn],
-                    change.truncates)
+                    change.per_turn_from, _turn_items(change.per_turn, change.call_ids), change.truncates)
 
 
 def new_run_write(state: RunState) -> RunWrite:
-    """What storing `state` as a new run writes: its head and its whole transcript."""
-    return RunWrite(orjson.dumps(state.head_json()), 0, [orjson.dumps(m) for m in state.messages],
-                    0, [(u.prompt_tokens, u.completion_tokens) for u in state.per_turn], True)
+    """What storing `state` as a new run writes: its head and its whole transcript, the
+    last `per_turn` entry holding every id of the model's calls (`state` is not changed:
+    the write may be refused)."""
+    new = state.unstored()
+    change = transcript_change(new)
+    return RunWrite(orjson.dumps(new.head_json()), 0, [orjson.dumps(m) for m in state.messages],
+                    0, _turn_items(change.per_turn, change.call_ids), True)
+
+
+def _turn_items(per_turn: Sequence[Usage], call_ids: list[str]) -> list[bytes]:
+    """`per_turn` entries as stored items (`RunWrite.per_turn`): the last holds `call_ids`."""
+    items = [b"%d %d" % (u.prompt_tokens, u.completion_tokens) for u in per_turn]
+    if call_ids and items:
+        last = per_turn[-1]
+        items[-1] = orjson.dumps([last.prompt_tokens, last.completion_tokens, call_ids])
+    return items
+
+
+def turn_item(item: bytes | str) -> list[Any]:
+    """A stored `per_turn` entry back (`RunWrite.per_turn`): [prompt, completion], and the
+    ids of the model's calls third when it holds some."""
+    raw = item.encode() if isinstance(item, str) else bytes(item)
+    if raw[:1] == b"[":
+        entry = orjson.loads(raw)
+        if not isinstance(entry, list):
+            raise StateError(f"a turn's stored entry is not a list: {raw[:80]!r}")
+        return entry
+    return [int(x) for x in raw.split()]
 
 
 def parse_run(run_id: str, raw: bytes | str,
-              transcript: tuple[Sequence[bytes | str], Sequence[Sequence[int]]] = ((), ())) -> RunState:
-    """A stored run back: its head and the messages and `per_turn` pairs kept beside it (a
+              transcript: tuple[Sequence[bytes | str], Sequence[bytes | str]] = ((), ())) -> RunState:
+    """A stored run back: its head and the messages and `per_turn` entries kept beside it (a
     body stored before heads, schema 1 to 4, holds its transcript itself and nothing is
     kept beside it). The run knows what the store holds (`RunState.mark_stored`). An
     unreadable run is a StoreError naming it."""
     try:
         data = orjson.loads(raw)
         if isinstance(data, dict) and "transcript" in data:
-            messages, pairs = transcript
-            state = RunState.from_json(data, ([orjson.loads(m) for m in messages], [list(p) for p in pairs]))
+            messages, entries = transcript
+            state = RunState.from_json(data, ([orjson.loads(m) for m in messages], [turn_item(t) for t in entries]))
             state.mark_stored()
             return state
         return RunState.from_json(data)

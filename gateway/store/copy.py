@@ -106,7 +106,7 @@ def run_row(run_id: str, team: str, status: str, policy: str, created_at: float 
     its transcript `items`, which must be all the run's, in order: `Rows.transcripts`; a
     policy, creation or update time not given is the run's own)."""
     state = parse_run(run_id, body, ([i[3] for i in items if i[1] == 0],
-                                     [[int(x) for x in i[3].split()] for i in items if i[1] == 1]))
+                                     [i[3] for i in items if i[1] == 1]))
     return (run_id, team, status, policy or state.policy, state.created_at if created_at is None else created_at,
             state.updated_at if updated_at is None else updated_at, revision, state.turns,
             to_micros(state.cost_usd, "cost_usd"), state.usage.prompt_tokens, state.usage.completion_tokens, bytes(body))

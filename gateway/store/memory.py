@@ -70,7 +70,7 @@ class _StoredRun:
     updated_at: float = 0.0
     policy: str = ""  # a run's policy never changes
     messages: list[bytes] = field(default_factory=list)  # the transcript beside the head (`body`)
-    per_turn: list[tuple[int, int]] = field(default_factory=list)
+    per_turn: list[bytes] = field(default_factory=list)
 
     def write(self, w: RunWrite) -> None:
         self.body = w.head

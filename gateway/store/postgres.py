@@ -800,12 +800,11 @@ _TRANSCRIPT: Final = ("ARRAY(SELECT t.body FROM transcripts t WHERE t.run_id = r
 
 def _parse(run_id: str, row: Any) -> RunState:
     """A run from its head and its transcript rows (`_TRANSCRIPT`)."""
-    pairs = [[int(x) for x in bytes(item).split()] for item in row["per_turn"]]
-    return parse_run(run_id, row["body"], ([bytes(m) for m in row["messages"]], pairs))
+    return parse_run(run_id, row["body"], ([bytes(m) for m in row["messages"]], [bytes(t) for t in row["per_turn"]]))
 
 
 def _turn_items(written: RunWrite) -> list[bytes]:
-    return [b"%d %d" % pair for pair in written.per_turn]
+    return written.per_turn
 
 
 def _items(written: RunWrite) -> tuple[list[bytes], list[bytes]]:

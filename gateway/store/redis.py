@@ -896,10 +896,10 @@ def _run_fields(state: RunState) -> list[str | bytes]:
 def _transcript_args(w: RunWrite) -> list[str | bytes]:
     """A save's transcript change as the scripts take it (redis_lua._TRANSCRIPT)."""
     return [str(w.messages_from), str(len(w.messages)), *w.messages, str(w.per_turn_from), str(len(w.per_turn)),
-            *(f"{p} {c}" for p, c in w.per_turn), "1" if w.truncates else "0"]
+            *w.per_turn, "1" if w.truncates else "0"]
 
 
 def _parsed(run_id: str, found: list[Any]) -> RunState:
     """A run as the scripts read it back (redis_lua read_run: body, messages, per_turn)."""
-    body, messages, pairs = found
-    return parse_run(run_id, body, (messages, [[int(x) for x in _text(pair).split()] for pair in pairs]))
+    body, messages, entries = found
+    return parse_run(run_id, body, (messages, entries))

@@ -127,7 +127,8 @@ end
 _TRANSCRIPT: Final = """
 -- A run's transcript beside its head (base.RunWrite), as the arguments from ARGV[i]: the
 -- messages kept, how many follow, the messages (JSON), the per_turn entries kept, how many
--- follow, the entries ("prompt completion"), '1' if stored items past those kept must go.
+-- follow, the entries ("prompt completion", or JSON with the turn's call ids: base.turn_item),
+-- '1' if stored items past those kept must go.
 -- Kept in the lists `transcript:<id>` and `per_turn:<id>`, one item each.
 local function transcript_end(i)
   local m = tonumber(ARGV[i + 1])

@@ -204,13 +204,14 @@ def _size(written: RunWrite) -> int:
 
 def _write_transcript(db: sqlite3.Connection, run_id: str, written: RunWrite) -> None:
     """A save's transcript rows (`RunWrite`), in the caller's transaction: messages are rows
-    of kind 0, `per_turn` entries rows of kind 1 ("prompt completion")."""
+    of kind 0, `per_turn` entries rows of kind 1 ("prompt completion", or JSON holding the
+    turn's call ids: `base.turn_item`), as TEXT."""
     if written.truncates:
         db.execute("DELETE FROM transcripts WHERE run_id = ?1 AND (kind = 0 AND seq >= ?2 OR kind = 1 AND seq >= ?3)",
                    (run_id, written.messages_from, written.per_turn_from))
     rows: list[tuple[str, int, int, bytes | str]] = [
         (run_id, 0, written.messages_from + i, m) for i, m in enumerate(written.messages)]
-    rows += [(run_id, 1, written.per_turn_from + i, f"{p} {c}") for i, (p, c) in enumerate(written.per_turn)]
+    rows += [(run_id, 1, written.per_turn_from + i, t.decode()) for i, t in enumerate(written.per_turn)]
     if len(rows) <= len(_INSERT_ITEMS):  # a turn's few rows: one statement, no executemany iterator
         if rows:
             db.execute(_INSERT_ITEMS[len(rows) - 1], [v for row in rows for v in row])
@@ -229,13 +230,13 @@ def _read_run(db: sqlite3.Connection, run_id: str, body: bytes | str) -> RunStat
     if b'"transcript":{' not in (body.encode() if isinstance(body, str) else body):  # migrated bodies are TEXT
         return parse_run(run_id, body)
     messages: list[bytes] = []
-    pairs: list[list[int]] = []
+    entries: list[bytes | str] = []
     for kind, item in db.execute("SELECT kind, body FROM transcripts WHERE run_id = ? ORDER BY kind, seq", (run_id,)):
         if kind == 0:
             messages.append(item)
         else:
-            pairs.append([int(x) for x in str(item).split()])
-    return parse_run(run_id, body, (messages, pairs))
+            entries.append(item)
+    return parse_run(run_id, body, (messages, entries))
 
 
 class _Snapshot:

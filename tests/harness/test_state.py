@@ -153,6 +153,46 @@ def test_v5_stored_fixture_is_a_head_and_its_transcript_beside_it() -> None:
         RunState.from_json(stored["head"])
 
 
+def test_v6_stored_fixture_keeps_each_turns_call_ids_with_it_and_none_in_the_head() -> None:
+    stored = orjson.loads((FIXTURES / "run_v6_stored.json").read_bytes())
+    assert stored["head"]["model_call_ids"] == [] and stored["per_turn"] == [[110, 20, ["c1"]], [130, 20, ["c2"]]]
+    state = RunState.from_json(stored["head"], (stored["messages"], stored["per_turn"]))
+    assert state == RunState.loads((FIXTURES / "run_v6.json").read_bytes()) and state.model_call_ids == ["c1", "c2"]
+    assert (state.stored_per_turn, state.stored_call_ids) == (2, 2)
+    v5 = orjson.loads((FIXTURES / "run_v5_stored.json").read_bytes())  # its ids in its head, none in its turns
+    old = RunState.from_json(v5["head"], (v5["messages"], v5["per_turn"]))
+    assert old.model_call_ids == ["c1", "c2"] and (old.stored_per_turn, old.stored_call_ids) == (2, 0)
+    with pytest.raises(StateError, match="call ids must be a list"):
+        RunState.from_json(stored["head"], (stored["messages"], [[110, 20, "c1"], [130, 20]]))
+
+
+def test_a_turns_call_ids_go_with_it_and_wait_in_the_head_for_the_next_turn() -> None:
+    v5 = orjson.loads((FIXTURES / "run_v5_stored.json").read_bytes())
+    run = RunState.from_json(v5["head"], (v5["messages"], v5["per_turn"]))
+    run.mark_stored()
+    # a save without a turn (a decision): the v5 head's ids stay in the head, nothing is written beside it
+    quiet = transcript_change(run)
+    assert (quiet.per_turn, quiet.call_ids) == ([], []) and run.head_json()["model_call_ids"] == ["c1", "c2"]
+    run.mark_stored()
+    assert run.stored_call_ids == 0
+    # the next turn takes them, with its own: the head holds none from then on
+    run.model_call_ids.append("c3")
+    run.count_turn(Usage(1, 2), 0.0)
+    turn = transcript_change(run)
+    assert (turn.per_turn_from, turn.per_turn, turn.call_ids) == (2, [Usage(1, 2)], ["c1", "c2", "c3"])
+    assert run.head_json()["model_call_ids"] == []
+    run.mark_stored()
+    run.model_call_ids.append("c4")
+    run.count_turn(Usage(3, 4), 0.0)
+    assert transcript_change(run).call_ids == ["c4"] and run.head_json()["model_call_ids"] == []
+    # a rewritten history (fewer turns than stored) writes every entry again, the last holding all ids
+    run.mark_stored()
+    run.per_turn = run.per_turn[:1]
+    again = transcript_change(run)
+    assert (again.per_turn_from, again.per_turn, again.call_ids, again.truncates) == (
+        0, [Usage(110, 20)], ["c1", "c2", "c3", "c4"], True)
+
+
 def test_a_transcript_change_is_what_came_after_the_stored_messages() -> None:
     run = RunState.loads((FIXTURES / f"run_v{SCHEMA_VERSION}.json").read_bytes())
     run.mark_stored()

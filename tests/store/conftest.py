@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 import asyncpg
+import orjson
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -159,6 +160,41 @@ class Stores:
                            run_id, body)
         else:
             raise NotImplementedError(f"Stores.put_whole_body: add the {self.backend} backend")
+
+    async def put_stored(self, store: Store, run_id: str, head: bytes, messages: Sequence[object],
+                         per_turn: Sequence[Sequence[int]]) -> None:
+        """Make the stored run `run_id` (created through the Protocol) the head `head` with
+        `messages` and `per_turn` pairs beside it, as a gateway of run schema 5 stored it."""
+        items = [orjson.dumps(m) for m in messages]
+        pairs = [f"{p} {c}" for p, c in per_turn]
+        if isinstance(store, MemoryStore):
+            row = store._runs[run_id]
+            row.body, row.messages, row.per_turn = head, items, [t.encode() for t in pairs]
+        elif isinstance(store, SqliteStore):
+            db = store._db()
+            db.execute("UPDATE runs SET body = ? WHERE id = ?", (head, run_id))
+            db.execute("DELETE FROM transcripts WHERE run_id = ?", (run_id,))
+            db.executemany("INSERT INTO transcripts (run_id, kind, seq, body) VALUES (?, ?, ?, ?)",
+                           [(run_id, 0, i, m) for i, m in enumerate(items)]
+                           + [(run_id, 1, i, t) for i, t in enumerate(pairs)])
+        elif isinstance(store, RedisStore):
+            client = aioredis.Redis.from_url(self.redis_url or "")
+            try:
+                await client.hset(f"{self.prefix}run:{run_id}", "body", head)
+                await client.delete(f"{self.prefix}transcript:{run_id}", f"{self.prefix}per_turn:{run_id}")
+                await client.rpush(f"{self.prefix}transcript:{run_id}", *items)
+                await client.rpush(f"{self.prefix}per_turn:{run_id}", *pairs)
+            finally:
+                await client.aclose()
+        elif isinstance(store, PostgresStore):
+            await self._pg("WITH t AS (DELETE FROM transcripts WHERE run_id = $1) UPDATE runs SET body = $2 WHERE id = $1",
+                           run_id, head)
+            await self._pg("INSERT INTO transcripts (run_id, kind, seq, body)"
+                           " SELECT $1, 0, i - 1, b FROM unnest($2::bytea[]) WITH ORDINALITY AS u(b, i)"
+                           " UNION ALL SELECT $1, 1, i - 1, b FROM unnest($3::bytea[]) WITH ORDINALITY AS u(b, i)",
+                           run_id, items, [t.encode() for t in pairs])
+        else:
+            raise NotImplementedError(f"Stores.put_stored: add the {self.backend} backend")
 
     async def stored_items(self, store: Store, run_id: str) -> int:
         """How many transcript items (messages and `per_turn` pairs) `store` keeps beside
