@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import os
 import signal
 import socket
@@ -35,10 +36,44 @@ machine a gateway has taken more than 30 s to answer, and one slow start fails e
 of the module. The wait ends as soon as the process answers."""
 
 
+PORTS_FROM = 15000
+"""`free_port` hands out ports from here up to the kernel's ephemeral range (32768-60999 by
+default, /proc/sys/net/ipv4/ip_local_port_range). A port bound as port 0 comes from that
+range, and the suite's many outgoing connections take their local ports from it too: one
+could take it between the test's pick and the server's bind, which then fails ("in use").
+Below the range only listeners take ports, and each pytest-xdist worker has a slice of its
+own (`PORT_SLICES`), whose ports it hands out in turn."""
+PORT_SLICES = 16
+_PORT_TURN = itertools.count()
+
+
+def _ephemeral_from() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port on 127.0.0.1 nothing listens on, below the ephemeral range (`PORTS_FROM`)."""
+    high = _ephemeral_from()
+    if high - PORTS_FROM < PORT_SLICES * 64:  # an unusual range: leave the choice to the kernel
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...; none in the controller
+    index = int(worker[2:]) + 1 if worker[:2] == "gw" and worker[2:].isdigit() else 0
+    size = (high - PORTS_FROM) // PORT_SLICES
+    start = PORTS_FROM + index % PORT_SLICES * size
+    for _ in range(size):
+        port = start + next(_PORT_TURN) % size
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {start}-{start + size - 1}")
 
 
 _ZYGOTE: list[zygote.Zygote] = []
