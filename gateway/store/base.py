@@ -771,10 +771,7 @@ def new_run_write(state: RunState) -> RunWrite:
     """What storing `state` as a new run writes: its head and its whole transcript, the
     last `per_turn` entry holding every id of the model's calls (`state` is not changed:
     the write may be refused)."""
-    new = state.unstored()
-    change = transcript_change(new)
-    return RunWrite(orjson.dumps(new.head_json()), 0, [orjson.dumps(m) for m in state.messages],
-                    0, _turn_items(change.per_turn, change.call_ids), True)
+    return run_write(state.unstored())._replace(truncates=True)
 
 
 def _turn_items(per_turn: Sequence[Usage], call_ids: list[str]) -> list[bytes]:

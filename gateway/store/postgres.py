@@ -296,7 +296,7 @@ class PostgresStore:
                 booking is not None and booking.if_held, actual, None if booking is None else booking.team,
                 None if booking is None else booking.period, *_charge_columns(charges), *_lease_columns(lease),
                 written.truncates, written.messages_from, written.messages, written.per_turn_from,
-                _turn_items(written), *(booking.attribution if booking is not None and booking.attribution
+                written.per_turn, *(booking.attribution if booking is not None and booking.attribution
                                         else Attribution()))
         if audit:
             async def step(conn: asyncpg.Connection) -> Any:
@@ -803,13 +803,9 @@ def _parse(run_id: str, row: Any) -> RunState:
     return parse_run(run_id, row["body"], ([bytes(m) for m in row["messages"]], [bytes(t) for t in row["per_turn"]]))
 
 
-def _turn_items(written: RunWrite) -> list[bytes]:
-    return written.per_turn
-
-
 def _items(written: RunWrite) -> tuple[list[bytes], list[bytes]]:
     """A new run's transcript rows: its messages, its turns."""
-    return written.messages, _turn_items(written)
+    return written.messages, written.per_turn
 
 
 def _lease_columns(lease: Lease | None) -> tuple[str | None, int | None]:
